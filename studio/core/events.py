@@ -1,0 +1,335 @@
+"""The worker protocol: typed events (past tense) and commands (imperative), one JSON object each.
+
+Events are what happened; the worker appends every one to ``RUN_DIR/events.jsonl`` and sends it to
+connected clients. Commands are what a client asks the worker to do. Both are frozen dataclasses so
+that a UI can hold them without fear of another thread changing them, and both round-trip through
+JSON with :func:`to_json` / :func:`from_json` (the ``type`` key names the class).
+
+Plain Python only: the UI imports this module, so it must never pull in torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every event and command; subclasses register themselves by class name."""
+
+    kind_of_message: ClassVar[str] = "message"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _REGISTRY[cls.__name__] = cls
+
+    def to_dict(self) -> dict[str, Any]:
+        """The message as a JSON-ready dict, with its class name under ``type``."""
+        data = {"type": type(self).__name__}
+        data.update(dataclasses.asdict(self))
+        return data
+
+
+@dataclass(frozen=True)
+class Event(Message):
+    """Something that happened. ``seq`` orders events within a run; ``time`` is a Unix timestamp."""
+
+    kind_of_message: ClassVar[str] = "event"
+    seq: int = -1
+    time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Command(Message):
+    """Something a client asks the worker to do."""
+
+    kind_of_message: ClassVar[str] = "command"
+
+
+# ----------------------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class WorkerStarted(Event):
+    """The worker process is up and listening."""
+
+    pid: int = 0
+    device: str = "cpu"
+    gpu_name: str = ""
+    gpu_capacity_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerStopped(Event):
+    """The worker exited cleanly."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RunStarted(Event):
+    """Training began (or resumed, when ``resumed_from_step`` > 0)."""
+
+    run_id: str = ""
+    base_model: str = ""
+    total_steps: int = 0
+    train_rows: int = 0
+    eval_rows: int = 0
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    resumed_from_step: int = 0
+
+
+@dataclass(frozen=True)
+class ModelLoading(Event):
+    """Progress while the model loads; ``fraction`` is 0..1."""
+
+    stage: str = ""
+    fraction: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelLoaded(Event):
+    """The base model (and adapter) are in memory and ready."""
+
+    base_model: str = ""
+    device: str = "cpu"
+    dtype: str = ""
+    quantization: str = ""
+    total_params: int = 0
+    trainable_params: int = 0
+    load_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepLogged(Event):
+    """One optimizer step finished."""
+
+    step: int = 0
+    total_steps: int = 0
+    epoch: float = 0.0
+    loss: float = 0.0
+    learning_rate: float = 0.0
+    grad_norm: float = 0.0
+    tokens_per_s: float = 0.0
+    tokens_seen: int = 0
+    elapsed_s: float = 0.0
+    eta_s: float = 0.0
+    mfu: float = 0.0
+
+
+@dataclass(frozen=True)
+class EvalLogged(Event):
+    """Loss, perplexity and next-token accuracy on the validation split, over response tokens."""
+
+    step: int = 0
+    loss: float = 0.0
+    perplexity: float = 0.0
+    token_accuracy: float = 0.0
+    rows: int = 0
+
+
+@dataclass(frozen=True)
+class MemorySampled(Event):
+    """Device memory, in bytes: totals from the allocator and a breakdown by category.
+
+    ``categories`` uses the estimator's keys: weights, lora, gradients, optimizer, activations,
+    overhead.
+    """
+
+    step: int = 0
+    device: str = "cpu"
+    allocated: int = 0
+    reserved: int = 0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    capacity: int = 0
+    categories: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointSaved(Event):
+    """A checkpoint was written (atomically) to ``path``."""
+
+    step: int = 0
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class TrainingPaused(Event):
+    """Training is paused after ``step``; generation still works."""
+
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class TrainingResumed(Event):
+    """Training continues after a pause."""
+
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class BatchSizeReduced(Event):
+    """Out of memory: the micro-batch was halved and accumulation doubled (same effective batch)."""
+
+    step: int = 0
+    old_micro_batch_size: int = 0
+    micro_batch_size: int = 0
+    gradient_accumulation_steps: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class TrainingFinished(Event):
+    """Training ended: completed, or stopped by request (``stopped``)."""
+
+    step: int = 0
+    stopped: bool = False
+    adapter_path: str = ""
+    train_loss: float = 0.0
+    best_eval_loss: float | None = None
+    elapsed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerationStarted(Event):
+    """A generation request began; ``adapter`` False means the base model (zero-shot)."""
+
+    request_id: str = ""
+    adapter: bool = False
+    prompt: str = ""
+
+
+@dataclass(frozen=True)
+class TokenGenerated(Event):
+    """A piece of streamed text for a generation request."""
+
+    request_id: str = ""
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class GenerationFinished(Event):
+    """A generation request ended."""
+
+    request_id: str = ""
+    adapter: bool = False
+    text: str = ""
+    new_tokens: int = 0
+    tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StatusReported(Event):
+    """Answer to :class:`Status`: what the worker is doing now."""
+
+    state: str = "idle"
+    step: int = 0
+    total_steps: int = 0
+    run_id: str = ""
+    model_loaded: bool = False
+
+
+@dataclass(frozen=True)
+class WorkerFailed(Event):
+    """Something went wrong. ``kind`` is one of oom, data, config, crash; ``message`` says what to do."""
+
+    kind: str = "crash"
+    message: str = ""
+    detail: str = ""
+    fatal: bool = True
+
+
+# --------------------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True)
+class LoadModel(Command):
+    """Load the base model and attach the adapter (from the run's config)."""
+
+
+@dataclass(frozen=True)
+class StartTraining(Command):
+    """Start training (or resume from the latest checkpoint when ``resume`` is true)."""
+
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class Pause(Command):
+    """Pause training after the current optimizer step."""
+
+
+@dataclass(frozen=True)
+class Resume(Command):
+    """Continue a paused run."""
+
+
+@dataclass(frozen=True)
+class Stop(Command):
+    """Save a checkpoint and the adapter, then stop training."""
+
+
+@dataclass(frozen=True)
+class Generate(Command):
+    """Generate an answer, streamed as TokenGenerated events; ``adapter`` False = base model."""
+
+    request_id: str = ""
+    prompt: str = ""
+    adapter: bool = True
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+@dataclass(frozen=True)
+class Evaluate(Command):
+    """Run evaluation on the validation split now."""
+
+
+@dataclass(frozen=True)
+class Status(Command):
+    """Ask for a StatusReported event."""
+
+
+@dataclass(frozen=True)
+class Shutdown(Command):
+    """Stop training (with a checkpoint) and exit the worker."""
+
+
+# ------------------------------------------------------------------------------------ encoding
+
+
+def to_json(message: Message) -> str:
+    """One line of JSON for ``message`` (no trailing newline)."""
+    return json.dumps(message.to_dict(), separators=(",", ":"), default=str)
+
+
+def from_dict(data: dict[str, Any]) -> Message:
+    """Rebuild a message from :meth:`Message.to_dict` output; unknown fields are ignored.
+
+    Ignoring unknown fields lets an older UI read a newer worker's log.
+    """
+    name = data.get("type")
+    cls = _REGISTRY.get(str(name))
+    if cls is None:
+        raise ValueError(f"unknown message type {name!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def from_json(line: str) -> Message:
+    """Parse one JSON line into its event or command."""
+    return from_dict(json.loads(line))
+
+
+def with_seq(event: Event, seq: int) -> Event:
+    """A copy of ``event`` numbered ``seq``."""
+    return dataclasses.replace(event, seq=seq)

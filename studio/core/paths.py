@@ -1,0 +1,41 @@
+"""Where Studio finds its bundled files and keeps its caches and settings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def _bundled(name: str) -> Path:
+    """A top-level folder of the project: beside the package in a checkout, inside it in a wheel."""
+    inside = _PACKAGE / "_bundled" / name
+    return inside if inside.exists() else _PACKAGE.parent / name
+
+
+def sample_data_dir() -> Path:
+    """The bundled sample dataset and its config."""
+    return _bundled("sample_data")
+
+
+def themes_dir() -> Path:
+    """The bundled .tcss themes."""
+    return _bundled("themes")
+
+
+def cache_dir() -> Path:
+    """Models Studio builds or converts (the tiny test model, the default model): $STUDIO_CACHE or
+    ~/.cache/studio."""
+    root = os.environ.get("STUDIO_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "studio"
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def settings_dir() -> Path:
+    """The user's settings (theme choice): $STUDIO_CONFIG_DIR or ~/.config/studio."""
+    root = os.environ.get("STUDIO_CONFIG_DIR") or Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "studio"
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path

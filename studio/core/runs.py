@@ -1,0 +1,229 @@
+"""The run directory, the single source of truth for a run.
+
+    runs/<run-id>/
+      config.yaml          the exact config (studio train runs/<run-id>/config.yaml re-runs it)
+      events.jsonl         append-only event log, one JSON event a line
+      checkpoints/step-N/  resumable checkpoints
+      adapter/             the final PEFT adapter
+      worker.sock, worker.key, worker.pid, worker.log
+
+Plain Python: the UI lists and reads runs through this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from studio.core import events as ev
+from studio.core.config import RunConfig, load_config
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths inside one run directory."""
+
+    path: Path
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def events_path(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.path / "adapter"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.path / "worker.sock"
+
+    @property
+    def key_path(self) -> Path:
+        return self.path / "worker.key"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.path / "worker.pid"
+
+    @property
+    def log_path(self) -> Path:
+        return self.path / "worker.log"
+
+    def config(self) -> RunConfig:
+        """The run's saved config."""
+        return load_config(self.config_path)
+
+    def events(self) -> list[ev.Event]:
+        """Every event logged so far (a torn last line from a crash is skipped)."""
+        return list(iter_events(self.events_path))
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first (temp folders of an interrupted save are ignored)."""
+        if not self.checkpoints_dir.exists():
+            return []
+        found = []
+        for child in self.checkpoints_dir.iterdir():
+            match = re.fullmatch(r"step-(\d+)", child.name)
+            if match and child.is_dir():
+                found.append((int(match.group(1)), child))
+        return [p for _, p in sorted(found)]
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def worker_pid(self) -> int | None:
+        """The pid of a live worker for this run, or None."""
+        try:
+            pid = int(self.pid_path.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return pid
+        return pid
+
+
+def iter_events(path: Path) -> Iterator[ev.Event]:
+    """Events from an events.jsonl file, in order; unparseable lines are skipped."""
+    try:
+        handle = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        return
+    with handle:
+        for line in handle:
+            if not line.endswith("\n"):
+                break  # a line still being written
+            try:
+                message = ev.from_json(line)
+            except (ValueError, TypeError):
+                continue
+            if isinstance(message, ev.Event):
+                yield message
+
+
+def _slug(text: str) -> str:
+    tail = text.rstrip("/").split("/")[-1]
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", tail).strip("-")[:40] or "run"
+
+
+def create_run(config: RunConfig, root: str | Path | None = None) -> RunDir:
+    """Make a new run directory under ``root`` (default: the config's output_dir) and save the config."""
+    root = Path(root if root is not None else config.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = f"{stamp}-{_slug(config.name or config.model.base_model)}"
+    run_id, n = base, 1
+    while True:
+        try:
+            (root / run_id).mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            run_id = f"{base}-{n}"
+    run = RunDir(root / run_id)
+    run.checkpoints_dir.mkdir()
+    config.save(run.config_path)
+    return run
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One line of `studio runs`."""
+
+    run: RunDir
+    model: str
+    status: str
+    step: int
+    total_steps: int
+    best_eval_loss: float | None
+    started: float
+    last_loss: float | None
+
+
+def summarize(run: RunDir) -> RunSummary:
+    """Status and headline numbers of a run, read from its event log."""
+    status, step, total, best, last_loss = "created", 0, 0, None, None
+    model = ""
+    try:
+        model = run.config().model.base_model
+    except Exception:  # a damaged config still lists, so the user can see and remove the run
+        model = "?"
+    for event in iter_events(run.events_path):
+        if isinstance(event, ev.RunStarted):
+            status, total = "training", event.total_steps
+        elif isinstance(event, ev.StepLogged):
+            step, total, last_loss = event.step, event.total_steps, event.loss
+            if status not in ("paused",):
+                status = "training"
+        elif isinstance(event, ev.EvalLogged):
+            best = event.loss if best is None else min(best, event.loss)
+        elif isinstance(event, ev.TrainingPaused):
+            status = "paused"
+        elif isinstance(event, ev.TrainingResumed):
+            status = "training"
+        elif isinstance(event, ev.TrainingFinished):
+            status = "stopped" if event.stopped else "finished"
+            step = event.step
+        elif isinstance(event, ev.WorkerFailed) and event.fatal:
+            status = "failed"
+    if status in ("training", "paused") and run.worker_pid() is None:
+        status = "interrupted"
+    started = run.path.stat().st_mtime if run.path.exists() else 0.0
+    if run.config_path.exists():
+        started = run.config_path.stat().st_mtime
+    return RunSummary(run, model, status, step, total, best, started, last_loss)
+
+
+def list_runs(root: str | Path = "runs") -> list[RunDir]:
+    """Run directories under ``root``, newest first."""
+    root = Path(root)
+    if not root.exists():
+        return []
+    runs = [RunDir(p) for p in root.iterdir() if (p / "config.yaml").exists()]
+    return sorted(runs, key=lambda r: r.id, reverse=True)
+
+
+def find_run(ref: str | None, root: str | Path = "runs") -> RunDir:
+    """A run by path, id, or id prefix; the newest run when ``ref`` is None."""
+    if ref and Path(ref).is_dir() and (Path(ref) / "config.yaml").exists():
+        return RunDir(Path(ref))
+    runs = list_runs(root)
+    if not runs:
+        raise FileNotFoundError(f"{root}: no runs yet; start one with 'studio train CONFIG'")
+    if ref is None:
+        return runs[0]
+    matches = [r for r in runs if r.id == ref] or [r for r in runs if r.id.startswith(ref)]
+    if len(matches) != 1:
+        known = ", ".join(r.id for r in runs[:5])
+        what = "no run" if not matches else "several runs"
+        raise FileNotFoundError(f"{root}: {what} matching '{ref}'; recent runs: {known}")
+    return matches[0]
+
+
+def append_event(path: Path, event: ev.Event) -> None:
+    """Append one event to an events.jsonl file and flush it to the OS."""
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(event.to_dict(), separators=(",", ":"), default=str) + "\n")
+        handle.flush()
