@@ -27,15 +27,15 @@ def themes_dir() -> Path:
 def cache_dir() -> Path:
     """Models Studio builds or converts (the tiny test model, the default model): $STUDIO_CACHE or
     ~/.cache/studio."""
-    root = os.environ.get("STUDIO_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "studio"
-    path = Path(root)
+    xdg = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    path = Path(os.environ.get("STUDIO_CACHE") or xdg / "studio")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def settings_dir() -> Path:
     """The user's settings (theme choice): $STUDIO_CONFIG_DIR or ~/.config/studio."""
-    root = os.environ.get("STUDIO_CONFIG_DIR") or Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "studio"
-    path = Path(root)
+    xdg = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config"))
+    path = Path(os.environ.get("STUDIO_CONFIG_DIR") or xdg / "studio")
     path.mkdir(parents=True, exist_ok=True)
     return path
