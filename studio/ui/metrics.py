@@ -1,0 +1,302 @@
+"""Event streams reduced to what the training pane draws: plain Python, testable without Textual.
+
+A :class:`TrainingState` is a fold over a run's events: feed it every event of ``events.jsonl`` in
+order (then the live ones) and it holds the step, the ETA, the loss curves and the last failure.
+Replaying a whole log and following it live give the same state, which is what lets a UI quit and
+come back to the full history.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from studio.core import events as ev
+
+DEFAULT_SMOOTHING = 0.9
+"""EMA weight of the past in the smoothed loss curve (TensorBoard's default is 0.6; a noisy
+small-batch fine-tune reads better with more)."""
+
+
+@dataclass
+class Series:
+    """One curve: x (optimizer steps) and y values, kept in step order."""
+
+    steps: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+
+    def add(self, step: float, value: float) -> None:
+        """Append a point; a point at or before the last step replaces the tail (a resumed run)."""
+        while self.steps and self.steps[-1] >= step:
+            self.steps.pop()
+            self.values.pop()
+        self.steps.append(step)
+        self.values.append(value)
+
+    def truncate(self, after_step: float) -> None:
+        """Drop points past ``after_step`` (a run resumed from an earlier checkpoint redoes them)."""
+        while self.steps and self.steps[-1] > after_step:
+            self.steps.pop()
+            self.values.pop()
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def last(self) -> float | None:
+        """The newest value, or None when empty."""
+        return self.values[-1] if self.values else None
+
+
+def ema(values: Iterable[float], smoothing: float = DEFAULT_SMOOTHING) -> list[float]:
+    """Exponential moving average with bias correction, so the first points are not pulled to 0."""
+    out: list[float] = []
+    avg = 0.0
+    for n, value in enumerate(values, start=1):
+        avg = smoothing * avg + (1 - smoothing) * value
+        out.append(avg / (1 - smoothing**n))
+    return out
+
+
+def format_duration(seconds: float | None) -> str:
+    """``1h02m``, ``3m05s`` or ``12s``; ``--`` when unknown."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "--"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def format_bytes(count: int | None) -> str:
+    """Bytes as ``1.23 GiB`` / ``456 MiB``; ``--`` when unknown."""
+    if not count:
+        return "--"
+    if count >= 1 << 30:
+        return f"{count / (1 << 30):.2f} GiB"
+    return f"{count / (1 << 20):.0f} MiB"
+
+
+@dataclass
+class TrainingState:
+    """Everything the training pane shows, folded from a run's events.
+
+    ``status`` is one of: ``no run``, ``idle`` (worker up, nothing training), ``loading``,
+    ``training``, ``paused``, ``finished``, ``stopped``, ``interrupted`` (the worker went away
+    mid-run), ``failed``. ``version`` grows on every
+    change, so a view can skip redrawing when nothing moved.
+    """
+
+    run_id: str = ""
+    base_model: str = ""
+    status: str = "no run"
+    step: int = 0
+    total_steps: int = 0
+    epoch: float = 0.0
+    eta_s: float | None = None
+    elapsed_s: float = 0.0
+    tokens_per_s: float = 0.0
+    tokens_seen: int = 0
+    micro_batch_size: int = 0
+    gradient_accumulation_steps: int = 0
+    loss: Series = field(default_factory=Series)
+    eval_loss: Series = field(default_factory=Series)
+    learning_rate: Series = field(default_factory=Series)
+    last_eval: ev.EvalLogged | None = None
+    memory: ev.MemorySampled | None = None
+    loading_stage: str = ""
+    loading_fraction: float = 0.0
+    device: str = ""
+    failure: ev.WorkerFailed | None = None
+    notices: list[str] = field(default_factory=list)
+    adapter_path: str = ""
+    checkpoint_step: int = 0
+    best_eval_loss: float | None = None
+    smoothing: float = DEFAULT_SMOOTHING
+    version: int = 0
+    _smoothed_cache: tuple[int, list[float]] = field(default=(-1, []), repr=False, compare=False)
+
+    # -------------------------------------------------------------------------- folding
+
+    def apply(self, event: ev.Event) -> bool:
+        """Fold one event in; True when something the pane draws changed."""
+        handler = getattr(self, "_on_" + type(event).__name__, None)
+        if handler is None:
+            return False
+        handler(event)
+        self.version += 1
+        return True
+
+    def apply_all(self, events: Iterable[ev.Event]) -> bool:
+        """Fold many events; True when any of them changed the state."""
+        changed = False
+        for event in events:
+            changed = self.apply(event) or changed
+        return changed
+
+    def _on_WorkerStarted(self, event: ev.WorkerStarted) -> None:
+        self.device = event.gpu_name or event.device
+        if self.status in ("no run", "failed", "training", "paused", "loading"):
+            # A fresh worker on a run that was mid-training means the old one died; it waits for
+            # a command now (a resume sends RunStarted next).
+            self.status = "idle"
+
+    def _on_WorkerStopped(self, event: ev.WorkerStopped) -> None:
+        if self.status in ("training", "paused", "loading"):
+            self.status = "interrupted"
+
+    def _on_ModelLoading(self, event: ev.ModelLoading) -> None:
+        self.loading_stage, self.loading_fraction = event.stage, event.fraction
+        if self.status in ("no run", "idle"):
+            self.status = "loading"
+
+    def _on_ModelLoaded(self, event: ev.ModelLoaded) -> None:
+        self.loading_stage, self.loading_fraction = "", 1.0
+        self.base_model = event.base_model or self.base_model
+        self.device = self.device or event.device
+        if self.status == "loading":
+            self.status = "idle"
+
+    def _on_RunStarted(self, event: ev.RunStarted) -> None:
+        self.run_id = event.run_id or self.run_id
+        self.base_model = event.base_model or self.base_model
+        self.total_steps = event.total_steps
+        self.micro_batch_size = event.micro_batch_size
+        self.gradient_accumulation_steps = event.gradient_accumulation_steps
+        self.status = "training"
+        self.failure = None
+        if event.resumed_from_step:
+            # The steps after the checkpoint are about to be redone; drop their old points.
+            for series in (self.loss, self.eval_loss, self.learning_rate):
+                series.truncate(event.resumed_from_step)
+            self.step = event.resumed_from_step
+            self.notices.append(f"resumed from the checkpoint at step {event.resumed_from_step}")
+        else:
+            self.step = 0
+
+    def _on_StepLogged(self, event: ev.StepLogged) -> None:
+        self.step = event.step
+        self.total_steps = event.total_steps or self.total_steps
+        self.epoch = event.epoch
+        self.eta_s = event.eta_s if event.eta_s > 0 else self._estimate_eta(event)
+        self.elapsed_s = event.elapsed_s
+        self.tokens_per_s = event.tokens_per_s
+        self.tokens_seen = event.tokens_seen
+        if math.isfinite(event.loss):
+            self.loss.add(event.step, event.loss)
+        self.learning_rate.add(event.step, event.learning_rate)
+        if self.status not in ("paused",):
+            self.status = "training"
+
+    def _estimate_eta(self, event: ev.StepLogged) -> float | None:
+        if event.step <= 0 or event.elapsed_s <= 0 or not event.total_steps:
+            return None
+        return event.elapsed_s / event.step * max(0, event.total_steps - event.step)
+
+    def _on_EvalLogged(self, event: ev.EvalLogged) -> None:
+        self.last_eval = event
+        self.eval_loss.add(event.step, event.loss)
+        if self.best_eval_loss is None or event.loss < self.best_eval_loss:
+            self.best_eval_loss = event.loss
+
+    def _on_MemorySampled(self, event: ev.MemorySampled) -> None:
+        self.memory = event
+
+    def _on_CheckpointSaved(self, event: ev.CheckpointSaved) -> None:
+        self.checkpoint_step = event.step
+
+    def _on_TrainingPaused(self, event: ev.TrainingPaused) -> None:
+        self.status = "paused"
+
+    def _on_TrainingResumed(self, event: ev.TrainingResumed) -> None:
+        self.status = "training"
+
+    def _on_BatchSizeReduced(self, event: ev.BatchSizeReduced) -> None:
+        self.micro_batch_size = event.micro_batch_size
+        self.gradient_accumulation_steps = event.gradient_accumulation_steps
+        self.notices.append(
+            f"step {event.step}: out of memory; micro-batch {event.old_micro_batch_size} -> "
+            f"{event.micro_batch_size}, accumulation {event.gradient_accumulation_steps} "
+            "(same effective batch), training continues"
+            + (f" ({event.message})" if event.message else "")
+        )
+
+    def _on_TrainingFinished(self, event: ev.TrainingFinished) -> None:
+        self.step = event.step or self.step
+        self.status = "stopped" if event.stopped else "finished"
+        self.adapter_path = event.adapter_path
+        self.eta_s = 0.0 if not event.stopped else self.eta_s
+        if event.best_eval_loss is not None:
+            self.best_eval_loss = event.best_eval_loss
+
+    def _on_WorkerFailed(self, event: ev.WorkerFailed) -> None:
+        self.failure = event
+        if event.fatal:
+            self.status = "failed"
+        else:
+            self.notices.append(f"{event.kind}: {event.message}")
+
+    # -------------------------------------------------------------------------- views
+
+    @property
+    def smoothed_loss(self) -> list[float]:
+        """The train loss smoothed by :func:`ema` (cached per version)."""
+        if self._smoothed_cache[0] != self.version:
+            self._smoothed_cache = (self.version, ema(self.loss.values, self.smoothing))
+        return self._smoothed_cache[1]
+
+    @property
+    def progress(self) -> float:
+        """Fraction of the optimizer steps done, 0..1."""
+        return min(1.0, self.step / self.total_steps) if self.total_steps else 0.0
+
+    @property
+    def adapter_ready(self) -> bool:
+        """True once an adapter exists to answer with (saved, or being trained in the worker)."""
+        return bool(self.adapter_path) or self.step > 0
+
+    def progress_line(self) -> str:
+        """``step 120/300 · epoch 0.40 · ETA 1m05s · 850 tok/s``."""
+        total = self.total_steps or "?"
+        parts = [f"step {self.step}/{total}", f"epoch {self.epoch:.2f}", f"ETA {format_duration(self.eta_s)}"]
+        if self.tokens_per_s:
+            parts.append(f"{self.tokens_per_s:,.0f} tok/s")
+        return " · ".join(parts)
+
+    def memory_line(self) -> str:
+        """Device memory in use (and capacity when known)."""
+        mem = self.memory
+        if mem is None:
+            return "memory: --"
+        used = mem.allocated or mem.reserved
+        text = f"memory ({mem.device}): {format_bytes(used)} in use, peak {format_bytes(mem.peak_allocated)}"
+        if mem.capacity:
+            text += f" of {format_bytes(mem.capacity)}"
+        return text
+
+    def eval_line(self) -> str:
+        """The last evaluation: loss, perplexity and token accuracy."""
+        e = self.last_eval
+        if e is None:
+            return "eval: none yet"
+        return (f"eval @ step {e.step}: loss {e.loss:.4f} · perplexity {e.perplexity:.2f} · "
+                f"token accuracy {e.token_accuracy:.1%}")
+
+    def failure_line(self) -> str:
+        """What went wrong and what to do, or an empty string."""
+        f = self.failure
+        if f is None:
+            return ""
+        label = {"oom": "Out of memory", "data": "Data error", "config": "Config error"}.get(f.kind, "Worker error")
+        return f"{label}: {f.message}"
+
+
+def fold(events: Iterable[ev.Event], smoothing: float = DEFAULT_SMOOTHING) -> TrainingState:
+    """A TrainingState built from ``events`` (a run's whole log, say)."""
+    state = TrainingState(smoothing=smoothing)
+    state.apply_all(events)
+    return state
