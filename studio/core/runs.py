@@ -58,6 +58,28 @@ class RunDir:
     def key_path(self) -> Path:
         return self.path / "worker.key"
 
+    def socket_address(self) -> str:
+        """The address to bind or connect the worker socket: ``socket_path``, or when that is longer
+        than a Unix socket address allows, the same file reached through a short private symlink."""
+        full = str(self.socket_path.absolute())
+        if len(full.encode()) < 100:
+            return full
+        import hashlib
+        import tempfile
+
+        short_dir = Path(tempfile.gettempdir()) / f"studio-{os.getuid()}"
+        short_dir.mkdir(mode=0o700, exist_ok=True)
+        if short_dir.stat().st_uid != os.getuid():
+            raise PermissionError(f"{short_dir}: owned by another user; remove it or set TMPDIR")
+        target = self.path.resolve()
+        link = short_dir / hashlib.sha1(str(target).encode()).hexdigest()[:16]
+        if not link.is_symlink() or Path(os.readlink(link)) != target:
+            tmp = link.with_name(f"{link.name}.{os.getpid()}")
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(target)
+            tmp.replace(link)
+        return str(link / self.socket_path.name)
+
     @property
     def pid_path(self) -> Path:
         return self.path / "worker.pid"
