@@ -238,6 +238,25 @@ class StatusReported(Event):
 
 
 @dataclass(frozen=True)
+class ExportProgress(Event):
+    """Progress of an :class:`ExportMerged` request; ``fraction`` is 0..1."""
+
+    path: str = ""
+    stage: str = ""
+    fraction: float = 0.0
+
+
+@dataclass(frozen=True)
+class ExportFinished(Event):
+    """A merged model was written to ``path`` (``ok`` False: ``message`` says why not)."""
+
+    path: str = ""
+    ok: bool = True
+    message: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class WorkerFailed(Event):
     """Something went wrong. ``kind`` is one of oom, data, config, crash; ``message`` says what to do."""
 
@@ -297,6 +316,15 @@ class Evaluate(Command):
 @dataclass(frozen=True)
 class Status(Command):
     """Ask for a StatusReported event."""
+
+
+@dataclass(frozen=True)
+class ExportMerged(Command):
+    """Merge the run's adapter into the base model and save it (bf16 by default) to ``path``;
+    reported by ExportProgress and ExportFinished. Served when training is not running."""
+
+    path: str = ""
+    dtype: str = "bfloat16"
 
 
 @dataclass(frozen=True)
