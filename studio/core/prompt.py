@@ -1,0 +1,381 @@
+"""Prompt templates: a dataset row -> training text, with the span that is the response.
+
+A template is text with ``{field}`` placeholders (``{{`` and ``}}`` are literal braces). The text from
+the response field's placeholder to the end is the *response*: the preview colours it and the loss
+is computed on it only, so one :class:`Rendered` drives both. Presets: ``alpaca`` (falls back to the
+no-input wording on rows whose input is empty), ``alpaca_no_input`` and ``chat`` (the tokenizer's own
+chat template, rendered with Jinja into a ``{field}`` template once).
+
+Plain Python (plus jinja2 for chat templates): the UI imports this.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ALPACA = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n{output}"
+)
+ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes "
+    "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n{output}"
+)
+PRESETS = ("alpaca", "alpaca_no_input", "chat")
+"""Names accepted as ``prompt.template`` besides a literal template."""
+
+# A template whose rows may lack an input -> the wording to use on those rows.
+_NO_INPUT_VARIANT: dict[str, str] = {ALPACA: ALPACA_NO_INPUT}
+
+# Text after the response that is only end-of-turn markers (chat templates' <|im_end|>, </s>) is
+# what the model should learn to emit, so it is not flagged.
+_END_MARKERS = re.compile(r"(\s*<[^<>\s{}]+>)*\s*")
+_TOKEN = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class TemplateError(ValueError):
+    """A template that cannot be used (an unknown preset, a chat template that fails to render)."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one field's text sits in the rendered text (character offsets, end exclusive)."""
+
+    field: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A row rendered through a template."""
+
+    text: str
+    """The full training text: prompt then response."""
+
+    response_start: int
+    """Character offset where the response begins; loss is computed from here to the end."""
+
+    spans: tuple[Span, ...] = ()
+    """Where each field's text landed, for colouring the preview."""
+
+    template: str = ""
+    """The literal template actually used (the no-input variant on rows without input)."""
+
+    @property
+    def prompt(self) -> str:
+        """The part the model is given."""
+        return self.text[: self.response_start]
+
+    @property
+    def response(self) -> str:
+        """The part the model learns to produce."""
+        return self.text[self.response_start:]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """Token ids and labels for one example; labels are -100 where no loss is taken."""
+
+    input_ids: list[int]
+    labels: list[int]
+    truncated: bool
+    """True when max_len cut tokens off (the response tail, or the prompt's start)."""
+
+    prompt_tokens: int
+    """How many leading tokens are prompt (labels -100), BOS included."""
+
+    total_tokens: int = 0
+    """Tokens before truncation (prompt + response + EOS): what max_len is compared against."""
+
+
+@dataclass(frozen=True)
+class TemplateIssue:
+    """A lint finding the editor can point at."""
+
+    kind: str
+    """``unknown_field``, ``no_separator``, ``response_not_at_end``, ``no_eos`` or ``no_response``."""
+
+    message: str
+    offset: int
+    """Character offset in the template the finding is about."""
+
+    severity: str = "warning"
+    """``error`` (the template cannot render the data), ``warning`` or ``info``."""
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A parsed template: literal text or a field placeholder, with its offset in the template."""
+
+    text: str
+    field: str | None
+    offset: int
+
+
+def parse(template: str) -> list[_Piece]:
+    """Split a template into literal text and ``{field}`` placeholders."""
+    pieces: list[_Piece] = []
+    literal: list[str] = []
+    literal_at = 0
+    pos = 0
+    for match in _TOKEN.finditer(template):
+        if match.start() > pos:
+            literal.append(template[pos:match.start()])
+        if match.group(1) is None:
+            literal.append(match.group(0)[0])
+        else:
+            if literal:
+                pieces.append(_Piece("".join(literal), None, literal_at))
+                literal = []
+            pieces.append(_Piece(match.group(0), match.group(1), match.start()))
+            literal_at = match.end()
+        pos = match.end()
+    if pos < len(template):
+        literal.append(template[pos:])
+    if literal:
+        pieces.append(_Piece("".join(literal), None, literal_at))
+    return pieces
+
+
+def template_fields(template: str) -> list[str]:
+    """The field names a template uses, in order of first appearance."""
+    seen: dict[str, None] = {}
+    for piece in parse(template):
+        if piece.field is not None:
+            seen.setdefault(piece.field)
+    return list(seen)
+
+
+def placeholder_spans(template: str) -> list[Span]:
+    """Where each ``{field}`` placeholder sits in the template text (for the editor's highlighting)."""
+    return [Span(p.field, p.offset, p.offset + len(p.text)) for p in parse(template) if p.field]
+
+
+def escape(text: str) -> str:
+    """Literal text made safe inside a template (braces doubled)."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+# ------------------------------------------------------------------------------------- presets
+
+
+def resolve_template(prompt_cfg: Any, chat_template: str | None = None, **chat_vars: Any) -> str:
+    """The literal template for ``prompt.template``: a preset name is replaced by its text.
+
+    ``prompt_cfg`` is a :class:`~studio.core.config.PromptConfig` or the template string itself.
+    ``chat`` needs the tokenizer's ``chat_template`` (see :mod:`studio.core.tokens`); extra keyword
+    arguments (``bos_token``, ``eos_token``) are passed to the Jinja template.
+    """
+    name = prompt_cfg if isinstance(prompt_cfg, str) else prompt_cfg.template
+    response_field = "output" if isinstance(prompt_cfg, str) else prompt_cfg.response_field
+    preset = _preset(name, response_field)
+    if preset is not None:
+        return preset
+    if name == "chat":
+        if not chat_template:
+            raise TemplateError("prompt.template is 'chat' but the model's tokenizer has no chat template; "
+                                "use 'alpaca' or write a template with {field} placeholders")
+        return chat_to_template(chat_template, response_field=response_field, **chat_vars)
+    return name
+
+
+def _preset(name: str, response_field: str) -> str | None:
+    """The text of an alpaca preset with the response field's placeholder, or None."""
+    if name not in ("alpaca", "alpaca_no_input"):
+        return None
+    answer = "{" + response_field + "}"
+    with_input, without = ALPACA.replace("{output}", answer), ALPACA_NO_INPUT.replace("{output}", answer)
+    _NO_INPUT_VARIANT[with_input] = without
+    return with_input if name == "alpaca" else without
+
+
+def chat_to_template(chat_template: str, response_field: str = "output", **chat_vars: Any) -> str:
+    """Render a Jinja chat template into a ``{field}`` template.
+
+    The user turn is the instruction (and, when present, a blank line and the input); the assistant
+    turn is the response, so the response span is the assistant's part up to the end. Rows whose input
+    is empty use the variant without it.
+    """
+    with_input = _render_chat(chat_template, "{instruction}\n\n{input}", response_field, chat_vars)
+    without = _render_chat(chat_template, "{instruction}", response_field, chat_vars)
+    _NO_INPUT_VARIANT[with_input] = without
+    return with_input
+
+
+def _render_chat(chat_template: str, user: str, response_field: str, chat_vars: dict[str, Any]) -> str:
+    from jinja2 import TemplateError as JinjaError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    # Sentinels that survive any template (no braces, no whitespace) are swapped for placeholders
+    # after rendering, so braces that the chat template itself writes stay literal.
+    names = ("instruction", "input", response_field)
+    marks = {f"\x00F{i}\x00": name for i, name in enumerate(names)}
+    user_text = user.replace("{instruction}", "\x00F0\x00").replace("{input}", "\x00F1\x00")
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(f"the chat template refused the conversation: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        text = env.from_string(chat_template).render(
+            messages=[{"role": "user", "content": user_text}, {"role": "assistant", "content": "\x00F2\x00"}],
+            add_generation_prompt=False,
+            **{"bos_token": "", "eos_token": "", **chat_vars},
+        )
+    except JinjaError as exc:
+        raise TemplateError(f"the tokenizer's chat template does not render: {exc}") from None
+    out = escape(text)
+    for mark, name in marks.items():
+        out = out.replace(mark, "{" + name + "}")
+    if "{" + response_field + "}" not in out:
+        raise TemplateError("the tokenizer's chat template dropped the assistant message; "
+                            "use 'alpaca' or write a template")
+    return out
+
+
+# ------------------------------------------------------------------------------------ rendering
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else str(value)
+
+
+def render(template: str, row: Mapping[str, Any], response_field: str = "output") -> Rendered:
+    """Render ``row`` through ``template`` (a literal template, or ``alpaca``/``alpaca_no_input``).
+
+    The response runs from the response field's placeholder to the end of the text; a template
+    without that placeholder gets the response appended. Fields missing from the row render empty.
+    """
+    template = _preset(template, response_field) or template
+    variant = _NO_INPUT_VARIANT.get(template)
+    if variant is not None and not _text(row.get("input")).strip():
+        template = variant
+    parts: list[str] = []
+    spans: list[Span] = []
+    length = 0
+    response_start: int | None = None
+    for piece in parse(template):
+        if piece.field is None:
+            text = piece.text
+        else:
+            text = _text(row.get(piece.field))
+            if piece.field == response_field and response_start is None:
+                response_start = length
+            spans.append(Span(piece.field, length, length + len(text)))
+        parts.append(text)
+        length += len(text)
+    if response_start is None:
+        response_start = length
+        answer = _text(row.get(response_field))
+        spans.append(Span(response_field, length, length + len(answer)))
+        parts.append(answer)
+    return Rendered("".join(parts), response_start, tuple(spans), template)
+
+
+def encode(
+    rendered: Rendered,
+    tokenize: Callable[[str], Sequence[int]],
+    max_len: int,
+    eos_id: int | None,
+    bos_id: int | None = None,
+) -> Encoded:
+    """Token ids and labels for a rendered row, with loss on the response only.
+
+    Prompt and response are tokenized separately and concatenated, so the boundary between -100
+    labels and real labels is exact. ``bos_id`` (when given) starts the prompt; ``eos_id`` (when
+    given) ends the response. ``tokenize`` must not add special tokens itself.
+
+    Truncation to ``max_len``: the response's tail goes first (and the EOS with it: a cut answer
+    should not teach the model to stop there). If the prompt alone leaves no room, the prompt loses
+    tokens from its start (BOS kept) so that the response keeps its first
+    ``min(len(response), max(1, max_len // 4))`` tokens: an example with no response tokens would
+    train nothing.
+    """
+    if max_len < 2:
+        raise ValueError("max_len must be at least 2")
+    prompt = list(tokenize(rendered.prompt))
+    response = list(tokenize(rendered.response))
+    bos = [bos_id] if bos_id is not None else []
+    eos = [eos_id] if eos_id is not None else []
+    total = len(bos) + len(prompt) + len(response) + len(eos)
+    truncated = total > max_len
+    if truncated:
+        if len(bos) + len(prompt) < max_len:
+            response = response[: max_len - len(bos) - len(prompt)]
+        else:
+            keep = min(len(response), max(1, max_len // 4))
+            response = response[:keep]
+            room = max_len - len(bos) - keep
+            prompt = prompt[len(prompt) - room:] if room > 0 else []
+        eos = []
+    prompt_ids = bos + prompt
+    answer = response + eos
+    return Encoded(
+        input_ids=prompt_ids + answer,
+        labels=[-100] * len(prompt_ids) + answer,
+        truncated=truncated,
+        prompt_tokens=len(prompt_ids),
+        total_tokens=total,
+    )
+
+
+# ---------------------------------------------------------------------------------------- lint
+
+
+def lint_template(
+    template: str,
+    fields: Iterable[str],
+    response_field: str = "output",
+    add_eos: bool = True,
+) -> list[TemplateIssue]:
+    """Problems with a template against the available fields (dataset columns), each with an offset.
+
+    Finds: placeholders naming no field (with the nearest field suggested), no whitespace/colon
+    between the prompt and the response, text after the response placeholder, no EOS, and a missing
+    response placeholder.
+    """
+    template = _preset(template, response_field) or template
+    known = list(fields)
+    issues: list[TemplateIssue] = []
+    pieces = parse(template)
+    for piece in pieces:
+        if piece.field is None or piece.field in known or piece.field == response_field:
+            continue
+        close = difflib.get_close_matches(piece.field, known, n=1, cutoff=0.5)
+        hint = f"did you mean {{{close[0]}}}?" if close else f"fields available: {', '.join(known) or 'none'}"
+        issues.append(TemplateIssue("unknown_field", f"unknown field {{{piece.field}}}: {hint}",
+                                    piece.offset, "error"))
+    at = next((i for i, p in enumerate(pieces) if p.field == response_field), None)
+    if at is None:
+        issues.append(TemplateIssue(
+            "no_response", f"no {{{response_field}}} placeholder: the response is appended after the "
+            "template's last character", len(template), "info"))
+        before = template
+        response_offset = len(template)
+    else:
+        response_offset = pieces[at].offset
+        before = "".join(p.text for p in pieces[:at] if p.field is None)
+        after = pieces[at + 1:]
+        if after and not _END_MARKERS.fullmatch("".join(p.text for p in after)):
+            issues.append(TemplateIssue(
+                "response_not_at_end", f"text after {{{response_field}}} is trained on as part of the "
+                "answer; end the template with the response placeholder", after[0].offset))
+    preceded_by_field = at is not None and at > 0 and pieces[at - 1].field is not None
+    if preceded_by_field or (before and not before[-1].isspace() and before[-1] != ":"):
+        issues.append(TemplateIssue(
+            "no_separator", f"nothing separates the prompt from the response; put a newline or "
+            f"'### Response:' before {{{response_field}}}", response_offset))
+    if not add_eos:
+        issues.append(TemplateIssue(
+            "no_eos", "prompt.add_eos is off: the model will not learn where an answer ends and "
+            "will ramble until max_new_tokens", len(template)))
+    return issues
