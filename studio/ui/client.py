@@ -1,0 +1,260 @@
+"""Talking to a run's worker: commands over its socket, events from its log and its live stream.
+
+Plain Python (no torch): the TUI and the CLI import this.
+
+The event stream a client sees is the run's whole history without gaps or repeats: it subscribes on
+the socket first (the worker greets it only once it is registered for broadcast), then reads
+``events.jsonl``, then takes the live events, dropping any whose ``seq`` it has already seen. When
+the worker goes away it tails the file and reconnects as soon as a worker listens again (a resume
+starts a new worker process on the same run directory).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+
+from studio.core import events as ev
+from studio.core.runs import RunDir
+
+_RECONNECT_EVERY_S = 1.0
+
+
+class WorkerUnavailable(ConnectionError):
+    """No worker answers for this run (not running, still starting, or the key does not match)."""
+
+
+class WorkerRefused(WorkerUnavailable):
+    """The worker refused this client's key."""
+
+
+class WorkerStartError(RuntimeError):
+    """``python -m studio.worker`` refused to start; the message says why (a busy GPU, ...)."""
+
+
+def start_worker(run: RunDir, train: bool = False, resume: bool = False, timeout: float = 60.0) -> int:
+    """Start the run's background worker (detached; it outlives this process) and return its pid.
+
+    Returns once the worker listens on its socket. ``train`` starts training at once, ``resume``
+    continues from the latest checkpoint. Raises WorkerStartError with the worker's reason.
+    """
+    command = [sys.executable, "-m", "studio.worker", str(run.path.resolve())]
+    if resume:
+        command.append("--resume")
+    elif train:
+        command.append("--train")
+    env = dict(os.environ)
+    # The worker must import this same studio package, whether installed or run from a checkout.
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise WorkerStartError(f"the worker for run {run.id} did not start within {timeout:g} s; "
+                               f"see {run.log_path}") from None
+    if done.returncode != 0:
+        reason = (done.stderr.strip() or done.stdout.strip()).splitlines()
+        raise WorkerStartError(reason[-1] if reason else f"the worker failed; see {run.log_path}")
+    words = done.stdout.split()
+    return int(words[2]) if len(words) > 2 and words[2].isdigit() else run.worker_pid() or 0
+
+
+class WorkerClient:
+    """One client of one run's worker. Use from one thread, except :meth:`send` and :meth:`close`,
+    which any thread may call."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+        self.status: ev.StatusReported | None = None
+        """The worker's state as of the greeting or the latest StatusReported."""
+        self._conn: Connection | None = None
+        self._send_lock = threading.Lock()
+        self._last_seq = -1
+        self._offset = 0
+        self._pending: deque[ev.Event] = deque()
+        self._next_attempt = 0.0
+        self._closed = threading.Event()
+
+    # ---------------------------------------------------------------------------- connection
+
+    @property
+    def connected(self) -> bool:
+        """Whether a worker connection is open now."""
+        return self._conn is not None
+
+    def connect(self, timeout: float = 5.0) -> ev.StatusReported:
+        """Connect and wait for the worker's greeting; retried for ``timeout`` seconds while the
+        worker starts. Raises WorkerUnavailable."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._connect_once(max(0.5, deadline - time.monotonic()))
+            except WorkerRefused:
+                raise
+            except WorkerUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.1)
+
+    def _connect_once(self, greeting_timeout: float) -> ev.StatusReported:
+        try:
+            key = self.run.key_path.read_bytes()
+        except FileNotFoundError:
+            raise WorkerUnavailable(f"run {self.run.id}: no worker is running") from None
+        try:
+            conn = Client(self.run.socket_address(), family="AF_UNIX", authkey=key)
+        except AuthenticationError:
+            raise WorkerRefused(f"run {self.run.id}: the worker refused the key in "
+                                    f"{self.run.key_path}") from None
+        except OSError:
+            raise WorkerUnavailable(f"run {self.run.id}: no worker is running") from None
+        try:
+            if not conn.poll(greeting_timeout):
+                raise WorkerUnavailable(f"run {self.run.id}: the worker did not answer")
+            greeting = ev.from_json(conn.recv_bytes().decode())
+        except (EOFError, OSError, ValueError):
+            conn.close()
+            raise WorkerUnavailable(f"run {self.run.id}: the worker hung up") from None
+        except WorkerUnavailable:
+            conn.close()
+            raise
+        if not isinstance(greeting, ev.StatusReported):
+            conn.close()
+            raise WorkerUnavailable(f"run {self.run.id}: unexpected greeting {type(greeting).__name__}")
+        self._conn, self.status = conn, greeting
+        return greeting
+
+    def send(self, command: ev.Command) -> None:
+        """Send one command. Raises WorkerUnavailable when no worker is connected."""
+        conn = self._conn
+        if conn is None:
+            raise WorkerUnavailable(f"run {self.run.id}: not connected to a worker")
+        try:
+            with self._send_lock:
+                conn.send_bytes(ev.to_json(command).encode())
+        except OSError:
+            raise WorkerUnavailable(f"run {self.run.id}: the worker hung up") from None
+
+    def close(self) -> None:
+        """Disconnect (the worker goes on) and end :meth:`events`."""
+        self._closed.set()
+        self._drop()
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        self._next_attempt = time.monotonic() + _RECONNECT_EVERY_S
+        if conn is not None:
+            conn.close()
+
+    # ------------------------------------------------------------------------------ events
+
+    def catch_up(self, connect_timeout: float = 1.0) -> list[ev.Event]:
+        """Subscribe (if a worker runs), then return every logged event not yet seen."""
+        if self._conn is None and self.run.worker_pid() is not None:
+            try:
+                self.connect(connect_timeout)
+            except WorkerUnavailable:
+                pass
+        return self._read_file()
+
+    def poll(self, timeout: float = 0.5) -> list[ev.Event]:
+        """New events (live, or from the log while no worker is connected); waits up to
+        ``timeout`` seconds for the first one. Reconnects when a worker listens again."""
+        found: list[ev.Event] = []
+        if self._conn is None and time.monotonic() >= self._next_attempt and not self._closed.is_set():
+            self._next_attempt = time.monotonic() + _RECONNECT_EVERY_S
+            try:
+                self._connect_once(1.0)
+                found = self._read_file()  # what was logged while we were away
+            except WorkerUnavailable:
+                pass
+        if self._conn is None:
+            found = self._read_file()
+            if not found:
+                self._closed.wait(timeout)
+                found = self._read_file()
+            return found
+        found += [e for e in (self._accept(p) for p in self._drain_pending()) if e is not None]
+        try:
+            wait = 0.0 if found else timeout
+            while self._conn is not None and self._conn.poll(wait):
+                wait = 0.0
+                event = self._accept(ev.from_json(self._conn.recv_bytes().decode()))
+                if event is not None:
+                    found.append(event)
+        except (EOFError, OSError):
+            # The worker went away: whatever it logged after our last live event is in the file.
+            self._drop()
+            found.extend(self._read_file())
+        return found
+
+    def events(self, follow: bool = True, poll_s: float = 0.5) -> Iterator[ev.Event]:
+        """Every event of the run from the first, then (``follow``) new ones until :meth:`close`."""
+        yield from self.catch_up()
+        while follow and not self._closed.is_set():
+            yield from self.poll(poll_s)
+
+    def request_status(self, timeout: float = 10.0) -> ev.StatusReported:
+        """Ask the worker what it is doing; events that arrive meanwhile are kept for :meth:`poll`."""
+        self.send(ev.Status())
+        deadline = time.monotonic() + timeout
+        conn = self._conn
+        while conn is not None and conn.poll(max(0.0, deadline - time.monotonic())):
+            try:
+                message = ev.from_json(conn.recv_bytes().decode())
+            except (EOFError, OSError):
+                self._drop()
+                break
+            if isinstance(message, ev.StatusReported) and message.seq < 0:
+                self.status = message
+                return message
+            if isinstance(message, ev.Event):
+                self._pending.append(message)
+        raise WorkerUnavailable(f"run {self.run.id}: the worker did not report its status")
+
+    def _drain_pending(self) -> list[ev.Event]:
+        items = list(self._pending)
+        self._pending.clear()
+        return items
+
+    def _accept(self, message: ev.Message) -> ev.Event | None:
+        """The event if it is new; replies (seq -1) always pass."""
+        if not isinstance(message, ev.Event):
+            return None
+        if message.seq < 0:
+            if isinstance(message, ev.StatusReported):
+                self.status = message
+            return message
+        if message.seq <= self._last_seq:
+            return None
+        self._last_seq = message.seq
+        return message
+
+    def _read_file(self) -> list[ev.Event]:
+        """Complete lines appended to events.jsonl since the last read, as new events."""
+        try:
+            with open(self.run.events_path, "rb") as handle:
+                handle.seek(self._offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next read
+        self._offset += end
+        found = []
+        for line in data[:end].splitlines():
+            try:
+                event = self._accept(ev.from_json(line.decode()))
+            except (ValueError, TypeError, UnicodeDecodeError):
+                continue
+            if event is not None:
+                found.append(event)
+        return found

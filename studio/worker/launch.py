@@ -1,0 +1,185 @@
+"""Starting the worker: the per-GPU lock, the detach from the terminal, the socket and its key.
+
+Plain Python (no torch): ``python -m studio.worker`` runs all of this before the engine is imported,
+so the process that launched it gets its answer (ready, or refused with a reason) in well under a
+second.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import sys
+from collections.abc import Callable
+from multiprocessing.connection import Listener
+from pathlib import Path
+
+from studio.core.paths import cache_dir
+from studio.core.runs import RunDir
+
+
+class WorkerStartError(RuntimeError):
+    """The worker cannot start; the message says why and what to do."""
+
+
+def lock_dir() -> Path:
+    """Where the per-GPU lock files live: $STUDIO_LOCK_DIR, else the cache's ``locks`` folder."""
+    path = Path(os.environ.get("STUDIO_LOCK_DIR") or cache_dir() / "locks")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def device_key() -> str:
+    """The GPU this process will use, as a lock name: the first of CUDA_VISIBLE_DEVICES, else 0.
+
+    A CPU-only machine also gets "0": one worker per machine there, which is what its cores can
+    take anyway.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return visible or "0"
+
+
+class GpuLock:
+    """An exclusive ``flock`` on ``lock_dir()/gpu-<key>.lock``, held for the life of the process.
+
+    The kernel drops a flock when its holder dies, even by SIGKILL, so a crashed worker never leaves
+    the GPU locked. The file records who holds it, for the refusal message.
+    """
+
+    def __init__(self, key: str | None = None):
+        self.key = key if key is not None else device_key()
+        self.path = lock_dir() / f"gpu-{self.key}.lock"
+        self._fd: int | None = None
+
+    def acquire(self, run: RunDir) -> None:
+        """Take the lock for ``run``, or raise WorkerStartError naming the run that holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise WorkerStartError(self.holder_message()) from None
+        os.ftruncate(fd, 0)
+        record = {"run_id": run.id, "run_dir": str(run.path), "pid": os.getpid()}
+        os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
+        self._fd = fd
+
+    def holder(self) -> dict[str, object]:
+        """What the lock file says about its holder (empty while a new holder is still writing it)."""
+        try:
+            return dict(json.loads(self.path.read_text() or "{}"))
+        except (OSError, ValueError):
+            return {}
+
+    def holder_message(self) -> str:
+        held = self.holder()
+        who = f"run {held['run_id']} (worker pid {held.get('pid')}, {held.get('run_dir')})" if held \
+            else "another worker"
+        ref = held.get("run_id", "RUN")
+        return (f"GPU {self.key} is busy: {who} holds it (lock {self.path}). Wait for it to finish, "
+                f"or stop it with 'studio stop {ref}'.")
+
+    def release(self) -> None:
+        """Give the lock back (exiting does the same)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def write_key(run: RunDir) -> bytes:
+    """A fresh random auth key in ``RUN_DIR/worker.key``, readable by its owner only (0600)."""
+    key = secrets.token_hex(32).encode()
+    tmp = run.key_path.with_name(run.key_path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(key)
+    tmp.replace(run.key_path)
+    return key
+
+
+def check_no_other_worker(run: RunDir) -> None:
+    """Refuse to start a second worker on the same run (it would write the same event log)."""
+    pid = run.worker_pid()
+    if pid is None or pid == os.getpid():
+        return
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        cmdline = b"studio.worker"  # no /proc: trust the pid file
+    if b"studio.worker" in cmdline:
+        raise WorkerStartError(f"run {run.id} already has a worker (pid {pid}); "
+                               f"follow it with 'studio attach {run.id}'")
+
+
+def listen(run: RunDir, key: bytes) -> Listener:
+    """Listen on ``RUN_DIR/worker.sock`` with mode 0600 from the first moment (umask), replacing a
+    socket file that a killed worker left behind."""
+    address = run.socket_address()
+    Path(address).unlink(missing_ok=True)
+    old = os.umask(0o177)
+    try:
+        listener = Listener(address, family="AF_UNIX", authkey=key)
+    finally:
+        os.umask(old)
+    os.chmod(address, 0o600)
+    return listener
+
+
+def write_pid(run: RunDir) -> None:
+    """Record this process as the run's worker."""
+    tmp = run.pid_path.with_name(run.pid_path.name + ".tmp")
+    tmp.write_text(f"{os.getpid()}\n")
+    tmp.replace(run.pid_path)
+
+
+def detach(run: RunDir) -> Callable[[str], None]:
+    """Turn this process into a daemon (double fork, new session, stdin from /dev/null, output to
+    ``RUN_DIR/worker.log``); the original process waits and exits with the daemon's verdict.
+
+    Returns ``report(line)`` for the daemon: call it once with ``"ok <pid>"`` when it is listening,
+    or ``"error <message>"``. The original process prints the message and exits 0 or 1, so whoever
+    ran ``python -m studio.worker`` learns whether the worker is up without polling for files. If the
+    daemon dies before reporting, the pipe closes empty and the launcher points at the log.
+    """
+    read_end, write_end = os.pipe()
+    if os.fork() > 0:
+        os.close(write_end)
+        chunks = []
+        while chunk := os.read(read_end, 4096):
+            chunks.append(chunk)
+        answer = b"".join(chunks).decode(errors="replace").strip()
+        status, _, text = answer.partition(" ")
+        if status == "ok":
+            print(f"worker pid {text} for run {run.id}")
+            os._exit(0)
+        message = text if status == "error" else \
+            f"the worker for run {run.id} died while starting; see {run.log_path}"
+        print(message, file=sys.stderr)
+        os._exit(1)
+    os.close(read_end)
+    os.setsid()  # a new session: no controlling terminal, so the terminal's SIGHUP never reaches us
+    if os.fork() > 0:
+        os._exit(0)  # the session leader exits; its child can never reacquire a terminal
+
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    log = os.open(run.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # lives as long as we do
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+    def report(line: str) -> None:
+        nonlocal write_end
+        if write_end < 0:
+            return
+        os.write(write_end, line.encode() + b"\n")
+        os.close(write_end)
+        write_end = -1
+
+    return report

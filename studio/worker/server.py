@@ -1,0 +1,456 @@
+"""The worker's command loop: one thread owns the trainer, the others only talk.
+
+Threads:
+- the control thread (the caller of :meth:`Worker.serve`) owns the trainer: it loads, trains,
+  generates and evaluates. While training it serves commands in the trainer's ``between_steps``
+  hook, so generation and status answers come between optimizer steps.
+- an accept thread, and per client a reader (commands into one queue) and a sender (its own
+  outgoing queue, so a slow client never stalls training; one that falls too far behind is
+  dropped and catches up from the event log when it reconnects).
+
+Every event goes through :meth:`Worker.emit`: numbered, appended to ``events.jsonl`` (flushed),
+then offered to every client. Replies meant for one client (StatusReported, errors about a
+command) carry ``seq = -1`` and are not logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+from studio.core import events as ev
+from studio.core.runs import RunDir, iter_events
+
+_TRAINING_STATES = ("loading", "training", "paused")
+_CLIENT_BACKLOG = 20000  # events queued for one client before it is dropped as too slow
+_MAX_COMMAND_BYTES = 1 << 20
+
+
+class EventLog:
+    """``events.jsonl``: numbers events and appends them, continuing after the last seq on disk."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._drop_torn_tail()
+        last = -1
+        for event in iter_events(path):
+            last = max(last, event.seq)
+        self.next_seq = last + 1
+        self._handle = open(path, "ab")  # open for the worker's whole life
+
+    def _drop_torn_tail(self) -> None:
+        """A worker killed mid-write leaves half a line; cut it so the next event starts clean."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        if data and not data.endswith(b"\n"):
+            os.truncate(self.path, data.rfind(b"\n") + 1)
+
+    def append(self, event: ev.Event) -> tuple[ev.Event, bytes]:
+        """Number ``event``, write it, and return it with its JSON line (no newline)."""
+        event = ev.with_seq(event, self.next_seq)
+        self.next_seq += 1
+        line = ev.to_json(event).encode()
+        self._handle.write(line + b"\n")
+        self._handle.flush()
+        return event, line
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+class _Peer:
+    """One connected client: a reader thread feeding the command queue and a sender thread."""
+
+    def __init__(self, conn: Connection, commands: queue.Queue, on_close: Callable[[_Peer], None]):
+        self.conn = conn
+        self.outbox: queue.Queue[bytes | None] = queue.Queue(maxsize=_CLIENT_BACKLOG)
+        self._commands = commands
+        self._on_close = on_close
+        self._closed = threading.Event()
+
+    def start(self) -> None:
+        self._reader = threading.Thread(target=self._read, name="worker-client-reader", daemon=True)
+        self._sender = threading.Thread(target=self._send, name="worker-client-sender", daemon=True)
+        self._reader.start()
+        self._sender.start()
+
+    def finish(self, timeout: float) -> None:
+        """Send what is queued, then hang up (waits at most ``timeout`` seconds)."""
+        try:
+            self.outbox.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._sender.join(timeout)
+        self.close()
+
+    def offer(self, line: bytes) -> None:
+        """Queue ``line`` for this client; a client that stopped reading is disconnected."""
+        try:
+            self.outbox.put_nowait(line)
+        except queue.Full:
+            self.close()
+
+    def reply(self, event: ev.Event) -> None:
+        """Send an unlogged event (seq -1) to this client only."""
+        self.offer(ev.to_json(ev.with_seq(event, -1)).encode())
+
+    def _read(self) -> None:
+        try:
+            while True:
+                data = self.conn.recv_bytes(_MAX_COMMAND_BYTES)
+                try:
+                    command = ev.from_json(data.decode())
+                    if not isinstance(command, ev.Command):
+                        raise ValueError(f"{type(command).__name__} is an event, not a command")
+                except (ValueError, TypeError, UnicodeDecodeError) as exc:
+                    self.reply(ev.WorkerFailed(kind="config", fatal=False,
+                                               message=f"ignored a message the worker cannot read: {exc}"))
+                    continue
+                self._commands.put((self, command))
+        except (EOFError, OSError):
+            pass
+        finally:
+            self.close()
+
+    def _send(self) -> None:
+        try:
+            while (line := self.outbox.get()) is not None:
+                self.conn.send_bytes(line)
+        except OSError:
+            pass
+        finally:
+            self.close()
+            self._reader.join()
+            self.conn.close()  # both threads are done with it now
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._on_close(self)
+        try:
+            self.outbox.put_nowait(None)
+        except queue.Full:
+            pass
+        try:
+            # shutdown (not close) wakes the reader blocked in recv in the other thread.
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def classify_failure(exc: BaseException, log_path: Path) -> ev.WorkerFailed:
+    """A WorkerFailed event for ``exc``: kind oom/data/config/crash and what to do about it."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    detail = "".join(traceback.format_exception(exc))
+    if any("OutOfMemory" in name for name in names):
+        return ev.WorkerFailed(kind="oom", detail=detail, message=(
+            f"out of GPU memory even at micro-batch 1 ({exc}); lower data.max_seq_length, keep "
+            "trainer.gradient_checkpointing on, use quantization.bits: 4, or pick a smaller model"))
+    if "DataError" in names:
+        return ev.WorkerFailed(kind="data", message=str(exc), detail=detail)
+    if "ConfigError" in names:
+        return ev.WorkerFailed(kind="config", message=str(exc), detail=detail)
+    return ev.WorkerFailed(kind="crash", detail=detail,
+                           message=f"{type(exc).__name__}: {exc} (full traceback in {log_path})")
+
+
+def default_trainer_factory() -> Callable[..., Any]:
+    """The engine's Trainer class, or the one named by $STUDIO_WORKER_TRAINER ("module:attr"),
+    which tests use to drive the worker with a stand-in that needs no torch."""
+    import importlib
+
+    spec = os.environ.get("STUDIO_WORKER_TRAINER", "studio.engine.train:Trainer")
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class Worker:
+    """Serves one run: the trainer, the event log, and the connected clients."""
+
+    def __init__(self, run: RunDir, trainer_factory: Callable[..., Any] | None = None,
+                 linger_s: float = 60.0):
+        self.run = run
+        self.log = EventLog(run.events_path)
+        self.commands: queue.Queue[tuple[_Peer | None, ev.Command]] = queue.Queue()
+        self.state = "idle"
+        self.step = 0
+        self.total_steps = 0
+        self.model_loaded = False
+        self.linger_s = linger_s
+        self._trainer_factory = trainer_factory
+        self._trainer: Any = None
+        self._peers: set[_Peer] = set()
+        # Orders log writes with client registration; re-entrant because dropping a slow client
+        # from inside emit() unregisters it.
+        self._lock = threading.RLock()
+        self._paused = False
+        self._exit_reason: str | None = None
+        self._stop_training = False
+        self._last_client_left = time.monotonic()
+        self._terminate = threading.Event()
+
+    # ------------------------------------------------------------------------------ events out
+
+    def emit(self, event: ev.Event) -> ev.Event:
+        """Number, log and broadcast ``event``; also the trainer's emit callback."""
+        self._track(event)
+        with self._lock:
+            event, line = self.log.append(event)
+            for peer in list(self._peers):
+                peer.offer(line)
+        return event
+
+    def _track(self, event: ev.Event) -> None:
+        """Keep the status fields current from the events themselves."""
+        if isinstance(event, ev.RunStarted):
+            self.step, self.total_steps = event.resumed_from_step, event.total_steps
+        elif isinstance(event, ev.StepLogged):
+            self.step, self.total_steps = event.step, event.total_steps
+        elif isinstance(event, ev.ModelLoaded):
+            self.model_loaded = True
+        elif isinstance(event, ev.TrainingFinished):
+            self.step = event.step
+
+    def status(self) -> ev.StatusReported:
+        """What the worker is doing now."""
+        return ev.StatusReported(state=self.state, step=self.step, total_steps=self.total_steps,
+                                 run_id=self.run.id, model_loaded=self.model_loaded)
+
+    # ------------------------------------------------------------------------------ clients
+
+    def _accept_loop(self, listener: Listener) -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except OSError:
+                if self._exit_reason is not None:
+                    return
+                continue  # a client with the wrong key (AuthenticationError) or one that hung up
+            except Exception:  # a bad handshake must never kill the accept loop
+                continue
+            peer = _Peer(conn, self.commands, self._forget)
+            with self._lock:
+                # Registered and greeted under the log lock: every event logged before this point
+                # is in the file the client reads after the greeting, every later one is sent live.
+                self._peers.add(peer)
+                peer.reply(self.status())
+            peer.start()
+
+    def _forget(self, peer: _Peer) -> None:
+        with self._lock:
+            self._peers.discard(peer)
+            if not self._peers:
+                self._last_client_left = time.monotonic()
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def serve(self, listener: Listener, first: ev.Command | None = None) -> str:
+        """Run until Shutdown, SIGTERM, or idle with no client for ``linger_s``; returns why."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self._terminate.set())
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        threading.Thread(target=self._accept_loop, args=(listener,), name="worker-accept",
+                         daemon=True).start()
+        self.emit(ev.WorkerStarted(pid=os.getpid()))
+        if first is not None:
+            self.state = "loading"
+            self.commands.put((None, first))
+        while self._exit_reason is None:
+            try:
+                peer, command = self.commands.get(timeout=0.25)
+            except queue.Empty:
+                self._check_idle()
+                continue
+            self._handle_idle(peer, command)
+        self._close(listener)
+        return self._exit_reason
+
+    def _check_idle(self) -> None:
+        if self._terminate.is_set():
+            self._exit_reason = "terminated (SIGTERM)"
+        elif not self._peers and self.state not in _TRAINING_STATES and \
+                time.monotonic() - self._last_client_left > self.linger_s:
+            self._exit_reason = f"idle with no client for {self.linger_s:g} s"
+
+    def _close(self, listener: Listener) -> None:
+        self.emit(ev.WorkerStopped(reason=self._exit_reason or ""))
+        with self._lock:
+            peers = list(self._peers)
+        for peer in peers:
+            peer.finish(timeout=2.0)
+        listener.close()
+        for path in (Path(self.run.socket_address()), self.run.key_path, self.run.pid_path):
+            path.unlink(missing_ok=True)
+        self.log.close()
+
+    def _handle_idle(self, peer: _Peer | None, command: ev.Command) -> None:
+        """A command while not training."""
+        if isinstance(command, ev.Shutdown):
+            self._exit_reason = "shutdown requested"
+        elif isinstance(command, ev.StartTraining):
+            self._train(command.resume)
+        elif isinstance(command, ev.LoadModel):
+            self._ensure_trainer()
+        elif isinstance(command, (ev.Pause, ev.Resume, ev.Stop)):
+            self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, message=(
+                f"{type(command).__name__.lower()}: run {self.run.id} is not training "
+                f"(state: {self.state})")))
+        else:
+            self._serve_anytime(peer, command)
+
+    def _serve_anytime(self, peer: _Peer | None, command: ev.Command) -> None:
+        """Commands served the same way idle or between steps: generate, evaluate, status."""
+        if isinstance(command, ev.Status):
+            self._reply(peer, self.status())
+        elif isinstance(command, ev.Generate):
+            self._generate(command)
+        elif isinstance(command, ev.Evaluate):
+            if self._ensure_trainer():
+                self._guarded(lambda: self._emit_result(self._trainer.evaluate(), ev.EvalLogged))
+        elif isinstance(command, ev.ExportMerged) and self.state not in _TRAINING_STATES:
+            self._guarded(lambda: self._export(command))
+        else:
+            self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, message=(
+                f"{type(command).__name__} is not served while the worker is {self.state}")))
+
+    def _export(self, command: ev.ExportMerged) -> None:
+        from studio.engine.export import export_merged
+
+        previous, self.state = self.state, "exporting"
+        try:
+            export_merged(self.run, command.path, command.dtype, self.emit)
+        finally:
+            self.state = previous
+
+    def _reply(self, peer: _Peer | None, event: ev.Event) -> None:
+        if peer is not None:
+            peer.reply(event)
+        elif isinstance(event, ev.WorkerFailed):
+            self.emit(event)
+
+    def _guarded(self, action: Callable[[], Any]) -> bool:
+        """Run ``action``; a failure becomes a non-fatal WorkerFailed and the worker stays up."""
+        try:
+            action()
+            return True
+        except Exception as exc:  # every failure is reported, none kills the worker
+            failure = classify_failure(exc, self.run.log_path)
+            traceback.print_exception(exc)
+            self.emit(dataclasses.replace(failure, fatal=False))
+            return False
+
+    def _emit_result(self, result: Any, kind: type[ev.Event]) -> None:
+        """Emit what a trainer call returned, unless the trainer already emitted it (seq set)."""
+        if isinstance(result, kind) and result.seq < 0:
+            self.emit(result)
+
+    def _ensure_trainer(self) -> bool:
+        """Build the trainer and load the model once; False (with a WorkerFailed) if that fails."""
+        if self._trainer is not None and self.model_loaded:
+            return True
+        previous, self.state = self.state, "loading"
+        try:
+            if self._trainer is None:
+                factory = self._trainer_factory or default_trainer_factory()
+                self._trainer = factory(self.run.config(), self.run, self.emit,
+                                        between_steps=self._between_steps)
+            self._trainer.load()
+        except Exception as exc:
+            traceback.print_exception(exc)
+            self.emit(classify_failure(exc, self.run.log_path))
+            self.state = "failed"
+            return False
+        self.model_loaded = True
+        self.state = previous
+        return True
+
+    def _train(self, resume: bool) -> None:
+        if not self._ensure_trainer():
+            return
+        self.state = "training"
+        self._paused = False
+        self._stop_training = False
+        try:
+            self._trainer.train(resume=resume)
+        except Exception as exc:
+            traceback.print_exception(exc)
+            self.emit(classify_failure(exc, self.run.log_path))
+            self.state = "failed"
+            return
+        finally:
+            self._paused = False
+        self.state = "stopped" if self._stop_training else "finished"
+
+    def _generate(self, command: ev.Generate) -> None:
+        if not self._ensure_trainer():
+            return
+        request = command.request_id or f"gen-{time.monotonic_ns()}"
+        self.emit(ev.GenerationStarted(request_id=request, adapter=command.adapter, prompt=command.prompt))
+
+        def on_text(text: str) -> None:
+            self.emit(ev.TokenGenerated(request_id=request, text=text))
+
+        def run() -> None:
+            result = self._trainer.generate(command.prompt, adapter=command.adapter,
+                                            max_new_tokens=command.max_new_tokens,
+                                            temperature=command.temperature, top_p=command.top_p,
+                                            on_text=on_text)
+            self.emit(ev.GenerationFinished(
+                request_id=request, adapter=command.adapter, text=str(getattr(result, "text", result)),
+                new_tokens=int(getattr(result, "new_tokens", 0)),
+                tokens_per_s=float(getattr(result, "tokens_per_s", 0.0))))
+
+        if not self._guarded(run):
+            self.emit(ev.GenerationFinished(request_id=request, adapter=command.adapter))
+
+    # ------------------------------------------------------------------------ between steps
+
+    def _between_steps(self, trainer: Any = None) -> str | None:
+        """The trainer's hook after every optimizer step: serve queued commands; "stop" ends training.
+
+        While paused this blocks here, still serving generation and status, until Resume or Stop.
+        """
+        while True:
+            if self._terminate.is_set():
+                self._exit_reason = "terminated (SIGTERM)"
+            if self._exit_reason is not None or self._stop_training:
+                self._stop_training = True
+                return "stop"
+            try:
+                peer, command = self.commands.get(timeout=0.25) if self._paused else \
+                    self.commands.get_nowait()
+            except queue.Empty:
+                if self._paused:
+                    continue
+                return None
+            if isinstance(command, ev.Pause):
+                if not self._paused:
+                    self._paused, self.state = True, "paused"
+                    self.emit(ev.TrainingPaused(step=self.step))
+            elif isinstance(command, ev.Resume):
+                if self._paused:
+                    self._paused, self.state = False, "training"
+                    self.emit(ev.TrainingResumed(step=self.step))
+            elif isinstance(command, ev.Stop):
+                self._stop_training = True
+            elif isinstance(command, ev.Shutdown):
+                self._exit_reason = "shutdown requested"
+            elif isinstance(command, (ev.StartTraining, ev.LoadModel)):
+                self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, message=(
+                    f"run {self.run.id} is already {self.state}; pause, resume or stop it instead")))
+            else:
+                self._serve_anytime(peer, command)
