@@ -1,0 +1,410 @@
+"""The training pane: start, pause, resume and stop a run, and watch it go.
+
+Events arrive in batches through :meth:`TrainingPane.handle_events`; they are folded into a
+:class:`~studio.ui.metrics.TrainingState` at once (cheap) but drawn at most ``REDRAW_HZ`` times a
+second, so a fast run cannot flood the terminal. The pane never talks to the worker directly: it
+asks the app (``app.send_command``, ``app.open_run``; see docs/CONTRACTS.md), so it works the same
+inside Studio and in a small test harness.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, ProgressBar, Static
+
+from studio.core import events as ev
+from studio.core.runs import RunDir, create_run
+from studio.ui.metrics import TrainingState, format_duration
+from studio.ui.widgets.loss_plot import LearningRatePlot, LossPlot
+from studio.ui.widgets.run_picker import CompareScreen, PickResult, RunPickerScreen
+
+REDRAW_HZ = 4.0
+"""Most redraws a second; events in between are folded in and drawn together."""
+
+TRAINING_COMMANDS: list[tuple[str, str, str]] = [
+    ("Training: start", "Create a run from the current config and start training", "start_training"),
+    ("Training: pause", "Pause after the current optimizer step (chat still works)", "pause_training"),
+    ("Training: resume", "Continue a paused run, or an interrupted one from its checkpoint",
+     "resume_training"),
+    ("Training: stop", "Save a checkpoint and the adapter, then stop (asks first)", "stop_training"),
+    ("Runs: open or compare", "Pick a past run to open, or two to compare their loss curves", "open_runs"),
+    ("Runs: export", "Save the adapter, or merge it into the base model (bf16)", "export"),
+]
+"""Palette entries: (title, help, action of :class:`TrainingPane`)."""
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question; y or Enter on the first button says yes, n or Escape says no."""
+
+    DEFAULT_CSS = """
+    ConfirmScreen { align: center middle; }
+    ConfirmScreen > Vertical {
+        width: 64; height: auto; padding: 1 2;
+        border: thick $error; background: $panel;
+    }
+    ConfirmScreen Horizontal { height: auto; margin-top: 1; }
+    ConfirmScreen Button { margin-right: 2; }
+    """
+
+    BINDINGS = [
+        Binding("y", "answer(True)", "Yes", id="confirm.yes"),
+        Binding("n,escape", "answer(False)", "No", id="confirm.no"),
+    ]
+
+    def __init__(self, question: str, yes: str = "Yes", no: str = "No") -> None:
+        super().__init__()
+        self.question, self.yes, self.no = question, yes, no
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Static(self.question)
+            with Horizontal():
+                yield Button(f"{self.yes} (y)", variant="error", id="confirm-yes")
+                yield Button(f"{self.no} (n)", id="confirm-no")
+
+    def on_mount(self) -> None:
+        self.query_one("#confirm-no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss(event.button.id == "confirm-yes")
+
+    def action_answer(self, answer: bool) -> None:
+        """Close with ``answer``."""
+        self.dismiss(answer)
+
+
+class ExportScreen(ModalScreen[tuple[str, str] | None]):
+    """Where to export, and how: a copy of the adapter, or the base model with the adapter merged."""
+
+    DEFAULT_CSS = """
+    ExportScreen { align: center middle; }
+    ExportScreen > Vertical {
+        width: 80; height: auto; padding: 1 2;
+        border: round $primary; background: $panel;
+    }
+    ExportScreen Horizontal { height: auto; margin-top: 1; }
+    ExportScreen Button { margin-right: 1; }
+    """
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel", id="export.cancel")]
+
+    def __init__(self, run: RunDir) -> None:
+        super().__init__()
+        self.run = run
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label(f"Export run {self.run.id}")
+            yield Static("Folder to write (created; must not exist yet):")
+            yield Input(str(self.run.path / "export"), id="export-path")
+            with Horizontal():
+                yield Button("Save adapter", variant="primary", id="export-adapter")
+                yield Button("Merge into base (bf16)", id="export-merged")
+                yield Button("Cancel", id="export-cancel")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        path = self.query_one("#export-path", Input).value.strip()
+        kind = {"export-adapter": "adapter", "export-merged": "merged"}.get(event.button.id or "")
+        self.dismiss((kind, path) if kind and path else None)
+
+
+class TrainingPane(Vertical):
+    """Controls, progress, eval metrics, failures and live curves of the app's current run."""
+
+    DEFAULT_CSS = """
+    TrainingPane { height: 1fr; padding: 0 1; }
+    TrainingPane #training-controls { height: auto; }
+    TrainingPane #training-controls Button { margin-right: 1; min-width: 10; }
+    TrainingPane #training-status { height: 1; color: $text-muted; }
+    TrainingPane #training-progress-row { height: 1; }
+    TrainingPane #training-progress { width: 40; }
+    TrainingPane #training-progress-line { width: 1fr; padding-left: 1; }
+    TrainingPane .training-line { height: 1; }
+    TrainingPane #training-alert { height: auto; max-height: 4; color: $warning; }
+    TrainingPane #training-alert.failed { color: $error; text-style: bold; }
+    TrainingPane #training-plots { height: 1fr; }
+    TrainingPane #training-loss-plot { width: 2fr; }
+    TrainingPane #training-lr-plot { width: 1fr; }
+    """
+
+    BINDINGS = [
+        Binding("s", "start_training", "Start", id="training.start"),
+        Binding("p", "pause_training", "Pause", id="training.pause"),
+        Binding("r", "resume_training", "Resume", id="training.resume"),
+        Binding("x", "stop_training", "Stop", id="training.stop"),
+        Binding("o", "open_runs", "Runs", id="training.runs"),
+        Binding("e", "export", "Export", id="training.export"),
+    ]
+
+    can_focus = True
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.state = TrainingState()
+        self.redraws = 0
+        """How many times the pane has repainted its numbers and plots (tests and the benchmark read it)."""
+        self.redraw_seconds = 0.0
+        """Total time spent in redraws (Python side: folding into widgets and building plots)."""
+        self._last_redraw = 0.0
+        self._redraw_pending = False
+        self._export_line = ""
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="training-controls"):
+            yield Button("Start (s)", id="training-start", variant="success")
+            yield Button("Pause (p)", id="training-pause")
+            yield Button("Resume (r)", id="training-resume")
+            yield Button("Stop (x)", id="training-stop", variant="error")
+            yield Button("Runs (o)", id="training-runs")
+            yield Button("Export (e)", id="training-export")
+        yield Static("", id="training-status")
+        with Horizontal(id="training-progress-row"):
+            yield ProgressBar(total=None, show_eta=False, id="training-progress")
+            yield Static("", id="training-progress-line")
+        yield Static("", id="training-eval", classes="training-line")
+        yield Static("", id="training-memory", classes="training-line")
+        yield Static("", id="training-alert")
+        with Horizontal(id="training-plots"):
+            yield LossPlot(id="training-loss-plot")
+            yield LearningRatePlot(id="training-lr-plot")
+
+    def on_mount(self) -> None:
+        run = getattr(self.app, "run", None)
+        if run is not None:
+            self.state.run_id = run.id
+        self._redraw()
+
+    # ------------------------------------------------------------------------ events in
+
+    def reset_run(self, run: RunDir | None) -> None:
+        """Forget the old run; the new run's events will arrive from the start of its log."""
+        self.state = TrainingState(run_id=run.id if run else "")
+        self._export_line = ""
+        self._redraw()
+
+    def handle_events(self, events: list[ev.Event]) -> None:
+        """Fold a batch of events in; repaint soon (at most REDRAW_HZ times a second)."""
+        changed = self.state.apply_all(events)
+        for event in events:
+            if isinstance(event, ev.ExportProgress):
+                self._export_line = f"exporting to {event.path}: {event.stage} {event.fraction:.0%}"
+                changed = True
+            elif isinstance(event, ev.ExportFinished):
+                self._export_line = (f"exported the merged model to {event.path} in {event.seconds:.0f}s"
+                                     if event.ok else f"export failed: {event.message}")
+                changed = True
+        if changed:
+            self.schedule_redraw()
+
+    def schedule_redraw(self) -> None:
+        """Repaint once the redraw interval since the last repaint has passed."""
+        if self._redraw_pending:
+            return
+        self._redraw_pending = True
+        wait = 1.0 / REDRAW_HZ - (time.monotonic() - self._last_redraw)
+        if wait > 0.001:
+            self.set_timer(wait, self._redraw)
+        else:
+            self.call_later(self._redraw)
+
+    def _redraw(self) -> None:
+        started = time.perf_counter()
+        self._redraw_pending = False
+        self._last_redraw = time.monotonic()
+        state = self.state
+        run = getattr(self.app, "run", None)
+        what = f"run {state.run_id or (run.id if run else '')}".strip() if (state.run_id or run) else "no run yet"
+        parts = [what, state.status]
+        if state.base_model:
+            parts.append(state.base_model)
+        if state.device:
+            parts.append(state.device)
+        if state.micro_batch_size:
+            parts.append(f"micro-batch {state.micro_batch_size} × {state.gradient_accumulation_steps}")
+        if state.status == "loading" and state.loading_stage:
+            parts.append(f"loading {state.loading_stage} {state.loading_fraction:.0%}")
+        if state.status == "no run":
+            parts = ["no run yet: press s to create one from the current config and train"]
+        self.query_one("#training-status", Static).update(" · ".join(parts))
+        bar = self.query_one(ProgressBar)
+        if state.total_steps:
+            bar.update(total=state.total_steps, progress=state.step)
+        line = state.progress_line() if state.total_steps else ""
+        if state.status in ("finished", "stopped") and state.elapsed_s:
+            line += f" · took {format_duration(state.elapsed_s)}"
+        self.query_one("#training-progress-line", Static).update(line)
+        self.query_one("#training-eval", Static).update(state.eval_line())
+        self.query_one("#training-memory", Static).update(state.memory_line())
+        alert = self.query_one("#training-alert", Static)
+        lines = [state.failure_line()] if state.failure is not None else []
+        lines += state.notices[-2:]
+        if self._export_line:
+            lines.append(self._export_line)
+        alert.update("\n".join(line for line in lines if line))
+        alert.set_class(state.status == "failed", "failed")
+        self.query_one(LossPlot).show(state)
+        self.query_one(LearningRatePlot).show(state)
+        self._sync_buttons()
+        self.redraws += 1
+        self.redraw_seconds += time.perf_counter() - started
+
+    def _sync_buttons(self) -> None:
+        for action, button_id in (("start_training", "training-start"), ("pause_training", "training-pause"),
+                                  ("resume_training", "training-resume"), ("stop_training", "training-stop"),
+                                  ("export", "training-export")):
+            self.query_one(f"#{button_id}", Button).disabled = not self.check_action(action, ())
+        self.refresh_bindings()
+
+    # ------------------------------------------------------------------------ actions
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Offer only what makes sense now; the footer greys out the rest."""
+        status = self.state.status
+        active = status in ("training", "loading")
+        if action == "start_training":
+            return None if active or status == "paused" else True
+        if action == "pause_training":
+            return True if status == "training" else None
+        if action == "resume_training":
+            return True if status in ("paused", "interrupted", "stopped") else None
+        if action == "stop_training":
+            return True if status in ("training", "paused", "loading") else None
+        if action == "export":
+            return True if getattr(self.app, "run", None) is not None and not active else None
+        return True
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        actions = {"training-start": "start_training", "training-pause": "pause_training",
+                   "training-resume": "resume_training", "training-stop": "stop_training",
+                   "training-runs": "open_runs", "training-export": "export"}
+        action = actions.get(event.button.id or "")
+        if action:
+            event.stop()
+            self.run_action(action)
+
+    def _open_run(self, run: RunDir, start_worker: bool) -> bool:
+        opener = getattr(self.app, "open_run", None)
+        if opener is None:
+            self.notify("This app cannot open runs (no open_run).", severity="error")
+            return False
+        opener(run, start_worker=start_worker)
+        return True
+
+    def action_start_training(self) -> None:
+        """Create a run directory from the app's config, start its worker and train."""
+        if self.check_action("start_training", ()) is not True:
+            return
+        try:
+            run = create_run(self.app.config)
+        except OSError as exc:
+            self.notify(f"Cannot create the run directory: {exc}", severity="error")
+            return
+        if self._open_run(run, start_worker=True):
+            self.state = TrainingState(run_id=run.id, status="loading")
+            self.app.send_command(ev.StartTraining())
+            self.notify(f"Run {run.id} created; the worker loads the model, then trains.")
+            self._redraw()
+
+    def action_pause_training(self) -> None:
+        """Pause after the current optimizer step."""
+        if self.check_action("pause_training", ()) is True:
+            self.app.send_command(ev.Pause())
+
+    def action_resume_training(self) -> None:
+        """Continue a paused run; an interrupted or stopped run resumes from its latest checkpoint."""
+        if self.check_action("resume_training", ()) is not True:
+            return
+        if self.state.status == "paused":
+            self.app.send_command(ev.Resume())
+            return
+        run = self.app.run
+        if run is None or run.latest_checkpoint() is None:
+            self.notify("No checkpoint to resume from: start a new run with s.", severity="warning")
+            return
+        if run.worker_pid() is None and not self._open_run(run, start_worker=True):
+            return
+        self.app.send_command(ev.StartTraining(resume=True))
+
+    def action_stop_training(self) -> None:
+        """Ask, then stop: the worker saves a checkpoint and the adapter first."""
+        if self.check_action("stop_training", ()) is not True:
+            return
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.app.send_command(ev.Stop())
+                self.notify("Stopping after this step; the checkpoint and adapter are being saved.")
+
+        self.app.push_screen(
+            ConfirmScreen(f"Stop training run {self.state.run_id} at step {self.state.step}?\n"
+                          "A checkpoint and the adapter are saved first; you can resume later (r).",
+                          yes="Stop training", no="Keep training"),
+            answered,
+        )
+
+    def action_open_runs(self) -> None:
+        """Pick a past run to open, or two to compare."""
+        root = getattr(getattr(self.app, "config", None), "output_dir", "runs")
+
+        def picked(result: PickResult) -> None:
+            if result is None:
+                return
+            kind, value = result
+            if kind == "open" and isinstance(value, RunDir):
+                # A live worker on that run is reconnected; a finished run needs none until chat asks.
+                self._open_run(value, start_worker=False)
+            elif kind == "compare" and isinstance(value, list):
+                self.app.push_screen(CompareScreen(value))
+
+        self.app.push_screen(RunPickerScreen(root), picked)
+
+    def action_export(self) -> None:
+        """Save the adapter, or merge it into the base model, to a folder."""
+        run = getattr(self.app, "run", None)
+        if run is None or self.check_action("export", ()) is not True:
+            return
+
+        def chosen(result: tuple[str, str] | None) -> None:
+            if result is None:
+                return
+            kind, path = result
+            if Path(path).exists():
+                self.notify(f"{path} already exists; choose a new folder.", severity="error")
+            elif kind == "adapter":
+                self.copy_adapter(run, Path(path))
+            else:
+                if run.worker_pid() is None and not self._open_run(run, start_worker=True):
+                    return
+                self._export_line = f"merging the adapter into the base model -> {path} (the worker does it)"
+                self.app.send_command(ev.ExportMerged(path=path))
+                self.schedule_redraw()
+
+        self.app.push_screen(ExportScreen(run), chosen)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="export", description="copying adapter")
+    def copy_adapter(self, run: RunDir, dest: Path) -> None:
+        """Copy the run's adapter folder (final, else the newest checkpoint's) to ``dest``."""
+        source = run.adapter_dir if run.adapter_dir.exists() else run.latest_checkpoint()
+        if source is None:
+            self.app.call_from_thread(self.notify, "No adapter yet: train (or stop a run) first.",
+                                      severity="warning")
+            return
+        try:
+            shutil.copytree(source, dest)
+        except OSError as exc:
+            self.app.call_from_thread(self.notify, f"Copying the adapter to {dest} failed: {exc}",
+                                      severity="error")
+            return
+        self._export_line = f"adapter saved to {dest} (load it with PeftModel.from_pretrained)"
+        self.app.call_from_thread(self.schedule_redraw)
+
