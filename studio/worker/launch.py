@@ -66,6 +66,17 @@ class GpuLock:
         os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
         self._fd = fd
 
+    def busy(self) -> bool:
+        """Whether a worker holds the lock now (tried and given straight back, nothing written)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
     def holder(self) -> dict[str, object]:
         """What the lock file says about its holder (empty while a new holder is still writing it)."""
         try:

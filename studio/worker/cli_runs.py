@@ -1,0 +1,358 @@
+"""Handlers of the run commands: ``studio train --detach``, ``attach``, ``runs``, ``stop``, ``pause``,
+``resume``. Each takes the parsed arguments and returns an exit code; a problem a person can fix
+is one line on stderr, never a traceback.
+
+No torch here: these talk to the worker through :mod:`studio.ui.client` and read run directories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from studio.core import events as ev
+from studio.core.config import load_config
+from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
+from studio.ui.client import WorkerClient, WorkerStartError, WorkerUnavailable, start_worker
+from studio.worker.launch import GpuLock
+
+_LIVE_STATES = ("loading", "training", "paused")
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def _runs_root(args: argparse.Namespace) -> str:
+    return getattr(args, "runs_dir", None) or "runs"
+
+
+def _absolute_if_local(value: str | None) -> str | None:
+    """A path that exists from here, made absolute so the run directory works from any folder."""
+    if value and Path(value).exists():
+        return str(Path(value).resolve())
+    return value
+
+
+# ---------------------------------------------------------------------------------- train --detach
+
+
+def train_detached(args: argparse.Namespace) -> int:
+    """``studio train CONFIG --detach`` (or ``--resume RUN --detach``): start the background worker,
+    print the run id and return at once; the run survives this terminal."""
+    if getattr(args, "resume", None):
+        return _resume_run(find_run(args.resume, _runs_root(args)))
+    config = load_config(args.config)
+    if getattr(args, "data", None):
+        config.data.path = args.data
+    if getattr(args, "model", None):
+        config.model.base_model = args.model
+    if getattr(args, "max_steps", None):
+        config.trainer.max_steps = args.max_steps
+    config.data.path = _absolute_if_local(config.data.path)
+    config.model.base_model = _absolute_if_local(config.model.base_model) or config.model.base_model
+    if config.data.path is None:
+        return _fail(f"{args.config}: no dataset; set data.path in the config or pass --data PATH")
+    lock = GpuLock()
+    if lock.busy():
+        return _fail(lock.holder_message())
+    run = create_run(config, _runs_root(args))
+    try:
+        pid = start_worker(run, train=True)
+    except WorkerStartError as exc:
+        return _fail(str(exc))
+    print(run.id)
+    print(f"training in the background (worker pid {pid}); follow it with 'studio attach {run.id}', "
+          f"stop it with 'studio stop {run.id}'", file=sys.stderr)
+    return 0
+
+
+def _resume_run(run: RunDir) -> int:
+    """Continue ``run`` from its latest checkpoint: in its live worker, or in a new one."""
+    summary = summarize(run)
+    if summary.status == "finished":
+        return _fail(f"run {run.id} already finished (step {summary.step}); nothing to resume")
+    checkpoint = run.latest_checkpoint()
+    where = f"from {checkpoint.name}" if checkpoint else "from step 0 (no checkpoint was saved yet)"
+    client = WorkerClient(run)
+    if run.worker_pid() is not None:
+        try:
+            status = client.connect(5.0)
+        except WorkerUnavailable as exc:
+            return _fail(str(exc))
+        if status.state == "paused":
+            client.send(ev.Resume())
+            print(f"resumed run {run.id} at step {status.step}")
+            return 0
+        if status.state in _LIVE_STATES:
+            return _fail(f"run {run.id} is already {status.state} (step {status.step})")
+        client.send(ev.StartTraining(resume=True))
+        client.close()
+        print(f"resuming run {run.id} {where} in its worker")
+        return 0
+    try:
+        pid = start_worker(run, resume=True)
+    except WorkerStartError as exc:
+        return _fail(str(exc))
+    print(f"resuming run {run.id} {where} (worker pid {pid}); follow it with 'studio attach {run.id}'")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- attach
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _short(text: str, width: int = 60) -> str:
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def describe(event: ev.Event) -> str | None:
+    """One readable line for ``event``; None for streamed tokens (their answer gets a line)."""
+    match event:
+        case ev.StepLogged():
+            total = event.total_steps or "?"
+            parts = [f"step {event.step:>5}/{total}", f"loss {event.loss:.4f}", f"lr {event.learning_rate:.2e}"]
+            if event.grad_norm:
+                parts.append(f"grad {event.grad_norm:.3f}")
+            if event.tokens_per_s:
+                parts.append(f"{event.tokens_per_s:,.0f} tok/s")
+            if event.eta_s:
+                parts.append(f"eta {_duration(event.eta_s)}")
+            return "  ".join(parts)
+        case ev.EvalLogged():
+            return (f"eval  step {event.step}  loss {event.loss:.4f}  ppl {event.perplexity:.2f}  "
+                    f"accuracy {event.token_accuracy:.1%}  ({event.rows} rows)")
+        case ev.TokenGenerated():
+            return None
+        case ev.GenerationStarted():
+            which = "adapter" if event.adapter else "base"
+            return f"generate [{which}] {event.request_id}: {_short(event.prompt)}"
+        case ev.GenerationFinished():
+            which = "adapter" if event.adapter else "base"
+            return (f"answer [{which}] {event.request_id} ({event.new_tokens} tokens, "
+                    f"{event.tokens_per_s:.0f} tok/s): {_short(event.text, 200)}")
+        case ev.RunStarted():
+            start = f"resumed from step {event.resumed_from_step}" if event.resumed_from_step else "started"
+            return (f"training {start}: {event.total_steps} steps, {event.train_rows} train / "
+                    f"{event.eval_rows} eval rows, micro-batch {event.micro_batch_size} x "
+                    f"{event.gradient_accumulation_steps} accumulation")
+        case ev.ModelLoading():
+            return f"loading model: {event.stage} {event.fraction:.0%}"
+        case ev.ModelLoaded():
+            quant = f", {event.quantization}" if event.quantization else ""
+            return (f"model loaded: {event.base_model} ({event.dtype or '?'}{quant}), "
+                    f"{event.trainable_params:,} trainable of {event.total_params:,} params, "
+                    f"{event.load_seconds:.1f} s")
+        case ev.MemorySampled():
+            capacity = f" of {_gib(event.capacity)}" if event.capacity else ""
+            return (f"memory step {event.step}: {_gib(event.allocated)} allocated, "
+                    f"peak {_gib(event.peak_allocated)}{capacity} ({event.device})")
+        case ev.CheckpointSaved():
+            return f"checkpoint step {event.step} -> {event.path}"
+        case ev.TrainingPaused():
+            return f"paused after step {event.step}"
+        case ev.TrainingResumed():
+            return f"resumed at step {event.step}"
+        case ev.BatchSizeReduced():
+            return (f"out of memory at step {event.step}: micro-batch {event.old_micro_batch_size} -> "
+                    f"{event.micro_batch_size}, accumulation {event.gradient_accumulation_steps} "
+                    f"(same effective batch). {event.message}").rstrip()
+        case ev.TrainingFinished():
+            how = "stopped" if event.stopped else "finished"
+            best = f", best eval loss {event.best_eval_loss:.4f}" if event.best_eval_loss is not None else ""
+            return (f"training {how} at step {event.step}: train loss {event.train_loss:.4f}{best}, "
+                    f"adapter -> {event.adapter_path} ({_duration(event.elapsed_s)})")
+        case ev.WorkerFailed():
+            label = "FAILED" if event.fatal else "warning"
+            return f"{label} ({event.kind}): {event.message}"
+        case ev.WorkerStarted():
+            return f"worker started (pid {event.pid})"
+        case ev.WorkerStopped():
+            return f"worker stopped: {event.reason}"
+        case ev.StatusReported():
+            return f"status: {event.state}, step {event.step}/{event.total_steps}"
+    fields = {k: v for k, v in event.to_dict().items() if k not in ("type", "seq", "time")}
+    return f"{type(event).__name__} " + " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def _print_event(event: ev.Event) -> None:
+    line = describe(event)
+    if line is not None:
+        stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+        print(f"{stamp}  {line}", flush=True)
+
+
+def _ends_follow(event: ev.Event) -> bool:
+    return isinstance(event, (ev.TrainingFinished, ev.WorkerStopped)) or \
+        (isinstance(event, ev.WorkerFailed) and event.fatal)
+
+
+def attach(args: argparse.Namespace) -> int:
+    """``studio attach [RUN]``: print the run's every event from the start, then follow it live
+    until training ends. Ctrl-C detaches; the run goes on."""
+    run = find_run(getattr(args, "run", None), _runs_root(args))
+    client = WorkerClient(run)
+    try:
+        print(f"run {run.id}  ({run.path})", flush=True)
+        for event in client.catch_up():
+            _print_event(event)
+        if client.status is None or client.status.state not in _LIVE_STATES:
+            client.close()
+            return _explain_not_live(run)
+        while True:
+            for event in client.poll(1.0):
+                _print_event(event)
+                if _ends_follow(event):
+                    client.close()
+                    return 1 if isinstance(event, ev.WorkerFailed) else 0
+            if not client.connected and run.worker_pid() is None:
+                client.close()
+                for event in client.poll(0):
+                    _print_event(event)
+                return _explain_not_live(run)
+    except KeyboardInterrupt:
+        client.close()
+        print(f"\ndetached; run {run.id} goes on (studio attach {run.id} to follow again)")
+        return 0
+
+
+def _explain_not_live(run: RunDir) -> int:
+    summary = summarize(run)
+    if summary.status == "interrupted":
+        print(f"run {run.id} was interrupted at step {summary.step} (no worker is running); "
+              f"continue it with 'studio train --resume {run.id} --detach'")
+        return 1
+    if summary.status == "failed":
+        print(f"run {run.id} failed at step {summary.step}; the FAILED line above says why")
+        return 1
+    print(f"run {run.id} is {summary.status} (step {summary.step}/{summary.total_steps})")
+    return 0
+
+
+# --------------------------------------------------------------------------------------- runs
+
+
+def runs(args: argparse.Namespace) -> int:
+    """``studio runs``: a table of runs, newest first."""
+    root = _runs_root(args)
+    found = list_runs(root)
+    if not found:
+        print(f"no runs in {root}/ yet; start one with 'studio train CONFIG --detach'")
+        return 0
+    rows = [("ID", "MODEL", "STATUS", "STEP", "BEST EVAL", "AGE")]
+    now = time.time()
+    for run in found:
+        s = summarize(run)
+        step = f"{s.step}/{s.total_steps}" if s.total_steps else str(s.step)
+        best = f"{s.best_eval_loss:.4f}" if s.best_eval_loss is not None else "-"
+        rows.append((run.id, _short(s.model.rstrip("/").split("/")[-1], 32), s.status, step, best,
+                     _duration(now - s.started)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+# ---------------------------------------------------------------------------- stop, pause, resume
+
+
+def _live_client(run: RunDir) -> WorkerClient | None:
+    """A connected client, or None after printing why there is no worker to talk to."""
+    client = WorkerClient(run)
+    if run.worker_pid() is not None:
+        try:
+            client.connect(5.0)
+            return client
+        except WorkerUnavailable as exc:
+            _fail(str(exc))
+            return None
+    summary = summarize(run)
+    _fail(f"run {run.id} has no worker running (status: {summary.status}, step {summary.step})")
+    return None
+
+
+def _wait_for(client: WorkerClient, done: Callable[[ev.Event], bool], timeout: float) -> ev.Event | None:
+    """The first live event for which ``done`` holds, or None at timeout / when the worker exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for event in client.poll(0.5):
+            if done(event):
+                return event
+        if not client.connected:
+            return None
+    return None
+
+
+def stop(args: argparse.Namespace) -> int:
+    """``studio stop [RUN]``: checkpoint, save the adapter, and shut the worker down."""
+    run = find_run(getattr(args, "run", None), _runs_root(args))
+    client = _live_client(run)
+    if client is None:
+        return 1
+    assert client.status is not None
+    training = client.status.state in _LIVE_STATES
+    if training:
+        print(f"stopping run {run.id} after step {client.status.step}: saving a checkpoint and the adapter…",
+              flush=True)
+    client.send(ev.Shutdown())
+    try:
+        finished = _wait_for(client, lambda e: isinstance(e, (ev.TrainingFinished, ev.WorkerStopped)), 3600)
+        if training and isinstance(finished, ev.TrainingFinished):
+            print(f"stopped at step {finished.step}; adapter in {finished.adapter_path}; continue with "
+                  f"'studio train --resume {run.id} --detach'")
+            _wait_for(client, lambda e: isinstance(e, ev.WorkerStopped), 30)
+        elif finished is None and client.connected:
+            return _fail(f"run {run.id}: the worker has not stopped yet; see {run.log_path}")
+        else:
+            print(f"worker of run {run.id} shut down")
+    finally:
+        client.close()
+    return 0
+
+
+def pause(args: argparse.Namespace) -> int:
+    """``studio pause [RUN]``: pause after the current step; the model stays loaded for chat."""
+    run = find_run(getattr(args, "run", None), _runs_root(args))
+    client = _live_client(run)
+    if client is None:
+        return 1
+    try:
+        assert client.status is not None
+        if client.status.state == "paused":
+            print(f"run {run.id} is already paused at step {client.status.step}")
+            return 0
+        if client.status.state not in _LIVE_STATES:
+            return _fail(f"run {run.id} is not training (state: {client.status.state})")
+        client.send(ev.Pause())
+        paused = _wait_for(client, lambda e: isinstance(e, (ev.TrainingPaused, ev.TrainingFinished)), 3600)
+        if not isinstance(paused, ev.TrainingPaused):
+            return _fail(f"run {run.id} did not pause (it may have finished); see 'studio attach {run.id}'")
+        print(f"paused run {run.id} after step {paused.step}; 'studio resume {run.id}' continues it")
+        return 0
+    finally:
+        client.close()
+
+
+def resume(args: argparse.Namespace) -> int:
+    """``studio resume [RUN]``: continue a paused run, or restart an interrupted or stopped one from
+    its latest checkpoint."""
+    return _resume_run(find_run(getattr(args, "run", None), _runs_root(args)))

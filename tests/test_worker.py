@@ -1,0 +1,193 @@
+"""The worker process itself, driven as a user would: started detached, spoken to over its socket.
+
+These use the torch-free FakeTrainer (tests/worker_fakes.py) so that they test the worker's own
+machinery in seconds; tests/test_worker_cli.py runs the real Trainer end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
+from pathlib import Path
+
+import pytest
+from worker_fakes import fake_loss
+
+from studio.core import events as ev
+from studio.core.config import RunConfig
+from studio.core.runs import RunDir, create_run
+from studio.ui.client import WorkerClient, WorkerRefused, WorkerStartError, start_worker
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def fake_worker_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RunDir]]:
+    """Workers started in this test use the FakeTrainer and a private GPU lock; any left running
+    at the end are killed. Yields the list to which tests add the runs they start."""
+    monkeypatch.setenv("STUDIO_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setenv("STUDIO_WORKER_TRAINER", "worker_fakes:FakeTrainer")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("STUDIO_WORKER_LINGER", "2")
+    monkeypatch.setenv("FAKE_STEP_S", "0.03")
+    started: list[RunDir] = []
+    yield started
+    for run in started:
+        pid = run.worker_pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+
+
+def make_run(root: Path, steps: int = 20, name: str = "fake") -> RunDir:
+    config = RunConfig(name=name)
+    config.model.base_model = "fake-model"
+    config.trainer.max_steps = steps
+    return create_run(config, root)
+
+
+def wait_for(client: WorkerClient, done: Callable[[ev.Event], bool], timeout: float = 30.0,
+             seen: list[ev.Event] | None = None) -> ev.Event:
+    """The first event (from the start of the log) for which ``done`` holds; fails at timeout."""
+    deadline = time.monotonic() + timeout
+    if seen is not None and not seen:
+        seen.extend(client.catch_up())
+        for event in seen:
+            if done(event):
+                return event
+    while time.monotonic() < deadline:
+        for event in client.poll(0.2):
+            if seen is not None:
+                seen.append(event)
+            if done(event):
+                return event
+    raise AssertionError("timed out waiting for an event")
+
+
+def test_socket_and_key_are_private_and_a_wrong_key_is_refused(tmp_path: Path, fake_worker_env: list) -> None:
+    run = make_run(tmp_path / "runs")
+    fake_worker_env.append(run)
+    pid = start_worker(run)
+    assert pid == run.worker_pid()
+    assert stat.S_IMODE(os.stat(run.socket_path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(run.key_path).st_mode) == 0o600
+
+    with pytest.raises(AuthenticationError):
+        Client(run.socket_address(), family="AF_UNIX", authkey=b"not-the-key")
+    real_key = run.key_path.read_bytes()
+    run.key_path.write_bytes(b"guessed")
+    with pytest.raises(WorkerRefused, match="refused the key"):
+        WorkerClient(run).connect(timeout=2)
+
+    # Refused clients do not take the worker down: the real key still works.
+    run.key_path.write_bytes(real_key)
+    assert WorkerClient(run).connect(timeout=2).state == "idle"
+    assert run.worker_pid() == pid
+
+
+def test_second_worker_on_a_busy_gpu_is_refused_naming_the_holder(tmp_path: Path, fake_worker_env: list) -> None:
+    first, second = make_run(tmp_path / "runs", name="first"), make_run(tmp_path / "runs", name="second")
+    fake_worker_env.extend([first, second])
+    pid = start_worker(first)
+    with pytest.raises(WorkerStartError, match=f"GPU 0 is busy: run {first.id}"):
+        start_worker(second)
+    assert second.worker_pid() is None
+
+    # The lock dies with its holder, even by SIGKILL: the GPU is free again at once.
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while first.worker_pid() == pid and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert start_worker(second) == second.worker_pid()
+
+
+def test_generate_pause_resume_and_stop_while_training(tmp_path: Path, fake_worker_env: list) -> None:
+    run = make_run(tmp_path / "runs", steps=400)
+    fake_worker_env.append(run)
+    start_worker(run, train=True)
+    client = WorkerClient(run)
+    seen: list[ev.Event] = []
+    wait_for(client, lambda e: isinstance(e, ev.StepLogged) and e.step >= 3, seen=seen)
+
+    # Generation is answered between optimizer steps, by the adapter being trained.
+    client.send(ev.Generate(request_id="during", prompt="olleh", adapter=True))
+    answer = wait_for(client, lambda e: isinstance(e, ev.GenerationFinished), seen=seen)
+    assert answer.request_id == "during" and answer.text.startswith("adapter@") and answer.text.endswith("hello")
+    pieces = [e.text for e in seen if isinstance(e, ev.TokenGenerated) and e.request_id == "during"]
+    assert "".join(pieces) == answer.text
+
+    client.send(ev.Pause())
+    paused = wait_for(client, lambda e: isinstance(e, ev.TrainingPaused), seen=seen)
+    assert client.request_status().state == "paused"
+    # Paused: no steps, but generation (base model too) still works.
+    client.send(ev.Generate(request_id="paused", prompt="x", adapter=False))
+    answer = wait_for(client, lambda e: isinstance(e, ev.GenerationFinished), seen=seen)
+    assert answer.text == f"base@{paused.step}:x"
+    time.sleep(0.3)
+    assert not [e for e in client.poll(0.1) if isinstance(e, ev.StepLogged)]
+    assert client.request_status().step == paused.step
+
+    client.send(ev.Resume())
+    after = wait_for(client, lambda e: isinstance(e, ev.StepLogged), seen=seen)
+    assert after.step == paused.step + 1
+    assert after.loss == fake_loss(paused.step + 1)
+
+    client.send(ev.Stop())
+    finished = wait_for(client, lambda e: isinstance(e, ev.TrainingFinished), seen=seen)
+    assert finished.stopped and finished.step < 400
+    assert run.latest_checkpoint() == run.checkpoints_dir / f"step-{finished.step}"
+    assert (run.adapter_dir / "adapter_config.json").exists()
+    steps = [e.step for e in run.events() if isinstance(e, ev.StepLogged)]
+    assert steps == list(range(1, finished.step + 1))
+    # Stopped, the worker stays up for chat while a client is connected.
+    assert client.request_status().state == "stopped"
+    client.close()
+
+
+def test_sigkill_mid_run_then_resume_continues_the_same_log(tmp_path: Path, fake_worker_env: list,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    run = make_run(tmp_path / "runs", steps=30)
+    fake_worker_env.append(run)
+    pid = start_worker(run, train=True)
+    follower = WorkerClient(run)  # follows across the restart
+    seen: list[ev.Event] = []
+    wait_for(follower, lambda e: isinstance(e, ev.StepLogged) and e.step >= 7, seen=seen)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed_at = max(e.step for e in run.events() if isinstance(e, ev.StepLogged))
+    assert killed_at < 30
+
+    start_worker(run, resume=True)
+    wait_for(follower, lambda e: isinstance(e, ev.TrainingFinished), seen=seen)
+    restarted = [e for e in seen if isinstance(e, ev.RunStarted)][-1]
+    checkpoint = 5 * (killed_at // 5)
+    assert restarted.resumed_from_step == checkpoint
+
+    logged = run.events()
+    assert [e.seq for e in logged] == list(range(len(logged)))
+    assert [e.seq for e in seen] == [e.seq for e in logged]  # the follower missed nothing, twice nothing
+    after = [(e.step, e.loss) for e in logged if isinstance(e, ev.StepLogged) and e.seq > restarted.seq]
+    assert after == [(s, fake_loss(s)) for s in range(checkpoint + 1, 31)]
+    follower.close()
+
+
+def test_a_crash_is_reported_and_the_worker_stays_up_for_generation(tmp_path: Path, fake_worker_env: list,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_FAIL_AT_STEP", "4")
+    run = make_run(tmp_path / "runs")
+    fake_worker_env.append(run)
+    start_worker(run, train=True)
+    client = WorkerClient(run)
+    failed = wait_for(client, lambda e: isinstance(e, ev.WorkerFailed), seen=[])
+    assert failed.kind == "crash" and failed.fatal
+    assert "fake failure at step 4" in failed.message and str(run.log_path) in failed.message
+    assert client.request_status().state == "failed"
+    client.send(ev.Generate(request_id="after", prompt="ab"))
+    assert wait_for(client, lambda e: isinstance(e, ev.GenerationFinished)).text == "adapter@3:ba"
+    client.close()
