@@ -1,0 +1,490 @@
+"""The chat pane: one prompt, two answers side by side — the base model (zero-shot) and the fine-tune.
+
+Both answers come from the run's one worker: ``Generate(adapter=False)`` answers through peft's
+``disable_adapter()``, ``Generate(adapter=True)`` with the adapter as it is now (during training too).
+Each request has its own ``request_id``; streamed ``TokenGenerated`` events are matched by it.
+Prompts are rendered with the run's template (its prompt part), exactly as training saw them.
+
+Held-out mode runs both models over N rows of the validation (or test) split and scores every answer
+against its target (``studio.core.scoring``); the table and its totals are saved to the run
+directory as ``heldout.json`` and ``heldout.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Button, DataTable, Input, Label, Static, Switch
+
+from studio.core import events as ev
+from studio.core import scoring
+from studio.core.config import RunConfig
+from studio.core.runs import RunDir, create_run
+
+CHAT_COMMANDS: list[tuple[str, str, str]] = [
+    ("Chat: ask", "Send the prompt to the base model and the fine-tune side by side", "ask"),
+    ("Chat: held-out comparison", "Answer N held-out rows with both models and score them", "heldout"),
+    ("Chat: greedy on/off", "Switch between greedy decoding and sampling", "toggle_greedy"),
+]
+"""Palette entries: (title, help, action of :class:`ChatPane`)."""
+
+NO_ADAPTER = "No adapter yet: start training (Training pane, s). The base answer is on the left."
+
+
+def prompt_text(config: RunConfig, text: str) -> str:
+    """``text`` as the model saw prompts in training: the run's template up to the response.
+
+    The text fills the template's first non-response field (``instruction`` for alpaca); other
+    fields are left empty. A template that cannot be resolved here (``chat`` needs the tokenizer's
+    chat template) falls back to the bare text.
+    """
+    from studio.core import prompt as prompts
+
+    try:
+        template = prompts.resolve_template(config.prompt)
+    except ValueError:
+        return text
+    return row_prompt(template, {_prompt_field(template, config.prompt.response_field): text},
+                      config.prompt.response_field)
+
+
+def _prompt_field(template: str, response_field: str) -> str:
+    from studio.core import prompt as prompts
+
+    fields = [f for f in prompts.template_fields(template) if f != response_field]
+    return fields[0] if fields else "instruction"
+
+
+def row_prompt(template: str, row: dict[str, Any], response_field: str) -> str:
+    """The prompt part of ``row`` rendered through ``template`` (everything before the response)."""
+    from studio.core import prompt as prompts
+
+    values = {k: v for k, v in row.items() if k != response_field}
+    rendered = prompts.render(template, values, response_field)
+    return rendered.text[: rendered.response_start]
+
+
+@dataclass
+class Answer:
+    """One streamed answer."""
+
+    text: str = ""
+    done: bool = False
+    new_tokens: int = 0
+    tokens_per_s: float = 0.0
+
+
+@dataclass
+class HeldOutRow:
+    """One held-out row and both models' answers."""
+
+    prompt: str
+    target: str
+    answers: dict[str, Answer] = field(default_factory=dict)
+
+    def score(self, side: str) -> scoring.Score | None:
+        answer = self.answers.get(side)
+        return scoring.score(answer.text, self.target) if answer and answer.done else None
+
+
+class ChatPane(Vertical):
+    """Prompt box, settings, the two answer columns and the held-out table."""
+
+    DEFAULT_CSS = """
+    ChatPane { height: 1fr; padding: 0 1; }
+    ChatPane #chat-settings { height: auto; }
+    ChatPane #chat-settings Label { padding: 1 1 0 1; }
+    ChatPane #chat-settings Input { width: 10; }
+    ChatPane #chat-settings Switch { margin: 0 0; }
+    ChatPane #chat-prompt-row { height: auto; }
+    ChatPane #chat-prompt { width: 1fr; }
+    ChatPane #chat-answers { height: 1fr; min-height: 6; }
+    ChatPane .chat-column { width: 1fr; border: round $primary-background; padding: 0 1; }
+    ChatPane .chat-column > Label { text-style: bold; }
+    ChatPane .chat-answer { height: 1fr; }
+    ChatPane .chat-speed { height: 1; color: $text-muted; }
+    ChatPane #chat-status { height: auto; color: $text-muted; }
+    ChatPane #chat-status.error { color: $error; }
+    ChatPane #chat-heldout-box { height: 1fr; display: none; }
+    ChatPane #chat-heldout-box.shown { display: block; }
+    ChatPane #chat-heldout-totals { height: auto; }
+    """
+
+    BINDINGS = [
+        Binding("f5", "heldout", "Held-out", id="chat.heldout"),
+        Binding("f6", "toggle_greedy", "Greedy on/off", id="chat.greedy"),
+        Binding("f7", "focus_prompt", "Prompt", id="chat.prompt"),
+    ]
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.answers: dict[str, Answer] = {}
+        """Streamed answers by request id."""
+        self.sides: dict[str, str] = {}
+        """request id -> "base" or "tuned" for the current question."""
+        self.adapter_ready = False
+        self.heldout: list[HeldOutRow] = []
+        self._heldout_requests: dict[str, tuple[int, str]] = {}
+        self._heldout_next = 0
+        self._round = 0
+        self._dirty = False
+
+    def compose(self) -> ComposeResult:
+        gen = self._config().generation
+        with Horizontal(id="chat-settings"):
+            yield Label("max new tokens")
+            yield Input(str(gen.max_new_tokens), id="chat-max-tokens", type="integer")
+            yield Label("temperature")
+            yield Input(str(gen.temperature), id="chat-temperature", type="number")
+            yield Label("top-p")
+            yield Input(str(gen.top_p), id="chat-top-p", type="number")
+            yield Label("greedy")
+            yield Switch(gen.temperature == 0, id="chat-greedy")
+            yield Label("held-out rows")
+            yield Input("10", id="chat-heldout-n", type="integer")
+        with Horizontal(id="chat-prompt-row"):
+            yield Input(placeholder="Ask both models (Enter sends; f5 held-out comparison)", id="chat-prompt")
+            yield Button("Ask", id="chat-ask", variant="primary")
+            yield Button("Held-out (f5)", id="chat-heldout")
+        yield Static("", id="chat-status")
+        with Horizontal(id="chat-answers"):
+            for side, title in (("base", "base (zero-shot)"), ("tuned", "fine-tuned")):
+                with Vertical(classes="chat-column", id=f"chat-{side}"):
+                    yield Label(title)
+                    with VerticalScroll(classes="chat-answer"):
+                        yield Static("", id=f"chat-{side}-text")
+                    yield Static("", id=f"chat-{side}-speed", classes="chat-speed")
+        with Vertical(id="chat-heldout-box"):
+            yield DataTable(id="chat-heldout-table", zebra_stripes=True)
+            yield Static("", id="chat-heldout-totals")
+
+    def on_mount(self) -> None:
+        self.reset_run(getattr(self.app, "run", None))
+        self.set_interval(0.1, self._paint_if_dirty)
+
+    # ------------------------------------------------------------------------ state
+
+    def _config(self) -> RunConfig:
+        """The run's config when a run is open (its template trained the adapter), else the app's."""
+        run = getattr(self.app, "run", None)
+        if run is not None:
+            try:
+                return run.config()
+            except ValueError:
+                pass
+        return getattr(self.app, "config", None) or RunConfig()
+
+    def reset_run(self, run: RunDir | None) -> None:
+        """A new run: forget the answers; the adapter exists if the run saved one or a checkpoint."""
+        self.answers, self.sides = {}, {}
+        self.heldout, self._heldout_requests, self._heldout_next = [], {}, 0
+        self.adapter_ready = run is not None and (run.adapter_dir.exists() or run.latest_checkpoint() is not None)
+        if self.is_mounted:
+            self.query_one("#chat-heldout-box").remove_class("shown")
+            self._set_status(self._idle_status())
+            self._paint()
+
+    def _idle_status(self) -> str:
+        run = getattr(self.app, "run", None)
+        where = f"run {run.id}" if run else "no run yet (asking starts a worker for the current config)"
+        adapter = "adapter ready" if self.adapter_ready else "no adapter yet (base model only)"
+        return f"{where} · {adapter}"
+
+    def _set_status(self, text: str, error: bool = False) -> None:
+        status = self.query_one("#chat-status", Static)
+        status.update(text)
+        status.set_class(error, "error")
+
+    def handle_events(self, events: list[ev.Event]) -> None:
+        """Stream answers by request id; learn when an adapter exists; show generation failures."""
+        for event in events:
+            if isinstance(event, (ev.StepLogged, ev.CheckpointSaved)) or (
+                    isinstance(event, ev.TrainingFinished) and event.adapter_path):
+                if not self.adapter_ready:
+                    self.adapter_ready = True
+                    self._dirty = True
+            elif isinstance(event, ev.TokenGenerated):
+                answer = self.answers.get(event.request_id)
+                if answer is not None and not answer.done:
+                    answer.text += event.text
+                    self._dirty = True
+            elif isinstance(event, ev.GenerationFinished):
+                self._finished(event)
+            elif isinstance(event, ev.WorkerFailed) and self._waiting():
+                self._set_status(f"The worker could not answer: {event.message}", error=True)
+
+    def _waiting(self) -> bool:
+        return any(not a.done for a in self.answers.values())
+
+    def _finished(self, event: ev.GenerationFinished) -> None:
+        answer = self.answers.get(event.request_id)
+        if answer is None or answer.done:
+            return
+        # The final text is authoritative: a client that joined mid-stream missed some tokens.
+        answer.text = event.text or answer.text
+        answer.done, answer.new_tokens, answer.tokens_per_s = True, event.new_tokens, event.tokens_per_s
+        self._dirty = True
+        if event.request_id in self._heldout_requests:
+            index, _ = self._heldout_requests[event.request_id]
+            self._heldout_row_done(index)
+
+    def _paint_if_dirty(self) -> None:
+        if self._dirty:
+            self._paint()
+
+    def _paint(self) -> None:
+        self._dirty = False
+        by_side = {side: self.answers.get(rid) for rid, side in self.sides.items()}
+        for side in ("base", "tuned"):
+            answer = by_side.get(side)
+            text = self.query_one(f"#chat-{side}-text", Static)
+            speed = self.query_one(f"#chat-{side}-speed", Static)
+            if answer is None:
+                text.update(NO_ADAPTER if side == "tuned" and not self.adapter_ready else "")
+                speed.update("")
+                continue
+            text.update(answer.text + ("" if answer.done else " ▌"))
+            speed.update(f"{answer.new_tokens} tokens · {answer.tokens_per_s:.1f} tok/s" if answer.done
+                         else "streaming…")
+        if self.heldout:
+            self._paint_heldout()
+
+    # ------------------------------------------------------------------------ asking
+
+    def _settings(self) -> dict[str, Any] | None:
+        """max_new_tokens / temperature / top_p from the inputs, or None (with a message) if invalid."""
+        try:
+            max_new = int(self.query_one("#chat-max-tokens", Input).value)
+            temperature = float(self.query_one("#chat-temperature", Input).value)
+            top_p = float(self.query_one("#chat-top-p", Input).value)
+        except ValueError:
+            self._set_status("Generation settings: max new tokens must be a whole number, temperature and "
+                             "top-p numbers", error=True)
+            return None
+        if max_new <= 0 or temperature < 0 or not 0 < top_p <= 1:
+            self._set_status("Generation settings: max new tokens > 0, temperature >= 0, 0 < top-p <= 1",
+                             error=True)
+            return None
+        if self.query_one("#chat-greedy", Switch).value:
+            temperature = 0.0
+        return {"max_new_tokens": max_new, "temperature": temperature, "top_p": top_p}
+
+    def _ensure_run(self) -> bool:
+        """Before any run exists, make one from the app's config so a worker can answer."""
+        if getattr(self.app, "run", None) is not None:
+            return True
+        opener = getattr(self.app, "open_run", None)
+        if opener is None:
+            self._set_status("This app cannot start a worker (no open_run).", error=True)
+            return False
+        try:
+            run = create_run(self.app.config)
+        except OSError as exc:
+            self._set_status(f"Cannot create a run directory: {exc}", error=True)
+            return False
+        opener(run, start_worker=True)
+        return True
+
+    def _request(self, prompt: str, adapter: bool, request_id: str, settings: dict[str, Any]) -> None:
+        self.answers[request_id] = Answer()
+        self.app.send_command(ev.Generate(request_id=request_id, prompt=prompt, adapter=adapter, **settings))
+
+    def ask(self, text: str) -> bool:
+        """Send ``text`` (rendered with the run's template) to both models; False if nothing was sent."""
+        text = text.strip()
+        settings = self._settings()
+        if not text or settings is None or not self._ensure_run():
+            return False
+        prompt = prompt_text(self._config(), text)
+        self._round += 1
+        stamp = f"chat-{self._round}-{time.monotonic_ns() % 10**8}"
+        self.sides = {f"{stamp}-base": "base"}
+        self._request(prompt, False, f"{stamp}-base", settings)
+        if self.adapter_ready:
+            self.sides[f"{stamp}-tuned"] = "tuned"
+            self._request(prompt, True, f"{stamp}-tuned", settings)
+        self._set_status(self._idle_status() + " · asking (the worker loads the model on first use)")
+        self._paint()
+        return True
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "chat-prompt":
+            event.stop()
+            self.action_ask()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "chat-ask":
+            event.stop()
+            self.action_ask()
+        elif event.button.id == "chat-heldout":
+            event.stop()
+            self.action_heldout()
+
+    def on_switch_changed(self, event: Switch.Changed) -> None:
+        if event.switch.id == "chat-greedy":
+            self.query_one("#chat-temperature", Input).disabled = event.value
+
+    def action_ask(self) -> None:
+        """Ask both models the prompt in the box."""
+        self.ask(self.query_one("#chat-prompt", Input).value)
+
+    def action_toggle_greedy(self) -> None:
+        """Switch greedy decoding on or off."""
+        switch = self.query_one("#chat-greedy", Switch)
+        switch.value = not switch.value
+
+    def action_focus_prompt(self) -> None:
+        """Put the cursor in the prompt box."""
+        self.query_one("#chat-prompt", Input).focus()
+
+    # ------------------------------------------------------------------------ held-out
+
+    def action_heldout(self) -> None:
+        """Answer N held-out rows with both models and score them against the targets."""
+        try:
+            count = int(self.query_one("#chat-heldout-n", Input).value)
+        except ValueError:
+            count = 0
+        if count <= 0:
+            self._set_status("Held-out rows must be a whole number above 0", error=True)
+            return
+        if self._settings() is None or not self._ensure_run():
+            return
+        self._set_status(f"Loading {count} held-out rows…")
+        self.load_heldout(self._config(), count)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="heldout", description="loading held-out rows")
+    def load_heldout(self, config: RunConfig, count: int) -> None:
+        """Read the validation (or test) split off the event loop and render the prompts."""
+        from studio.core import prompt as prompts
+        from studio.core.data import DataError, load_splits
+
+        try:
+            splits = load_splits(config)
+            template = prompts.resolve_template(config.prompt)
+        except (DataError, ValueError, OSError) as exc:
+            self.app.call_from_thread(self._set_status, f"Held-out rows: {exc}", True)
+            return
+        rows = (splits.validation or splits.test)[:count]
+        if not rows:
+            self.app.call_from_thread(self._set_status, "The dataset has no validation or test rows "
+                                      "(set data.val_fraction or a split column)", True)
+            return
+        answer = config.prompt.response_field
+        items = [HeldOutRow(row_prompt(template, row, answer), row.get(answer, "")) for row in rows]
+        self.app.call_from_thread(self._start_heldout, items)
+
+    def _start_heldout(self, items: list[HeldOutRow]) -> None:
+        self.heldout, self._heldout_requests, self._heldout_next = items, {}, 0
+        table = self.query_one("#chat-heldout-table", DataTable)
+        table.clear(columns=True)
+        table.add_columns("#", "prompt", "target", "base", "base EM/sim", "fine-tuned", "tuned EM/sim")
+        for i, item in enumerate(items):
+            table.add_row(str(i + 1), _cell(item.prompt.strip().splitlines()[-1] if item.prompt.strip() else ""),
+                          _cell(item.target), "…", "", "…" if self.adapter_ready else "no adapter", "",
+                          key=str(i))
+        self.query_one("#chat-heldout-box").add_class("shown")
+        self._set_status(f"Held-out: answering {len(items)} rows with both models…")
+        self._send_next_heldout()
+
+    def _send_next_heldout(self) -> None:
+        """Ask for the next row's pair; one pair at a time keeps the chat responsive in between."""
+        settings = self._settings()
+        if settings is None or self._heldout_next >= len(self.heldout):
+            return
+        index = self._heldout_next
+        self._heldout_next += 1
+        item = self.heldout[index]
+        stamp = f"heldout-{index}-{time.monotonic_ns() % 10**8}"
+        sides = ["base", "tuned"] if self.adapter_ready else ["base"]
+        for side in sides:
+            request_id = f"{stamp}-{side}"
+            self._heldout_requests[request_id] = (index, side)
+            self._request(item.prompt, side == "tuned", request_id, settings)
+            item.answers[side] = self.answers[request_id]
+
+    def _heldout_row_done(self, index: int) -> None:
+        if all(a.done for a in self.heldout[index].answers.values()):
+            if self._heldout_next < len(self.heldout):
+                self._send_next_heldout()
+            else:
+                self._heldout_complete()
+
+    def _paint_heldout(self) -> None:
+        table = self.query_one("#chat-heldout-table", DataTable)
+        if table.row_count != len(self.heldout):
+            return
+        columns = [c.key for c in table.ordered_columns]
+        for i, item in enumerate(self.heldout):
+            for side, text_col, score_col in (("base", 3, 4), ("tuned", 5, 6)):
+                answer = item.answers.get(side)
+                if answer is None:
+                    continue
+                table.update_cell(str(i), columns[text_col], _cell(answer.text or "…"))
+                result = item.score(side)
+                if result is not None:
+                    table.update_cell(str(i), columns[score_col],
+                                      f"{'✓' if result.exact else '✗'} {result.similarity:.2f}")
+        self.query_one("#chat-heldout-totals", Static).update(self.totals_line())
+
+    def totals(self) -> dict[str, scoring.Totals]:
+        """Exact-match rate and mean similarity per model over the rows answered so far."""
+        out = {}
+        for side in ("base", "tuned"):
+            scores = [s for s in (item.score(side) for item in self.heldout) if s is not None]
+            if scores:
+                out[side] = scoring.totals(scores)
+        return out
+
+    def totals_line(self) -> str:
+        """``base: exact 0.0% · similarity 0.21 (10 rows) | fine-tuned: …``."""
+        names = {"base": "base", "tuned": "fine-tuned"}
+        parts = [f"{names[side]}: {t.line()}" for side, t in self.totals().items()]
+        return "totals — " + " | ".join(parts) if parts else ""
+
+    def _heldout_complete(self) -> None:
+        self._paint_heldout()
+        run = getattr(self.app, "run", None)
+        if run is None:
+            return
+        try:
+            path = save_heldout(run, self.heldout, self.totals())
+        except OSError as exc:
+            self._set_status(f"Held-out results not saved: {exc}", error=True)
+            return
+        self._set_status(f"Held-out done; saved {path} and heldout.csv")
+
+
+def _cell(text: str, width: int = 40) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def save_heldout(run: RunDir, rows: list[HeldOutRow], totals: dict[str, scoring.Totals]) -> str:
+    """Write ``heldout.json`` (rows and totals) and ``heldout.csv`` (one line a row) in the run folder."""
+    records = []
+    for item in rows:
+        record: dict[str, Any] = {"prompt": item.prompt, "target": item.target}
+        for side in ("base", "tuned"):
+            answer, result = item.answers.get(side), item.score(side)
+            record[f"{side}_answer"] = answer.text if answer else None
+            record[f"{side}_exact"] = result.exact if result else None
+            record[f"{side}_similarity"] = round(result.similarity, 4) if result else None
+        records.append(record)
+    summary = {side: {"rows": t.rows, "exact_match": t.exact_match, "similarity": t.similarity}
+               for side, t in totals.items()}
+    path = run.path / "heldout.json"
+    path.write_text(json.dumps({"rows": records, "totals": summary}, indent=2) + "\n")
+    with open(run.path / "heldout.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(records[0]) if records else ["prompt"])
+        writer.writeheader()
+        writer.writerows(records)
+    return str(path)
