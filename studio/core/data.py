@@ -145,10 +145,9 @@ def _explain_failure(path: Path, kind: str, exc: Exception) -> DataError:
         if found:
             return DataError(found)
     if kind == "csv":
-        try:
-            path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            return DataError(f"{path}: byte {err.start} is not UTF-8 text; save the file as UTF-8 CSV")
+        problem = _utf8_problem(path)
+        if problem:
+            return DataError(problem)
     if kind == "parquet":
         return DataError(f"{path}: not a readable Parquet file ({_first_line(exc)}); re-export it")
     detail = _first_line(exc.__cause__ or exc.__context__ or exc)
@@ -162,14 +161,24 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200]
 
 
+def _utf8_problem(path: Path) -> str | None:
+    """Where a file stops being UTF-8 text, as a message (None when it is UTF-8)."""
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        return (f"{path}: line {line} is not UTF-8 text (byte 0x{raw[err.start]:02x}); "
+                "save the file as UTF-8")
+    return None
+
+
 def _find_json_problem(path: Path) -> str | None:
     """The first malformed line of a JSONL file (or position in a JSON document), as a message."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        return f"{path}: byte {err.start} is not UTF-8 text; save the file as UTF-8"
-    except OSError as err:
-        return f"{path}: cannot read the file ({err.strerror or err}); check its permissions"
+    problem = _utf8_problem(path)
+    if problem:
+        return problem
+    text = path.read_text(encoding="utf-8")
     if text.lstrip().startswith("["):
         try:
             json.loads(text)
@@ -386,11 +395,13 @@ def template_fields_for(config: RunConfig) -> tuple[list[str], set[str]]:
 
 
 def field_columns(
-    dataset: Any, fields: Sequence[str], columns: Mapping[str, str], source: str, optional: set[str] = frozenset()
+    dataset: Any, fields: Sequence[str], columns: Mapping[str, str], source: str,
+    optional: set[str] = frozenset(), reserved: Sequence[str] = (),
 ) -> dict[str, list[str]]:
     """Each template field's values (as text), read from its mapped column.
 
     Raises :class:`DataError` naming a missing column, the columns present, and the mapping to add.
+    ``reserved`` columns (the split column) are never suggested.
     """
     table = _arrow(dataset)
     present = table.column_names
@@ -401,8 +412,11 @@ def field_columns(
             if name in optional and name not in columns:
                 out[name] = [""] * table.num_rows
                 continue
-            close = difflib.get_close_matches(column, present, n=1, cutoff=0.3)
-            guess = close[0] if close else "<column>"
+            # Suggest a column no other field uses: the one most like the field's name, else the first.
+            used = {columns.get(f, f) for f in fields} | set(reserved)
+            free = [c for c in present if c not in used]
+            close = difflib.get_close_matches(column, free, n=1, cutoff=0.3)
+            guess = close[0] if close else free[0] if free else "<column>"
             raise DataError(f"{source}: no column '{column}' for the template field '{name}' (columns: "
                             f"{', '.join(present)}); map it in the config with data.columns: "
                             f"{{{name}: {guess}}}")
@@ -439,7 +453,8 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
     if len(dataset) == 0:
         raise DataError(f"{source}: the dataset has no rows; add some")
     fields, optional = template_fields_for(config)
-    values = field_columns(dataset, fields, data.columns, source, optional)
+    values = field_columns(dataset, fields, data.columns, source, optional,
+                           reserved=[data.split_column] if data.split_column else [])
     total = len(dataset)
     table_rows = [dict(zip(values, row, strict=True)) for row in zip(*values.values(), strict=True)]
 
@@ -455,7 +470,7 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
         order = list(range(total))
         random.Random(config.trainer.seed).shuffle(order)
         n_test = _share(total, data.test_fraction)
-        n_val = _share(total - n_test, data.val_fraction)
+        n_val = min(_share(total, data.val_fraction), total - n_test - 1)
         parts = {"test": sorted(order[:n_test]), "validation": sorted(order[n_test:n_test + n_val]),
                  "train": sorted(order[n_test + n_val:])}
     if not parts["train"]:
