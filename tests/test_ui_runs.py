@@ -1,0 +1,94 @@
+"""The run picker and run comparison, from the training pane's keys."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from ui_part2_harness import PaneHarness
+
+from studio.core import events as ev
+from studio.core.config import RunConfig
+from studio.core.runs import append_event, create_run
+from studio.ui.panes.training import TrainingPane
+from studio.ui.widgets.loss_plot import LossPlot
+from studio.ui.widgets.run_picker import CompareScreen, RunPickerScreen
+
+pytestmark = pytest.mark.anyio
+RECORDED = Path(__file__).parent / "data" / "recorded_events.jsonl"
+
+
+def two_runs(tmp_path):
+    config = RunConfig(output_dir=str(tmp_path / "runs"))
+    finished = create_run(config)
+    shutil.copy(RECORDED, finished.events_path)
+    config.name = "short"
+    short = create_run(config)
+    append_event(short.events_path, ev.RunStarted(total_steps=10))
+    for step in range(1, 4):
+        append_event(short.events_path, ev.StepLogged(step=step, total_steps=10, loss=5.0 - step))
+    append_event(short.events_path, ev.TrainingFinished(step=3, stopped=True))
+    return config, finished, short
+
+
+async def wait_for_rows(pilot, table, rows: int) -> None:
+    for _ in range(60):
+        await pilot.pause(0.05)
+        if table.row_count == rows:
+            return
+
+
+async def test_picker_lists_runs_and_opens_one(tmp_path):
+    config, finished, short = two_runs(tmp_path)
+    app = PaneHarness(TrainingPane, config)
+    async with app.run_test(size=(120, 34)) as pilot:
+        app.query_one(TrainingPane).focus()
+        await pilot.press("o")
+        assert isinstance(app.screen, RunPickerScreen)
+        table = app.screen.query_one("#runs-table")
+        await wait_for_rows(pilot, table, 2)
+        cells = {table.get_row_at(i)[1]: table.get_row_at(i) for i in range(2)}
+        assert cells[finished.id][2] == "finished" and cells[finished.id][4] == "40/40"
+        assert cells[finished.id][5] != "--"  # best eval loss
+        assert cells[short.id][2] == "stopped" and cells[short.id][5] == "--"
+        table.move_cursor(row=[r[1] for r in map(table.get_row_at, range(2))].index(finished.id))
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.opened == [(finished, False)] and app.run == finished
+
+
+async def test_compare_two_runs_on_one_plot(tmp_path):
+    config, finished, short = two_runs(tmp_path)
+    app = PaneHarness(TrainingPane, config)
+    async with app.run_test(size=(120, 34)) as pilot:
+        app.query_one(TrainingPane).focus()
+        await pilot.press("o")
+        table = app.screen.query_one("#runs-table")
+        await wait_for_rows(pilot, table, 2)
+        await pilot.press("c")  # nothing marked yet: a hint, no comparison
+        assert isinstance(app.screen, RunPickerScreen)
+        await pilot.press("space", "down", "space")
+        assert "*" in str(table.get_row_at(0)[0]) and "*" in str(table.get_row_at(1)[0])
+        await pilot.press("c")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, CompareScreen)
+        plot = app.screen.query_one(LossPlot)
+        for _ in range(40):
+            await pilot.pause(0.05)
+            if plot.points_drawn:
+                break
+        assert plot.points_drawn == 40 + 4 + 3  # both runs' smoothed losses and the evals
+        summary = str(app.screen.query_one("#compare-summary").render())
+        assert finished.id in summary and short.id in summary and "best eval" in summary
+        await pilot.press("escape")
+        assert not isinstance(app.screen, CompareScreen)
+
+
+async def test_no_runs_says_how_to_make_one(tmp_path):
+    app = PaneHarness(TrainingPane, RunConfig(output_dir=str(tmp_path / "none")))
+    async with app.run_test(size=(120, 34)) as pilot:
+        app.query_one(TrainingPane).focus()
+        await pilot.press("o")
+        await pilot.pause(0.3)
+        assert "No runs" in str(app.screen.query_one("#runs-hint").render())
