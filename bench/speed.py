@@ -1,0 +1,350 @@
+"""One driver for the speed benchmark: the HF + PEFT baseline and Studio, same config, data and seed.
+
+In one call on the GPU machine it: measures a bf16 matmul (the MFU ceiling), builds the random
+Llama-2-7B if missing, writes the workloads' batches, runs the baseline (bench/baseline_qlora.py) and
+Studio (this file, ``--worker``) in separate processes (so each one's peak memory is its own), and
+writes one JSON with tokens/s, the ratio, peak allocated/reserved, the loss at every step, MFU, the
+GPU, the package versions and the exact command.
+
+    python bench/speed.py --out $OUT --steps 50
+
+Workloads: ``fixed_mb4`` / ``fixed_mb1`` (rows of 512 tokens, micro-batch 4 / 1, loss on every
+token) and ``short_*`` (short instruction-like examples, lengths drawn like Code Alpaca's): the
+baseline trains on them padded (micro-batch 4, padded to the longest), Studio packed into rows of
+512 tokens (micro-batch 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SEQ = 512
+
+
+# ------------------------------------------------------------------------------- workloads
+
+
+def _zipf_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    # Token frequencies of text fall off like 1/rank: a learnable distribution, unlike uniform ids.
+    return [min(vocab - 1, 3 + int(rng.paretovariate(1.0))) for _ in range(n)]
+
+
+def write_workloads(folder: Path, steps: int, seed: int, vocab: int = 32000) -> dict[str, Path]:
+    """The batch files, one per workload (lists of dicts of CPU tensors)."""
+    import torch
+
+    from studio.engine.batching import DataStream
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    paths = {}
+    for mb in (4, 1):
+        batches = []
+        for _ in range(steps):
+            ids = torch.tensor([_zipf_ids(rng, SEQ, vocab) for _ in range(mb)])
+            batches.append({"input_ids": ids, "labels": ids.clone(), "attention_mask": None,
+                            "position_ids": torch.arange(SEQ).expand(mb, SEQ).clone(), "tokens": mb * SEQ})
+        paths[f"fixed_mb{mb}"] = folder / f"fixed_mb{mb}.pt"
+        torch.save(batches, paths[f"fixed_mb{mb}"])
+
+    class Ex:
+        def __init__(self, ids, labels):
+            self.input_ids, self.labels = ids, labels
+
+    examples = []
+    for _ in range(4000):
+        # Code Alpaca through the Alpaca template: ~60 prompt tokens, answers mostly under 150.
+        prompt = max(30, min(200, int(rng.lognormvariate(4.1, 0.3))))
+        answer = max(4, min(SEQ - prompt, int(rng.lognormvariate(3.9, 0.8))))
+        ids = _zipf_ids(rng, prompt + answer, vocab)
+        examples.append(Ex(ids, [-100] * prompt + ids[prompt:]))
+    for packing, name in ((False, "short_padded"), (True, "short_packed")):
+        stream = DataStream(examples, seed=seed, packing=packing, max_len=SEQ)
+        # The plain HF loop: shuffled examples, each batch padded to its longest (no length grouping).
+        units = stream.units(0) if packing else [[i] for i in rng.sample(range(len(examples)), 4 * steps)]
+        batches = []
+        for i in range(steps):
+            mb = stream.collate(units[i * 4:(i + 1) * 4], pad_id=0)
+            batches.append({"input_ids": mb.input_ids, "labels": mb.labels, "attention_mask": mb.attention_mask,
+                            "position_ids": mb.position_ids, "tokens": mb.tokens})
+        paths[name] = folder / f"{name}.pt"
+        torch.save(batches, paths[name])
+    return paths
+
+
+# --------------------------------------------------------------------------------- Studio side
+
+
+LEVERS = {
+    "all": {},
+    "no_liger": {"kernels": False},
+    "no_absmax_cache": {"cache_absmax": False},
+    "sdpa_mask": {"varlen": False},
+}
+
+
+def studio_load(model_path: str, lora_dropout: float, seed: int):
+    """The 4-bit model with LoRA attached, as Studio's engine loads it (no fp32 upcasts)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from bench.baseline_qlora import LORA_TARGETS
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quant, dtype=torch.bfloat16,
+                                                 device_map={"": 0}, attn_implementation="sdpa")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(seed)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=lora_dropout, target_modules=LORA_TARGETS,
+                      bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def studio_train(fast_model, params, batches, steps: int, lr: float, warmup_steps: int, seed: int) -> dict:
+    """Same loop as the baseline's, with the fast path's loss and a fused AdamW."""
+    import torch
+
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+    losses, times, tokens = [], [], []
+    torch.cuda.synchronize()
+    for step in range(steps):
+        batch = batches[step % len(batches)]
+        t0 = time.perf_counter()
+        mask = batch["attention_mask"]
+        loss = fast_model.loss(batch["input_ids"].cuda(non_blocking=True), batch["labels"].cuda(non_blocking=True),
+                               mask.cuda(non_blocking=True) if mask is not None else None,
+                               batch["position_ids"].cuda(non_blocking=True))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        tokens.append(int(batch["tokens"]))
+    timed = slice(warmup_steps, None)
+    return {"losses": losses, "step_s": times, "tokens": tokens,
+            "tokens_per_s": sum(tokens[timed]) / sum(times[timed]),
+            "peak_allocated": torch.cuda.max_memory_allocated(),
+            "peak_reserved": torch.cuda.max_memory_reserved()}
+
+
+def optimizer_state_free() -> None:
+    """Release what a failed variant left on the GPU."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def studio_worker(args) -> int:
+    """Run Studio's fast path on each workload (and each lever variant on the fixed ones)."""
+    import torch
+
+    from bench.baseline_qlora import reset_lora
+    from studio.engine import fast
+
+    t0 = time.perf_counter()
+    model = studio_load(args.model, args.lora_dropout, args.seed)
+    load_s = time.perf_counter() - t0
+    init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = {"impl": "studio", "load_s": load_s, "after_load_allocated": torch.cuda.memory_allocated(),
+               "trainable_params": sum(p.numel() for p in init.values()), "workloads": {}}
+    plan = [(Path(p).stem, p, "all", args.steps) for p in args.batches.split(",")]
+    if args.levers:
+        for lever in LEVERS:
+            if lever != "all":
+                plan += [(Path(p).stem, p, lever, args.lever_steps) for p in args.levers.split(",")]
+    for name, path, lever, steps in plan:
+        batches = torch.load(path)
+        fm, why = fast.prepare(model, fast.FastOptions(**LEVERS[lever]))
+        if fm is None:
+            print(f"fast path unavailable: {why}", flush=True)
+            return 1
+        reset_lora(model, init)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            out = studio_train(fm, params, batches, steps, args.lr, args.warmup_steps, args.seed)
+        except Exception:  # noqa: BLE001 - one failing variant must not hide the others' numbers
+            traceback.print_exc()
+            optimizer_state_free()
+            continue
+        out["fast_path"] = fm.describe()
+        key = name if lever == "all" else f"{name}:{lever}"
+        results["workloads"][key] = out
+        print(f"studio {key}: {out['tokens_per_s']:.0f} tokens/s, peak {out['peak_allocated'] / 2**30:.2f} / "
+              f"{out['peak_reserved'] / 2**30:.2f} GiB, loss {out['losses'][0]:.3f} -> {out['losses'][-1]:.3f}"
+              f" [{fm.describe()}]", flush=True)
+        del fm
+    Path(args.json).write_text(json.dumps(results))
+    return 0
+
+
+# ------------------------------------------------------------------------------------ driver
+
+
+def matmul_tflops() -> float:
+    """bf16 8192^3 matmul rate on this GPU (median of 20 after warm-up, random data)."""
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return 2 * 8192**3 / times[len(times) // 2] / 1e12
+
+
+def versions() -> dict[str, str]:
+    """Versions of the packages that decide the result."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "triton", "transformers", "peft", "bitsandbytes", "liger-kernel", "accelerate"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "missing"
+    return out
+
+
+def driver(args) -> int:
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"command": " ".join(shlex.quote(a) for a in sys.argv), "gpu": torch.cuda.get_device_name(),
+              "versions": versions(), "steps": args.steps, "seq": SEQ, "lora_dropout": args.lora_dropout}
+    report["matmul_tflops"] = matmul_tflops()
+    print(f"{report['gpu']}: bf16 matmul {report['matmul_tflops']:.0f} TFLOP/s; {report['versions']}", flush=True)
+    torch.cuda.empty_cache()
+    model = Path(args.model)
+    if not (model / "config.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "bench/make_random_model.py"), "--out", str(model)],
+                       check=True)
+    work = Path(args.work)
+    paths = write_workloads(work, args.steps, args.seed)
+    common = ["--model", str(model), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+              "--lr", str(args.lr), "--lora-dropout", str(args.lora_dropout), "--seed", str(args.seed)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    runs = {}
+    if not args.skip_baseline:
+        base = [paths[k] for k in ("fixed_mb4", "fixed_mb1", "short_padded")]
+        subprocess.run([sys.executable, str(ROOT / "bench/baseline_qlora.py"), *common, "--json",
+                        str(work / "baseline.json"), "--batches", ",".join(map(str, base))], check=True, env=env)
+        runs["baseline"] = json.loads((work / "baseline.json").read_text())
+    mine = [paths[k] for k in ("fixed_mb4", "fixed_mb1", "short_packed", "short_padded")]
+    levers = ",".join(str(paths[k]) for k in ("fixed_mb4", "fixed_mb1", "short_packed")) if args.levers else ""
+    subprocess.run([sys.executable, str(ROOT / "bench/speed.py"), "--worker", *common, "--json",
+                    str(work / "studio.json"), "--batches", ",".join(map(str, mine)), "--levers", levers,
+                    "--lever-steps", str(args.lever_steps)], check=True, env=env)
+    runs["studio"] = json.loads((work / "studio.json").read_text())
+    report.update(summarize(runs, report["matmul_tflops"]))
+    report["runs"] = runs
+    (out / "speed.json").write_text(json.dumps(report, indent=1))
+    print_table(report)
+    return 0
+
+
+def summarize(runs: dict, peak_tflops: float) -> dict:
+    """Ratios, MFU and loss agreement from the two runs' JSON."""
+    from transformers import LlamaConfig
+
+    from bench.make_random_model import ARCHS
+    from studio.engine.fast import model_flops_per_token
+
+    config = LlamaConfig(**ARCHS["llama2-7b"])
+    pairs = {"fixed_mb4": ("fixed_mb4", "fixed_mb4"), "fixed_mb1": ("fixed_mb1", "fixed_mb1"),
+             "short_instructions": ("short_padded", "short_packed")}
+    summary = {}
+    base = runs.get("baseline", {}).get("workloads", {})
+    studio = runs["studio"]["workloads"]
+    for label, (b, s) in pairs.items():
+        row = {}
+        seq = SEQ if label.startswith("fixed") else 150
+        flops = model_flops_per_token(config, seq / 2)
+        if s in studio:
+            row["studio_tokens_per_s"] = studio[s]["tokens_per_s"]
+            row["studio_mfu"] = studio[s]["tokens_per_s"] * flops / (peak_tflops * 1e12)
+            row["studio_peak_reserved_gib"] = studio[s]["peak_reserved"] / 2**30
+            row["studio_peak_allocated_gib"] = studio[s]["peak_allocated"] / 2**30
+        if b in base:
+            row["baseline_tokens_per_s"] = base[b]["tokens_per_s"]
+            row["baseline_mfu"] = base[b]["tokens_per_s"] * flops / (peak_tflops * 1e12)
+            row["baseline_peak_reserved_gib"] = base[b]["peak_reserved"] / 2**30
+            row["baseline_peak_allocated_gib"] = base[b]["peak_allocated"] / 2**30
+        if s in studio and b in base:
+            row["ratio"] = row["studio_tokens_per_s"] / row["baseline_tokens_per_s"]
+            if b == s:
+                rel = [abs(x - y) / abs(y) for x, y in zip(studio[s]["losses"], base[b]["losses"], strict=False)]
+                row["loss_max_rel_diff"] = max(rel)
+        summary[label] = row
+    for key, value in studio.items():
+        if ":" in key:
+            summary.setdefault("levers", {})[key] = {"tokens_per_s": value["tokens_per_s"],
+                                                     "peak_reserved_gib": value["peak_reserved"] / 2**30}
+    return {"summary": summary}
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{report['gpu']}  matmul {report['matmul_tflops']:.0f} TFLOP/s")
+    for label, row in report["summary"].items():
+        if label == "levers":
+            for key, v in row.items():
+                print(f"  lever {key:28s} {v['tokens_per_s']:8.0f} tok/s  reserved {v['peak_reserved_gib']:.2f} GiB")
+            continue
+        print(f"  {label:20s} " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                             for k, v in row.items()))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help="internal: run Studio's side")
+    parser.add_argument("--model", default="/tmp/llama2-7b-random")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--work", default="/tmp/studio-bench")
+    parser.add_argument("--batches", default="")
+    parser.add_argument("--json", default="")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--lora-dropout", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--levers", default="", help="driver: any value runs the lever ablations")
+    parser.add_argument("--lever-steps", type=int, default=12)
+    parser.add_argument("--skip-baseline", action="store_true")
+    args = parser.parse_args()
+    return studio_worker(args) if args.worker else driver(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
