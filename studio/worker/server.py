@@ -263,12 +263,12 @@ class Worker:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: self._terminate.set())
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        if first is not None:
+            self.state = "loading"  # before any client can ask, so none sees a passing "idle"
+            self.commands.put((None, first))
+        self.emit(ev.WorkerStarted(pid=os.getpid()))
         threading.Thread(target=self._accept_loop, args=(listener,), name="worker-accept",
                          daemon=True).start()
-        self.emit(ev.WorkerStarted(pid=os.getpid()))
-        if first is not None:
-            self.state = "loading"
-            self.commands.put((None, first))
         while self._exit_reason is None:
             try:
                 peer, command = self.commands.get(timeout=0.25)
