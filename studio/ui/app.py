@@ -1,0 +1,439 @@
+"""The Studio app: composes the panes as tabs and routes state between them.
+
+State lives here and nowhere else: the config being edited, the run being followed, the selected row,
+the token counter. Panes change it through the methods below (``config_edited``, ``select_row``,
+``send_command``...) and hear about changes through the messages in :mod:`studio.ui.messages`.
+Anything slow (the worker socket, the event log, the tokenizer) runs in a thread worker; events reach
+the panes in batches, a few times a second at most, however fast the worker writes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import queue
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.widget import Widget
+from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
+from textual.worker import get_current_worker
+
+from studio.core import events as ev
+from studio.core.config import RunConfig
+from studio.core.runs import RunDir, create_run, iter_events
+from studio.ui import theme as themes
+from studio.ui.commands import StudioCommands
+from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged
+from studio.ui.widgets.config_editor import ConfigEditor
+from studio.ui.widgets.dialogs import PathDialog
+from studio.ui.widgets.token_counter import TokenCounter, approximate_counter, load_token_counter
+
+# (tab id, tab title, module under studio/ui/panes, class): the order is the key order 1..5.
+PANES = (
+    ("dataset", "Dataset", "dataset", "DatasetPane"),
+    ("template", "Template", "template", "TemplatePane"),
+    ("vram", "VRAM", "vram", "VramPane"),
+    ("training", "Training", "training", "TrainingPane"),
+    ("chat", "Chat", "chat", "ChatPane"),
+)
+EVENT_FLUSH_S = 0.2
+"""Events reach the panes at most this often (5 redraws a second), however fast they arrive."""
+
+
+def _make_pane(tab: str, title: str, module: str, cls: str) -> Widget:
+    """The pane, or a notice while its module has not been written yet."""
+    name = f"studio.ui.panes.{module}"
+    try:
+        pane_module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        return Static(f"The {title} pane is not available in this build.", id=f"pane-{tab}",
+                      classes="missing-pane")
+    return getattr(pane_module, cls)(id=f"pane-{tab}")
+
+
+class StudioApp(App[None]):
+    """Studio's terminal UI."""
+
+    TITLE = "Studio"
+    CSS_PATH = "app.tcss"
+    COMMANDS = App.COMMANDS | {StudioCommands}
+    BINDINGS = [
+        Binding("ctrl+o", "open_dataset", "Open data", id="app.open_dataset",
+                tooltip="Open a CSV, JSON, JSONL or Parquet file or a saved dataset folder"),
+        Binding("ctrl+s", "save_config", "Save config", id="app.save_config",
+                tooltip="Save the config as YAML that 'studio train' runs"),
+        Binding("ctrl+l", "load_config", "Load config", id="app.load_config"),
+        Binding("ctrl+t", "start_training", "Train", id="app.start_training",
+                tooltip="Start training the current config in a background worker"),
+        Binding("ctrl+r", "open_run", "Runs", id="app.open_run", show=False),
+        Binding("f2", "stop_training", "Stop training", id="app.stop_training", show=False),
+        Binding("f3", "change_theme", "Theme", id="app.change_theme", show=False),
+        Binding("ctrl+q", "quit", "Quit", id="app.quit"),
+        *[Binding(f"{n},alt+{n}", f"show_pane('{tab}')", f"{title} pane", id=f"app.show_{tab}", show=False)
+          for n, (tab, title, _, _) in enumerate(PANES, start=1)],
+        Binding("6,alt+6", "show_pane('config')", "Config pane", id="app.show_config", show=False),
+    ]
+
+    def __init__(self, config: RunConfig, config_path: Path | None = None, run: RunDir | None = None,
+                 *, initial_pane: str | None = None, settings: bool = True) -> None:
+        """``config`` is edited in place; ``config_path`` is where Save writes (asks when None);
+        ``run`` is followed from the start; ``initial_pane`` is the tab shown first (``chat``...).
+        ``settings`` False neither reads nor saves the theme choice (tests and snapshots)."""
+        super().__init__()
+        self.initial_pane = initial_pane
+        self.config = config
+        self.config_path = config_path
+        self.run: RunDir | None = run
+        self.counter: TokenCounter = dataclasses.replace(
+            approximate_counter(), label="≈ approximate token counts (the tokenizer is loading…)")
+        self.selected: tuple[int, dict[str, Any]] | None = None
+        self.dataset_columns: list[str] = []
+        self._settings = settings
+        self._events: deque[ev.Event] = deque()
+        self._send_lock = threading.Lock()
+        self._outbox: queue.Queue[ev.Command] = queue.Queue()
+        self._client: Any = None
+        self._follower: Any = None
+        for theme in themes.bundled_themes():
+            self.register_theme(theme)
+        saved = themes.load_theme_choice() if settings else None
+        self.theme = saved if saved in self.available_themes else themes.DEFAULT_THEME
+
+    # ------------------------------------------------------------------------------- layout
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with TabbedContent(id="panes", initial=self.initial_pane or "dataset"):
+            for n, (tab, title, module, cls) in enumerate(PANES, start=1):
+                with TabPane(f"{n} {title}", id=tab):
+                    yield _make_pane(tab, title, module, cls)
+            with TabPane("6 Config", id="config"):
+                yield ConfigEditor(id="pane-config")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = self._subtitle()
+        self.theme_changed_signal.subscribe(self, self._theme_changed)
+        self.set_interval(EVENT_FLUSH_S, self._flush_events)
+        self.load_tokenizer()
+        if self.run is not None:
+            self.open_run(self.run)
+
+    def get_theme_variable_defaults(self) -> dict[str, str]:
+        """Studio's own colour variables under a theme that lacks them (Textual's built-ins)."""
+        colours = self.current_theme.to_color_system().generate()
+        return {name: colours[fallback] for name, fallback in themes.STUDIO_VARIABLES.items()}
+
+    def _theme_changed(self, theme: Any) -> None:
+        if self._settings:
+            themes.save_theme_choice(theme.name)
+
+    def _subtitle(self) -> str:
+        where = str(self.config_path) if self.config_path else "unsaved config"
+        run = f" · run {self.run.id}" if self.run else ""
+        return f"{self.config.model.base_model} · {where}{run}"
+
+    @property
+    def panes(self) -> list[Widget]:
+        """The mounted panes (and the config editor), in tab order."""
+        found = [self.query_one(f"#pane-{tab}") for tab, *_ in PANES]
+        return [*found, self.query_one(ConfigEditor)]
+
+    def _broadcast(self, make: Any, origin: Widget | None = None) -> None:
+        """Post a fresh message from ``make()`` to every pane but ``origin``."""
+        for pane in self.panes:
+            if pane is not origin:
+                pane.post_message(make())
+
+    # ------------------------------------------------------------------------ shared state
+
+    def config_edited(self, section: str = "all", origin: Widget | None = None) -> None:
+        """A pane changed ``self.config`` in place: tell the others (and reload the tokenizer when
+        the model changed)."""
+        self.sub_title = self._subtitle()
+        self._broadcast(lambda: ConfigChanged(section), origin)
+        if section in ("model", "all"):
+            self.load_tokenizer()
+
+    def replace_config(self, config: RunConfig, path: Path | None = None) -> None:
+        """Edit ``config`` from now on (a loaded file, a run's config)."""
+        self.config = config
+        self.config_path = path
+        self.config_edited("all")
+
+    def select_row(self, index: int, row: dict[str, Any], origin: Widget | None = None) -> None:
+        """The dataset browser moved to row ``index``; previews follow it."""
+        self.selected = (index, row)
+        self._broadcast(lambda: RowChanged(index, row), origin)
+
+    def dataset_opened(self, path: str, columns: list[str], rows: int, origin: Widget | None = None) -> None:
+        """A dataset finished loading in the browser: it is now the config's data."""
+        self.dataset_columns = list(columns)
+        if self.config.data.path != path:
+            self.config.data.path = path
+            self.config_edited("data", origin)
+        self._broadcast(lambda: DatasetChanged(path, list(columns), rows), origin)
+
+    @work(thread=True, exclusive=True, group="tokenizer", exit_on_error=False,
+          description="loading the tokenizer")
+    def load_tokenizer(self) -> None:
+        """Find the base model's tokenizer (no torch); fall back to the labelled approximation."""
+        counter = load_token_counter(self.config.model.base_model, self.config.model.revision)
+        self.call_from_thread(self._tokenizer_loaded, counter)
+
+    def _tokenizer_loaded(self, counter: TokenCounter) -> None:
+        self.counter = counter
+        self._broadcast(TokenizerChanged)
+
+    # ------------------------------------------------------------------------ the worker
+
+    def open_run(self, run: RunDir | None, start_worker: bool = False) -> None:
+        """Follow ``run`` from now on: panes forget the old run (``reset_run``), its events replay
+        from the start of its log and then arrive live. ``start_worker`` starts its worker when none
+        is alive. A previous run's worker that never trained (a preview) is shut down, so that the
+        GPU is free for the new one."""
+        previous = self.run
+        if previous is not None and previous != run:
+            self._retire(previous)
+        if self._follower is not None:
+            self._follower.close()
+        self.run = run
+        self._client = None
+        self._events.clear()
+        self.sub_title = self._subtitle()
+        for pane in self.panes:
+            reset = getattr(pane, "reset_run", None)
+            if reset is not None:
+                reset(run)
+        if run is None:
+            self.workers.cancel_group(self, "events")
+            return
+        self._follow_events(run)
+        if start_worker:
+            self._deliver(start=True)
+
+    def send_command(self, command: ev.Command) -> None:
+        """Send ``command`` to the current run's worker (from a thread; queued until connected).
+
+        With no run yet, one is made from the config and its worker started.
+        """
+        self._outbox.put(command)
+        if self.run is None:
+            try:
+                run = create_run(self.config)
+            except OSError as exc:
+                self.notify(f"Cannot create a run directory under {self.config.output_dir}: {exc}",
+                            severity="error")
+                return
+            self.open_run(run, start_worker=True)
+        else:
+            self._deliver(start=True)
+
+    @work(thread=True, group="commands", exit_on_error=False, description="talking to the worker")
+    def _deliver(self, start: bool) -> None:
+        """Connect to the run's worker (starting it when asked) and send every queued command."""
+        from studio.ui.client import WorkerClient, start_worker
+
+        while True:
+            if not self._send_lock.acquire(blocking=False):
+                return  # the thread holding the lock sends what is queued
+            try:
+                run = self.run
+                if run is None:
+                    return
+                if self._client is None or self._client.run != run or not self._client.connected:
+                    if start and run.worker_pid() is None:
+                        start_worker(run)
+                    client = WorkerClient(run)
+                    client.connect(timeout=30)
+                    self._client = client
+                while not self._outbox.empty():
+                    self._client.send(self._outbox.get_nowait())
+            except Exception as exc:  # shown to the person; the UI stays up whatever the worker does
+                self._client = None
+                self.call_from_thread(self.notify, f"Could not reach the worker: {exc}",
+                                      title="Worker", severity="error", timeout=10)
+                return
+            finally:
+                self._send_lock.release()
+            if self._outbox.empty():
+                return
+
+    def _retire(self, run: RunDir) -> None:
+        """Shut down ``run``'s worker if it only served previews (it never started training)."""
+        if run.worker_pid() is None or any(isinstance(e, ev.RunStarted) for e in iter_events(run.events_path)):
+            return
+        client = self._client if self._client is not None and self._client.run == run else None
+
+        def shutdown() -> None:
+            from studio.ui.client import WorkerClient
+
+            try:
+                sender = client or WorkerClient(run)
+                if not sender.connected:
+                    sender.connect(timeout=5)
+                sender.send(ev.Shutdown())
+                sender.close()
+            except Exception:  # best effort: a worker that is already gone needs no shutdown
+                pass
+
+        threading.Thread(target=shutdown, name="studio-retire-worker", daemon=True).start()
+
+    @work(thread=True, exclusive=True, group="events", exit_on_error=False, description="following events")
+    def _follow_events(self, run: RunDir) -> None:
+        """Read the run's events (history, then live) into a queue the UI drains on a timer."""
+        from studio.ui.client import WorkerClient
+
+        worker = get_current_worker()
+        client = WorkerClient(run)
+        self._follower = client
+        try:
+            for event in client.events(poll_s=0.25):
+                if worker.is_cancelled or self.run != run:
+                    break
+                self._events.append(event)
+        finally:
+            client.close()
+
+    def _flush_events(self) -> None:
+        """Hand the events gathered since the last flush to every pane that takes them."""
+        if not self._events:
+            return
+        batch = []
+        while self._events:
+            batch.append(self._events.popleft())
+        for pane in self.panes:
+            handle = getattr(pane, "handle_events", None)
+            if handle is not None:
+                handle(batch)
+
+    # ------------------------------------------------------------------------------ actions
+
+    def action_show_pane(self, tab: str) -> None:
+        """Bring a pane to the front."""
+        self.query_one("#panes", TabbedContent).active = tab
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        """Focus the shown pane's main widget, so its keys are live and listed in the footer."""
+        if event.tabbed_content.id != "panes" or event.pane.id is None:
+            return
+        pane = self.query_one(f"#pane-{event.pane.id}")
+        target = getattr(pane, "focus_target", None)
+        widget = target() if callable(target) else None
+        if widget is None:
+            widget = next((w for w in pane.query("*") if w.focusable), pane if pane.focusable else None)
+        if widget is not None:
+            widget.focus()
+
+    def action_open_dataset(self) -> None:
+        """Show the dataset browser's file picker."""
+        self.action_show_pane("dataset")
+        self.query_one("#pane-dataset").run_action("open_file")
+
+    def action_save_config(self) -> None:
+        """Save the config as YAML; asks where the first time."""
+        if self.config_path is not None:
+            self._save_config(self.config_path)
+            return
+        self.push_screen(PathDialog("Save the config as", "studio.yaml", must_exist=False),
+                         lambda path: path and self._save_config(path))
+
+    def _save_config(self, path: Path) -> None:
+        editor = self.query_one(ConfigEditor)
+        if not editor.apply():
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.config.save(path)
+        except OSError as exc:
+            self.notify(f"{path}: cannot write ({exc.strerror}); pick another folder", severity="error")
+            return
+        self.config_path = path
+        self.sub_title = self._subtitle()
+        self.notify(f"Saved {path}; train it with: studio train {path}", title="Config saved")
+
+    def action_load_config(self) -> None:
+        """Load a YAML config (Studio or Ludwig layout) and edit it."""
+        from studio.core.config import ConfigError, load_config
+
+        def load(path: Path | None) -> None:
+            if path is None:
+                return
+            try:
+                config = load_config(path)
+            except ConfigError as exc:
+                self.notify(str(exc), title="Config not loaded", severity="error", timeout=10)
+                return
+            self.replace_config(config, path)
+            self.notify(f"Loaded {path}")
+
+        self.push_screen(PathDialog("Load a config", str(self.config_path or ""), must_exist=True), load)
+
+    def _pane_action(self, tab: str, action: str) -> bool:
+        """Run ``action`` of the pane on tab ``tab`` (bringing it to the front); False if absent."""
+        pane = self.query_one(f"#pane-{tab}")
+        if not hasattr(pane, f"action_{action}"):
+            return False
+        self.action_show_pane(tab)
+        pane.run_action(action)
+        return True
+
+    def action_start_training(self) -> None:
+        """Train the current config: a new run directory and its background worker."""
+        if not self.query_one(ConfigEditor).apply():
+            return
+        if not self._pane_action("training", "start_training"):
+            run = create_run(self.config)
+            self.open_run(run, start_worker=True)
+            self.send_command(ev.StartTraining())
+            self.notify(f"Run {run.id} created; training starts once the model is loaded")
+
+    def action_stop_training(self) -> None:
+        """Checkpoint, save the adapter and stop the current run's training (asks first)."""
+        if self._pane_action("training", "stop_training"):
+            return
+        if self.run is None:
+            self.notify("No run is being followed; nothing to stop", severity="warning")
+            return
+        self.send_command(ev.Stop())
+
+    def action_open_run(self) -> None:
+        """Pick a run from the output folder and follow it (plots, chat, its config)."""
+        from studio.ui.widgets.run_picker import RunPickerScreen
+
+        def picked(result: Any) -> None:
+            if not result:
+                return
+            kind, value = result
+            if kind == "compare":
+                from studio.ui.widgets.run_picker import CompareScreen
+
+                self.push_screen(CompareScreen(value))
+                return
+            try:
+                config = value.config()
+            except ValueError as exc:
+                self.notify(str(exc), title="Run config unreadable", severity="error")
+                return
+            self.replace_config(config, value.config_path)
+            self.open_run(value)
+
+        self.push_screen(RunPickerScreen(self.config.output_dir), picked)
+
+    def action_change_theme(self) -> None:
+        """Pick a theme (the choice is remembered)."""
+        self.search_themes()
+
+    def on_unmount(self) -> None:
+        # Closing the follower ends its events() loop, so its thread (and the app) can exit.
+        for client in (self._follower, self._client):
+            if client is not None:
+                client.close()

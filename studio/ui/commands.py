@@ -1,0 +1,90 @@
+"""The command palette (ctrl+p): every action a key can do, and the ones without a key.
+
+Entries are gathered, not listed by hand, so a new key binding shows up here by itself: the app's
+bindings, every pane's bindings (run on that pane, after bringing it to the front), the palette lists
+the part-2 panes publish (``TRAINING_COMMANDS``, ``CHAT_COMMANDS``), and one entry a theme.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+if TYPE_CHECKING:
+    from studio.ui.app import StudioApp
+
+
+@dataclass(frozen=True)
+class PaletteEntry:
+    """One command: what the palette shows and what it runs."""
+
+    title: str
+    help: str
+    run: Callable[[], object]
+
+
+def palette_entries(app: StudioApp) -> list[PaletteEntry]:
+    """Every action of the app and its panes, each once."""
+    from studio.ui.app import PANES
+
+    entries: list[PaletteEntry] = []
+    seen: set[tuple[str, str]] = set()
+
+    def add(owner: str, action: str, title: str, help_text: str, run: Callable[[], object]) -> None:
+        if (owner, action) not in seen:
+            seen.add((owner, action))
+            entries.append(PaletteEntry(title, help_text, run))
+
+    for binding in app.BINDINGS:
+        help_text = binding.tooltip or f"key: {binding.key.split(',')[0]}"
+        add("app", binding.action, binding.description, help_text, partial(app.run_action, binding.action))
+    tabs = [(tab, title, module) for tab, title, module, _ in PANES] + [("config", "Config", None)]
+    for tab, title, module in tabs:
+        pane = app.query_one(f"#pane-{tab}")
+        pane_title = title
+
+        def on_pane(action: str, tab: str = tab, pane: object = pane) -> None:
+            app.action_show_pane(tab)
+            pane.run_action(action)  # type: ignore[attr-defined]
+
+        for binding in getattr(type(pane), "BINDINGS", []):
+            if not hasattr(binding, "action"):
+                continue
+            help_text = binding.tooltip or f"{pane_title} pane, key: {binding.key.split(',')[0]}"
+            add(tab, binding.action, f"{pane_title}: {binding.description}", help_text,
+                partial(on_pane, binding.action))
+        listed = getattr(_loaded(module), f"{module.upper()}_COMMANDS", []) if module else []
+        for entry_title, help_text, action in listed:
+            add(tab, action, entry_title, help_text, partial(on_pane, action))
+    for name in sorted(app.available_themes):
+        add("theme", name, f"Theme: {name}", "Switch the colour theme (remembered next time)",
+            partial(setattr, app, "theme", name))
+    return entries
+
+
+def _loaded(module: str) -> object | None:
+    """A pane module if it exists (imported already by the app)."""
+    try:
+        return importlib.import_module(f"studio.ui.panes.{module}")
+    except ModuleNotFoundError:
+        return None
+
+
+class StudioCommands(Provider):
+    """Studio's actions for the command palette."""
+
+    async def discover(self) -> Hits:
+        for entry in palette_entries(self.app):  # type: ignore[arg-type]
+            yield DiscoveryHit(entry.title, entry.run, help=entry.help)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for entry in palette_entries(self.app):  # type: ignore[arg-type]
+            score = matcher.match(entry.title)
+            if score > 0:
+                yield Hit(score, matcher.highlight(entry.title), entry.run, text=entry.title, help=entry.help)

@@ -1,0 +1,421 @@
+"""The dataset browser: open a file, page through it, filter it, read a row, see its statistics and lint.
+
+Everything slow runs in thread workers (reading the file, searching, statistics, lint) and comes back
+with ``call_from_thread``; the table only ever holds one page, so 100k rows page as fast as 100.
+The selected row feeds the template preview (``app.select_row``); the opened path becomes the
+config's ``data.path`` and the column mapping its ``data.columns``.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.content import Content
+from textual.timer import Timer
+from textual.widgets import Button, DataTable, Input, OptionList, ProgressBar, Static, TabbedContent, TabPane
+from textual.widgets.option_list import Option
+
+from studio.core import data as datalib
+from studio.ui.messages import ConfigChanged, TokenizerChanged
+from studio.ui.widgets.column_map import ColumnMap
+from studio.ui.widgets.column_stats import StatsView
+from studio.ui.widgets.dialogs import PathDialog
+
+PAGE_SIZE = 100
+"""Rows in the table at once; paging replaces them (never the whole dataset in a DataTable)."""
+CELL_CHARS = 40
+"""Longest cell text in the table; the row view shows everything."""
+STATS_SAMPLE = 20_000
+"""Statistics on bigger datasets use a seeded random sample of this many rows."""
+LINT_SHOWN = 500
+"""Most lint findings listed (the count says how many there are)."""
+_COLUMN_FILTER = re.compile(r"^(\w+):(.*)$")
+
+
+def cell_text(value: Any, limit: int = CELL_CHARS) -> str:
+    """A value as one short table cell: newlines shown as ⏎, long text cut with …."""
+    text = "" if value is None else str(value)
+    text = text.replace("\r\n", "\n").replace("\n", "⏎ ").replace("\t", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class DatasetPane(Vertical):
+    """Open, page, filter and inspect a dataset."""
+
+    BINDINGS = [
+        Binding("ctrl+o", "open_file", "Open", id="dataset.open", show=False),
+        Binding("right_square_bracket", "page(1)", "Next page", id="dataset.next_page", key_display="]"),
+        Binding("left_square_bracket", "page(-1)", "Prev page", id="dataset.prev_page", key_display="["),
+        Binding("slash", "focus_filter", "Filter", id="dataset.filter", key_display="/"),
+        Binding("v", "side('row')", "Row", id="dataset.row_view",
+                tooltip="Show the highlighted row's full text"),
+        Binding("s", "side('stats')", "Stats", id="dataset.stats"),
+        Binding("l", "side('lint')", "Lint", id="dataset.lint"),
+        Binding("m", "side('columns')", "Map columns", id="dataset.map_columns"),
+    ]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.table: datalib.Table | None = None
+        self.matches: list[int] | None = None
+        """Row indices the filter kept, or None when there is no filter."""
+        self.page = 0
+        self.issues: list[datalib.DataIssue] = []
+        self._filter_timer: Timer | None = None
+        self._lint_timer: Timer | None = None
+        self._page_rows: list[int] = []
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="dataset-toolbar"):
+            yield Input(placeholder="dataset: CSV / JSON / JSONL / Parquet file or saved folder",
+                        id="dataset-path", compact=True)
+            yield Button("Open", id="dataset-open", variant="primary", compact=True)
+            yield Button("Browse…", id="dataset-browse", compact=True)
+        with Horizontal(id="dataset-busy"):
+            yield Static("", id="dataset-busy-label")
+            yield ProgressBar(total=None, show_eta=False, id="dataset-progress")
+        with Horizontal(id="dataset-body"):
+            with Vertical(id="dataset-left"):
+                yield DataTable(id="dataset-table", cursor_type="row", zebra_stripes=True)
+                with Horizontal(id="dataset-pager"):
+                    yield Static("no dataset", id="dataset-page-label")
+                    yield Input(placeholder="/ filter: text or column:text", id="dataset-filter", compact=True)
+            with TabbedContent(id="dataset-side", initial="row"):
+                with TabPane("Row", id="row"):
+                    with VerticalScroll(id="dataset-row-scroll"):
+                        yield Static("Highlight a row to read it in full.", id="dataset-row")
+                with TabPane("Stats", id="stats"):
+                    yield StatsView(id="dataset-stats")
+                with TabPane("Lint", id="lint"):
+                    yield Static("", id="lint-summary")
+                    yield OptionList(id="lint-list")
+                with TabPane("Columns", id="columns"):
+                    yield ColumnMap(id="dataset-columns")
+
+    def on_mount(self) -> None:
+        self._busy(None)
+        path = self.app.config.data.path  # type: ignore[attr-defined]
+        if path:
+            self.query_one("#dataset-path", Input).value = str(path)
+            self.open(str(path))
+
+    def focus_target(self) -> DataTable:
+        """What gets focus when the pane is shown: the table."""
+        return self.query_one("#dataset-table", DataTable)
+
+    # ------------------------------------------------------------------------------ loading
+
+    def _busy(self, label: str | None, progress: float | None = None) -> None:
+        """Show (or hide, with None) the progress line under the toolbar."""
+        busy = self.query_one("#dataset-busy")
+        busy.display = label is not None
+        if label is not None:
+            self.query_one("#dataset-busy-label", Static).update(label)
+            bar = self.query_one("#dataset-progress", ProgressBar)
+            bar.update(total=None if progress is None else 100, progress=(progress or 0) * 100)
+
+    def open(self, path: str) -> None:
+        """Load ``path`` in a thread; the table fills when it is read."""
+        self._busy(f"reading {path}…")
+        self._load(path)
+
+    @work(thread=True, exclusive=True, group="dataset-load", exit_on_error=False, description="reading data")
+    def _load(self, path: str) -> None:
+        config_path = self.app.config_path  # type: ignore[attr-defined]
+        base = config_path.parent if config_path else None
+        started = time.perf_counter()
+        try:
+            table = datalib.Table.open(path, self.app.config.data.hub_split, base)  # type: ignore[attr-defined]
+        except datalib.DataError as exc:
+            self.app.call_from_thread(self._load_failed, str(exc))
+            return
+        except Exception as exc:  # anything else the reader raises is still the file's fault
+            self.app.call_from_thread(self._load_failed, f"{path}: cannot read it ({exc})")
+            return
+        self.app.call_from_thread(self._loaded, path, table, time.perf_counter() - started)
+
+    def _load_failed(self, message: str) -> None:
+        self._busy(None)
+        self.query_one("#dataset-page-label", Static).update("no dataset")
+        self.notify(message, title="Dataset not opened", severity="error", timeout=10)
+
+    def _loaded(self, path: str, table: datalib.Table, seconds: float) -> None:
+        self.table = table
+        self.matches = None
+        self.page = 0
+        self.query_one("#dataset-filter", Input).value = ""
+        grid = self.query_one("#dataset-table", DataTable)
+        grid.clear(columns=True)
+        grid.add_column("#", key="#")
+        for name in table.column_names:
+            grid.add_column(name, key=name)
+        self.show_page(0)
+        self._busy(None)
+        self.app.dataset_opened(path, table.column_names, len(table), origin=self)  # type: ignore[attr-defined]
+        self._show_mapping()
+        self.refresh_analysis()
+        self.notify(f"{len(table):,} rows, {len(table.column_names)} columns in {seconds:.1f} s",
+                    title=Path(path).name)
+
+    # ------------------------------------------------------------------------------- paging
+
+    @property
+    def row_total(self) -> int:
+        """Rows shown by the table (after the filter)."""
+        if self.table is None:
+            return 0
+        return len(self.matches) if self.matches is not None else len(self.table)
+
+    @property
+    def page_count(self) -> int:
+        """Pages at PAGE_SIZE rows."""
+        return max(1, -(-self.row_total // PAGE_SIZE))
+
+    def show_page(self, page: int, cursor_row: int | None = None) -> None:
+        """Fill the table with page ``page`` (clamped), cursor on dataset row ``cursor_row`` if given."""
+        if self.table is None:
+            return
+        self.page = max(0, min(page, self.page_count - 1))
+        start = self.page * PAGE_SIZE
+        if self.matches is None:
+            indices = list(range(start, min(start + PAGE_SIZE, len(self.table))))
+            rows = self.table.rows(start, start + PAGE_SIZE)
+        else:
+            indices = self.matches[start:start + PAGE_SIZE]
+            rows = [self.table.row(i) for i in indices]
+        self._page_rows = indices
+        columns = self.table.column_names
+        grid = self.query_one("#dataset-table", DataTable)
+        grid.clear()
+        grid.add_rows([str(i), *(cell_text(row.get(c)) for c in columns)] for i, row in zip(indices, rows, strict=True))
+        if cursor_row is not None and cursor_row in indices:
+            grid.move_cursor(row=indices.index(cursor_row))
+        self._page_label()
+
+    def _page_label(self) -> None:
+        total = self.row_total
+        start = self.page * PAGE_SIZE
+        shown = f"{start + 1:,}-{min(start + PAGE_SIZE, total):,}" if total else "0"
+        kept = f" (filter: {total:,} of {len(self.table):,})" if self.matches is not None and self.table else ""
+        self.query_one("#dataset-page-label", Static).update(
+            f"rows {shown} of {total:,}{kept} · page {self.page + 1}/{self.page_count}")
+
+    def action_page(self, delta: int) -> None:
+        """Next (+1) or previous (-1) page."""
+        self.show_page(self.page + delta)
+
+    def goto_row(self, index: int) -> None:
+        """Show dataset row ``index``: clear a filter that hides it, page to it, put the cursor on it."""
+        if self.table is None:
+            return
+        if self.matches is not None and index not in self.matches:
+            self.matches = None
+            self.query_one("#dataset-filter", Input).value = ""
+        position = self.matches.index(index) if self.matches is not None else index
+        self.show_page(position // PAGE_SIZE, cursor_row=index)
+        self.query_one("#dataset-table", DataTable).focus()
+        self.action_side("row")
+
+    # ------------------------------------------------------------------------------ filter
+
+    def action_focus_filter(self) -> None:
+        self.query_one("#dataset-filter", Input).focus()
+
+    @on(Input.Changed, "#dataset-filter")
+    def _filter_changed(self, event: Input.Changed) -> None:
+        if self._filter_timer is not None:
+            self._filter_timer.stop()
+        self._filter_timer = self.set_timer(0.25, lambda: self._search(event.value))
+
+    @on(Input.Submitted, "#dataset-filter")
+    def _filter_submitted(self, event: Input.Submitted) -> None:
+        self.query_one("#dataset-table", DataTable).focus()
+
+    @work(thread=True, exclusive=True, group="dataset-search", exit_on_error=False, description="filtering")
+    def _search(self, text: str) -> None:
+        table = self.table
+        if table is None:
+            return
+        columns = None
+        match = _COLUMN_FILTER.match(text)
+        if match and match.group(1) in table.column_names:
+            columns, text = [match.group(1)], match.group(2)
+        found = table.search(text.strip(), columns, limit=None) if text.strip() else None
+        self.app.call_from_thread(self._filtered, found)
+
+    def _filtered(self, found: list[int] | None) -> None:
+        self.matches = found
+        self.show_page(0)
+
+    # --------------------------------------------------------------------------- row view
+
+    @on(DataTable.RowHighlighted, "#dataset-table")
+    def _row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if self.table is None or not 0 <= event.cursor_row < len(self._page_rows):
+            return
+        index = self._page_rows[event.cursor_row]
+        row = self.table.row(index)
+        self._show_row(index, row)
+        self.app.select_row(index, row, origin=self)  # type: ignore[attr-defined]
+
+    @on(DataTable.RowSelected, "#dataset-table")
+    def _row_selected(self, event: DataTable.RowSelected) -> None:
+        self.action_side("row")
+
+    def _show_row(self, index: int, row: dict[str, Any]) -> None:
+        parts = [Content.from_markup("[b $primary]row $index[/]\n", index=f"{index:,}")]
+        for name, value in row.items():
+            text = "" if value is None else str(value)
+            parts.append(Content.from_markup("\n[b $accent]$name[/]\n", name=name))
+            parts.append(Content(text if text else "(empty)") + "\n")
+        self.query_one("#dataset-row", Static).update(Content("").join(parts))
+
+    def action_side(self, tab: str) -> None:
+        """Bring a side tab (row, stats, lint, columns) to the front."""
+        self.query_one("#dataset-side", TabbedContent).active = tab
+
+    # ---------------------------------------------------------------------- stats and lint
+
+    def refresh_analysis(self) -> None:
+        """Recompute statistics and lint for the current table, config and tokenizer."""
+        if self.table is not None:
+            self._analyse(self.table)
+
+    @work(thread=True, exclusive=True, group="dataset-analysis", exit_on_error=False,
+          description="column statistics and lint")
+    def _analyse(self, table: datalib.Table) -> None:
+        app: Any = self.app
+        config, counter = app.config, app.counter
+        tokenize = counter.tokenizer if counter.tokenizer is not None else counter.tokenize
+        app.call_from_thread(self._busy, "statistics…", 0.1)
+        source: Any = table.dataset
+        note = f"{len(table):,} rows"
+        if len(table) > STATS_SAMPLE:
+            picks = sorted(random.Random(0).sample(range(len(table)), STATS_SAMPLE))
+            source = table.dataset.select(picks)
+            note = f"a random sample of {STATS_SAMPLE:,} of {len(table):,} rows"
+        text_columns = [c for c in table.column_names if c != config.data.split_column]
+        stats = datalib.column_stats(source, text_columns, tokenize)
+        splits = (datalib.split_counts(table.dataset, config.data.split_column)
+                  if config.data.split_column else None)
+        app.call_from_thread(self._show_stats, stats, splits, note, counter.label)
+        app.call_from_thread(self._busy, "lint…", 0.6)
+        try:
+            template = _template_for_lint(config, counter)
+            issues = datalib.lint_rows(table.dataset, config.prompt.response_field,
+                                       columns=config.data.columns, tokenize=tokenize,
+                                       max_seq_length=config.data.max_seq_length, template=template,
+                                       add_eos=config.prompt.add_eos)
+        except (datalib.DataError, ValueError) as exc:
+            app.call_from_thread(self._show_lint_error, str(exc))
+        else:
+            app.call_from_thread(self._show_lint, issues)
+        app.call_from_thread(self._busy, None)
+
+    def _show_stats(self, stats: dict[str, Any], splits: dict[str, int] | None, note: str, label: str) -> None:
+        self.query_one(StatsView).show(stats, splits, note, label)
+
+    def _show_lint(self, issues: list[datalib.DataIssue]) -> None:
+        self.issues = issues
+        kinds: dict[str, int] = {}
+        for issue in issues:
+            kinds[issue.kind] = kinds.get(issue.kind, 0) + 1
+        summary = " · ".join(f"{n:,} {kind.replace('_', ' ')}" for kind, n in kinds.items())
+        self.query_one("#lint-summary", Static).update(
+            f"⚠ {summary} (Enter jumps to the row)" if issues else "✓ no problems found")
+        options = self.query_one("#lint-list", OptionList)
+        options.clear_options()
+        options.add_options([Option(f"row {i.row:,} · {i.message.split(': ', 1)[-1]}", id=str(n))
+                             for n, i in enumerate(issues[:LINT_SHOWN])])
+        tab = self.query_one("#dataset-side", TabbedContent).get_tab("lint")
+        tab.label = f"Lint ({len(issues):,})" if issues else "Lint"
+
+    def _show_lint_error(self, message: str) -> None:
+        self.issues = []
+        self.query_one("#lint-list", OptionList).clear_options()
+        self.query_one("#lint-summary", Static).update(f"⚠ {message}")
+
+    @on(OptionList.OptionSelected, "#lint-list")
+    def _lint_chosen(self, event: OptionList.OptionSelected) -> None:
+        issue = self.issues[int(event.option.id or 0)]
+        self.goto_row(issue.row)
+
+    # ---------------------------------------------------------------------- column mapping
+
+    def _show_mapping(self) -> None:
+        if self.table is None:
+            return
+        config = self.app.config  # type: ignore[attr-defined]
+        fields, optional = datalib.template_fields_for(config)
+        self.query_one(ColumnMap).show(fields, optional, self.table.column_names, config.data.columns)
+
+    def on_column_map_changed(self, message: ColumnMap.Changed) -> None:
+        app: Any = self.app
+        if app.config.data.columns == message.mapping:
+            return
+        app.config.data.columns = message.mapping
+        app.config_edited("data", origin=self)
+        self._schedule_analysis()
+
+    def _schedule_analysis(self) -> None:
+        """Re-lint a moment after the last edit (typing in the template must not re-lint per key)."""
+        if self._lint_timer is not None:
+            self._lint_timer.stop()
+        self._lint_timer = self.set_timer(0.8, self.refresh_analysis)
+
+    def on_config_changed(self, message: ConfigChanged) -> None:
+        if message.section in ("prompt", "data", "all"):
+            path = self.app.config.data.path  # type: ignore[attr-defined]
+            if message.section in ("data", "all") and path and (self.table is None or self.table.source != path):
+                self.query_one("#dataset-path", Input).value = str(path)
+                self.open(str(path))
+                return
+            self._show_mapping()
+            self._schedule_analysis()
+
+    def on_tokenizer_changed(self, message: TokenizerChanged) -> None:
+        self._schedule_analysis()
+
+    # ----------------------------------------------------------------------------- opening
+
+    def action_open_file(self) -> None:
+        """Pick a data file (or a saved dataset folder) and open it."""
+        current = self.query_one("#dataset-path", Input).value or str(Path.cwd())
+
+        def chosen(path: Path | None) -> None:
+            if path is not None:
+                self.query_one("#dataset-path", Input).value = str(path)
+                self.open(str(path))
+
+        self.app.push_screen(PathDialog("Open a dataset", current, suffixes=datalib.FORMATS, folders=True),
+                             chosen)
+
+    @on(Button.Pressed, "#dataset-open")
+    @on(Input.Submitted, "#dataset-path")
+    def _open_typed(self, event: Any) -> None:
+        path = self.query_one("#dataset-path", Input).value.strip()
+        if path:
+            self.open(path)
+
+    @on(Button.Pressed, "#dataset-browse")
+    def _browse(self) -> None:
+        self.action_open_file()
+
+
+def _template_for_lint(config: Any, counter: Any) -> str | None:
+    """The literal template rows are rendered through for length lint; None if it cannot resolve."""
+    from studio.core import prompt as prompts
+
+    try:
+        return prompts.resolve_template(config.prompt, counter.chat_template,
+                                        eos_token=counter.eos_token or "")
+    except prompts.TemplateError:
+        return None

@@ -1,0 +1,307 @@
+"""The prompt-template editor: edit the template, see the selected row rendered as training text.
+
+Typing re-renders after a short pause (debounced): the prompt and the response (the part the loss is
+computed on) in different colours, the token count from the model's tokenizer, and where
+``data.max_seq_length`` cuts. Lint from :func:`studio.core.prompt.lint_template` shows under the
+editor. "Zero-shot" sends the rendered prompt to the worker (``Generate(adapter=False)``) and streams
+the base model's answer; the worker loads the model on first use and reports its progress.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.content import Content
+from textual.timer import Timer
+from textual.widgets import Button, Label, ProgressBar, Select, Static, TextArea
+
+from studio.core import events as ev
+from studio.core import prompt as prompts
+from studio.core.config import PromptConfig
+from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged
+from studio.ui.widgets.prompt_preview import count_line, legend, measure, preview_content
+from studio.ui.widgets.template_editor import TemplateEditor
+
+RENDER_DELAY_S = 0.15
+"""Pause after the last keystroke before re-rendering."""
+CUSTOM = "custom"
+PRESET_LABELS = (("alpaca", "alpaca"), ("alpaca, no input", "alpaca_no_input"),
+                 ("chat template", "chat"), ("custom", CUSTOM))
+EXAMPLE_ROW = {"instruction": "Reverse the word 'studio'.", "input": "", "output": "oiduts"}
+"""Shown until the dataset browser has a row selected."""
+
+
+def row_fields(row: dict[str, Any], mapping: dict[str, str], fields: list[str]) -> dict[str, Any]:
+    """A raw dataset row as template fields: ``mapping`` (field -> column) first, then same names."""
+    out = dict(row)
+    for name in fields:
+        column = mapping.get(name, name)
+        if column in row:
+            out[name] = row[column]
+    return out
+
+
+def line_of(text: str, offset: int) -> int:
+    """1-based line of a character offset."""
+    return text.count("\n", 0, offset) + 1
+
+
+class TemplatePane(Vertical):
+    """Template editor with a live render of the selected row and a zero-shot preview."""
+
+    BINDINGS = [
+        Binding("ctrl+g", "zero_shot", "Zero-shot preview", id="template.zero_shot",
+                tooltip="Send the rendered prompt to the base model and show its answer"),
+        Binding("f8", "next_preset", "Next preset", id="template.next_preset",
+                tooltip="Cycle the template presets: alpaca, alpaca without input, chat template"),
+    ]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._render_timer: Timer | None = None
+        self._request: str | None = None
+        self._answer = ""
+        self._columns: list[str] | None = None
+        self._setting_text = False
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="template-toolbar"):
+            yield Label("preset", classes="template-label")
+            yield Select([(label, value) for label, value in PRESET_LABELS], allow_blank=False,
+                         value=CUSTOM, id="template-preset", compact=True)
+            yield Static("", id="template-settings")
+            yield Button("Zero-shot (ctrl+g)", id="template-zero-shot", compact=True)
+        with Horizontal(id="template-body"):
+            with Vertical(id="template-left"):
+                yield TemplateEditor(id="template-editor")
+                yield Static("", id="template-lint")
+            with Vertical(id="template-right"):
+                yield Static("", id="template-counts")
+                yield Static(legend(), id="template-legend")
+                with VerticalScroll(id="template-render-scroll"):
+                    yield Static("", id="template-render")
+                with Vertical(id="template-zero"):
+                    with Horizontal(id="template-zero-head"):
+                        yield Static("base model, zero-shot: press ctrl+g", id="template-zero-label")
+                        yield ProgressBar(total=100, show_eta=False, id="template-zero-progress")
+                    with VerticalScroll(id="template-zero-scroll"):
+                        yield Static("", id="template-zero-answer")
+
+    def on_mount(self) -> None:
+        self.query_one("#template-zero-progress").display = False
+        self._load_template()
+
+    # ----------------------------------------------------------------------- the template
+
+    @property
+    def editor(self) -> TemplateEditor:
+        """The template text area."""
+        return self.query_one("#template-editor", TemplateEditor)
+
+    def focus_target(self) -> TemplateEditor:
+        """What gets focus when the pane is shown: the editor."""
+        return self.editor
+
+    def _load_template(self) -> None:
+        """Show ``config.prompt.template`` (a preset shows its text) and select its preset."""
+        config = self.app.config  # type: ignore[attr-defined]
+        name = config.prompt.template
+        text = self._preset_text(name) if name in prompts.PRESETS else name
+        if text is None:
+            text, name = prompts.resolve_template("alpaca", None), "alpaca"
+        if text != self.editor.text:
+            self._setting_text = True
+            self.editor.load_text(text)
+        select = self.query_one("#template-preset", Select)
+        select.value = name if name in prompts.PRESETS else CUSTOM
+        self._update_fields()
+        self.schedule_render(0)
+
+    def _preset_text(self, name: str) -> str | None:
+        """A preset's literal text; None (and a notice) when it cannot be made (chat without one)."""
+        app: Any = self.app
+        counter = app.counter
+        try:
+            return prompts.resolve_template(
+                PromptConfig(template=name, response_field=app.config.prompt.response_field),
+                counter.chat_template, eos_token=counter.eos_token or "")
+        except prompts.TemplateError as exc:
+            self.notify(str(exc), title="Preset not available", severity="warning", timeout=8)
+            return None
+
+    @on(Select.Changed, "#template-preset")
+    def _preset_chosen(self, event: Select.Changed) -> None:
+        name = event.value
+        app: Any = self.app
+        if not isinstance(name, str) or name == CUSTOM or name == app.config.prompt.template:
+            return
+        text = self._preset_text(name)
+        if text is None:
+            event.select.value = CUSTOM if app.config.prompt.template not in prompts.PRESETS \
+                else app.config.prompt.template
+            return
+        app.config.prompt.template = name
+        self._setting_text = True
+        self.editor.load_text(text)
+        app.config_edited("prompt", origin=self)
+        self.schedule_render(0)
+
+    def action_next_preset(self) -> None:
+        """Cycle alpaca -> alpaca without input -> chat template."""
+        current = self.app.config.prompt.template  # type: ignore[attr-defined]
+        order = list(prompts.PRESETS)
+        following = order[(order.index(current) + 1) % len(order)] if current in order else order[0]
+        self.query_one("#template-preset", Select).value = following
+
+    @on(TextArea.Changed, "#template-editor")
+    def _edited(self, event: TextArea.Changed) -> None:
+        if self._setting_text:
+            self._setting_text = False
+            return
+        app: Any = self.app
+        text = self.editor.text
+        preset = next((n for n in prompts.PRESETS if n != "chat" and self._preset_text(n) == text), None)
+        app.config.prompt.template = preset or text
+        select = self.query_one("#template-preset", Select)
+        if select.value != (preset or CUSTOM):
+            select.value = preset or CUSTOM
+        app.config_edited("prompt", origin=self)
+        self.schedule_render()
+
+    # -------------------------------------------------------------------------- rendering
+
+    def schedule_render(self, delay: float = RENDER_DELAY_S) -> None:
+        """Re-render after ``delay`` seconds unless another edit comes first."""
+        if self._render_timer is not None:
+            self._render_timer.stop()
+        self._render_timer = self.set_timer(delay, self.render_preview)
+
+    def _fields(self) -> list[str]:
+        from studio.core.data import template_fields_for
+
+        return template_fields_for(self.app.config)[0]  # type: ignore[attr-defined]
+
+    def _update_fields(self) -> None:
+        """Tell the editor which fields the data has (unknown ones are coloured)."""
+        config = self.app.config  # type: ignore[attr-defined]
+        self.editor.set_fields(self._known_fields(), config.prompt.response_field)
+        self.query_one("#template-settings", Static).update(
+            f"response: {{{config.prompt.response_field}}} · EOS {'on' if config.prompt.add_eos else 'off'}"
+            f" · max {config.data.max_seq_length} tokens")
+
+    def _known_fields(self) -> list[str] | None:
+        """Field names a row provides: its columns, plus fields mapped onto them; None without data."""
+        if self._columns is None:
+            return None
+        mapping = self.app.config.data.columns  # type: ignore[attr-defined]
+        return [*self._columns, *(f for f, c in mapping.items() if c in self._columns)]
+
+    def render_preview(self) -> None:
+        """Render the selected row through the template: colours, counts, the cut, and the lint."""
+        app: Any = self.app
+        config = app.config
+        text = self.editor.text
+        selected = app.selected
+        row = row_fields(selected[1], config.data.columns, self._fields()) if selected else EXAMPLE_ROW
+        rendered = prompts.render(text, row, config.prompt.response_field)
+        measured = measure(rendered, app.counter, config.data.max_seq_length, config.prompt.add_eos)
+        where = f"row {selected[0]:,}" if selected else "example row (open a dataset to use yours)"
+        self.query_one("#template-counts", Static).update(
+            Content.from_markup("[b $accent]$where[/] · ", where=where) + count_line(measured, app.counter))
+        self.query_one("#template-render", Static).update(preview_content(measured, app.counter.eos_token))
+        self._show_lint(text)
+
+    def _show_lint(self, text: str) -> None:
+        config = self.app.config  # type: ignore[attr-defined]
+        known = self._known_fields()
+        fields = known if known is not None else prompts.template_fields(text)
+        issues = prompts.lint_template(text, fields, config.prompt.response_field, config.prompt.add_eos)
+        lint = self.query_one("#template-lint", Static)
+        lint.set_class(any(i.severity == "error" for i in issues), "-error")
+        if not issues:
+            lint.update(Content.from_markup("[$success]✓ template looks right[/]"))
+            return
+        lines = []
+        for issue in issues:
+            mark = {"error": "✗", "warning": "⚠"}.get(issue.severity, "ℹ")
+            lines.append(f"{mark} line {line_of(text, issue.offset)}: {issue.message}")
+        lint.update("\n".join(lines))
+
+    # ----------------------------------------------------------------------------- messages
+
+    def on_row_changed(self, message: RowChanged) -> None:
+        self.schedule_render()
+
+    def on_dataset_changed(self, message: DatasetChanged) -> None:
+        self._columns = message.columns
+        self._update_fields()
+        self.schedule_render(0)
+
+    def on_config_changed(self, message: ConfigChanged) -> None:
+        if message.section in ("prompt", "all"):
+            self._load_template()
+        self._update_fields()
+        self.schedule_render()
+
+    def on_tokenizer_changed(self, message: TokenizerChanged) -> None:
+        self.schedule_render(0)
+
+    # ---------------------------------------------------------------------------- zero-shot
+
+    def action_zero_shot(self) -> None:
+        """Ask the base model (no adapter) to answer the rendered prompt of the selected row."""
+        app: Any = self.app
+        config = app.config
+        selected = app.selected
+        row = row_fields(selected[1], config.data.columns, self._fields()) if selected else EXAMPLE_ROW
+        rendered = prompts.render(self.editor.text, row, config.prompt.response_field)
+        self._request = uuid.uuid4().hex[:12]
+        self._answer = ""
+        self.query_one("#template-zero-label", Static).update("base model, zero-shot: sending…")
+        self.query_one("#template-zero-answer", Static).update("")
+        app.send_command(ev.Generate(request_id=self._request, prompt=rendered.prompt, adapter=False,
+                                     max_new_tokens=config.generation.max_new_tokens,
+                                     temperature=config.generation.temperature, top_p=config.generation.top_p))
+
+    @on(Button.Pressed, "#template-zero-shot")
+    def _zero_shot_pressed(self) -> None:
+        self.action_zero_shot()
+
+    def reset_run(self, run: Any) -> None:
+        """A new run has no answer to our request; keep waiting only if it was sent to this run."""
+        self.query_one("#template-zero-progress").display = False
+
+    def handle_events(self, events: list[ev.Event]) -> None:
+        """Model loading progress and the streamed answer to our zero-shot request."""
+        label = self.query_one("#template-zero-label", Static)
+        bar = self.query_one("#template-zero-progress", ProgressBar)
+        changed = False
+        for event in events:
+            if isinstance(event, ev.ModelLoading) and self._request:
+                bar.display = True
+                bar.update(progress=event.fraction * 100)
+                label.update(f"loading the model: {event.stage}")
+            elif isinstance(event, ev.ModelLoaded) and self._request:
+                bar.display = False
+                label.update(f"base model, zero-shot: {event.base_model} loaded, generating…")
+            elif isinstance(event, ev.TokenGenerated) and event.request_id == self._request:
+                self._answer += event.text
+                changed = True
+            elif isinstance(event, ev.GenerationFinished) and event.request_id == self._request:
+                self._answer = event.text or self._answer
+                changed = True
+                label.update(f"base model, zero-shot: {event.new_tokens} tokens at {event.tokens_per_s:.1f}/s")
+                self._request = None
+            elif isinstance(event, ev.WorkerFailed) and self._request:
+                bar.display = False
+                label.update(Content.from_markup("[b $error]the worker failed:[/] $m", m=event.message))
+                self._request = None
+        if changed:
+            self.query_one("#template-zero-answer", Static).update(
+                Content.styled(self._answer, "$studio-response"))
+
