@@ -22,7 +22,7 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Button, DataTable, Input, Label, Static, Switch
+from textual.widgets import Button, Checkbox, DataTable, Input, Label, Static
 
 from studio.core import events as ev
 from studio.core import scoring
@@ -101,9 +101,10 @@ class ChatPane(Vertical):
     DEFAULT_CSS = """
     ChatPane { height: 1fr; padding: 0 1; }
     ChatPane #chat-settings { height: auto; }
-    ChatPane #chat-settings Label { padding: 1 1 0 1; }
-    ChatPane #chat-settings Input { width: 10; }
-    ChatPane #chat-settings Switch { margin: 0 0; }
+    ChatPane #chat-settings { height: 1; margin-top: 1; }
+    ChatPane #chat-settings Label { padding: 0 1 0 2; }
+    ChatPane #chat-settings Input { width: 7; }
+    ChatPane #chat-settings Checkbox { margin-left: 2; }
     ChatPane #chat-prompt-row { height: auto; }
     ChatPane #chat-prompt { width: 1fr; }
     ChatPane #chat-answers { height: 1fr; min-height: 6; }
@@ -140,18 +141,17 @@ class ChatPane(Vertical):
     def compose(self) -> ComposeResult:
         gen = self._config().generation
         with Horizontal(id="chat-settings"):
-            yield Label("max new tokens")
-            yield Input(str(gen.max_new_tokens), id="chat-max-tokens", type="integer")
+            yield Label("max tokens")
+            yield Input(str(gen.max_new_tokens), id="chat-max-tokens", type="integer", compact=True)
             yield Label("temperature")
-            yield Input(str(gen.temperature), id="chat-temperature", type="number")
+            yield Input(str(gen.temperature), id="chat-temperature", type="number", compact=True)
             yield Label("top-p")
-            yield Input(str(gen.top_p), id="chat-top-p", type="number")
-            yield Label("greedy")
-            yield Switch(gen.temperature == 0, id="chat-greedy")
+            yield Input(str(gen.top_p), id="chat-top-p", type="number", compact=True)
+            yield Checkbox("greedy (f6)", gen.temperature == 0, id="chat-greedy", compact=True)
             yield Label("held-out rows")
-            yield Input("10", id="chat-heldout-n", type="integer")
+            yield Input("10", id="chat-heldout-n", type="integer", compact=True)
         with Horizontal(id="chat-prompt-row"):
-            yield Input(placeholder="Ask both models (Enter sends; f5 held-out comparison)", id="chat-prompt")
+            yield Input(placeholder="Ask both models; Enter sends", id="chat-prompt")
             yield Button("Ask", id="chat-ask", variant="primary")
             yield Button("Held-out (f5)", id="chat-heldout")
         yield Static("", id="chat-status")
@@ -273,7 +273,7 @@ class ChatPane(Vertical):
             self._set_status("Generation settings: max new tokens > 0, temperature >= 0, 0 < top-p <= 1",
                              error=True)
             return None
-        if self.query_one("#chat-greedy", Switch).value:
+        if self.query_one("#chat-greedy", Checkbox).value:
             temperature = 0.0
         return {"max_new_tokens": max_new, "temperature": temperature, "top_p": top_p}
 
@@ -311,7 +311,7 @@ class ChatPane(Vertical):
         if self.adapter_ready:
             self.sides[f"{stamp}-tuned"] = "tuned"
             self._request(prompt, True, f"{stamp}-tuned", settings)
-        self._set_status(self._idle_status() + " · asking (the worker loads the model on first use)")
+        self._set_status(self._idle_status() + " · asking…")
         self._paint()
         return True
 
@@ -328,8 +328,8 @@ class ChatPane(Vertical):
             event.stop()
             self.action_heldout()
 
-    def on_switch_changed(self, event: Switch.Changed) -> None:
-        if event.switch.id == "chat-greedy":
+    def on_checkbox_changed(self, event: Checkbox.Changed) -> None:
+        if event.checkbox.id == "chat-greedy":
             self.query_one("#chat-temperature", Input).disabled = event.value
 
     def action_ask(self) -> None:
@@ -338,8 +338,8 @@ class ChatPane(Vertical):
 
     def action_toggle_greedy(self) -> None:
         """Switch greedy decoding on or off."""
-        switch = self.query_one("#chat-greedy", Switch)
-        switch.value = not switch.value
+        greedy = self.query_one("#chat-greedy", Checkbox)
+        greedy.value = not greedy.value
 
     def action_focus_prompt(self) -> None:
         """Put the cursor in the prompt box."""
