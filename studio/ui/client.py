@@ -83,6 +83,7 @@ class WorkerClient:
         self._pending: deque[ev.Event] = deque()
         self._next_attempt = 0.0
         self._closed = threading.Event()
+        self._resync = False
 
     # ---------------------------------------------------------------------------- connection
 
@@ -134,15 +135,29 @@ class WorkerClient:
         return greeting
 
     def send(self, command: ev.Command) -> None:
-        """Send one command. Raises WorkerUnavailable when no worker is connected."""
-        conn = self._conn
-        if conn is None:
+        """Send one command. Raises WorkerUnavailable when no worker is connected.
+
+        A client that only sends and never reads events is dropped by the worker once it is far
+        behind; its next send then reconnects once and sends again.
+        """
+        if self._conn is None:
             raise WorkerUnavailable(f"run {self.run.id}: not connected to a worker")
-        try:
-            with self._send_lock:
-                conn.send_bytes(ev.to_json(command).encode())
-        except OSError:
-            raise WorkerUnavailable(f"run {self.run.id}: the worker hung up") from None
+        data = ev.to_json(command).encode()
+        with self._send_lock:
+            for attempt in (1, 2):
+                conn = self._conn
+                try:
+                    if conn is None:
+                        self._connect_once(5.0)
+                        self._resync = True  # events logged meanwhile come from the file
+                        conn = self._conn
+                    assert conn is not None
+                    conn.send_bytes(data)
+                    return
+                except OSError:
+                    self._drop()
+                    if attempt == 2:
+                        raise WorkerUnavailable(f"run {self.run.id}: the worker hung up") from None
 
     def close(self) -> None:
         """Disconnect (the worker goes on) and end :meth:`events`."""
@@ -183,6 +198,9 @@ class WorkerClient:
                 self._closed.wait(timeout)
                 found = self._read_file()
             return found
+        if self._resync:
+            self._resync = False
+            found += self._read_file()
         found += [e for e in (self._accept(p) for p in self._drain_pending()) if e is not None]
         try:
             wait = 0.0 if found else timeout
