@@ -29,7 +29,9 @@ class PaneHarness(App):
         super().__init__()
         self.make_pane = make_pane
         self.config = config
-        self.run = run
+        # ``run`` (the contract's name) shadows App.run(); it is set once the app is running, so
+        # that pytest-textual-snapshot can still call app.run().
+        self._initial_run = run
         self.live = live
         self.sent: list[ev.Command] = []
         self.opened: list[tuple[RunDir, bool]] = []
@@ -39,6 +41,7 @@ class PaneHarness(App):
         self._stop = threading.Event()
 
     def compose(self) -> ComposeResult:
+        self.run = self._initial_run
         yield self.make_pane()
         yield Footer()
 
