@@ -676,22 +676,41 @@ def lint_rows(
 
 def _too_long(values: dict[str, list[str]], total: int, response_field: str, tokenize: Any,
               max_seq_length: int, template: str | None, add_eos: bool) -> list[DataIssue]:
+    """Rows whose rendered text is over ``max_seq_length`` tokens.
+
+    Tokenizing every rendered row of a large dataset takes tens of seconds, so rows are first bounded
+    by their UTF-8 size: every token of a real tokenizer covers at least one byte (plus, at most, one
+    leading word-start marker), so a row whose byte count fits certainly fits and is never tokenized.
+    """
     from studio.core.tokens import count_tokens
 
     names = list(values)
-    if template is not None:
-        texts = [prompts.render(template, {n: values[n][i] for n in names}, response_field).text
-                 for i in range(total)]
-    else:
-        texts = ["\n".join(values[n][i] for n in names) for i in range(total)]
     extra = 1 if add_eos else 0
-    issues = []
-    for index, count in enumerate(count_tokens(tokenize, texts)):
-        if count + extra > max_seq_length:
-            issues.append(DataIssue(
-                "too_long", index, f"row {index}: {count + extra} tokens, over data.max_seq_length "
-                f"{max_seq_length}; the end of its response will be cut (raise max_seq_length or shorten it)"))
-    return issues
+    if template is not None:
+        pieces = prompts.parse(template)
+        literal = len("".join(p.text for p in pieces if p.field is None).encode())
+        uses = {n: sum(1 for p in pieces if p.field == n) for n in names}
+        uses[response_field] = max(1, uses.get(response_field, 0))
+    else:
+        literal, uses = max(0, len(names) - 1), dict.fromkeys(names, 1)
+    sizes = [literal + 1 + extra] * total
+    for name in names:
+        if uses.get(name):
+            sizes = [size + uses[name] * len(text.encode()) for size, text in zip(sizes, values[name], strict=True)]
+    candidates = [i for i, size in enumerate(sizes) if size > max_seq_length]
+
+    def text_of(index: int) -> str:
+        row = {n: values[n][index] for n in names}
+        if template is not None:
+            return prompts.render(template, row, response_field).text
+        return "\n".join(row.values())
+
+    counts = count_tokens(tokenize, [text_of(i) for i in candidates])
+    return [
+        DataIssue("too_long", index, f"row {index}: {count + extra} tokens, over data.max_seq_length "
+                  f"{max_seq_length}; the end of its response will be cut (raise max_seq_length or shorten it)")
+        for index, count in zip(candidates, counts, strict=True) if count + extra > max_seq_length
+    ]
 
 
 def split_counts(dataset: Any, split_column: str = "split") -> dict[str, int] | None:

@@ -221,8 +221,14 @@ def _render_chat(chat_template: str, user: str, response_field: str, chat_vars: 
     def raise_exception(message: str) -> None:
         raise TemplateError(f"the chat template refused the conversation: {message}")
 
+    def strftime_now(fmt: str) -> str:
+        import datetime
+
+        return datetime.datetime.now().strftime(fmt)
+
+    # The same environment transformers renders chat templates in, so the text matches training time.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     try:
         text = env.from_string(chat_template).render(
             messages=[{"role": "user", "content": user_text}, {"role": "assistant", "content": "\x00F2\x00"}],
