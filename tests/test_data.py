@@ -172,6 +172,31 @@ def test_unreadable_file_says_check_permissions(tmp_path):
     assert_one_line(err, str(path), "permission")
 
 
+def test_permission_error_says_check_permissions(tmp_path, monkeypatch):
+    """The same message as above, for runs as root, where file modes do not stop reads."""
+    path = write_jsonl(tmp_path / "locked.jsonl", ROWS)
+    real_open = Path.open
+
+    def refuse(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied")
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refuse)
+    with pytest.raises(DataError) as err:
+        load_table(path)
+    assert_one_line(err, str(path), "Permission denied", "check its permissions")
+
+
+def test_mixed_type_values_become_their_text(tmp_path):
+    rows = [{"instruction": "a", "input": "", "output": 1}, {"instruction": "b", "input": "", "output": "two"},
+            {"instruction": "c", "input": "", "output": 2.5}]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    splits = load_splits(config_for(path, val_fraction=0.0))
+    assert [r["output"] for r in splits.train] == ["1", "two", "2.5"]
+    assert [r["output"] for r in Table.open(path).rows(0, 3)] == [1, "two", 2.5]
+
+
 def test_malformed_jsonl_names_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     lines = [json.dumps(r) for r in ROWS]

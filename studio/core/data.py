@@ -284,6 +284,20 @@ def _arrow(dataset: Any) -> Any:
     return dataset.with_format("arrow")[:]
 
 
+def _json_columns(dataset: Any) -> set[str]:
+    """Columns ``datasets`` stored as JSON text because their values mix types (1 and "two")."""
+    features = getattr(getattr(dataset, "dataset", dataset), "features", None) or {}
+    return {name for name, feature in features.items() if type(feature).__name__ == "Json"}
+
+
+def column_values(dataset: Any, name: str) -> list[Any]:
+    """A whole column as Python values (mixed-type JSON columns decoded)."""
+    values = _arrow(dataset).column(name).to_pylist()
+    if name in _json_columns(dataset):
+        values = [None if v is None else json.loads(v) for v in values]
+    return values
+
+
 def row_count(dataset: Any) -> int:
     """Rows in a Dataset or Table (no data is read)."""
     return len(dataset)
@@ -295,7 +309,12 @@ def rows(dataset: Any, start: int, stop: int) -> list[dict[str, Any]]:
     stop = min(len(dataset), stop)
     if stop <= start:
         return []
-    return _arrow(dataset).slice(start, stop - start).to_pylist()
+    out = _arrow(dataset).slice(start, stop - start).to_pylist()
+    for name in _json_columns(dataset):
+        for row in out:
+            if row.get(name) is not None:
+                row[name] = json.loads(row[name])
+    return out
 
 
 def search(dataset: Any, text: str, columns: Sequence[str] | None = None, limit: int | None = 1000) -> list[int]:
@@ -355,7 +374,7 @@ class Table:
 
     def column(self, name: str) -> list[Any]:
         """A whole column as a list."""
-        return _arrow(self.dataset).column(name).to_pylist()
+        return column_values(self.dataset, name)
 
     def search(self, text: str, columns: Sequence[str] | None = None, limit: int | None = 1000) -> list[int]:
         """Indices of rows containing ``text`` (case-insensitive)."""
@@ -420,7 +439,7 @@ def field_columns(
             raise DataError(f"{source}: no column '{column}' for the template field '{name}' (columns: "
                             f"{', '.join(present)}); map it in the config with data.columns: "
                             f"{{{name}: {guess}}}")
-        out[name] = [_as_text(v) for v in table.column(column).to_pylist()]
+        out[name] = [_as_text(v) for v in column_values(dataset, column)]
     return out
 
 
@@ -460,7 +479,7 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
 
     if data.split_column and data.split_column in dataset.column_names:
         parts: dict[str, list[int]] = {"train": [], "validation": [], "test": []}
-        for index, value in enumerate(_arrow(dataset).column(data.split_column).to_pylist()):
+        for index, value in enumerate(column_values(dataset, data.split_column)):
             name = SPLIT_NAMES.get(_as_text(value).strip().lower())
             if name is None:
                 raise DataError(f"{source}: row {index}, column '{data.split_column}': split value {value!r} "
@@ -575,7 +594,7 @@ def _columns_of(source: Any, columns: Sequence[str] | None) -> dict[str, list[An
         return {name: [row.get(name) for row in source] for name in names}
     table = _arrow(source)
     names = list(columns) if columns else table.column_names
-    return {name: table.column(name).to_pylist() for name in names}
+    return {name: column_values(source, name) for name in names}
 
 
 # ---------------------------------------------------------------------------------------- lint
@@ -719,7 +738,7 @@ def split_counts(dataset: Any, split_column: str = "split") -> dict[str, int] | 
     if split_column not in table.column_names:
         return None
     counts = {"train": 0, "validation": 0, "test": 0, "other": 0}
-    for value in table.column(split_column).to_pylist():
+    for value in column_values(dataset, split_column):
         counts[SPLIT_NAMES.get(_as_text(value).strip().lower(), "other")] += 1
     return counts
 
