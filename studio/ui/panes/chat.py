@@ -168,7 +168,13 @@ class ChatPane(Vertical):
 
     def on_mount(self) -> None:
         self.reset_run(getattr(self.app, "run", None))
+        self._set_status(self._idle_status())
+        self._paint()
         self.set_interval(0.1, self._paint_if_dirty)
+
+    def on_show(self) -> None:
+        # Shown (its tab picked): the prompt box takes the keys, so typing asks at once.
+        self.query_one("#chat-prompt", Input).focus()
 
     # ------------------------------------------------------------------------ state
 

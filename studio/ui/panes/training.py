@@ -169,7 +169,8 @@ class TrainingPane(Vertical):
             yield Button("Export (e)", id="training-export")
         yield Static("", id="training-status")
         with Horizontal(id="training-progress-row"):
-            yield ProgressBar(total=None, show_eta=False, id="training-progress")
+            # A known total from the start: an indeterminate bar animates (repaints) without end.
+            yield ProgressBar(total=1, show_eta=False, id="training-progress")
             yield Static("", id="training-progress-line")
         yield Static("", id="training-eval", classes="training-line")
         yield Static("", id="training-memory", classes="training-line")
@@ -183,6 +184,11 @@ class TrainingPane(Vertical):
         if run is not None:
             self.state.run_id = run.id
         self._redraw()
+
+    def on_show(self) -> None:
+        # Shown (its tab picked): take focus so the pane's keys (s, p, r, x, o, e) work at once.
+        if self.app.focused is None or self not in self.app.focused.ancestors_with_self:
+            self.focus()
 
     # ------------------------------------------------------------------------ events in
 
