@@ -55,11 +55,11 @@ class DatasetPane(Vertical):
         Binding("right_square_bracket", "page(1)", "Next page", id="dataset.next_page", key_display="]"),
         Binding("left_square_bracket", "page(-1)", "Prev page", id="dataset.prev_page", key_display="["),
         Binding("slash", "focus_filter", "Filter", id="dataset.filter", key_display="/"),
-        Binding("v", "side('row')", "Row", id="dataset.row_view",
+        Binding("v", "side('row')", "Row", id="dataset.row_view", show=False,
                 tooltip="Show the highlighted row's full text"),
-        Binding("s", "side('stats')", "Stats", id="dataset.stats"),
-        Binding("l", "side('lint')", "Lint", id="dataset.lint"),
-        Binding("m", "side('columns')", "Map columns", id="dataset.map_columns"),
+        Binding("s", "side('stats')", "Stats", id="dataset.stats", show=False),
+        Binding("l", "side('lint')", "Lint", id="dataset.lint", show=False),
+        Binding("m", "side('columns')", "Map columns", id="dataset.map_columns", show=False),
     ]
 
     def __init__(self, **kwargs: Any) -> None:
@@ -89,15 +89,15 @@ class DatasetPane(Vertical):
                     yield Static("no dataset", id="dataset-page-label")
                     yield Input(placeholder="/ filter: text or column:text", id="dataset-filter", compact=True)
             with TabbedContent(id="dataset-side", initial="row"):
-                with TabPane("Row", id="row"):
+                with TabPane("v Row", id="row"):
                     with VerticalScroll(id="dataset-row-scroll"):
                         yield Static("Highlight a row to read it in full.", id="dataset-row")
-                with TabPane("Stats", id="stats"):
+                with TabPane("s Stats", id="stats"):
                     yield StatsView(id="dataset-stats")
-                with TabPane("Lint", id="lint"):
+                with TabPane("l Lint", id="lint"):
                     yield Static("", id="lint-summary")
                     yield OptionList(id="lint-list")
-                with TabPane("Columns", id="columns"):
+                with TabPane("m Columns", id="columns"):
                     yield ColumnMap(id="dataset-columns")
 
     def on_mount(self) -> None:
@@ -336,7 +336,7 @@ class DatasetPane(Vertical):
         options.add_options([Option(f"row {i.row:,} · {i.message.split(': ', 1)[-1]}", id=str(n))
                              for n, i in enumerate(issues[:LINT_SHOWN])])
         tab = self.query_one("#dataset-side", TabbedContent).get_tab("lint")
-        tab.label = f"Lint ({len(issues):,})" if issues else "Lint"
+        tab.label = f"l Lint ({len(issues):,})" if issues else "l Lint"
 
     def _show_lint_error(self, message: str) -> None:
         self.issues = []

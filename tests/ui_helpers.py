@@ -1,0 +1,100 @@
+"""Shared set-up for the UI tests: a tokenizer trained here, small datasets, and waiting for the app.
+
+The tokenizer is trained with ``tokenizers`` on the bundled sample data (deterministic, ~1 s), so
+token counts in tests and snapshots do not depend on any model being downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from studio.core.config import RunConfig
+from studio.core.paths import cache_dir, sample_data_dir
+
+SAMPLE = sample_data_dir() / "code_alpaca_sample.jsonl"
+
+
+def make_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json with an EOS) in ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / "tokenizer.json").exists():
+        return folder
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    lines = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
+    texts = [f"{r['instruction']}\n{r['input']}\n{r['output']}" for r in lines]
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return folder
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    """Rows as JSONL."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def lint_rows_dataset(path: Path, n: int = 250) -> Path:
+    """``n`` alpaca rows with known problems: row 7's output is empty; rows 3 and 11 share a prompt with
+    different answers; row 20 is far longer than 64 tokens."""
+    rows = [{"instruction": f"Reverse the word number {i}.", "input": f"word{i}", "output": f"{i}drow",
+             "split": 0 if i % 10 else 1} for i in range(n)]
+    rows[7]["output"] = ""
+    rows[11]["instruction"], rows[11]["input"] = rows[3]["instruction"], rows[3]["input"]
+    rows[20]["output"] = " ".join(f"token{k}" for k in range(120))
+    return write_rows(path, rows)
+
+
+def workdir(tmp_path: Path, monkeypatch) -> Path:
+    """A working directory holding a copy of the sample data and the tokenizer folder ``tok``, so
+    that every path the app shows is short and the same on every machine (snapshots)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STUDIO_CONFIG_DIR", str(tmp_path / "settings"))
+    shutil.copy(SAMPLE, tmp_path / SAMPLE.name)
+    cached = cache_dir() / "ui-test-tokenizer"
+    make_tokenizer(cached)
+    shutil.copytree(cached, tmp_path / "tok")
+    return tmp_path
+
+
+def make_config(data: str | None = SAMPLE.name, model: str = "tok", max_len: int = 512) -> RunConfig:
+    """The sample config shape, pointed at relative data and the local tokenizer folder."""
+    config = RunConfig()
+    config.model.base_model = model
+    config.data.path = data
+    config.data.max_seq_length = max_len
+    return config
+
+
+async def idle_workers(pilot, timeout: float = 60.0) -> None:
+    """Wait until no thread worker (data load, search, stats, tokenizer) is pending or running."""
+    from textual.worker import WorkerState
+
+    deadline = time.monotonic() + timeout
+    while any(w.state in (WorkerState.PENDING, WorkerState.RUNNING) for w in pilot.app.workers):
+        assert time.monotonic() < deadline, f"workers still busy: {list(pilot.app.workers)}"
+        await pilot.pause(0.05)
+
+
+async def settle(pilot, rounds: int = 3) -> None:
+    """Wait until thread workers are done and debounce timers (render, filter, lint) have fired."""
+    for _ in range(rounds):
+        await idle_workers(pilot)
+        await pilot.pause(0.35)
+    await idle_workers(pilot)
+    await pilot.pause()
+
+
+def no_blink(app) -> None:
+    """Cursor blink off: a snapshot must not depend on the moment it is taken."""
+    for widget in app.query("Input, TextArea"):
+        widget.cursor_blink = False
