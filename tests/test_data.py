@@ -122,12 +122,25 @@ def test_hub_ids_go_to_the_hub_and_fail_with_a_readable_error(monkeypatch):
         raise ConnectionError("Couldn't reach the Hub\nmore detail")
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(data, "_hub_reachable", lambda: True)
     with pytest.raises(DataError) as err:
         load_table("someone/code_alpaca", hub_split="validation")
     assert asked == {"name": "someone/code_alpaca", "split": "validation"}
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("someone/code_alpaca:") and "hub" in message and "Couldn't reach" in message
+
+
+def test_without_network_a_hub_id_fails_at_once_and_a_bare_name_is_a_missing_file(monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(data, "_hub_reachable", lambda: False)
+    with pytest.raises(DataError, match=r"^someone/code_alpaca: not a local file, and the Hugging Face hub "
+                                        "cannot be reached"):
+        load_table("someone/code_alpaca")
+    with pytest.raises(DataError, match=r"^mydata: no such file"):
+        load_table("mydata")
 
 
 # ------------------------------------------------------------------------------- bad input errors

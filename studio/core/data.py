@@ -39,7 +39,8 @@ SPLIT_NAMES = {"0": "train", "1": "validation", "2": "test", "train": "train", "
                "valid": "validation", "val": "validation", "dev": "validation", "test": "test"}
 """Values accepted in a split column (Code Alpaca uses 0/1/2)."""
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# Only owner/name counts as a hub id, so a mistyped file name fails at once instead of asking the hub.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class DataError(ValueError):
@@ -68,13 +69,18 @@ def _quiet_datasets() -> Iterator[None]:
     import datasets
 
     bars = datasets.is_progress_bar_enabled()
+    import huggingface_hub.utils.logging as hub_logging
+
     verbosity = datasets.logging.get_verbosity()
+    hub_verbosity = hub_logging.get_verbosity()
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    hub_logging.set_verbosity(hub_logging.CRITICAL)
     try:
         yield
     finally:
         datasets.logging.set_verbosity(verbosity)
+        hub_logging.set_verbosity(hub_verbosity)
         if bars:
             datasets.enable_progress_bars()
 
@@ -259,9 +265,26 @@ def _join_splits(source: Path | str, splits: Any, hub_split: str) -> datasets.Da
     return datasets.concatenate_datasets(parts)
 
 
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub's host answers: without this, a missing network costs ~25 s of retries."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
 def _load_hub(name: str, hub_split: str) -> datasets.Dataset:
     import datasets
 
+    if not datasets.config.HF_HUB_OFFLINE and not _hub_reachable():
+        raise DataError(f"{name}: not a local file, and the Hugging Face hub cannot be reached from here; "
+                        "check the path, or the network (set HF_HUB_OFFLINE=1 to use cached hub datasets)")
     try:
         with _quiet_datasets():
             loaded = datasets.load_dataset(name, split=hub_split)
