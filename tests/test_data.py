@@ -87,6 +87,22 @@ def test_every_format_loads_the_same_rows(tmp_path, kind):
     assert got == ROWS
 
 
+def test_csv_values_stay_text_exactly_as_written(tmp_path):
+    path = tmp_path / "numbers.csv"
+    path.write_text('instruction,input,output,split\nPad it,,007,0\nSay NA,NA,"1.50, then 2",1\n')
+    splits = load_splits(config_for(path))
+    assert splits.train == [{"instruction": "Pad it", "input": "", "output": "007"}]
+    assert splits.validation == [{"instruction": "Say NA", "input": "NA", "output": "1.50, then 2"}]
+
+
+def test_csv_with_a_repeated_column_name(tmp_path):
+    path = tmp_path / "dup.csv"
+    path.write_text("instruction,output,output\na,b,c\n")
+    with pytest.raises(DataError) as err:
+        load_table(path)
+    assert str(err.value) == f"{path}: line 1: column 'output' appears twice in the header; rename one"
+
+
 def test_saved_dataset_dict_keeps_its_splits(tmp_path):
     import datasets
 

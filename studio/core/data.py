@@ -67,10 +67,9 @@ def resolve_path(path: str | Path, base_dir: str | Path | None = None) -> Path |
 def _quiet_datasets() -> Iterator[None]:
     """Silence ``datasets``' progress bars and error logs: the caller reports progress and errors."""
     import datasets
-
-    bars = datasets.is_progress_bar_enabled()
     import huggingface_hub.utils.logging as hub_logging
 
+    bars = datasets.is_progress_bar_enabled()
     verbosity = datasets.logging.get_verbosity()
     hub_verbosity = hub_logging.get_verbosity()
     datasets.disable_progress_bars()
@@ -89,9 +88,9 @@ def load_table(path: str | Path, hub_split: str = "train", base_dir: str | Path 
                ) -> datasets.Dataset:
     """Read a dataset: a CSV/JSON/JSONL/Parquet file, a ``save_to_disk`` folder, or a hub id.
 
-    Relative paths are tried against the working directory, then ``base_dir``. A hub id (anything
-    that is not a local path and has no data-file extension) is loaded with
-    ``datasets.load_dataset(id, split=hub_split)``. Raises :class:`DataError` on anything unusable.
+    Relative paths are tried against the working directory, then ``base_dir``. A hub id (``owner/name``
+    that is not a local path) is loaded with ``datasets.load_dataset(id, split=hub_split)``. CSV columns
+    are read as text, exactly as written. Raises :class:`DataError` on anything unusable.
     """
     local = resolve_path(path, base_dir)
     if local is None:
@@ -132,16 +131,40 @@ def _load_file(path: Path) -> datasets.Dataset:
         with _quiet_datasets():
             if kind == "csv":
                 sep = "\t" if path.suffix.lower() == ".tsv" else ","
-                dataset = datasets.Dataset.from_csv(str(path), sep=sep)
+                # Every column as text, exactly as written: pandas would turn "007" into 7.0 and "NA"
+                # into a missing value, silently changing what the model is trained on.
+                features = datasets.Features({c: datasets.Value("string") for c in _csv_header(path, sep)})
+                dataset = datasets.Dataset.from_csv(str(path), sep=sep, features=features, keep_default_na=False)
             elif kind == "parquet":
                 dataset = datasets.Dataset.from_parquet(str(path))
             else:
                 dataset = datasets.Dataset.from_json(str(path))
+    except DataError:
+        raise
     except Exception as exc:  # datasets wraps parser errors in several exception types
         raise _explain_failure(path, kind, exc) from None
     if kind == "json":
         dataset = _unwrap_json_object(dataset)
     return dataset
+
+
+def _csv_header(path: Path, sep: str) -> list[str]:
+    """The column names on a CSV file's first line; DataError when one is repeated or blank."""
+    import csv
+
+    problem = _utf8_problem(path)
+    if problem:
+        raise DataError(problem)
+    with path.open(newline="", encoding="utf-8") as handle:
+        header = next(csv.reader(handle, delimiter=sep), [])
+    seen: set[str] = set()
+    for number, name in enumerate(header, start=1):
+        if not name.strip():
+            raise DataError(f"{path}: line 1, column {number} has no name; give every column a header")
+        if name in seen:
+            raise DataError(f"{path}: line 1: column '{name}' appears twice in the header; rename one")
+        seen.add(name)
+    return header
 
 
 def _explain_failure(path: Path, kind: str, exc: Exception) -> DataError:
