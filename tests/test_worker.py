@@ -50,22 +50,28 @@ def make_run(root: Path, steps: int = 20, name: str = "fake") -> RunDir:
     return create_run(config, root)
 
 
+_unread: dict[int, list[ev.Event]] = {}
+
+
 def wait_for(client: WorkerClient, done: Callable[[ev.Event], bool], timeout: float = 30.0,
              seen: list[ev.Event] | None = None) -> ev.Event:
-    """The first event (from the start of the log) for which ``done`` holds; fails at timeout."""
+    """The first event for which ``done`` holds; fails at timeout. With an empty ``seen`` list it
+    starts from the beginning of the log and records every event it reads there. Events read past
+    the match are kept for the next call."""
     deadline = time.monotonic() + timeout
+    backlog = _unread.setdefault(id(client), [])
     if seen is not None and not seen:
-        seen.extend(client.catch_up())
-        for event in seen:
-            if done(event):
-                return event
-    while time.monotonic() < deadline:
-        for event in client.poll(0.2):
+        backlog[:0] = client.catch_up()
+    while True:
+        while backlog:
+            event = backlog.pop(0)
             if seen is not None:
                 seen.append(event)
             if done(event):
                 return event
-    raise AssertionError("timed out waiting for an event")
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for an event")
+        backlog.extend(client.poll(0.2))
 
 
 def test_socket_and_key_are_private_and_a_wrong_key_is_refused(tmp_path: Path, fake_worker_env: list) -> None:
@@ -191,3 +197,20 @@ def test_a_crash_is_reported_and_the_worker_stays_up_for_generation(tmp_path: Pa
     client.send(ev.Generate(request_id="after", prompt="ab"))
     assert wait_for(client, lambda e: isinstance(e, ev.GenerationFinished)).text == "adapter@3:ba"
     client.close()
+
+
+def test_sigterm_checkpoints_and_exits(tmp_path: Path, fake_worker_env: list) -> None:
+    run = make_run(tmp_path / "runs", steps=400)
+    fake_worker_env.append(run)
+    pid = start_worker(run, train=True)
+    client = WorkerClient(run)
+    wait_for(client, lambda e: isinstance(e, ev.StepLogged) and e.step >= 3, seen=[])
+    os.kill(pid, signal.SIGTERM)  # what a shutting-down machine sends
+    finished = wait_for(client, lambda e: isinstance(e, ev.TrainingFinished))
+    assert finished.stopped and (run.checkpoints_dir / f"step-{finished.step}").is_dir()
+    assert "SIGTERM" in wait_for(client, lambda e: isinstance(e, ev.WorkerStopped)).reason
+    client.close()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert run.worker_pid() is None and not run.socket_path.exists()
