@@ -152,11 +152,11 @@ def _csv_header(path: Path, sep: str) -> list[str]:
     """The column names on a CSV file's first line; DataError when one is repeated or blank."""
     import csv
 
-    problem = _utf8_problem(path)
-    if problem:
-        raise DataError(problem)
-    with path.open(newline="", encoding="utf-8") as handle:
-        header = next(csv.reader(handle, delimiter=sep), [])
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            header = next(csv.reader(handle, delimiter=sep), [])
+    except UnicodeDecodeError:
+        raise DataError(_utf8_problem(path) or f"{path}: not UTF-8 text; save it as UTF-8") from None
     seen: set[str] = set()
     for number, name in enumerate(header, start=1):
         if not name.strip():
