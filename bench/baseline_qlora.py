@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+WARMUP = 5
+"""Optimizer steps of linear learning-rate warmup."""
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -43,6 +46,8 @@ def train(model, batches: list[dict], steps: int, lr: float, warmup_steps: int, 
     torch.manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    # Linear warmup over the first steps (as Studio's trainer does), then constant.
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP))
     model.train()
     losses, times, tokens = [], [], []
     torch.cuda.synchronize()
@@ -58,6 +63,7 @@ def train(model, batches: list[dict], steps: int, lr: float, warmup_steps: int, 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # a sync point: the step's time below is the GPU's too
         torch.cuda.synchronize()

@@ -93,6 +93,7 @@ LEVERS = {
     "no_liger": {"kernels": False},
     "no_absmax_cache": {"cache_absmax": False},
     "sdpa_mask": {"varlen": False},
+    "no_hoist": {"hoist_adapters": False},
 }
 
 
@@ -116,16 +117,30 @@ def studio_load(model_path: str, lora_dropout: float, seed: int):
     return get_peft_model(model, lora)
 
 
-def studio_train(fast_model, params, batches, steps: int, lr: float, warmup_steps: int, seed: int) -> dict:
+def studio_train(fast_model, params, batches, steps: int, lr: float, warmup_steps: int, seed: int,
+                 profile: Path | None = None) -> dict:
     """Same loop as the baseline's, with the fast path's loss and a fused AdamW."""
     import torch
 
+    from bench.baseline_qlora import WARMUP
+
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+    # Linear warmup over the first steps (as Studio's trainer does), then constant.
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP))
     losses, times, tokens = [], [], []
     torch.cuda.synchronize()
+    prof = None
     for step in range(steps):
         batch = batches[step % len(batches)]
+        if profile is not None and step == warmup_steps:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+        if prof is not None and step == warmup_steps + 2:
+            prof.__exit__(None, None, None)
+            write_profile(prof, profile, sum(times[warmup_steps:]))
+            prof = None
         t0 = time.perf_counter()
         mask = batch["attention_mask"]
         loss = fast_model.loss(batch["input_ids"].cuda(non_blocking=True), batch["labels"].cuda(non_blocking=True),
@@ -134,6 +149,7 @@ def studio_train(fast_model, params, batches, steps: int, lr: float, warmup_step
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         torch.cuda.synchronize()
@@ -144,6 +160,18 @@ def studio_train(fast_model, params, batches, steps: int, lr: float, warmup_step
             "tokens_per_s": sum(tokens[timed]) / sum(times[timed]),
             "peak_allocated": torch.cuda.max_memory_allocated(),
             "peak_reserved": torch.cuda.max_memory_reserved()}
+
+
+def write_profile(prof, path: Path, wall_s: float) -> None:
+    """The two profiled steps: GPU busy time against wall time, and the top operators."""
+    events = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in events) / 1e6
+    launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
+    head = (f"2 steps: wall {wall_s:.3f} s, GPU kernel time {kernels:.3f} s "
+            f"({100 * kernels / max(wall_s, 1e-9):.0f}% busy), {launches} launches\n")
+    path.write_text(head + events.table(sort_by="self_device_time_total", row_limit=40)
+                    + events.table(sort_by="self_cpu_time_total", row_limit=25))
+    print(head, flush=True)
 
 
 def optimizer_state_free() -> None:
@@ -185,7 +213,9 @@ def studio_worker(args) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         try:
-            out = studio_train(fm, params, batches, steps, args.lr, args.warmup_steps, args.seed)
+            profile = Path(args.profile) / f"profile_{name}.txt" if args.profile and lever == "all" \
+                and name.startswith("fixed") else None
+            out = studio_train(fm, params, batches, steps, args.lr, args.warmup_steps, args.seed, profile)
         except Exception:  # noqa: BLE001 - one failing variant must not hide the others' numbers
             traceback.print_exc()
             optimizer_state_free()
@@ -266,7 +296,7 @@ def driver(args) -> int:
     levers = ",".join(str(paths[k]) for k in ("fixed_mb4", "fixed_mb1", "short_packed")) if args.levers else ""
     subprocess.run([sys.executable, str(ROOT / "bench/speed.py"), "--worker", *common, "--json",
                     str(work / "studio.json"), "--batches", ",".join(map(str, mine)), "--levers", levers,
-                    "--lever-steps", str(args.lever_steps)], check=True, env=env)
+                    "--lever-steps", str(args.lever_steps), "--profile", args.profile], check=True, env=env)
     runs["studio"] = json.loads((work / "studio.json").read_text())
     report.update(summarize(runs, report["matmul_tflops"]))
     report["runs"] = runs
@@ -342,6 +372,7 @@ def main() -> int:
     parser.add_argument("--levers", default="", help="driver: any value runs the lever ablations")
     parser.add_argument("--lever-steps", type=int, default=12)
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--profile", default="", help="folder for torch.profiler tables of Studio's fixed runs")
     args = parser.parse_args()
     return studio_worker(args) if args.worker else driver(args)
 

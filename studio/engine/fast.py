@@ -215,14 +215,25 @@ class _Projection:
         drop = [m.lora_dropout[adapter] for m in modules]
         self.dropout = [d.p if isinstance(d, nn.Dropout) else 0.0 for d in drop]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def adapters(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """The adapters as the fused product takes them: stacked A, block-diagonal B^T, scale.
+
+        Built from the fp32 parameters through autograd, so their gradients flow back to each
+        adapter; None when dropout is on (each adapter then needs its own masked input).
+        """
+        if any(self.dropout):
+            return None
+        a = torch.cat(self.a).to(self.dtype) if len(self.a) > 1 else self.a[0].to(self.dtype)
+        # Scales folded into B when they differ (rare: per-module alpha); else passed as alpha.
+        same = all(s == self.scales[0] for s in self.scales)
+        bts = [b.t() if same else b.t() * s for b, s in zip(self.b, self.scales, strict=True)]
+        bt = (torch.block_diag(*bts) if len(bts) > 1 else bts[0]).to(self.dtype)
+        return a, bt, self.scales[0] if same else 1.0
+
+    def __call__(self, x: torch.Tensor, adapters: tuple | None = None) -> torch.Tensor:
         if not any(self.dropout):
-            a = torch.cat(self.a).to(self.dtype) if len(self.a) > 1 else self.a[0].to(self.dtype)
-            # Scales folded into B when they differ (rare: per-module alpha); else passed as alpha.
-            same = all(s == self.scales[0] for s in self.scales)
-            bts = [b.t() if same else b.t() * s for b, s in zip(self.b, self.scales, strict=True)]
-            bt = (torch.block_diag(*bts) if len(bts) > 1 else bts[0]).to(self.dtype)
-            return _LoraProduct.apply(x, self.weights, a, bt, self.scales[0] if same else 1.0)
+            a, bt, scale = adapters if adapters is not None else self.adapters()
+            return _LoraProduct.apply(x, self.weights, a, bt, scale)
         # Dropout on the adapter input: the base product stays fused, each adapter gets its own mask
         # (as in PEFT), through plain autograd.
         y = _LoraProduct.apply(x, self.weights, None, None, 1.0)
@@ -267,9 +278,17 @@ class _Layer:
             return self.kernels["rms_norm"].apply(x, w, self.eps, 0.0, "llama", True)
         return _rms_norm_torch(x, w, self.eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: _Segments) -> torch.Tensor:
+    def adapters(self) -> tuple | None:
+        """Each projection's adapters in fused form (see :meth:`_Projection.adapters`)."""
+        if any(any(p.dropout) for p in (self.qkv, self.o, self.gate_up, self.down)):
+            return None
+        return self.qkv.adapters(), self.o.adapters(), self.gate_up.adapters(), self.down.adapters()
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: _Segments,
+                adapters: tuple | None = None) -> torch.Tensor:
         b, t, _ = h.shape
-        qkv = self.qkv(self.norm(h, self.ln1))
+        qkv_ad, o_ad, gu_ad, down_ad = adapters if adapters is not None else (None,) * 4
+        qkv = self.qkv(self.norm(h, self.ln1), qkv_ad)
         q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
                              self.kv_heads * self.head_dim], dim=-1)
         q = q.view(b, t, self.heads, self.head_dim)
@@ -282,14 +301,15 @@ class _Layer:
         else:
             q, k = _rope_torch(q, k, cos, sin)
         attn = self.attention(q, k, v, seg).reshape(b, t, self.heads * self.head_dim)
-        h = h + self.o(attn)
-        gu = self.gate_up(self.norm(h, self.ln2))
+        h = h + self.o(attn, o_ad)
+        gu = self.gate_up(self.norm(h, self.ln2), gu_ad)
         if self.kernels:
-            act = self.kernels["swiglu"].apply(gu, True)
+            # liger returns the gradient flat: give it a flat input so the shapes agree.
+            act = self.kernels["swiglu"].apply(gu.view(-1, gu.shape[-1]), True).view(*gu.shape[:-1], -1)
         else:
             gate, up = gu.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return h + self.down(act)
+        return h + self.down(act, down_ad)
 
     def attention(self, q, k, v, seg: _Segments) -> torch.Tensor:
         """Causal attention inside each example; returns [B, T, H, D]."""
@@ -333,6 +353,8 @@ class FastOptions:
     """Expand double-quantized 4-bit scales to fp32 once (+0.25 GB on a 7B model, fewer kernels)."""
     unpad: bool = True
     """Drop padding tokens before the model (padded batches become a flat stream of examples)."""
+    hoist_adapters: bool = True
+    """Cast and stack the adapters once per forward, outside the checkpointed layers."""
 
 
 class FastModel:
@@ -348,6 +370,9 @@ class FastModel:
         self.options = options
         self.kernels = kernels
         self.varlen = varlen
+        # The checkpoint must replay the RNG only when something in a layer draws from it.
+        self._dropout = any(any(p.dropout) for layer in layers for p in (layer.qkv, layer.o, layer.gate_up,
+                                                                          layer.down))
 
     def describe(self) -> str:
         """One line naming what is on, for logs and events."""
@@ -398,10 +423,13 @@ class FastModel:
         cos, sin = self.backbone.rotary_emb(h, pos)
         cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         for layer in self.layers:
+            # Built outside the checkpoint: the recomputation then reuses them (fewer small ops).
+            adapters = layer.adapters() if self.options.hoist_adapters else None
             if self.options.checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer.forward, h, cos, sin, seg, use_reentrant=False)
+                h = checkpoint(layer.forward, h, cos, sin, seg, adapters, use_reentrant=False,
+                               preserve_rng_state=self._dropout)
             else:
-                h = layer.forward(h, cos, sin, seg)
+                h = layer.forward(h, cos, sin, seg, adapters)
         h = self.layers[0].norm(h, self.backbone.norm.weight) if self.layers else h
         return self._cross_entropy(h.reshape(-1, h.shape[-1]), targets.reshape(-1))
 
