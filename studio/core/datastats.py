@@ -1,0 +1,235 @@
+"""Length statistics and lint over a dataset: what the dataset pane plots and lists before training.
+
+Works on a ``datasets.Dataset``, a :class:`studio.core.data.Table` or a list of row dicts. Lint is
+hash-based (100k rows in about half a second); token counts use ``tokenizers`` in parallel batches,
+never torch. Row numbers are 0-based positions in the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from studio.core import prompt as prompts
+from studio.core.data import arrow_table, as_text, column_values, row_count
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    """Summary and histogram of lengths (characters or tokens) over a column."""
+
+    count: int
+    min: int
+    mean: float
+    p50: float
+    p95: float
+    max: int
+    edges: list[int]
+    """Bucket boundaries, one more than ``counts``; bucket i holds lengths in [edges[i], edges[i+1])."""
+    counts: list[int]
+    """Rows in each bucket."""
+
+
+def length_stats(lengths: Sequence[int], bins: int = 20) -> LengthStats:
+    """Min/mean/p50/p95/max and a histogram of ``lengths`` in at most ``bins`` equal integer buckets."""
+    import numpy as np
+
+    if len(lengths) == 0:
+        return LengthStats(0, 0, 0.0, 0.0, 0.0, 0, [0, 1], [0])
+    values = np.asarray(lengths, dtype=np.int64)
+    low, high = int(values.min()), int(values.max())
+    # Integer-wide buckets so each label reads as a whole length range ("100-109").
+    width = max(1, -(-(high - low + 1) // max(1, bins)))
+    buckets = -(-(high - low + 1) // width)
+    counts = np.bincount((values - low) // width, minlength=buckets)
+    return LengthStats(
+        count=len(values), min=low, mean=float(values.mean()), p50=float(np.percentile(values, 50)),
+        p95=float(np.percentile(values, 95)), max=high,
+        edges=[low + k * width for k in range(buckets + 1)], counts=[int(c) for c in counts],
+    )
+
+
+@dataclass(frozen=True)
+class ColumnStats:
+    """Length statistics of one column."""
+
+    column: str
+    chars: LengthStats
+    tokens: LengthStats | None
+    """None when no tokenizer was given."""
+    empty: int
+    """Rows whose value is empty or only whitespace."""
+
+
+def column_stats(
+    source: Any,
+    columns: Sequence[str] | None = None,
+    tokenize: Tokenizer | Callable[[str], Sequence[int]] | None = None,
+    bins: int = 20,
+) -> dict[str, ColumnStats]:
+    """Character (and, given a tokenizer, token) length statistics per text column.
+
+    ``source`` is a Dataset, a :class:`Table` or a list of row dicts; ``tokenize`` a
+    ``tokenizers.Tokenizer`` (fast, batched) or any ``str -> ids`` callable.
+    """
+    from studio.core.tokens import count_tokens
+
+    values = _columns_of(source, columns)
+    stats: dict[str, ColumnStats] = {}
+    for name, texts in values.items():
+        texts = [as_text(t) for t in texts]
+        tokens = length_stats(count_tokens(tokenize, texts), bins) if tokenize is not None else None
+        stats[name] = ColumnStats(name, length_stats([len(t) for t in texts], bins), tokens,
+                                  sum(1 for t in texts if not t.strip()))
+    return stats
+
+
+def _columns_of(source: Any, columns: Sequence[str] | None) -> dict[str, list[Any]]:
+    """Column name -> values, from a Dataset/Table or a list of dicts."""
+    if isinstance(source, list):
+        names = list(columns) if columns else (list(source[0]) if source else [])
+        return {name: [row.get(name) for row in source] for name in names}
+    table = arrow_table(source)
+    names = list(columns) if columns else table.column_names
+    return {name: column_values(source, name) for name in names}
+
+
+# ---------------------------------------------------------------------------------------- lint
+
+
+@dataclass(frozen=True)
+class DataIssue:
+    """A row worth a look before training."""
+
+    kind: str
+    """``empty_output``, ``duplicate_prompt`` (same prompt, different answers) or ``too_long``."""
+    row: int
+    """The (first) row concerned, 0-based."""
+    message: str
+    related_rows: tuple[int, ...] = ()
+    """Every row of a duplicate group (including ``row``)."""
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def lint_rows(
+    source: Any,
+    response_field: str = "output",
+    prompt_fields: Sequence[str] | None = None,
+    *,
+    columns: Mapping[str, str] | None = None,
+    tokenize: Tokenizer | Callable[[str], Sequence[int]] | None = None,
+    max_seq_length: int | None = None,
+    template: str | None = None,
+    add_eos: bool = True,
+) -> list[DataIssue]:
+    """Rows that would hurt a fine-tune: empty outputs, the same prompt with different answers (after
+    whitespace/case normalisation), and rows longer than ``max_seq_length`` tokens.
+
+    ``source`` is a list of row dicts keyed by field, or a Dataset/Table whose columns are mapped to
+    fields by ``columns`` (field -> column). ``prompt_fields`` default to instruction and input (those
+    present). Length is measured on the row rendered through ``template`` (or its fields joined by
+    newlines), plus the EOS token when ``add_eos``. Hash-based: 100k rows lint in well under a second
+    without a tokenizer.
+    """
+    mapping = dict(columns or {})
+    if isinstance(source, list):
+        available = list(source[0]) if source else []
+    else:
+        available = arrow_table(source).column_names
+    has = [f for f in (*available, *mapping) if mapping.get(f, f) in available]
+    if prompt_fields is None:
+        if template is not None:
+            prompt_fields = [f for f in prompts.template_fields(template) if f != response_field]
+        else:
+            prompt_fields = [f for f in ("instruction", "input") if f in has] or [
+                f for f in has if f not in (response_field, "split")]
+    total = row_count(source)
+    values: dict[str, list[str]] = {}
+    for name in dict.fromkeys([*prompt_fields, response_field]):
+        column = mapping.get(name, name)
+        raw = _columns_of(source, [column])[column] if column in available else [""] * total
+        values[name] = [as_text(v) for v in raw]
+
+    issues: list[DataIssue] = []
+    answers = values[response_field]
+    for index, answer in enumerate(answers):
+        if not answer.strip():
+            issues.append(DataIssue("empty_output", index, f"row {index}: the {response_field} is empty; "
+                                    "fill it in or drop the row (it teaches the model to say nothing)"))
+
+    groups: dict[tuple[str, ...], list[int]] = {}
+    with _no_gc():  # only containers are made here; collection passes would double the time
+        keys = zip(*(map(_normalise, values[f]) for f in prompt_fields), strict=True)
+        for index, key in enumerate(keys):
+            groups.setdefault(key, []).append(index)
+    for members in groups.values():
+        if len(members) > 1 and len({_normalise(answers[i]) for i in members}) > 1:
+            shown = ", ".join(str(i) for i in members[:10]) + (" ..." if len(members) > 10 else "")
+            issues.append(DataIssue(
+                "duplicate_prompt", members[0],
+                f"rows {shown}: the same prompt has {len({_normalise(answers[i]) for i in members})} "
+                "different answers; keep one answer per prompt", tuple(members)))
+
+    if tokenize is not None and max_seq_length:
+        issues.extend(_too_long(values, total, response_field, tokenize, max_seq_length, template, add_eos))
+    issues.sort(key=lambda issue: issue.row)
+    return issues
+
+
+def _too_long(values: dict[str, list[str]], total: int, response_field: str, tokenize: Any,
+              max_seq_length: int, template: str | None, add_eos: bool) -> list[DataIssue]:
+    """Rows whose rendered text is over ``max_seq_length`` tokens.
+
+    Tokenizing every rendered row of a large dataset takes tens of seconds, so rows are first bounded
+    by their UTF-8 size: every token of a real tokenizer covers at least one byte (plus, at most, one
+    leading word-start marker), so a row whose byte count fits certainly fits and is never tokenized.
+    """
+    from studio.core.tokens import count_tokens
+
+    names = list(values)
+    extra = 1 if add_eos else 0
+    if template is not None:
+        pieces = prompts.parse(template)
+        literal = len("".join(p.text for p in pieces if p.field is None).encode())
+        uses = {n: sum(1 for p in pieces if p.field == n) for n in names}
+        uses[response_field] = max(1, uses.get(response_field, 0))
+    else:
+        literal, uses = max(0, len(names) - 1), dict.fromkeys(names, 1)
+    sizes = [literal + 1 + extra] * total
+    for name in names:
+        if uses.get(name):
+            sizes = [size + uses[name] * len(text.encode()) for size, text in zip(sizes, values[name], strict=True)]
+    candidates = [i for i, size in enumerate(sizes) if size > max_seq_length]
+
+    def text_of(index: int) -> str:
+        row = {n: values[n][index] for n in names}
+        if template is not None:
+            return prompts.render(template, row, response_field).text
+        return "\n".join(row.values())
+
+    counts = count_tokens(tokenize, [text_of(i) for i in candidates])
+    return [
+        DataIssue("too_long", index, f"row {index}: {count + extra} tokens, over data.max_seq_length "
+                  f"{max_seq_length}; the end of its response will be cut (raise max_seq_length or shorten it)")
+        for index, count in zip(candidates, counts, strict=True) if count + extra > max_seq_length
+    ]
