@@ -72,6 +72,29 @@ def test_alpaca_uses_the_no_input_wording_when_a_row_has_no_input(empty):
     assert rendered.response == "enots"
 
 
+def test_no_input_rules_hold_for_a_saved_literal_in_a_fresh_process():
+    """A config may hold the resolved text rather than the preset name; the worker renders it alone."""
+    import json
+    import subprocess
+    import sys
+
+    chat = resolve_template(PromptConfig(template="chat"), CHATML)
+    code = ("import json, sys\nfrom studio.core.prompt import render\n"
+            "templates, row = json.loads(sys.stdin.read())\n"
+            "print(json.dumps([render(t, row).text for t in templates]))")
+    row = {**ROW, "input": ""}
+    result = subprocess.run([sys.executable, "-c", code], input=json.dumps([[ALPACA, chat], row]),
+                            capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(result.stdout) == [render("alpaca", row).text, render(chat, row).text]
+    assert "Reverse the word<|im_end|>" in render(chat, row).text
+
+
+def test_a_blank_line_before_input_goes_with_an_empty_input():
+    template = "{instruction}\n\n{input}\n\nAnswer:\n{output}"
+    assert render(template, {**ROW, "input": ""}).text == "Reverse the word\n\nAnswer:\nenots"
+    assert render(template, ROW).text == "Reverse the word\n\nstone\n\nAnswer:\nenots"
+
+
 def test_alpaca_no_input_preset_ignores_the_input():
     rendered = render("alpaca_no_input", ROW)
     assert "stone" not in rendered.text and rendered.response == "enots"

@@ -29,8 +29,12 @@ ALPACA_NO_INPUT = (
 PRESETS = ("alpaca", "alpaca_no_input", "chat")
 """Names accepted as ``prompt.template`` besides a literal template."""
 
-# A template whose rows may lack an input -> the wording to use on those rows.
-_NO_INPUT_VARIANT: dict[str, str] = {ALPACA: ALPACA_NO_INPUT}
+# Rows with an empty input drop it: the alpaca head switches to its no-input wording, and a blank line
+# plus {input} (how chat templates join input to instruction) disappears. Pure text rules, so a template
+# saved in a config renders the same in every process.
+_ALPACA_HEAD = ALPACA[: ALPACA.index("### Response:")]
+_ALPACA_NO_INPUT_HEAD = ALPACA_NO_INPUT[: ALPACA_NO_INPUT.index("### Response:")]
+_JOINED_INPUT = "\n\n{input}"
 
 # Text after the response that is only end-of-turn markers (chat templates' <|im_end|>, </s>) is
 # what the model should learn to emit, so it is not flagged.
@@ -190,22 +194,24 @@ def _preset(name: str, response_field: str) -> str | None:
     if name not in ("alpaca", "alpaca_no_input"):
         return None
     answer = "{" + response_field + "}"
-    with_input, without = ALPACA.replace("{output}", answer), ALPACA_NO_INPUT.replace("{output}", answer)
-    _NO_INPUT_VARIANT[with_input] = without
-    return with_input if name == "alpaca" else without
+    return (ALPACA if name == "alpaca" else ALPACA_NO_INPUT).replace("{output}", answer)
 
 
 def chat_to_template(chat_template: str, response_field: str = "output", **chat_vars: Any) -> str:
     """Render a Jinja chat template into a ``{field}`` template.
 
-    The user turn is the instruction (and, when present, a blank line and the input); the assistant
-    turn is the response, so the response span is the assistant's part up to the end. Rows whose input
-    is empty use the variant without it.
+    The user turn is the instruction, a blank line and the input (rows with an empty input render
+    without the blank line); the assistant turn is the response, so the response span is the
+    assistant's part up to the end.
     """
-    with_input = _render_chat(chat_template, "{instruction}\n\n{input}", response_field, chat_vars)
-    without = _render_chat(chat_template, "{instruction}", response_field, chat_vars)
-    _NO_INPUT_VARIANT[with_input] = without
-    return with_input
+    return _render_chat(chat_template, "{instruction}" + _JOINED_INPUT, response_field, chat_vars)
+
+
+def without_input(template: str) -> str:
+    """The template a row with an empty input renders through (the same template when no rule applies)."""
+    if template.startswith(_ALPACA_HEAD):
+        template = _ALPACA_NO_INPUT_HEAD + template[len(_ALPACA_HEAD):]
+    return template.replace(_JOINED_INPUT, "")
 
 
 def _render_chat(chat_template: str, user: str, response_field: str, chat_vars: dict[str, Any]) -> str:
@@ -260,11 +266,12 @@ def render(template: str, row: Mapping[str, Any], response_field: str = "output"
 
     The response runs from the response field's placeholder to the end of the text; a template
     without that placeholder gets the response appended. Fields missing from the row render empty.
+    A row whose input is empty renders through :func:`without_input` (alpaca's no-input wording; no
+    dangling blank line where a chat template joins the input to the instruction).
     """
     template = _preset(template, response_field) or template
-    variant = _NO_INPUT_VARIANT.get(template)
-    if variant is not None and not _text(row.get("input")).strip():
-        template = variant
+    if not _text(row.get("input")).strip():
+        template = without_input(template)
     parts: list[str] = []
     spans: list[Span] = []
     length = 0
