@@ -360,7 +360,9 @@ def test_column_stats_on_a_table_with_a_real_tokenizer(tmp_path):
     tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     table = Table.open(write_jsonl(tmp_path / "rows.jsonl", ROWS))
-    stats = column_stats(table, tokenize=tokenizer)
+    seen = []
+    stats = column_stats(table, tokenize=tokenizer, progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(3, 9), (6, 9), (9, 9)]  # three columns of three rows
     assert set(stats) == {"instruction", "input", "output"}
     assert stats["instruction"].tokens.max == 3  # "Add the numbers", "Reverse the word"
     assert stats["input"].empty == 1

@@ -93,6 +93,14 @@ def test_counts_match_single_encodes_and_skip_special_tokens(tmp_path):
     assert expected[1] == 0 and expected[2] > expected[0]
 
 
+def test_count_tokens_reports_progress_per_batch(tmp_path):
+    info = load_tokenizer_info(make_model_folder(tmp_path / "model"))
+    seen = []
+    counts = count_tokens(info.tokenizer, ["def x"] * 20_000, lambda done, total: seen.append((done, total)))
+    assert len(counts) == 20_000
+    assert seen == [(8192, 20_000), (16384, 20_000), (20_000, 20_000)]
+
+
 def test_tokens_never_imports_torch_or_transformers(tmp_path):
     folder = make_model_folder(tmp_path / "model")
     code = (

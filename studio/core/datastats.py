@@ -72,19 +72,27 @@ def column_stats(
     columns: Sequence[str] | None = None,
     tokenize: Tokenizer | Callable[[str], Sequence[int]] | None = None,
     bins: int = 20,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, ColumnStats]:
     """Character (and, given a tokenizer, token) length statistics per text column.
 
     ``source`` is a Dataset, a :class:`Table` or a list of row dicts; ``tokenize`` a
-    ``tokenizers.Tokenizer`` (fast, batched) or any ``str -> ids`` callable.
+    ``tokenizers.Tokenizer`` (fast, batched) or any ``str -> ids`` callable. ``progress(done, total)``
+    reports the texts tokenized so far, over all columns.
     """
     from studio.core.tokens import count_tokens
 
     values = _columns_of(source, columns)
+    total = sum(len(texts) for texts in values.values())
     stats: dict[str, ColumnStats] = {}
+    done = 0
     for name, texts in values.items():
         texts = [as_text(t) for t in texts]
-        tokens = length_stats(count_tokens(tokenize, texts), bins) if tokenize is not None else None
+        tokens = None
+        if tokenize is not None:
+            report = None if progress is None else (lambda n, _, base=done: progress(base + n, total))
+            tokens = length_stats(count_tokens(tokenize, texts, report), bins)
+        done += len(texts)
         stats[name] = ColumnStats(name, length_stats([len(t) for t in texts], bins), tokens,
                                   sum(1 for t in texts if not t.strip()))
     return stats
@@ -141,6 +149,7 @@ def lint_rows(
     max_seq_length: int | None = None,
     template: str | None = None,
     add_eos: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[DataIssue]:
     """Rows that would hurt a fine-tune: empty outputs, the same prompt with different answers (after
     whitespace/case normalisation), and rows longer than ``max_seq_length`` tokens.
@@ -148,8 +157,8 @@ def lint_rows(
     ``source`` is a list of row dicts keyed by field, or a Dataset/Table whose columns are mapped to
     fields by ``columns`` (field -> column). ``prompt_fields`` default to instruction and input (those
     present). Length is measured on the row rendered through ``template`` (or its fields joined by
-    newlines), plus the EOS token when ``add_eos``. Hash-based: 100k rows lint in well under a second
-    without a tokenizer.
+    newlines), plus the EOS token when ``add_eos``; ``progress(done, total)`` follows that
+    tokenization. Hash-based: 100k rows lint in well under a second without a tokenizer.
     """
     mapping = dict(columns or {})
     if isinstance(source, list):
@@ -191,13 +200,15 @@ def lint_rows(
                 "different answers; keep one answer per prompt", tuple(members)))
 
     if tokenize is not None and max_seq_length:
-        issues.extend(_too_long(values, total, response_field, tokenize, max_seq_length, template, add_eos))
+        issues.extend(_too_long(values, total, response_field, tokenize, max_seq_length, template, add_eos,
+                                progress))
     issues.sort(key=lambda issue: issue.row)
     return issues
 
 
 def _too_long(values: dict[str, list[str]], total: int, response_field: str, tokenize: Any,
-              max_seq_length: int, template: str | None, add_eos: bool) -> list[DataIssue]:
+              max_seq_length: int, template: str | None, add_eos: bool,
+              progress: Callable[[int, int], None] | None = None) -> list[DataIssue]:
     """Rows whose rendered text is over ``max_seq_length`` tokens.
 
     Tokenizing every rendered row of a large dataset takes tens of seconds, so rows are first bounded
@@ -227,7 +238,7 @@ def _too_long(values: dict[str, list[str]], total: int, response_field: str, tok
             return prompts.render(template, row, response_field).text
         return "\n".join(row.values())
 
-    counts = count_tokens(tokenize, [text_of(i) for i in candidates])
+    counts = count_tokens(tokenize, [text_of(i) for i in candidates], progress)
     return [
         DataIssue("too_long", index, f"row {index}: {count + extra} tokens, over data.max_seq_length "
                   f"{max_seq_length}; the end of its response will be cut (raise max_seq_length or shorten it)")
