@@ -1,0 +1,465 @@
+"""Predict where the GPU memory of a fine-tuning run goes, by category, before loading anything.
+
+The prediction follows what HF transformers + PEFT + bitsandbytes actually keep alive on a CUDA
+device during a training step, tensor by tensor (calibrated against measurements; see
+bench/vram_accuracy.py), and reports it in the categories the gauge draws and
+``engine/memory.py`` measures: weights, lora, gradients, optimizer, activations, overhead.
+
+The peak of a step is the largest of three moments:
+
+* the start of the backward pass (every saved activation, the logits and the loss's fp32 copies);
+* the backward of one layer (with checkpointing: every layer's input, plus one recomputed layer);
+* the optimizer step (gradients plus the optimizer's temporaries; activations are gone).
+
+Plain Python: the UI and ``studio estimate`` import this; it must never import torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from studio.core.config import RunConfig
+from studio.core.model_info import ModelInfo
+
+CATEGORIES = ("weights", "lora", "gradients", "optimizer", "activations", "overhead")
+"""Category keys, in drawing order; engine/memory.py measures the same ones."""
+
+CUDA_CONTEXT_BYTES = 500 * 2**20
+"""CUDA context and kernels: on the card (nvidia-smi shows it) but outside torch's counters."""
+
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+"""cuBLAS workspace, allocated through torch's caching allocator on the first matmul."""
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5, "fp4": 0.5}
+_QUANT_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax constant per 64 weights
+_NESTED_BLOCK = 256  # double quant: one fp32 constant per 256 absmax bytes
+_OPTIM8_BLOCK = 256  # bitsandbytes 8-bit optimizers: one fp32 absmax per 256 state bytes
+_OPTIM8_MIN_SIZE = 4096  # smaller tensors keep 32-bit optimizer state in bitsandbytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A training setup as the estimator sees it; :func:`plan_for` maps a RunConfig onto one."""
+
+    weights: str = "nf4"
+    """How frozen linear weights are stored: nf4, fp4, int8, bf16, fp16 or fp32."""
+
+    double_quant: bool = True
+    """4-bit only: quantize the absmax constants too (8-bit per 64 weights, not fp32)."""
+
+    compute: str = "bf16"
+    """Matmul dtype under autocast: bf16, fp16, or fp32 (no autocast)."""
+
+    lora_r: int | None = 16
+    """Adapter rank; None means full fine-tuning (every weight trains)."""
+
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                     "down_proj")
+    """Linear modules that get an adapter."""
+
+    lora_dropout: float = 0.05
+    """Adapter dropout; above 0 it keeps a one-byte mask per input element of each adapter."""
+
+    micro_batch: int = 4
+    """Sequences per forward pass."""
+
+    seq_len: int = 512
+    """Tokens per sequence (packed rows are full length)."""
+
+    checkpointing: bool = True
+    """Gradient checkpointing: keep only each layer's input, recompute the rest in backward."""
+
+    optimizer: str = "adamw"
+    """adamw (torch, state in the parameter's dtype), adamw_8bit or paged_adamw_8bit."""
+
+    accumulation: int = 1
+    """Micro-batches per optimizer step; above 1 gradients stay alive through the forward pass."""
+
+    attention: str = "sdpa"
+    """sdpa / flash (memory linear in length) or eager (keeps seq x seq scores per head)."""
+
+    @property
+    def quantized(self) -> bool:
+        """True for 4-bit and 8-bit base weights (loaded through bitsandbytes)."""
+        return self.weights in ("nf4", "fp4", "int8")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one micro-batch."""
+        return self.micro_batch * self.seq_len
+
+
+@dataclass
+class Estimate:
+    """Predicted memory of one training step, in bytes."""
+
+    categories: dict[str, int]
+    """Bytes per category (keys in :data:`CATEGORIES`); they sum to ``total``."""
+
+    total: int
+    """Everything that must fit on the card: peak reserved by torch plus the CUDA context."""
+
+    capacity: int | None
+    """The card's memory in bytes, or None when no card was given."""
+
+    fits: bool | None
+    """``total <= capacity``; None without a capacity."""
+
+    max_micro_batch: int | None
+    """The largest micro-batch whose total fits (0: not even 1), or None without a capacity."""
+
+    peak_allocated: int
+    """Predicted ``torch.cuda.max_memory_allocated()`` over a step."""
+
+    peak_reserved: int
+    """Predicted ``torch.cuda.max_memory_reserved()`` over a step."""
+
+    plan: Plan
+    """The setup this estimate is for."""
+
+    notes: list[str] = field(default_factory=list)
+    """Caveats a person should read (paged state, unknown model parts, ...)."""
+
+    def to_json_dict(self) -> dict:
+        """The ``studio estimate --json`` shape: categories, total, capacity, fits, max_micro_batch."""
+        return {"categories": dict(self.categories), "total": self.total, "capacity": self.capacity,
+                "fits": self.fits, "max_micro_batch": self.max_micro_batch}
+
+
+def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str = "sdpa") -> Plan:
+    """The Plan a RunConfig describes (4-bit NF4 QLoRA by default)."""
+    q = config.quantization
+    compute = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[q.compute_dtype]
+    weights = {4: q.quant_type, 8: "int8"}.get(q.bits, compute) if q.bits else compute
+    targets = config.lora.target_modules
+    names = ALL_LINEAR if targets == "all-linear" else tuple(t for t in targets)
+    accumulation = config.trainer.accumulation_steps()
+    return Plan(weights=weights, double_quant=q.double_quant, compute=compute, lora_r=config.lora.r,
+                lora_targets=names, lora_dropout=config.lora.dropout,
+                micro_batch=micro_batch or config.trainer.micro_batch_size,
+                seq_len=config.data.max_seq_length, checkpointing=config.trainer.gradient_checkpointing,
+                optimizer=config.trainer.optimizer, accumulation=accumulation, attention=attention)
+
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""What PEFT's ``all-linear`` means for a Llama-architecture model (lm_head excluded)."""
+
+
+# ------------------------------------------------------------------------------------ parameters
+
+
+def lora_params(info: ModelInfo, r: int, targets: tuple[str, ...]) -> int:
+    """Adapter parameters: r x (in + out) per targeted linear module, in every layer."""
+    shapes = info.linear_shapes()
+    unknown = [t for t in targets if t not in shapes]
+    if unknown:
+        raise ValueError(f"lora.target_modules: {', '.join(unknown)} not in the model "
+                         f"(known: {', '.join(shapes)}, or all-linear)")
+    return info.layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets)
+
+
+def _quant_constants(n: int, plan: Plan) -> float:
+    """Bytes of bitsandbytes quantization constants for one weight matrix of ``n`` elements."""
+    if plan.weights in ("nf4", "fp4"):
+        blocks = math.ceil(n / _QUANT_BLOCK)
+        if plan.double_quant:
+            # uint8 absmax per block, fp32 absmax per 256 of those, a 256-entry fp32 code, an offset
+            return blocks + 4 * math.ceil(blocks / _NESTED_BLOCK) + 1024 + 4 + 64
+        return 4 * blocks + 64
+    if plan.weights == "int8":
+        return 0.0  # the per-row scales are added by the caller (they depend on the shape)
+    return 0.0
+
+
+def weight_bytes(info: ModelInfo, plan: Plan) -> int:
+    """Bytes of the base model's parameters, as loaded and prepared for training.
+
+    Quantized linears: packed data plus constants. Everything else (embeddings, lm_head, norms) is
+    in the compute dtype, except after ``prepare_model_for_kbit_training`` (which Studio runs for
+    4-bit and 8-bit), which casts all of it to fp32.
+    """
+    shapes = info.linear_shapes()
+    linear = 0.0
+    for fan_in, fan_out in shapes.values():
+        n = fan_in * fan_out
+        linear += n * _DTYPE_BYTES[plan.weights] + _quant_constants(n, plan)
+        if plan.weights == "int8":
+            linear += 4 * fan_out  # fp32 scale per output row (SCB)
+    other = info.embedding_params() + info.head_params() + info.norm_params()
+    if plan.lora_r is None:  # full fine-tuning: everything in the weights' dtype (int8: illustrative)
+        other_bytes = _DTYPE_BYTES[plan.compute if plan.quantized else plan.weights]
+    else:
+        other_bytes = 4 if plan.quantized else _DTYPE_BYTES[plan.compute]
+    return int(info.layers * linear + other * other_bytes)
+
+
+def trainable_params(info: ModelInfo, plan: Plan) -> int:
+    """Parameters that get gradients and optimizer state."""
+    if plan.lora_r is None:
+        return info.total_params()
+    return lora_params(info, plan.lora_r, plan.lora_targets)
+
+
+def _trainable_dtype_bytes(plan: Plan) -> int:
+    # PEFT keeps adapters in fp32 (autocast_adapter_dtype); full fine-tuning trains the weights as
+    # stored (int8 weights cannot take updates: the walkthrough shows that step with bf16 updates)
+    if plan.lora_r is not None:
+        return 4
+    return 2 if plan.quantized else int(_DTYPE_BYTES[plan.weights])
+
+
+def optimizer_bytes(info: ModelInfo, plan: Plan) -> int:
+    """Optimizer state: AdamW m and v in the parameter's dtype, or bitsandbytes 8-bit blocks."""
+    n = trainable_params(info, plan)
+    if plan.optimizer == "adamw":
+        return 2 * n * _trainable_dtype_bytes(plan)
+    # 8-bit: one byte per element for m and v, plus an fp32 absmax per 256; tensors under 4096
+    # elements keep 32-bit state (bitsandbytes' min_8bit_size).
+    small = _small_tensor_params(info, plan)
+    big = n - small
+    return int(2 * (big + 4 * math.ceil(big / _OPTIM8_BLOCK)) + 8 * small)
+
+
+def _small_tensor_params(info: ModelInfo, plan: Plan) -> int:
+    """Trainable parameters in tensors too small for 8-bit optimizer state."""
+    if plan.lora_r is None:
+        return info.norm_params()
+    shapes = info.linear_shapes()
+    small = 0
+    for t in plan.lora_targets:
+        fan_in, fan_out = shapes[t]
+        for numel in (plan.lora_r * fan_in, plan.lora_r * fan_out):
+            if numel < _OPTIM8_MIN_SIZE:
+                small += numel
+    return small * info.layers
+
+
+# ----------------------------------------------------------------------------------- activations
+
+
+def _bytes(dtype: str) -> int:
+    return int(_DTYPE_BYTES[dtype])
+
+
+def _stream_bytes(plan: Plan) -> int:
+    """dtype size of the residual stream and of the projections' outputs.
+
+    After prepare_model_for_kbit_training the embeddings are fp32, so the whole residual stream is
+    fp32 and bitsandbytes returns each projection in its input's dtype (fp32). A bf16 base keeps
+    everything in bf16; full fine-tuning runs in the weights' dtype.
+    """
+    if plan.lora_r is None:
+        return _bytes(plan.compute) if plan.quantized else _bytes(plan.weights)
+    return 4 if plan.quantized else _bytes(plan.compute)
+
+
+def _input_saved(n: int, dtype: int, modules: tuple[str, ...], plan: Plan) -> float:
+    """Bytes per token that the modules reading one input tensor (``n`` wide, ``dtype`` bytes) keep.
+
+    A tensor kept by several consumers counts once; a per-module copy (autocast cast, dropout
+    output) counts per module.
+    """
+    c = _bytes(plan.compute)
+    full = plan.lora_r is None
+    shared = False
+    total = 0.0
+    for name in modules:
+        if full or plan.weights == "int8":
+            # a trainable weight needs its input for the weight gradient; LLM.int8 keeps its input
+            # too (for the input gradient), in the dtype it came in
+            if full and dtype != c:
+                total += c * n
+            else:
+                shared = True
+        if full or name not in plan.lora_targets:
+            continue
+        total += c * (plan.lora_r or 0)  # lora_A's output, kept by lora_B
+        if plan.lora_dropout > 0:
+            total += n + c * n  # CUDA dropout keeps a one-byte mask; lora_A keeps its own input copy
+        elif dtype != c or (not plan.quantized and c != 4):
+            # autocast casts per call (PEFT's plain LoRA first casts to its fp32 weights)
+            total += c * n
+        else:
+            shared = True
+    return total + (dtype * n if shared else 0)
+
+
+def layer_activation_bytes(info: ModelInfo, plan: Plan) -> float:
+    """Bytes one decoder layer keeps for backward, per token, without checkpointing."""
+    h, i = info.hidden, info.intermediate
+    q = info.heads * info.head_width
+    kv = info.kv_heads * info.head_width
+    c = _bytes(plan.compute)
+    rs = _stream_bytes(plan)
+    norm = 4 * h + (rs * h if plan.lora_r is None else 0)  # RMSNorm keeps its fp32 input
+    total = 2 * norm
+    total += _input_saved(h, rs, ("q_proj", "k_proj", "v_proj"), plan)
+    total += rs * (q + kv)  # rotary embedding keeps rotate_half(q) and rotate_half(k)
+    if plan.attention == "eager":
+        # q and the repeated k, v for the two matmuls; fp32 softmax output and its cast, per head
+        total += c * 3 * q + info.heads * plan.seq_len * (4 + (c if c < 4 else 0))
+    else:
+        total += c * (q + 2 * kv) + c * q + 4 * info.heads  # q, k, v, output, log-sum-exp
+    total += _input_saved(q, c, ("o_proj",), plan)
+    total += _input_saved(h, rs, ("gate_proj", "up_proj"), plan)
+    total += 3 * rs * i  # gate (for SiLU), SiLU output and up (for the product)
+    total += _input_saved(i, rs, ("down_proj",), plan)
+    return total
+
+
+def _loss_bytes_per_token(info: ModelInfo, plan: Plan) -> float:
+    """Peak of the loss: logits in the compute dtype, their fp32 copy's log-softmax, and in backward
+    the gradient of the log-probabilities and of the logits (fp32 each)."""
+    return (_bytes(plan.compute) + 12) * info.vocab + 4 * info.hidden  # + the final norm's input
+
+
+@dataclass(frozen=True)
+class _Moments:
+    """Activation bytes (beyond parameters and optimizer state) at the three candidate peaks."""
+
+    loss: float
+    layer_backward: float
+    optimizer_step: float
+    saved: float
+    slack: float
+
+
+def _moments(info: ModelInfo, plan: Plan, grads: int) -> _Moments:
+    t = plan.tokens
+    c = _bytes(plan.compute)
+    rs = _stream_bytes(plan)
+    per_layer = layer_activation_bytes(info, plan)
+    saved = t * info.layers * (rs * info.hidden if plan.checkpointing else per_layer)
+    head_dtype = 4 if plan.quantized and plan.lora_r is not None else rs
+    # autocast's bf16 copies of fp32 weights that need a gradient path stay in the graph
+    head_copy = c * (info.embedding_params() if info.tied else info.head_params()) if head_dtype != c else 0
+    lora_copy = c * trainable_params(info, plan) if plan.lora_r is not None and c < 4 else 0
+    fixed = CUBLAS_WORKSPACE_BYTES + lora_copy
+    loss = saved + t * _loss_bytes_per_token(info, plan) + head_copy + fixed
+    if plan.accumulation > 1:
+        loss += grads  # gradients of earlier micro-batches are alive through this forward
+    shapes = info.linear_shapes().values()
+    dequant = max(a * b for a, b in shapes) * 2 if plan.quantized else 0  # one layer's weight, unpacked
+    backward_transient = rs * (2 * info.hidden + 2 * info.intermediate)
+    recompute = per_layer if plan.checkpointing else 0
+    layer_backward = saved + t * (recompute + backward_transient) + fixed + dequant + grads
+    # torch's AdamW (foreach) holds about one parameter-sized temporary while it updates
+    temp = trainable_params(info, plan) * _trainable_dtype_bytes(plan) if plan.optimizer == "adamw" else 0
+    optimizer_step = grads + temp
+    slack = (_SLACK_PER_LAYER_WORKING_SET * t * per_layer + _SLACK_PER_SAVED_BYTE * saved
+             + head_copy + dequant / 2 + _SLACK_FLOOR)
+    return _Moments(loss, layer_backward, optimizer_step, saved, slack)
+
+
+# -------------------------------------------------------------------------------------- estimate
+
+# Reserved minus allocated at the peak. The caching allocator keeps the blocks freed by one layer's
+# forward (its working set), a little of every saved activation's rounding, and the big transient
+# weight copies (lm_head in bf16, one unpacked layer weight). Fitted on the H100 reference runs
+# (Llama-2-7B QLoRA: 0.55 GB at 512 tokens, 1.28 GB at 2048, 1.63 GB at 2048 without checkpointing).
+_SLACK_PER_LAYER_WORKING_SET = 1.53
+_SLACK_PER_SAVED_BYTE = 0.0186
+_SLACK_FLOOR = 32 * 2**20
+
+
+def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> Estimate:
+    """Predict the memory of ``plan`` on model ``info`` (see :func:`estimate`)."""
+    weights = weight_bytes(info, plan)
+    n_train = trainable_params(info, plan)
+    lora = n_train * 4 if plan.lora_r is not None else 0
+    grads = n_train * _trainable_dtype_bytes(plan)
+    optimizer = optimizer_bytes(info, plan)
+    paged = plan.optimizer.startswith("paged")
+    on_device_optimizer = 0 if paged else optimizer
+    m = _moments(info, plan, grads)
+    peak_activity = max(m.loss, m.layer_backward, m.optimizer_step)
+    peak_allocated = int(weights + lora + on_device_optimizer + peak_activity)
+    activations = peak_allocated - weights - lora - on_device_optimizer - grads
+    peak_reserved = int(peak_allocated + m.slack)
+    overhead = peak_reserved - peak_allocated + CUDA_CONTEXT_BYTES
+    categories = {"weights": int(weights), "lora": int(lora), "gradients": int(grads),
+                  "optimizer": int(optimizer), "activations": int(activations), "overhead": int(overhead)}
+    total = sum(categories.values())
+    notes = []
+    if paged:
+        notes.append("paged optimizer state lives in unified memory: it spills to host RAM under "
+                     "pressure and torch.cuda's counters do not see it")
+    if plan.seq_len > info.max_positions:
+        notes.append(f"sequence length {plan.seq_len} exceeds the model's {info.max_positions} positions")
+    notes.append("overhead includes ~0.5 GB of CUDA context that only nvidia-smi shows")
+    fits = None if gpu_bytes is None else total <= gpu_bytes
+    max_mb = None if gpu_bytes is None else _max_micro_batch(info, plan, gpu_bytes)
+    return Estimate(categories, total, gpu_bytes, fits, max_mb, peak_allocated, peak_reserved, plan, notes)
+
+
+def _total(info: ModelInfo, plan: Plan) -> int:
+    return estimate_plan(info, plan).total
+
+
+def _max_micro_batch(info: ModelInfo, plan: Plan, capacity: int, limit: int = 4096) -> int:
+    """Largest micro-batch whose total fits (memory grows with it, so bisect)."""
+    if _total(info, replace(plan, micro_batch=1)) > capacity:
+        return 0
+    low, high = 1, 2
+    while high <= limit and _total(info, replace(plan, micro_batch=high)) <= capacity:
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        if _total(info, replace(plan, micro_batch=mid)) <= capacity:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def estimate(config: RunConfig, model_info: ModelInfo, gpu_bytes: int | None = None,
+             micro_batch: int | None = None) -> Estimate:
+    """Predict the GPU memory of training ``config`` on the model ``model_info`` describes.
+
+    ``gpu_bytes`` is the card's capacity (for fits / max_micro_batch); ``micro_batch`` overrides the
+    config's. Raises ValueError naming ``lora.target_modules`` if a target is not in the model.
+    """
+    return estimate_plan(model_info, plan_for(config, micro_batch), gpu_bytes)
+
+
+# ----------------------------------------------------------------------------------- walkthrough
+
+
+@dataclass(frozen=True)
+class WalkStep:
+    """One step of the walkthrough: a setup, its estimate and why it saves memory."""
+
+    title: str
+    why: str
+    estimate: Estimate
+
+
+def walkthrough(config: RunConfig, info: ModelInfo, gpu_bytes: int | None = None) -> list[WalkStep]:
+    """The seed's story for this model: full fp32 -> bf16 -> 8-bit -> LoRA -> NF4 QLoRA ->
+    + gradient checkpointing -> + paged 8-bit optimizer, each step changing one thing."""
+    base = plan_for(config)
+    lora = dict(lora_r=base.lora_r or 16, lora_targets=base.lora_targets, lora_dropout=base.lora_dropout)
+    full = replace(base, lora_r=None, checkpointing=False, optimizer="adamw", compute="fp32",
+                   weights="fp32")
+    steps = [
+        ("Full fine-tune, fp32", full,
+         "every weight trains: 4 B weight + 4 B gradient + 8 B Adam m and v per parameter"),
+        ("Full fine-tune, bf16", replace(full, weights="bf16", compute="bf16"),
+         "bf16 halves weights, gradients, Adam state and activations"),
+        ("8-bit weights", replace(full, weights="int8", compute="bf16"),
+         "LLM.int8 halves the weights again; int8 weights cannot take updates, so an adapter is next"),
+        ("LoRA on 8-bit", replace(full, weights="int8", compute="bf16", **lora),
+         "only the adapter trains: gradients and Adam state shrink to it (the fp32 residual stream "
+         "of k-bit training costs activations)"),
+        ("NF4 QLoRA", replace(full, weights="nf4", double_quant=True, compute="bf16", **lora),
+         "4-bit NF4 packs two weights a byte, plus small quantization constants"),
+        ("+ gradient checkpointing", replace(full, weights="nf4", compute="bf16", checkpointing=True,
+                                             **lora),
+         "keep only each layer's input and recompute the rest in backward: ~30% more compute"),
+        ("+ paged 8-bit AdamW", replace(full, weights="nf4", compute="bf16", checkpointing=True,
+                                        optimizer="paged_adamw_8bit", **lora),
+         "8-bit m and v; paging moves them to host RAM instead of failing on a spike"),
+    ]
+    return [WalkStep(title, why, estimate_plan(info, plan, gpu_bytes)) for title, plan, why in steps]
