@@ -1,0 +1,67 @@
+"""`studio estimate CONFIG [--gpu-gb 16] [--json] [--model M]`: predicted GPU memory by category.
+
+Plain Python (no torch): it answers in a fraction of a second on a laptop with no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from studio.core.config import ConfigError, load_config
+from studio.core.gpus import GB, detect_gpus, gpu_for_size
+from studio.core.model_info import ModelInfoError, load_model_info
+from studio.core.vram import CATEGORIES, Estimate, estimate
+
+DEFAULT_GPU_GB = 24.0
+"""Capacity assumed when no card is detected and none is given: the common 24 GB cards."""
+
+
+def format_table(result: Estimate, model: str, gpu_name: str) -> str:
+    """The human-readable report: one line per category, the total and the verdict."""
+    plan = result.plan
+    lines = [f"{model}: {plan.weights} weights, "
+             + (f"LoRA r{plan.lora_r} on {len(plan.lora_targets)} modules" if plan.lora_r else "full fine-tune")
+             + f", micro-batch {plan.micro_batch} x {plan.seq_len} tokens, "
+             + ("checkpointing" if plan.checkpointing else "no checkpointing") + f", {plan.optimizer}",
+             ""]
+    for name in CATEGORIES:
+        lines.append(f"  {name:<12} {result.categories[name] / GB:8.2f} GB")
+    lines.append(f"  {'total':<12} {result.total / GB:8.2f} GB")
+    lines.append(f"  (peak allocated {result.peak_allocated / GB:.2f} GB, reserved {result.peak_reserved / GB:.2f}"
+                 " GB: what torch.cuda reports)")
+    lines.append("")
+    if result.capacity is not None:
+        verdict = "fits" if result.fits else "does NOT fit"
+        lines.append(f"{verdict} on {gpu_name} ({result.capacity / GB:.1f} GB); largest micro-batch that fits: "
+                     f"{result.max_micro_batch}")
+    lines.extend(f"note: {note}" for note in result.notes)
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Handler for ``studio estimate``: prints the table (or JSON with --json); 1 on an error a
+    person can fix (the message names the file and key)."""
+    try:
+        config = load_config(args.config)
+        model = getattr(args, "model", None) or config.model.base_model
+        info = load_model_info(model, config.model.revision)
+        gpu_gb = getattr(args, "gpu_gb", None)
+        if gpu_gb is not None:
+            gpu = gpu_for_size(gpu_gb)
+        else:
+            detected = detect_gpus()
+            gpu = detected[0] if detected else gpu_for_size(DEFAULT_GPU_GB)
+        result = estimate(config, info, gpu.capacity)
+    except (ConfigError, ModelInfoError) as exc:
+        print(f"studio estimate: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # a LoRA target the model lacks
+        print(f"studio estimate: {args.config}: {exc}", file=sys.stderr)
+        return 1
+    if getattr(args, "json", False):
+        print(json.dumps(result.to_json_dict()))
+    else:
+        print(format_table(result, model, gpu.name))
+    return 0
