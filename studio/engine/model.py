@@ -1,0 +1,238 @@
+"""Load the base model (4-bit NF4/FP4, 8-bit, bf16 or fp32), attach LoRA, save the adapter.
+
+QLoRA in one picture: the base weights are frozen and stored small (4-bit NF4 through bitsandbytes),
+matmuls run in the compute dtype (bf16 on a GPU), and only the low-rank adapter matrices train, in
+fp32. On CPU everything runs in fp32; 4-bit tries bitsandbytes' CPU backend and falls back to fp32
+with a warning when that backend is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from studio.core.config import ConfigError, RunConfig
+
+Progress = Callable[[str, float], None]
+"""progress(stage, fraction 0..1): what the loader is doing."""
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be loaded (not found, offline, unreadable); the message says what to do."""
+
+
+@dataclass
+class BaseModel:
+    """A loaded base model and what it took to load it."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    compute_dtype: torch.dtype
+    quantization: str
+    """How the weights are stored: ``nf4``, ``fp4``, ``int8`` or the dtype name."""
+
+    path: str
+    """The local folder (or hub id) the weights came from."""
+
+    warnings: list[str] = field(default_factory=list)
+    """Things the user should know (a fallback taken), for WorkerFailed(fatal=False) events."""
+
+    seconds: float = 0.0
+
+
+def pick_device() -> torch.device:
+    """The GPU when there is one (``STUDIO_DEVICE=cpu`` forces the CPU)."""
+    wanted = os.environ.get("STUDIO_DEVICE")
+    if wanted:
+        return torch.device(wanted)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def compute_dtype(config: RunConfig, device: torch.device) -> torch.dtype:
+    """The dtype matmuls run in: ``auto`` is bf16 on a GPU that has it, fp32 elsewhere."""
+    name = config.quantization.compute_dtype
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float16 if device.type == "cuda" else torch.float32
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+    if device.type == "cpu" and dtype == torch.float16:
+        return torch.float32  # fp16 matmuls on CPU are slow and lose precision for nothing
+    return dtype
+
+
+def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer, with a pad token (the EOS token when the model has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        # Padding is masked out of attention and loss, so any id works; EOS is always there.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base(config: RunConfig, progress: Progress | None = None,
+              device: torch.device | None = None) -> BaseModel:
+    """Load the frozen base model and its tokenizer as the config asks (quantized or not)."""
+    from studio.engine.pull import resolve_model
+
+    say = progress or (lambda _stage, _fraction: None)
+    start = time.time()
+    device = device or pick_device()
+    dtype = compute_dtype(config, device)
+    say("finding the model", 0.0)
+    path = resolve_model(config.model.base_model, progress=lambda msg: say(msg, 0.05))
+    say("loading the tokenizer", 0.1)
+    try:
+        tokenizer = load_tokenizer(path, config.model.revision, config.model.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_not_found(config.model.base_model, exc)) from None
+    warnings: list[str] = []
+    bits = config.quantization.bits
+    say("loading the weights", 0.2)
+    model, quantization = None, ""
+    if bits is not None:
+        try:
+            model, quantization = _load_quantized(config, path, device, dtype)
+        except Exception as exc:  # bitsandbytes raises many kinds; any of them means "no k-bit here"
+            if device.type == "cuda":
+                raise ModelLoadError(f"{config.model.base_model}: {bits}-bit loading failed ({exc}); check "
+                                     "that bitsandbytes matches your CUDA, or set quantization.bits: null") from None
+            warnings.append(f"{bits}-bit quantization is not available on this CPU ({_first_line(exc)}); "
+                            "loading the weights in float32 instead (more memory, same training)")
+    if model is None:
+        model = _load_plain(config, path, device, dtype)
+        quantization = str(dtype).removeprefix("torch.")
+    model.config.use_cache = False  # the KV cache only costs memory while training
+    say("weights loaded", 0.8)
+    return BaseModel(model, tokenizer, device, dtype, quantization, path, warnings, time.time() - start)
+
+
+def _load_plain(config: RunConfig, path: str, device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
+            dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_not_found(config.model.base_model, exc)) from None
+    return model.to(device)
+
+
+def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, str]:
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = config.quantization
+    if q.bits == 4:
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
+                                 bnb_4bit_use_double_quant=q.double_quant, bnb_4bit_compute_dtype=dtype,
+                                 bnb_4bit_quant_storage=torch.uint8)
+        name = q.quant_type
+    elif q.bits == 8:
+        bnb = BitsAndBytesConfig(load_in_8bit=True)
+        name = "int8"
+    else:
+        raise ConfigError(f"quantization.bits is {q.bits}; choose 4, 8 or null")
+    target = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(
+        path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
+        quantization_config=bnb, dtype=dtype, device_map=target)
+    return model, name
+
+
+def attach_lora(base: BaseModel, config: RunConfig) -> Any:
+    """Freeze the base, prepare it for k-bit training, and wrap it with a fresh LoRA adapter (peft).
+
+    The adapter's weights are initialised from torch's RNG: seed before calling for a repeatable run.
+    """
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    model = base.model
+    checkpointing = config.trainer.gradient_checkpointing
+    # Non-reentrant checkpointing works with frozen inputs and does not need the input-grad hack.
+    ckpt_kwargs = {"use_reentrant": False}
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
+                                                gradient_checkpointing_kwargs=ckpt_kwargs)
+    else:
+        for param in model.parameters():
+            param.requires_grad_(False)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+    lora = config.lora
+    targets: Any = lora.target_modules
+    if isinstance(targets, list) and targets == ["all-linear"]:
+        targets = "all-linear"  # peft only recognises the shorthand as a plain string
+    peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    try:
+        model = get_peft_model(model, peft_config)
+    except ValueError as exc:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in base.model.named_modules()
+                        if isinstance(m, torch.nn.Linear) or "Linear" in type(m).__name__})
+        raise ConfigError(f"lora.target_modules {lora.target_modules!r} matches no layer of "
+                          f"{config.model.base_model} ({_first_line(exc)}); linear layers there: "
+                          f"{', '.join(names)} (or use all-linear)") from None
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()  # adapters train in fp32; autocast handles the matmuls
+    base.model = model
+    return model
+
+
+def load_model(config: RunConfig, progress: Progress | None = None) -> tuple[Any, Any]:
+    """The base model with a fresh LoRA attached, and its tokenizer."""
+    base = load_base(config, progress)
+    return attach_lora(base, config), base.tokenizer
+
+
+def load_adapter(base: BaseModel, adapter_dir: str | Path) -> Any:
+    """Wrap the loaded base with a saved adapter (``runs/<id>/adapter`` or a checkpoint's) for inference."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base.model, str(adapter_dir))
+    base.model = model
+    return model
+
+
+def save_adapter(model: Any, directory: str | Path, config: RunConfig | None = None) -> Path:
+    """Save the adapter (``PeftModel.from_pretrained`` loads it) and the run config beside it, so the
+    prompt template that trained it travels with it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory))
+    if config is not None:
+        config.save(directory / "studio_config.yaml")
+    return directory
+
+
+def count_parameters(model: Any) -> tuple[int, int]:
+    """(total, trainable) parameter counts; 4-bit weights count as their unpacked size."""
+    total = trainable = 0
+    for param in model.parameters():
+        n = param.numel()
+        if param.__class__.__name__ == "Params4bit":
+            n *= 2  # two 4-bit values packed per byte
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return total, trainable
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _not_found(ref: str, exc: BaseException) -> str:
+    return (f"{ref}: cannot load the model ({_first_line(exc)}); give a local folder with config.json, "
+            f"or run 'studio pull {ref}' while online")

@@ -1,0 +1,136 @@
+"""A tiny Llama-architecture model and tokenizer, built locally in seconds, for tests and demos.
+
+Nothing can be downloaded at test time, so the project makes its own model: a 2-layer Llama
+(hidden 128, 4 heads) with random weights from a fixed seed, and a byte-level BPE tokenizer trained
+with ``tokenizers`` on the bundled sample data plus the "reverse the word" task text. Both are saved
+with ``save_pretrained`` into ``cache_dir()/tiny-llama`` and reused.
+
+The toy task: reverse the letters of a word written with dashes (``s-t-o-n-e`` -> ``e-n-o-t-s``).
+The dashes make every letter its own pre-token, so each letter is one token in the prompt and in the
+answer: a random-weight model can learn the reversal with a small LoRA in a few hundred steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from studio.core.paths import cache_dir, sample_data_dir
+
+TINY_NAME = "tiny-llama"
+TINY_VERSION = 1
+"""Bumped when the recipe changes, so a stale cached build is rebuilt."""
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+REVERSE_INSTRUCTION = "Reverse the letters of the word."
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def reverse_word_rows(n: int, seed: int = 0, min_len: int = 3, max_len: int = 5,
+                      val_fraction: float = 0.1, test_fraction: float = 0.1) -> list[dict]:
+    """``n`` distinct "reverse the word" rows (instruction / input / output / split 0,1,2), seeded."""
+    rng = random.Random(seed)
+    words: list[str] = []
+    seen: set[str] = set()
+    while len(words) < n:
+        word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(min_len, max_len)))
+        if word not in seen:
+            seen.add(word)
+            words.append(word)
+    n_val, n_test = round(n * val_fraction), round(n * test_fraction)
+    rows = []
+    for i, word in enumerate(words):
+        split = 2 if i < n_test else 1 if i < n_test + n_val else 0
+        rows.append({"instruction": REVERSE_INSTRUCTION, "input": "-".join(word),
+                     "output": "-".join(reversed(word)), "split": split})
+    return rows
+
+
+def _corpus() -> Iterator[str]:
+    """Text the tokenizer learns from: the bundled sample data and the reverse-word task."""
+    for path in sorted(sample_data_dir().glob("*.jsonl")) if sample_data_dir().exists() else []:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                yield "\n".join(str(v) for v in row.values() if isinstance(v, str))
+    # Template scaffolding that every prompt contains, so it becomes a few tokens.
+    scaffold = ("Below is an instruction that describes a task. Write a response that appropriately "
+                "completes the request.\n\n### Instruction:\n{}\n\n### Input:\n{}\n\n### Response:\n{}")
+    for row in reverse_word_rows(2000, seed=1234):
+        yield scaffold.format(row["instruction"], row["input"], row["output"])
+
+
+def build_tiny_model(dir: str | Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
+    """Build (or reuse) the tiny Llama model + tokenizer; returns the folder to load it from.
+
+    ``dir`` defaults to ``cache_dir()/tiny-llama``. A complete build there is reused; a partial one
+    (interrupted) is rebuilt. The folder loads with ``AutoModelForCausalLM.from_pretrained`` and
+    ``AutoTokenizer.from_pretrained``; ``tokenizer.json`` loads with ``tokenizers`` alone.
+    """
+    target = Path(dir) if dir is not None else cache_dir() / TINY_NAME
+    marker = target / "studio_tiny.json"
+    if marker.exists():
+        try:
+            if json.loads(marker.read_text()).get("version") == TINY_VERSION:
+                return target
+        except ValueError:
+            pass
+    say = progress or (lambda _msg: None)
+    tmp = target.with_name(target.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    say("training the tiny tokenizer")
+    tokenizer = _train_tokenizer()
+    say("building the tiny model")
+    model = _random_model(tokenizer)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "studio_tiny.json").write_text(json.dumps({"version": TINY_VERSION}))
+    # Rename into place so a concurrent reader never sees half a model.
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    say(f"tiny model ready in {target}")
+    return target
+
+
+def _train_tokenizer():  # -> PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=[PAD, BOS, EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   model_max_length=512, clean_up_tokenization_spaces=False)
+
+
+def _random_model(tokenizer):  # -> LlamaForCausalLM
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+        # ~1/sqrt(hidden): with the usual 0.02, a random 128-wide model has near-uniform attention and
+        # tiny logits, and an adapter needs thousands of steps to grow large enough to matter.
+        initializer_range=float(os.environ.get("TINY_INIT", "0.1")),
+        # Tied embeddings (as in SmolLM2) let a frozen random model copy tokens: the output layer
+        # scores a token by its own embedding, so moving an embedding forward predicts that token.
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
