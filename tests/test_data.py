@@ -126,6 +126,9 @@ def test_relative_path_resolves_from_cwd_then_config_folder(tmp_path, monkeypatc
     # A file of that name in the working directory wins over the config's folder.
     write_jsonl(tmp_path / "rows.jsonl", ROWS[:1])
     assert len(load_table("rows.jsonl", base_dir=folder)) == 1
+    # A config in configs/ may name configs/rows.jsonl as seen from the project root.
+    monkeypatch.chdir(folder)
+    assert data.resolve_path("configs/rows.jsonl", folder) == tmp_path / "configs" / "rows.jsonl"
 
 
 def test_hub_ids_go_to_the_hub_and_fail_with_a_readable_error(monkeypatch):
