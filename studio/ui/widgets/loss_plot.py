@@ -2,14 +2,19 @@
 
 The plot is rebuilt only when :meth:`LossPlot.show` (or :meth:`LossPlot.compare`) hands it new data;
 the caller decides how often that is (the training pane does it a few times a second at most).
-Long runs are thinned to a few points per column before plotting: a terminal cannot show more and
-plotext's cost grows with the points.
+Building a plotext frame costs tens of milliseconds, so it happens in a thread and the finished frame
+is swapped in: a keypress never waits behind a plot. Long runs are thinned to a few points per
+column before plotting: a terminal cannot show more and plotext's cost grows with the points.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 
+from rich.text import Text
+from textual import work
 from textual_plotext import PlotextPlot
 
 from studio.ui.metrics import TrainingState, ema
@@ -31,7 +36,89 @@ def thin(xs: Sequence[float], ys: Sequence[float], limit: int = MAX_POINTS) -> t
     return [xs[i] for i in picks], [ys[i] for i in picks]
 
 
-class LossPlot(PlotextPlot):
+class BackgroundPlot(PlotextPlot):
+    """A PlotextPlot whose frames are built off the event loop.
+
+    Subclasses describe a figure as a function of the plotext object (:meth:`draw`); the frame is
+    built in a thread and cached, and ``render`` returns the cached frame. A resize or a theme change
+    (rare) builds one frame in place so the widget never shows a stale size.
+    """
+
+    min_interval_s = 0.5
+    """Fewest seconds between two frame builds: plotext needs ~30 ms of CPU for one, so a stream of
+    updates is coalesced into at most a couple of frames a second."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._last_build = 0.0
+        self._build_scheduled = False
+        self._figure_lock = threading.Lock()
+        self._painter: Callable[[object], None] = lambda plt: None
+        self._version = 0
+        self._requested = 0
+        self._frame: tuple[tuple[int, int, str, int], Text] | None = None
+
+    def draw(self, painter: Callable[[object], None]) -> None:
+        """Replace the figure with what ``painter(plt)`` draws; the frame follows shortly."""
+        self._painter = painter
+        self._version += 1
+        if not (self.is_mounted and self.size.area):
+            return  # hidden: built when it shows (see render)
+        wait = self.min_interval_s - (time.monotonic() - self._last_build)
+        if wait <= 0:
+            self._start_build()
+        elif not self._build_scheduled:
+            self._build_scheduled = True
+            self.set_timer(wait, self._scheduled_build)
+
+    def _scheduled_build(self) -> None:
+        self._build_scheduled = False
+        if self._requested != self._version:
+            self._start_build()
+
+    def _start_build(self) -> None:
+        self._last_build = time.monotonic()
+        self._requested = self._version
+        self._build_frame(self._key())
+
+    def _key(self) -> tuple[int, int, str, int]:
+        return (self.size.width, self.size.height, self._get_plotext_theme_name(self.app.theme), self._version)
+
+    def _frame_text(self, key: tuple[int, int, str, int], painter: Callable[[object], None]) -> Text:
+        width, height, theme, _ = key
+        with self._figure_lock:
+            plt = self.plt
+            plt.clear_figure()
+            painter(plt)
+            plt.plotsize(width, height)
+            plt._set_size(width, height)  # see textual-plotext issue 5: the size needs both calls
+            plt.theme(theme)
+            return Text.from_ansi(plt.build())
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="plot", description="building a plot")
+    def _build_frame(self, key: tuple[int, int, str, int]) -> None:
+        text = self._frame_text(key, self._painter)
+        self.app.call_from_thread(self._swap_in, key, text)
+
+    def _swap_in(self, key: tuple[int, int, str, int], text: Text) -> None:
+        # A newer figure may have been asked for meanwhile: keep only the frame of the latest one.
+        if key[3] == self._version:
+            self._frame = (key, text)
+            self.refresh()
+
+    def render(self) -> Text:
+        key = self._key()
+        frame = self._frame
+        if frame is not None and frame[0][:3] == key[:3]:
+            if frame[0][3] != self._version and self._requested != self._version:
+                # Drawn while hidden (no size then): build the newest figure now that it shows.
+                self._start_build()
+            return frame[1]
+        self._frame = (key, self._frame_text(key, self._painter))
+        return self._frame[1]
+
+
+class LossPlot(BackgroundPlot):
     """Train loss (raw and EMA-smoothed) and eval loss against the optimizer step."""
 
     DEFAULT_CSS = """
@@ -46,67 +133,72 @@ class LossPlot(PlotextPlot):
         super().__init__(**kwargs)
         self.title = title
         self.points_drawn = 0
-        """How many points the last redraw handed to plotext (a test and the benchmark read it)."""
+        """How many points the last figure handed to plotext (tests and the benchmark read it)."""
         self._empty("no steps yet")
 
     def _empty(self, message: str) -> None:
-        plt = self.plt
-        plt.clear_figure()
-        plt.title(f"{self.title}: {message}")
-        plt.xlabel("step")
+        title = f"{self.title}: {message}"
+
+        def paint(plt) -> None:
+            plt.title(title)
+            plt.xlabel("step")
+
         self.points_drawn = 0
+        self.draw(paint)
 
     def show(self, state: TrainingState) -> None:
         """Redraw from a run's state: raw loss (dim), smoothed loss, eval loss points."""
         if not len(state.loss) and not len(state.eval_loss):
             self._empty("no steps yet")
-            self.refresh()
             return
-        plt = self.plt
-        plt.clear_figure()
-        drawn = 0
+        curves: list[tuple[list[float], list[float], str, str, str]] = []
         if len(state.loss):
             xs, ys = thin(state.loss.steps, state.loss.values)
             _, smooth = thin(state.loss.steps, state.smoothed_loss)
-            plt.plot(xs, ys, label="train", color="gray", marker="braille")
-            plt.plot(xs, smooth, label="train (smoothed)", color="cyan", marker="braille")
-            drawn += 2 * len(xs)
+            curves.append((xs, ys, "train", "gray", "braille"))
+            curves.append((xs, smooth, "train (smoothed)", "cyan", "braille"))
         if len(state.eval_loss):
             xs, ys = thin(state.eval_loss.steps, state.eval_loss.values)
-            plt.plot(xs, ys, label="eval", color="orange", marker="dot")
-            drawn += len(xs)
+            curves.append((xs, ys, "eval", "orange", "dot"))
         last = state.loss.last()
-        plt.title(f"{self.title}" + (f" · last {last:.4f}" if last is not None else ""))
-        plt.xlabel("step")
-        self.points_drawn = drawn
-        self.refresh()
+        title = self.title + (f" · last {last:.4f}" if last is not None else "")
+        self.points_drawn = sum(len(c[0]) for c in curves)
+        self.draw(_curves_painter(curves, title))
 
     def compare(self, runs: Sequence[tuple[str, TrainingState]]) -> None:
         """Overlay several runs: each run's smoothed train loss (line) and eval loss (points)."""
-        plt = self.plt
-        plt.clear_figure()
-        drawn = 0
+        curves: list[tuple[list[float], list[float], str, str, str]] = []
         for i, (label, state) in enumerate(runs):
             train_color, eval_color = COMPARE_COLORS[i % len(COMPARE_COLORS)]
             if len(state.loss):
                 xs, ys = thin(state.loss.steps, ema(state.loss.values, state.smoothing))
-                plt.plot(xs, ys, label=f"{label} train", color=train_color, marker="braille")
-                drawn += len(xs)
+                curves.append((xs, ys, f"{label} train", train_color, "braille"))
             if len(state.eval_loss):
                 xs, ys = thin(state.eval_loss.steps, state.eval_loss.values)
-                plt.plot(xs, ys, label=f"{label} eval", color=eval_color, marker="dot")
-                drawn += len(xs)
-        if not drawn:
+                curves.append((xs, ys, f"{label} eval", eval_color, "dot"))
+        if not curves:
             self._empty("the runs have no steps yet")
-        else:
-            plt.title(f"{self.title}: " + " vs ".join(label for label, _ in runs))
-            plt.xlabel("step")
-        self.points_drawn = drawn
-        self.refresh()
+            return
+        self.points_drawn = sum(len(c[0]) for c in curves)
+        self.draw(_curves_painter(curves, f"{self.title}: " + " vs ".join(label for label, _ in runs)))
 
 
-class LearningRatePlot(PlotextPlot):
+def _curves_painter(curves: list[tuple[list[float], list[float], str, str, str]], title: str):
+    """A painter drawing ``(xs, ys, label, colour, marker)`` curves under ``title``."""
+
+    def paint(plt) -> None:
+        for xs, ys, label, color, marker in curves:
+            plt.plot(xs, ys, label=label or None, color=color, marker=marker)
+        plt.title(title)
+        plt.xlabel("step")
+
+    return paint
+
+
+class LearningRatePlot(BackgroundPlot):
     """The learning rate schedule as it was applied, step by step."""
+
+    min_interval_s = 1.0  # a schedule changes slowly; its plot need not keep up with every step
 
     DEFAULT_CSS = """
     LearningRatePlot {
@@ -118,18 +210,12 @@ class LearningRatePlot(PlotextPlot):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.plt.title("learning rate")
-        self.plt.xlabel("step")
+        self.draw(_curves_painter([], "learning rate"))
 
     def show(self, state: TrainingState) -> None:
         """Redraw from a run's state."""
-        plt = self.plt
-        plt.clear_figure()
-        if len(state.learning_rate):
-            xs, ys = thin(state.learning_rate.steps, state.learning_rate.values)
-            plt.plot(xs, ys, color="green", marker="braille")
-            plt.title(f"learning rate · {ys[-1]:.2e}")
-        else:
-            plt.title("learning rate")
-        plt.xlabel("step")
-        self.refresh()
+        if not len(state.learning_rate):
+            self.draw(_curves_painter([], "learning rate"))
+            return
+        xs, ys = thin(state.learning_rate.steps, state.learning_rate.values)
+        self.draw(_curves_painter([(xs, ys, "", "green", "braille")], f"learning rate · {ys[-1]:.2e}"))

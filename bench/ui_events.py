@@ -1,0 +1,211 @@
+"""Benchmark (not a test): the UI under a steady event stream, and how fast it answers a key.
+
+A writer thread appends training events to a run's events.jsonl at ``--rate`` events a second (steps,
+with evals, memory samples and streamed chat tokens mixed in, as a real worker writes them) while the
+real Studio app follows the run with the Training pane in front. Every ``--key-every`` seconds the
+benchmark presses tab (focus moves to the next button) and times keypress-to-paint: from the key
+until the first frame drawn after the focus moved. It also reports what the training pane's redraws
+cost (folding events into widgets plus building the plots).
+
+    python bench/ui_events.py                 # 20 events/s for 60 s -> bench/ui_events.json
+    python bench/ui_events.py --seconds 10    # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from studio.core import events as ev  # noqa: E402
+from studio.core.config import RunConfig  # noqa: E402
+from studio.core.runs import RunDir, append_event, create_run  # noqa: E402
+
+OUT = Path(__file__).with_suffix(".json")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by nearest rank; 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def write_events(run: RunDir, rate: float, seconds: float, stop: threading.Event, written: list[int]) -> None:
+    """Append a plausible training event stream to the run's log at ``rate`` events a second."""
+    rnd = random.Random(0)
+    seq, step, total = 0, 0, int(rate * seconds) + 100
+
+    def emit(event: ev.Event) -> None:
+        nonlocal seq
+        append_event(run.events_path, ev.with_seq(event, seq))
+        seq += 1
+
+    emit(ev.WorkerStarted(pid=os.getpid(), device="cpu"))
+    emit(ev.RunStarted(run_id=run.id, base_model="bench", total_steps=total, micro_batch_size=4,
+                       gradient_accumulation_steps=4))
+    started = time.perf_counter()
+    n = 0
+    while not stop.is_set():
+        n += 1
+        if n % 50 == 0:
+            emit(ev.EvalLogged(step=step, loss=1.0 + 2 / (1 + step / 50), perplexity=3.0, token_accuracy=0.5,
+                               rows=50))
+        elif n % 20 == 0:
+            emit(ev.MemorySampled(step=step, device="cuda", allocated=3 << 30, peak_allocated=4 << 30,
+                                  capacity=80 << 30))
+        elif n % 10 < 2:
+            emit(ev.TokenGenerated(request_id="bench", text=" tok"))
+        else:
+            step += 1
+            emit(ev.StepLogged(step=step, total_steps=total, epoch=step / 300, loss=0.8 + 3 / (1 + step / 40)
+                               + rnd.uniform(-0.2, 0.2), learning_rate=2e-4, tokens_per_s=9000.0,
+                               elapsed_s=step * 0.05, eta_s=(total - step) * 0.05))
+        written[0] = n
+        # Sleep to the schedule, not by a fixed amount, so the rate holds however slow a write is.
+        delay = started + n / rate - time.perf_counter()
+        if delay > 0:
+            stop.wait(delay)
+
+
+async def press_and_time(pilot, pending: dict, latencies: list[float], seconds: float, key_every: float) -> float:
+    """Press tab every ~``key_every`` s for ``seconds``; each latency lands in ``latencies``."""
+    app = pilot.app
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        await asyncio.sleep(key_every * (0.5 + random.random()))
+        pending.update(t=time.perf_counter(), focus_before=app.focused, sink=latencies)
+        await pilot.press("tab")
+        for _ in range(100):  # until the frame showing the move is drawn (recorded by display())
+            if not pending:
+                break
+            await asyncio.sleep(0.01)
+        pending.clear()
+    return time.perf_counter() - started
+
+
+async def measure(seconds: float, rate: float, key_every: float, size: tuple[int, int],
+                  baseline_s: float) -> dict:
+    from studio.ui.app import StudioApp
+    from studio.ui.panes.training import TrainingPane
+    from studio.ui.widgets.loss_plot import BackgroundPlot, LearningRatePlot, LossPlot
+
+    root = Path(tempfile.mkdtemp(prefix="studio-bench-"))
+    config = RunConfig(output_dir=str(root))
+    run = create_run(config)
+
+    plot_render_s: list[float] = []
+    plot_build_s: list[float] = []
+    for cls, name, sink in ((LossPlot, "render", plot_render_s), (LearningRatePlot, "render", plot_render_s),
+                            (BackgroundPlot, "_frame_text", plot_build_s)):
+        original = getattr(cls, name)
+
+        def timed(self, *args, _original=original, _sink=sink):
+            t0 = time.perf_counter()
+            try:
+                return _original(self, *args)
+            finally:
+                _sink.append(time.perf_counter() - t0)
+
+        setattr(cls, name, timed)
+
+    app = StudioApp(config, run=run, settings=False)
+    paints: list[float] = []
+    latencies: list[float] = []
+    baseline: list[float] = []
+    pending: dict[str, object] = {}
+    original_display = app._display
+
+    def display(screen, renderable):
+        original_display(screen, renderable)
+        now = time.perf_counter()
+        paints.append(now)
+        if pending and app.focused is not pending["focus_before"]:
+            pending["sink"].append((now - pending["t"]) * 1000)
+            pending.clear()
+
+    app._display = display
+    stop = threading.Event()
+    written = [0]
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("4")
+        pane = app.query_one(TrainingPane)
+        pane.focus()
+        await pilot.pause(2.0)  # the sample dataset and tokenizer load at start; let them settle
+        # The same keypresses with no events first: what this machine gives at rest, to compare.
+        await press_and_time(pilot, pending, baseline, baseline_s, key_every)
+        writer = threading.Thread(target=write_events, args=(run, rate, seconds, stop, written), daemon=True)
+        writer.start()
+        redraws0, redraw_s0, paints0, renders0 = pane.redraws, pane.redraw_seconds, len(paints), len(plot_render_s)
+        builds0 = len(plot_build_s)
+        elapsed = await press_and_time(pilot, pending, latencies, seconds, key_every)
+        stop.set()
+        writer.join()
+        await pilot.pause(0.5)
+        redraws = pane.redraws - redraws0
+        redraw_python_s = pane.redraw_seconds - redraw_s0
+        renders = plot_render_s[renders0:]
+        builds = plot_build_s[builds0:]
+        steps_seen = pane.state.step
+        painted = len(paints) - paints0
+    per_redraw_ms = (redraw_python_s + sum(renders)) / max(1, redraws) * 1000
+    return {
+        "events_per_s": round(written[0] / elapsed, 2),
+        "keypress_to_paint_ms": round(percentile(latencies, 95), 2),
+        "keypress_to_paint_ms_p50": round(percentile(latencies, 50), 2),
+        "keypresses": len(latencies),
+        "keypress_to_paint_ms_no_events": round(percentile(baseline, 95), 2),
+        "keypress_to_paint_ms_no_events_p50": round(percentile(baseline, 50), 2),
+        "target_ms": 50,
+        "seconds": round(elapsed, 1),
+        "events_written": written[0],
+        "steps_drawn": steps_seen,
+        "redraws_per_s": round(redraws / elapsed, 2),
+        "redraw_ms_mean": round(per_redraw_ms, 2),
+        "plot_render_ms_p95": round(percentile([r * 1000 for r in renders], 95), 2),
+        "plot_build_in_thread_ms_mean": round(statistics.fmean(builds) * 1000, 2) if builds else 0.0,
+        "plot_builds_per_s": round(len(builds) / elapsed, 2),
+        "frames_per_s": round(painted / elapsed, 2),
+        "terminal_size": list(size),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long to stream (default 60)")
+    parser.add_argument("--rate", type=float, default=20.0, help="events a second (default 20)")
+    parser.add_argument("--key-every", type=float, default=0.3, help="mean seconds between keypresses")
+    parser.add_argument("--baseline", type=float, default=15.0,
+                        help="seconds of keypresses with no events first, for comparison (default 15)")
+    parser.add_argument("--size", default="120x40", help="terminal size, COLSxROWS")
+    parser.add_argument("--out", default=str(OUT), help=f"where to write the JSON (default {OUT.name})")
+    args = parser.parse_args()
+    cols, rows = (int(x) for x in args.size.split("x"))
+    result = asyncio.run(measure(args.seconds, args.rate, args.key_every, (cols, rows), args.baseline))
+    result["command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    result["machine"] = {"platform": platform.platform(), "python": platform.python_version(),
+                         "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    ok = result["keypress_to_paint_ms"] < result["target_ms"]
+    print(f"keypress-to-paint p95 {result['keypress_to_paint_ms']} ms: "
+          f"{'under' if ok else 'OVER'} the {result['target_ms']} ms target")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
