@@ -298,7 +298,12 @@ class Stop(Command):
 
 @dataclass(frozen=True)
 class Generate(Command):
-    """Generate an answer, streamed as TokenGenerated events; ``adapter`` False = base model."""
+    """Generate an answer, streamed as TokenGenerated events; ``adapter`` False = base model.
+
+    ``prompt`` is the person's text; the worker renders it with the run's template (it fills the
+    template's first field). ``row``, when given, is a whole dataset row (template field -> text,
+    e.g. instruction and input of a held-out row) rendered instead of ``prompt``.
+    """
 
     request_id: str = ""
     prompt: str = ""
@@ -306,6 +311,7 @@ class Generate(Command):
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    row: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
