@@ -1,0 +1,148 @@
+"""Measure where the memory of a live model goes, in the estimator's categories.
+
+``measure_memory(model, optimizer, device)`` returns bytes for weights, lora, gradients, optimizer,
+activations and overhead, the same keys core/vram.py predicts, so the gauge can draw both side by
+side. Weights include what bitsandbytes keeps beside the packed data (quantization constants,
+int8 row scales), which are not parameters and which ``model.parameters()`` alone misses.
+
+On CUDA, activations are the peak allocated since the last ``reset_peak`` minus everything else
+(parameters, gradients, optimizer state): the saved tensors and temporaries of the step. Overhead is
+peak reserved minus peak allocated (memory torch's caching allocator holds but does not use); the
+CUDA context is outside torch's counters and is not included. On CPU both are 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    """Identity of the memory behind a tensor, so views and shared tensors count once."""
+    return str(tensor.device), tensor.untyped_storage().data_ptr()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _quant_state_tensors(param: torch.Tensor) -> list[torch.Tensor]:
+    """Tensors bitsandbytes keeps beside a quantized weight: 4-bit absmax (nested too) and codes,
+    8-bit row scales."""
+    found: list[torch.Tensor] = []
+    state = getattr(param, "quant_state", None)
+    while state is not None:
+        for name in ("absmax", "code", "offset"):
+            value = getattr(state, name, None)
+            if torch.is_tensor(value):
+                found.append(value)
+        state = getattr(state, "state2", None)
+    scb = getattr(param, "SCB", None)
+    if torch.is_tensor(scb):
+        found.append(scb)
+    return found
+
+
+def _is_adapter(name: str) -> bool:
+    return "lora_" in name
+
+
+def parameter_bytes(model: Any) -> dict[str, int]:
+    """Bytes of frozen base weights (with quantization constants and buffers), of adapter weights,
+    and of gradients. Parameters that train without being adapters (full fine-tuning) count as weights.
+
+    Gradients: the ``.grad`` tensors when they exist; between steps (``zero_grad(set_to_none=True)``)
+    they are freed, so the bytes they take during backward (one per trainable element, in the
+    parameter's dtype) are reported instead.
+    """
+    seen: set[tuple[str, int]] = set()
+    weights = lora = grads = 0
+
+    def add(tensor: torch.Tensor) -> int:
+        key = _storage_key(tensor)
+        if key in seen or tensor.numel() == 0:
+            return 0
+        seen.add(key)
+        return _nbytes(tensor)
+
+    for name, param in model.named_parameters():
+        size = add(param)
+        if _is_adapter(name):
+            lora += size
+        else:
+            weights += size
+            for extra in _quant_state_tensors(param):
+                weights += add(extra)
+        if param.requires_grad:
+            grads += _nbytes(param.grad) if param.grad is not None else _nbytes(param)
+    for buffer in model.buffers():
+        weights += add(buffer)
+    return {"weights": weights, "lora": lora, "gradients": grads}
+
+
+def optimizer_bytes(optimizer: Any, device: torch.device | None = None) -> tuple[int, int]:
+    """(bytes of optimizer state, of which paged): every tensor in ``optimizer.state``.
+
+    Scalars (step counters) and tensors on another device than ``device`` are left out.
+    bitsandbytes' paged state lives in CUDA unified memory, outside torch's allocator counters.
+    """
+    if optimizer is None:
+        return 0, 0
+    seen: set[tuple[str, int]] = set()
+    total = paged = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if not torch.is_tensor(value) or value.dim() == 0:
+                continue  # scalars are step counters (on the CPU for torch's AdamW on a GPU)
+            if device is not None and value.device.type != device.type:
+                continue
+            key = _storage_key(value)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += _nbytes(value)
+            if getattr(value, "is_paged", False):
+                paged += _nbytes(value)
+    return total, paged
+
+
+def measure_memory(model: Any, optimizer: Any, device: torch.device | str | None) -> dict[str, int]:
+    """Bytes by category on the live model: weights, lora, gradients, optimizer, activations,
+    overhead (the keys of :data:`studio.core.vram.CATEGORIES`).
+
+    Call it after a training step; ``reset_peak(device)`` before the step makes activations that
+    step's peak rather than the run's.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    params = parameter_bytes(model)
+    optim, paged = optimizer_bytes(optimizer, device)
+    activations = overhead = 0
+    if device.type == "cuda" and torch.cuda.is_available():
+        peak_allocated = torch.cuda.max_memory_allocated(device)
+        peak_reserved = torch.cuda.max_memory_reserved(device)
+        # paged optimizer state is not in torch's counters, so it is not subtracted from them
+        resident = params["weights"] + params["lora"] + params["gradients"] + optim - paged
+        activations = max(0, peak_allocated - resident)
+        overhead = max(0, peak_reserved - peak_allocated)
+    return {"weights": params["weights"], "lora": params["lora"], "gradients": params["gradients"],
+            "optimizer": optim, "activations": activations, "overhead": overhead}
+
+
+def device_totals(device: torch.device | str | None) -> dict[str, int]:
+    """Allocator totals for MemorySampled: allocated, reserved, their peaks, and the card's capacity
+    (all 0 off CUDA)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return {"allocated": 0, "reserved": 0, "peak_allocated": 0, "peak_reserved": 0, "capacity": 0}
+    return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
+            "peak_allocated": torch.cuda.max_memory_allocated(device),
+            "peak_reserved": torch.cuda.max_memory_reserved(device),
+            "capacity": torch.cuda.get_device_properties(device).total_memory}
+
+
+def reset_peak(device: torch.device | str | None) -> None:
+    """Start a new peak window (no-op off CUDA)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)

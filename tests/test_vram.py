@@ -1,0 +1,189 @@
+"""The VRAM estimator against hand-computed values and the H100 reference measurements."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from argparse import Namespace
+from dataclasses import replace
+
+import pytest
+
+from studio.core.cli_estimate import main as estimate_main
+from studio.core.config import RunConfig, parse_config
+from studio.core.gpus import GB, gpu_for_size
+from studio.core.model_info import KNOWN_MODELS, ModelInfoError, load_model_info
+from studio.core.vram import (
+    ALL_LINEAR,
+    CATEGORIES,
+    Plan,
+    estimate,
+    estimate_plan,
+    lora_params,
+    plan_for,
+    walkthrough,
+    weight_bytes,
+)
+
+LLAMA7 = KNOWN_MODELS["meta-llama/Llama-2-7b-hf"]
+SMOL = KNOWN_MODELS["HuggingFaceTB/SmolLM2-135M"]
+# The reference QLoRA loop on one H100 (docs: /work/shared/GPU.md): NF4 double quant, bf16 compute,
+# LoRA r16 on all 7 projections, AdamW.
+QLORA7 = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.0)
+
+
+def test_lora_parameter_count_matches_peft_on_llama_2_7b():
+    # per layer: r * (in + out) for q, k, v, o (4096 -> 4096) and gate, up (4096 -> 11008), down back
+    by_hand = 32 * 16 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
+    assert by_hand == 39_976_960
+    assert lora_params(LLAMA7, 16, ALL_LINEAR) == by_hand
+    assert lora_params(LLAMA7, 8, ("q_proj", "v_proj")) == 32 * 8 * 2 * (4096 + 4096)
+
+
+def test_nf4_weights_are_packed_data_plus_constants_plus_fp32_rest():
+    linear = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    blocks_per_layer = [4096 * 4096 // 64] * 4 + [4096 * 11008 // 64] * 3
+    double_quant = 32 * sum(b + 4 * -(-b // 256) + 1024 + 4 + 64 for b in blocks_per_layer)
+    rest = 2 * 32000 * 4096 + 65 * 4096  # embeddings, lm_head, norms: fp32 after prepare_model_for_kbit
+    assert weight_bytes(LLAMA7, QLORA7) == linear // 2 + double_quant + rest * 4
+    # without double quant the absmax constants are fp32 per 64 weights: 0.5 bit a weight more
+    single = weight_bytes(LLAMA7, replace(QLORA7, double_quant=False))
+    assert single - weight_bytes(LLAMA7, QLORA7) == pytest.approx(linear * (4 / 64 - 1 / 64), rel=0.01)
+    # measured on the H100 after prepare_model_for_kbit_training: 4.401 GB
+    assert weight_bytes(LLAMA7, QLORA7) / GB == pytest.approx(4.401, rel=0.01)
+
+
+@pytest.mark.parametrize("micro_batch,seq,checkpointing,allocated,reserved", [
+    (1, 512, True, 5.79, 6.34),
+    (4, 512, True, 7.29, 8.57),
+    (1, 2048, True, 7.29, 8.57),
+    (4, 512, False, 26.23, 27.86),
+])
+def test_peaks_match_the_h100_reference_runs(micro_batch, seq, checkpointing, allocated, reserved):
+    plan = replace(QLORA7, micro_batch=micro_batch, seq_len=seq, checkpointing=checkpointing)
+    result = estimate_plan(LLAMA7, plan)
+    assert result.peak_allocated / GB == pytest.approx(allocated, rel=0.05)
+    assert result.peak_reserved / GB == pytest.approx(reserved, rel=0.05)
+
+
+def test_full_fp32_fine_tuning_is_16_bytes_a_parameter_plus_activations():
+    full = Plan(weights="fp32", compute="fp32", lora_r=None, checkpointing=False)
+    result = estimate_plan(LLAMA7, full, gpu_bytes=80 * GB)
+    c = result.categories
+    assert c["weights"] + c["gradients"] + c["optimizer"] == 16 * LLAMA7.total_params()
+    assert c["weights"] / GB == pytest.approx(27, rel=0.03)  # "~28 GB of fp32 weights"
+    assert 96 * GB < result.total and not result.fits
+
+
+def test_categories_sum_to_the_total_and_overhead_holds_the_cuda_context():
+    result = estimate_plan(SMOL, Plan())
+    assert list(result.categories) == list(CATEGORIES)
+    assert sum(result.categories.values()) == result.total
+    assert result.total == result.peak_reserved + result.categories["overhead"] - (
+        result.peak_reserved - result.peak_allocated)
+    assert result.categories["overhead"] >= 500 * 2**20
+
+
+def test_activations_grow_with_tokens_and_shrink_with_checkpointing():
+    small = estimate_plan(LLAMA7, replace(QLORA7, micro_batch=1, checkpointing=False))
+    big = estimate_plan(LLAMA7, replace(QLORA7, micro_batch=4, checkpointing=False))
+    ckpt = estimate_plan(LLAMA7, replace(QLORA7, micro_batch=4, checkpointing=True))
+    assert big.categories["activations"] > 3 * small.categories["activations"]
+    assert ckpt.categories["activations"] < big.categories["activations"] / 5
+    # ~10.3 MB a token without checkpointing on the H100
+    per_token = (big.categories["activations"] - small.categories["activations"]) / (3 * 512)
+    assert per_token / 1e6 == pytest.approx(10.3, rel=0.08)
+
+
+def test_eager_attention_adds_a_quadratic_term_that_sdpa_does_not_have():
+    short, long = (replace(QLORA7, seq_len=s, checkpointing=False) for s in (1024, 4096))
+    for attention, grows_quadratically in (("sdpa", False), ("eager", True)):
+        a = estimate_plan(LLAMA7, replace(short, attention=attention)).categories["activations"]
+        b = estimate_plan(LLAMA7, replace(long, attention=attention)).categories["activations"]
+        assert (b / a > 4.5) is grows_quadratically
+
+
+def test_paged_8bit_optimizer_is_a_quarter_of_adamw_and_not_in_torch_allocated():
+    adam = estimate_plan(LLAMA7, QLORA7)
+    paged = estimate_plan(LLAMA7, replace(QLORA7, optimizer="paged_adamw_8bit"))
+    assert paged.categories["optimizer"] == pytest.approx(adam.categories["optimizer"] / 4, rel=0.02)
+    assert paged.peak_allocated == adam.peak_allocated - adam.categories["optimizer"]
+    assert any("paged" in note for note in paged.notes)
+
+
+def test_max_micro_batch_is_the_largest_that_fits():
+    capacity = gpu_for_size(16).capacity
+    result = estimate_plan(LLAMA7, QLORA7, gpu_bytes=capacity)
+    n = result.max_micro_batch
+    assert n and n > 1
+    assert estimate_plan(LLAMA7, replace(QLORA7, micro_batch=n)).total <= capacity
+    assert estimate_plan(LLAMA7, replace(QLORA7, micro_batch=n + 1)).total > capacity
+    full = Plan(weights="fp32", compute="fp32", lora_r=None)
+    assert estimate_plan(LLAMA7, full, gpu_bytes=capacity).max_micro_batch == 0
+
+
+def test_plan_follows_the_run_config():
+    config = parse_config("quantization: {bits: null}\nlora: {r: 8, target_modules: [q_proj, v_proj]}\n"
+                          "trainer: {micro_batch_size: 2, gradient_checkpointing: false, "
+                          "optimizer: paged_adamw_8bit}\ndata: {max_seq_length: 1024}\n")
+    plan = plan_for(config)
+    assert (plan.weights, plan.lora_r, plan.lora_targets) == ("bf16", 8, ("q_proj", "v_proj"))
+    assert (plan.micro_batch, plan.seq_len, plan.checkpointing) == (2, 1024, False)
+    assert plan_for(RunConfig()).lora_targets == ALL_LINEAR
+    assert estimate(config, SMOL, micro_batch=6).plan.micro_batch == 6
+    with pytest.raises(ValueError, match="lora.target_modules"):
+        estimate(parse_config("lora: {target_modules: [c_attn]}\n"), SMOL)
+
+
+def test_walkthrough_tells_the_story_from_full_fp32_to_paged_qlora():
+    steps = walkthrough(RunConfig(), LLAMA7, 24 * GB)
+    assert [s.title for s in steps][0].startswith("Full fine-tune, fp32")
+    assert len(steps) == 7 and all(s.why for s in steps)
+    totals = [s.estimate.total for s in steps]
+    assert totals[0] > 100 * GB and totals[-1] < 12 * GB
+    assert steps[0].estimate.fits is False and steps[-1].estimate.fits is True
+    assert totals[5] < totals[4]  # checkpointing
+    assert steps[-1].estimate.categories["optimizer"] < steps[-2].estimate.categories["optimizer"]
+
+
+def test_model_info_comes_from_a_folder_the_table_or_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "tie_word_embeddings": True}))
+    info = load_model_info(str(tmp_path))
+    assert (info.hidden, info.kv_heads, info.tied, info.head_width) == (64, 2, True, 16)
+    assert load_model_info("HuggingFaceTB/SmolLM2-135M-Instruct").vocab == 49152
+    with pytest.raises(ModelInfoError, match="no/such-model"):
+        load_model_info("no/such-model")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelInfoError, match="hidden_size"):
+        load_model_info(str(tmp_path))
+
+
+def test_cli_json_has_exactly_the_documented_keys(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {base_model: meta-llama/Llama-2-7b-hf}\n")
+    assert estimate_main(Namespace(config=str(path), gpu_gb=16.0, json=True, model=None)) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"categories", "total", "capacity", "fits", "max_micro_batch"}
+    assert list(data["categories"]) == list(CATEGORIES)
+    assert data["total"] == sum(data["categories"].values()) and data["fits"] is True
+    assert estimate_main(Namespace(config=str(path), gpu_gb=4.0, json=False, model=None)) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "activations" in out
+
+
+def test_cli_errors_name_the_file_and_do_not_trace(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer: {micro_batch_sise: 2}\n")
+    assert estimate_main(Namespace(config=str(path), gpu_gb=None, json=False, model=None)) == 1
+    err = capsys.readouterr().err
+    assert "bad.yaml" in err and "micro_batch_size" in err and "Traceback" not in err
+
+
+def test_estimator_does_not_import_torch():
+    code = ("import sys, studio.core.vram, studio.core.cli_estimate, studio.core.gpus; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
