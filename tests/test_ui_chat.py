@@ -44,8 +44,7 @@ async def test_before_training_only_the_base_model_answers(tmp_path):
         assert len(app.opened) == 1 and app.opened[0][1] is True  # a run and its worker were started
         sent = generates(app)
         assert [g.adapter for g in sent] == [False]
-        # The prompt is rendered with the run's template (alpaca), up to the response.
-        assert "reverse abc" in sent[0].prompt and sent[0].prompt.rstrip().endswith("### Response:")
+        assert sent[0].prompt == "reverse abc"  # the worker renders it with the run's template
         assert NO_ADAPTER in text_of(app, "#chat-tuned-text")
         rid = sent[0].request_id
         app.feed([ev.GenerationStarted(request_id=rid), ev.TokenGenerated(request_id=rid, text="cb"),
@@ -122,7 +121,7 @@ async def test_heldout_table_scores_both_models_and_saves(tmp_path):
                 if g.request_id in answered:
                     continue
                 answered.add(g.request_id)
-                word = g.prompt.split("### Input:")[1].split("###")[0].strip()
+                word = g.row["input"]  # the whole row goes to the worker, input field included
                 text = word[::-1] if g.adapter else word
                 app.feed([ev.GenerationFinished(request_id=g.request_id, adapter=g.adapter, text=text,
                                                 new_tokens=len(text), tokens_per_s=10.0)])
@@ -136,4 +135,4 @@ async def test_heldout_table_scores_both_models_and_saves(tmp_path):
         saved = json.loads((run.path / "heldout.json").read_text())
         assert saved["totals"]["tuned"]["exact_match"] > saved["totals"]["base"]["exact_match"]
         assert saved["rows"][0]["target"] == "ahpla"  # validation rows, in order
-        assert (run.path / "heldout.csv").read_text().startswith("prompt,target,base_answer")
+        assert (run.path / "heldout.csv").read_text().startswith("instruction,input,target,base_answer")

@@ -3,7 +3,8 @@
 Both answers come from the run's one worker: ``Generate(adapter=False)`` answers through peft's
 ``disable_adapter()``, ``Generate(adapter=True)`` with the adapter as it is now (during training too).
 Each request has its own ``request_id``; streamed ``TokenGenerated`` events are matched by it.
-Prompts are rendered with the run's template (its prompt part), exactly as training saw them.
+The worker renders prompts with the run's template (its prompt part), exactly as training saw them:
+the pane sends the person's text, or a held-out row's fields (``Generate.row``).
 
 Held-out mode runs both models over N rows of the validation (or test) split and scores every answer
 against its target (``studio.core.scoring``); the table and its totals are saved to the run
@@ -39,37 +40,11 @@ CHAT_COMMANDS: list[tuple[str, str, str]] = [
 NO_ADAPTER = "No adapter yet: start training (Training pane, s). The base answer is on the left."
 
 
-def prompt_text(config: RunConfig, text: str) -> str:
-    """``text`` as the model saw prompts in training: the run's template up to the response.
-
-    The text fills the template's first non-response field (``instruction`` for alpaca); other
-    fields are left empty. A template that cannot be resolved here (``chat`` needs the tokenizer's
-    chat template) falls back to the bare text.
-    """
-    from studio.core import prompt as prompts
-
-    try:
-        template = prompts.resolve_template(config.prompt)
-    except ValueError:
-        return text
-    return row_prompt(template, {_prompt_field(template, config.prompt.response_field): text},
-                      config.prompt.response_field)
-
-
-def _prompt_field(template: str, response_field: str) -> str:
-    from studio.core import prompt as prompts
-
-    fields = [f for f in prompts.template_fields(template) if f != response_field]
-    return fields[0] if fields else "instruction"
-
-
-def row_prompt(template: str, row: dict[str, Any], response_field: str) -> str:
-    """The prompt part of ``row`` rendered through ``template`` (everything before the response)."""
-    from studio.core import prompt as prompts
-
-    values = {k: v for k, v in row.items() if k != response_field}
-    rendered = prompts.render(template, values, response_field)
-    return rendered.text[: rendered.response_start]
+def row_label(row: dict[str, Any], response_field: str) -> str:
+    """A held-out row's prompt fields in one line, for the table (the instruction is often the same
+    on every row, so the last non-empty field comes first)."""
+    parts = [str(v).strip() for k, v in row.items() if k != response_field and str(v).strip()]
+    return " · ".join(reversed(parts))
 
 
 @dataclass
@@ -86,8 +61,10 @@ class Answer:
 class HeldOutRow:
     """One held-out row and both models' answers."""
 
-    prompt: str
+    fields: dict[str, str]
+    """The row's prompt fields (template field -> text), rendered by the worker."""
     target: str
+    label: str = ""
     answers: dict[str, Answer] = field(default_factory=dict)
 
     def score(self, side: str) -> scoring.Score | None:
@@ -299,17 +276,19 @@ class ChatPane(Vertical):
         opener(run, start_worker=True)
         return True
 
-    def _request(self, prompt: str, adapter: bool, request_id: str, settings: dict[str, Any]) -> None:
+    def _request(self, prompt: str, adapter: bool, request_id: str, settings: dict[str, Any],
+                 row: dict[str, str] | None = None) -> None:
         self.answers[request_id] = Answer()
-        self.app.send_command(ev.Generate(request_id=request_id, prompt=prompt, adapter=adapter, **settings))
+        self.app.send_command(ev.Generate(request_id=request_id, prompt=prompt, adapter=adapter, row=row,
+                                          **settings))
 
     def ask(self, text: str) -> bool:
-        """Send ``text`` (rendered with the run's template) to both models; False if nothing was sent."""
-        text = text.strip()
+        """Send ``text`` to both models (the worker renders it with the run's template); False if
+        nothing was sent."""
+        prompt = text.strip()
         settings = self._settings()
-        if not text or settings is None or not self._ensure_run():
+        if not prompt or settings is None or not self._ensure_run():
             return False
-        prompt = prompt_text(self._config(), text)
         self._round += 1
         stamp = f"chat-{self._round}-{time.monotonic_ns() % 10**8}"
         self.sides = {f"{stamp}-base": "base"}
@@ -369,13 +348,11 @@ class ChatPane(Vertical):
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="heldout", description="loading held-out rows")
     def load_heldout(self, config: RunConfig, count: int) -> None:
-        """Read the validation (or test) split off the event loop and render the prompts."""
-        from studio.core import prompt as prompts
+        """Read the validation (or test) split off the event loop."""
         from studio.core.data import DataError, load_splits
 
         try:
             splits = load_splits(config)
-            template = prompts.resolve_template(config.prompt)
         except (DataError, ValueError, OSError) as exc:
             self.app.call_from_thread(self._set_status, f"Held-out rows: {exc}", True)
             return
@@ -385,7 +362,8 @@ class ChatPane(Vertical):
                                       "(set data.val_fraction or a split column)", True)
             return
         answer = config.prompt.response_field
-        items = [HeldOutRow(row_prompt(template, row, answer), row.get(answer, "")) for row in rows]
+        items = [HeldOutRow({k: v for k, v in row.items() if k != answer}, row.get(answer, ""),
+                            row_label(row, answer)) for row in rows]
         self.app.call_from_thread(self._start_heldout, items)
 
     def _start_heldout(self, items: list[HeldOutRow]) -> None:
@@ -394,9 +372,8 @@ class ChatPane(Vertical):
         table.clear(columns=True)
         table.add_columns("#", "prompt", "target", "base", "base EM/sim", "fine-tuned", "tuned EM/sim")
         for i, item in enumerate(items):
-            table.add_row(str(i + 1), _cell(item.prompt.strip().splitlines()[-1] if item.prompt.strip() else ""),
-                          _cell(item.target), "…", "", "…" if self.adapter_ready else "no adapter", "",
-                          key=str(i))
+            tuned = "…" if self.adapter_ready else "no adapter"
+            table.add_row(str(i + 1), _cell(item.label), _cell(item.target), "…", "", tuned, "", key=str(i))
         self.query_one("#chat-heldout-box").add_class("shown")
         self._set_status(f"Held-out: answering {len(items)} rows with both models…")
         self._send_next_heldout()
@@ -414,7 +391,8 @@ class ChatPane(Vertical):
         for side in sides:
             request_id = f"{stamp}-{side}"
             self._heldout_requests[request_id] = (index, side)
-            self._request(item.prompt, side == "tuned", request_id, settings)
+            first = next(iter(item.fields.values()), "")
+            self._request(first, side == "tuned", request_id, settings, row=item.fields)
             item.answers[side] = self.answers[request_id]
 
     def _heldout_row_done(self, index: int) -> None:
@@ -478,7 +456,7 @@ def save_heldout(run: RunDir, rows: list[HeldOutRow], totals: dict[str, scoring.
     """Write ``heldout.json`` (rows and totals) and ``heldout.csv`` (one line a row) in the run folder."""
     records = []
     for item in rows:
-        record: dict[str, Any] = {"prompt": item.prompt, "target": item.target}
+        record: dict[str, Any] = {**item.fields, "target": item.target}
         for side in ("base", "tuned"):
             answer, result = item.answers.get(side), item.score(side)
             record[f"{side}_answer"] = answer.text if answer else None
@@ -490,7 +468,7 @@ def save_heldout(run: RunDir, rows: list[HeldOutRow], totals: dict[str, scoring.
     path = run.path / "heldout.json"
     path.write_text(json.dumps({"rows": records, "totals": summary}, indent=2) + "\n")
     with open(run.path / "heldout.csv", "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(records[0]) if records else ["prompt"])
+        writer = csv.DictWriter(handle, fieldnames=list(records[0]) if records else ["target"])
         writer.writeheader()
         writer.writerows(records)
     return str(path)
