@@ -41,7 +41,7 @@ class EventLog:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _duration(seconds: float) -> str:

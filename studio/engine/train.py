@@ -247,7 +247,7 @@ class Trainer:
                                         tokens_seen=self.tokens_seen, elapsed_s=round(self.elapsed, 2),
                                         eta_s=round(per_step * (self.total_steps - self.step), 1)))
                 window_tokens, window_start = 0, now
-            if tc.eval_interval and self.step % tc.eval_interval == 0 and self.step < self.total_steps:
+            if self.step == self.total_steps or (tc.eval_interval and self.step % tc.eval_interval == 0):
                 self.evaluate()
             if tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0:
                 self.save_checkpoint()
@@ -256,8 +256,6 @@ class Trainer:
             if self._stop_requested and self.step < self.total_steps:
                 stopped = True
                 break
-        if not stopped:
-            self.evaluate()
         if self._checkpoint_step() != self.step:
             self.save_checkpoint()
         from studio.engine.model import save_adapter
