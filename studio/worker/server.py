@@ -152,6 +152,11 @@ class _Peer:
             pass
 
 
+def already_reported(exc: BaseException) -> bool:
+    """Whether the trainer emitted its own WorkerFailed before raising ``exc`` (its TrainingError)."""
+    return any(cls.__name__ == "TrainingError" for cls in type(exc).__mro__)
+
+
 def classify_failure(exc: BaseException, log_path: Path) -> ev.WorkerFailed:
     """A WorkerFailed event for ``exc``: kind oom/data/config/crash and what to do about it."""
     names = {cls.__name__ for cls in type(exc).__mro__}
@@ -202,6 +207,7 @@ class Worker:
         self._stop_training = False
         self._last_client_left = time.monotonic()
         self._terminate = threading.Event()
+        self._evaluations = 0
 
     # ------------------------------------------------------------------------------ events out
 
@@ -222,6 +228,8 @@ class Worker:
             self.step, self.total_steps = event.step, event.total_steps
         elif isinstance(event, ev.ModelLoaded):
             self.model_loaded = True
+        elif isinstance(event, ev.EvalLogged):
+            self._evaluations += 1
         elif isinstance(event, ev.TrainingFinished):
             self.step = event.step
 
@@ -320,7 +328,7 @@ class Worker:
             self._generate(command)
         elif isinstance(command, ev.Evaluate):
             if self._ensure_trainer():
-                self._guarded(lambda: self._emit_result(self._trainer.evaluate(), ev.EvalLogged))
+                self._guarded(self._evaluate)
         elif isinstance(command, ev.ExportMerged) and self.state not in _TRAINING_STATES:
             self._guarded(lambda: self._export(command))
         else:
@@ -348,15 +356,23 @@ class Worker:
             action()
             return True
         except Exception as exc:  # every failure is reported, none kills the worker
-            failure = classify_failure(exc, self.run.log_path)
-            traceback.print_exception(exc)
-            self.emit(dataclasses.replace(failure, fatal=False))
+            self._report(exc, fatal=False)
             return False
 
-    def _emit_result(self, result: Any, kind: type[ev.Event]) -> None:
-        """Emit what a trainer call returned, unless the trainer already emitted it (seq set)."""
-        if isinstance(result, kind) and result.seq < 0:
-            self.emit(result)
+    def _report(self, exc: Exception, fatal: bool) -> None:
+        """Log the traceback and emit a WorkerFailed, unless the trainer already emitted one."""
+        traceback.print_exception(exc)
+        if not already_reported(exc):
+            self.emit(dataclasses.replace(classify_failure(exc, self.run.log_path), fatal=fatal))
+
+    def _evaluate(self) -> None:
+        """The trainer emits EvalLogged itself; with no validation rows it has nothing to emit."""
+        before = self._evaluations
+        self._trainer.evaluate()
+        if self._evaluations == before:
+            self.emit(ev.WorkerFailed(kind="data", fatal=False, message=(
+                "nothing to evaluate: the run has no validation rows; set data.val_fraction or give "
+                "the data a split column with 1 for validation rows")))
 
     def _ensure_trainer(self) -> bool:
         """Build the trainer and load the model once; False (with a WorkerFailed) if that fails."""
@@ -370,8 +386,7 @@ class Worker:
                                         between_steps=self._between_steps)
             self._trainer.load()
         except Exception as exc:
-            traceback.print_exception(exc)
-            self.emit(classify_failure(exc, self.run.log_path))
+            self._report(exc, fatal=True)
             self.state = "failed"
             return False
         self.model_loaded = True
@@ -387,8 +402,7 @@ class Worker:
         try:
             self._trainer.train(resume=resume)
         except Exception as exc:
-            traceback.print_exception(exc)
-            self.emit(classify_failure(exc, self.run.log_path))
+            self._report(exc, fatal=True)
             self.state = "failed"
             return
         finally:
@@ -396,16 +410,18 @@ class Worker:
         self.state = "stopped" if self._stop_training else "finished"
 
     def _generate(self, command: ev.Generate) -> None:
-        if not self._ensure_trainer():
-            return
+        """Stream an answer; every request ends with a GenerationFinished (empty when it failed)."""
         request = command.request_id or f"gen-{time.monotonic_ns()}"
         self.emit(ev.GenerationStarted(request_id=request, adapter=command.adapter, prompt=command.prompt))
+        if not self._ensure_trainer():
+            self.emit(ev.GenerationFinished(request_id=request, adapter=command.adapter))
+            return
 
         def on_text(text: str) -> None:
             self.emit(ev.TokenGenerated(request_id=request, text=text))
 
         def run() -> None:
-            result = self._trainer.generate(command.prompt, adapter=command.adapter,
+            result = self._trainer.generate(command.row or command.prompt, adapter=command.adapter,
                                             max_new_tokens=command.max_new_tokens,
                                             temperature=command.temperature, top_p=command.top_p,
                                             on_text=on_text)
