@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from studio.core import events as ev
-from studio.core.config import load_config
 from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
 from studio.ui.client import WorkerClient, WorkerStartError, WorkerUnavailable, start_worker
 from studio.worker.launch import GpuLock
@@ -46,21 +45,18 @@ def train_detached(args: argparse.Namespace) -> int:
     print the run id and return at once; the run survives this terminal."""
     if getattr(args, "resume", None):
         return _resume_run(find_run(args.resume, _runs_root(args)))
-    config = load_config(args.config)
-    if getattr(args, "data", None):
-        config.data.path = args.data
-    if getattr(args, "model", None):
-        config.model.base_model = args.model
-    if getattr(args, "max_steps", None):
-        config.trainer.max_steps = args.max_steps
-    config.data.path = _absolute_if_local(config.data.path)
+    from studio.engine.cli_train import prepare_config  # plain Python: no torch on this path
+
+    config, _ = prepare_config(args)
     config.model.base_model = _absolute_if_local(config.model.base_model) or config.model.base_model
     if config.data.path is None:
         return _fail(f"{args.config}: no dataset; set data.path in the config or pass --data PATH")
     lock = GpuLock()
     if lock.busy():
         return _fail(lock.holder_message())
-    run = create_run(config, _runs_root(args))
+    # --runs-dir when given, else the config's output_dir (the foreground `studio train` uses it too).
+    root = args.runs_dir if getattr(args, "runs_dir", "runs") != "runs" else config.output_dir
+    run = create_run(config, root)
     try:
         pid = start_worker(run, train=True)
     except WorkerStartError as exc:
