@@ -1,0 +1,313 @@
+"""How right is the VRAM estimator? Predicted vs measured peak memory over a grid of training setups.
+
+One call on the GPU machine does everything: builds random-weight models of two architectures
+(SmolLM2-135M and Llama-2-7B: LlamaConfig, bf16, save_pretrained), then for each config of the grid
+starts a fresh Python process that loads the saved model like a checkpoint (4-bit NF4, 8-bit or
+bf16 through BitsAndBytesConfig), attaches LoRA, runs a few real training steps the way
+studio/engine does (prepare_model_for_kbit_training, bf16 autocast, AdamW, non-reentrant
+checkpointing, zero_grad(set_to_none=True)) and reports torch.cuda.max_memory_allocated /
+max_memory_reserved and the measured categories (studio.engine.memory). The predictions come from
+studio.core.vram. The result JSON holds every row, the median and worst relative error, the GPU,
+package versions and the exact command.
+
+    PYTHONPATH=. python bench/vram_accuracy.py --out bench/results/vram_accuracy_h100.json
+    PYTHONPATH=. python bench/vram_accuracy.py --dry-run --out /tmp/vram_dry.json   # CPU, tiny
+
+A fresh process per config means nothing of one config (allocator cache, bitsandbytes state)
+leaks into the next one's peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from studio.core.model_info import load_model_info  # noqa: E402
+from studio.core.vram import ALL_LINEAR, Plan, estimate_plan  # noqa: E402
+
+ARCHS = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+                         tie_word_embeddings=True),
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+                      tie_word_embeddings=False),
+    # --dry-run only: small enough for a CPU in seconds
+    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False),
+}
+QV = ("q_proj", "v_proj")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One grid point: a model and a training setup."""
+
+    arch: str
+    weights: str  # nf4, int8, bf16
+    r: int
+    targets: tuple[str, ...]
+    seq: int
+    micro_batch: int
+    checkpointing: bool
+    dropout: float = 0.0
+    optimizer: str = "adamw"
+
+    @property
+    def label(self) -> str:
+        t = "all" if self.targets == ALL_LINEAR else "qv"
+        return (f"{self.arch} {self.weights} r{self.r}-{t} seq{self.seq} mb{self.micro_batch} "
+                f"{'ckpt' if self.checkpointing else 'no-ckpt'} drop{self.dropout} {self.optimizer}")
+
+    def plan(self) -> Plan:
+        return Plan(weights=self.weights, double_quant=True, compute="bf16", lora_r=self.r,
+                    lora_targets=self.targets, lora_dropout=self.dropout, micro_batch=self.micro_batch,
+                    seq_len=self.seq, checkpointing=self.checkpointing, optimizer=self.optimizer)
+
+
+# Most telling first: a run that hits the time budget drops the tail. The first two repeat the
+# H100 reference runs (docs in /work/shared/GPU.md).
+GRID = [
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, 4, True),
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, 4, False),
+    Case("smollm2-135m", "nf4", 16, ALL_LINEAR, 1024, 8, True, 0.05),
+    Case("llama2-7b", "nf4", 8, QV, 2048, 1, True, 0.05),
+    Case("llama2-7b", "nf4", 64, ALL_LINEAR, 4096, 2, True, 0.05),
+    Case("smollm2-135m", "bf16", 64, ALL_LINEAR, 2048, 4, False),
+    Case("llama2-7b", "bf16", 16, ALL_LINEAR, 1024, 2, True, 0.05),
+    Case("llama2-7b", "int8", 16, ALL_LINEAR, 512, 2, True),
+    Case("smollm2-135m", "nf4", 8, QV, 4096, 1, False, 0.05),
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 256, 8, False, 0.05),
+    Case("smollm2-135m", "int8", 16, ALL_LINEAR, 512, 8, True),
+    Case("llama2-7b", "bf16", 32, QV, 512, 4, False),
+    Case("smollm2-135m", "bf16", 8, QV, 256, 2, True),
+    Case("llama2-7b", "int8", 8, QV, 1024, 1, False, 0.05),
+    Case("smollm2-135m", "nf4", 32, ALL_LINEAR, 2048, 2, True, 0.05, "adamw_8bit"),
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 1024, 4, True, 0.0, "adamw_8bit"),
+]
+DRY_GRID = [
+    Case("tiny", "bf16", 8, ALL_LINEAR, 64, 2, True),
+    Case("tiny", "bf16", 8, QV, 128, 1, False, 0.05),
+    Case("tiny", "nf4", 8, ALL_LINEAR, 64, 2, False),
+]
+
+
+# ------------------------------------------------------------------------------------ one config
+
+
+def build_model(arch: str, out: Path) -> Path:
+    """Random weights in ``arch``, saved in bf16 like a downloaded checkpoint (reused if present)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    config = LlamaConfig(**ARCHS[arch], bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, max_shard_size="4GB")
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_case(case: Case, folder: Path, steps: int) -> dict:
+    """Load, attach LoRA, train ``steps`` steps; the measured peaks and categories (fresh process)."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    from studio.engine.memory import measure_memory, reset_peak
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    kwargs: dict = {"dtype": torch.bfloat16, "attn_implementation": "sdpa"}
+    if case.weights == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+    elif case.weights == "int8":
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(folder, device_map={"": device}, **kwargs)
+    ckpt_kwargs = {"use_reentrant": False}
+    if case.weights in ("nf4", "int8"):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=case.checkpointing,
+                                                gradient_checkpointing_kwargs=ckpt_kwargs)
+    elif case.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+        model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(r=case.r, lora_alpha=2 * case.r, lora_dropout=case.dropout,
+                                             target_modules=list(case.targets), task_type="CAUSAL_LM"))
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if case.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    else:
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if case.optimizer.startswith("paged") else bnb.optim.AdamW8bit
+        optimizer = cls(trainable, lr=1e-4)
+    load_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.synchronize()
+    reset_peak(device)
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ids = torch.randint(3, vocab, (case.micro_batch, case.seq), generator=generator).to(device)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+            outputs = model(input_ids=ids, labels=ids)
+        outputs.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(outputs.loss))
+        del outputs
+    if cuda:
+        torch.cuda.synchronize()
+    row = {"categories": measure_memory(model, optimizer, device), "losses": losses,
+           "load_s": round(load_s, 2), "train_s": round(time.perf_counter() - t0, 2)}
+    if cuda:
+        row["peak_allocated"] = torch.cuda.max_memory_allocated(device)
+        row["peak_reserved"] = torch.cuda.max_memory_reserved(device)
+    return row
+
+
+def _child(args: argparse.Namespace) -> int:
+    case = Case(**{**json.loads(args.case), "targets": tuple(json.loads(args.case)["targets"])})
+    try:
+        row = run_case(case, Path(args.model_dir), args.steps)
+    except Exception as exc:  # noqa: BLE001 - an OOM or a missing kernel is a result, not a crash
+        row = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+    print("RESULT " + json.dumps(row), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- driver
+
+
+def _rel(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate"):
+        try:
+            from importlib.metadata import version
+
+            out[name] = version(name)
+        except Exception:  # noqa: BLE001 - a missing package is reported as such
+            out[name] = None
+    return out
+
+
+def _gpu_name() -> str:
+    code = "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Median and worst absolute relative error of the peaks over the rows that ran."""
+    summary = {}
+    for key in ("peak_allocated", "peak_reserved"):
+        errors = [abs(r["error_" + key]) for r in rows if "error_" + key in r]
+        if errors:
+            summary[key] = {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors),
+                            "n": len(errors)}
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="where to write the JSON results")
+    parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU: checks the logic")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per config (peak over all)")
+    parser.add_argument("--budget-s", type=float, default=540, help="stop starting configs after this")
+    parser.add_argument("--models-dir", default=None, help="where the random models go (default: a temp dir)")
+    parser.add_argument("--only", default=None, help="run only grid rows whose label contains this")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case:
+        return _child(args)
+
+    start = time.perf_counter()
+    grid = DRY_GRID if args.dry_run else GRID
+    if args.only:
+        grid = [c for c in grid if args.only in c.label]
+    models_dir = Path(args.models_dir or tempfile.mkdtemp(prefix="vram_bench_"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if args.dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    folders = {}
+    for arch in dict.fromkeys(c.arch for c in grid):
+        t0 = time.perf_counter()
+        code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.vram_accuracy import build_model; "
+                f"from pathlib import Path; build_model({arch!r}, Path({str(models_dir / arch)!r}))")
+        subprocess.run([sys.executable, "-c", code], check=True, env=env)
+        folders[arch] = models_dir / arch
+        print(f"built {arch} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    rows = []
+    for case in grid:
+        info = load_model_info(str(folders[case.arch]))
+        predicted = estimate_plan(info, case.plan())
+        row = {"label": case.label, "case": {**asdict(case), "targets": list(case.targets)},
+               "predicted": {"peak_allocated": predicted.peak_allocated, "peak_reserved": predicted.peak_reserved,
+                             "categories": predicted.categories}}
+        if time.perf_counter() - start > args.budget_s:
+            row["skipped"] = "time budget"
+            rows.append(row)
+            continue
+        t0 = time.perf_counter()
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--out", "-", "--steps", str(args.steps),
+               "--case", json.dumps(row["case"]), "--model-dir", str(folders[case.arch])]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        measured = json.loads(lines[-1][7:]) if lines else {"error": (done.stderr or "no output")[-300:]}
+        row["measured"] = measured
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        for key in ("peak_allocated", "peak_reserved"):
+            if key in measured:
+                row["error_" + key] = _rel(predicted.__dict__[key], measured[key])
+        if "categories" in measured:
+            row["error_categories"] = {
+                k: _rel(v, measured["categories"][k]) for k, v in predicted.categories.items()
+                if measured["categories"].get(k)}
+        rows.append(row)
+        shown = ", ".join(f"{k[5:]} {row[k]:+.1%}" for k in ("error_peak_allocated", "error_peak_reserved")
+                          if k in row)
+        print(f"[{time.perf_counter() - start:5.0f} s] {case.label}: {shown or measured.get('error', 'ran')}",
+              flush=True)
+
+    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "gpu": _gpu_name(),
+              "versions": _versions(), "dry_run": args.dry_run, "steps": args.steps,
+              "summary": summarize(rows), "rows": rows,
+              "wall_s": round(time.perf_counter() - start, 1)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
