@@ -90,9 +90,10 @@ def write_workloads(folder: Path, steps: int, seed: int, vocab: int = 32000) -> 
 
 LEVERS = {
     "all": {},
+    "no_graphs": {"cuda_graphs": False},
     "no_liger": {"kernels": False},
-    "no_absmax_cache": {"cache_absmax": False},
     "sdpa_mask": {"varlen": False},
+    "no_absmax_cache": {"cache_absmax": False},
     "no_hoist": {"hoist_adapters": False},
 }
 
@@ -200,7 +201,7 @@ def studio_worker(args) -> int:
                "trainable_params": sum(p.numel() for p in init.values()), "workloads": {}}
     plan = [(Path(p).stem, p, "all", args.steps) for p in args.batches.split(",")]
     if args.levers:
-        for lever in LEVERS:
+        for lever in args.lever_names.split(","):
             if lever != "all":
                 plan += [(Path(p).stem, p, lever, args.lever_steps) for p in args.levers.split(",")]
     for name, path, lever, steps in plan:
@@ -296,7 +297,7 @@ def driver(args) -> int:
     levers = ",".join(str(paths[k]) for k in ("fixed_mb4", "fixed_mb1", "short_packed")) if args.levers else ""
     subprocess.run([sys.executable, str(ROOT / "bench/speed.py"), "--worker", *common, "--json",
                     str(work / "studio.json"), "--batches", ",".join(map(str, mine)), "--levers", levers,
-                    "--lever-steps", str(args.lever_steps), "--profile", args.profile], check=True, env=env)
+                    "--lever-steps", str(args.lever_steps), "--lever-names", args.lever_names, "--profile", args.profile], check=True, env=env)
     runs["studio"] = json.loads((work / "studio.json").read_text())
     report.update(summarize(runs, report["matmul_tflops"]))
     report["runs"] = runs
@@ -371,6 +372,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--levers", default="", help="driver: any value runs the lever ablations")
     parser.add_argument("--lever-steps", type=int, default=12)
+    parser.add_argument("--lever-names", default=",".join(LEVERS), help="which levers to switch off, one by one")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--profile", default="", help="folder for torch.profiler tables of Studio's fixed runs")
     args = parser.parse_args()

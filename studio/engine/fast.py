@@ -355,6 +355,11 @@ class FastOptions:
     """Drop padding tokens before the model (padded batches become a flat stream of examples)."""
     hoist_adapters: bool = True
     """Cast and stack the adapters once per forward, outside the checkpointed layers."""
+    cuda_graphs: bool = True
+    """Replay the decoder stack's forward and backward as CUDA graphs (one per batch layout, at most
+    ``max_graphs``), so the host's per-operation cost leaves the step; CUDA only, no LoRA dropout."""
+    max_graphs: int = 2
+    """Layouts beyond this many run without graphs (each graph keeps its own activation memory)."""
 
 
 class FastModel:
@@ -373,10 +378,24 @@ class FastModel:
         # The checkpoint must replay the RNG only when something in a layer draws from it.
         self._dropout = any(any(p.dropout) for layer in layers for p in (layer.qkv, layer.o, layer.gate_up,
                                                                           layer.down))
+        device = backbone.embed_tokens.weight.device
+        use_graphs = options.cuda_graphs and not self._dropout and device.type == "cuda"
+        self._graphs = _Graphs(self, options.max_graphs) if use_graphs else None
+
+    def trainable(self) -> list[torch.Tensor]:
+        """The adapter weights the stack trains, in a fixed order."""
+        out = []
+        for layer in self.layers:
+            for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                for a, b in zip(proj.a, proj.b, strict=True):
+                    out += [a, b]
+        return out
 
     def describe(self) -> str:
         """One line naming what is on, for logs and events."""
         parts = ["fused 4-bit LoRA products"]
+        if self._graphs is not None:
+            parts.append("CUDA graphs")
         parts.append("liger kernels" if self.kernels else "torch kernels")
         parts.append("varlen attention" if self.varlen else "SDPA attention")
         if self.options.checkpointing:
@@ -419,9 +438,20 @@ class FastModel:
         else:
             ids, pos, seg = input_ids, position_ids, _Segments()
 
+        graphed = self._graphs is not None and torch.is_grad_enabled() and seg.mask is None
+        if graphed:
+            ids, pos, targets, seg = self._static_layout(ids, pos, targets, seg)
         h = self.backbone.embed_tokens(ids).to(self.dtype)
         cos, sin = self.backbone.rotary_emb(h, pos)
         cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        if graphed:
+            h = self._graphs.run(h, cos, sin, seg)
+        else:
+            h = self.stack(h, cos, sin, seg)
+        return self._cross_entropy(h.reshape(-1, h.shape[-1]), targets.reshape(-1))
+
+    def stack(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: _Segments) -> torch.Tensor:
+        """The decoder layers and the final norm."""
         for layer in self.layers:
             # Built outside the checkpoint: the recomputation then reuses them (fewer small ops).
             adapters = layer.adapters() if self.options.hoist_adapters else None
@@ -430,8 +460,30 @@ class FastModel:
                                preserve_rng_state=self._dropout)
             else:
                 h = layer.forward(h, cos, sin, seg, adapters)
-        h = self.layers[0].norm(h, self.backbone.norm.weight) if self.layers else h
-        return self._cross_entropy(h.reshape(-1, h.shape[-1]), targets.reshape(-1))
+        return self.layers[0].norm(h, self.backbone.norm.weight) if self.layers else h
+
+    def _static_layout(self, ids, pos, targets, seg: _Segments):
+        """Pad a flat stream to a bucketed length with a bucketed number of examples, so that a
+        few CUDA graphs cover every batch. The padding is made of one-token examples (and one
+        longer one) that take no loss and that no real token attends to."""
+        if seg.cu is None:
+            return ids, pos, targets, seg
+        n_real = ids.shape[1]
+        segs = seg.cu.numel() - 1
+        slots = max(32, 1 << segs.bit_length())  # > segs: room for at least one padding example
+        total = -(-(n_real + slots) // 256) * 256
+        pad = total - n_real
+        dummies = slots - segs - 1
+        device = ids.device
+        ids = F.pad(ids, (0, pad))
+        targets = F.pad(targets, (0, pad), value=IGNORE_INDEX)
+        tail = torch.arange(pad - dummies, device=device)
+        pos = torch.cat([pos, torch.zeros(1, dummies, dtype=pos.dtype, device=device), tail[None]], dim=1)
+        cu = torch.cat([seg.cu, n_real + torch.arange(1, dummies + 1, device=device, dtype=seg.cu.dtype),
+                        torch.tensor([total], device=device, dtype=seg.cu.dtype)])
+        max_len = max(seg.max_len, pad - dummies)
+        max_len = 1 << (max_len - 1).bit_length()
+        return ids, pos, targets, _Segments(cu=cu, max_len=max_len)
 
     def _segments(self, pos: torch.Tensor) -> _Segments:
         flat = pos[0]
@@ -453,6 +505,56 @@ class FastModel:
             return loss[0] if isinstance(loss, tuple) else loss
         logits = (h @ weight.to(h.dtype).t()).float()
         return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+
+
+class _StackModule(nn.Module):
+    """The decoder stack for one batch layout, as the module that CUDA-graph capture takes.
+
+    Its parameters are the adapters (so the captured backward returns their gradients); the
+    layout's example count and longest example are fixed in it, the boundaries come in as a tensor.
+    """
+
+    def __init__(self, fast: FastModel, max_len: int, flat: bool):
+        super().__init__()
+        self.adapters = nn.ParameterList(fast.trainable())
+        self._fast = [fast]  # a list: not a submodule, so its parameters are not counted twice
+        self.max_len, self.flat = max_len, flat
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        seg = _Segments(cu=cu, max_len=self.max_len) if self.flat else _Segments()
+        return self._fast[0].stack(h, cos, sin, seg)
+
+
+class _Graphs:
+    """CUDA graphs of the decoder stack, one per batch layout, captured on first use."""
+
+    def __init__(self, fast: FastModel, limit: int):
+        self.fast = fast
+        self.limit = limit
+        self.graphed: dict[tuple, nn.Module] = {}
+        self.failed = ""
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: _Segments) -> torch.Tensor:
+        flat = seg.cu is not None
+        cu = seg.cu if flat else torch.zeros(1, dtype=torch.int32, device=h.device)
+        key = (tuple(h.shape), cu.numel(), seg.max_len, h.requires_grad)
+        module = self.graphed.get(key)
+        if module is None:
+            if self.failed or len(self.graphed) >= self.limit:
+                return self.fast.stack(h, cos, sin, seg)
+            try:
+                module = torch.cuda.make_graphed_callables(_StackModule(self.fast, seg.max_len, flat),
+                                                           (h, cos, sin, cu), num_warmup_iters=2)
+            except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
+                self.failed = f"{type(exc).__name__}: {exc}"
+                return self.fast.stack(h, cos, sin, seg)
+            self.graphed[key] = module
+        # The captured backward hands back gradients that live in the graph's memory: gradients that
+        # already exist make autograd add them in place instead of keeping (aliasing) that memory.
+        for p in self.fast.trainable():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return module(h, cos, sin, cu)
 
 
 def _padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
