@@ -1,0 +1,195 @@
+"""The VRAM pane: where the GPU memory of this run goes, predicted and measured, as 1-GB squares.
+
+It estimates from ``app.config`` (when mounted, when the config changes, and on
+:meth:`VramPane.refresh_estimate`), lets a person pick the card (detected, or a known size), fills
+the measured grid from the worker's MemorySampled events, and tells the memory story step by step:
+full fp32 -> bf16 -> 8-bit -> LoRA -> NF4 QLoRA -> + checkpointing -> + paged 8-bit AdamW.
+"""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.widgets import Select, Static
+
+from studio.core import events as ev
+from studio.core.gpus import GB, Gpu, capacity_choices, gpu_for_size
+from studio.core.model_info import ModelInfoError, load_model_info
+from studio.core.vram import Estimate, WalkStep, estimate, walkthrough
+from studio.ui.widgets.block_gauge import BlockGauge
+
+DEFAULT_CARD_GB = 24
+"""Card shown when none is detected: the common 24 GB size."""
+
+
+class VramPane(VerticalScroll):
+    """Predicted vs measured GPU memory for the config being edited, with the walkthrough."""
+
+    DEFAULT_CSS = """
+    VramPane {
+        padding: 0 1;
+    }
+    VramPane #vram-top {
+        height: auto;
+    }
+    VramPane #vram-gpu {
+        width: 32;
+    }
+    VramPane #vram-summary {
+        width: 1fr;
+        padding: 1 1 0 1;
+        color: $foreground;
+    }
+    VramPane #vram-walk {
+        height: auto;
+        margin: 1 0 0 0;
+        padding: 0 1;
+        border-left: thick $accent;
+        color: $foreground;
+    }
+    VramPane #vram-walk.-off {
+        border-left: thick $panel;
+        color: $foreground-muted;
+    }
+    VramPane #vram-notes {
+        color: $foreground-muted;
+        padding: 0 1;
+    }
+    VramPane .-does-not-fit {
+        color: $error;
+    }
+    """
+
+    BINDINGS = [
+        Binding("w", "toggle_walkthrough", "Walkthrough", id="vram.walkthrough"),
+        Binding("right,n", "walk(1)", "Next step", id="vram.next"),
+        Binding("left,p", "walk(-1)", "Previous step", id="vram.previous"),
+    ]
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self._cards: list[Gpu] = capacity_choices()
+        default = next((g for g in self._cards if g.detected), gpu_for_size(DEFAULT_CARD_GB))
+        self.gpu: Gpu = default
+        self.current: Estimate | None = None
+        self.steps: list[WalkStep] = []
+        self.step_index: int | None = None
+        self.measured: dict[str, int] | None = None
+
+    def compose(self) -> ComposeResult:
+        options = [(f"{g.name}{' (this machine)' if g.detected else ''}", k) for k, g in enumerate(self._cards)]
+        selected = next(k for k, g in enumerate(self._cards) if g == self.gpu)
+        with Horizontal(id="vram-top"):
+            yield Select(options, value=selected, allow_blank=False, id="vram-gpu")
+            yield Static("", id="vram-summary")
+        yield BlockGauge(id="vram-gauge")
+        yield Static("", id="vram-walk", classes="-off")
+        yield Static("", id="vram-notes")
+
+    def on_mount(self) -> None:
+        self.refresh_estimate()
+
+    def on_config_changed(self, _message: object) -> None:
+        """The app's config was edited: estimate again."""
+        self.refresh_estimate()
+
+    def on_select_changed(self, event: Select.Changed) -> None:
+        if event.select.id == "vram-gpu" and isinstance(event.value, int):
+            self.gpu = self._cards[event.value]
+            self.refresh_estimate()
+
+    # ----------------------------------------------------------------------------------- estimate
+
+    def refresh_estimate(self) -> None:
+        """Estimate ``app.config`` on the chosen card and redraw (the walkthrough too)."""
+        config = getattr(self.app, "config", None)
+        summary = self.query_one("#vram-summary", Static)
+        if config is None:
+            summary.update("No config to estimate.")
+            return
+        try:
+            info = load_model_info(config.model.base_model, config.model.revision)
+            self.current = estimate(config, info, self.gpu.capacity)
+            self.steps = walkthrough(config, info, self.gpu.capacity)
+        except (ModelInfoError, ValueError) as exc:
+            self.current = None
+            self.steps = []
+            summary.update(f"Cannot estimate: {exc}")
+            summary.add_class("-does-not-fit")
+            self._draw()
+            return
+        summary.remove_class("-does-not-fit")
+        self._draw()
+
+    def _shown(self) -> Estimate | None:
+        if self.step_index is not None and self.steps:
+            return self.steps[self.step_index].estimate
+        return self.current
+
+    def _draw(self) -> None:
+        gauge = self.query_one(BlockGauge)
+        shown = self._shown()
+        gauge.capacity = self.gpu.capacity
+        gauge.capacity_name = self.gpu.name
+        gauge.predicted = dict(shown.categories) if shown else None
+        gauge.measured = dict(self.measured) if self.measured else None
+        walk = self.query_one("#vram-walk", Static)
+        notes = self.query_one("#vram-notes", Static)
+        if shown is None:
+            walk.update("")
+            notes.update("")
+            return
+        plan = shown.plan
+        verdict = "fits" if shown.fits else "does NOT fit"
+        summary = self.query_one("#vram-summary", Static)
+        summary.update(
+            f"{shown.total / GB:.1f} GB {verdict} on {self.gpu.name}; largest micro-batch "
+            f"{shown.max_micro_batch}; {plan.weights}, "
+            + (f"LoRA r{plan.lora_r}" if plan.lora_r else "full fine-tune")
+            + f", {plan.micro_batch} x {plan.seq_len} tokens")
+        summary.set_class(not shown.fits, "-does-not-fit")
+        if self.step_index is None:
+            walk.update("Walkthrough: press w to step from full fp32 fine-tuning to paged QLoRA "
+                        "(← → to step).")
+            walk.add_class("-off")
+        else:
+            step = self.steps[self.step_index]
+            walk.update(f"Step {self.step_index + 1}/{len(self.steps)}: {step.title} — "
+                        f"{step.estimate.total / GB:.1f} GB\n{step.why}")
+            walk.remove_class("-off")
+        notes.update("\n".join(f"note: {n}" for n in shown.notes))
+
+    # -------------------------------------------------------------------------------- walkthrough
+
+    def action_toggle_walkthrough(self) -> None:
+        """Start the walkthrough at its first step, or leave it (back to the config's estimate)."""
+        self.step_index = None if self.step_index is not None or not self.steps else 0
+        self._draw()
+
+    def action_walk(self, delta: int) -> None:
+        """Move the walkthrough one step forward or back (starting it if needed)."""
+        if not self.steps:
+            return
+        if self.step_index is None:
+            self.step_index = 0
+        else:
+            self.step_index = max(0, min(len(self.steps) - 1, self.step_index + delta))
+        self._draw()
+
+    # ------------------------------------------------------------------------------------- events
+
+    def handle_events(self, events: list[ev.Event]) -> None:
+        """Fill the measured grid from the worker's reports (the latest MemorySampled wins)."""
+        changed = False
+        for event in events:
+            if isinstance(event, ev.MemorySampled) and event.categories:
+                self.measured = dict(event.categories)
+                changed = True
+                if event.capacity and not self.gpu.detected:
+                    self.gpu = Gpu(event.device or "this GPU", event.capacity, detected=True)
+            elif isinstance(event, ev.WorkerStarted) and event.gpu_capacity_bytes:
+                self.gpu = Gpu(event.gpu_name or "this GPU", event.gpu_capacity_bytes, detected=True)
+                changed = True
+        if changed:
+            self.refresh_estimate()

@@ -1,0 +1,103 @@
+"""The block gauge and the VRAM pane: scale, colours by category, walkthrough, live measurement."""
+
+from __future__ import annotations
+
+import pytest
+from textual.app import App, ComposeResult
+
+from studio.core import events as ev
+from studio.core.config import RunConfig, parse_config
+from studio.core.gpus import GB
+from studio.ui.panes.vram import VramPane
+from studio.ui.widgets.block_gauge import BlockGauge, choose_unit, square_categories
+
+SIZE = (110, 44)
+LLAMA_CONFIG = "model: {base_model: meta-llama/Llama-2-7b-hf}\n"
+
+
+class PaneApp(App):
+    """The smallest host for the pane: an app with a ``config`` attribute, like StudioApp."""
+
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def compose(self) -> ComposeResult:
+        yield VramPane(id="pane-vram")
+
+
+def test_scale_is_one_gb_for_big_runs_and_finer_for_small_models():
+    assert choose_unit(9 * GB, 16 * GB) == GB
+    assert choose_unit(int(2.7 * GB), 24 * GB) == 0.1 * GB
+    assert choose_unit(int(0.3 * GB), None) < 0.1 * GB
+    assert choose_unit(300 * GB, 80 * GB) > GB  # 300 one-GB squares would not fit: coarser
+
+
+def test_each_square_takes_the_category_that_owns_its_middle():
+    squares = square_categories({"weights": 3 * GB, "lora": GB // 4, "activations": 2 * GB}, GB)
+    assert squares == ["weights", "weights", "weights", "activations", "activations", "activations"]
+
+
+@pytest.mark.anyio
+async def test_pane_estimates_the_app_config_and_steps_through_the_walkthrough():
+    app = PaneApp(parse_config(LLAMA_CONFIG))
+    async with app.run_test(size=SIZE) as pilot:
+        pane = app.query_one(VramPane)
+        gauge = app.query_one(BlockGauge)
+        assert pane.current is not None and gauge.predicted == pane.current.categories
+        await pilot.press("w")
+        first = dict(gauge.predicted)
+        for _ in range(6):
+            await pilot.press("right")
+        last = dict(gauge.predicted)
+        assert pane.step_index == 6
+        assert sum(first.values()) > 10 * sum(last.values())  # full fp32 vs paged QLoRA
+        await pilot.press("w")
+        assert gauge.predicted == pane.current.categories
+
+
+@pytest.mark.anyio
+async def test_measured_squares_fill_in_from_memory_events():
+    app = PaneApp(parse_config(LLAMA_CONFIG))
+    async with app.run_test(size=SIZE) as pilot:
+        pane = app.query_one(VramPane)
+        measured = {"weights": 4_401_000_000, "lora": 160_000_000, "gradients": 160_000_000,
+                    "optimizer": 320_000_000, "activations": 2_200_000_000, "overhead": 1_280_000_000}
+        pane.handle_events([ev.MemorySampled(step=3, device="NVIDIA H100 80GB HBM3", capacity=80 * 2**30,
+                                             categories=measured)])
+        await pilot.pause()
+        gauge = app.query_one(BlockGauge)
+        assert gauge.measured == measured
+        assert gauge.capacity == 80 * 2**30
+
+
+@pytest.mark.anyio
+async def test_a_config_that_does_not_fit_says_so():
+    config = parse_config(LLAMA_CONFIG + "quantization: {bits: null}\ntrainer: {micro_batch_size: 16, "
+                          "gradient_checkpointing: false}\n")
+    app = PaneApp(config)
+    async with app.run_test(size=SIZE):
+        pane = app.query_one(VramPane)
+        assert pane.current is not None and pane.current.fits is False
+        assert "does NOT fit" in str(app.query_one("#vram-summary").render())
+
+
+def test_snapshot_small_model_default_config(snap_compare):
+    assert snap_compare(PaneApp(RunConfig()), terminal_size=SIZE)
+
+
+def test_snapshot_llama_with_measured(snap_compare):
+    async def run_before(pilot):
+        pilot.app.query_one(VramPane).handle_events([ev.MemorySampled(
+            step=2, capacity=0, categories={"weights": 4_401_000_000, "lora": 160_000_000,
+                                            "gradients": 160_000_000, "optimizer": 320_000_000,
+                                            "activations": 2_300_000_000, "overhead": 1_800_000_000})])
+        await pilot.pause()
+
+    assert snap_compare(PaneApp(parse_config(LLAMA_CONFIG)), terminal_size=SIZE, run_before=run_before)
+
+
+def test_snapshot_walkthrough_first_and_qlora_steps(snap_compare):
+    assert snap_compare(PaneApp(parse_config(LLAMA_CONFIG)), terminal_size=SIZE, press=["w"])
+    assert snap_compare(PaneApp(parse_config(LLAMA_CONFIG)), terminal_size=SIZE,
+                        press=["w", "right", "right", "right", "right"])
