@@ -141,3 +141,115 @@ async def test_export_copies_the_adapter(tmp_path):
         await pilot.click("#export-merged")
         await pilot.pause()
         assert app.sent[-1] == ev.ExportMerged(path=str(tmp_path / "merged"))
+
+
+# --------------------------------------------------------------------------- the real worker
+
+
+def tiny_config(tmp_path: Path) -> RunConfig:
+    """The tiny Llama on "reverse the letters" pairs, set to learn in a few dozen steps on CPU."""
+    import json
+
+    from studio.engine.tiny import build_tiny_model, reverse_word_rows
+
+    data = tmp_path / "reverse.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in reverse_word_rows(300)))
+    config = RunConfig(output_dir=str(tmp_path / "runs"))
+    config.model.base_model = str(build_tiny_model())
+    config.quantization.bits = None
+    config.lora.r, config.lora.alpha, config.lora.dropout = 16, 32, 0.0
+    config.lora.target_modules = ["q_proj", "v_proj"]
+    config.prompt.template = "{instruction} {input}\n### Response:\n{output}"
+    config.data.path, config.data.max_seq_length = str(data), 48
+    t = config.trainer
+    t.learning_rate, t.max_steps, t.micro_batch_size, t.effective_batch_size = 1e-2, 300, 8, 8
+    t.warmup_fraction, t.eval_interval, t.eval_max_rows, t.checkpoint_interval = 0.02, 20, 30, 20
+    t.gradient_checkpointing = False
+    config.generation.max_new_tokens, config.generation.temperature = 12, 0.0
+    return config
+
+
+async def wait_until(pilot, condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await pilot.pause(0.1)
+
+
+@pytest.mark.slow
+async def test_live_train_pause_resume_reopen_stop_chat_heldout(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from studio.ui.app import StudioApp
+    from studio.ui.panes.chat import ChatPane
+
+    monkeypatch.setenv("STUDIO_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setenv("STUDIO_CONFIG_DIR", str(tmp_path / "settings"))
+    config = tiny_config(tmp_path)
+    run = None
+    try:
+        # 1. Start from the pane's key; watch the steps and the plot advance; pause and resume.
+        app = StudioApp(config, settings=False)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.press("4")
+            pane = app.query_one(TrainingPane)
+            await pilot.press("s")
+            await wait_until(pilot, lambda: pane.state.step >= 3, 120, "the first steps")
+            run = app.run
+            assert run is not None and run.worker_pid() is not None
+            await pilot.pause(0.6)
+            assert app.query_one(LossPlot).points_drawn > 0
+            assert f"step {pane.state.step}" in text_of(app, "#training-progress-line")
+            await pilot.press("p")
+            await wait_until(pilot, lambda: pane.state.status == "paused", 30, "the pause")
+            paused_at = pane.state.step
+            await pilot.pause(1.0)
+            assert pane.state.step == paused_at  # no steps while paused
+            await pilot.press("r")
+            await wait_until(pilot, lambda: pane.state.step > paused_at, 30, "steps after resuming")
+        # 2. The UI quit; the worker goes on training.
+        steps_at_quit = sum(isinstance(e, ev.StepLogged) for e in iter_events(run.events_path))
+        await_steps = time.monotonic() + 30
+        while sum(isinstance(e, ev.StepLogged) for e in iter_events(run.events_path)) <= steps_at_quit + 2:
+            assert time.monotonic() < await_steps, "the worker stopped training when the UI quit"
+            time.sleep(0.2)
+
+        # 3. Re-open: the whole loss history is redrawn, then it follows live; stop with confirmation.
+        app = StudioApp(config, run=run, settings=False)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.press("4")
+            pane = app.query_one(TrainingPane)
+            await wait_until(pilot, lambda: pane.state.step > steps_at_quit + 2, 30, "the replayed history")
+            assert pane.state.loss.steps[:3] == [1, 2, 3]  # from the first step, not from the re-open
+            await wait_until(pilot, lambda: pane.state.step >= 60, 120, "60 steps")
+            await pilot.press("x")
+            await pilot.press("y")
+            await wait_until(pilot, lambda: pane.state.status == "stopped", 60, "the stop")
+            assert run.adapter_dir.exists()
+            logged = [e.step for e in iter_events(run.events_path) if isinstance(e, ev.StepLogged)]
+            assert pane.state.loss.steps == sorted(set(logged))
+
+            # 4. Chat after training: two different answers, streamed from the one worker.
+            await pilot.press("5")
+            chat = app.query_one(ChatPane)
+            await pilot.pause(0.2)
+            for ch in "d-o-g":
+                await pilot.press(ch)
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: len(chat.answers) == 2 and all(a.done for a in chat.answers.values()),
+                             60, "both answers")
+            base, tuned = (chat.answers[rid].text for rid in chat.sides)
+            assert base != tuned
+            assert "tok/s" in text_of(app, "#chat-base-speed") and "tok/s" in text_of(app, "#chat-tuned-speed")
+
+            # 5. Held-out: both models over validation rows; the fine-tune scores higher.
+            app.query_one("#chat-heldout-n").value = "8"
+            await pilot.press("f5")
+            await wait_until(pilot, lambda: (run.path / "heldout.json").exists(), 120, "the held-out table")
+            totals = chat.totals()
+            assert totals["tuned"].rows == totals["base"].rows == 8
+            assert totals["tuned"].similarity > totals["base"].similarity
+    finally:
+        if run is not None and (pid := run.worker_pid()) is not None:
+            os.kill(pid, signal.SIGKILL)
