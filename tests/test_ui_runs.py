@@ -10,13 +10,15 @@ from ui_part2_harness import PaneHarness
 
 from studio.core import events as ev
 from studio.core.config import RunConfig
-from studio.core.runs import append_event, create_run
+from studio.core.runs import append_event, create_run, iter_events
 from studio.ui.panes.training import TrainingPane
 from studio.ui.widgets.loss_plot import LossPlot
 from studio.ui.widgets.run_picker import CompareScreen, RunPickerScreen
 
 pytestmark = pytest.mark.anyio
 RECORDED = Path(__file__).parent / "data" / "recorded_events.jsonl"
+RECORDED_STEPS = sum(isinstance(e, ev.StepLogged) for e in iter_events(RECORDED))
+RECORDED_EVALS = sum(isinstance(e, ev.EvalLogged) for e in iter_events(RECORDED))
 
 
 def two_runs(tmp_path):
@@ -49,7 +51,7 @@ async def test_picker_lists_runs_and_opens_one(tmp_path):
         table = app.screen.query_one("#runs-table")
         await wait_for_rows(pilot, table, 2)
         cells = {table.get_row_at(i)[1]: table.get_row_at(i) for i in range(2)}
-        assert cells[finished.id][2] == "finished" and cells[finished.id][4] == "40/40"
+        assert cells[finished.id][2] == "finished" and cells[finished.id][4] == f"{RECORDED_STEPS}/{RECORDED_STEPS}"
         assert cells[finished.id][5] != "--"  # best eval loss
         assert cells[short.id][2] == "stopped" and cells[short.id][5] == "--"
         table.move_cursor(row=[r[1] for r in map(table.get_row_at, range(2))].index(finished.id))
@@ -78,7 +80,8 @@ async def test_compare_two_runs_on_one_plot(tmp_path):
             await pilot.pause(0.05)
             if plot.points_drawn:
                 break
-        assert plot.points_drawn == 40 + 4 + 3  # both runs' smoothed losses and the evals
+        # both runs' smoothed losses, and the recorded run's evals
+        assert plot.points_drawn == RECORDED_STEPS + RECORDED_EVALS + 3
         summary = str(app.screen.query_one("#compare-summary").render())
         assert finished.id in summary and short.id in summary and "best eval" in summary
         await pilot.press("escape")
