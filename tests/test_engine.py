@@ -1,0 +1,209 @@
+"""The engine on the tiny model, on CPU: packing, batching, OOM recovery, stop, generation, 4-bit."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from studio.core import events as ev
+from studio.core.runs import create_run
+from studio.engine.batching import Cursor, DataStream, collate
+from studio.engine.train import Trainer, TrainingError
+
+
+def _examples(lengths: list[int], seed: int = 0) -> list[SimpleNamespace]:
+    rng = random.Random(seed)
+    out = []
+    for n in lengths:
+        ids = [rng.randrange(3, 300) for _ in range(n)]
+        out.append(SimpleNamespace(input_ids=ids, labels=[-100] * (n // 2) + ids[n // 2:]))
+    return out
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_row_gives_each_example_its_own_logits(tiny_model: Path, attn: str) -> None:
+    """Packing must not let an example see its neighbours: logits equal each example run alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=attn).eval()
+    examples = _examples([7, 12, 5])
+    # Two packed rows of different lengths, so the second one is padded too.
+    batch = collate([examples[:2], examples[2:]], pad_id=0, packing=True)
+    assert batch.attention_mask is None
+    with torch.no_grad():
+        packed = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        pieces = [packed[0, :7], packed[0, 7:19], packed[1, :5]]
+        for example, piece in zip(examples, pieces, strict=True):
+            alone = model(input_ids=torch.tensor([example.input_ids]), use_cache=False).logits[0]
+            torch.testing.assert_close(piece, alone, atol=1e-4, rtol=1e-4)
+
+
+def test_collate_masks_prompt_padding_and_example_starts() -> None:
+    examples = _examples([6, 4])
+    packed = collate([examples], pad_id=0, packing=True)
+    assert packed.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
+    # The second example's first token is never predicted from the first example's last one.
+    assert packed.labels[0, 6].item() == -100
+    padded = collate([[examples[0]], [examples[1]]], pad_id=0, packing=False)
+    assert padded.attention_mask.tolist() == [[1] * 6, [1] * 4 + [0, 0]]
+    assert padded.labels[1, 4:].tolist() == [-100, -100]
+    assert padded.tokens == 10
+
+
+def test_data_order_is_seeded_and_split_independent() -> None:
+    """Same seed, same batches; taking a step in halves covers exactly the same units."""
+    examples = _examples([random.Random(i).randint(3, 40) for i in range(50)])
+    a = DataStream(examples, seed=7, packing=False, max_len=64)
+    b = DataStream(examples, seed=7, packing=False, max_len=64)
+    c = DataStream(examples, seed=8, packing=False, max_len=64)
+    units, after = a.take(Cursor(), 16)
+    assert units == b.take(Cursor(), 16)[0]
+    assert units != c.take(Cursor(), 16)[0]
+    first, mid = a.take(Cursor(), 8)
+    second, end = a.take(mid, 8)
+    assert first + second == units and end == after
+    # Past the end of an epoch the stream goes on into the next one, in a new order.
+    units_e1, cursor = a.take(Cursor(0, 45), 10)
+    assert cursor == Cursor(1, 5) and len(units_e1) == 10
+    packed = DataStream(examples, seed=7, packing=True, max_len=64)
+    rows = packed.units(0)
+    assert sorted(i for row in rows for i in row) == list(range(50))
+    assert all(sum(len(examples[i].input_ids) for i in row) <= 64 for row in rows if len(row) > 1)
+
+
+def _run(config, between_steps=None, **kwargs):
+    run = create_run(config)
+    events: list[ev.Event] = []
+    trainer = Trainer(config, run, events.append, between_steps, **kwargs)
+    return trainer, run, events
+
+
+def _losses(events: list[ev.Event]) -> dict[int, float]:
+    return {e.step: e.loss for e in events if isinstance(e, ev.StepLogged)}
+
+
+def test_oom_halves_micro_batch_and_keeps_the_same_steps(tiny_config) -> None:
+    """A (simulated) CUDA OOM in step 3: micro-batch 8 -> 4, accumulation 1 -> 2, same losses."""
+    tiny_config.trainer.max_steps = 5
+    tiny_config.trainer.eval_interval = 0
+    tiny_config.trainer.checkpoint_interval = 0
+    reference, _, ref_events = _run(tiny_config)
+    reference.train()
+    trainer, _, events = _run(tiny_config, inject_oom_at_step="3")
+    finished = trainer.train()
+    reduced = [e for e in events if isinstance(e, ev.BatchSizeReduced)]
+    assert len(reduced) == 1
+    assert (reduced[0].step, reduced[0].old_micro_batch_size, reduced[0].micro_batch_size,
+            reduced[0].gradient_accumulation_steps) == (3, 8, 4, 2)
+    assert "micro-batch 8 -> 4" in reduced[0].message
+    assert finished.step == 5 and not finished.stopped
+    # The step's loss is averaged over all its tokens, so splitting it finer changes nothing.
+    ours, theirs = _losses(events), _losses(ref_events)
+    assert list(ours) == [1, 2, 3, 4, 5]
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-4)
+
+
+def test_oom_at_micro_batch_one_fails_with_advice(tiny_config) -> None:
+    tiny_config.trainer.micro_batch_size = 2
+    tiny_config.trainer.effective_batch_size = 2
+    trainer, _, events = _run(tiny_config, inject_oom_at_step="1:always")
+    with pytest.raises(TrainingError) as err:
+        trainer.train()
+    assert err.value.kind == "oom"
+    failed = [e for e in events if isinstance(e, ev.WorkerFailed) and e.fatal]
+    assert len(failed) == 1 and failed[0].kind == "oom"
+    assert "micro_batch_size 1" in failed[0].message and "max_seq_length" in failed[0].message
+    assert [e.micro_batch_size for e in events if isinstance(e, ev.BatchSizeReduced)] == [1]
+
+
+def test_stop_from_hook_saves_checkpoint_and_loadable_adapter(tiny_config) -> None:
+    seen: list[int] = []
+
+    def between_steps(trainer: Trainer) -> str | None:
+        seen.append(trainer.step)
+        return "stop" if trainer.step == 3 else None
+
+    tiny_config.trainer.keep_checkpoints = 1
+    tiny_config.trainer.checkpoint_interval = 2
+    trainer, run, events = _run(tiny_config, between_steps)
+    finished = trainer.train()
+    assert seen == [1, 2, 3]
+    assert finished.stopped and finished.step == 3
+    assert isinstance(events[-1], ev.TrainingFinished)
+    # keep_checkpoints 1: only the stop's checkpoint is left, and no half-written folder.
+    assert [p.name for p in run.checkpoints()] == ["step-3"]
+    assert sorted(p.name for p in run.checkpoints_dir.iterdir()) == ["step-3"]
+    state = (run.checkpoints_dir / "step-3" / "trainer_state.json").read_text()
+    assert '"step": 3' in state and '"cursor"' in state
+    assert (run.adapter_dir / "adapter_model.safetensors").exists()
+    assert (run.adapter_dir / "studio_config.yaml").exists()
+    kinds = [type(e).__name__ for e in events]
+    for name in ("ModelLoading", "ModelLoaded", "RunStarted", "StepLogged", "MemorySampled", "CheckpointSaved"):
+        assert name in kinds
+    memory = next(e for e in events if isinstance(e, ev.MemorySampled))
+    assert memory.categories["lora"] > 0 and memory.categories["weights"] > memory.categories["lora"]
+
+
+def test_generation_streams_and_base_differs_from_adapter(tiny_config) -> None:
+    trainer, _, _ = _run(tiny_config)
+    trainer.load()
+    model = trainer.model
+    model.train()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(torch.randn_like(param) * 0.5)
+    pieces: list[str] = []
+    tuned = trainer.generate("Reverse the letters of the word.", max_new_tokens=12, on_text=pieces.append)
+    assert model.training, "generation must hand the model back in training mode"
+    assert "".join(pieces) == tuned.text
+    assert 0 < tuned.new_tokens <= 12 and tuned.tokens_per_s > 0
+    base = trainer.generate({"instruction": "Reverse the letters of the word.", "input": "a-b-c"},
+                            adapter=False, max_new_tokens=12)
+    again = trainer.generate({"instruction": "Reverse the letters of the word.", "input": "a-b-c"},
+                             adapter=False, max_new_tokens=12)
+    assert base.text == again.text, "greedy decoding is deterministic"
+    with_adapter = trainer.generate({"instruction": "Reverse the letters of the word.", "input": "a-b-c"},
+                                    max_new_tokens=12)
+    assert with_adapter.token_ids != base.token_ids
+
+
+def test_generation_stops_at_eos(tiny_config) -> None:
+    """A model that always predicts EOS answers with nothing."""
+    trainer, _, _ = _run(tiny_config)
+    trainer.load()
+    eos = trainer.tokenizer.eos_token_id
+    lm_head = trainer.model.get_output_embeddings()
+    with torch.no_grad():
+        # Tied embeddings: raise EOS's row so it wins every argmax.
+        lm_head.weight[eos] *= 1000
+    result = trainer.generate("anything", max_new_tokens=10)
+    assert result.new_tokens == 0 and result.text == ""
+
+
+def test_four_bit_loads_and_trains_on_cpu(tiny_config) -> None:
+    """bits: 4 on CPU: bitsandbytes' CPU backend (NF4) or a clear fallback warning, and it trains."""
+    tiny_config.quantization.bits = 4
+    tiny_config.trainer.max_steps = 2
+    tiny_config.trainer.eval_interval = 0
+    trainer, _, events = _run(tiny_config)
+    trainer.train()
+    loaded = next(e for e in events if isinstance(e, ev.ModelLoaded))
+    warnings = [e for e in events if isinstance(e, ev.WorkerFailed) and not e.fatal]
+    assert loaded.quantization == "nf4" or any("float32 instead" in w.message for w in warnings)
+    assert len(_losses(events)) == 2
+
+
+def test_bad_target_modules_is_a_config_error(tiny_config) -> None:
+    tiny_config.lora.target_modules = ["qproj"]
+    trainer, _, events = _run(tiny_config)
+    with pytest.raises(TrainingError) as err:
+        trainer.load()
+    assert err.value.kind == "config"
+    assert "q_proj" in str(err.value), "the message lists the layers that exist"
+    assert isinstance(events[-1], ev.WorkerFailed) and events[-1].kind == "config"
