@@ -21,7 +21,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widget import Widget
-from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
+from textual.widgets import Footer, Header, Input, Select, Static, TabbedContent, TabPane, TextArea
 from textual.worker import get_current_worker
 
 from studio.core import events as ev
@@ -78,6 +78,8 @@ class StudioApp(App[None]):
         Binding("f2", "stop_training", "Stop training", id="app.stop_training", show=False),
         Binding("f3", "change_theme", "Theme", id="app.change_theme", show=False),
         Binding("ctrl+q", "quit", "Quit", id="app.quit"),
+        Binding("escape", "leave_editor", "Leave the editor", id="app.leave_editor", show=False,
+                tooltip="Move focus out of a text editor, so 1-6 switch panes again"),
         *[Binding(f"{n},alt+{n}", f"show_pane('{tab}')", f"{title} pane", id=f"app.show_{tab}", show=False)
           for n, (tab, title, _, _) in enumerate(PANES, start=1)],
         Binding("6,alt+6", "show_pane('config')", "Config pane", id="app.show_config", show=False),
@@ -324,20 +326,32 @@ class StudioApp(App[None]):
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         """Focus the shown pane's main widget, so its keys are live and listed in the footer."""
-        if event.tabbed_content.id != "panes" or event.pane.id is None:
-            return
-        pane = self.query_one(f"#pane-{event.pane.id}")
+        if event.tabbed_content.id == "panes" and event.pane.id is not None:
+            self._focus_pane(event.pane.id)
+
+    def action_leave_editor(self) -> None:
+        """Leave a text editor for its pane's main widget (digits switch panes again)."""
+        self._focus_pane(self.query_one("#panes", TabbedContent).active)
+
+    def _focus_pane(self, tab: str) -> None:
+        pane = self.query_one(f"#pane-{tab}")
         target = getattr(pane, "focus_target", None)
         widget = target() if callable(target) else None
+        if widget is None and pane.focusable:
+            widget = pane
         if widget is None:
-            widget = next((w for w in pane.query("*") if w.focusable), pane if pane.focusable else None)
+            # Not a text field: there, digits would be typed instead of switching panes.
+            typing = (Input, TextArea, Select)
+            widget = next((w for w in pane.query("*") if w.focusable and not isinstance(w, typing)), None)
         if widget is not None:
             widget.focus()
+        else:
+            self.set_focus(None)
 
     def action_open_dataset(self) -> None:
         """Show the dataset browser's file picker."""
         self.action_show_pane("dataset")
-        self.query_one("#pane-dataset").run_action("open_file")
+        self.call_next(self.run_action, "open_file", self.query_one("#pane-dataset"))
 
     def action_save_config(self) -> None:
         """Save the config as YAML; asks where the first time."""
@@ -384,7 +398,7 @@ class StudioApp(App[None]):
         if not hasattr(pane, f"action_{action}"):
             return False
         self.action_show_pane(tab)
-        pane.run_action(action)
+        self.call_next(self.run_action, action, pane)
         return True
 
     def action_start_training(self) -> None:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 if TYPE_CHECKING:
+    from textual.widget import Widget
+
     from studio.ui.app import StudioApp
 
 
@@ -42,15 +44,15 @@ def palette_entries(app: StudioApp) -> list[PaletteEntry]:
 
     for binding in app.BINDINGS:
         help_text = binding.tooltip or f"key: {binding.key.split(',')[0]}"
-        add("app", binding.action, binding.description, help_text, partial(app.run_action, binding.action))
+        add("app", binding.action, binding.description, help_text, partial(app.call_next, app.run_action, binding.action))
     tabs = [(tab, title, module) for tab, title, module, _ in PANES] + [("config", "Config", None)]
     for tab, title, module in tabs:
         pane = app.query_one(f"#pane-{tab}")
         pane_title = title
 
-        def on_pane(action: str, tab: str = tab, pane: object = pane) -> None:
+        def on_pane(action: str, tab: str = tab, pane: Widget = pane) -> None:
             app.action_show_pane(tab)
-            pane.run_action(action)  # type: ignore[attr-defined]
+            app.call_next(app.run_action, action, pane)
 
         for binding in getattr(type(pane), "BINDINGS", []):
             if not hasattr(binding, "action"):

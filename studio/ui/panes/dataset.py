@@ -72,6 +72,7 @@ class DatasetPane(Vertical):
         self._filter_timer: Timer | None = None
         self._lint_timer: Timer | None = None
         self._page_rows: list[int] = []
+        self._mapping_shown: tuple = ()
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="dataset-toolbar"):
@@ -148,6 +149,8 @@ class DatasetPane(Vertical):
         self.notify(message, title="Dataset not opened", severity="error", timeout=10)
 
     def _loaded(self, path: str, table: datalib.Table, seconds: float) -> None:
+        if not self.is_attached:  # the app quit while the file was being read
+            return
         self.table = table
         self.matches = None
         self.page = 0
@@ -321,9 +324,13 @@ class DatasetPane(Vertical):
         app.call_from_thread(self._busy, None)
 
     def _show_stats(self, stats: dict[str, Any], splits: dict[str, int] | None, note: str, label: str) -> None:
+        if not self.is_attached:
+            return
         self.query_one(StatsView).show(stats, splits, note, label)
 
     def _show_lint(self, issues: list[datalib.DataIssue]) -> None:
+        if not self.is_attached:
+            return
         self.issues = issues
         kinds: dict[str, int] = {}
         for issue in issues:
@@ -355,7 +362,10 @@ class DatasetPane(Vertical):
             return
         config = self.app.config  # type: ignore[attr-defined]
         fields, optional = datalib.template_fields_for(config)
-        self.query_one(ColumnMap).show(fields, optional, self.table.column_names, config.data.columns)
+        shown = (tuple(fields), tuple(self.table.column_names), tuple(sorted(config.data.columns.items())))
+        if shown != self._mapping_shown:  # rebuilding the Selects on every template edit is wasteful
+            self._mapping_shown = shown
+            self.query_one(ColumnMap).show(fields, optional, self.table.column_names, config.data.columns)
 
     def on_column_map_changed(self, message: ColumnMap.Changed) -> None:
         app: Any = self.app

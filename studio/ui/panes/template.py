@@ -68,6 +68,7 @@ class TemplatePane(Vertical):
         self._answer = ""
         self._columns: list[str] | None = None
         self._setting_text = False
+        self._dirty = False
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="template-toolbar"):
@@ -103,9 +104,10 @@ class TemplatePane(Vertical):
         """The template text area."""
         return self.query_one("#template-editor", TemplateEditor)
 
-    def focus_target(self) -> TemplateEditor:
-        """What gets focus when the pane is shown: the editor."""
-        return self.editor
+    def focus_target(self) -> VerticalScroll:
+        """What gets focus when the pane is shown: the rendered example (arrows scroll it; a click or
+        Tab goes into the editor; digits still switch panes)."""
+        return self.query_one("#template-render-scroll", VerticalScroll)
 
     def _load_template(self) -> None:
         """Show ``config.prompt.template`` (a preset shows its text) and select its preset."""
@@ -163,15 +165,24 @@ class TemplatePane(Vertical):
         if self._setting_text:
             self._setting_text = False
             return
+        # Keystrokes only restart the timer; the config, the other panes and the render follow once
+        # typing pauses, so a keypress costs the TextArea's own repaint and nothing more.
+        self._dirty = True
+        self.schedule_render()
+
+    def _commit_edit(self) -> None:
+        """Make the edited text the config's template (a preset's name when it matches one)."""
+        self._dirty = False
         app: Any = self.app
         text = self.editor.text
-        preset = next((n for n in prompts.PRESETS if n != "chat" and self._preset_text(n) == text), None)
+        preset = next((n for n in ("alpaca", "alpaca_no_input") if self._preset_text(n) == text), None)
+        if app.config.prompt.template == (preset or text):
+            return
         app.config.prompt.template = preset or text
         select = self.query_one("#template-preset", Select)
         if select.value != (preset or CUSTOM):
             select.value = preset or CUSTOM
         app.config_edited("prompt", origin=self)
-        self.schedule_render()
 
     # -------------------------------------------------------------------------- rendering
 
@@ -179,7 +190,8 @@ class TemplatePane(Vertical):
         """Re-render after ``delay`` seconds unless another edit comes first."""
         if self._render_timer is not None:
             self._render_timer.stop()
-        self._render_timer = self.set_timer(delay, self.render_preview)
+        # A zero interval would make Textual's Timer divide by zero.
+        self._render_timer = self.set_timer(max(delay, 0.01), self.render_preview)
 
     def _fields(self) -> list[str]:
         from studio.core.data import template_fields_for
@@ -203,6 +215,8 @@ class TemplatePane(Vertical):
 
     def render_preview(self) -> None:
         """Render the selected row through the template: colours, counts, the cut, and the lint."""
+        if self._dirty:
+            self._commit_edit()
         app: Any = self.app
         config = app.config
         text = self.editor.text

@@ -11,6 +11,7 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.timer import Timer
 from textual.widgets import Button, Static, TextArea
 
 from studio.core.config import ConfigError, RunConfig, parse_config
@@ -48,11 +49,13 @@ class ConfigEditor(Vertical):
 
     def on_mount(self) -> None:
         self._synced = ""
+        self._reload_timer: Timer | None = None
         self.load_from_app()
 
-    def focus_target(self) -> TextArea:
-        """What gets focus when the pane is shown: the YAML."""
-        return self.text_area
+    def focus_target(self) -> Button:
+        """What gets focus when the pane is shown: Apply (Tab or a click goes into the YAML; digits
+        still switch panes)."""
+        return self.query_one("#config-apply", Button)
 
     @property
     def text_area(self) -> TextArea:
@@ -114,7 +117,13 @@ class ConfigEditor(Vertical):
     def on_config_changed(self, message: ConfigChanged) -> None:
         if self.dirty:
             self._status("The config changed in another pane; F4 shows it (your edits here are not applied)")
-        else:
+        elif self._reload_timer is None:
+            # Several edits in a row (typing in the template) redraw the YAML once.
+            self._reload_timer = self.set_timer(0.3, self._reload)
+
+    def _reload(self) -> None:
+        self._reload_timer = None
+        if not self.dirty:
             self.load_from_app()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
@@ -124,4 +133,4 @@ class ConfigEditor(Vertical):
         elif event.button.id == "config-revert":
             self.action_revert()
         else:
-            self.app.run_action("save_config")
+            self.app.action_save_config()  # type: ignore[attr-defined]

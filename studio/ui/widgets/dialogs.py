@@ -44,16 +44,16 @@ class PathDialog(ModalScreen[Path | None]):
         self.must_exist = must_exist
         self.suffixes = list(suffixes) if suffixes else None
         self.folders = folders
-        self.tree = tree
+        self.show_tree = tree
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
             yield Label(self.title_text, id="dialog-title")
             start = Path(self.initial).expanduser()
             root = start if start.is_dir() else start.parent if start.parent.is_dir() else Path.cwd()
-            if self.tree:
+            if self.show_tree:
                 yield FilteredTree(root, self.suffixes, id="dialog-tree")
-            yield Input(self.initial, placeholder="path (Tab completes nothing; type or pick above)",
+            yield Input(self.initial, placeholder="a path: type it, or pick it above",
                         id="dialog-path")
             yield Static("", id="dialog-error")
             with Horizontal(id="dialog-buttons"):

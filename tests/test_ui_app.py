@@ -1,0 +1,221 @@
+"""The app shell: no torch in the UI process, keys and palette reach everything, themes persist,
+the config is savable as YAML that `studio train` loads, events reach panes in batches."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from textual.widgets import TabbedContent, TextArea
+from ui_helpers import make_config, settle, workdir
+
+from studio.core import events as ev
+from studio.core.config import load_config
+from studio.core.data import resolve_path
+from studio.core.paths import themes_dir
+from studio.ui import theme as themes
+from studio.ui.app import PANES, StudioApp
+from studio.ui.cli_app import initial_config
+from studio.ui.commands import palette_entries
+from studio.ui.widgets.config_editor import ConfigEditor
+
+pytestmark = pytest.mark.anyio
+SIZE = (120, 36)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_running_app_never_imports_torch(tmp_path):
+    """Start the app on the sample data, let it load the data, tokenizer and render, then look."""
+    script = textwrap.dedent("""
+        import asyncio, sys
+        from studio.ui.app import StudioApp
+        from studio.ui.cli_app import initial_config
+        from studio.ui.panes.dataset import DatasetPane
+
+        async def main():
+            config, path = initial_config(None, None)
+            app = StudioApp(config, path, settings=False)
+            async with app.run_test(size=(100, 30)) as pilot:
+                for _ in range(600):
+                    await pilot.pause(0.05)
+                    if app.query_one(DatasetPane).issues or app.query_one("#lint-summary").render().plain:
+                        break
+                await pilot.press("2")
+                await pilot.pause(0.3)
+                assert app.query_one(DatasetPane).table is not None
+            heavy = sorted(m for m in sys.modules if m.split(".")[0] in
+                           ("torch", "transformers", "peft", "bitsandbytes"))
+            print("HEAVY", heavy)
+
+        asyncio.run(main())
+    """)
+    env = {"PYTHONPATH": str(ROOT), "STUDIO_CONFIG_DIR": str(tmp_path), "PATH": "/usr/bin:/bin",
+           "HOME": str(Path.home())}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "HEAVY []" in proc.stdout
+
+
+def test_bare_studio_opens_the_sample_data_with_the_default_model():
+    config, path = initial_config(None, None)
+    assert path is None  # Save asks where; the bundled sample is never overwritten
+    assert config.model.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert Path(config.data.path).is_absolute() and Path(config.data.path).exists()
+
+
+async def test_panes_are_reachable_by_key_and_mouse(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, rounds=1)
+        tabs = app.query_one("#panes", TabbedContent)
+        app.query_one("#dataset-table").focus()
+        for n, (tab, *_rest) in enumerate(PANES, start=1):
+            await pilot.press(str(n))
+            assert tabs.active == tab
+        await pilot.press("alt+6")  # the chat pane focuses its prompt box: alt+digit still switches
+        assert tabs.active == "config"
+        # Typing in an editor, digits are text; alt+digit still switches and escape leaves the editor.
+        app.query_one(ConfigEditor).text_area.focus()
+        await pilot.press("alt+2")
+        assert tabs.active == "template"
+        app.query_one("#template-editor").focus()
+        await pilot.press("3")
+        assert tabs.active == "template"
+        await pilot.press("escape", "3")
+        assert tabs.active == "vram"
+        await pilot.click("#--content-tab-template")
+        assert tabs.active == "template"
+        await pilot.click("#--content-tab-dataset")
+        assert tabs.active == "dataset"
+        assert app.focused is app.query_one("#dataset-table")
+
+
+async def test_every_binding_has_an_id_a_description_and_a_palette_entry(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, rounds=1)
+        titles = {entry.title for entry in palette_entries(app)}
+        owners = [app, *app.panes]
+        checked = 0
+        for owner in owners:
+            for binding in getattr(type(owner), "BINDINGS", []):
+                assert binding.id, f"{type(owner).__name__} binding {binding.key} has no id"
+                assert binding.description, f"{binding.id} has no description"
+                assert any(binding.description in title for title in titles), binding.id
+                checked += 1
+        assert checked >= 15
+        for needed in ("Open data", "Save config", "Load config", "Train", "Stop training", "Runs",
+                       "Theme: studio-light"):
+            assert any(needed in title for title in titles), needed
+
+        # Running a palette entry does what its key does.
+        entry = next(e for e in palette_entries(app) if e.title == "Config pane")
+        entry.run()
+        await pilot.pause()
+        assert app.query_one("#panes", TabbedContent).active == "config"
+
+
+def test_themes_are_tcss_variables_and_the_styles_use_only_variables():
+    names = {t.name: t for t in themes.bundled_themes()}
+    assert {"studio-dark", "studio-light"} <= set(names)
+    assert names["studio-dark"].dark and not names["studio-light"].dark
+    for theme in names.values():
+        assert set(themes.STUDIO_VARIABLES) <= set(theme.variables), theme.name
+    literal = re.compile(r":[^;{}]*(#[0-9a-fA-F]{3,8}\b|rgba?\()")
+    styles = (ROOT / "studio" / "ui" / "app.tcss").read_text()
+    assert not literal.search(styles), literal.search(styles)
+    with pytest.raises(themes.ThemeFileError, match="needs '\\$primary"):
+        themes.parse_theme("$dark: true;", "broken", "broken.tcss")
+    assert len(list(themes_dir().glob("*.tcss"))) == len(names)
+
+
+async def test_theme_choice_persists(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config())
+    async with app.run_test(size=SIZE) as pilot:
+        assert app.theme == "studio-dark"
+        app.theme = "studio-light"
+        await settle(pilot, rounds=1)
+    assert json.loads((tmp_path / "settings" / "settings.json").read_text())["theme"] == "studio-light"
+    again = StudioApp(make_config())
+    async with again.run_test(size=SIZE) as pilot:
+        assert again.theme == "studio-light"
+        await settle(pilot, rounds=1)
+
+
+async def test_save_config_writes_yaml_that_studio_train_loads(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        # Edit in the config pane: a bad value is refused with its line, a good one is applied.
+        await pilot.press("6")
+        editor = app.query_one(ConfigEditor)
+        yaml_text = editor.text_area.text
+        editor.text_area.load_text(yaml_text.replace("  r: 16", "  r: -3"))
+        await pilot.press("f5")
+        status = str(editor.query_one("#config-status").render())
+        assert "'lora.r' must be greater than 0" in status and "line" in status
+        assert app.config.lora.r == 16
+        editor.text_area.load_text(yaml_text.replace("  r: 16", "  r: 8"))
+        await pilot.press("f5")
+        assert app.config.lora.r == 8
+
+        # Save asks where the first time.
+        await pilot.press("ctrl+s")
+        dialog_input = app.screen.query_one("#dialog-path")
+        dialog_input.value = str(tmp_path / "mine.yaml")
+        await pilot.press("enter")
+        await pilot.pause()
+    saved = load_config(tmp_path / "mine.yaml")
+    assert saved.lora.r == 8
+    assert saved.to_yaml() == app.config.to_yaml()
+    # `studio train` would find the data from here.
+    assert resolve_path(saved.data.path, tmp_path) is not None
+
+
+async def test_load_config_reports_errors_and_replaces_the_config(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lora:\n  rank: 4\n")
+    good = tmp_path / "good.yaml"
+    config = make_config()
+    config.prompt.template = "alpaca_no_input"
+    config.save(good)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, rounds=1)
+        for path in (bad, good):
+            await pilot.press("ctrl+l")
+            app.screen.query_one("#dialog-path").value = str(path)
+            await pilot.press("enter")
+            await settle(pilot, rounds=1)
+        assert any("bad.yaml: line 2: unknown key 'lora.rank'" in str(n.message) for n in app._notifications)
+        assert app.config_path == good and app.config.prompt.template == "alpaca_no_input"
+        assert app.query_one(ConfigEditor).text_area.text == app.config.to_yaml()
+        assert "template: alpaca_no_input" in app.query_one(ConfigEditor).query_one(TextArea).text
+
+
+async def test_events_reach_panes_in_batches_without_loss(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, rounds=1)
+        seen: list[list[ev.Event]] = []
+        pane = app.query_one("#pane-template")
+        original = pane.handle_events
+        pane.handle_events = lambda batch: (seen.append(batch), original(batch))
+        for step in range(300):
+            app._events.append(ev.StepLogged(step=step, seq=step))
+        await pilot.pause(0.5)
+        delivered = [e.step for batch in seen for e in batch]
+        assert delivered == list(range(300))  # nothing dropped, in order
+        assert len(seen) <= 3  # a few batches, not one call per event

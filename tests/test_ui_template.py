@@ -1,0 +1,179 @@
+"""The template editor, driven like a person would: edit, see the render and token count, see lint."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from textual.widgets import Select, Static
+from ui_helpers import make_config, settle, workdir
+
+from studio.core import events as ev
+from studio.core import prompt as prompts
+from studio.ui.app import StudioApp
+from studio.ui.panes.template import TemplatePane
+from studio.ui.widgets.template_editor import TemplateEditor
+
+pytestmark = pytest.mark.anyio
+SIZE = (120, 36)
+
+
+def counts(app) -> str:
+    return str(app.query_one("#template-counts", Static).render())
+
+
+def total_tokens(app) -> int:
+    return int(re.search(r"([\d,]+) tokens =", counts(app)).group(1).replace(",", ""))
+
+
+def lint_text(app) -> str:
+    return str(app.query_one("#template-lint", Static).render())
+
+
+async def replace_template(pilot, text: str) -> None:
+    """Select all in the editor and type ``text`` (newlines as Enter)."""
+    editor = pilot.app.query_one(TemplateEditor)
+    editor.focus()
+    editor.select_all()
+    await pilot.press("backspace")
+    keys = []
+    for char in text:
+        keys.append({"\n": "enter", " ": "space", "{": "left_curly_bracket", "}": "right_curly_bracket",
+                     "#": "number_sign", ":": "colon"}.get(char, char))
+    await pilot.press(*keys)
+    await settle(pilot, rounds=1)
+
+
+async def test_editing_rerenders_the_row_with_counts_and_lint(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2")
+        index, row = app.selected
+        assert index == 0
+        render = str(app.query_one("#template-render", Static).render())
+        assert "### Instruction:" in render and row["instruction"] in render and row["output"] in render
+        assert "tokenizer: tok" in counts(app)
+        before = total_tokens(app)
+
+        await replace_template(pilot, "Q: {instruction}\nA: {output}")
+        assert app.config.prompt.template == "Q: {instruction}\nA: {output}"
+        render = str(app.query_one("#template-render", Static).render())
+        assert render.startswith(f"Q: {row['instruction']}\nA: {row['output']}")
+        after = total_tokens(app)
+        assert after < before  # the alpaca preamble is gone
+        assert app.query_one("#template-preset", Select).value == "custom"
+        assert "✓" in lint_text(app)
+
+        # A typo in a field name: lint names it and suggests the right one.
+        await replace_template(pilot, "Q: {instrucion}\nA: {output}")
+        assert "unknown field {instrucion}: did you mean {instruction}?" in lint_text(app)
+        assert "line 1" in lint_text(app)
+        # ... and the editor colours it as unknown.
+        editor = app.query_one(TemplateEditor)
+        assert any(name == "unknown" for _, _, name in editor._highlights[0])
+
+        # No separator before the response, and text after it.
+        await replace_template(pilot, "{instruction}{output} thanks")
+        text = lint_text(app)
+        assert "nothing separates the prompt from the response" in text
+        assert "text after {output}" in text
+
+
+async def test_prompt_and_response_counts_follow_the_tokenizer(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2")
+        await replace_template(pilot, "{instruction}\n{output}")
+        _, row = app.selected
+        tokenizer = app.counter.tokenizer
+        prompt_ids = tokenizer.encode(row["instruction"] + "\n", add_special_tokens=False).ids
+        response_ids = tokenizer.encode(row["output"], add_special_tokens=False).ids
+        shown = counts(app)
+        assert f"prompt {len(prompt_ids)} + response {len(response_ids)} + EOS 1" in shown
+        assert total_tokens(app) == len(prompt_ids) + len(response_ids) + 1
+
+
+async def test_max_length_cut_is_marked(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(max_len=24), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2")
+        assert "✂ cut at 24" in counts(app)
+        assert "✂ max length 24 ✂" in str(app.query_one("#template-render", Static).render())
+        # Raising max length in the config pane removes the cut.
+        app.config.data.max_seq_length = 4096
+        app.config_edited("data")
+        await settle(pilot, rounds=1)
+        assert "✂" not in counts(app)
+
+
+async def test_presets_and_no_eos_lint(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2")
+        app.query_one("#template-preset", Select).value = "alpaca_no_input"
+        await settle(pilot, rounds=1)
+        assert app.config.prompt.template == "alpaca_no_input"
+        assert app.query_one(TemplateEditor).text == prompts.resolve_template("alpaca_no_input")
+        assert "### Input:" not in str(app.query_one("#template-render", Static).render())
+        # f8 cycles to the next preset: the chat template, which this tokenizer lacks.
+        app.query_one(TemplateEditor).focus()
+        await pilot.press("f8")
+        await settle(pilot, rounds=1)
+        assert app.config.prompt.template == "alpaca_no_input"
+        assert any("no chat template" in str(n.message) for n in app._notifications)
+
+        app.config.prompt.add_eos = False
+        app.config_edited("prompt")
+        await settle(pilot, rounds=1)
+        assert "add_eos is off" in lint_text(app)
+        assert "EOS" not in counts(app).split("·")[1]
+
+
+async def test_without_a_tokenizer_counts_are_labelled_approximate(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(model="nobody/no-such-model"), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2")
+        assert "≈ approximate token counts" in counts(app)
+        assert "no local tokenizer for no-such-model" in counts(app)
+        assert total_tokens(app) > 0
+
+
+async def test_zero_shot_sends_the_prompt_and_streams_the_answer(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    sent: list[ev.Command] = []
+    app.send_command = sent.append  # the worker is exercised in the worker's own tests
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2", "ctrl+g")
+        (command,) = sent
+        assert isinstance(command, ev.Generate) and command.adapter is False
+        _, row = app.selected
+        assert command.prompt.endswith("### Response:\n") and row["instruction"] in command.prompt
+        pane = app.query_one(TemplatePane)
+        rid = command.request_id
+        app._events.extend([ev.ModelLoading(stage="weights", fraction=0.5)])
+        await pilot.pause(0.3)
+        assert "loading the model: weights" in str(app.query_one("#template-zero-label", Static).render())
+        app._events.extend([ev.ModelLoaded(base_model="tok"),
+                            ev.TokenGenerated(request_id=rid, text="def "),
+                            ev.TokenGenerated(request_id="someone-else", text="nope"),
+                            ev.TokenGenerated(request_id=rid, text="f():")])
+        await pilot.pause(0.3)
+        assert str(app.query_one("#template-zero-answer", Static).render()) == "def f():"
+        app._events.append(ev.GenerationFinished(request_id=rid, text="def f(): pass", new_tokens=5,
+                                                 tokens_per_s=10.0))
+        await pilot.pause(0.3)
+        assert str(app.query_one("#template-zero-answer", Static).render()) == "def f(): pass"
+        assert "5 tokens" in str(app.query_one("#template-zero-label", Static).render())
+        assert pane._request is None
