@@ -24,7 +24,7 @@ def table_ids(app) -> list[int]:
 
 async def test_open_page_filter_and_read_a_row(tmp_path, monkeypatch):
     workdir(tmp_path, monkeypatch)
-    data = lint_rows_dataset(tmp_path / "rows.jsonl")
+    lint_rows_dataset(tmp_path / "rows.jsonl")
     app = StudioApp(make_config(data=None), settings=False)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)

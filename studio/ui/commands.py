@@ -44,7 +44,8 @@ def palette_entries(app: StudioApp) -> list[PaletteEntry]:
 
     for binding in app.BINDINGS:
         help_text = binding.tooltip or f"key: {binding.key.split(',')[0]}"
-        add("app", binding.action, binding.description, help_text, partial(app.call_next, app.run_action, binding.action))
+        run = partial(app.call_next, app.run_action, binding.action)
+        add("app", binding.action, binding.description, help_text, run)
     tabs = [(tab, title, module) for tab, title, module, _ in PANES] + [("config", "Config", None)]
     for tab, title, module in tabs:
         pane = app.query_one(f"#pane-{tab}")

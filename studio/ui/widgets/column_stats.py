@@ -91,8 +91,8 @@ class StatsView(Vertical):
         self._histogram(chars_plot, column.chars, f"{column.column}: characters",
                         Color.parse(variables["primary"]).rgb)
         if column.tokens is not None:
-            self._histogram(tokens_plot, column.tokens, "tokens" if self.token_label.startswith("tokenizer") else "≈ tokens",
-                            Color.parse(variables["studio-response"]).rgb)
+            title = "tokens" if self.token_label.startswith("tokenizer") else "≈ tokens"
+            self._histogram(tokens_plot, column.tokens, title, Color.parse(variables["studio-response"]).rgb)
         tokens_plot.display = column.tokens is not None
 
     @staticmethod
