@@ -201,7 +201,10 @@ class ChatPane(Vertical):
                     self._dirty = True
             elif isinstance(event, ev.GenerationFinished):
                 self._finished(event)
-            elif isinstance(event, ev.WorkerFailed) and self._waiting():
+            elif isinstance(event, ev.WorkerFailed) and self._waiting() and (
+                    event.fatal or event.kind in ("crash", "oom")):
+                # Warnings while the model loads (truncated rows, no 4-bit on CPU) are the training
+                # pane's to show; here only what stopped an answer.
                 self._set_status(f"The worker could not answer: {event.message}", error=True)
 
     def _waiting(self) -> bool:

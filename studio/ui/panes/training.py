@@ -232,7 +232,9 @@ class TrainingPane(Vertical):
         what = f"run {state.run_id or (run.id if run else '')}".strip() if (state.run_id or run) else "no run yet"
         parts = [what, state.status]
         if state.base_model:
-            parts.append(state.base_model)
+            # A local model folder shows by its name; the full path is in the run's config.yaml.
+            parts.append(Path(state.base_model).name if "/" in state.base_model and
+                         Path(state.base_model).is_absolute() else state.base_model)
         if state.device:
             parts.append(state.device)
         if state.micro_batch_size:

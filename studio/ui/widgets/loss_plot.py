@@ -44,9 +44,9 @@ class BackgroundPlot(PlotextPlot):
     (rare) builds one frame in place so the widget never shows a stale size.
     """
 
-    min_interval_s = 0.5
-    """Fewest seconds between two frame builds: plotext needs ~30 ms of CPU for one, so a stream of
-    updates is coalesced into at most a couple of frames a second."""
+    min_interval_s = 1.0
+    """Fewest seconds between two frame builds: plotext needs 30-90 ms of CPU for one (and holds the
+    GIL meanwhile), so a stream of updates is coalesced into at most one frame a second."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -198,7 +198,7 @@ def _curves_painter(curves: list[tuple[list[float], list[float], str, str, str]]
 class LearningRatePlot(BackgroundPlot):
     """The learning rate schedule as it was applied, step by step."""
 
-    min_interval_s = 1.0  # a schedule changes slowly; its plot need not keep up with every step
+    min_interval_s = 2.0  # a schedule changes slowly; its plot need not keep up with every step
 
     DEFAULT_CSS = """
     LearningRatePlot {
