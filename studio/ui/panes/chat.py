@@ -218,6 +218,8 @@ class ChatPane(Vertical):
         answer.text = event.text or answer.text
         answer.done, answer.new_tokens, answer.tokens_per_s = True, event.new_tokens, event.tokens_per_s
         self._dirty = True
+        if event.request_id in self.sides and not any(not self.answers[r].done for r in self.sides):
+            self._set_status(self._idle_status() + " · answered")
         if event.request_id in self._heldout_requests:
             index, _ = self._heldout_requests[event.request_id]
             self._heldout_row_done(index)
@@ -237,7 +239,8 @@ class ChatPane(Vertical):
                 text.update(NO_ADAPTER if side == "tuned" and not self.adapter_ready else "")
                 speed.update("")
                 continue
-            text.update(answer.text + ("" if answer.done else " ▌"))
+            shown = answer.text if answer.text.strip() or not answer.text else f"(only whitespace: {answer.text!r})"
+            text.update(shown + ("" if answer.done else " ▌"))
             speed.update(f"{answer.new_tokens} tokens · {answer.tokens_per_s:.1f} tok/s" if answer.done
                          else "streaming…")
         if self.heldout:
@@ -373,10 +376,10 @@ class ChatPane(Vertical):
         self.heldout, self._heldout_requests, self._heldout_next = items, {}, 0
         table = self.query_one("#chat-heldout-table", DataTable)
         table.clear(columns=True)
-        table.add_columns("#", "prompt", "target", "base", "base EM/sim", "fine-tuned", "tuned EM/sim")
+        table.add_columns("#", "prompt", "target", "base", "exact/sim", "fine-tuned", "exact/sim")
         for i, item in enumerate(items):
             tuned = "…" if self.adapter_ready else "no adapter"
-            table.add_row(str(i + 1), _cell(item.label), _cell(item.target), "…", "", tuned, "", key=str(i))
+            table.add_row(str(i + 1), _cell(item.label, 28), _cell(item.target, 20), "…", "", tuned, "", key=str(i))
         self.query_one("#chat-heldout-box").add_class("shown")
         self._set_status(f"Held-out: answering {len(items)} rows with both models…")
         self._send_next_heldout()
@@ -415,7 +418,7 @@ class ChatPane(Vertical):
                 answer = item.answers.get(side)
                 if answer is None:
                     continue
-                table.update_cell(str(i), columns[text_col], _cell(answer.text or "…"))
+                table.update_cell(str(i), columns[text_col], _cell(answer.text or "…", 20))
                 result = item.score(side)
                 if result is not None:
                     table.update_cell(str(i), columns[score_col],
