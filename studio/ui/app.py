@@ -94,7 +94,7 @@ class StudioApp(App[None]):
         self.initial_pane = initial_pane
         self.config = config
         self.config_path = config_path
-        self.run: RunDir | None = run
+        self._run_dir: RunDir | None = run
         self.counter: TokenCounter = dataclasses.replace(
             approximate_counter(), label="≈ approximate token counts (the tokenizer is loading…)")
         self.selected: tuple[int, dict[str, Any]] | None = None
@@ -109,6 +109,21 @@ class StudioApp(App[None]):
             self.register_theme(theme)
         saved = themes.load_theme_choice() if settings else None
         self.theme = saved if saved in self.available_themes else themes.DEFAULT_THEME
+
+    @property  # type: ignore[override]
+    def run(self) -> Any:
+        """The run being followed (a RunDir, or None), as the panes' contract names it.
+
+        Before the app starts, this is Textual's ``App.run``, so ``app.run()`` (and the snapshot
+        plugin, which calls it) still starts the app; from then on it is the run.
+        """
+        if self._running:
+            return self._run_dir
+        return super().run
+
+    @run.setter
+    def run(self, value: RunDir | None) -> None:
+        self._run_dir = value
 
     # ------------------------------------------------------------------------------- layout
 

@@ -60,11 +60,7 @@ def main(args: argparse.Namespace) -> int:
     if runs_dir != "runs":
         config.output_dir = runs_dir
 
-    from textual.app import App
-
     from studio.ui.app import StudioApp
 
-    app = StudioApp(config, path, run, initial_pane=getattr(args, "pane", None))
-    # ``app.run`` is the followed RunDir (the pane contract), so Textual's App.run is called unbound.
-    App.run(app)
+    StudioApp(config, path, run, initial_pane=getattr(args, "pane", None)).run()
     return 0
