@@ -10,16 +10,16 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from studio.core.config import RunConfig
+from studio.engine.tiny import TINY_TEMPLATE
 
 REPO = Path(__file__).resolve().parents[1]
 
-TINY_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n{output}"
-"""A short template keeps the tiny model's sequences short (and the tests fast)."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -56,6 +56,13 @@ def reverse_data(tmp_path_factory: pytest.TempPathFactory, reverse_rows: list[di
     return path
 
 
+@pytest.fixture(scope="session")
+def make_tiny_config(tiny_model: Path, reverse_data: Path) -> Callable[[Path], RunConfig]:
+    """``make(out_dir)``: a fresh :func:`tiny_config`-style config whose runs go under ``out_dir``
+    (for module-scoped fixtures, which cannot use ``tmp_path``)."""
+    return lambda out_dir: _tiny_config(tiny_model, reverse_data, out_dir)
+
+
 @pytest.fixture
 def tiny_config(tiny_model: Path, reverse_data: Path, tmp_path: Path) -> RunConfig:
     """A config that trains the tiny model on the reverse-word data on CPU in a few seconds.
@@ -63,12 +70,16 @@ def tiny_config(tiny_model: Path, reverse_data: Path, tmp_path: Path) -> RunConf
     No quantization (fp32), LoRA r16 on q_proj/v_proj, lr 1e-2, 20 steps of 8 rows, evaluation and
     a checkpoint every 10 steps, runs under ``tmp_path/runs``. Tests change what they need.
     """
+    return _tiny_config(tiny_model, reverse_data, tmp_path / "runs")
+
+
+def _tiny_config(tiny_model: Path, reverse_data: Path, out_dir: Path) -> RunConfig:
     config = RunConfig()
     config.model.base_model = str(tiny_model)
     config.quantization.bits = None
     config.lora.r, config.lora.alpha, config.lora.dropout = 16, 32, 0.0
     config.lora.target_modules = ["q_proj", "v_proj"]
-    config.prompt.template = TINY_TEMPLATE
+    config.prompt.template = TINY_TEMPLATE  # what the tiny model was pre-trained with
     config.data.path = str(reverse_data)
     config.data.max_seq_length = 64
     t = config.trainer
@@ -84,11 +95,11 @@ def tiny_config(tiny_model: Path, reverse_data: Path, tmp_path: Path) -> RunConf
     t.checkpoint_interval = 10
     t.log_interval = 1
     config.generation.max_new_tokens = 16
-    config.output_dir = str(tmp_path / "runs")
+    config.output_dir = str(out_dir)
     return config
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def studio_env() -> dict[str, str]:
     """Environment for a ``python -m studio.cli`` subprocess: this checkout importable, same cache."""
     env = dict(os.environ)
@@ -97,7 +108,7 @@ def studio_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def python() -> str:
     """The interpreter running the tests (for subprocesses)."""
     return sys.executable

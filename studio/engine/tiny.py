@@ -25,6 +25,12 @@ TINY_NAME = "tiny-llama"
 TINY_VERSION = 1
 """Bumped when the recipe changes, so a stale cached build is rebuilt."""
 
+PRETRAIN_STEPS = 600
+"""Full-parameter steps of the copy task that give the random model its only skill (see module doc)."""
+TINY_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n{output}"
+"""A short prompt template: the tiny model's examples stay ~40 tokens, so tests run fast."""
+COPY_INSTRUCTION = "Repeat the letters of the word."
+
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 REVERSE_INSTRUCTION = "Reverse the letters of the word."
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -38,7 +44,8 @@ def reverse_word_rows(n: int, seed: int = 0, min_len: int = 3, max_len: int = 5,
     seen: set[str] = set()
     while len(words) < n:
         word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(min_len, max_len)))
-        if word not in seen:
+        # Palindromes are left out: copying them is reversing them, which would flatter the base.
+        if word not in seen and word != word[::-1]:
             seen.add(word)
             words.append(word)
     n_val, n_test = round(n * val_fraction), round(n * test_fraction)
@@ -67,7 +74,9 @@ def _corpus() -> Iterator[str]:
         yield scaffold.format(row["instruction"], row["input"], row["output"])
 
 
-def build_tiny_model(dir: str | Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
+def build_tiny_model(dir: str | Path | None = None, progress: Callable[[str], None] | None = None,
+                     pretrain_steps: int = PRETRAIN_STEPS, batch_size: int = 8,
+                     learning_rate: float = 1e-3) -> Path:
     """Build (or reuse) the tiny Llama model + tokenizer; returns the folder to load it from.
 
     ``dir`` defaults to ``cache_dir()/tiny-llama``. A complete build there is reused; a partial one
@@ -87,9 +96,12 @@ def build_tiny_model(dir: str | Path | None = None, progress: Callable[[str], No
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     say("training the tiny tokenizer")
-    tokenizer = _train_tokenizer()
+    tokenizer = build_tokenizer()
     say("building the tiny model")
     model = _random_model(tokenizer)
+    if pretrain_steps:
+        say(f"teaching it to copy words ({pretrain_steps} steps)")
+        _pretrain(model, tokenizer, pretrain_steps, batch_size, learning_rate)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "studio_tiny.json").write_text(json.dumps({"version": TINY_VERSION}))
@@ -100,7 +112,8 @@ def build_tiny_model(dir: str | Path | None = None, progress: Callable[[str], No
     return target
 
 
-def _train_tokenizer():  # -> PreTrainedTokenizerFast
+def build_tokenizer():  # -> PreTrainedTokenizerFast
+    """The tiny byte-level BPE tokenizer (vocab <= 1024, pad/bos/eos), trained in about a second."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -134,3 +147,37 @@ def _random_model(tokenizer):  # -> LlamaForCausalLM
     model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def _pretrain(model, tokenizer, steps: int, batch_size: int, learning_rate: float) -> None:
+    """Full-parameter training on "repeat the word" rows (the words of the test data excluded)."""
+    import torch
+    import torch.nn.functional as F
+
+    from studio.core.prompt import encode, render
+    from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream
+
+    examples = []
+    for row in reverse_word_rows(4000, seed=99, val_fraction=0, test_fraction=0):
+        row = {**row, "instruction": COPY_INSTRUCTION, "output": row["input"]}
+        examples.append(encode(render(TINY_TEMPLATE, row), lambda t: tokenizer.encode(t, add_special_tokens=False),
+                               64, tokenizer.eos_token_id))
+    stream = DataStream(examples, seed=0, packing=False, max_len=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    cursor = Cursor()
+    model.train()
+    torch.manual_seed(0)
+    for _ in range(steps):
+        units, cursor = stream.take(cursor, batch_size)
+        batch = stream.collate(units, tokenizer.pad_token_id)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        targets = batch.labels[:, 1:]
+        keep = targets != IGNORE_INDEX
+        loss = F.cross_entropy(logits[:, :-1][keep], targets[keep])
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()

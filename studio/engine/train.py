@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig
 from studio.core.runs import RunDir
+from studio.engine import fast as fastpath
 from studio.engine import generate as gen
 from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream, MicroBatch, eval_batches
 from studio.engine.model import BaseModel, ModelLoadError, attach_lora, count_parameters, load_base
@@ -95,6 +96,10 @@ class Trainer:
         self.state = "idle"
         """idle, loading, training, paused (set by the worker), finished, stopped or failed."""
         self._stop_requested = False
+        self.fast: fastpath.FastModel | None = None
+        """The fast training path (studio/engine/fast.py), or None for the plain transformers one."""
+        self._flops_per_token = 0.0
+        self._peak_flops = 0.0
         self._sampler = torch.Generator()
         self._oom_spec = inject_oom_at_step if inject_oom_at_step is not None else os.environ.get(INJECT_OOM_ENV)
 
@@ -108,11 +113,14 @@ class Trainer:
     def load(self) -> None:
         """Load the model, attach a fresh LoRA (seeded) and encode the data. Emits ModelLoading,
         ModelLoaded; on a user error emits WorkerFailed and raises :class:`TrainingError`."""
-        from studio.core.data import DataError
+        from studio.core.data import DataError, load_splits
 
         self.state = "loading"
         base_model = self.config.model.base_model
         try:
+            # The data first: a bad path or column fails in a second, not after the model loads.
+            self.emit(ev.ModelLoading(stage="reading the data", fraction=0.0))
+            splits = load_splits(self.config)
             _seed_everything(self.config.trainer.seed)
             self.base = load_base(self.config, progress=lambda stage, fraction: self.emit(
                 ev.ModelLoading(stage=stage, fraction=fraction)), device=self.device)
@@ -123,7 +131,7 @@ class Trainer:
             self.tokenizer = self.base.tokenizer
             self.device = self.base.device
             self.emit(ev.ModelLoading(stage="encoding the data", fraction=0.9))
-            self.data = self._encode_data()
+            self.data = self._encode_data(splits)
         except ModelLoadError as exc:
             self._fail("config", str(exc))
         except ConfigError as exc:
@@ -134,6 +142,7 @@ class Trainer:
             self._fail("config", f"{base_model}: {exc}")
         tc = self.config.trainer
         self.stream = DataStream(self.data.train, tc.seed, tc.packing, self.config.data.max_seq_length)
+        self._enable_fast_path()
         total, trainable = count_parameters(self.model)
         self.emit(ev.ModelLoaded(base_model=base_model, device=str(self.device),
                                  dtype=str(self.base.compute_dtype).removeprefix("torch."),
@@ -146,11 +155,8 @@ class Trainer:
                 "get cut off")))
         self.state = "idle"
 
-    def _encode_data(self) -> TrainingData:
+    def _encode_data(self, splits: Any) -> TrainingData:
         from studio.core import prompt
-        from studio.core.data import load_splits
-
-        splits = load_splits(self.config)
         chat = getattr(self.tokenizer, "chat_template", None)
         template = prompt.resolve_template(self.config.prompt, chat,
                                            bos_token=self.tokenizer.bos_token or "",
@@ -245,7 +251,9 @@ class Trainer:
                                         epoch=round(self.stream.epoch_progress(self.cursor), 4), loss=loss,
                                         learning_rate=lr, grad_norm=grad_norm, tokens_per_s=round(rate, 1),
                                         tokens_seen=self.tokens_seen, elapsed_s=round(self.elapsed, 2),
-                                        eta_s=round(per_step * (self.total_steps - self.step), 1)))
+                                        eta_s=round(per_step * (self.total_steps - self.step), 1),
+                                        mfu=round(rate * self._flops_per_token / self._peak_flops, 4)
+                                        if self._peak_flops else 0.0))
                 window_tokens, window_start = 0, now
             if self.step == self.total_steps or (tc.eval_interval and self.step % tc.eval_interval == 0):
                 self.evaluate()
@@ -284,7 +292,9 @@ class Trainer:
                     f"trainer.optimizer {name} is not available here ({str(exc).splitlines()[0]}); "
                     "using torch AdamW")))
         if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(params, lr=tc.learning_rate, weight_decay=tc.weight_decay)
+            # fused: one kernel for all adapter tensors instead of a few per tensor.
+            self.optimizer = torch.optim.AdamW(params, lr=tc.learning_rate, weight_decay=tc.weight_decay,
+                                               fused=self.device.type == "cuda")
         warmup = math.ceil(tc.warmup_fraction * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda=_schedule(tc.scheduler, warmup, self.total_steps))
@@ -323,8 +333,25 @@ class Trainer:
         # .item() is a device sync point: once per optimizer step, not per micro-batch.
         return float(loss_sum.item()) / label_tokens, float(grad_norm.item()), sum(b.tokens for b in batches)
 
+    def _enable_fast_path(self) -> None:
+        """Switch to the fast training path where it applies, and size the MFU figures."""
+        self.fast, why = fastpath.enable(self.model, self.device)
+        if self.fast is None and self.device.type == "cuda":
+            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                f"the fast training path is off ({why}); training runs on the slower plain path")))
+        if self.device.type == "cuda":
+            lengths = [len(e.input_ids) for e in self.data.train] or [1]
+            config = self.model.get_base_model().config
+            self._flops_per_token = fastpath.model_flops_per_token(config, sum(lengths) / len(lengths))
+            self._peak_flops = fastpath.matmul_tflops(self.device) * 1e12
+
     def _forward(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy over the response tokens, and the count of argmax hits among them."""
+        if self.fast is not None and torch.is_grad_enabled():
+            # Training step on the fast path: the loss only (argmax hits are an evaluation metric).
+            loss = self.fast.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids,
+                                  reduction="sum")
+            return loss, torch.zeros((), device=loss.device)
         autocast = torch.autocast(device_type=self.device.type, dtype=self.base.compute_dtype,
                                   enabled=self.device.type == "cuda" and self.base.compute_dtype != torch.float32)
         with autocast:

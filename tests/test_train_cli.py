@@ -1,0 +1,162 @@
+"""`studio train` and `studio eval` end to end on the tiny model: the fine-tune beats the base."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from studio.cli import main as studio_main
+from studio.core import events as ev
+from studio.core.runs import RunDir, iter_events
+
+FINE_TUNE_STEPS = 300
+
+
+@pytest.fixture(scope="module")
+def trained(make_tiny_config, tmp_path_factory, studio_env, python) -> tuple[RunDir, str]:
+    """The tiny model fine-tuned on reverse-word rows through `python -m studio.cli train`:
+    (the run, what the command printed)."""
+    work = tmp_path_factory.mktemp("train-cli")
+    config = make_tiny_config(work / "runs")
+    config.trainer.eval_interval = 100
+    config.trainer.checkpoint_interval = 100
+    config.trainer.log_interval = 25
+    config.save(work / "reverse.yaml")
+    done = subprocess.run(
+        [python, "-m", "studio.cli", "train", str(work / "reverse.yaml"), "--max-steps", str(FINE_TUNE_STEPS)],
+        cwd=work, env=studio_env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = [p for p in (work / "runs").iterdir() if p.is_dir()]
+    assert len(runs) == 1
+    return RunDir(runs[0]), done.stdout
+
+
+@pytest.fixture(scope="module")
+def evaluated(trained) -> dict:
+    """`studio eval RUN --json` on the trained run."""
+    run, _ = trained
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = studio_main(["eval", str(run.path), "--json", "--rows", "40"])
+    assert code == 0
+    return json.loads(out.getvalue())
+
+
+@pytest.mark.slow
+def test_train_writes_the_run_and_prints_progress(trained) -> None:
+    run, stdout = trained
+    assert f"step {FINE_TUNE_STEPS}/{FINE_TUNE_STEPS}" in stdout
+    step_lines = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == FINE_TUNE_STEPS // 25
+    assert all(k in step_lines[-1] for k in ("loss", "lr", "tok/s", "mem"))
+    assert "eval at step 300" in stdout
+    assert (run.path / "config.yaml").exists()
+    assert (run.adapter_dir / "adapter_config.json").exists()
+    events = list(iter_events(run.events_path))
+    assert [e.seq for e in events] == list(range(len(events)))
+    steps = [e for e in events if isinstance(e, ev.StepLogged)]
+    assert [e.step for e in steps] == list(range(25, FINE_TUNE_STEPS + 1, 25))
+    assert steps[-1].loss < steps[0].loss
+    assert all(e.tokens_per_s > 0 for e in steps)
+    evals = [e for e in events if isinstance(e, ev.EvalLogged)]
+    assert [e.step for e in evals] == [100, 200, 300]
+    assert evals[-1].token_accuracy > evals[0].token_accuracy * 0.9
+    assert [e.step for e in events if isinstance(e, ev.CheckpointSaved)] == [100, 200, 300]
+    assert [p.name for p in run.checkpoints()] == ["step-200", "step-300"]
+    assert isinstance(events[-1], ev.TrainingFinished) and not events[-1].stopped
+
+
+@pytest.mark.slow
+def test_fine_tuned_answers_beat_the_base_on_held_out_rows(trained, evaluated) -> None:
+    run, _ = trained
+    assert evaluated["split"] == "test" and evaluated["rows"] == 40
+    base, tuned = evaluated["base"], evaluated["fine_tuned"]
+    assert base["exact_match"] <= 0.05
+    assert tuned["exact_match"] >= 0.2
+    assert tuned["exact_match"] > base["exact_match"]
+    assert tuned["similarity"] > base["similarity"]
+    saved = json.loads((run.path / "eval.json").read_text())
+    assert saved["fine_tuned"] == tuned
+
+
+@pytest.mark.slow
+def test_saved_adapter_reproduces_the_fine_tuned_answers(trained, evaluated, tiny_model) -> None:
+    """PeftModel.from_pretrained on runs/<id>/adapter + transformers' own greedy generate."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run, _ = trained
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(run.adapter_dir))
+    model.eval()
+    for row in evaluated["results"][:12]:
+        ids = torch.tensor([tokenizer.encode(row["prompt"], add_special_tokens=False)])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                                 do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+        answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        assert answer == row["tuned"]
+
+
+def test_eval_table_and_errors(trained, evaluated, capsys) -> None:
+    run, _ = trained
+    assert studio_main(["eval", str(run.path), "--rows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "target" in out and "fine-tuned" in out and "exact match: base" in out
+    assert studio_main(["eval", str(run.path / "nope")]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "Traceback" not in err
+
+
+def test_train_user_errors_are_one_line(tmp_path: Path, tiny_config, capsys) -> None:
+    assert studio_main(["train", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.yaml" in err and "no such config file" in err and "Traceback" not in err
+
+    tiny_config.data.path = str(tmp_path / "nowhere.jsonl")
+    tiny_config.save(tmp_path / "bad-data.yaml")
+    assert studio_main(["train", str(tmp_path / "bad-data.yaml")]) == 1
+    out = capsys.readouterr().out
+    failed = [line for line in out.splitlines() if line.startswith("error")]
+    assert len(failed) == 1 and "(data)" in failed[0] and "nowhere.jsonl" in failed[0]
+    assert "Traceback" not in out
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tiny_config, tmp_path: Path, studio_env, python) -> None:
+    tiny_config.trainer.max_steps = 5000
+    tiny_config.trainer.checkpoint_interval = 0
+    tiny_config.save(tmp_path / "long.yaml")
+    proc = subprocess.Popen([python, "-m", "studio.cli", "train", str(tmp_path / "long.yaml")],
+                            cwd=tmp_path, env=studio_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    runs = Path(tiny_config.output_dir)
+    deadline = time.time() + 180
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            found = list(runs.glob("*/events.jsonl")) if runs.exists() else []
+            if found and any(isinstance(e, ev.StepLogged) for e in iter_events(found[0])):
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "continue with: studio train --resume" in out and "Traceback" not in out
+    run = RunDir(next(runs.glob("*/events.jsonl")).parent)
+    finished = [e for e in iter_events(run.events_path) if isinstance(e, ev.TrainingFinished)]
+    assert len(finished) == 1 and finished[0].stopped and 0 < finished[0].step < 5000
+    assert run.latest_checkpoint() == run.checkpoints_dir / f"step-{finished[0].step}"
+    assert (run.adapter_dir / "adapter_model.safetensors").exists()
