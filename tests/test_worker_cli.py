@@ -6,6 +6,8 @@ model through the real worker: the done-when tests of issue 3.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import pty
 import re
@@ -77,7 +79,7 @@ def test_train_detach_survives_its_terminal_hanging_up(fake_cli: Path, tmp_path:
     capsys.readouterr()
     assert studio(["attach", run.id, "--runs-dir", str(tmp_path / "runs")]) == 0
     printed = capsys.readouterr().out
-    assert re.findall(r"step +(\d+)/60", printed) == [str(s) for s in range(1, 61)]
+    assert re.findall(r":\d\d  step +(\d+)/60", printed) == [str(s) for s in range(1, 61)]
     assert "training finished at step 60" in printed
     logged = run.events()
     assert [e.seq for e in logged] == list(range(len(logged)))
@@ -133,3 +135,127 @@ def test_a_busy_gpu_and_a_missing_run_are_one_line_errors(fake_cli: Path, capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no run matching 'no-such-run'" in err
     assert studio(["stop", holder]) == 0
+
+
+# ------------------------------------------------------------------ the real Trainer, tiny model
+
+
+@pytest.fixture
+def real_cli(tiny_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The tiny config as a YAML file, for the real Trainer in real detached workers (a private GPU
+    lock, a small dataset so that loading is quick); leftover workers are killed at the end."""
+    from studio.engine.tiny import reverse_word_rows
+
+    monkeypatch.setenv("STUDIO_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setenv("STUDIO_WORKER_LINGER", "5")
+    monkeypatch.chdir(tmp_path)
+    rows = tmp_path / "reverse.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in reverse_word_rows(400, seed=0)))
+    tiny_config.data.path = str(rows)
+    tiny_config.trainer.eval_max_rows = 16
+    path = tmp_path / "tiny.yaml"
+    tiny_config.save(path)
+    yield path
+    for run in list_runs(tmp_path / "runs"):
+        if (pid := run.worker_pid()) is not None:
+            os.kill(pid, signal.SIGKILL)
+
+
+ROW = {"instruction": "Reverse the letters of the word.", "input": "s-t-o-n-e"}
+
+
+def _losses(run) -> dict[int, float]:
+    """Step -> loss, the last logged value for each step (a resumed run logs some steps twice)."""
+    return {e.step: e.loss for e in run.events() if isinstance(e, ev.StepLogged)}
+
+
+@pytest.mark.slow
+def test_real_worker_outlives_its_terminal_answers_while_training_and_resumes_exactly(
+        real_cli: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # 1. The reference run, started from a terminal that then hangs up.
+    shell, terminal = pty.fork()
+    if shell == 0:
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")]))
+        os.execv("/bin/sh", ["/bin/sh", "-c", f"{sys.executable} -m studio.cli train {real_cli} --detach; sleep 60"])
+    output = b""
+    while b"studio attach" not in output and select.select([terminal], [], [], 30)[0]:
+        output += os.read(terminal, 4096)
+    os.close(terminal)
+    os.killpg(shell, signal.SIGKILL)
+    os.waitpid(shell, 0)
+    reference = find_run(re.search(rb"^(\d{8}-\d{6}-\S+)\r?$", output, re.M).group(1).decode(),
+                         tmp_path / "runs")
+    client = WorkerClient(reference)
+    seen: list[ev.Event] = []
+    wait_for(client, lambda e: isinstance(e, ev.StepLogged) and e.step >= 3, timeout=120, seen=seen)
+    client.send(ev.Generate(request_id="during", row=ROW))
+    during = wait_for(client, lambda e: isinstance(e, ev.GenerationFinished), timeout=60, seen=seen)
+    finished = wait_for(client, lambda e: isinstance(e, ev.TrainingFinished), timeout=120, seen=seen)
+    assert during.seq < finished.seq and during.new_tokens > 0  # answered between training steps
+    for request, adapter in (("base", False), ("tuned", True)):
+        client.send(ev.Generate(request_id=request, row=ROW, adapter=adapter))
+    answers = {}
+    while len(answers) < 2:
+        answer = wait_for(client, lambda e: isinstance(e, ev.GenerationFinished), timeout=60)
+        answers[answer.request_id] = answer.text
+    assert answers["base"] != answers["tuned"]
+    client.close()
+    assert studio(["attach", reference.id]) == 0
+    assert re.findall(r":\d\d  step +(\d+)/20", capsys.readouterr().out) == [str(s) for s in range(1, 21)]
+
+    # 2. The same config again, SIGKILLed after the step-10 checkpoint, resumed from the CLI.
+    assert studio(["train", str(real_cli), "--detach"]) == 0
+    run = find_run(capsys.readouterr().out.strip(), tmp_path / "runs")
+    client = WorkerClient(run)
+    wait_for(client, lambda e: isinstance(e, ev.StepLogged) and e.step >= 12, timeout=120, seen=[])
+    os.kill(run.worker_pid(), signal.SIGKILL)
+    client.close()
+    assert studio(["train", "--resume", run.id, "--detach", "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert "from step-10" in capsys.readouterr().out
+    client = WorkerClient(run)
+    seen = []
+    restarted = wait_for(client, lambda e: isinstance(e, ev.RunStarted) and e.resumed_from_step > 0,
+                         timeout=120, seen=seen)
+    assert restarted.resumed_from_step == 10
+    wait_for(client, lambda e: isinstance(e, ev.StepLogged) and e.step >= 14, timeout=120, seen=seen)
+    client.close()
+
+    # 3. Stop: a checkpoint and an adapter that peft loads.
+    assert studio(["stop", run.id]) == 0
+    stopped_at = int(re.search(r"stopped at step (\d+)", capsys.readouterr().out).group(1))
+    expected, got = _losses(reference), _losses(run)
+    assert got.keys() == set(range(1, stopped_at + 1))
+    for step in range(11, stopped_at + 1):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(run.config().model.base_model)
+    tuned = PeftModel.from_pretrained(base, str(run.adapter_dir))
+    assert any("lora_B" in name and bool(p.abs().sum() > 0) for name, p in tuned.named_parameters())
+
+
+@pytest.mark.slow
+def test_real_worker_halves_the_micro_batch_on_oom_and_pauses_without_losing_steps(
+        real_cli: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("STUDIO_INJECT_OOM_AT_STEP", "2")
+    assert studio(["train", str(real_cli), "--detach", "--max-steps", "8"]) == 0
+    run = find_run(capsys.readouterr().out.strip(), tmp_path / "runs")
+    client = WorkerClient(run)
+    seen: list[ev.Event] = []
+    reduced = wait_for(client, lambda e: isinstance(e, ev.BatchSizeReduced), timeout=120, seen=seen)
+    assert (reduced.old_micro_batch_size, reduced.micro_batch_size, reduced.gradient_accumulation_steps) == (8, 4, 2)
+    wait_for(client, lambda e: isinstance(e, ev.StepLogged) and e.step >= 3, timeout=60, seen=seen)
+    client.send(ev.Pause())
+    paused = wait_for(client, lambda e: isinstance(e, ev.TrainingPaused), timeout=60, seen=seen)
+    time.sleep(1.0)
+    assert client.request_status().step == paused.step  # no step while paused
+    client.send(ev.Resume())
+    finished = wait_for(client, lambda e: isinstance(e, ev.TrainingFinished), timeout=120, seen=seen)
+    assert not finished.stopped and finished.step == 8
+    steps = [e for e in seen if isinstance(e, ev.StepLogged)]
+    assert [e.step for e in steps] == list(range(1, 9))
+    assert all(math.isfinite(e.loss) and e.loss < steps[0].loss + 1 for e in steps)
+    assert not [e for e in seen if isinstance(e, ev.WorkerFailed) and e.fatal]
+    client.close()

@@ -51,9 +51,9 @@ def train_detached(args: argparse.Namespace) -> int:
     config.model.base_model = _absolute_if_local(config.model.base_model) or config.model.base_model
     if config.data.path is None:
         return _fail(f"{args.config}: no dataset; set data.path in the config or pass --data PATH")
-    lock = GpuLock()
-    if lock.busy():
-        return _fail(lock.holder_message())
+    refusal = _claim_gpu()
+    if refusal:
+        return _fail(refusal)
     # --runs-dir when given, else the config's output_dir (the foreground `studio train` uses it too).
     root = args.runs_dir if getattr(args, "runs_dir", "runs") != "runs" else config.output_dir
     run = create_run(config, root)
@@ -67,6 +67,28 @@ def train_detached(args: argparse.Namespace) -> int:
     return 0
 
 
+def _claim_gpu(timeout: float = 30.0) -> str | None:
+    """Make the GPU free for a new worker: a worker that is only idling there (its run finished,
+    stopped or failed; kept up for chat) is shut down. Returns why the GPU stays busy, or None."""
+    lock = GpuLock()
+    if not lock.busy():
+        return None
+    held = lock.holder()
+    if held.get("run_dir") and Path(str(held["run_dir"])).is_dir():
+        client = WorkerClient(RunDir(Path(str(held["run_dir"]))))
+        try:
+            if client.connect(5.0).state not in _LIVE_STATES:
+                client.send(ev.Shutdown())
+                deadline = time.monotonic() + timeout
+                while lock.busy() and time.monotonic() < deadline:
+                    client.poll(0.2)
+        except WorkerUnavailable:
+            pass
+        finally:
+            client.close()
+    return lock.holder_message() if lock.busy() else None
+
+
 def _resume_run(run: RunDir) -> int:
     """Continue ``run`` from its latest checkpoint: in its live worker, or in a new one."""
     summary = summarize(run)
@@ -75,11 +97,13 @@ def _resume_run(run: RunDir) -> int:
     checkpoint = run.latest_checkpoint()
     where = f"from {checkpoint.name}" if checkpoint else "from step 0 (no checkpoint was saved yet)"
     client = WorkerClient(run)
+    status = None
     if run.worker_pid() is not None:
         try:
             status = client.connect(5.0)
-        except WorkerUnavailable as exc:
-            return _fail(str(exc))
+        except WorkerUnavailable:
+            pass  # a worker killed a moment ago (its pid may linger as a zombie): start a new one
+    if status is not None:
         if status.state == "paused":
             client.send(ev.Resume())
             print(f"resumed run {run.id} at step {status.step}")
@@ -90,6 +114,9 @@ def _resume_run(run: RunDir) -> int:
         client.close()
         print(f"resuming run {run.id} {where} in its worker")
         return 0
+    refusal = _claim_gpu()
+    if refusal:
+        return _fail(refusal)
     try:
         pid = start_worker(run, resume=True)
     except WorkerStartError as exc:
