@@ -403,8 +403,8 @@ class FastModel:
         return ", ".join(parts)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean next-token cross-entropy over the targets, as ``model(...).loss`` computes it.
+             position_ids: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
+        """Next-token cross-entropy over the targets (``mean`` as ``model(...).loss``, or ``sum``).
 
         Targets are ``labels`` shifted left by one; a target whose token starts a new example (its
         position id is 0) is ignored, so no example is trained to predict the next one.
@@ -448,7 +448,7 @@ class FastModel:
             h = self._graphs.run(h, cos, sin, seg)
         else:
             h = self.stack(h, cos, sin, seg)
-        return self._cross_entropy(h.reshape(-1, h.shape[-1]), targets.reshape(-1))
+        return self._cross_entropy(h.reshape(-1, h.shape[-1]), targets.reshape(-1), reduction)
 
     def stack(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: _Segments) -> torch.Tensor:
         """The decoder layers and the final norm."""
@@ -498,13 +498,15 @@ class FastModel:
         causal = torch.ones(n, n, dtype=torch.bool, device=flat.device).tril_()
         return _Segments(mask=(same & causal)[None, None])
 
-    def _cross_entropy(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _cross_entropy(self, h: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
         weight = self.head.weight
         if self.kernels and weight.dtype == h.dtype:
-            loss = self.kernels["flce"].apply(h, weight, targets)
+            # Positional arguments: liger's autograd function takes no keywords.
+            loss = self.kernels["flce"].apply(h, weight, targets, None, None, IGNORE_INDEX, 0.0, 0.0, reduction)
             return loss[0] if isinstance(loss, tuple) else loss
-        logits = (h @ weight.to(h.dtype).t()).float()
-        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+        keep = targets != IGNORE_INDEX  # only target rows go through the fp32 softmax
+        logits = (h[keep] @ weight.to(h.dtype).t()).float()
+        return F.cross_entropy(logits, targets[keep], reduction=reduction)
 
 
 class _StackModule(nn.Module):
@@ -676,6 +678,38 @@ def _exact_in(p: torch.Tensor, dtype: torch.dtype) -> bool:
         return bool(torch.equal(p.data.to(dtype).to(p.dtype), p.data))
 
 
+FAST_PATH_ENV = "STUDIO_FAST_PATH"
+"""``1`` forces the fast path on (also on CPU, for tests), ``0`` forces the plain path."""
+
+
+def enable(model: nn.Module, device: torch.device) -> tuple[FastModel | None, str]:
+    """The fast path for a trainer's model: on by default on CUDA, off on CPU (where it is no
+    faster); the environment variable ``STUDIO_FAST_PATH`` overrides. Returns (None, why) when off."""
+    import os
+
+    wanted = os.environ.get(FAST_PATH_ENV, "")
+    if wanted == "0":
+        return None, f"{FAST_PATH_ENV}=0"
+    if device.type != "cuda" and wanted != "1":
+        return None, "not on a CUDA device"
+    return prepare(model)
+
+
+def matmul_tflops(device: torch.device, size: int = 4096, repeats: int = 10) -> float:
+    """This GPU's bf16 matrix-product rate (TFLOP/s), measured: the ceiling MFU is quoted against."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * size**3 * repeats / (start.elapsed_time(end) / 1e3) / 1e12
+
+
 def model_flops_per_token(config, seq_len: float) -> float:
     """Useful FLOPs a QLoRA training step spends per token (recomputation not counted).
 
@@ -684,7 +718,7 @@ def model_flops_per_token(config, seq_len: float) -> float:
     3 x 2 x 2 x layers x seq x hidden / 2). LoRA's own products are under 1% and left out.
     """
     h = config.hidden_size
-    inter = config.intermediate_size
+    inter = getattr(config, "intermediate_size", 4 * h)
     layers = config.num_hidden_layers
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
@@ -695,4 +729,4 @@ def model_flops_per_token(config, seq_len: float) -> float:
     return 4 * n + attention
 
 
-__all__ = ["FastModel", "FastOptions", "model_flops_per_token", "prepare"]
+__all__ = ["FAST_PATH_ENV", "FastModel", "FastOptions", "enable", "matmul_tflops", "model_flops_per_token", "prepare"]
