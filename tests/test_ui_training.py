@@ -170,7 +170,7 @@ def tiny_config(tmp_path: Path) -> RunConfig:
     t.learning_rate, t.max_steps, t.micro_batch_size, t.effective_batch_size = 1e-2, 300, 8, 8
     t.warmup_fraction, t.eval_interval, t.eval_max_rows, t.checkpoint_interval = 0.02, 20, 30, 20
     t.gradient_checkpointing = False
-    config.generation.max_new_tokens, config.generation.temperature = 12, 0.0
+    config.generation.max_new_tokens, config.generation.temperature = 8, 0.0
     return config
 
 
@@ -227,7 +227,7 @@ async def test_live_train_pause_resume_reopen_stop_chat_heldout(tmp_path, monkey
             pane = app.query_one(TrainingPane)
             await wait_until(pilot, lambda: pane.state.step > steps_at_quit + 2, 30, "the replayed history")
             assert pane.state.loss.steps[:3] == [1, 2, 3]  # from the first step, not from the re-open
-            await wait_until(pilot, lambda: pane.state.step >= 60, 120, "60 steps")
+            await wait_until(pilot, lambda: pane.state.step >= 25, 120, "25 steps")
             await pilot.press("x")
             await pilot.press("y")
             await wait_until(pilot, lambda: pane.state.status == "stopped", 60, "the stop")
@@ -249,11 +249,11 @@ async def test_live_train_pause_resume_reopen_stop_chat_heldout(tmp_path, monkey
             assert "tok/s" in text_of(app, "#chat-base-speed") and "tok/s" in text_of(app, "#chat-tuned-speed")
 
             # 5. Held-out: both models over validation rows; the fine-tune scores higher.
-            app.query_one("#chat-heldout-n").value = "8"
+            app.query_one("#chat-heldout-n").value = "4"
             await pilot.press("f5")
             await wait_until(pilot, lambda: (run.path / "heldout.json").exists(), 120, "the held-out table")
             totals = chat.totals()
-            assert totals["tuned"].rows == totals["base"].rows == 8
+            assert totals["tuned"].rows == totals["base"].rows == 4
             assert totals["tuned"].similarity > totals["base"].similarity
     finally:
         if run is not None and (pid := run.worker_pid()) is not None:
