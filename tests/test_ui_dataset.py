@@ -139,6 +139,8 @@ async def test_columns_named_differently_are_mapped_to_template_fields(tmp_path,
         await settle(pilot)
         assert app.config.data.columns == {"instruction": "question", "output": "answer"}
         # The template preview now renders the mapped columns.
+        await pilot.press("2")
+        await settle(pilot, rounds=1)
         render = str(app.query_one("#template-render", Static).render())
         assert "What is 0+0?" in render and "0" in render
         assert "instruction: question" in app.config.to_yaml()

@@ -69,6 +69,7 @@ class TemplatePane(Vertical):
         self._columns: list[str] | None = None
         self._setting_text = False
         self._dirty = False
+        self._stale = True
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="template-toolbar"):
@@ -217,6 +218,11 @@ class TemplatePane(Vertical):
         """Render the selected row through the template: colours, counts, the cut, and the lint."""
         if self._dirty:
             self._commit_edit()
+        if not self.is_on_screen:
+            # Browsing rows in the dataset pane must not pay for a hidden preview; on_show catches up.
+            self._stale = True
+            return
+        self._stale = False
         app: Any = self.app
         config = app.config
         text = self.editor.text
@@ -245,6 +251,10 @@ class TemplatePane(Vertical):
             mark = {"error": "✗", "warning": "⚠"}.get(issue.severity, "ℹ")
             lines.append(f"{mark} line {line_of(text, issue.offset)}: {issue.message}")
         lint.update("\n".join(lines))
+
+    def on_show(self) -> None:
+        if self._stale:
+            self.render_preview()
 
     # ----------------------------------------------------------------------------- messages
 
