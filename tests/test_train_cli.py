@@ -68,7 +68,7 @@ def test_train_writes_the_run_and_prints_progress(trained) -> None:
     assert all(e.tokens_per_s > 0 for e in steps)
     evals = [e for e in events if isinstance(e, ev.EvalLogged)]
     assert [e.step for e in evals] == [100, 200, 300]
-    assert evals[-1].token_accuracy > evals[0].token_accuracy * 0.9
+    assert evals[-1].loss < evals[0].loss and 0 < evals[-1].token_accuracy <= 1
     assert [e.step for e in events if isinstance(e, ev.CheckpointSaved)] == [100, 200, 300]
     assert [p.name for p in run.checkpoints()] == ["step-200", "step-300"]
     assert isinstance(events[-1], ev.TrainingFinished) and not events[-1].stopped
