@@ -33,7 +33,8 @@ def studio(theme: str, pane: str) -> StudioApp:
 async def ready(pilot) -> None:
     """The data, its statistics and lint and the template render are all done."""
     app = pilot.app
-    while not app.query_one("#lint-summary").render().plain:
+    # Hidden panes mount just after the first frame; wait for the dataset pane's lint.
+    while not (app.query("#lint-summary") and app.query_one("#lint-summary").render().plain):
         await pilot.pause(0.05)
     await idle_workers(pilot)
     await pilot.pause(0.25)  # the debounced template render

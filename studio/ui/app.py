@@ -20,6 +20,8 @@ from typing import Any
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
+from textual.lazy import Lazy
 from textual.widget import Widget
 from textual.widgets import Footer, Header, Input, Select, Static, TabbedContent, TabPane, TextArea
 from textual.worker import get_current_worker
@@ -129,12 +131,17 @@ class StudioApp(App[None]):
 
     def compose(self) -> ComposeResult:
         yield Header()
-        with TabbedContent(id="panes", initial=self.initial_pane or "dataset"):
+        initial = self.initial_pane or "dataset"
+        with TabbedContent(id="panes", initial=initial):
+            # Hidden panes mount just after the first frame is on screen (Lazy): they cost nothing
+            # before the person sees the app.
             for n, (tab, title, module, cls) in enumerate(PANES, start=1):
                 with TabPane(f"{n} {title}", id=tab):
-                    yield _make_pane(tab, title, module, cls)
+                    pane = _make_pane(tab, title, module, cls)
+                    yield pane if tab == initial else Lazy(pane)
             with TabPane("6 Config", id="config"):
-                yield ConfigEditor(id="pane-config")
+                editor = ConfigEditor(id="pane-config")
+                yield editor if initial == "config" else Lazy(editor)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -161,9 +168,15 @@ class StudioApp(App[None]):
 
     @property
     def panes(self) -> list[Widget]:
-        """The mounted panes (and the config editor), in tab order."""
-        found = [self.query_one(f"#pane-{tab}") for tab, *_ in PANES]
-        return [*found, self.query_one(ConfigEditor)]
+        """The mounted panes (and the config editor), in tab order. A pane still waiting to mount is
+        left out: it reads the app's state when it mounts."""
+        found = []
+        for tab in [*(tab for tab, *_ in PANES), "config"]:
+            try:
+                found.append(self.query_one(f"#pane-{tab}"))
+            except NoMatches:
+                pass
+        return found
 
     def _broadcast(self, make: Any, origin: Widget | None = None) -> None:
         """Post a fresh message from ``make()`` to every pane but ``origin``."""

@@ -95,6 +95,7 @@ class TemplatePane(Vertical):
                         yield Static("", id="template-zero-answer")
 
     def on_mount(self) -> None:
+        self._columns = list(self.app.dataset_columns) or None  # type: ignore[attr-defined]
         self.query_one("#template-zero-progress").display = False
         self._load_template()
 
