@@ -202,31 +202,48 @@ class _LoraProduct(torch.autograd.Function):
         return dx.view(ctx.shape), None, da, dbt, None
 
 
+def _has_adapter(module: nn.Module, adapter: str) -> bool:
+    return hasattr(module, "lora_A") and adapter in module.lora_A
+
+
 class _Projection:
-    """One or more PEFT LoRA linears reading the same input, computed as one product."""
+    """Linears reading the same input (with or without a LoRA adapter each), as one product."""
 
     def __init__(self, modules: Sequence[nn.Module], adapter: str, dtype: torch.dtype, cache_absmax: bool):
         self.modules = list(modules)
-        self.weights = _Weights([m.get_base_layer() for m in modules], dtype, cache_absmax)
+        bases = [m.get_base_layer() if hasattr(m, "get_base_layer") else m for m in modules]
+        self.weights = _Weights(bases, dtype, cache_absmax)
         self.dtype = dtype
-        self.a = [m.lora_A[adapter].weight for m in modules]
-        self.b = [m.lora_B[adapter].weight for m in modules]
-        self.scales = [float(m.scaling[adapter]) for m in modules]
-        drop = [m.lora_dropout[adapter] for m in modules]
+        adapted = [m for m in modules if _has_adapter(m, adapter)]
+        self.present = [_has_adapter(m, adapter) for m in modules]
+        self.a = [m.lora_A[adapter].weight for m in adapted]
+        self.b = [m.lora_B[adapter].weight for m in adapted]
+        self.scales = [float(m.scaling[adapter]) for m in adapted]
+        drop = [m.lora_dropout[adapter] for m in adapted]
         self.dropout = [d.p if isinstance(d, nn.Dropout) else 0.0 for d in drop]
 
-    def adapters(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    def adapters(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float] | None:
         """The adapters as the fused product takes them: stacked A, block-diagonal B^T, scale.
 
         Built from the fp32 parameters through autograd, so their gradients flow back to each
-        adapter; None when dropout is on (each adapter then needs its own masked input).
+        adapter; a projection without an adapter gets an empty block. None when dropout is on
+        (each adapter then needs its own masked input).
         """
         if any(self.dropout):
             return None
+        if not self.a:
+            return None, None, 1.0
         a = torch.cat(self.a).to(self.dtype) if len(self.a) > 1 else self.a[0].to(self.dtype)
         # Scales folded into B when they differ (rare: per-module alpha); else passed as alpha.
         same = all(s == self.scales[0] for s in self.scales)
-        bts = [b.t() if same else b.t() * s for b, s in zip(self.b, self.scales, strict=True)]
+        adapted = iter(zip(self.b, self.scales, strict=True))
+        bts = []
+        for present, n in zip(self.present, self.weights.out_features, strict=True):
+            if present:
+                b, s = next(adapted)
+                bts.append(b.t() if same else b.t() * s)
+            else:
+                bts.append(a.new_zeros(0, n))
         bt = (torch.block_diag(*bts) if len(bts) > 1 else bts[0]).to(self.dtype)
         return a, bt, self.scales[0] if same else 1.0
 
@@ -237,9 +254,15 @@ class _Projection:
         # Dropout on the adapter input: the base product stays fused, each adapter gets its own mask
         # (as in PEFT), through plain autograd.
         y = _LoraProduct.apply(x, self.weights, None, None, 1.0)
-        deltas = [(F.dropout(x, p, self.modules[0].training) @ a.to(self.dtype).t())
-                  @ b.to(self.dtype).t() * s
-                  for a, b, s, p in zip(self.a, self.b, self.scales, self.dropout, strict=True)]
+        deltas = []
+        adapted = iter(zip(self.a, self.b, self.scales, self.dropout, strict=True))
+        for present, n in zip(self.present, self.weights.out_features, strict=True):
+            if present:
+                a, b, s, p = next(adapted)
+                xd = F.dropout(x, p, self.modules[0].training)
+                deltas.append((xd @ a.to(self.dtype).t()) @ b.to(self.dtype).t() * s)
+            else:
+                deltas.append(x.new_zeros(*x.shape[:-1], n))
         return y + (torch.cat(deltas, dim=-1) if len(deltas) > 1 else deltas[0])
 
 
@@ -581,8 +604,10 @@ def _find(model: nn.Module):
 
 def _lora_module(module: nn.Module, adapter: str) -> str:
     """Why ``module`` cannot go through the fused product ('' when it can)."""
-    if not hasattr(module, "lora_A") or adapter not in module.lora_A:
-        return "a projection without a LoRA adapter"
+    if not _has_adapter(module, adapter):
+        if isinstance(module, nn.Linear) or _is_4bit(module):
+            return "projections with a bias" if getattr(module, "bias", None) is not None else ""
+        return f"a {type(module).__name__} projection"
     if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
         return "an adapter that is merged or disabled"
     if getattr(module, "use_dora", {}).get(adapter, False):
@@ -635,6 +660,9 @@ def prepare(model: nn.Module, options: FastOptions | None = None) -> tuple[FastM
             if why:
                 return None, f"{why} ({name})"
 
+    if not any(_has_adapter(getattr(layer.self_attn, n), adapter) for layer in layers for n in _ATTN) and \
+            not any(_has_adapter(getattr(layer.mlp, n), adapter) for layer in layers for n in _MLP):
+        return None, "no LoRA adapter on the decoder's projections"
     dtype = _compute_dtype(layers[0])
     for module in (backbone.embed_tokens, backbone.norm, head, *[m for layer in layers for m in
                                                                  (layer.input_layernorm,
@@ -665,7 +693,8 @@ def prepare(model: nn.Module, options: FastOptions | None = None) -> tuple[FastM
 
 
 def _compute_dtype(layer: nn.Module) -> torch.dtype:
-    base = layer.self_attn.q_proj.get_base_layer()
+    module = layer.self_attn.q_proj
+    base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
     if _is_4bit(base):
         dtype = getattr(base, "compute_dtype", None)
         return dtype if dtype is not None else torch.float32

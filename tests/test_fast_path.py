@@ -1,0 +1,149 @@
+"""The fast training path (studio/engine/fast.py) on CPU: same loss and LoRA gradients as the plain
+transformers + PEFT path, and packed or padded examples that never see each other."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from studio.engine import fast
+from studio.engine.batching import collate
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft_model(tiny_model: Path, bits: int | None, targets: list[str], seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs = {}
+    if bits == 4:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, **kwargs)
+    torch.manual_seed(seed)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets))
+    # B starts at zero in LoRA, which would make every A gradient zero: give it values.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    return model
+
+
+def _examples(lengths: list[int], seed: int = 0) -> list[SimpleNamespace]:
+    rng = random.Random(seed)
+    out = []
+    for n in lengths:
+        ids = [rng.randrange(3, 300) for _ in range(n)]
+        out.append(SimpleNamespace(input_ids=ids, labels=[-100] * (n // 3) + ids[n // 3:]))
+    return out
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize(("bits", "targets"), [(None, ALL), (4, ALL), (None, ["q_proj", "v_proj", "down_proj"])])
+def test_fast_path_loss_and_lora_gradients_equal_the_plain_path(tiny_model: Path, bits, targets) -> None:
+    """fp32 on CPU, so both paths compute the same function to rounding: 4-bit base weights and
+    adapters on only some projections included."""
+    model = _peft_model(tiny_model, bits, targets)
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=False)
+    plain = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                  position_ids=batch.position_ids, labels=batch.labels).loss
+    plain.backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+    loss.backward()
+    got = _grads(model)
+
+    torch.testing.assert_close(loss, plain, rtol=1e-5, atol=1e-5)
+    assert got.keys() == expected.keys() and len(got) == 2 * len(targets) * 2  # A and B, 2 layers
+    for name, grad in expected.items():
+        assert grad.abs().sum() > 0, name
+        rel = (got[name] - grad).norm() / grad.norm()
+        assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
+
+
+def test_packed_examples_never_see_each_other(tiny_model: Path) -> None:
+    """Changing one packed example's tokens must not move the loss (or gradients) of another, and
+    the packed loss equals the examples' losses computed one by one."""
+    model = _peft_model(tiny_model, None, ALL)
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    first, second, third = _examples([11, 17, 8], seed=1)
+
+    def packed_loss(a, b, c) -> torch.Tensor:
+        batch = collate([[a, b], [c]], pad_id=0, packing=True)
+        return fast_model.loss(batch.input_ids, batch.labels, None, batch.position_ids, reduction="sum")
+
+    def alone(example) -> torch.Tensor:
+        batch = collate([[example]], pad_id=0, packing=True)
+        return fast_model.loss(batch.input_ids, batch.labels, None, batch.position_ids, reduction="sum")
+
+    with torch.no_grad():
+        together = packed_loss(first, second, third)
+        separately = alone(first) + alone(second) + alone(third)
+    torch.testing.assert_close(together, separately, rtol=1e-5, atol=1e-5)
+
+    # Only the second example takes loss; the first one (packed before it) is then rewritten.
+    silent = SimpleNamespace(input_ids=first.input_ids, labels=[-100] * len(first.labels))
+    changed = SimpleNamespace(input_ids=[t + 1 for t in first.input_ids], labels=silent.labels)
+    results = []
+    for neighbour in (silent, changed):
+        model.zero_grad(set_to_none=True)
+        loss = packed_loss(neighbour, second, SimpleNamespace(input_ids=third.input_ids,
+                                                              labels=[-100] * len(third.labels)))
+        loss.backward()
+        results.append((loss.detach(), _grads(model)))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a > 0
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-5, atol=1e-7)
+
+
+def test_packing_bucket_layout_keeps_examples_apart() -> None:
+    """The CUDA-graph layout pads the flat stream with one-token examples: boundaries are kept and
+    the padding takes no loss."""
+    model = fast.FastModel.__new__(fast.FastModel)
+    ids = torch.arange(1, 11)[None]
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])
+    targets = torch.arange(10)[None]
+    seg = fast._Segments(cu=torch.tensor([0, 3, 5, 10], dtype=torch.int32), max_len=5)
+    ids, pos, targets, seg = model._static_layout(ids, pos, targets, seg)
+    assert ids.shape[1] % 256 == 0 and seg.cu.numel() == 33
+    starts = torch.nonzero(pos[0] == 0).flatten()
+    assert torch.equal(torch.cat([starts, torch.tensor([ids.shape[1]])]).int(), seg.cu)
+    assert seg.cu[:4].tolist() == [0, 3, 5, 10]
+    assert (targets[0, 10:] == -100).all() and targets[0, :10].tolist() == list(range(10))
+    assert seg.max_len >= int((seg.cu[1:] - seg.cu[:-1]).max())
+
+
+def test_unsupported_models_fall_back_with_a_reason(tiny_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    fast_model, why = fast.prepare(plain)
+    assert fast_model is None and why
+    on_cpu, why = fast.enable(plain, torch.device("cpu"))
+    assert on_cpu is None and "CUDA" in why
+
+
+def test_flops_per_token_counts_the_frozen_matrices_twice() -> None:
+    """4N (forward and input-gradient backward) plus attention, for a Llama-2-7B-shaped config."""
+    config = SimpleNamespace(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                             num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
+    n = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008) + 32000 * 4096
+    flops = fast.model_flops_per_token(config, 512)
+    assert flops == pytest.approx(4 * n + 6 * 32 * 512 * 4096)
