@@ -87,7 +87,8 @@ def train(model_dir: str, max_steps: int, runs_root: Path) -> dict[str, object]:
     before = set(runs_root.glob("*")) if runs_root.exists() else set()
     start = time.time()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)})
     result: dict[str, object] = {"command": " ".join(command), "exit_code": done.returncode,
                                  "wall_s": round(time.time() - start, 1),
                                  "stdout_tail": done.stdout[-3000:], "stderr_tail": done.stderr[-3000:]}
