@@ -225,6 +225,9 @@ class Trainer:
                                 eval_rows=len(self.data.validation), micro_batch_size=self.micro_batch_size,
                                 gradient_accumulation_steps=self.accumulation_steps,
                                 resumed_from_step=resumed_from))
+        from studio.engine.memory import reset_peak
+
+        reset_peak(self.device)  # the first memory sample's peak is training's, not loading's
         window_tokens, window_start = 0, time.time()
         session_start, elapsed_before = time.time(), self.elapsed
         last_loss = 0.0
@@ -515,39 +518,22 @@ class Trainer:
     # ------------------------------------------------------------------------------------ memory
 
     def memory_event(self) -> ev.MemorySampled:
-        """Device memory now: allocator totals on a GPU, and bytes by category from the live model."""
-        categories = _memory_categories(self.model, self.optimizer)
+        """Device memory now, by category (studio/engine/memory.py) and allocator totals; the peak
+        window restarts, so the next sample's activations are that interval's peak."""
+        from studio.engine.memory import device_totals, measure_memory, reset_peak
+
+        categories = measure_memory(self.model, self.optimizer, self.device)
         if self.device is not None and self.device.type == "cuda":
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            return ev.MemorySampled(
-                step=self.step, device=torch.cuda.get_device_name(index),
-                allocated=torch.cuda.memory_allocated(index), reserved=torch.cuda.memory_reserved(index),
-                peak_allocated=torch.cuda.max_memory_allocated(index),
-                peak_reserved=torch.cuda.max_memory_reserved(index),
-                capacity=torch.cuda.get_device_properties(index).total_memory, categories=categories)
-        allocated = sum(categories.values())
-        return ev.MemorySampled(step=self.step, device="cpu", allocated=allocated, reserved=allocated,
-                                peak_allocated=allocated, peak_reserved=allocated, capacity=0,
-                                categories=categories)
-
-
-def _memory_categories(model: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-    """Bytes of frozen weights, LoRA weights, their gradients and the optimizer state."""
-    weights = lora = grads = optim = 0
-    for param in model.parameters():
-        size = param.numel() * param.element_size()
-        if param.requires_grad:
-            lora += size
-            if param.grad is not None:
-                grads += param.grad.numel() * param.grad.element_size()
+            totals = device_totals(self.device)
+            name = torch.cuda.get_device_name(self.device)
         else:
-            weights += size
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            for value in state.values():
-                if torch.is_tensor(value):
-                    optim += value.numel() * value.element_size()
-    return {"weights": weights, "lora": lora, "gradients": grads, "optimizer": optim}
+            # No allocator counters on CPU: what the model and optimizer hold is the best figure.
+            held = sum(categories.values())
+            totals = {"allocated": held, "reserved": held, "peak_allocated": held, "peak_reserved": held,
+                      "capacity": 0}
+            name = "cpu"
+        reset_peak(self.device)
+        return ev.MemorySampled(step=self.step, device=name, categories=categories, **totals)
 
 
 def _schedule(kind: str, warmup: int, total: int) -> Callable[[int], float]:
