@@ -1,0 +1,90 @@
+"""Re-score committed VRAM measurements with the current estimator (CPU only, no GPU needed).
+
+bench/vram_accuracy.py stores, per grid row, the case and what the GPU measured. This script rebuilds
+each case's Plan and ModelInfo exactly as that benchmark does (``Case.plan()`` and the architecture's
+config) and calls the same ``estimate_plan``, so a change to studio/core/vram.py can be checked
+against every measured row without another GPU run.
+
+    PYTHONPATH=. python bench/rescore_vram.py --results bench/results/vram_accuracy_h100.json \\
+        --out bench/results/vram_rescored.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.vram_accuracy import ARCHS, Case, _rel, summarize  # noqa: E402
+from studio.core.model_info import from_config_dict  # noqa: E402
+from studio.core.vram import estimate_plan  # noqa: E402
+
+GB = 1e9
+
+
+def rescore(results: dict) -> dict:
+    """Rows of ``results`` with fresh predictions and errors; rows without a measurement are kept
+    as they are (they were skipped or failed on the GPU)."""
+    rows = []
+    for old in results["rows"]:
+        case = Case(**{**old["case"], "targets": tuple(old["case"]["targets"])})
+        # the benchmark reads the saved model's config.json; the architecture dict is what it saved
+        info = from_config_dict(dict(ARCHS[case.arch]), case.arch)
+        predicted = estimate_plan(info, case.plan())
+        row = {"label": case.label, "case": old["case"],
+               "predicted": {"peak_allocated": predicted.peak_allocated,
+                             "peak_reserved": predicted.peak_reserved,
+                             "categories": predicted.categories}}
+        measured = old.get("measured")
+        if measured is None or "peak_allocated" not in measured:
+            row["measured"] = measured
+            rows.append(row)
+            continue
+        row["measured"] = {k: measured[k] for k in ("peak_allocated", "peak_reserved", "categories")}
+        for key in ("peak_allocated", "peak_reserved"):
+            row["error_" + key] = _rel(getattr(predicted, key), measured[key])
+        rows.append(row)
+    return {"source": results.get("command"), "gpu": results.get("gpu"), "versions": results.get("versions"),
+            "summary": summarize(rows), "rows": rows}
+
+
+def _print(rescored: dict) -> None:
+    print(f"{'row':<66} {'alloc pred/meas GB':>19} {'err':>7} {'reserved pred/meas GB':>22} {'err':>7}")
+    for row in rescored["rows"]:
+        if "error_peak_allocated" not in row:
+            print(f"{row['label']:<66} (no measurement)")
+            continue
+        p, m = row["predicted"], row["measured"]
+        print(f"{row['label']:<66} {p['peak_allocated'] / GB:8.3f} /{m['peak_allocated'] / GB:8.3f} "
+              f"{row['error_peak_allocated']:+7.1%} {p['peak_reserved'] / GB:11.3f} /{m['peak_reserved'] / GB:8.3f} "
+              f"{row['error_peak_reserved']:+7.1%}")
+    for key, s in rescored["summary"].items():
+        print(f"{key}: median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} "
+              f"over {s['n']} rows")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", required=True, help="a JSON written by bench/vram_accuracy.py")
+    parser.add_argument("--out", default=None, help="also write the re-scored rows and summary here")
+    args = parser.parse_args(argv)
+    path = Path(args.results)
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"{path}: cannot read it as JSON ({exc})", file=sys.stderr)
+        return 1
+    rescored = rescore(results)
+    _print(rescored)
+    if args.out:
+        rescored["command"] = "PYTHONPATH=. python " + " ".join(["bench/rescore_vram.py", *(argv or sys.argv[1:])])
+        Path(args.out).write_text(json.dumps(rescored, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
