@@ -29,8 +29,9 @@ ARCHS = {
 }
 
 
-def build(arch: str, out: Path, seed: int = 0) -> Path:
-    """Build ``arch`` with random weights (normal, std 0.02) and save it with a tokenizer to ``out``."""
+def build(arch: str, out: Path, seed: int = 0, tokenizer: Path | None = None) -> Path:
+    """Build ``arch`` with random weights (normal, std 0.02) and save it with a tokenizer to ``out``
+    (copied from the folder ``tokenizer``, else the project's tiny model's)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -51,18 +52,19 @@ def build(arch: str, out: Path, seed: int = 0) -> Path:
     print(f"saved to {out} in {time.perf_counter() - t0:.1f} s", flush=True)
     del model
     try:
-        _copy_tokenizer(out)
+        _copy_tokenizer(out, tokenizer)
     except Exception as exc:  # noqa: BLE001 - the benchmark's token-id workloads need no tokenizer
         print(f"no tokenizer copied ({exc}); the folder loads as a model only", flush=True)
     return out
 
 
-def _copy_tokenizer(out: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from studio.engine.tiny import build_tiny_model
+def _copy_tokenizer(out: Path, source: Path | None) -> None:
+    if source is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from studio.engine.tiny import build_tiny_model
 
-    tiny = build_tiny_model()
-    for f in tiny.iterdir():
+        source = build_tiny_model()
+    for f in source.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(f, out / f.name)
 
@@ -72,8 +74,9 @@ def main() -> int:
     parser.add_argument("--arch", choices=sorted(ARCHS), default="llama2-7b")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", type=Path, default=None, help="folder with tokenizer.json to copy")
     args = parser.parse_args()
-    build(args.arch, args.out, args.seed)
+    build(args.arch, args.out, args.seed, args.tokenizer)
     return 0
 
 

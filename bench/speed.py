@@ -128,7 +128,7 @@ def studio_train(fast_model, params, batches, steps: int, lr: float, warmup_step
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     # Linear warmup over the first steps (as Studio's trainer does), then constant.
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / (WARMUP + 1) if s < WARMUP else 1.0)
     losses, times, tokens = [], [], []
     torch.cuda.synchronize()
     prof = None
@@ -211,7 +211,7 @@ def studio_worker(args) -> int:
             print(f"fast path unavailable: {why}", flush=True)
             return 1
         reset_lora(model, init)
-        torch.cuda.empty_cache()
+        optimizer_state_free()  # the previous variant's graphs and their memory pools go here
         torch.cuda.reset_peak_memory_stats()
         try:
             profile = Path(args.profile) / f"profile_{name}.txt" if args.profile and lever == "all" \
@@ -229,6 +229,120 @@ def studio_worker(args) -> int:
               f" [{fm.describe()}]", flush=True)
         del fm
     Path(args.json).write_text(json.dumps(results))
+    return 0
+
+
+# ------------------------------------------------------------------------- Studio's Trainer
+
+
+def long_rows(path: Path, n: int, seed: int) -> Path:
+    """Rows whose rendered text is longer than 512 tokens: each becomes one 512-token example."""
+    rng = random.Random(seed)
+    sample = ROOT / "sample_data" / "code_alpaca_sample.jsonl"
+    rows = [json.loads(line) for line in sample.read_text().splitlines() if line.strip()]
+    with open(path, "w", encoding="utf-8") as out:
+        for _ in range(n):
+            picks = rng.sample(rows, 24)
+            out.write(json.dumps({"instruction": picks[0]["instruction"], "input": "",
+                                  "output": "\n\n".join(p["output"] for p in picks)}) + "\n")
+    return path
+
+
+def trainer_config(args, data: Path, mb: int, template: str):
+    """The Studio config of a workload: the baseline's recipe in Studio's keys."""
+    from bench.baseline_qlora import WARMUP
+    from studio.core.config import RunConfig
+
+    config = RunConfig()
+    config.model.base_model = args.model
+    config.lora.r, config.lora.alpha, config.lora.dropout = 16, 32, args.lora_dropout
+    config.lora.target_modules = "all-linear"
+    config.prompt.template = template
+    config.data.path = str(data)
+    config.data.max_seq_length = SEQ
+    config.data.val_fraction = 0.02
+    t = config.trainer
+    t.learning_rate, t.max_steps, t.micro_batch_size, t.effective_batch_size = args.lr, args.steps, mb, mb
+    t.warmup_fraction = WARMUP / args.steps  # the same warmup steps as the baseline's
+    t.scheduler, t.optimizer, t.max_grad_norm, t.gradient_checkpointing = "constant", "adamw", 1.0, True
+    t.packing, t.eval_interval, t.eval_max_rows, t.checkpoint_interval, t.seed = True, 0, 8, 0, args.seed
+    config.output_dir = str(Path(args.work) / "runs")
+    return config
+
+
+def trainer_worker(args) -> int:
+    """Studio's own engine (Trainer) on one workload; writes its numbers and the baseline's batches."""
+    import torch
+
+    from studio.core import events as ev
+    from studio.core.runs import create_run
+    from studio.engine.batching import collate
+    from studio.engine.train import Trainer
+
+    name, data, mb, template = args.workload.split(":")
+    config = trainer_config(args, Path(data), int(mb), template)
+    steps: list = []
+    notes: list[str] = []
+    peak = {}
+
+    def emit(event) -> None:
+        if isinstance(event, ev.StepLogged):
+            steps.append(event)
+            # Read here: the final evaluation (not part of training speed) runs after the last step.
+            cuda = torch.cuda.is_available()
+            peak["allocated"] = torch.cuda.max_memory_allocated() if cuda else 0
+            peak["reserved"] = torch.cuda.max_memory_reserved() if cuda else 0
+        elif isinstance(event, ev.WorkerFailed):
+            notes.append(event.message)
+            print(f"studio {name}: {event.message}", flush=True)
+
+    trainer = Trainer(config, create_run(config), emit)
+    t0 = time.perf_counter()
+    trainer.load()
+    load_s = time.perf_counter() - t0
+    recorded = []
+    collate_orig = trainer.stream.collate
+
+    def recording(units, pad_id):
+        batch = collate_orig(units, pad_id)
+        recorded.append({"input_ids": batch.input_ids, "labels": batch.labels,
+                         "attention_mask": batch.attention_mask, "position_ids": batch.position_ids,
+                         "tokens": batch.tokens})
+        return batch
+
+    trainer.stream.collate = recording
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    warm = args.warmup_steps
+    timed = steps[warm:]
+    tokens = timed[-1].tokens_seen - steps[warm - 1].tokens_seen
+    seconds = timed[-1].elapsed_s - steps[warm - 1].elapsed_s
+    result = {"impl": "studio-trainer", "load_s": load_s, "fast_path": trainer.fast.describe() if trainer.fast
+              else "plain path", "notes": notes, "losses": [e.loss for e in steps],
+              "step_tokens_per_s": [e.tokens_per_s for e in steps], "mfu_events": [e.mfu for e in steps],
+              "tokens_per_s": tokens / seconds, "peak_allocated": peak["allocated"],
+              "peak_reserved": peak["reserved"], "graphs_failed": trainer.fast._graphs.failed
+              if trainer.fast is not None and trainer.fast._graphs is not None else ""}
+    Path(args.json).write_text(json.dumps(result))
+    # The baseline trains on exactly these batches; on short data it gets the same examples padded.
+    work = Path(args.work)
+    if name.startswith("fixed"):
+        torch.save(recorded, work / f"{name}.pt")
+    else:
+        rng = random.Random(args.seed)
+        order = rng.sample(range(len(trainer.data.train)), len(trainer.data.train))
+        padded = []
+        for i in range(args.steps):
+            unit = [[trainer.data.train[j % len(order)]] for j in order[4 * i:4 * i + 4]]
+            b = collate(unit, trainer.tokenizer.pad_token_id, packing=False)
+            padded.append({"input_ids": b.input_ids, "labels": b.labels, "attention_mask": b.attention_mask,
+                           "position_ids": b.position_ids, "tokens": b.tokens})
+        torch.save(padded, work / "short_padded.pt")
+    print(f"studio {name}: {result['tokens_per_s']:.0f} tokens/s, peak {peak['allocated'] / 2**30:.2f} / "
+          f"{peak['reserved'] / 2**30:.2f} GiB, loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f} "
+          f"[{result['fast_path']}] {result['graphs_failed']}", flush=True)
     return 0
 
 
@@ -280,25 +394,40 @@ def driver(args) -> int:
     torch.cuda.empty_cache()
     model = Path(args.model)
     if not (model / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "bench/make_random_model.py"), "--out", str(model)],
+        tokenizer = ["--tokenizer", args.tokenizer] if args.tokenizer else []
+        subprocess.run([sys.executable, str(ROOT / "bench/make_random_model.py"), "--out", str(model), *tokenizer],
                        check=True)
     work = Path(args.work)
-    paths = write_workloads(work, args.steps, args.seed)
+    work.mkdir(parents=True, exist_ok=True)
     common = ["--model", str(model), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
-              "--lr", str(args.lr), "--lora-dropout", str(args.lora_dropout), "--seed", str(args.seed)]
+              "--lr", str(args.lr), "--lora-dropout", str(args.lora_dropout), "--seed", str(args.seed),
+              "--work", str(work)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    runs = {}
+    runs = {"studio": {"impl": "studio-trainer", "workloads": {}}}
+    # Studio first: its trainer records the batches the baseline then trains on.
+    long_data = long_rows(work / "long.jsonl", 4 * args.steps + 40, args.seed)
+    workloads = [("fixed_mb4", long_data, 4, "{instruction}\n{output}"),
+                 ("fixed_mb1", long_data, 1, "{instruction}\n{output}"),
+                 ("short_packed", ROOT / "sample_data" / "code_alpaca_sample.jsonl", 4, "alpaca")]
+    for name, data, mb, template in workloads:
+        out_json = work / f"studio_{name}.json"
+        subprocess.run([sys.executable, str(ROOT / "bench/speed.py"), "--worker", "trainer", *common,
+                        "--json", str(out_json), "--workload", f"{name}:{data}:{mb}:{template}"],
+                       check=True, env=env)
+        runs["studio"]["workloads"][name] = json.loads(out_json.read_text())
     if not args.skip_baseline:
-        base = [paths[k] for k in ("fixed_mb4", "fixed_mb1", "short_padded")]
-        subprocess.run([sys.executable, str(ROOT / "bench/baseline_qlora.py"), *common, "--json",
+        base = [work / f"{k}.pt" for k in ("fixed_mb4", "fixed_mb1", "short_padded")]
+        subprocess.run([sys.executable, str(ROOT / "bench/baseline_qlora.py"), *common[:-2], "--json",
                         str(work / "baseline.json"), "--batches", ",".join(map(str, base))], check=True, env=env)
         runs["baseline"] = json.loads((work / "baseline.json").read_text())
-    mine = [paths[k] for k in ("fixed_mb4", "fixed_mb1", "short_packed", "short_padded")]
-    levers = ",".join(str(paths[k]) for k in ("fixed_mb4", "fixed_mb1", "short_packed")) if args.levers else ""
-    subprocess.run([sys.executable, str(ROOT / "bench/speed.py"), "--worker", *common, "--json",
-                    str(work / "studio.json"), "--batches", ",".join(map(str, mine)), "--levers", levers,
-                    "--lever-steps", str(args.lever_steps), "--lever-names", args.lever_names, "--profile", args.profile], check=True, env=env)
-    runs["studio"] = json.loads((work / "studio.json").read_text())
+    if args.levers:
+        paths = write_workloads(work / "levers", args.lever_steps, args.seed)
+        mine = ",".join(str(paths[k]) for k in ("fixed_mb4", "fixed_mb1", "short_packed"))
+        subprocess.run([sys.executable, str(ROOT / "bench/speed.py"), "--worker", "direct", *common, "--json",
+                        str(work / "levers.json"), "--batches", mine, "--levers", mine,
+                        "--steps", str(args.lever_steps), "--lever-steps", str(args.lever_steps),
+                        "--lever-names", args.lever_names], check=True, env=env)
+        runs["levers"] = json.loads((work / "levers.json").read_text())
     report.update(summarize(runs, report["matmul_tflops"]))
     report["runs"] = runs
     (out / "speed.json").write_text(json.dumps(report, indent=1))
@@ -321,8 +450,10 @@ def summarize(runs: dict, peak_tflops: float) -> dict:
     studio = runs["studio"]["workloads"]
     for label, (b, s) in pairs.items():
         row = {}
-        seq = SEQ if label.startswith("fixed") else 150
-        flops = model_flops_per_token(config, seq / 2)
+        seq = float(SEQ)
+        if b in base and not label.startswith("fixed"):  # attention's share follows the example length
+            seq = sum(base[b]["tokens"]) / (4 * len(base[b]["tokens"]))
+        flops = model_flops_per_token(config, seq)
         if s in studio:
             row["studio_tokens_per_s"] = studio[s]["tokens_per_s"]
             row["studio_mfu"] = studio[s]["tokens_per_s"] * flops / (peak_tflops * 1e12)
@@ -335,14 +466,16 @@ def summarize(runs: dict, peak_tflops: float) -> dict:
             row["baseline_peak_allocated_gib"] = base[b]["peak_allocated"] / 2**30
         if s in studio and b in base:
             row["ratio"] = row["studio_tokens_per_s"] / row["baseline_tokens_per_s"]
+            row["reserved_le_baseline"] = studio[s]["peak_reserved"] <= base[b]["peak_reserved"]
             if b == s:
                 rel = [abs(x - y) / abs(y) for x, y in zip(studio[s]["losses"], base[b]["losses"], strict=False)]
                 row["loss_max_rel_diff"] = max(rel)
+                row["loss_mean_rel_diff"] = sum(rel) / len(rel)
+                row["loss_rel_diff_per_step"] = [round(r, 4) for r in rel]
         summary[label] = row
-    for key, value in studio.items():
-        if ":" in key:
-            summary.setdefault("levers", {})[key] = {"tokens_per_s": value["tokens_per_s"],
-                                                     "peak_reserved_gib": value["peak_reserved"] / 2**30}
+    for key, value in runs.get("levers", {}).get("workloads", {}).items():
+        summary.setdefault("levers", {})[key] = {"tokens_per_s": value["tokens_per_s"],
+                                                 "peak_reserved_gib": value["peak_reserved"] / 2**30}
     return {"summary": summary}
 
 
@@ -354,12 +487,15 @@ def print_table(report: dict) -> None:
                 print(f"  lever {key:28s} {v['tokens_per_s']:8.0f} tok/s  reserved {v['peak_reserved_gib']:.2f} GiB")
             continue
         print(f"  {label:20s} " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                                             for k, v in row.items()))
+                                             for k, v in row.items() if not isinstance(v, list)))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", action="store_true", help="internal: run Studio's side")
+    parser.add_argument("--worker", choices=["trainer", "direct"], help="internal: run one side")
+    parser.add_argument("--tokenizer", default=".whl/tokenizer" if Path(".whl/tokenizer").exists() else "",
+                        help="folder of tokenizer files for the random model (else the tiny model's)")
+    parser.add_argument("--workload", default="", help="trainer worker: name:data:micro_batch:template")
     parser.add_argument("--model", default="/tmp/llama2-7b-random")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--work", default="/tmp/studio-bench")
@@ -376,7 +512,9 @@ def main() -> int:
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--profile", default="", help="folder for torch.profiler tables of Studio's fixed runs")
     args = parser.parse_args()
-    return studio_worker(args) if args.worker else driver(args)
+    if args.worker == "trainer":
+        return trainer_worker(args)
+    return studio_worker(args) if args.worker == "direct" else driver(args)
 
 
 if __name__ == "__main__":
