@@ -53,6 +53,10 @@ class ModelInfo:
     head_dim: int | None = None
     """Width of one attention head when the config sets it; else hidden / heads."""
 
+    init_std: float = 0.02
+    """initializer_range: std of the random normal weights a freshly initialised model draws. The
+    estimator uses it for the size of LLM.int8's outlier activations (see core/vram.py)."""
+
     @property
     def head_width(self) -> int:
         """Width of one attention head."""
@@ -120,7 +124,7 @@ def _known(ref: str) -> ModelInfo | None:
 
 def _fields(info: ModelInfo) -> tuple:
     return (info.name, info.hidden, info.intermediate, info.layers, info.heads, info.kv_heads, info.vocab,
-            info.tied, info.max_positions, info.head_dim)
+            info.tied, info.max_positions, info.head_dim, info.init_std)
 
 
 def from_config_dict(data: dict, name: str) -> ModelInfo:
@@ -140,6 +144,7 @@ def from_config_dict(data: dict, name: str) -> ModelInfo:
             tied=bool(data.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             max_positions=int(text.get("max_position_embeddings") or 2048),
             head_dim=int(text["head_dim"]) if text.get("head_dim") else None,
+            init_std=float(text.get("initializer_range") or data.get("initializer_range") or 0.02),
         )
     except KeyError as exc:
         raise ModelInfoError(f"{name}: config.json has no '{exc.args[0]}'; is this a causal LM?") from None

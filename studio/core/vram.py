@@ -285,6 +285,69 @@ def _input_saved(n: int, dtype: int, modules: tuple[str, ...], plan: Plan) -> fl
     return total + (dtype * n if shared else 0)
 
 
+INT8_THRESHOLD = 6.0
+"""LLM.int8's outlier threshold (BitsAndBytesConfig.llm_int8_threshold, which Studio leaves at 6)."""
+
+
+def _normal_tail(x: float) -> float:
+    """P(|z| >= x) for a standard normal z."""
+    return math.erfc(x / math.sqrt(2))
+
+
+def _swiglu_tail(sigma: float, threshold: float, steps: int = 2000) -> float:
+    """P(|silu(g) * u| >= threshold) for independent g, u ~ N(0, sigma^2) (midpoint rule over g)."""
+    lo, hi = -10.0, 10.0
+    dz = (hi - lo) / steps
+    total = 0.0
+    for k in range(steps):
+        z = lo + (k + 0.5) * dz
+        g = sigma * z
+        silu = abs(g / (1 + math.exp(-g)))
+        if silu > 0:
+            total += math.exp(-z * z / 2) * _normal_tail(threshold / (silu * sigma))
+    return total * dz / math.sqrt(2 * math.pi)
+
+
+def _columns_hit(p: float, rows: int) -> float:
+    """Fraction of columns with at least one of ``rows`` values past the threshold (each with prob p)."""
+    return -math.expm1(rows * math.log1p(-min(p, 1 - 1e-12)))
+
+
+def int8_outlier_fractions(info: ModelInfo, plan: Plan) -> tuple[float, float]:
+    """Fractions of input columns LLM.int8 keeps in full precision: (RMSNorm outputs, down_proj input).
+
+    MatMul8bitLt splits every input column that holds an |x| >= 6 anywhere in the micro-batch out of
+    the int8 matmul and keeps that slice (``subA``) for backward. The estimate assumes the statistics
+    of a freshly initialised model: a normed input is ~N(0, 1), so outliers there are rare; the
+    down projection reads silu(gate) * up, where gate and up are ~N(0, (init_std * sqrt(hidden))^2),
+    which for a 7B-wide model puts an outlier in almost every column of a 1k-token batch and for a
+    576-wide one in none. Trained weights have their own (unknown) statistics; see docs/memory.md.
+    """
+    rows = plan.tokens
+    normed = _columns_hit(_normal_tail(INT8_THRESHOLD), rows)
+    sigma = info.init_std * math.sqrt(info.hidden)
+    return normed, _columns_hit(_swiglu_tail(sigma, INT8_THRESHOLD), rows)
+
+
+def int8_kept_bytes(info: ModelInfo, plan: Plan) -> float:
+    """Bytes per token and layer that LLM.int8 keeps outside autograd's saved tensors.
+
+    bitsandbytes' MatMul8bitLt stores its input and the outlier slice as plain ``ctx`` attributes,
+    not through ``save_for_backward``, so gradient checkpointing's saved-tensor hooks never see them:
+    every int8 linear's input survives the forward pass with or without checkpointing. Inputs are
+    shared (q/k/v read one tensor, gate/up another); each module cuts its own outlier slice.
+    """
+    if plan.weights != "int8":
+        return 0.0
+    h, i = info.hidden, info.intermediate
+    q = info.heads * info.head_width
+    rs = _stream_bytes(plan)
+    normed, down = int8_outlier_fractions(info, plan)
+    inputs = rs * h + _bytes(plan.compute) * q + rs * h + rs * i  # q/k/v, o, gate/up, down
+    outliers = rs * (5 * h * normed + i * down)  # the attention output into o_proj stays small
+    return inputs + outliers
+
+
 def layer_activation_bytes(info: ModelInfo, plan: Plan) -> float:
     """Bytes one decoder layer keeps for backward, per token, without checkpointing."""
     h, i = info.hidden, info.intermediate
@@ -305,6 +368,9 @@ def layer_activation_bytes(info: ModelInfo, plan: Plan) -> float:
     total += _input_saved(h, rs, ("gate_proj", "up_proj"), plan)
     total += 3 * rs * i  # gate (for SiLU), SiLU output and up (for the product)
     total += _input_saved(i, rs, ("down_proj",), plan)
+    if plan.weights == "int8":  # the inputs are counted above as shared; the outlier slices are extra
+        normed, down = int8_outlier_fractions(info, plan)
+        total += rs * (5 * h * normed + i * down)
     return total
 
 
@@ -330,7 +396,9 @@ def _moments(info: ModelInfo, plan: Plan, grads: int) -> _Moments:
     c = _bytes(plan.compute)
     rs = _stream_bytes(plan)
     per_layer = layer_activation_bytes(info, plan)
-    saved = t * info.layers * (rs * info.hidden if plan.checkpointing else per_layer)
+    # LLM.int8 keeps its inputs past checkpointing (int8_kept_bytes); without it they are in per_layer
+    kept = int8_kept_bytes(info, plan) if plan.checkpointing else 0.0
+    saved = t * info.layers * (rs * info.hidden + kept if plan.checkpointing else per_layer)
     head_dtype = 4 if plan.quantized and plan.lora_r is not None else rs
     # autocast's bf16 copies of fp32 weights that need a gradient path stay in the graph
     head_copy = c * (info.embedding_params() if info.tied else info.head_params()) if head_dtype != c else 0
@@ -340,9 +408,13 @@ def _moments(info: ModelInfo, plan: Plan, grads: int) -> _Moments:
     if plan.accumulation > 1:
         loss += grads  # gradients of earlier micro-batches are alive through this forward
     shapes = info.linear_shapes().values()
-    dequant = max(a * b for a, b in shapes) * 2 if plan.quantized else 0  # one layer's weight, unpacked
+    # one weight, unpacked for the input gradient: 4-bit dequantizes to bf16; LLM.int8 to its input's
+    # dtype (CB.to(A.dtype)), fp32 on the fp32 residual stream of k-bit training
+    unpacked = rs if plan.weights == "int8" else 2
+    dequant = max(a * b for a, b in shapes) * unpacked if plan.quantized else 0
     backward_transient = rs * (2 * info.hidden + 2 * info.intermediate)
-    recompute = per_layer if plan.checkpointing else 0
+    # the recomputed layer's int8 inputs die with the recomputed graph (only the hooks' tensors stay)
+    recompute = per_layer - kept if plan.checkpointing else 0
     layer_backward = saved + t * (recompute + backward_transient) + fixed + dequant + grads
     # torch's AdamW (foreach) holds about one parameter-sized temporary while it updates
     temp = trainable_params(info, plan) * _trainable_dtype_bytes(plan) if plan.optimizer == "adamw" else 0
