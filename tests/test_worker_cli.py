@@ -164,15 +164,10 @@ def real_cli(tiny_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> It
 ROW = {"instruction": "Reverse the letters of the word.", "input": "s-t-o-n-e"}
 
 
-def _losses(run) -> dict[int, float]:
-    """Step -> loss, the last logged value for each step (a resumed run logs some steps twice)."""
-    return {e.step: e.loss for e in run.events() if isinstance(e, ev.StepLogged)}
-
-
 @pytest.mark.slow
 def test_real_worker_outlives_its_terminal_answers_while_training_and_resumes_exactly(
         real_cli: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    # 1. The reference run, started from a terminal that then hangs up.
+    # 1. `studio train --detach` from a terminal that then hangs up (an SSH drop).
     shell, terminal = pty.fork()
     if shell == 0:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")]))
@@ -183,56 +178,74 @@ def test_real_worker_outlives_its_terminal_answers_while_training_and_resumes_ex
     os.close(terminal)
     os.killpg(shell, signal.SIGKILL)
     os.waitpid(shell, 0)
-    reference = find_run(re.search(rb"^(\d{8}-\d{6}-\S+)\r?$", output, re.M).group(1).decode(),
-                         tmp_path / "runs")
-    client = WorkerClient(reference)
+    run = find_run(re.search(rb"^(\d{8}-\d{6}-\S+)\r?$", output, re.M).group(1).decode(), tmp_path / "runs")
+
+    # 2. Generation is answered while it trains.
+    client = WorkerClient(run)
     seen: list[ev.Event] = []
-    wait_for(client, lambda e: isinstance(e, ev.StepLogged) and e.step >= 3, timeout=120, seen=seen)
+    wait_for(client, lambda e: isinstance(e, ev.StepLogged) and e.step >= 3, timeout=180, seen=seen)
     client.send(ev.Generate(request_id="during", row=ROW))
     during = wait_for(client, lambda e: isinstance(e, ev.GenerationFinished), timeout=60, seen=seen)
-    finished = wait_for(client, lambda e: isinstance(e, ev.TrainingFinished), timeout=120, seen=seen)
-    assert during.seq < finished.seq and during.new_tokens > 0  # answered between training steps
+    step_after = wait_for(client, lambda e: isinstance(e, ev.StepLogged), timeout=60, seen=seen)
+    assert during.new_tokens > 0 and step_after.seq > during.seq  # training went on after it
+
+    # 3. SIGKILL after the step-10 checkpoint; `studio train --resume RUN --detach` continues it.
+    wait_for(client, lambda e: isinstance(e, ev.StepLogged) and e.step >= 12, timeout=120, seen=seen)
+    os.kill(run.worker_pid(), signal.SIGKILL)
+    assert studio(["train", "--resume", run.id, "--detach", "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert "from step-10" in capsys.readouterr().out
+    restarted = wait_for(client, lambda e: isinstance(e, ev.RunStarted) and e.resumed_from_step > 0,
+                         timeout=180, seen=seen)
+    assert restarted.resumed_from_step == 10
+    wait_for(client, lambda e: isinstance(e, ev.StepLogged) and e.seq > restarted.seq and e.step >= 14,
+             timeout=120, seen=seen)
+
+    # 4. Stop: checkpoint + adapter; the worker stays up for chat, where base and adapter now differ.
+    client.send(ev.Stop())
+    stopped = wait_for(client, lambda e: isinstance(e, ev.TrainingFinished), timeout=120, seen=seen)
+    assert stopped.stopped and (run.checkpoints_dir / f"step-{stopped.step}").is_dir()
     for request, adapter in (("base", False), ("tuned", True)):
         client.send(ev.Generate(request_id=request, row=ROW, adapter=adapter))
-    answers = {}
+    answers: dict[str, str] = {}
     while len(answers) < 2:
-        answer = wait_for(client, lambda e: isinstance(e, ev.GenerationFinished), timeout=60)
+        answer = wait_for(client, lambda e: isinstance(e, ev.GenerationFinished), timeout=60, seen=seen)
         answers[answer.request_id] = answer.text
     assert answers["base"] != answers["tuned"]
     client.close()
-    assert studio(["attach", reference.id]) == 0
-    assert re.findall(r":\d\d  step +(\d+)/20", capsys.readouterr().out) == [str(s) for s in range(1, 21)]
-
-    # 2. The same config again, SIGKILLed after the step-10 checkpoint, resumed from the CLI.
-    assert studio(["train", str(real_cli), "--detach"]) == 0
-    run = find_run(capsys.readouterr().out.strip(), tmp_path / "runs")
-    client = WorkerClient(run)
-    wait_for(client, lambda e: isinstance(e, ev.StepLogged) and e.step >= 12, timeout=120, seen=[])
-    os.kill(run.worker_pid(), signal.SIGKILL)
-    client.close()
-    assert studio(["train", "--resume", run.id, "--detach", "--runs-dir", str(tmp_path / "runs")]) == 0
-    assert "from step-10" in capsys.readouterr().out
-    client = WorkerClient(run)
-    seen = []
-    restarted = wait_for(client, lambda e: isinstance(e, ev.RunStarted) and e.resumed_from_step > 0,
-                         timeout=120, seen=seen)
-    assert restarted.resumed_from_step == 10
-    wait_for(client, lambda e: isinstance(e, ev.StepLogged) and e.step >= 14, timeout=120, seen=seen)
-    client.close()
-
-    # 3. Stop: a checkpoint and an adapter that peft loads.
+    logged = run.events()
+    assert [e.seq for e in seen] == [e.seq for e in logged[: len(seen)]]  # one follower, both workers
+    assert [e.seq for e in logged] == list(range(len(logged)))
+    assert studio(["attach", run.id]) == 0  # finished: prints the history and returns
+    printed = capsys.readouterr().out
+    killed_at = max(e.step for e in logged if isinstance(e, ev.StepLogged) and e.seq < restarted.seq)
+    expected_steps = list(range(1, killed_at + 1)) + list(range(11, stopped.step + 1))
+    assert [int(s) for s in re.findall(r":\d\d  step +(\d+)/20", printed)] == expected_steps
     assert studio(["stop", run.id]) == 0
-    stopped_at = int(re.search(r"stopped at step (\d+)", capsys.readouterr().out).group(1))
-    expected, got = _losses(reference), _losses(run)
-    assert got.keys() == set(range(1, stopped_at + 1))
-    for step in range(11, stopped_at + 1):
-        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
 
+    # 5. The loss after the resume point equals an uninterrupted run's (same config, in-process).
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(run.config().model.base_model)
-    tuned = PeftModel.from_pretrained(base, str(run.adapter_dir))
+    from studio.core.runs import create_run
+    from studio.engine.train import Trainer
+
+    reference: dict[int, float] = {}
+
+    def record(event: ev.Event) -> None:
+        if isinstance(event, ev.StepLogged):
+            reference[event.step] = event.loss
+
+    config = run.config()
+    Trainer(config, create_run(config, tmp_path / "reference"), record,
+            between_steps=lambda t: "stop" if t.step >= stopped.step else None).train()
+    resumed = {e.step: e.loss for e in logged if isinstance(e, ev.StepLogged) and e.seq > restarted.seq}
+    assert sorted(resumed) == list(range(11, stopped.step + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+
+    # 6. The stopped run's adapter loads with peft and is trained (non-zero B matrices).
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(config.model.base_model),
+                                      str(run.adapter_dir))
     assert any("lora_B" in name and bool(p.abs().sum() > 0) for name, p in tuned.named_parameters())
 
 
