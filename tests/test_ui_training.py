@@ -246,6 +246,7 @@ async def test_live_train_pause_resume_reopen_stop_chat_heldout(tmp_path, monkey
                              60, "both answers")
             base, tuned = (chat.answers[rid].text for rid in chat.sides)
             assert base != tuned
+            await pilot.pause(0.3)  # the columns repaint on a 0.1 s timer
             assert "tok/s" in text_of(app, "#chat-base-speed") and "tok/s" in text_of(app, "#chat-tuned-speed")
 
             # 5. Held-out: both models over validation rows; the fine-tune scores higher.
