@@ -382,13 +382,15 @@ def _loss_bytes_per_token(info: ModelInfo, plan: Plan) -> float:
 
 @dataclass(frozen=True)
 class _Moments:
-    """Activation bytes (beyond parameters and optimizer state) at the three candidate peaks."""
+    """Activation bytes (beyond parameters and optimizer state) at the three candidate peaks, and
+    what the caching allocator holds beyond them (``slack_*``: reserved minus allocated) at each."""
 
     loss: float
     layer_backward: float
     optimizer_step: float
     saved: float
-    slack: float
+    slack_loss: float
+    slack_backward: float
 
 
 def _moments(info: ModelInfo, plan: Plan, grads: int) -> _Moments:
@@ -419,20 +421,20 @@ def _moments(info: ModelInfo, plan: Plan, grads: int) -> _Moments:
     # torch's AdamW (foreach) holds about one parameter-sized temporary while it updates
     temp = trainable_params(info, plan) * _trainable_dtype_bytes(plan) if plan.optimizer == "adamw" else 0
     optimizer_step = grads + temp
-    slack = (_SLACK_PER_LAYER_WORKING_SET * t * per_layer + _SLACK_PER_SAVED_BYTE * saved
-             + head_copy + dequant / 2 + _SLACK_FLOOR)
-    return _Moments(loss, layer_backward, optimizer_step, saved, slack)
+    # Reserved minus allocated. Blocks freed by one layer's forward (its working set, ~ what it keeps
+    # for backward) stay cached and are too small for what comes next; so do the big transient weight
+    # copies (lm_head in bf16, one unpacked weight). At the loss there is also one fp32 logits-sized
+    # block: the next step's smaller tensors split the cached one, so the loss must map a fresh one.
+    # In a layer's backward the loss's freed blocks are carved up by the recompute instead.
+    cached = t * per_layer + head_copy + dequant / 2 + _SLACK_FLOOR
+    slack_loss = cached + t * info.vocab * 4
+    return _Moments(loss, layer_backward, optimizer_step, saved, slack_loss, cached)
 
 
 # -------------------------------------------------------------------------------------- estimate
 
-# Reserved minus allocated at the peak. The caching allocator keeps the blocks freed by one layer's
-# forward (its working set), a little of every saved activation's rounding, and the big transient
-# weight copies (lm_head in bf16, one unpacked layer weight). Fitted on the H100 reference runs
-# (Llama-2-7B QLoRA: 0.55 GB at 512 tokens, 1.28 GB at 2048, 1.63 GB at 2048 without checkpointing).
-_SLACK_PER_LAYER_WORKING_SET = 1.53
-_SLACK_PER_SAVED_BYTE = 0.0186
 _SLACK_FLOOR = 32 * 2**20
+"""Small-pool segments (2 MiB each for tensors under 1 MiB) and 20 MiB segments of 1-10 MiB tensors."""
 
 
 def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> Estimate:
@@ -448,7 +450,11 @@ def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> 
     peak_activity = max(m.loss, m.layer_backward, m.optimizer_step)
     peak_allocated = int(weights + lora + on_device_optimizer + peak_activity)
     activations = peak_allocated - weights - lora - on_device_optimizer - grads
-    peak_reserved = int(peak_allocated + m.slack)
+    # reserved never shrinks during training: its peak is the largest need of any moment
+    base = weights + lora + on_device_optimizer
+    peak_reserved = int(max(peak_allocated, base + m.loss + m.slack_loss,
+                            base + m.layer_backward + m.slack_backward,
+                            base + m.optimizer_step + m.slack_backward))
     overhead = peak_reserved - peak_allocated + CUDA_CONTEXT_BYTES
     categories = {"weights": int(weights), "lora": int(lora), "gradients": int(grads),
                   "optimizer": int(optimizer), "activations": int(activations), "overhead": int(overhead)}
