@@ -1,8 +1,8 @@
 """Predict where the GPU memory of a fine-tuning run goes, by category, before loading anything.
 
 The prediction follows what HF transformers + PEFT + bitsandbytes actually keep alive on a CUDA
-device during a training step, tensor by tensor (calibrated against measurements; see
-bench/vram_accuracy.py), and reports it in the categories the gauge draws and
+device during a training step, tensor by tensor (checked against H100 measurements:
+bench/vram_accuracy.py, bench/rescore_vram.py, docs/memory.md), and reports it in the categories the gauge draws and
 ``engine/memory.py`` measures: weights, lora, gradients, optimizer, activations, overhead.
 
 The peak of a step is the largest of three moments:
