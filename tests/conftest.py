@@ -44,7 +44,8 @@ def reverse_rows() -> list[dict]:
     """The reverse-word rows (instruction / input / output / split 0,1,2) in ``reverse_data``."""
     from studio.engine.tiny import reverse_word_rows
 
-    return reverse_word_rows(3000, seed=0, val_fraction=40 / 3000, test_fraction=40 / 3000)
+    # Words of 3-4 letters: 300 steps take the tiny model's exact match from 0 to about 45%.
+    return reverse_word_rows(3000, seed=0, max_len=4, val_fraction=40 / 3000, test_fraction=40 / 3000)
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +69,7 @@ def make_tiny_config(tiny_model: Path, reverse_data: Path) -> Callable[[Path], R
 def tiny_config(tiny_model: Path, reverse_data: Path, tmp_path: Path) -> RunConfig:
     """A config that trains the tiny model on the reverse-word data on CPU in a few seconds.
 
-    No quantization (fp32), LoRA r16 on every linear layer, lr 3e-3, 20 steps of 8 rows, evaluation
+    No quantization (fp32), LoRA r16 on every linear layer, lr 6e-3, 20 steps of 8 rows, evaluation
     and a checkpoint every 10 steps, runs under ``tmp_path/runs``. Tests change what they need.
     """
     return _tiny_config(tiny_model, reverse_data, tmp_path / "runs")
@@ -85,7 +86,7 @@ def _tiny_config(tiny_model: Path, reverse_data: Path, out_dir: Path) -> RunConf
     config.data.path = str(reverse_data)
     config.data.max_seq_length = 64
     t = config.trainer
-    t.learning_rate = 3e-3
+    t.learning_rate = 6e-3
     t.max_steps = 20
     t.micro_batch_size = 8
     t.effective_batch_size = 8

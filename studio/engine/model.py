@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,7 +176,10 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
     peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=targets, bias="none", task_type="CAUSAL_LM")
     try:
-        model = get_peft_model(model, peft_config)
+        with warnings.catch_warnings():
+            # peft asks transformers a deprecated question (is_gradient_checkpointing); not ours to fix.
+            warnings.simplefilter("ignore", FutureWarning)
+            model = get_peft_model(model, peft_config)
     except ValueError as exc:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in base.model.named_modules()
                         if isinstance(m, torch.nn.Linear) or "Linear" in type(m).__name__})

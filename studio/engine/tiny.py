@@ -1,4 +1,4 @@
-"""A tiny Llama-architecture model and tokenizer, built locally in seconds, for tests and demos.
+"""A tiny Llama-architecture model and tokenizer, built locally, for tests and demos.
 
 Nothing can be downloaded at test time, so the project makes its own model: a 2-layer Llama
 (hidden 128, 4 heads) with random weights from a fixed seed, and a byte-level BPE tokenizer trained
@@ -7,13 +7,17 @@ with ``save_pretrained`` into ``cache_dir()/tiny-llama`` and reused.
 
 The toy task: reverse the letters of a word written with dashes (``s-t-o-n-e`` -> ``e-n-o-t-s``).
 The dashes make every letter its own pre-token, so each letter is one token in the prompt and in the
-answer: a random-weight model can learn the reversal with a small LoRA in a few hundred steps.
+answer. A purely random model cannot be taught this by a small LoRA: its frozen attention has no
+way to find a token by position, so the adapter has nothing to steer (measured: 0% after 1500
+steps). So the build gives the model one skill first, like a real base model has many: a few hundred
+full-parameter steps of *copying* words (``Repeat the letters of the word.``). Its answers to the
+reverse task are then copies (0% exact match, palindromes excluded), and a LoRA fine-tune of 300
+steps learns to reverse (about 45% exact match on held-out words).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from collections.abc import Callable, Iterator
@@ -22,9 +26,10 @@ from pathlib import Path
 from studio.core.paths import cache_dir, sample_data_dir
 
 TINY_NAME = "tiny-llama"
-TINY_VERSION = 1
+TINY_VERSION = 2
 """Bumped when the recipe changes, so a stale cached build is rebuilt."""
 
+VOCAB_SIZE = 1024
 PRETRAIN_STEPS = 600
 """Full-parameter steps of the copy task that give the random model its only skill (see module doc)."""
 TINY_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n{output}"
@@ -120,7 +125,7 @@ def build_tokenizer():  # -> PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=[PAD, BOS, EOS],
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[PAD, BOS, EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
@@ -132,11 +137,13 @@ def _random_model(tokenizer):  # -> LlamaForCausalLM
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        # A fixed size (the tokenizer may learn fewer merges from a smaller corpus): the random
+        # initialisation then does not shift when the sample data changes.
+        vocab_size=max(VOCAB_SIZE, len(tokenizer)), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
         # ~1/sqrt(hidden): with the usual 0.02, a random 128-wide model has near-uniform attention and
         # tiny logits, and an adapter needs thousands of steps to grow large enough to matter.
-        initializer_range=float(os.environ.get("TINY_INIT", "0.1")),
+        initializer_range=0.1,
         # Tied embeddings (as in SmolLM2) let a frozen random model copy tokens: the output layer
         # scores a token by its own embedding, so moving an embedding forward predicts that token.
         tie_word_embeddings=True,
