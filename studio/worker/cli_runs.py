@@ -325,6 +325,11 @@ def _wait_for(client: WorkerClient, done: Callable[[ev.Event], bool], timeout: f
     return None
 
 
+def _reply_failure(event: ev.Event) -> bool:
+    """A failure the worker sent to this client only: the command could not be served."""
+    return isinstance(event, ev.WorkerFailed) and event.seq < 0
+
+
 def stop(args: argparse.Namespace) -> int:
     """``studio stop [RUN]``: checkpoint, save the adapter, and shut the worker down."""
     run = find_run(getattr(args, "run", None), _runs_root(args))
@@ -366,7 +371,11 @@ def pause(args: argparse.Namespace) -> int:
         if client.status.state not in _LIVE_STATES:
             return _fail(f"run {run.id} is not training (state: {client.status.state})")
         client.send(ev.Pause())
-        paused = _wait_for(client, lambda e: isinstance(e, (ev.TrainingPaused, ev.TrainingFinished)), 3600)
+        print(f"pausing run {run.id} after the current step…", flush=True)
+        paused = _wait_for(client, lambda e: isinstance(e, (ev.TrainingPaused, ev.TrainingFinished)) or
+                           _reply_failure(e), 3600)
+        if isinstance(paused, ev.WorkerFailed):
+            return _fail(paused.message)
         if not isinstance(paused, ev.TrainingPaused):
             return _fail(f"run {run.id} did not pause (it may have finished); see 'studio attach {run.id}'")
         print(f"paused run {run.id} after step {paused.step}; 'studio resume {run.id}' continues it")
