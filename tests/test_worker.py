@@ -22,6 +22,7 @@ from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.runs import RunDir, create_run
 from studio.ui.client import WorkerClient, WorkerRefused, WorkerStartError, start_worker
+from studio.worker.launch import GpuLock
 
 TESTS = Path(__file__).resolve().parent
 
@@ -106,7 +107,7 @@ def test_second_worker_on_a_busy_gpu_is_refused_naming_the_holder(tmp_path: Path
     # The lock dies with its holder, even by SIGKILL: the GPU is free again at once.
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while first.worker_pid() == pid and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+    while GpuLock().busy() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert start_worker(second) == second.worker_pid()
 
@@ -164,7 +165,7 @@ def test_sigkill_mid_run_then_resume_continues_the_same_log(tmp_path: Path, fake
     wait_for(follower, lambda e: isinstance(e, ev.StepLogged) and e.step >= 7, seen=seen)
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+    while GpuLock().busy() and time.monotonic() < deadline:  # free once the process is gone
         time.sleep(0.05)
     killed_at = max(e.step for e in run.events() if isinstance(e, ev.StepLogged))
     assert killed_at < 30
@@ -211,6 +212,6 @@ def test_sigterm_checkpoints_and_exits(tmp_path: Path, fake_worker_env: list) ->
     assert "SIGTERM" in wait_for(client, lambda e: isinstance(e, ev.WorkerStopped)).reason
     client.close()
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+    while GpuLock().busy() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert run.worker_pid() is None and not run.socket_path.exists()
