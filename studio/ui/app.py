@@ -20,6 +20,7 @@ from typing import Any
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.containers import Container
 from textual.css.query import NoMatches
 from textual.lazy import Lazy
 from textual.widget import Widget
@@ -59,6 +60,19 @@ def _make_pane(tab: str, title: str, module: str, cls: str) -> Widget:
         return Static(f"The {title} pane is not available in this build.", id=f"pane-{tab}",
                       classes="missing-pane")
     return getattr(pane_module, cls)(id=f"pane-{tab}")
+
+
+class PaneSlot(Container):
+    """Where a hidden pane will be: its module is imported and the pane mounted after the first frame."""
+
+    DEFAULT_CSS = "PaneSlot { height: 1fr; }"
+
+    def __init__(self, tab: str, title: str, module: str, cls: str) -> None:
+        super().__init__()
+        self.spec = (tab, title, module, cls)
+
+    def on_mount(self) -> None:
+        self.call_after_refresh(lambda: self.mount(_make_pane(*self.spec)))
 
 
 class StudioApp(App[None]):
@@ -133,15 +147,15 @@ class StudioApp(App[None]):
         yield Header()
         initial = self.initial_pane or "dataset"
         with TabbedContent(id="panes", initial=initial):
-            # Hidden panes mount just after the first frame is on screen (Lazy): they cost nothing
-            # before the person sees the app.
+            # Hidden panes are imported and mounted just after the first frame is on screen: they
+            # cost nothing before the person sees the app.
             for n, (tab, title, module, cls) in enumerate(PANES, start=1):
                 with TabPane(f"{n} {title}", id=tab):
-                    pane = _make_pane(tab, title, module, cls)
-                    yield pane if tab == initial else Lazy(pane)
+                    yield _make_pane(tab, title, module, cls) if tab == initial else PaneSlot(
+                        tab, title, module, cls)
             with TabPane("6 Config", id="config"):
-                editor = ConfigEditor(id="pane-config")
-                yield editor if initial == "config" else Lazy(editor)
+                yield ConfigEditor(id="pane-config") if initial == "config" else Lazy(
+                    ConfigEditor(id="pane-config"))
         yield Footer()
 
     def on_mount(self) -> None:
