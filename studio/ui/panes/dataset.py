@@ -88,7 +88,7 @@ class DatasetPane(Vertical):
                 yield DataTable(id="dataset-table", cursor_type="row", zebra_stripes=True)
                 with Horizontal(id="dataset-pager"):
                     yield Static("no dataset", id="dataset-page-label")
-                    yield Input(placeholder="/ filter: text or column:text", id="dataset-filter", compact=True)
+                    yield Input(placeholder="/ filter (col:text)", id="dataset-filter", compact=True)
             with TabbedContent(id="dataset-side", initial="row"):
                 with TabPane("v Row", id="row"):
                     with VerticalScroll(id="dataset-row-scroll"):

@@ -91,5 +91,5 @@ def preview_content(m: Measured, eos_token: str | None) -> Content:
 
 def legend() -> Content:
     """What the colours mean."""
-    return Content.from_markup("[$studio-prompt]■ prompt (no loss)[/]  [b $studio-response]■ response "
-                               "(loss)[/]  [$studio-truncated]✂ dropped by max length[/]")
+    return Content.from_markup("[$studio-prompt]■ prompt[/]  [b $studio-response]■ response (loss)[/]  "
+                               "[$studio-truncated]✂ cut by max length[/]")
