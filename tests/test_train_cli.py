@@ -79,6 +79,8 @@ def test_fine_tuned_answers_beat_the_base_on_held_out_rows(trained, evaluated) -
     run, _ = trained
     assert evaluated["split"] == "test" and evaluated["rows"] == 40
     base, tuned = evaluated["base"], evaluated["fine_tuned"]
+    print(f"held-out exact match: base {base['exact_match']:.1%} -> fine-tuned {tuned['exact_match']:.1%}; "
+          f"similarity {base['similarity']:.2f} -> {tuned['similarity']:.2f}")
     assert base["exact_match"] <= 0.05
     assert tuned["exact_match"] >= 0.2
     assert tuned["exact_match"] > base["exact_match"]
