@@ -142,10 +142,11 @@ async def measure(seconds: float, rate: float, key_every: float, size: tuple[int
     stop = threading.Event()
     written = [0]
     async with app.run_test(size=size) as pilot:
+        await pilot.pause(2.0)  # the sample dataset and tokenizer load at start; let them settle
         await pilot.press("4")
+        await pilot.pause(0.5)
         pane = app.query_one(TrainingPane)
         pane.focus()
-        await pilot.pause(2.0)  # the sample dataset and tokenizer load at start; let them settle
         # The same keypresses with no events first: what this machine gives at rest, to compare.
         await press_and_time(pilot, pending, baseline, baseline_s, key_every)
         writer = threading.Thread(target=write_events, args=(run, rate, seconds, stop, written), daemon=True)
