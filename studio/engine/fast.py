@@ -574,6 +574,8 @@ class _Graphs:
                 self.failed = f"{type(exc).__name__}: {exc}"
                 return self.fast.stack(h, cos, sin, seg)
             self.graphed[key] = module
+            # The capture's warm-up ran on a side stream; its cached blocks serve nothing now.
+            torch.cuda.empty_cache()
         # The captured backward hands back gradients that live in the graph's memory: gradients that
         # already exist make autograd add them in place instead of keeping (aliasing) that memory.
         for p in self.fast.trainable():
