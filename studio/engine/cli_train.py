@@ -53,9 +53,10 @@ class ConsolePrinter:
     """Turns events into the lines a person watches: one per log interval, plus a progress bar on a
     terminal."""
 
-    def __init__(self, out: TextIO = sys.stdout, err: TextIO = sys.stderr):
-        self.out, self.err = out, err
-        self.bar = err.isatty()
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None):
+        # Looked up now, not at import: sys.stdout may have been replaced since (tests, redirects).
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.bar = self.err.isatty()
         self.memory: ev.MemorySampled | None = None
         self._bar_shown = False
 

@@ -14,11 +14,8 @@ units split into different micro-batches (after an out-of-memory halving) give t
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
-import random
-import shutil
 import time
 import traceback
 from collections.abc import Callable
@@ -26,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig
 from studio.core.runs import RunDir
+from studio.engine import checkpoint
 from studio.engine import fast as fastpath
 from studio.engine import generate as gen
 from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream, MicroBatch, eval_batches
@@ -121,7 +118,7 @@ class Trainer:
             # The data first: a bad path or column fails in a second, not after the model loads.
             self.emit(ev.ModelLoading(stage="reading the data", fraction=0.0))
             splits = load_splits(self.config)
-            _seed_everything(self.config.trainer.seed)
+            checkpoint.seed_everything(self.config.trainer.seed)
             self.base = load_base(self.config, progress=lambda stage, fraction: self.emit(
                 ev.ModelLoading(stage=stage, fraction=fraction)), device=self.device)
             for warning in self.base.warnings:
@@ -214,9 +211,9 @@ class Trainer:
         self.total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * units_per_epoch / self.units_per_step))
         self._build_optimizer()
         resumed_from = 0
-        checkpoint = self.run.latest_checkpoint() if resume else None
-        if checkpoint is not None:
-            self._restore(checkpoint)
+        latest = self.run.latest_checkpoint() if resume else None
+        if latest is not None:
+            self._restore(latest)
             resumed_from = self.step
         self.state = "training"
         self.model.train()
@@ -468,44 +465,23 @@ class Trainer:
         return int(latest.name.split("-")[1]) if latest is not None else None
 
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step-N`` atomically (temp folder, then rename); keep the newest K."""
+        """Write ``checkpoints/step-N`` atomically (studio/engine/checkpoint.py); keep the newest K."""
         assert self.optimizer is not None and self.scheduler is not None
-        final = self.run.checkpoints_dir / f"step-{self.step}"
-        tmp = self.run.checkpoints_dir / f".tmp-step-{self.step}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.model.save_pretrained(str(tmp / "adapter"))
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(_rng_state(), tmp / "rng.pt")
         state = {
-            "step": self.step, "total_steps": self.total_steps,
+            "total_steps": self.total_steps,
             "cursor": {"epoch": self.cursor.epoch, "offset": self.cursor.offset},
             "micro_batch_size": self.micro_batch_size, "units_per_step": self.units_per_step,
             "gradient_accumulation_steps": self.accumulation_steps, "best_eval_loss": self.best_eval_loss,
             "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed, "seed": self.config.trainer.seed,
         }
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        keep = max(1, self.config.trainer.keep_checkpoints)
-        for old in self.run.checkpoints()[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        final = checkpoint.save(self.run, self.step, self.model, self.optimizer, self.scheduler, state,
+                                self.config.trainer.keep_checkpoints)
         self.emit(ev.CheckpointSaved(step=self.step, path=str(final)))
         return final
 
-    def _restore(self, checkpoint: Path) -> None:
-        from peft.utils import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
+    def _restore(self, path: Path) -> None:
         assert self.optimizer is not None and self.scheduler is not None
-        state = json.loads((checkpoint / "trainer_state.json").read_text())
-        weights = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"), device=str(self.device))
-        set_peft_model_state_dict(self.model, weights)
-        self.optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", map_location=self.device,
-                                                  weights_only=False))
-        self.scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=False))
+        state = checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.device)
         self.step = int(state["step"])
         self.cursor = Cursor(int(state["cursor"]["epoch"]), int(state["cursor"]["offset"]))
         self.micro_batch_size = int(state["micro_batch_size"])
@@ -513,7 +489,6 @@ class Trainer:
         self.best_eval_loss = state.get("best_eval_loss")
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.elapsed = float(state.get("elapsed_s", 0.0))
-        _set_rng_state(torch.load(checkpoint / "rng.pt", weights_only=False))
 
     # ------------------------------------------------------------------------------------ memory
 
@@ -548,25 +523,3 @@ def _schedule(kind: str, warmup: int, total: int) -> Callable[[int], float]:
             return max(0.0, 1.0 - progress)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return factor
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

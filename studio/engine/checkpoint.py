@@ -1,0 +1,88 @@
+"""Resumable checkpoints: ``checkpoints/step-N/`` with everything a run needs to continue exactly.
+
+A checkpoint holds the adapter (``adapter/``, loadable by ``PeftModel.from_pretrained``), the
+optimizer and scheduler states, the RNG states (python, numpy, torch, CUDA) and the trainer's own
+state as JSON (step, data cursor, micro-batch and accumulation, best eval loss). It is written into a
+temp folder that is renamed into place, so a crash mid-write leaves the previous checkpoint intact
+(and :meth:`studio.core.runs.RunDir.checkpoints` never lists the temp folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from studio.core.runs import RunDir
+
+STATE_FILE = "trainer_state.json"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA) for a repeatable run."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator's state, for :func:`set_rng_state`."""
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put every random generator back where :func:`rng_state` found it."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(run: RunDir, step: int, model: Any, optimizer: torch.optim.Optimizer,
+         scheduler: torch.optim.lr_scheduler.LRScheduler, state: dict[str, Any], keep: int) -> Path:
+    """Write ``checkpoints/step-<step>`` atomically and delete all but the newest ``keep``."""
+    final = run.checkpoints_dir / f"step-{step}"
+    tmp = run.checkpoints_dir / f".tmp-step-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(str(tmp / "adapter"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+    if final.exists():  # the same step saved twice (a stop right after an interval checkpoint)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in run.checkpoints()[:-max(1, keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load(path: Path, model: Any, optimizer: torch.optim.Optimizer,
+         scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device) -> dict[str, Any]:
+    """Restore adapter weights, optimizer, scheduler and RNG from ``path``; returns the trainer state.
+
+    Call it after the optimizer and scheduler are built (their states are loaded into them) and
+    after everything else that draws random numbers, so the restored RNG is what the next step sees.
+    """
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(device))
+    set_peft_model_state_dict(model, weights)
+    # Our own files: full unpickling is needed for the optimizer's and RNG's python objects.
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=False))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return json.loads((path / STATE_FILE).read_text())
