@@ -570,6 +570,8 @@ class _Graphs:
             try:
                 module = torch.cuda.make_graphed_callables(_StackModule(self.fast, seg.max_len, flat),
                                                            (h, cos, sin, cu), num_warmup_iters=2)
+            except torch.cuda.OutOfMemoryError:
+                raise  # the trainer halves the micro-batch; the smaller layout gets its own graph
             except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
                 self.failed = f"{type(exc).__name__}: {exc}"
                 return self.fast.stack(h, cos, sin, seg)
