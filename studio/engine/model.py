@@ -161,14 +161,17 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
     checkpointing = config.trainer.gradient_checkpointing
     # Non-reentrant checkpointing works with frozen inputs and does not need the input-grad hack.
     ckpt_kwargs = {"use_reentrant": False}
-    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
-                                                gradient_checkpointing_kwargs=ckpt_kwargs)
-    else:
-        for param in model.parameters():
-            param.requires_grad_(False)
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+    with warnings.catch_warnings():
+        # peft still calls transformers' deprecated gradient_checkpointing_* names; not ours to fix.
+        warnings.simplefilter("ignore", FutureWarning)
+        if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
+                                                    gradient_checkpointing_kwargs=ckpt_kwargs)
+        else:
+            for param in model.parameters():
+                param.requires_grad_(False)
+            if checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
     lora = config.lora
     targets: Any = lora.target_modules
     if isinstance(targets, list) and targets == ["all-linear"]:
@@ -177,8 +180,7 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
                              target_modules=targets, bias="none", task_type="CAUSAL_LM")
     try:
         with warnings.catch_warnings():
-            # peft asks transformers a deprecated question (is_gradient_checkpointing); not ours to fix.
-            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", FutureWarning)  # peft: is_gradient_checkpointing
             model = get_peft_model(model, peft_config)
     except ValueError as exc:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in base.model.named_modules()
