@@ -105,7 +105,8 @@ def _cell(text: str, width: int) -> str:
 
 def format_table(report: dict[str, Any], width: int = 28) -> str:
     """The report as a plain-text table: target, base answer, fine-tuned answer, marks."""
-    lines = [f"{'#':>3}  {'target':<{width}}  {'base':<{width}}  {'fine-tuned':<{width}}  sim b/t"]
+    # Answers start after a two-character mark column (a tick for an exact match).
+    lines = [f"{'#':>3}  {'target':<{width}}  {'  base':<{width}}  {'  fine-tuned':<{width}}  sim b/t"]
     for r in report["results"]:
         base = ("✓ " if r["base_exact"] else "  ") + _cell(r["base"], width - 2)
         tuned = ("✓ " if r["tuned_exact"] else "  ") + _cell(r["tuned"], width - 2)

@@ -205,7 +205,9 @@ def load_adapter(base: BaseModel, adapter_dir: str | Path) -> Any:
     """Wrap the loaded base with a saved adapter (``runs/<id>/adapter`` or a checkpoint's) for inference."""
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(base.model, str(adapter_dir))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft: is_gradient_checkpointing
+        model = PeftModel.from_pretrained(base.model, str(adapter_dir))
     base.model = model
     return model
 
