@@ -26,7 +26,7 @@ def _losses_after_last_start(run: RunDir) -> dict[int, float]:
 def test_sigkill_then_resume_matches_uninterrupted_run(tiny_config, tmp_path: Path, studio_env, python) -> None:
     # Dropout on: the resumed run must restore the RNG too, not only weights and optimizer.
     tiny_config.lora.dropout = 0.1
-    tiny_config.trainer.max_steps = 20
+    tiny_config.trainer.max_steps = 30
     tiny_config.trainer.checkpoint_interval = 4
     tiny_config.trainer.keep_checkpoints = 2
     tiny_config.trainer.eval_interval = 8
@@ -64,7 +64,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tiny_config, tmp_path: Pa
     killed_at = run.latest_checkpoint()
     assert killed_at is not None
     resumed_from = int(killed_at.name.split("-")[1])
-    assert resumed_from < 20, "the kill came after the end; make the run longer"
+    assert resumed_from < 30, "the kill came after the end; make the run longer"
 
     code = studio_main(["train", "--resume", str(run.path)])
     assert code == 0
@@ -74,9 +74,9 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tiny_config, tmp_path: Pa
     started = [e for e in events if isinstance(e, ev.RunStarted)]
     assert started[-1].resumed_from_step == resumed_from
     got = _losses_after_last_start(run)
-    assert sorted(got) == list(range(resumed_from + 1, 21))
+    assert sorted(got) == list(range(resumed_from + 1, 31))
     for step, loss in got.items():
         assert loss == pytest.approx(expected[step], rel=1e-5, abs=1e-6), f"step {step}"
     finished = [e for e in events if isinstance(e, ev.TrainingFinished)]
-    assert finished and finished[-1].step == 20 and not finished[-1].stopped
+    assert finished and finished[-1].step == 30 and not finished[-1].stopped
 
