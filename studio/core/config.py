@@ -72,8 +72,9 @@ class LoraConfig:
     alpha: int = 32
     """Scaling numerator: the update is scaled by alpha / r."""
 
-    dropout: float = 0.05
-    """Dropout on the adapter's input; 0 lets the fast path skip the dropout kernel."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input. 0 (the default) lets the GPU fast path replay each step as a
+    CUDA graph, ~2x faster; 0.05-0.1 can help a long run on little data overfit less."""
 
     target_modules: list[str] | str = "all-linear"
     """Modules that get adapters: ``all-linear`` or a list such as [q_proj, v_proj]."""
