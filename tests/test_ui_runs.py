@@ -57,7 +57,7 @@ async def test_picker_lists_runs_and_opens_one(tmp_path):
         table.move_cursor(row=[r[1] for r in map(table.get_row_at, range(2))].index(finished.id))
         await pilot.press("enter")
         await pilot.pause()
-        assert app.opened == [(finished, False)] and app.run == finished
+        assert app.opened == [(finished, False)] and app.current_run == finished
 
 
 async def test_compare_two_runs_on_one_plot(tmp_path):

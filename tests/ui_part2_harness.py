@@ -29,9 +29,7 @@ class PaneHarness(App):
         super().__init__()
         self.make_pane = make_pane
         self.config = config
-        # ``run`` (the contract's name) shadows App.run(); it is set once the app is running, so
-        # that pytest-textual-snapshot can still call app.run().
-        self._initial_run = run
+        self.current_run = run
         self.live = live
         self.sent: list[ev.Command] = []
         self.opened: list[tuple[RunDir, bool]] = []
@@ -41,7 +39,6 @@ class PaneHarness(App):
         self._stop = threading.Event()
 
     def compose(self) -> ComposeResult:
-        self.run = self._initial_run
         yield self.make_pane()
         yield Footer()
 
@@ -62,7 +59,7 @@ class PaneHarness(App):
 
     def open_run(self, run: RunDir, start_worker: bool = False) -> None:
         """Switch to ``run``: reset panes, and when live connect (starting the worker if asked)."""
-        self.run = run
+        self.current_run = run
         self.opened.append((run, start_worker))
         for pane in self.panes():
             if hasattr(pane, "reset_run"):

@@ -110,13 +110,17 @@ class StudioApp(App[None]):
         self.initial_pane = initial_pane
         self.config = config
         self.config_path = config_path
-        self._run_dir: RunDir | None = run
+        self.current_run: RunDir | None = run
         self.counter: TokenCounter = dataclasses.replace(
             approximate_counter(), label="≈ approximate token counts (the tokenizer is loading…)")
         self.selected: tuple[int, dict[str, Any]] | None = None
         self.dataset_columns: list[str] = []
         self._settings = settings
         self._events: deque[ev.Event] = deque()
+        # Every event of the current run, and how many of them each pane has been given: a pane
+        # mounted late (hidden panes mount after the first frame) catches up on the next flush.
+        self._history: list[ev.Event] = []
+        self._delivered: dict[Widget, int] = {}
         self._send_lock = threading.Lock()
         self._outbox: queue.Queue[ev.Command] = queue.Queue()
         self._client: Any = None
@@ -125,21 +129,6 @@ class StudioApp(App[None]):
             self.register_theme(theme)
         saved = themes.load_theme_choice() if settings else None
         self.theme = saved if saved in self.available_themes else themes.DEFAULT_THEME
-
-    @property  # type: ignore[override]
-    def run(self) -> Any:
-        """The run being followed (a RunDir, or None), as the panes' contract names it.
-
-        Before the app starts, this is Textual's ``App.run``, so ``app.run()`` (and the snapshot
-        plugin, which calls it) still starts the app; from then on it is the run.
-        """
-        if self._running:
-            return self._run_dir
-        return super().run
-
-    @run.setter
-    def run(self, value: RunDir | None) -> None:
-        self._run_dir = value
 
     # ------------------------------------------------------------------------------- layout
 
@@ -163,8 +152,8 @@ class StudioApp(App[None]):
         self.theme_changed_signal.subscribe(self, self._theme_changed)
         self.set_interval(EVENT_FLUSH_S, self._flush_events)
         self.load_tokenizer()
-        if self.run is not None:
-            self.open_run(self.run)
+        if self.current_run is not None:
+            self.open_run(self.current_run)
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         """Studio's own colour variables under a theme that lacks them (Textual's built-ins)."""
@@ -177,7 +166,7 @@ class StudioApp(App[None]):
 
     def _subtitle(self) -> str:
         where = str(self.config_path) if self.config_path else "unsaved config"
-        run = f" · run {self.run.id}" if self.run else ""
+        run = f" · run {self.current_run.id}" if self.current_run else ""
         return f"{self.config.model.base_model} · {where}{run}"
 
     @property
@@ -245,14 +234,16 @@ class StudioApp(App[None]):
         from the start of its log and then arrive live. ``start_worker`` starts its worker when none
         is alive. A previous run's worker that never trained (a preview) is shut down, so that the
         GPU is free for the new one."""
-        previous = self.run
+        previous = self.current_run
         if previous is not None and previous != run:
             self._retire(previous)
         if self._follower is not None:
             self._follower.close()
-        self.run = run
+        self.current_run = run
         self._client = None
         self._events.clear()
+        self._history.clear()
+        self._delivered.clear()
         self.sub_title = self._subtitle()
         for pane in self.panes:
             reset = getattr(pane, "reset_run", None)
@@ -271,7 +262,7 @@ class StudioApp(App[None]):
         With no run yet, one is made from the config and its worker started.
         """
         self._outbox.put(command)
-        if self.run is None:
+        if self.current_run is None:
             try:
                 run = create_run(self.config)
             except OSError as exc:
@@ -291,7 +282,7 @@ class StudioApp(App[None]):
             if not self._send_lock.acquire(blocking=False):
                 return  # the thread holding the lock sends what is queued
             try:
-                run = self.run
+                run = self.current_run
                 if run is None:
                     return
                 if self._client is None or self._client.run != run or not self._client.connected:
@@ -342,23 +333,25 @@ class StudioApp(App[None]):
         self._follower = client
         try:
             for event in client.events(poll_s=0.25):
-                if worker.is_cancelled or self.run != run:
+                if worker.is_cancelled or self.current_run != run:
                     break
                 self._events.append(event)
         finally:
             client.close()
 
     def _flush_events(self) -> None:
-        """Hand the events gathered since the last flush to every pane that takes them."""
-        if not self._events:
-            return
-        batch = []
+        """Hand every pane that takes events the ones it has not seen yet (all of them, for a pane
+        that mounted after the run's history was read)."""
         while self._events:
-            batch.append(self._events.popleft())
+            self._history.append(self._events.popleft())
         for pane in self.panes:
             handle = getattr(pane, "handle_events", None)
-            if handle is not None:
-                handle(batch)
+            if handle is None or not pane.is_mounted:
+                continue
+            seen = self._delivered.get(pane, 0)
+            if seen < len(self._history):
+                self._delivered[pane] = len(self._history)
+                handle(self._history[seen:])
 
     # ------------------------------------------------------------------------------ actions
 
@@ -457,7 +450,7 @@ class StudioApp(App[None]):
         """Checkpoint, save the adapter and stop the current run's training (asks first)."""
         if self._pane_action("training", "stop_training"):
             return
-        if self.run is None:
+        if self.current_run is None:
             self.notify("No run is being followed; nothing to stop", severity="warning")
             return
         self.send_command(ev.Stop())

@@ -144,7 +144,7 @@ class ChatPane(Vertical):
             yield Static("", id="chat-heldout-totals")
 
     def on_mount(self) -> None:
-        self.reset_run(getattr(self.app, "run", None))
+        self.reset_run(getattr(self.app, "current_run", None))
         self._set_status(self._idle_status())
         self._paint()
         self.set_interval(0.1, self._paint_if_dirty)
@@ -157,7 +157,7 @@ class ChatPane(Vertical):
 
     def _config(self) -> RunConfig:
         """The run's config when a run is open (its template trained the adapter), else the app's."""
-        run = getattr(self.app, "run", None)
+        run = getattr(self.app, "current_run", None)
         if run is not None:
             try:
                 return run.config()
@@ -176,7 +176,7 @@ class ChatPane(Vertical):
             self._paint()
 
     def _idle_status(self) -> str:
-        run = getattr(self.app, "run", None)
+        run = getattr(self.app, "current_run", None)
         where = f"run {run.id}" if run else "no run yet (asking starts a worker for the current config)"
         adapter = "adapter ready" if self.adapter_ready else "no adapter yet (base model only)"
         return f"{where} · {adapter}"
@@ -268,7 +268,7 @@ class ChatPane(Vertical):
 
     def _ensure_run(self) -> bool:
         """Before any run exists, make one from the app's config so a worker can answer."""
-        if getattr(self.app, "run", None) is not None:
+        if getattr(self.app, "current_run", None) is not None:
             return True
         opener = getattr(self.app, "open_run", None)
         if opener is None:
@@ -442,7 +442,7 @@ class ChatPane(Vertical):
 
     def _heldout_complete(self) -> None:
         self._paint_heldout()
-        run = getattr(self.app, "run", None)
+        run = getattr(self.app, "current_run", None)
         if run is None:
             return
         try:

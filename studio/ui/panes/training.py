@@ -180,7 +180,7 @@ class TrainingPane(Vertical):
             yield LearningRatePlot(id="training-lr-plot")
 
     def on_mount(self) -> None:
-        run = getattr(self.app, "run", None)
+        run = getattr(self.app, "current_run", None)
         if run is not None:
             self.state.run_id = run.id
         self._redraw()
@@ -228,7 +228,7 @@ class TrainingPane(Vertical):
         self._redraw_pending = False
         self._last_redraw = time.monotonic()
         state = self.state
-        run = getattr(self.app, "run", None)
+        run = getattr(self.app, "current_run", None)
         what = f"run {state.run_id or (run.id if run else '')}".strip() if (state.run_id or run) else "no run yet"
         parts = [what, state.status]
         if state.base_model:
@@ -288,7 +288,7 @@ class TrainingPane(Vertical):
         if action == "stop_training":
             return True if status in ("training", "paused", "loading") else None
         if action == "export":
-            return True if getattr(self.app, "run", None) is not None and not active else None
+            return True if getattr(self.app, "current_run", None) is not None and not active else None
         return True
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
@@ -335,7 +335,7 @@ class TrainingPane(Vertical):
         if self.state.status == "paused":
             self.app.send_command(ev.Resume())
             return
-        run = self.app.run
+        run = self.app.current_run
         if run is None or run.latest_checkpoint() is None:
             self.notify("No checkpoint to resume from: start a new run with s.", severity="warning")
             return
@@ -378,7 +378,7 @@ class TrainingPane(Vertical):
 
     def action_export(self) -> None:
         """Save the adapter, or merge it into the base model, to a folder."""
-        run = getattr(self.app, "run", None)
+        run = getattr(self.app, "current_run", None)
         if run is None or self.check_action("export", ()) is not True:
             return
 
