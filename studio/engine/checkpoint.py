@@ -69,6 +69,19 @@ def save(run: RunDir, step: int, model: Any, optimizer: torch.optim.Optimizer,
     return final
 
 
+def load_adapter_weights(model: Any, adapter_dir: Path, device: torch.device | str) -> list[str]:
+    """Copy a saved adapter's weights (``adapter_model.safetensors``) into ``model``'s LoRA in place,
+    so the optimizer and the fast path keep pointing at the same tensors. Returns the saved keys that
+    matched no LoRA weight of ``model`` (an adapter made with other ``lora.target_modules``).
+    A shape mismatch (another ``lora.r``) raises RuntimeError."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(adapter_dir / "adapter_model.safetensors"), device=str(device))
+    result = set_peft_model_state_dict(model, weights)
+    return list(getattr(result, "unexpected_keys", []) or [])
+
+
 def load(path: Path, model: Any, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device) -> dict[str, Any]:
     """Restore adapter weights, optimizer, scheduler and RNG from ``path``; returns the trainer state.
@@ -76,11 +89,7 @@ def load(path: Path, model: Any, optimizer: torch.optim.Optimizer,
     Call it after the optimizer and scheduler are built (their states are loaded into them) and
     after everything else that draws random numbers, so the restored RNG is what the next step sees.
     """
-    from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    weights = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(device))
-    set_peft_model_state_dict(model, weights)
+    load_adapter_weights(model, path / "adapter", device)
     # Our own files: full unpickling is needed for the optimizer's and RNG's python objects.
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))

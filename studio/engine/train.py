@@ -98,6 +98,8 @@ class Trainer:
         self._flops_per_token = 0.0
         self._peak_flops = 0.0
         self._sampler = torch.Generator()
+        self._fresh_lora: dict[str, torch.Tensor] | None = None
+        """The LoRA's initial weights while :meth:`load_trained_adapter` has replaced them."""
         self._oom_spec = inject_oom_at_step if inject_oom_at_step is not None else os.environ.get(INJECT_OOM_ENV)
 
     # ------------------------------------------------------------------------------------ set-up
@@ -151,6 +153,41 @@ class Trainer:
                 f"({self.config.data.max_seq_length} tokens) and were truncated; raise it if answers "
                 "get cut off")))
         self.state = "idle"
+
+    def trained_adapter_dir(self) -> Path | None:
+        """The run's newest trained adapter: ``adapter/`` (saved at the end of training) or the latest
+        checkpoint's ``adapter/``, whichever was written last; None for a run that never trained."""
+        latest = self.run.latest_checkpoint()
+        candidates = [self.run.adapter_dir] + ([latest / "adapter"] if latest is not None else [])
+        found = [d for d in candidates if (d / "adapter_model.safetensors").exists()]
+        # A run resumed after its adapter was saved has a newer checkpoint than adapter/.
+        return max(found, key=lambda d: (d / "adapter_model.safetensors").stat().st_mtime, default=None)
+
+    def load_trained_adapter(self) -> Path | None:
+        """Load the model (if not yet) and put the run's trained adapter weights
+        (:meth:`trained_adapter_dir`) into its LoRA, so that generation and evaluation answer as the
+        fine-tuned model: chat with a past run. Returns the folder, or None (the fresh LoRA stays) when
+        the run has no adapter yet or it cannot be loaded (a non-fatal WorkerFailed says why).
+        A later ``train(resume=False)`` starts again from the fresh LoRA."""
+        if self.model is None:
+            self.load()
+        folder = self.trained_adapter_dir()
+        if folder is None:
+            return None
+        fresh = {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
+        try:
+            unmatched = checkpoint.load_adapter_weights(self.model, folder, self.device)
+        except (OSError, RuntimeError, ValueError) as exc:
+            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                f"{folder}: cannot load the trained adapter ({str(exc).splitlines()[0]}); the fine-tuned "
+                "answers come from an untrained LoRA. Was config.yaml's lora section edited after training?")))
+            return None
+        if unmatched:
+            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                f"{folder}: {len(unmatched)} adapter weights match no layer (e.g. {unmatched[0]}); was "
+                "lora.target_modules in config.yaml changed after training?")))
+        self._fresh_lora = fresh
+        return folder
 
     def _encode_data(self, splits: Any) -> TrainingData:
         from studio.core import prompt
@@ -215,6 +252,13 @@ class Trainer:
         if latest is not None:
             self._restore(latest)
             resumed_from = self.step
+        elif self._fresh_lora is not None:
+            # The trained adapter was loaded for chat; training from scratch starts from the fresh LoRA.
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    if name in self._fresh_lora:
+                        param.copy_(self._fresh_lora[name])
+        self._fresh_lora = None
         self.state = "training"
         self.model.train()
         self.emit(ev.RunStarted(run_id=self.run.id, base_model=self.config.model.base_model,

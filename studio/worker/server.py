@@ -374,8 +374,12 @@ class Worker:
                 "nothing to evaluate: the run has no validation rows; set data.val_fraction or give "
                 "the data a split column with 1 for validation rows")))
 
-    def _ensure_trainer(self) -> bool:
-        """Build the trainer and load the model once; False (with a WorkerFailed) if that fails."""
+    def _ensure_trainer(self, for_training: bool = False) -> bool:
+        """Build the trainer and load the model once; False (with a WorkerFailed) if that fails.
+
+        Loaded to answer (LoadModel, Generate, Evaluate) rather than to train, the model gets the
+        run's trained adapter when it has one (chat with a past run), not an untrained LoRA.
+        """
         if self._trainer is not None and self.model_loaded:
             return True
         previous, self.state = self.state, "loading"
@@ -385,6 +389,10 @@ class Worker:
                 self._trainer = factory(self.run.config(), self.run, self.emit,
                                         between_steps=self._between_steps)
             self._trainer.load()
+            # Optional on the Trainer contract: stand-in trainers in tests have nothing trained.
+            load_trained = getattr(self._trainer, "load_trained_adapter", None)
+            if not for_training and load_trained is not None:
+                load_trained()
         except Exception as exc:
             self._report(exc, fatal=True)
             self.state = "failed"
@@ -394,7 +402,7 @@ class Worker:
         return True
 
     def _train(self, resume: bool) -> None:
-        if not self._ensure_trainer():
+        if not self._ensure_trainer(for_training=True):
             return
         self.state = "training"
         self._paused = False
