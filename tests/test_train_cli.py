@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -171,3 +172,42 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tiny_config, tmp_path: Path
     assert len(finished) == 1 and finished[0].stopped and 0 < finished[0].step < 5000
     assert run.latest_checkpoint() == run.checkpoints_dir / f"step-{finished[0].step}"
     assert (run.adapter_dir / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_attach_follows_a_foreground_run_live_until_it_finishes(tiny_config, tmp_path: Path, studio_env, python,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """`studio train CONFIG` without --detach has no worker socket: `studio runs` still says
+    "training" (not "interrupted") and `studio attach` follows its log to the end."""
+    from studio.core.runs import summarize
+
+    tiny_config.trainer.max_steps = 150
+    tiny_config.trainer.checkpoint_interval = 0
+    tiny_config.trainer.eval_interval = 0
+    tiny_config.save(tmp_path / "fg.yaml")
+    proc = subprocess.Popen([python, "-m", "studio.cli", "train", str(tmp_path / "fg.yaml")],
+                            cwd=tmp_path, env=studio_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runs = Path(tiny_config.output_dir)
+    try:
+        deadline = time.time() + 180
+        run = None
+        while time.time() < deadline and proc.poll() is None:
+            found = list(runs.glob("*/events.jsonl")) if runs.exists() else []
+            if found and any(isinstance(e, ev.StepLogged) for e in iter_events(found[0])):
+                run = RunDir(found[0].parent)
+                break
+            time.sleep(0.05)
+        assert run is not None and proc.poll() is None, "the run did not start training"
+        assert run.worker_pid() == proc.pid
+        assert summarize(run).status == "training"
+        assert studio_main(["attach", run.id, "--runs-dir", str(runs)]) == 0
+        # Every step is printed once: the ones logged before attach from the file, the rest live.
+        out = capsys.readouterr().out
+        assert "training finished at step 150" in out and "interrupted" not in out
+        assert [int(s) for s in re.findall(r"step +(\d+)/150", out)] == list(range(1, 151))
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert run.worker_pid() is None and not run.pid_path.exists()
+    assert summarize(run).status == "finished"

@@ -9,9 +9,12 @@ and the run can be continued with ``--resume``. A second Ctrl-C aborts at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -143,7 +146,7 @@ def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
 
 def main(args: argparse.Namespace) -> int:
     """``studio train CONFIG [--data PATH] [--max-steps N] [--model M] [--resume RUN] [--run-dir DIR]``."""
-    from studio.engine.train import Trainer, TrainingError
+    from studio.engine.train import Trainer
 
     try:
         if getattr(args, "resume", None):
@@ -159,10 +162,38 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    if (pid := run.worker_pid()) is not None and pid != os.getpid():
+        print(f"error: run {run.id} is already being trained by process {pid}; follow it with "
+              f"'studio attach {run.id}'", file=sys.stderr)
+        return 2
     printer = ConsolePrinter()
     log = EventLog(run, printer)
     trainer = Trainer(config, run, log)
     print(f"run directory: {run.path}", flush=True)
+    with _recorded_pid(run):
+        return _train(run, trainer, printer, resume=bool(getattr(args, "resume", None)))
+
+
+@contextlib.contextmanager
+def _recorded_pid(run: RunDir) -> Iterator[None]:
+    """This process is the run's trainer while inside: ``worker.pid`` names it, so ``studio runs``
+    says "training" (not "interrupted") and ``studio attach`` follows the log live."""
+    tmp = run.pid_path.with_name(f"{run.pid_path.name}.{os.getpid()}")
+    tmp.write_text(f"{os.getpid()}\n")
+    tmp.replace(run.pid_path)
+    try:
+        yield
+    finally:
+        try:
+            if run.pid_path.read_text().strip() == str(os.getpid()):
+                run.pid_path.unlink()
+        except OSError:
+            pass
+
+
+def _train(run: RunDir, trainer: Any, printer: ConsolePrinter, resume: bool) -> int:
+    """Train with Ctrl-C as a stop request; the exit code of ``studio train``."""
+    from studio.engine.train import TrainingError
 
     def on_interrupt(_signum: int, _frame: Any) -> None:
         if trainer.state != "training":
@@ -174,7 +205,7 @@ def main(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGINT, on_interrupt)
     try:
-        finished = trainer.train(resume=bool(getattr(args, "resume", None)))
+        finished = trainer.train(resume=resume)
     except TrainingError:
         return 1  # the printer already showed the WorkerFailed message
     except KeyboardInterrupt:

@@ -231,14 +231,16 @@ def _ends_follow(event: ev.Event) -> bool:
 
 def attach(args: argparse.Namespace) -> int:
     """``studio attach [RUN]``: print the run's every event from the start, then follow it live
-    until training ends. Ctrl-C detaches; the run goes on."""
+    until training ends (through the worker's socket, or the log of a foreground ``studio train``).
+    Ctrl-C detaches; the run goes on."""
     run = find_run(getattr(args, "run", None), _runs_root(args))
     client = WorkerClient(run)
     try:
         print(f"run {run.id}  ({run.path})", flush=True)
         for event in client.catch_up():
             _print_event(event)
-        if client.status is None or client.status.state not in _LIVE_STATES:
+        if client.status is not None and client.status.state not in _LIVE_STATES or \
+                client.status is None and not _trains_in_foreground(run):
             client.close()
             return _explain_not_live(run)
         while True:
@@ -256,6 +258,12 @@ def attach(args: argparse.Namespace) -> int:
         client.close()
         print(f"\ndetached; run {run.id} goes on (studio attach {run.id} to follow again)")
         return 0
+
+
+def _trains_in_foreground(run: RunDir) -> bool:
+    """A live process holds the run but serves no socket: ``studio train`` in the foreground (or a
+    worker still starting). Its events.jsonl is followed instead."""
+    return run.worker_pid() is not None and summarize(run).status in ("created", "training", "paused")
 
 
 def _explain_not_live(run: RunDir) -> int:

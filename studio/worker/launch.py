@@ -119,8 +119,10 @@ def check_no_other_worker(run: RunDir) -> None:
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        cmdline = b"studio.worker"  # no /proc: trust the pid file
-    if b"studio.worker" in cmdline:
+        cmdline = b"studio"  # no /proc: trust the pid file
+    # A worker, or `studio train` in the foreground (which records its pid too); another program
+    # means the pid was reused after the run's process died.
+    if b"studio" in cmdline:
         raise WorkerStartError(f"run {run.id} already has a worker (pid {pid}); "
                                f"follow it with 'studio attach {run.id}'")
 
