@@ -149,6 +149,31 @@ def test_stop_from_hook_saves_checkpoint_and_loadable_adapter(tiny_config) -> No
     assert memory.categories["lora"] > 0 and memory.categories["weights"] > memory.categories["lora"]
 
 
+def test_memory_samples_are_measured_by_category_over_one_step(tiny_config, monkeypatch) -> None:
+    """MemorySampled carries engine/memory.py's six categories, and its peak window opens right before
+    the logged step (not before the evaluation and checkpoint that follow the previous one)."""
+    from studio.engine import memory
+
+    tiny_config.trainer.max_steps = 4
+    tiny_config.trainer.log_interval = tiny_config.trainer.eval_interval = 2
+    tiny_config.trainer.checkpoint_interval = 2
+    trainer, _, events = _run(tiny_config)
+    real_reset = memory.reset_peak
+    monkeypatch.setattr(memory, "reset_peak",
+                        lambda device: (events.append(("reset", trainer.step)), real_reset(device)))
+    trainer.train()
+    samples = [e for e in events if isinstance(e, ev.MemorySampled)]
+    assert [e.step for e in samples] == [2, 4]
+    for sample in samples:
+        # Reset before the sampled step ran, with nothing (evaluation, checkpoint) in between.
+        assert events[events.index(sample) - 1] == ("reset", sample.step - 1)
+    measured = memory.measure_memory(trainer.model, trainer.optimizer, trainer.device)
+    assert set(samples[-1].categories) == set(measured) == {
+        "weights", "lora", "gradients", "optimizer", "activations", "overhead"}
+    for key in ("weights", "lora", "optimizer"):
+        assert samples[-1].categories[key] == measured[key] > 0
+
+
 def test_generation_streams_and_base_differs_from_adapter(tiny_config) -> None:
     trainer, _, _ = _run(tiny_config)
     trainer.load()
@@ -197,6 +222,11 @@ def test_four_bit_loads_and_trains_on_cpu(tiny_config) -> None:
     warnings = [e for e in events if isinstance(e, ev.WorkerFailed) and not e.fatal]
     assert loaded.quantization == "nf4" or any("float32 instead" in w.message for w in warnings)
     assert len(_losses(events)) == 2
+    if loaded.quantization == "nf4":
+        # The packed 4-bit weights alone miss bitsandbytes' quantization constants (absmax).
+        packed = sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "lora_" not in n)
+        memory = [e for e in events if isinstance(e, ev.MemorySampled)][-1]
+        assert memory.categories["weights"] > packed
 
 
 def test_bad_target_modules_is_a_config_error(tiny_config) -> None:

@@ -268,7 +268,6 @@ class Trainer:
                                 resumed_from_step=resumed_from))
         from studio.engine.memory import reset_peak
 
-        reset_peak(self.device)  # the first memory sample's peak is training's, not loading's
         window_tokens, window_start = 0, time.time()
         session_start, elapsed_before = time.time(), self.elapsed
         last_loss = 0.0
@@ -276,6 +275,11 @@ class Trainer:
         while self.step < self.total_steps:
             units, next_cursor = self.stream.take(self.cursor, self.units_per_step)
             lr = self.optimizer.param_groups[0]["lr"]
+            logged = (self.step + 1) % max(1, tc.log_interval) == 0 or self.step + 1 == self.total_steps
+            if logged:
+                # The sample's peak (its activations) is this one step's: not loading's, evaluation's,
+                # a checkpoint's or a chat answer's between steps.
+                reset_peak(self.device)
             result = self._optimizer_step(units)
             if result is None:
                 continue  # out of memory: the micro-batch was halved, redo the same step
@@ -286,7 +290,7 @@ class Trainer:
             window_tokens += tokens
             last_loss = loss
             self.elapsed = elapsed_before + time.time() - session_start
-            if self.step % max(1, tc.log_interval) == 0 or self.step == self.total_steps:
+            if logged:
                 now = time.time()
                 rate = window_tokens / max(now - window_start, 1e-9)
                 per_step = (now - session_start) / max(1, self.step - resumed_from)
@@ -537,9 +541,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------ memory
 
     def memory_event(self) -> ev.MemorySampled:
-        """Device memory now, by category (studio/engine/memory.py) and allocator totals; the peak
-        window restarts, so the next sample's activations are that interval's peak."""
-        from studio.engine.memory import device_totals, measure_memory, reset_peak
+        """Device memory now, by category (studio/engine/memory.py) and allocator totals; activations
+        and the peaks are those since the last ``reset_peak`` (the training loop resets it before
+        each logged step)."""
+        from studio.engine.memory import device_totals, measure_memory
 
         categories = measure_memory(self.model, self.optimizer, self.device)
         if self.device is not None and self.device.type == "cuda":
@@ -551,7 +556,6 @@ class Trainer:
             totals = {"allocated": held, "reserved": held, "peak_allocated": held, "peak_reserved": held,
                       "capacity": 0}
             name = "cpu"
-        reset_peak(self.device)
         return ev.MemorySampled(step=self.step, device=name, categories=categories, **totals)
 
 
