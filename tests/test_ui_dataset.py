@@ -19,7 +19,7 @@ SIZE = (120, 36)
 
 def table_ids(app) -> list[int]:
     grid = app.query_one("#dataset-table", DataTable)
-    return [int(grid.get_row_at(r)[0]) for r in range(grid.row_count)]
+    return [int(str(grid.get_row_at(r)[0])) for r in range(grid.row_count)]
 
 
 async def test_open_page_filter_and_read_a_row(tmp_path, monkeypatch):
@@ -99,7 +99,7 @@ async def test_lint_lists_problems_and_jumps_to_the_row(tmp_path, monkeypatch):
         await pilot.pause()
         grid = app.query_one("#dataset-table", DataTable)
         assert pane.page == 0
-        assert int(grid.get_row_at(grid.cursor_row)[0]) == 20
+        assert int(str(grid.get_row_at(grid.cursor_row)[0])) == 20
         assert "token119" in str(app.query_one("#dataset-row", Static).render())
 
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -28,6 +29,7 @@ from studio.ui.messages import ConfigChanged, TokenizerChanged
 from studio.ui.widgets.column_map import ColumnMap
 from studio.ui.widgets.column_stats import StatsView
 from studio.ui.widgets.dialogs import PathDialog
+from studio.ui.widgets.page_table import PageTable
 
 PAGE_SIZE = 100
 """Rows in the table at once; paging replaces them (never the whole dataset in a DataTable)."""
@@ -85,7 +87,7 @@ class DatasetPane(Vertical):
             yield ProgressBar(total=None, show_eta=False, id="dataset-progress")
         with Horizontal(id="dataset-body"):
             with Vertical(id="dataset-left"):
-                yield DataTable(id="dataset-table", cursor_type="row", zebra_stripes=True)
+                yield PageTable(id="dataset-table", cursor_type="row", zebra_stripes=True)
                 with Horizontal(id="dataset-pager"):
                     yield Static("no dataset", id="dataset-page-label")
                     yield Input(placeholder="/ filter (col:text)", id="dataset-filter", compact=True)
@@ -196,11 +198,22 @@ class DatasetPane(Vertical):
             rows = [self.table.row(i) for i in indices]
         self._page_rows = indices
         columns = self.table.column_names
-        grid = self.query_one("#dataset-table", DataTable)
-        grid.clear()
-        grid.add_rows([str(i), *(cell_text(row.get(c)) for c in columns)] for i, row in zip(indices, rows, strict=True))
-        if cursor_row is not None and cursor_row in indices:
-            grid.move_cursor(row=indices.index(cursor_row))
+        # Text cells, not str: a str cell is parsed as markup at every measure and render (the
+        # biggest cost of a page), and a "[/x]" in someone's data would break it.
+        cells = [[Text(str(i)), *(Text(cell_text(row.get(c))) for c in columns)]
+                 for i, row in zip(indices, rows, strict=True)]
+        grid = self.query_one("#dataset-table", PageTable)
+        target = indices.index(cursor_row) if cursor_row is not None and cursor_row in indices else 0
+        if grid.show_rows(cells):
+            # Same rows rewritten: the cursor did not move, so say which row is under it now.
+            if grid.cursor_row != target:
+                grid.move_cursor(row=target)  # the table posts RowHighlighted
+            else:
+                self._highlight(target)
+            if target == 0:
+                grid.scroll_to(y=0, animate=False)
+        elif target:
+            grid.move_cursor(row=target)
         self._page_label()
 
     def _page_label(self) -> None:
@@ -262,9 +275,13 @@ class DatasetPane(Vertical):
 
     @on(DataTable.RowHighlighted, "#dataset-table")
     def _row_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        if self.table is None or not 0 <= event.cursor_row < len(self._page_rows):
+        self._highlight(event.cursor_row)
+
+    def _highlight(self, cursor_row: int) -> None:
+        """Show the page's row ``cursor_row`` in the row view and hand it to the previews."""
+        if self.table is None or not 0 <= cursor_row < len(self._page_rows):
             return
-        index = self._page_rows[event.cursor_row]
+        index = self._page_rows[cursor_row]
         row = self.table.row(index)
         self._show_row(index, row)
         self.app.select_row(index, row, origin=self)  # type: ignore[attr-defined]

@@ -40,6 +40,11 @@ TRAINING_COMMANDS: list[tuple[str, str, str]] = [
 ]
 """Palette entries: (title, help, action of :class:`TrainingPane`)."""
 
+_BUTTON_ACTIONS = (("start_training", "training-start"), ("pause_training", "training-pause"),
+                   ("resume_training", "training-resume"), ("stop_training", "training-stop"),
+                   ("export", "training-export"))
+"""(action, button id) of the buttons enabled only while their action makes sense."""
+
 
 class ConfirmScreen(ModalScreen[bool]):
     """A yes/no question; y or Enter on the first button says yes, n or Escape says no."""
@@ -158,6 +163,7 @@ class TrainingPane(Vertical):
         self._last_redraw = 0.0
         self._redraw_pending = False
         self._export_line = ""
+        self._allowed: tuple[bool, ...] = ()
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="training-controls"):
@@ -267,10 +273,14 @@ class TrainingPane(Vertical):
         self.redraw_seconds += time.perf_counter() - started
 
     def _sync_buttons(self) -> None:
-        for action, button_id in (("start_training", "training-start"), ("pause_training", "training-pause"),
-                                  ("resume_training", "training-resume"), ("stop_training", "training-stop"),
-                                  ("export", "training-export")):
-            self.query_one(f"#{button_id}", Button).disabled = not self.check_action(action, ())
+        allowed = tuple(self.check_action(action, ()) is True for action, _ in _BUTTON_ACTIONS)
+        if allowed == self._allowed:
+            # Refreshing bindings makes the footer recompose all its keys (tens of ms on the event
+            # loop): only when what is allowed changed, not on every redraw of a running run.
+            return
+        self._allowed = allowed
+        for (_, button_id), ok in zip(_BUTTON_ACTIONS, allowed, strict=True):
+            self.query_one(f"#{button_id}", Button).disabled = not ok
         self.refresh_bindings()
 
     # ------------------------------------------------------------------------ actions

@@ -21,6 +21,8 @@ from studio.ui.metrics import TrainingState, ema
 
 MAX_POINTS = 600
 """Most points per curve handed to plotext; more are thinned evenly (the last point always kept)."""
+DOTS_PER_CELL = 2
+"""Braille markers draw 2 dots across a terminal cell: more points than that per column cannot show."""
 
 COMPARE_COLORS = (("cyan", "blue"), ("orange", "red"), ("green", "magenta"))
 """(smoothed train, eval) colours per compared run."""
@@ -80,6 +82,12 @@ class BackgroundPlot(PlotextPlot):
         self._last_build = time.monotonic()
         self._requested = self._version
         self._build_frame(self._key())
+
+    def point_limit(self) -> int:
+        """Most points per curve worth drawing at the widget's width: plotext's build time grows with
+        the points, and a curve cannot show more than the braille dots across its columns."""
+        width = self.size.width
+        return MAX_POINTS if width <= 0 else max(32, min(MAX_POINTS, DOTS_PER_CELL * width))
 
     def _key(self) -> tuple[int, int, str, int]:
         return (self.size.width, self.size.height, self._get_plotext_theme_name(self.app.theme), self._version)
@@ -153,12 +161,13 @@ class LossPlot(BackgroundPlot):
             return
         curves: list[tuple[list[float], list[float], str, str, str]] = []
         if len(state.loss):
-            xs, ys = thin(state.loss.steps, state.loss.values)
-            _, smooth = thin(state.loss.steps, state.smoothed_loss)
+            limit = self.point_limit()
+            xs, ys = thin(state.loss.steps, state.loss.values, limit)
+            _, smooth = thin(state.loss.steps, state.smoothed_loss, limit)
             curves.append((xs, ys, "train", "gray", "braille"))
             curves.append((xs, smooth, "train (smoothed)", "cyan", "braille"))
         if len(state.eval_loss):
-            xs, ys = thin(state.eval_loss.steps, state.eval_loss.values)
+            xs, ys = thin(state.eval_loss.steps, state.eval_loss.values, self.point_limit())
             curves.append((xs, ys, "eval", "orange", "dot"))
         last = state.loss.last()
         title = self.title + (f" · last {last:.4f}" if last is not None else "")
@@ -171,10 +180,10 @@ class LossPlot(BackgroundPlot):
         for i, (label, state) in enumerate(runs):
             train_color, eval_color = COMPARE_COLORS[i % len(COMPARE_COLORS)]
             if len(state.loss):
-                xs, ys = thin(state.loss.steps, ema(state.loss.values, state.smoothing))
+                xs, ys = thin(state.loss.steps, ema(state.loss.values, state.smoothing), self.point_limit())
                 curves.append((xs, ys, f"{label} train", train_color, "braille"))
             if len(state.eval_loss):
-                xs, ys = thin(state.eval_loss.steps, state.eval_loss.values)
+                xs, ys = thin(state.eval_loss.steps, state.eval_loss.values, self.point_limit())
                 curves.append((xs, ys, f"{label} eval", eval_color, "dot"))
         if not curves:
             self._empty("the runs have no steps yet")
@@ -217,5 +226,5 @@ class LearningRatePlot(BackgroundPlot):
         if not len(state.learning_rate):
             self.draw(_curves_painter([], "learning rate"))
             return
-        xs, ys = thin(state.learning_rate.steps, state.learning_rate.values)
+        xs, ys = thin(state.learning_rate.steps, state.learning_rate.values, self.point_limit())
         self.draw(_curves_painter([(xs, ys, "", "green", "braille")], f"learning rate · {ys[-1]:.2e}"))
