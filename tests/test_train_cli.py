@@ -149,10 +149,10 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tiny_config, tmp_path: Path
     tiny_config.trainer.max_steps = 5000
     tiny_config.trainer.checkpoint_interval = 0
     tiny_config.save(tmp_path / "long.yaml")
-    proc = subprocess.Popen([python, "-m", "studio.cli", "train", str(tmp_path / "long.yaml")],
-                            cwd=tmp_path, env=studio_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    runs = Path(tiny_config.output_dir)
+    runs = tmp_path / "elsewhere"  # --runs-dir wins over the config's output_dir
+    proc = subprocess.Popen([python, "-m", "studio.cli", "train", str(tmp_path / "long.yaml"), "--runs-dir",
+                             str(runs)], cwd=tmp_path, env=studio_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 180
     try:
         while time.time() < deadline and proc.poll() is None:

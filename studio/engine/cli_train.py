@@ -150,14 +150,15 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         if getattr(args, "resume", None):
-            root = getattr(args, "run_dir", None) or "runs"
-            run = find_run(args.resume, root)
+            run = find_run(args.resume, getattr(args, "runs_dir", None) or "runs")
             config = run.config()
             if getattr(args, "max_steps", None):
                 config.trainer.max_steps = args.max_steps
         else:
             config, _ = prepare_config(args)
-            run = create_run(config, getattr(args, "run_dir", None))
+            # --runs-dir when given, else the config's output_dir (as `studio train --detach` does).
+            given = getattr(args, "runs_dir", None)
+            run = create_run(config, given if given not in (None, "runs") else None)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
