@@ -43,7 +43,8 @@ def test_the_running_app_never_imports_torch(tmp_path):
             async with app.run_test(size=(100, 30)) as pilot:
                 for _ in range(600):
                     await pilot.pause(0.05)
-                    if app.query_one(DatasetPane).issues or app.query_one("#lint-summary").render().plain:
+                    summary = app.query("#lint-summary")  # the pane mounts just after the first frame
+                    if summary and (app.query_one(DatasetPane).issues or summary.first().render().plain):
                         break
                 await pilot.press("2")
                 await pilot.pause(0.3)

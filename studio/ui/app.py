@@ -24,7 +24,7 @@ from textual.containers import Container
 from textual.css.query import NoMatches
 from textual.lazy import Lazy
 from textual.widget import Widget
-from textual.widgets import Footer, Header, Input, Select, Static, TabbedContent, TabPane, TextArea
+from textual.widgets import Header, Input, Select, Static, TabbedContent, TabPane, Tabs, TextArea
 from textual.worker import get_current_worker
 
 from studio.core import events as ev
@@ -35,6 +35,7 @@ from studio.ui.commands import StudioCommands
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged
 from studio.ui.widgets.config_editor import ConfigEditor
 from studio.ui.widgets.dialogs import PathDialog
+from studio.ui.widgets.footer import StudioFooter
 from studio.ui.widgets.token_counter import TokenCounter, approximate_counter, load_token_counter
 
 # (tab id, tab title, module under studio/ui/panes, class): the order is the key order 1..5.
@@ -63,16 +64,31 @@ def _make_pane(tab: str, title: str, module: str, cls: str) -> Widget:
 
 
 class PaneSlot(Container):
-    """Where a hidden pane will be: its module is imported and the pane mounted after the first frame."""
+    """Where a pane will be: its module is imported and the pane mounted after the first frame.
+
+    The first frame (title, tab bar, footer) is on screen before any pane's module is imported or
+    its widgets styled; the shown pane follows a moment later, the hidden ones after it.
+    """
 
     DEFAULT_CSS = "PaneSlot { height: 1fr; }"
 
-    def __init__(self, tab: str, title: str, module: str, cls: str) -> None:
+    def __init__(self, tab: str, title: str, module: str, cls: str, first: bool = False) -> None:
         super().__init__()
         self.spec = (tab, title, module, cls)
+        self.first = first
 
     def on_mount(self) -> None:
-        self.call_after_refresh(lambda: self.mount(_make_pane(*self.spec)))
+        if self.first:
+            self.call_after_refresh(self._fill)
+        else:
+            # Hidden panes wait for the shown one (mounted after the first frame) to be painted.
+            self.call_after_refresh(lambda: self.call_after_refresh(self._fill))
+
+    async def _fill(self) -> None:
+        await self.mount(_make_pane(*self.spec))
+        app = self.app
+        if isinstance(app, StudioApp):
+            app.pane_mounted(self.spec[0])
 
 
 class StudioApp(App[None]):
@@ -136,24 +152,33 @@ class StudioApp(App[None]):
         yield Header()
         initial = self.initial_pane or "dataset"
         with TabbedContent(id="panes", initial=initial):
-            # Hidden panes are imported and mounted just after the first frame is on screen: they
-            # cost nothing before the person sees the app.
+            # Panes are imported and mounted just after the first frame is on screen (the shown one
+            # first): they cost nothing before the person sees the app.
             for n, (tab, title, module, cls) in enumerate(PANES, start=1):
                 with TabPane(f"{n} {title}", id=tab):
-                    yield _make_pane(tab, title, module, cls) if tab == initial else PaneSlot(
-                        tab, title, module, cls)
+                    yield PaneSlot(tab, title, module, cls, first=tab == initial)
             with TabPane("6 Config", id="config"):
                 yield ConfigEditor(id="pane-config") if initial == "config" else Lazy(
                     ConfigEditor(id="pane-config"))
-        yield Footer()
+        yield StudioFooter()
 
     def on_mount(self) -> None:
         self.sub_title = self._subtitle()
         self.theme_changed_signal.subscribe(self, self._theme_changed)
         self.set_interval(EVENT_FLUSH_S, self._flush_events)
-        self.load_tokenizer()
+        # Threads started now would hold the GIL (importing tokenizers, reading the log) while the
+        # first frame is built: they start once it is painted.
+        self.call_after_refresh(self.load_tokenizer)
         if self.current_run is not None:
             self.open_run(self.current_run)
+
+    def pane_mounted(self, tab: str) -> None:
+        """A pane just mounted into its slot: focus it if its tab is the one shown."""
+        tabs = self.query_one("#panes", TabbedContent)
+        focused = self.focused
+        # Before the pane arrived, focus could only land on the tab bar (the screen's auto focus).
+        if tabs.active == tab and (focused is None or not focused.is_attached or isinstance(focused, Tabs)):
+            self._focus_pane(tab)
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         """Studio's own colour variables under a theme that lacks them (Textual's built-ins)."""
@@ -369,7 +394,10 @@ class StudioApp(App[None]):
         self._focus_pane(self.query_one("#panes", TabbedContent).active)
 
     def _focus_pane(self, tab: str) -> None:
-        pane = self.query_one(f"#pane-{tab}")
+        try:
+            pane = self.query_one(f"#pane-{tab}")
+        except NoMatches:
+            return  # still mounting: it takes focus when it arrives (pane_mounted)
         target = getattr(pane, "focus_target", None)
         widget = target() if callable(target) else None
         if widget is None and pane.focusable:
@@ -429,7 +457,10 @@ class StudioApp(App[None]):
 
     def _pane_action(self, tab: str, action: str) -> bool:
         """Run ``action`` of the pane on tab ``tab`` (bringing it to the front); False if absent."""
-        pane = self.query_one(f"#pane-{tab}")
+        try:
+            pane = self.query_one(f"#pane-{tab}")
+        except NoMatches:
+            return False  # not mounted yet (the first moment after start)
         if not hasattr(pane, f"action_{action}"):
             return False
         self.action_show_pane(tab)
