@@ -15,7 +15,7 @@ import queue
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual import work
 from textual.app import App, ComposeResult
@@ -27,9 +27,7 @@ from textual.widget import Widget
 from textual.widgets import Header, Input, Select, Static, TabbedContent, TabPane, Tabs, TextArea
 from textual.worker import get_current_worker
 
-from studio.core import events as ev
 from studio.core.config import RunConfig
-from studio.core.runs import RunDir, create_run, iter_events
 from studio.ui import theme as themes
 from studio.ui.commands import StudioCommands
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged
@@ -37,6 +35,10 @@ from studio.ui.widgets.config_editor import ConfigEditor
 from studio.ui.widgets.dialogs import PathDialog
 from studio.ui.widgets.footer import StudioFooter
 from studio.ui.widgets.token_counter import TokenCounter, approximate_counter, load_token_counter
+
+if TYPE_CHECKING:  # imported where used: not needed for the first frame (see PaneSlot)
+    from studio.core import events as ev
+    from studio.core.runs import RunDir
 
 # (tab id, tab title, module under studio/ui/panes, class): the order is the key order 1..5.
 PANES = (
@@ -286,6 +288,8 @@ class StudioApp(App[None]):
 
         With no run yet, one is made from the config and its worker started.
         """
+        from studio.core.runs import create_run
+
         self._outbox.put(command)
         if self.current_run is None:
             try:
@@ -330,6 +334,9 @@ class StudioApp(App[None]):
 
     def _retire(self, run: RunDir) -> None:
         """Shut down ``run``'s worker if it only served previews (it never started training)."""
+        from studio.core import events as ev
+        from studio.core.runs import iter_events
+
         if run.worker_pid() is None or any(isinstance(e, ev.RunStarted) for e in iter_events(run.events_path)):
             return
         client = self._client if self._client is not None and self._client.run == run else None
@@ -469,6 +476,9 @@ class StudioApp(App[None]):
 
     def action_start_training(self) -> None:
         """Train the current config: a new run directory and its background worker."""
+        from studio.core import events as ev
+        from studio.core.runs import create_run
+
         if not self.query_one(ConfigEditor).apply():
             return
         if not self._pane_action("training", "start_training"):
@@ -479,6 +489,8 @@ class StudioApp(App[None]):
 
     def action_stop_training(self) -> None:
         """Checkpoint, save the adapter and stop the current run's training (asks first)."""
+        from studio.core import events as ev
+
         if self._pane_action("training", "stop_training"):
             return
         if self.current_run is None:

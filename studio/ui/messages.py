@@ -7,11 +7,12 @@ A pane handles the ones it cares about with the usual ``on_<name>`` methods.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual.message import Message
 
-from studio.core.runs import RunDir
+if TYPE_CHECKING:  # the app's first frame does not import the run machinery
+    from studio.core.runs import RunDir
 
 
 class ConfigChanged(Message, bubble=False):
