@@ -48,6 +48,8 @@ PANES = (
     ("training", "Training", "training", "TrainingPane"),
     ("chat", "Chat", "chat", "ChatPane"),
 )
+HIDDEN_PANES_DELAY_S = 0.6
+"""Hidden panes are imported and mounted this long after start: after the shown pane is painted."""
 EVENT_FLUSH_S = 0.2
 """Events reach the panes at most this often (5 redraws a second), however fast they arrive."""
 
@@ -78,15 +80,20 @@ class PaneSlot(Container):
         super().__init__()
         self.spec = (tab, title, module, cls)
         self.first = first
+        self.filled = False
 
     def on_mount(self) -> None:
         if self.first:
-            self.call_after_refresh(self._fill)
+            self.call_after_refresh(self.fill)
         else:
-            # Hidden panes wait for the shown one (mounted after the first frame) to be painted.
-            self.call_after_refresh(lambda: self.call_after_refresh(self._fill))
+            # Hidden panes wait until the shown one has been painted (or their tab is picked).
+            self.set_timer(HIDDEN_PANES_DELAY_S, self.fill)
 
-    async def _fill(self) -> None:
+    async def fill(self) -> None:
+        """Import and mount the pane (once)."""
+        if self.filled:
+            return
+        self.filled = True
         await self.mount(_make_pane(*self.spec))
         app = self.app
         if isinstance(app, StudioApp):
@@ -168,19 +175,28 @@ class StudioApp(App[None]):
         self.sub_title = self._subtitle()
         self.theme_changed_signal.subscribe(self, self._theme_changed)
         self.set_interval(EVENT_FLUSH_S, self._flush_events)
-        # Threads started now would hold the GIL (importing tokenizers, reading the log) while the
-        # first frame is built: they start once it is painted.
-        self.call_after_refresh(self.load_tokenizer)
+        # The tokenizer thread imports `tokenizers` holding the GIL: it starts once the shown pane
+        # is on screen (pane_mounted), or after a second at the latest.
+        self._tokenizer_started = False
+        self.set_timer(1.0, self._start_tokenizer)
         if self.current_run is not None:
             self.open_run(self.current_run)
 
+    def _start_tokenizer(self) -> None:
+        if not self._tokenizer_started:
+            self._tokenizer_started = True
+            self.load_tokenizer()
+
     def pane_mounted(self, tab: str) -> None:
         """A pane just mounted into its slot: focus it if its tab is the one shown."""
+        self.call_after_refresh(self._start_tokenizer)
         tabs = self.query_one("#panes", TabbedContent)
         focused = self.focused
         # Before the pane arrived, focus could only land on the tab bar (the screen's auto focus).
+        # Focus is set at once: a deferred focus landing after a key picked another tab would
+        # bring this one back to the front.
         if tabs.active == tab and (focused is None or not focused.is_attached or isinstance(focused, Tabs)):
-            self._focus_pane(tab)
+            self._focus_pane(tab, now=True)
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         """Studio's own colour variables under a theme that lacks them (Textual's built-ins)."""
@@ -394,13 +410,16 @@ class StudioApp(App[None]):
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         """Focus the shown pane's main widget, so its keys are live and listed in the footer."""
         if event.tabbed_content.id == "panes" and event.pane.id is not None:
+            for slot in event.pane.query(PaneSlot):
+                self.call_next(slot.fill)  # picked before its pane was mounted: mount it now
             self._focus_pane(event.pane.id)
 
     def action_leave_editor(self) -> None:
         """Leave a text editor for its pane's main widget (digits switch panes again)."""
         self._focus_pane(self.query_one("#panes", TabbedContent).active)
 
-    def _focus_pane(self, tab: str) -> None:
+    def _focus_pane(self, tab: str, now: bool = False) -> None:
+        """Focus pane ``tab``'s main widget; ``now`` sets it at once instead of after the queue."""
         try:
             pane = self.query_one(f"#pane-{tab}")
         except NoMatches:
@@ -413,10 +432,12 @@ class StudioApp(App[None]):
             # Not a text field: there, digits would be typed instead of switching panes.
             typing = (Input, TextArea, Select)
             widget = next((w for w in pane.query("*") if w.focusable and not isinstance(w, typing)), None)
-        if widget is not None:
-            widget.focus()
-        else:
+        if widget is None:
             self.set_focus(None)
+        elif now:
+            self.set_focus(widget)
+        else:
+            widget.focus()
 
     def action_open_dataset(self) -> None:
         """Show the dataset browser's file picker."""

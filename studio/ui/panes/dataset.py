@@ -74,6 +74,8 @@ class DatasetPane(Vertical):
         self._filter_timer: Timer | None = None
         self._lint_timer: Timer | None = None
         self._page_rows: list[int] = []
+        self._highlight_pending: int | None = None
+        """Dataset row the cursor moved to, shown in the row view after the table's repaint."""
         self._mapping_shown: tuple = ()
 
     def compose(self) -> ComposeResult:
@@ -108,7 +110,10 @@ class DatasetPane(Vertical):
         path = self.app.config.data.path  # type: ignore[attr-defined]
         if path:
             self.query_one("#dataset-path", Input).value = str(path)
-            self.open(str(path))
+            # Reading starts once the pane is painted: the reader thread imports `datasets` and
+            # would hold the GIL while the pane's first frame is built.
+            self._busy(f"reading {path}…")
+            self.call_after_refresh(self._load, str(path))
 
     def focus_target(self) -> DataTable:
         """What gets focus when the pane is shown: the table."""
@@ -288,7 +293,16 @@ class DatasetPane(Vertical):
         """Show the page's row ``cursor_row`` in the row view and hand it to the previews."""
         if self.table is None or not 0 <= cursor_row < len(self._page_rows):
             return
-        index = self._page_rows[cursor_row]
+        # The table's new frame goes out first; the row view (a re-layout of the side panel) and
+        # the previews follow right after it, once for a burst of moves (a held arrow key).
+        if self._highlight_pending is None:
+            self.call_after_refresh(self._show_highlighted)
+        self._highlight_pending = self._page_rows[cursor_row]
+
+    def _show_highlighted(self) -> None:
+        index, self._highlight_pending = self._highlight_pending, None
+        if index is None or self.table is None or index >= len(self.table):
+            return
         row = self.table.row(index)
         self._show_row(index, row)
         self.app.select_row(index, row, origin=self)  # type: ignore[attr-defined]

@@ -55,13 +55,14 @@ class BackgroundPlot(PlotextPlot):
         self._last_build = 0.0
         self._build_scheduled = False
         self._figure_lock = threading.Lock()
-        self._painter: Callable[[object], None] = lambda plt: None
+        self._painter: Callable[[object, int], None] = lambda plt, width: None
         self._version = 0
         self._requested = 0
         self._frame: tuple[tuple[int, int, str, int], Text] | None = None
 
-    def draw(self, painter: Callable[[object], None]) -> None:
-        """Replace the figure with what ``painter(plt)`` draws; the frame follows shortly."""
+    def draw(self, painter: Callable[[object, int], None]) -> None:
+        """Replace the figure with what ``painter(plt, width)`` draws (``width``: the plot's columns,
+        known when the frame is built); the frame follows shortly."""
         self._painter = painter
         self._version += 1
         if not (self.is_mounted and self.size.area):
@@ -83,21 +84,15 @@ class BackgroundPlot(PlotextPlot):
         self._requested = self._version
         self._build_frame(self._key())
 
-    def point_limit(self) -> int:
-        """Most points per curve worth drawing at the widget's width: plotext's build time grows with
-        the points, and a curve cannot show more than the braille dots across its columns."""
-        width = self.size.width
-        return MAX_POINTS if width <= 0 else max(32, min(MAX_POINTS, DOTS_PER_CELL * width))
-
     def _key(self) -> tuple[int, int, str, int]:
         return (self.size.width, self.size.height, self._get_plotext_theme_name(self.app.theme), self._version)
 
-    def _frame_text(self, key: tuple[int, int, str, int], painter: Callable[[object], None]) -> Text:
+    def _frame_text(self, key: tuple[int, int, str, int], painter: Callable[[object, int], None]) -> Text:
         width, height, theme, _ = key
         with self._figure_lock:
             plt = self.plt
             plt.clear_figure()
-            painter(plt)
+            painter(plt, width)
             plt.plotsize(width, height)
             plt._set_size(width, height)  # see textual-plotext issue 5: the size needs both calls
             plt.theme(theme)
@@ -147,7 +142,7 @@ class LossPlot(BackgroundPlot):
     def _empty(self, message: str) -> None:
         title = f"{self.title}: {message}"
 
-        def paint(plt) -> None:
+        def paint(plt, width: int) -> None:
             plt.title(title)
             plt.xlabel("step")
 
@@ -161,13 +156,12 @@ class LossPlot(BackgroundPlot):
             return
         curves: list[tuple[list[float], list[float], str, str, str]] = []
         if len(state.loss):
-            limit = self.point_limit()
-            xs, ys = thin(state.loss.steps, state.loss.values, limit)
-            _, smooth = thin(state.loss.steps, state.smoothed_loss, limit)
+            xs, ys = thin(state.loss.steps, state.loss.values)
+            _, smooth = thin(state.loss.steps, state.smoothed_loss)
             curves.append((xs, ys, "train", "gray", "braille"))
             curves.append((xs, smooth, "train (smoothed)", "cyan", "braille"))
         if len(state.eval_loss):
-            xs, ys = thin(state.eval_loss.steps, state.eval_loss.values, self.point_limit())
+            xs, ys = thin(state.eval_loss.steps, state.eval_loss.values)
             curves.append((xs, ys, "eval", "orange", "dot"))
         last = state.loss.last()
         title = self.title + (f" · last {last:.4f}" if last is not None else "")
@@ -180,10 +174,10 @@ class LossPlot(BackgroundPlot):
         for i, (label, state) in enumerate(runs):
             train_color, eval_color = COMPARE_COLORS[i % len(COMPARE_COLORS)]
             if len(state.loss):
-                xs, ys = thin(state.loss.steps, ema(state.loss.values, state.smoothing), self.point_limit())
+                xs, ys = thin(state.loss.steps, ema(state.loss.values, state.smoothing))
                 curves.append((xs, ys, f"{label} train", train_color, "braille"))
             if len(state.eval_loss):
-                xs, ys = thin(state.eval_loss.steps, state.eval_loss.values, self.point_limit())
+                xs, ys = thin(state.eval_loss.steps, state.eval_loss.values)
                 curves.append((xs, ys, f"{label} eval", eval_color, "dot"))
         if not curves:
             self._empty("the runs have no steps yet")
@@ -195,8 +189,12 @@ class LossPlot(BackgroundPlot):
 def _curves_painter(curves: list[tuple[list[float], list[float], str, str, str]], title: str):
     """A painter drawing ``(xs, ys, label, colour, marker)`` curves under ``title``."""
 
-    def paint(plt) -> None:
+    def paint(plt, width: int) -> None:
+        # plotext's build time grows with the points, and a curve cannot show more than the
+        # braille dots across the plot's columns: thin to those (here, in the build thread).
+        limit = max(32, min(MAX_POINTS, DOTS_PER_CELL * width))
         for xs, ys, label, color, marker in curves:
+            xs, ys = thin(xs, ys, limit)
             plt.plot(xs, ys, label=label or None, color=color, marker=marker)
         plt.title(title)
         plt.xlabel("step")
@@ -226,5 +224,5 @@ class LearningRatePlot(BackgroundPlot):
         if not len(state.learning_rate):
             self.draw(_curves_painter([], "learning rate"))
             return
-        xs, ys = thin(state.learning_rate.steps, state.learning_rate.values, self.point_limit())
+        xs, ys = thin(state.learning_rate.steps, state.learning_rate.values)
         self.draw(_curves_painter([(xs, ys, "", "green", "braille")], f"learning rate · {ys[-1]:.2e}"))
