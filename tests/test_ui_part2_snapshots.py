@@ -7,6 +7,7 @@ Update after an intended change with: pytest tests/test_ui_part2_snapshots.py --
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from studio.core.runs import RunDir, append_event, iter_events
 from studio.ui.panes.chat import ChatPane
 from studio.ui.panes.training import TrainingPane
 from studio.ui.theme import bundled_themes
+from studio.ui.widgets.loss_plot import BackgroundPlot
 from studio.ui.widgets.run_picker import CompareScreen
 
 RECORDED_PATH = Path(__file__).parent / "data" / "recorded_events.jsonl"
@@ -43,9 +45,21 @@ def fixed_run(root: Path, name: str, config: RunConfig) -> RunDir:
 
 
 async def settle(pilot) -> None:
+    """Cursor blink off; then wait until every plot shows its newest figure at its size and theme.
+    Frames are built in threads at most once a second, and later than that on a loaded machine, so
+    a fixed pause is not enough."""
     for widget in pilot.app.query(Input):
         widget.cursor_blink = False
     await pilot.pause(0.5)
+    deadline = time.monotonic() + 30
+    steady = 0
+    while steady < 3:  # a few quiet checks in a row: no redraw is still on its way
+        assert time.monotonic() < deadline, "the plots never settled"
+        plots = list(pilot.app.query(BackgroundPlot))
+        drawn = all(p._frame is not None and p._frame[0] == p._key() and not p._build_scheduled for p in plots)
+        busy = any(worker.is_running for worker in pilot.app.workers)
+        steady = steady + 1 if drawn and not busy else 0
+        await pilot.pause(0.1)
 
 
 @pytest.mark.parametrize("theme", THEMES)
