@@ -111,13 +111,14 @@ async def test_failures_are_shown_in_place_and_the_ui_stays(tmp_path):
         app.feed([ev.RunStarted(total_steps=10, micro_batch_size=8, gradient_accumulation_steps=2),
                   ev.BatchSizeReduced(step=2, old_micro_batch_size=8, micro_batch_size=4,
                                       gradient_accumulation_steps=4)])
-        await pilot.pause(0.3)
-        assert "out of memory; micro-batch 8 -> 4" in text_of(app, "#training-alert")
+        # The pane redraws a few times a second: wait for the redraw rather than a fixed pause.
+        await wait_until(pilot, lambda: "out of memory; micro-batch 8 -> 4" in text_of(app, "#training-alert"),
+                         10, "the OOM notice")
         assert "micro-batch 4 × 4" in text_of(app, "#training-status")
         app.feed([ev.WorkerFailed(kind="data", message="train.jsonl line 12: 'output' is empty; fill it or "
                                   "drop the row")])
-        await pilot.pause(0.3)
-        assert "Data error: train.jsonl line 12" in text_of(app, "#training-alert")
+        await wait_until(pilot, lambda: "Data error: train.jsonl line 12" in text_of(app, "#training-alert"),
+                         10, "the data error")
         assert app.query_one("#training-alert").has_class("failed")
         assert app.is_running
 
