@@ -303,6 +303,8 @@ class TemplatePane(Vertical):
 
     def handle_events(self, events: list[ev.Event]) -> None:
         """Model loading progress and the streamed answer to our zero-shot request."""
+        if not self.query("#template-zero-label"):
+            return  # not composed yet: it has sent no request, so none of these are its answer
         label = self.query_one("#template-zero-label", Static)
         bar = self.query_one("#template-zero-progress", ProgressBar)
         changed = False
