@@ -124,6 +124,27 @@ async def test_every_binding_has_an_id_a_description_and_a_palette_entry(tmp_pat
         assert app.query_one("#panes", TabbedContent).active == "config"
 
 
+async def test_palette_works_before_the_hidden_panes_have_mounted(tmp_path, monkeypatch):
+    """The palette lists pane commands from the pane classes: a person may open it (or press a
+    key) in the moment before the hidden panes are mounted; the entry then mounts its pane."""
+    import studio.ui.app as app_module
+
+    monkeypatch.setattr(app_module, "HIDDEN_PANES_DELAY_S", 60.0)  # hidden panes never arrive alone
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert [p.id for p in app.panes if p.id != "pane-config"] == ["pane-dataset"]
+        entries = palette_entries(app)
+        preset = next(e for e in entries if e.title == "Template: Next preset")
+        before = app.config.prompt.template
+        preset.run()
+        await settle(pilot, rounds=2)
+        assert app.query_one("#panes", TabbedContent).active == "template"
+        assert "pane-template" in [p.id for p in app.panes]
+        assert app.config.prompt.template != before  # the action ran on the pane it mounted
+
+
 def test_themes_are_tcss_variables_and_the_styles_use_only_variables():
     names = {t.name: t for t in themes.bundled_themes()}
     assert {"studio-dark", "studio-light"} <= set(names)

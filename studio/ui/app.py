@@ -9,6 +9,7 @@ the panes in batches, a few times a second at most, however fast the worker writ
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib
 import queue
@@ -81,6 +82,7 @@ class PaneSlot(Container):
         self.spec = (tab, title, module, cls)
         self.first = first
         self.filled = False
+        self._mounted = asyncio.Event()
 
     def on_mount(self) -> None:
         if self.first:
@@ -90,11 +92,13 @@ class PaneSlot(Container):
             self.set_timer(HIDDEN_PANES_DELAY_S, self.fill)
 
     async def fill(self) -> None:
-        """Import and mount the pane (once)."""
+        """Import and mount the pane (once); a second call waits until the first has mounted it."""
         if self.filled:
+            await self._mounted.wait()
             return
         self.filled = True
         await self.mount(_make_pane(*self.spec))
+        self._mounted.set()
         app = self.app
         if isinstance(app, StudioApp):
             app.pane_mounted(self.spec[0])
@@ -441,8 +445,20 @@ class StudioApp(App[None]):
 
     def action_open_dataset(self) -> None:
         """Show the dataset browser's file picker."""
-        self.action_show_pane("dataset")
-        self.call_next(self.run_action, "open_file", self.query_one("#pane-dataset"))
+        self.call_next(self.run_pane_action, "dataset", "open_file")
+
+    async def run_pane_action(self, tab: str, action: str) -> None:
+        """Bring pane ``tab`` to the front and run its ``action``, mounting the pane first if the
+        person got here before it arrived (a key or palette entry in the first moment)."""
+        self.action_show_pane(tab)
+        for slot in self.query(PaneSlot):
+            if slot.spec[0] == tab:
+                await slot.fill()
+        try:
+            pane = self.query_one(f"#pane-{tab}")
+        except NoMatches:
+            return  # a missing pane module: its notice is shown instead
+        await self.run_action(action, pane)
 
     def action_save_config(self) -> None:
         """Save the config as YAML; asks where the first time."""

@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 if TYPE_CHECKING:
-    from textual.widget import Widget
-
     from studio.ui.app import StudioApp
 
 
@@ -46,16 +44,18 @@ def palette_entries(app: StudioApp) -> list[PaletteEntry]:
         help_text = binding.tooltip or f"key: {binding.key.split(',')[0]}"
         run = partial(app.call_next, app.run_action, binding.action)
         add("app", binding.action, binding.description, help_text, run)
-    tabs = [(tab, title, module) for tab, title, module, _ in PANES] + [("config", "Config", None)]
-    for tab, title, module in tabs:
-        pane = app.query_one(f"#pane-{tab}")
+    from studio.ui.widgets.config_editor import ConfigEditor
+
+    tabs = [(tab, title, module, cls) for tab, title, module, cls in PANES]
+    for tab, title, module, cls in [*tabs, ("config", "Config", None, None)]:
+        # The pane's class, not the pane: hidden panes are mounted a moment after start.
+        pane_class = getattr(_loaded(module), cls, None) if module else ConfigEditor
         pane_title = title
 
-        def on_pane(action: str, tab: str = tab, pane: Widget = pane) -> None:
-            app.action_show_pane(tab)
-            app.call_next(app.run_action, action, pane)
+        def on_pane(action: str, tab: str = tab) -> None:
+            app.call_next(app.run_pane_action, tab, action)
 
-        for binding in getattr(type(pane), "BINDINGS", []):
+        for binding in getattr(pane_class, "BINDINGS", []):
             if not hasattr(binding, "action"):
                 continue
             help_text = binding.tooltip or f"{pane_title} pane, key: {binding.key.split(',')[0]}"
