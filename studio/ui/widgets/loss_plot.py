@@ -13,9 +13,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from plotext._dict import themes as plotext_themes
 from rich.text import Text
 from textual import work
+from textual.color import Color
 from textual_plotext import PlotextPlot
+from textual_plotext.plot import _rgbify_theme, _sequence
 
 from studio.ui.metrics import TrainingState, ema
 
@@ -83,6 +86,22 @@ class BackgroundPlot(PlotextPlot):
         self._last_build = time.monotonic()
         self._requested = self._version
         self._build_frame(self._key())
+
+    def _register_theme(self, app_theme_name: str) -> None:
+        # textual-plotext registers a plotext theme per app theme name once per process, from
+        # app.theme_variables; those lag app.theme until the CSS refresh after a switch, so a plot
+        # mounted in between froze the old theme's colours under the new name (a light plot drawn on
+        # the dark background from then on). Register from the named theme's own colours, every time.
+        theme = self.app.get_theme(app_theme_name)
+        if self.theme != "auto" or theme is None:
+            super()._register_theme(app_theme_name)
+            return
+        variables = {**theme.to_color_system().generate(), **theme.variables}
+        surface = Color.parse(variables["surface"]).rgb
+        foreground = Color.parse(variables["foreground"]).rgb
+        plotext_themes[self._get_plotext_theme_name(app_theme_name)] = _rgbify_theme(
+            surface, surface, foreground, "default", _sequence)
+        self.refresh()
 
     def _key(self) -> tuple[int, int, str, int]:
         return (self.size.width, self.size.height, self._get_plotext_theme_name(self.app.theme), self._version)
