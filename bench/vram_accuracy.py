@@ -12,6 +12,10 @@ package versions and the exact command.
 
     PYTHONPATH=. python bench/vram_accuracy.py --out bench/results/vram_accuracy_h100.json
     PYTHONPATH=. python bench/vram_accuracy.py --dry-run --out /tmp/vram_dry.json   # CPU, tiny
+    # a few rows again under Studio's own allocator setting (expandable segments)
+    PYTHONPATH=. python bench/vram_accuracy.py --expandable --only "seq512 mb4 ckpt,seq1024 mb8" --out x.json
+    # also write each matching row's allocator trace (alloc / free / segment events, gzipped JSON)
+    PYTHONPATH=. python bench/vram_accuracy.py --trace "seq1024 mb8" --trace-dir /tmp/traces --out x.json
 
 A fresh process per config means nothing of one config (allocator cache, bitsandbytes state)
 leaks into the next one's peak.
@@ -28,12 +32,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-# The estimator models PyTorch's default caching allocator; Studio's engine turns on expandable
-# segments unless the environment says otherwise, so the benchmark says otherwise (and records it).
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+# The grid measures PyTorch's default caching allocator (Studio's engine turns on expandable segments
+# unless the environment says otherwise); --expandable measures rows under Studio's setting. Each
+# child process gets the setting of its row, and the result records it.
+DEFAULT_ALLOC_CONF = "expandable_segments:False"
+EXPANDABLE_ALLOC_CONF = "expandable_segments:True"
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", DEFAULT_ALLOC_CONF)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -68,25 +75,32 @@ class Case:
     checkpointing: bool
     dropout: float = 0.0
     optimizer: str = "adamw"
+    expandable: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Studio's engine default)
 
     @property
     def label(self) -> str:
         t = "all" if self.targets == ALL_LINEAR else "qv"
         return (f"{self.arch} {self.weights} r{self.r}-{t} seq{self.seq} mb{self.micro_batch} "
-                f"{'ckpt' if self.checkpointing else 'no-ckpt'} drop{self.dropout} {self.optimizer}")
+                f"{'ckpt' if self.checkpointing else 'no-ckpt'} drop{self.dropout} {self.optimizer}"
+                f"{' expandable' if self.expandable else ''}")
 
     def plan(self) -> Plan:
         return Plan(weights=self.weights, double_quant=True, compute="bf16", lora_r=self.r,
                     lora_targets=self.targets, lora_dropout=self.dropout, micro_batch=self.micro_batch,
-                    seq_len=self.seq, checkpointing=self.checkpointing, optimizer=self.optimizer)
+                    seq_len=self.seq, checkpointing=self.checkpointing, optimizer=self.optimizer,
+                    expandable_segments=self.expandable)
 
 
 # Most telling first: a run that hits the time budget drops the tail. The first two repeat the
-# H100 reference runs (docs in /work/shared/GPU.md).
+# H100 reference runs (docs in /work/shared/GPU.md). The v3 additions (the 8-bit row that v2's budget
+# skipped, moved up; two rows with many tokens x vocabulary) test the reserved model out of sample.
 GRID = [
     Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, 4, True),
     Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, 4, False),
     Case("smollm2-135m", "nf4", 16, ALL_LINEAR, 1024, 8, True, 0.05),
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 1024, 4, True, 0.0, "adamw_8bit"),
+    Case("smollm2-135m", "nf4", 16, ALL_LINEAR, 2048, 4, True, 0.0),
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 1024, 8, True, 0.05),
     Case("llama2-7b", "nf4", 8, QV, 2048, 1, True, 0.05),
     Case("llama2-7b", "nf4", 64, ALL_LINEAR, 4096, 2, True, 0.05),
     Case("smollm2-135m", "bf16", 64, ALL_LINEAR, 2048, 4, False),
@@ -99,7 +113,6 @@ GRID = [
     Case("smollm2-135m", "bf16", 8, QV, 256, 2, True),
     Case("llama2-7b", "int8", 8, QV, 1024, 1, False, 0.05),
     Case("smollm2-135m", "nf4", 32, ALL_LINEAR, 2048, 2, True, 0.05, "adamw_8bit"),
-    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 1024, 4, True, 0.0, "adamw_8bit"),
 ]
 DRY_GRID = [
     Case("tiny", "bf16", 8, ALL_LINEAR, 64, 2, True),
@@ -130,8 +143,12 @@ def build_model(arch: str, out: Path) -> Path:
     return out
 
 
-def run_case(case: Case, folder: Path, steps: int) -> dict:
-    """Load, attach LoRA, train ``steps`` steps; the measured peaks and categories (fresh process)."""
+def run_case(case: Case, folder: Path, steps: int, trace: Path | None = None) -> dict:
+    """Load, attach LoRA, train ``steps`` steps; the measured peaks and categories (fresh process).
+
+    With ``trace`` (CUDA only), the allocator's history from before the load to the end is written
+    there: gzipped JSON of [action, address, size] events (alloc, free_completed, segment_alloc, ...).
+    """
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
@@ -139,6 +156,10 @@ def run_case(case: Case, folder: Path, steps: int) -> dict:
     from studio.engine.memory import measure_memory, reset_peak
 
     cuda = torch.cuda.is_available()
+    if trace is not None and cuda:
+        # no stacks: only the events, so recording costs little and the file stays small
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                 max_entries=3_000_000)
     device = torch.device("cuda" if cuda else "cpu")
     kwargs: dict = {"dtype": torch.bfloat16, "attn_implementation": "sdpa"}
     if case.weights == "nf4":
@@ -174,6 +195,7 @@ def run_case(case: Case, folder: Path, steps: int) -> dict:
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     losses = []
+    step_peaks = []
     t0 = time.perf_counter()
     for _ in range(steps):
         ids = torch.randint(3, vocab, (case.micro_batch, case.seq), generator=generator).to(device)
@@ -184,6 +206,8 @@ def run_case(case: Case, folder: Path, steps: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(outputs.loss))
         del outputs
+        if cuda:  # running peaks after each step: shows which step set the reserved peak
+            step_peaks.append([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)])
     if cuda:
         torch.cuda.synchronize()
     row = {"categories": measure_memory(model, optimizer, device), "losses": losses,
@@ -191,13 +215,29 @@ def run_case(case: Case, folder: Path, steps: int) -> dict:
     if cuda:
         row["peak_allocated"] = torch.cuda.max_memory_allocated(device)
         row["peak_reserved"] = torch.cuda.max_memory_reserved(device)
+        row["step_peaks"] = step_peaks
+    if trace is not None and cuda:
+        _write_trace(torch.cuda.memory._snapshot(), trace)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        row["trace"] = trace.name
     return row
+
+
+def _write_trace(snapshot: dict, path: Path) -> None:
+    """The device's allocator events as gzipped JSON rows [action, address, size, stream]."""
+    import gzip
+
+    events = [[e["action"], e["addr"], e["size"], e.get("stream", 0)]
+              for trace in snapshot.get("device_traces", []) for e in trace]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        json.dump(events, f)
 
 
 def _child(args: argparse.Namespace) -> int:
     case = Case(**{**json.loads(args.case), "targets": tuple(json.loads(args.case)["targets"])})
     try:
-        row = run_case(case, Path(args.model_dir), args.steps)
+        row = run_case(case, Path(args.model_dir), args.steps, Path(args.trace_file) if args.trace_file else None)
     except Exception as exc:  # noqa: BLE001 - an OOM or a missing kernel is a result, not a crash
         row = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
     print("RESULT " + json.dumps(row), flush=True)
@@ -230,13 +270,16 @@ def _gpu_name() -> str:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Median and worst absolute relative error of the peaks over the rows that ran."""
+    """Median and worst absolute relative error of the peaks over the rows that ran; rows measured
+    with expandable segments are summarized apart (``expandable_peak_*``)."""
     summary = {}
-    for key in ("peak_allocated", "peak_reserved"):
-        errors = [abs(r["error_" + key]) for r in rows if "error_" + key in r]
-        if errors:
-            summary[key] = {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors),
-                            "n": len(errors)}
+    for prefix, expandable in (("", False), ("expandable_", True)):
+        group = [r for r in rows if bool(r["case"].get("expandable")) == expandable]
+        for key in ("peak_allocated", "peak_reserved"):
+            errors = [abs(r["error_" + key]) for r in group if "error_" + key in r]
+            if errors:
+                summary[prefix + key] = {"median_abs_error": statistics.median(errors),
+                                         "worst_abs_error": max(errors), "n": len(errors)}
     return summary
 
 
@@ -247,17 +290,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="training steps per config (peak over all)")
     parser.add_argument("--budget-s", type=float, default=540, help="stop starting configs after this")
     parser.add_argument("--models-dir", default=None, help="where the random models go (default: a temp dir)")
-    parser.add_argument("--only", default=None, help="run only grid rows whose label contains this")
+    parser.add_argument("--only", default=None,
+                        help="run only grid rows whose label contains one of these comma-separated strings")
+    parser.add_argument("--expandable", action="store_true",
+                        help="run the rows with expandable segments (Studio's engine default)")
+    parser.add_argument("--trace", default=None,
+                        help="write the allocator trace of rows whose label contains one of these (comma-separated)")
+    parser.add_argument("--trace-dir", default=None, help="where traces go (default: beside --out)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--trace-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.case:
         return _child(args)
 
     start = time.perf_counter()
     grid = DRY_GRID if args.dry_run else GRID
+    if args.expandable:
+        grid = [replace(c, expandable=True) for c in grid]
     if args.only:
-        grid = [c for c in grid if args.only in c.label]
+        grid = [c for c in grid if any(part in c.label for part in args.only.split(","))]
+    traced = [part for part in (args.trace or "").split(",") if part]
+    trace_dir = Path(args.trace_dir or Path(args.out).parent)
     models_dir = Path(args.models_dir or tempfile.mkdtemp(prefix="vram_bench_"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if args.dry_run:
@@ -271,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         folders[arch] = models_dir / arch
         print(f"built {arch} in {time.perf_counter() - t0:.0f} s", flush=True)
 
+    gpu = _gpu_name()
     rows = []
     for case in grid:
         info = load_model_info(str(folders[case.arch]))
@@ -285,7 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         cmd = [sys.executable, str(Path(__file__).resolve()), "--out", "-", "--steps", str(args.steps),
                "--case", json.dumps(row["case"]), "--model-dir", str(folders[case.arch])]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if any(part in case.label for part in traced):
+            name = "trace_" + "".join(ch if ch.isalnum() or ch in ".-" else "_" for ch in case.label) + ".json.gz"
+            cmd += ["--trace-file", str(trace_dir / name)]
+        alloc_conf = EXPANDABLE_ALLOC_CONF if case.expandable else DEFAULT_ALLOC_CONF
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**env, "PYTORCH_CUDA_ALLOC_CONF": alloc_conf})
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
         measured = json.loads(lines[-1][7:]) if lines else {"error": (done.stderr or "no output")[-300:]}
         row["measured"] = measured
@@ -302,17 +361,24 @@ def main(argv: list[str] | None = None) -> int:
                           if k in row)
         print(f"[{time.perf_counter() - start:5.0f} s] {case.label}: {shown or measured.get('error', 'ran')}",
               flush=True)
+        _write_result(args, rows, start, gpu)  # after every row: a run cut off still leaves its rows
 
+    result = _write_result(args, rows, start, gpu)
+    print(json.dumps(result["summary"], indent=1))
+    return 0
+
+
+def _write_result(args: argparse.Namespace, rows: list[dict], start: float, gpu: str) -> dict:
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "environment": {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")},
-              "gpu": _gpu_name(),
+              "environment": {"PYTORCH_CUDA_ALLOC_CONF": "per row: expandable_segments:True where the case "
+                              "says expandable, else " + DEFAULT_ALLOC_CONF},
+              "gpu": gpu,
               "versions": _versions(), "dry_run": args.dry_run, "steps": args.steps,
               "summary": summarize(rows), "rows": rows,
               "wall_s": round(time.perf_counter() - start, 1)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["summary"], indent=1))
-    return 0
+    return result
 
 
 if __name__ == "__main__":

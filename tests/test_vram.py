@@ -26,6 +26,7 @@ from studio.core.vram import (
     _swiglu_tail,
     estimate,
     estimate_plan,
+    expandable_segments_from_env,
     int8_outlier_fractions,
     lora_params,
     plan_for,
@@ -36,8 +37,8 @@ from studio.core.vram import (
 LLAMA7 = KNOWN_MODELS["meta-llama/Llama-2-7b-hf"]
 SMOL = KNOWN_MODELS["HuggingFaceTB/SmolLM2-135M"]
 # The reference QLoRA loop on one H100 (docs: /work/shared/GPU.md): NF4 double quant, bf16 compute,
-# LoRA r16 on all 7 projections, AdamW.
-QLORA7 = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.0)
+# LoRA r16 on all 7 projections, AdamW; PyTorch's default allocator (fixed segments), as measured.
+QLORA7 = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.0, expandable_segments=False)
 
 
 def test_lora_parameter_count_matches_peft_on_llama_2_7b():
@@ -240,12 +241,53 @@ def test_reserved_at_the_loss_holds_an_extra_fp32_logits_block():
     assert result.peak_reserved / GB == pytest.approx(6.06, rel=0.05)
 
 
-def test_rescored_h100_results_meet_the_median_goal(tmp_path, capsys):
+def test_loss_blocks_are_reused_when_the_forward_leaves_a_block_for_the_workspace():
+    # SmolLM2 nf4 ckpt, 8 x 1024 tokens: each checkpointed layer frees its 48 MiB fp32 gate/up
+    # outputs, the backward thread's 32 MiB cuBLAS workspace goes there, and the next step's loss gets
+    # the cached logits blocks back: measured on the H100, 6.979 GB reserved, 6.574 GB allocated
+    plan = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.05, micro_batch=8,
+                seq_len=1024, checkpointing=True, expandable_segments=False)
+    result = estimate_plan(SMOL, plan)
+    assert result.peak_reserved - result.peak_allocated < 4 * 8192 * 49152
+    assert result.peak_reserved / GB == pytest.approx(6.979, rel=0.05)
+    # 8 x 512 tokens: the freed gate/up blocks are 24 MiB, too small: the workspace pins a logits block
+    half = estimate_plan(SMOL, replace(plan, seq_len=512))
+    assert half.peak_reserved - half.peak_allocated > 4 * 4096 * 49152
+
+
+def test_expandable_segments_reserve_the_allocated_peak_in_20_mib_steps():
+    plan = replace(QLORA7, micro_batch=4, seq_len=512)
+    fixed = estimate_plan(LLAMA7, plan)
+    grown = estimate_plan(LLAMA7, replace(plan, expandable_segments=True))
+    assert grown.peak_allocated == fixed.peak_allocated
+    mib = 2**20
+    assert grown.peak_reserved == -(-fixed.peak_allocated // (20 * mib)) * 20 * mib + 2 * mib
+    assert grown.peak_reserved < fixed.peak_reserved
+    assert grown.total < fixed.total
+
+
+@pytest.mark.parametrize("value,expandable", [
+    (None, True),  # unset: Studio's engine sets expandable_segments:True
+    ("expandable_segments:False", False),
+    ("max_split_size_mb:128", False),  # the user's own setting, without expandable segments
+    ("garbage_collection_threshold:0.6, expandable_segments:True", True),
+])
+def test_allocator_mode_follows_what_the_engine_will_see(value, expandable, monkeypatch):
+    assert expandable_segments_from_env(value) is expandable
+    if value is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", value)
+    assert plan_for(RunConfig()).expandable_segments is expandable
+
+
+def test_rescored_h100_results_meet_the_goal(tmp_path, capsys):
     out = tmp_path / "rescored.json"
-    results = Path(__file__).resolve().parents[1] / "bench" / "results" / "vram_accuracy_h100.json"
+    results = Path(__file__).resolve().parents[1] / "bench" / "results" / "vram_accuracy_h100_v2.json"
     assert rescore_main(["--results", str(results), "--out", str(out)]) == 0
     assert "median |error|" in capsys.readouterr().out
     summary = json.loads(out.read_text())["summary"]
     assert summary["peak_allocated"]["median_abs_error"] < 0.05
     assert summary["peak_allocated"]["worst_abs_error"] < 0.10
     assert summary["peak_reserved"]["median_abs_error"] < 0.05
+    assert summary["peak_reserved"]["worst_abs_error"] < 0.10

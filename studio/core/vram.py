@@ -17,6 +17,7 @@ Plain Python: the UI and ``studio estimate`` import this; it must never import t
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 from studio.core.config import RunConfig
@@ -79,6 +80,12 @@ class Plan:
     attention: str = "sdpa"
     """sdpa / flash (memory linear in length) or eager (keeps seq x seq scores per head)."""
 
+    expandable_segments: bool = True
+    """PyTorch's caching allocator mode (PYTORCH_CUDA_ALLOC_CONF). True, what Studio's engine sets
+    unless the environment says otherwise: one growing mapping per pool, so reserved memory is the
+    allocated peak rounded up to 2 MiB pages. False: PyTorch's default fixed-size segments, which
+    cache freed blocks (see :func:`_moments` for what that costs)."""
+
     @property
     def quantized(self) -> bool:
         """True for 4-bit and 8-bit base weights (loaded through bitsandbytes)."""
@@ -127,8 +134,28 @@ class Estimate:
                 "fits": self.fits, "max_micro_batch": self.max_micro_batch}
 
 
-def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str = "sdpa") -> Plan:
-    """The Plan a RunConfig describes (4-bit NF4 QLoRA by default)."""
+def expandable_segments_from_env(alloc_conf: str | None) -> bool:
+    """Whether Studio's engine runs with expandable segments, given PYTORCH_CUDA_ALLOC_CONF.
+
+    Unset (None), the engine sets ``expandable_segments:True``; a value set by the user wins, and
+    PyTorch leaves expandable segments off unless that value turns them on.
+    """
+    if alloc_conf is None:
+        return True
+    for option in alloc_conf.split(","):
+        key, _, value = option.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip() == "True"
+    return False
+
+
+def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str = "sdpa",
+             expandable_segments: bool | None = None) -> Plan:
+    """The Plan a RunConfig describes (4-bit NF4 QLoRA by default).
+
+    ``expandable_segments`` None means what Studio's engine will use in this environment
+    (:func:`expandable_segments_from_env` of PYTORCH_CUDA_ALLOC_CONF).
+    """
     q = config.quantization
     compute = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[q.compute_dtype]
     weights = {4: q.quant_type, 8: "int8"}.get(q.bits, compute) if q.bits else compute
@@ -139,7 +166,9 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
                 lora_targets=names, lora_dropout=config.lora.dropout,
                 micro_batch=micro_batch or config.trainer.micro_batch_size,
                 seq_len=config.data.max_seq_length, checkpointing=config.trainer.gradient_checkpointing,
-                optimizer=config.trainer.optimizer, accumulation=accumulation, attention=attention)
+                optimizer=config.trainer.optimizer, accumulation=accumulation, attention=attention,
+                expandable_segments=(expandable_segments_from_env(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+                                     if expandable_segments is None else expandable_segments))
 
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -423,18 +452,63 @@ def _moments(info: ModelInfo, plan: Plan, grads: int) -> _Moments:
     optimizer_step = grads + temp
     # Reserved minus allocated. Blocks freed by one layer's forward (its working set, ~ what it keeps
     # for backward) stay cached and are too small for what comes next; so do the big transient weight
-    # copies (lm_head in bf16, one unpacked weight). At the loss there is also one fp32 logits-sized
-    # block: the next step's smaller tensors split the cached one, so the loss must map a fresh one.
-    # In a layer's backward the loss's freed blocks are carved up by the recompute instead.
+    # copies (lm_head in bf16, one unpacked weight). In a layer's backward the loss's freed blocks are
+    # carved up by the recompute and merge back afterwards: nothing extra.
     cached = t * per_layer + head_copy + dequant / 2 + _SLACK_FLOOR
-    slack_loss = cached + t * info.vocab * 4
+    # At the loss, every step asks for the same blocks in the same order (bf16 logits, then three
+    # fp32 logits-sized ones), and the caching allocator's best fit hands it the blocks of the step
+    # before: no new segment. Unless a tensor that outlives the step sits in one of them: then one
+    # fp32 logits block has to be mapped fresh (:func:`_loss_blocks_pinned`).
+    slack_loss = cached + (t * info.vocab * 4 if _loss_blocks_pinned(info, plan) else 0)
     return _Moments(loss, layer_backward, optimizer_step, saved, slack_loss, cached)
+
+
+def _largest_freed_forward_block(info: ModelInfo, plan: Plan) -> float:
+    """Bytes of the largest block the forward pass frees and leaves cached before the backward starts.
+
+    With checkpointing, each layer's forward frees its whole working set, the largest piece being the
+    gate/up outputs (tokens x intermediate, residual dtype). Without it those are saved; what is
+    freed is a projection's output that only fed a sum or a cast: bitsandbytes' bf16 matmul output
+    before its cast back to the fp32 residual stream, or a LoRA'd base layer's output after the
+    adapter is added.
+    """
+    t = plan.tokens
+    if plan.checkpointing:
+        return t * info.intermediate * _stream_bytes(plan)
+    if plan.quantized or {"gate_proj", "up_proj"} & set(plan.lora_targets if plan.lora_r else ()):
+        return t * info.intermediate * _bytes(plan.compute)
+    return t * max(info.hidden, info.heads * info.head_width) * _bytes(plan.compute)
+
+
+def _loss_blocks_pinned(info: ModelInfo, plan: Plan) -> bool:
+    """Whether a long-lived allocation lands in the loss's cached logits blocks, so that the next
+    step's loss maps one fresh fp32 logits block.
+
+    The first matmul of the first backward (lm_head's input gradient) runs on autograd's own thread,
+    whose cuBLAS handle allocates its own workspace through the caching allocator and keeps it for
+    good. Best fit puts it in the smallest free block that holds it: a block the forward freed, if
+    one is large enough, else the loss's freed logits blocks (the only large free ones then), which
+    it then splits for the rest of the run.
+    """
+    return _largest_freed_forward_block(info, plan) < CUBLAS_WORKSPACE_BYTES
 
 
 # -------------------------------------------------------------------------------------- estimate
 
 _SLACK_FLOOR = 32 * 2**20
 """Small-pool segments (2 MiB each for tensors under 1 MiB) and 20 MiB segments of 1-10 MiB tensors."""
+
+_LARGE_PAGE = 20 * 2**20
+"""With expandable segments the large pool (tensors over 1 MiB) maps its one segment in 20 MiB steps."""
+
+_SMALL_PAGE = 2 * 2**20
+"""... and the small pool in 2 MiB steps."""
+
+
+def expandable_reserved(peak_allocated: int) -> int:
+    """Peak reserved bytes under expandable segments: the allocated peak rounded up to the large
+    pool's 20 MiB mapping step, plus the small pool's partly used 2 MiB page."""
+    return math.ceil(peak_allocated / _LARGE_PAGE) * _LARGE_PAGE + _SMALL_PAGE
 
 
 def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> Estimate:
@@ -452,9 +526,12 @@ def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> 
     activations = peak_allocated - weights - lora - on_device_optimizer - grads
     # reserved never shrinks during training: its peak is the largest need of any moment
     base = weights + lora + on_device_optimizer
-    peak_reserved = int(max(peak_allocated, base + m.loss + m.slack_loss,
-                            base + m.layer_backward + m.slack_backward,
-                            base + m.optimizer_step + m.slack_backward))
+    if plan.expandable_segments:
+        peak_reserved = expandable_reserved(peak_allocated)
+    else:
+        peak_reserved = int(max(peak_allocated, base + m.loss + m.slack_loss,
+                                base + m.layer_backward + m.slack_backward,
+                                base + m.optimizer_step + m.slack_backward))
     overhead = peak_reserved - peak_allocated + CUDA_CONTEXT_BYTES
     categories = {"weights": int(weights), "lora": int(lora), "gradients": int(grads),
                   "optimizer": int(optimizer), "activations": int(activations), "overhead": int(overhead)}
