@@ -23,23 +23,22 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container
 from textual.css.query import NoMatches
-from textual.lazy import Lazy
 from textual.widget import Widget
-from textual.widgets import Header, Input, Select, Static, TabbedContent, TabPane, Tabs, TextArea
+from textual.widgets import Header, Static, TabbedContent, TabPane, Tabs
 from textual.worker import get_current_worker
 
 from studio.core.config import RunConfig
 from studio.ui import theme as themes
-from studio.ui.commands import StudioCommands
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged
-from studio.ui.widgets.config_editor import ConfigEditor
-from studio.ui.widgets.dialogs import PathDialog
 from studio.ui.widgets.footer import StudioFooter
 from studio.ui.widgets.token_counter import TokenCounter, approximate_counter, load_token_counter
 
 if TYPE_CHECKING:  # imported where used: not needed for the first frame (see PaneSlot)
+    from textual.command import Provider
+
     from studio.core import events as ev
     from studio.core.runs import RunDir
+    from studio.ui.widgets.config_editor import ConfigEditor
 
 # (tab id, tab title, module under studio/ui/panes, class): the order is the key order 1..5.
 PANES = (
@@ -56,8 +55,9 @@ EVENT_FLUSH_S = 0.2
 
 
 def _make_pane(tab: str, title: str, module: str, cls: str) -> Widget:
-    """The pane, or a notice while its module has not been written yet."""
-    name = f"studio.ui.panes.{module}"
+    """The pane, or a notice while its module has not been written yet. ``module`` is a module of
+    studio/ui/panes, or a full dotted path."""
+    name = module if "." in module else f"studio.ui.panes.{module}"
     try:
         pane_module = importlib.import_module(name)
     except ModuleNotFoundError as exc:
@@ -104,12 +104,24 @@ class PaneSlot(Container):
             app.pane_mounted(self.spec[0])
 
 
+CONFIG_PANE = ("config", "Config", "studio.ui.widgets.config_editor", "ConfigEditor")
+"""The sixth tab: the config as YAML (a widget, not a pane module)."""
+
+
+def _studio_commands() -> type[Provider]:
+    """The palette's provider, imported when the palette first opens (textual.command is not
+    needed for the first frame)."""
+    from studio.ui.commands import StudioCommands
+
+    return StudioCommands
+
+
 class StudioApp(App[None]):
     """Studio's terminal UI."""
 
     TITLE = "Studio"
     CSS_PATH = "app.tcss"
-    COMMANDS = App.COMMANDS | {StudioCommands}
+    COMMANDS = App.COMMANDS | {_studio_commands}
     BINDINGS = [
         Binding("ctrl+o", "open_dataset", "Open data", id="app.open_dataset",
                 tooltip="Open a CSV, JSON, JSONL or Parquet file or a saved dataset folder"),
@@ -171,8 +183,7 @@ class StudioApp(App[None]):
                 with TabPane(f"{n} {title}", id=tab):
                     yield PaneSlot(tab, title, module, cls, first=tab == initial)
             with TabPane("6 Config", id="config"):
-                yield ConfigEditor(id="pane-config") if initial == "config" else Lazy(
-                    ConfigEditor(id="pane-config"))
+                yield PaneSlot(*CONFIG_PANE, first=initial == "config")
         yield StudioFooter()
 
     def on_mount(self) -> None:
@@ -215,6 +226,16 @@ class StudioApp(App[None]):
         where = str(self.config_path) if self.config_path else "unsaved config"
         run = f" · run {self.current_run.id}" if self.current_run else ""
         return f"{self.config.model.base_model} · {where}{run}"
+
+    def config_editor(self) -> ConfigEditor | None:
+        """The config tab's editor; None in the moment before it is mounted (nothing typed in it
+        yet, so there is nothing of it to apply)."""
+        from studio.ui.widgets.config_editor import ConfigEditor
+
+        try:
+            return self.query_one("#pane-config", ConfigEditor)
+        except NoMatches:
+            return None
 
     @property
     def panes(self) -> list[Widget]:
@@ -434,6 +455,8 @@ class StudioApp(App[None]):
             widget = pane
         if widget is None:
             # Not a text field: there, digits would be typed instead of switching panes.
+            from textual.widgets import Input, Select, TextArea
+
             typing = (Input, TextArea, Select)
             widget = next((w for w in pane.query("*") if w.focusable and not isinstance(w, typing)), None)
         if widget is None:
@@ -465,12 +488,14 @@ class StudioApp(App[None]):
         if self.config_path is not None:
             self._save_config(self.config_path)
             return
+        from studio.ui.widgets.dialogs import PathDialog
+
         self.push_screen(PathDialog("Save the config as", "studio.yaml", must_exist=False),
                          lambda path: path and self._save_config(path))
 
     def _save_config(self, path: Path) -> None:
-        editor = self.query_one(ConfigEditor)
-        if not editor.apply():
+        editor = self.config_editor()
+        if editor is not None and not editor.apply():
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -497,6 +522,8 @@ class StudioApp(App[None]):
             self.replace_config(config, path)
             self.notify(f"Loaded {path}")
 
+        from studio.ui.widgets.dialogs import PathDialog
+
         self.push_screen(PathDialog("Load a config", str(self.config_path or ""), must_exist=True), load)
 
     def _pane_action(self, tab: str, action: str) -> bool:
@@ -516,7 +543,8 @@ class StudioApp(App[None]):
         from studio.core import events as ev
         from studio.core.runs import create_run
 
-        if not self.query_one(ConfigEditor).apply():
+        editor = self.config_editor()
+        if editor is not None and not editor.apply():
             return
         if not self._pane_action("training", "start_training"):
             run = create_run(self.config)
