@@ -5,20 +5,21 @@ from __future__ import annotations
 import json
 
 import pytest
-from textual.widgets import DataTable, Input, OptionList, Select, Static, TabbedContent
+from textual.widgets import Input, OptionList, Select, Static, TabbedContent
 from ui_helpers import lint_rows_dataset, make_config, settle, workdir, write_rows
 
 from studio.ui.app import StudioApp
 from studio.ui.panes.dataset import PAGE_SIZE, DatasetPane, cell_text
 from studio.ui.widgets.column_map import ColumnMap
 from studio.ui.widgets.column_stats import StatsView
+from studio.ui.widgets.page_table import PageTable
 
 pytestmark = pytest.mark.anyio
 SIZE = (120, 36)
 
 
 def table_ids(app) -> list[int]:
-    grid = app.query_one("#dataset-table", DataTable)
+    grid = app.query_one("#dataset-table", PageTable)
     return [int(str(grid.get_row_at(r)[0])) for r in range(grid.row_count)]
 
 
@@ -97,7 +98,7 @@ async def test_lint_lists_problems_and_jumps_to_the_row(tmp_path, monkeypatch):
         options.highlighted = target
         await pilot.press("enter")
         await pilot.pause()
-        grid = app.query_one("#dataset-table", DataTable)
+        grid = app.query_one("#dataset-table", PageTable)
         assert pane.page == 0
         assert int(str(grid.get_row_at(grid.cursor_row)[0])) == 20
         assert "token119" in str(app.query_one("#dataset-row", Static).render())
@@ -151,3 +152,5 @@ def test_cells_are_one_short_line():
     long = cell_text("x" * 100)
     assert len(long) == 40 and long.endswith("…")
     assert cell_text(None) == ""
+    # An escape sequence in someone's data must not reach the terminal as one.
+    assert cell_text("red \x1b[31mtext\x07 \x9b") == "red [31mtext "

@@ -14,14 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.content import Content
 from textual.timer import Timer
-from textual.widgets import Button, DataTable, Input, OptionList, ProgressBar, Static, TabbedContent, TabPane
+from textual.widgets import Button, Input, OptionList, ProgressBar, Static, TabbedContent, TabPane
 from textual.widgets.option_list import Option
 
 from studio.core import data as datalib
@@ -32,7 +31,7 @@ from studio.ui.widgets.dialogs import PathDialog
 from studio.ui.widgets.page_table import PageTable
 
 PAGE_SIZE = 100
-"""Rows in the table at once; paging replaces them (never the whole dataset in a DataTable)."""
+"""Rows in the table at once; paging replaces them (never the whole dataset in the table)."""
 CELL_CHARS = 40
 """Longest cell text in the table; the row view shows everything."""
 STATS_SAMPLE = 20_000
@@ -43,10 +42,17 @@ _COLUMN_FILTER = re.compile(r"^(\w+):(.*)$")
 
 
 def cell_text(value: Any, limit: int = CELL_CHARS) -> str:
-    """A value as one short table cell: newlines shown as ⏎, long text cut with …."""
+    """A value as one short table cell: newlines shown as ⏎, long text cut with …, and no control
+    characters (an escape sequence in someone's data must not reach the terminal)."""
     text = "" if value is None else str(value)
     text = text.replace("\r\n", "\n").replace("\n", "⏎ ").replace("\t", " ")
+    if not text.isprintable():
+        text = text.translate(_CONTROL_CHARACTERS)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+_CONTROL_CHARACTERS = dict.fromkeys([*range(32), *range(127, 160)])
+"""C0 and C1 control characters (and DEL), deleted from cells."""
 
 
 class DatasetPane(Vertical):
@@ -89,7 +95,7 @@ class DatasetPane(Vertical):
             yield ProgressBar(total=None, show_eta=False, id="dataset-progress")
         with Horizontal(id="dataset-body"):
             with Vertical(id="dataset-left"):
-                yield PageTable(id="dataset-table", cursor_type="row", zebra_stripes=True)
+                yield PageTable(id="dataset-table")
                 with Horizontal(id="dataset-pager"):
                     yield Static("no dataset", id="dataset-page-label")
                     yield Input(placeholder="/ filter (col:text)", id="dataset-filter", compact=True)
@@ -115,9 +121,9 @@ class DatasetPane(Vertical):
             self._busy(f"reading {path}…")
             self.call_after_refresh(self._load, str(path))
 
-    def focus_target(self) -> DataTable:
+    def focus_target(self) -> PageTable:
         """What gets focus when the pane is shown: the table."""
-        return self.query_one("#dataset-table", DataTable)
+        return self.query_one("#dataset-table", PageTable)
 
     # ------------------------------------------------------------------------------ loading
 
@@ -162,7 +168,7 @@ class DatasetPane(Vertical):
         self.matches = None
         self.page = 0
         self.query_one("#dataset-filter", Input).value = ""
-        grid = self.query_one("#dataset-table", DataTable)
+        grid = self.query_one("#dataset-table", PageTable)
         grid.clear(columns=True)
         grid.add_column("#", key="#")
         for name in table.column_names:
@@ -205,10 +211,8 @@ class DatasetPane(Vertical):
             rows = fetched if fetched is not None else [self.table.row(i) for i in indices]
         self._page_rows = indices
         columns = self.table.column_names
-        # Text cells, not str: a str cell is parsed as markup at every measure and render (the
-        # biggest cost of a page), and a "[/x]" in someone's data would break it.
-        cells = [[Text(str(i)), *(Text(cell_text(row.get(c))) for c in columns)]
-                 for i, row in zip(indices, rows, strict=True)]
+        # Plain strings: the table draws them as they are (no markup, so "[/x]" in data is just text).
+        cells = [[str(i), *(cell_text(row.get(c)) for c in columns)] for i, row in zip(indices, rows, strict=True)]
         grid = self.query_one("#dataset-table", PageTable)
         target = indices.index(cursor_row) if cursor_row is not None and cursor_row in indices else 0
         if grid.show_rows(cells):
@@ -228,8 +232,10 @@ class DatasetPane(Vertical):
         start = self.page * PAGE_SIZE
         shown = f"{start + 1:,}-{min(start + PAGE_SIZE, total):,}" if total else "0"
         kept = f" (filter: {total:,} of {len(self.table):,})" if self.matches is not None and self.table else ""
-        self.query_one("#dataset-page-label", Static).update(
-            f"rows {shown} of {total:,}{kept} · page {self.page + 1}/{self.page_count}")
+        label = self.query_one("#dataset-page-label", Static)
+        text = f"rows {shown} of {total:,}{kept} · page {self.page + 1}/{self.page_count}"
+        # Same length, same size: a repaint of the label, not a re-layout of the whole screen.
+        label.update(text, layout=len(text) != len(str(label.content)))
 
     def action_page(self, delta: int) -> None:
         """Next (+1) or previous (-1) page."""
@@ -244,7 +250,7 @@ class DatasetPane(Vertical):
             self.query_one("#dataset-filter", Input).value = ""
         position = self.matches.index(index) if self.matches is not None else index
         self.show_page(position // PAGE_SIZE, cursor_row=index)
-        self.query_one("#dataset-table", DataTable).focus()
+        self.query_one("#dataset-table", PageTable).focus()
         self.action_side("row")
 
     # ------------------------------------------------------------------------------ filter
@@ -260,7 +266,7 @@ class DatasetPane(Vertical):
 
     @on(Input.Submitted, "#dataset-filter")
     def _filter_submitted(self, event: Input.Submitted) -> None:
-        self.query_one("#dataset-table", DataTable).focus()
+        self.query_one("#dataset-table", PageTable).focus()
 
     @work(thread=True, exclusive=True, group="dataset-search", exit_on_error=False, description="filtering")
     def _search(self, text: str) -> None:
@@ -285,8 +291,8 @@ class DatasetPane(Vertical):
 
     # --------------------------------------------------------------------------- row view
 
-    @on(DataTable.RowHighlighted, "#dataset-table")
-    def _row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+    @on(PageTable.RowHighlighted, "#dataset-table")
+    def _row_highlighted(self, event: PageTable.RowHighlighted) -> None:
         self._highlight(event.cursor_row)
 
     def _highlight(self, cursor_row: int) -> None:
@@ -307,8 +313,8 @@ class DatasetPane(Vertical):
         self._show_row(index, row)
         self.app.select_row(index, row, origin=self)  # type: ignore[attr-defined]
 
-    @on(DataTable.RowSelected, "#dataset-table")
-    def _row_selected(self, event: DataTable.RowSelected) -> None:
+    @on(PageTable.RowSelected, "#dataset-table")
+    def _row_selected(self, event: PageTable.RowSelected) -> None:
         self.action_side("row")
 
     def _show_row(self, index: int, row: dict[str, Any]) -> None:
