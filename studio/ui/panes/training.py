@@ -151,8 +151,6 @@ class TrainingPane(Vertical):
         Binding("e", "export", "Export", id="training.export"),
     ]
 
-    can_focus = True
-
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.state = TrainingState()
@@ -195,6 +193,20 @@ class TrainingPane(Vertical):
         # Shown (its tab picked): take focus so the pane's keys (s, p, r, x, o, e) work at once.
         if self.app.focused is None or self not in self.app.focused.ancestors_with_self:
             self.focus()
+
+    def focus_target(self) -> Button | None:
+        """The first enabled button: the pane's keys work while any of its widgets has focus. The
+        pane itself never takes focus: a container gaining or losing focus restyles everything in
+        it (the plots included), tens of milliseconds for each Tab."""
+        return next((b for b in self.query(Button) if not b.disabled and b.id and
+                     b.id.startswith("training-")), None)
+
+    def focus(self, scroll_visible: bool = True) -> TrainingPane:
+        """Focus the pane's first enabled button (see :meth:`focus_target`)."""
+        target = self.focus_target()
+        if target is not None:
+            target.focus(scroll_visible)
+        return self
 
     # ------------------------------------------------------------------------ events in
 

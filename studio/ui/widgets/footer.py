@@ -1,41 +1,154 @@
-"""The footer of key bindings, rebuilt only when what it shows changes.
+"""The footer of key bindings, drawn as one line: a focus move costs a repaint, not a rebuild.
 
-Textual's Footer recomposes all its keys whenever bindings *may* have changed: every focus move and
-every ``refresh_bindings`` call. That costs tens of milliseconds on the event loop, and most of the
-time the keys it would show are the same ones (tab between two buttons of one pane). This footer
-compares what it would show with what it shows and skips the rebuild when nothing differs.
+Textual's Footer is a row of one widget per key, recomposed whenever the bindings may have changed
+(every focus move): mounting and styling a dozen widgets and re-laying out the screen, tens of
+milliseconds on the event loop for a Tab press. This footer keeps the keys it shows as data, draws
+them as a single Strip, and repaints only when what it would show differs. A click on a key presses
+that key; hovering one shows its tooltip.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar, NamedTuple
 
+from rich.cells import cell_len
+from rich.segment import Segment
+from rich.style import Style
+from textual import events
 from textual.screen import Screen
-from textual.widgets import Footer
+from textual.strip import Strip
+from textual.widget import Widget
 
 
-class StudioFooter(Footer):
-    """A Footer that skips rebuilding itself when its keys, labels and states are unchanged."""
+class FooterEntry(NamedTuple):
+    """One key the footer shows."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._shown: tuple | None = None
+    key: str
+    key_display: str
+    description: str
+    enabled: bool
+    tooltip: str
+
+
+class StudioFooter(Widget):
+    """The keys that work now (the focused widget's, its pane's and the app's), in one line."""
+
+    ALLOW_SELECT = False
+    COMPONENT_CLASSES: ClassVar[set[str]] = {"studio-footer--key", "studio-footer--description"}
+
+    DEFAULT_CSS = """
+    StudioFooter {
+        dock: bottom;
+        height: 1;
+        background: $footer-background;
+        color: $footer-foreground;
+        & > .studio-footer--key {
+            color: $footer-key-foreground;
+            background: $footer-key-background;
+            text-style: bold;
+        }
+        & > .studio-footer--description {
+            color: $footer-description-foreground;
+            background: $footer-description-background;
+        }
+    }
+    """
+
+    def __init__(self, *, name: str | None = None, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(name=name, id=id, classes=classes)
+        self.entries: tuple[FooterEntry, ...] = ()
+        """The keys shown, left to right; the command palette's key last (drawn at the right)."""
+        self._spans: list[tuple[int, int, FooterEntry]] = []
+        self._strip: tuple[int, Strip] | None = None
 
     @staticmethod
-    def shown_keys(screen: Screen) -> tuple:
-        """What a footer on ``screen`` would show: each shown binding's key, action, label, state."""
-        return tuple((binding.key, binding.action, binding.description, enabled, tooltip)
-                     for _, binding, enabled, tooltip in screen.active_bindings.values()
-                     if binding.show or binding.action == "command_palette")
+    def shown_keys(screen: Screen) -> tuple[FooterEntry, ...]:
+        """What a footer on ``screen`` shows: one entry per action of a shown binding (the first
+        key of it), then the command palette's key."""
+        app = screen.app
+        entries: list[FooterEntry] = []
+        seen: set[str] = set()
+        palette = None
+        for key, (_, binding, enabled, tooltip) in screen.active_bindings.items():
+            if binding.action == "command_palette" and app.ENABLE_COMMAND_PALETTE:
+                palette = FooterEntry(key, app.get_key_display(binding), binding.description, enabled,
+                                      tooltip or binding.description)
+            elif binding.show and binding.action not in seen:
+                seen.add(binding.action)
+                entries.append(FooterEntry(key, app.get_key_display(binding), binding.description,
+                                           enabled, tooltip))
+        return (*entries, palette) if palette else tuple(entries)
+
+    def on_mount(self) -> None:
+        self.screen.bindings_updated_signal.subscribe(self, self.bindings_changed)
+        self.call_after_refresh(self.bindings_changed, self.screen)
+
+    def on_unmount(self) -> None:
+        self.screen.bindings_updated_signal.unsubscribe(self)
 
     def bindings_changed(self, screen: Screen) -> None:
-        """Rebuild (as Footer does) unless the keys to show are those already shown."""
-        if not (screen.app.app_focus and self.is_attached and screen is self.screen):
-            self._shown = None  # the footer did not rebuild: the next call must
-            super().bindings_changed(screen)
+        """Repaint if the keys to show differ from those shown."""
+        if not self.is_attached or screen is not self.screen:
             return
-        shown = self.shown_keys(screen)
-        if shown == self._shown:
-            return
-        self._shown = shown
-        super().bindings_changed(screen)
+        entries = self.shown_keys(screen)
+        if entries != self.entries:
+            self.entries = entries
+            self._strip = None
+            self.refresh()
+
+    def notify_style_update(self) -> None:
+        """Theme or CSS changed: draw again with the new colours."""
+        self._strip = None
+        super().notify_style_update()
+
+    def render_line(self, y: int) -> Strip:
+        """The one line: keys from the left, the palette's key at the right edge."""
+        width = self.size.width
+        if self._strip is not None and self._strip[0] == width:
+            return self._strip[1]
+        base = self.rich_style
+        key_style = base + self.get_component_rich_style("studio-footer--key")
+        text_style = base + self.get_component_rich_style("studio-footer--description")
+        dim = Style(dim=True)
+        segments: list[Segment] = []
+        spans: list[tuple[int, int, FooterEntry]] = []
+        x = 0
+        palette = self.entries[-1] if self.entries and self.entries[-1].key == self.app.COMMAND_PALETTE_BINDING \
+            else None
+        keys = self.entries[:-1] if palette else self.entries
+        pieces = [(entry, f" {entry.key_display} ", f"{entry.description} ") for entry in keys]
+        palette_piece = (f" {palette.key_display} ", f"{palette.description} ") if palette else None
+        palette_width = sum(cell_len(p) for p in palette_piece) if palette_piece else 0
+        for entry, key_text, description in pieces:
+            size = cell_len(key_text) + cell_len(description)
+            if x + size > width - palette_width:
+                break  # no room: the rightmost keys are left out rather than cut in half
+            extra = None if entry.enabled else dim
+            segments += [Segment(key_text, key_style + extra if extra else key_style),
+                         Segment(description, text_style + extra if extra else text_style)]
+            spans.append((x, x + size, entry))
+            x += size
+        if palette and palette_piece and x + palette_width <= width:
+            gap = width - x - palette_width
+            segments.append(Segment(" " * gap, base))
+            segments += [Segment(palette_piece[0], key_style), Segment(palette_piece[1], text_style)]
+            spans.append((width - palette_width, width, palette))
+            x = width
+        strip = Strip(segments, x).extend_cell_length(width, base)
+        self._spans = spans
+        self._strip = (width, strip)
+        return strip
+
+    def _entry_at(self, x: int) -> FooterEntry | None:
+        return next((entry for start, end, entry in self._spans if start <= x < end), None)
+
+    def on_click(self, event: events.Click) -> None:
+        """A click on a key presses it."""
+        entry = self._entry_at(event.x)
+        if entry is not None and entry.enabled:
+            event.stop()
+            self.app.simulate_key(entry.key)
+
+    def on_mouse_move(self, event: events.MouseMove) -> None:
+        entry = self._entry_at(event.x)
+        self.tooltip = (entry.tooltip or entry.description) if entry is not None else None
