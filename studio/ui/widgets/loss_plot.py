@@ -2,16 +2,18 @@
 
 The plot is rebuilt only when :meth:`LossPlot.show` (or :meth:`LossPlot.compare`) hands it new data;
 the caller decides how often that is (the training pane does it a few times a second at most).
-Building a plotext frame costs tens of milliseconds, so it happens in a thread and the finished frame
-is swapped in: a keypress never waits behind a plot. Long runs are thinned to a few points per
+Building a plotext frame costs tens of milliseconds of pure Python, so it happens in a helper
+process (:mod:`studio.ui.plot_process`) and the finished frame is swapped in: a keypress never waits
+behind a plot, not even for the GIL. Long runs are thinned to a few points per
 column before plotting: a terminal cannot show more and plotext's cost grows with the points.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from plotext._dict import themes as plotext_themes
 from rich.text import Text
@@ -20,25 +22,12 @@ from textual.color import Color
 from textual_plotext import PlotextPlot
 from textual_plotext.plot import _rgbify_theme, _sequence
 
+from studio.ui import plot_process
 from studio.ui.metrics import TrainingState, ema
-
-MAX_POINTS = 600
-"""Most points per curve handed to plotext; more are thinned evenly (the last point always kept)."""
-DOTS_PER_CELL = 2
-"""Braille markers draw 2 dots across a terminal cell: more points than that per column cannot show."""
+from studio.ui.plot_process import Curve, Figure, render_figure, thin
 
 COMPARE_COLORS = (("cyan", "blue"), ("orange", "red"), ("green", "magenta"))
 """(smoothed train, eval) colours per compared run."""
-
-
-def thin(xs: Sequence[float], ys: Sequence[float], limit: int = MAX_POINTS) -> tuple[list[float], list[float]]:
-    """At most ``limit`` evenly spaced points of a curve, keeping the first and the last."""
-    n = len(xs)
-    if n <= limit:
-        return list(xs), list(ys)
-    stride = n / (limit - 1)
-    picks = sorted({min(n - 1, round(i * stride)) for i in range(limit - 1)} | {n - 1})
-    return [xs[i] for i in picks], [ys[i] for i in picks]
 
 
 class BackgroundPlot(PlotextPlot):
@@ -50,23 +39,24 @@ class BackgroundPlot(PlotextPlot):
     """
 
     min_interval_s = 1.0
-    """Fewest seconds between two frame builds: plotext needs 30-90 ms of CPU for one (and holds the
-    GIL meanwhile), so a stream of updates is coalesced into at most one frame a second."""
+    """Fewest seconds between two frame builds: plotext needs 30-90 ms of CPU for one, so a stream of
+    updates is coalesced into at most one frame a second."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self._last_build = 0.0
         self._build_scheduled = False
         self._figure_lock = threading.Lock()
-        self._painter: Callable[[object, int], None] = lambda plt, width: None
+        self._figure = Figure()
         self._version = 0
         self._requested = 0
         self._frame: tuple[tuple[int, int, str, int], Text] | None = None
+        self.build_seconds: list[float] = []
+        """CPU seconds of each frame built off the event loop (the events benchmark reads them)."""
 
-    def draw(self, painter: Callable[[object, int], None]) -> None:
-        """Replace the figure with what ``painter(plt, width)`` draws (``width``: the plot's columns,
-        known when the frame is built); the frame follows shortly."""
-        self._painter = painter
+    def draw(self, figure: Figure) -> None:
+        """Replace the figure; its frame follows shortly."""
+        self._figure = figure
         self._version += 1
         if not (self.is_mounted and self.size.area):
             return  # hidden: built when it shows (see render)
@@ -106,21 +96,28 @@ class BackgroundPlot(PlotextPlot):
     def _key(self) -> tuple[int, int, str, int]:
         return (self.size.width, self.size.height, self._get_plotext_theme_name(self.app.theme), self._version)
 
-    def _frame_text(self, key: tuple[int, int, str, int], painter: Callable[[object, int], None]) -> Text:
+    def _frame_text(self, key: tuple[int, int, str, int], figure: Figure) -> Text:
+        """Build a frame here, in this process (a resize, or no helper process)."""
         width, height, theme, _ = key
         with self._figure_lock:
-            plt = self.plt
-            plt.clear_figure()
-            painter(plt, width)
-            plt.plotsize(width, height)
-            plt._set_size(width, height)  # see textual-plotext issue 5: the size needs both calls
-            plt.theme(theme)
-            return Text.from_ansi(plt.build())
+            return render_figure(self.plt, figure, width, height, theme)
 
-    @work(thread=True, exclusive=True, exit_on_error=False, group="plot", description="building a plot")
-    def _build_frame(self, key: tuple[int, int, str, int]) -> None:
-        text = self._frame_text(key, self._painter)
-        self.app.call_from_thread(self._swap_in, key, text)
+    @work(exclusive=True, exit_on_error=False, group="plot", description="building a plot")
+    async def _build_frame(self, key: tuple[int, int, str, int]) -> None:
+        width, height, theme, _ = key
+        figure = self._figure
+        try:
+            future = plot_process.submit(figure, width, height, theme, plotext_themes.get(theme))
+            text, seconds = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            raise  # a newer figure replaced this one
+        except Exception:
+            # No helper process (it could not start, or died): a thread of this one draws instead.
+            started = time.process_time()
+            text = await asyncio.to_thread(self._frame_text, key, figure)
+            seconds = time.process_time() - started
+        self.build_seconds.append(seconds)
+        self._swap_in(key, text)
 
     def _swap_in(self, key: tuple[int, int, str, int], text: Text) -> None:
         # A newer figure may have been asked for meanwhile: keep only the frame of the latest one.
@@ -136,7 +133,7 @@ class BackgroundPlot(PlotextPlot):
                 # Drawn while hidden (no size then): build the newest figure now that it shows.
                 self._start_build()
             return frame[1]
-        self._frame = (key, self._frame_text(key, self._painter))
+        self._frame = (key, self._frame_text(key, self._figure))
         return self._frame[1]
 
 
@@ -159,21 +156,15 @@ class LossPlot(BackgroundPlot):
         self._empty("no steps yet")
 
     def _empty(self, message: str) -> None:
-        title = f"{self.title}: {message}"
-
-        def paint(plt, width: int) -> None:
-            plt.title(title)
-            plt.xlabel("step")
-
         self.points_drawn = 0
-        self.draw(paint)
+        self.draw(Figure(title=f"{self.title}: {message}"))
 
     def show(self, state: TrainingState) -> None:
         """Redraw from a run's state: raw loss (dim), smoothed loss, eval loss points."""
         if not len(state.loss) and not len(state.eval_loss):
             self._empty("no steps yet")
             return
-        curves: list[tuple[list[float], list[float], str, str, str]] = []
+        curves: list[Curve] = []
         if len(state.loss):
             xs, ys = thin(state.loss.steps, state.loss.values)
             _, smooth = thin(state.loss.steps, state.smoothed_loss)
@@ -185,11 +176,11 @@ class LossPlot(BackgroundPlot):
         last = state.loss.last()
         title = self.title + (f" · last {last:.4f}" if last is not None else "")
         self.points_drawn = sum(len(c[0]) for c in curves)
-        self.draw(_curves_painter(curves, title))
+        self.draw(Figure(tuple(curves), title))
 
     def compare(self, runs: Sequence[tuple[str, TrainingState]]) -> None:
         """Overlay several runs: each run's smoothed train loss (line) and eval loss (points)."""
-        curves: list[tuple[list[float], list[float], str, str, str]] = []
+        curves: list[Curve] = []
         for i, (label, state) in enumerate(runs):
             train_color, eval_color = COMPARE_COLORS[i % len(COMPARE_COLORS)]
             if len(state.loss):
@@ -202,23 +193,7 @@ class LossPlot(BackgroundPlot):
             self._empty("the runs have no steps yet")
             return
         self.points_drawn = sum(len(c[0]) for c in curves)
-        self.draw(_curves_painter(curves, f"{self.title}: " + " vs ".join(label for label, _ in runs)))
-
-
-def _curves_painter(curves: list[tuple[list[float], list[float], str, str, str]], title: str):
-    """A painter drawing ``(xs, ys, label, colour, marker)`` curves under ``title``."""
-
-    def paint(plt, width: int) -> None:
-        # plotext's build time grows with the points, and a curve cannot show more than the
-        # braille dots across the plot's columns: thin to those (here, in the build thread).
-        limit = max(32, min(MAX_POINTS, DOTS_PER_CELL * width))
-        for xs, ys, label, color, marker in curves:
-            xs, ys = thin(xs, ys, limit)
-            plt.plot(xs, ys, label=label or None, color=color, marker=marker)
-        plt.title(title)
-        plt.xlabel("step")
-
-    return paint
+        self.draw(Figure(tuple(curves), f"{self.title}: " + " vs ".join(label for label, _ in runs)))
 
 
 class LearningRatePlot(BackgroundPlot):
@@ -236,12 +211,12 @@ class LearningRatePlot(BackgroundPlot):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.draw(_curves_painter([], "learning rate"))
+        self.draw(Figure(title="learning rate"))
 
     def show(self, state: TrainingState) -> None:
         """Redraw from a run's state."""
         if not len(state.learning_rate):
-            self.draw(_curves_painter([], "learning rate"))
+            self.draw(Figure(title="learning rate"))
             return
         xs, ys = thin(state.learning_rate.steps, state.learning_rate.values)
-        self.draw(_curves_painter([(xs, ys, "", "green", "braille")], f"learning rate · {ys[-1]:.2e}"))
+        self.draw(Figure(((xs, ys, "", "green", "braille"),), f"learning rate · {ys[-1]:.2e}"))
