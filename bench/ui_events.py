@@ -38,6 +38,10 @@ from studio.core.runs import RunDir, append_event, create_run  # noqa: E402
 OUT = Path(__file__).with_suffix(".json")
 
 
+def _name(widget) -> str:
+    return f"{type(widget).__name__}#{widget.id}" if widget is not None and widget.id else type(widget).__name__
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0..100) by nearest rank; 0 for no values."""
     if not values:
@@ -126,6 +130,7 @@ async def measure(seconds: float, rate: float, key_every: float, size: tuple[int
 
     app = StudioApp(config, run=run, settings=False)
     paints: list[float] = []
+    moves: list[tuple[str, str, float]] = []  # (focus before, focus after, ms) of every timed key
     latencies: list[float] = []
     baseline: list[float] = []
     pending: dict[str, object] = {}
@@ -137,6 +142,7 @@ async def measure(seconds: float, rate: float, key_every: float, size: tuple[int
         paints.append(now)
         if pending and app.focused is not pending["focus_before"]:
             pending["sink"].append((now - pending["t"]) * 1000)
+            moves.append((_name(pending["focus_before"]), _name(app.focused), (now - pending["t"]) * 1000))
             pending.clear()
 
     app._display = display
@@ -189,6 +195,9 @@ async def measure(seconds: float, rate: float, key_every: float, size: tuple[int
         "plot_build_in_ui_process_ms_mean": round(statistics.fmean(builds) * 1000, 2) if builds else 0.0,
         "frames_per_s": round(painted / elapsed, 2),
         "terminal_size": list(size),
+        "keypress_to_paint_ms_p95_by_focus_move": {
+            move: round(percentile([ms for a, b, ms in moves if f"{a} -> {b}" == move], 95), 1)
+            for move in sorted({f"{a} -> {b}" for a, b, _ in moves})},
     }
 
 

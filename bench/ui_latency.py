@@ -117,7 +117,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def first_paint(data: Path, runs: int = 5) -> tuple[list[float], list[float], list[float]]:
+def first_paint(data: Path, runs: int = 9) -> tuple[list[float], list[float], list[float]]:
     """Wall seconds from launch to the first frame (the tab bar painted), the CPU seconds the
     process had used by then, and wall seconds to the dataset pane's own widgets painted (its
     filter box), over fresh processes."""

@@ -260,11 +260,15 @@ class RunConfig:
 # --------------------------------------------------------------------------------- YAML -> config
 
 
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's loader where PyYAML was built with it (several times faster), else the pure-Python one."""
+
+
 def _key_lines(text: str) -> dict[tuple[str, ...], int]:
     """Map each mapping key path in the YAML text to its 1-based line, for error messages."""
     lines: dict[tuple[str, ...], int] = {}
     try:
-        root = yaml.compose(text)
+        root = yaml.compose(text, Loader=_LOADER)
     except yaml.YAMLError:
         return lines
 
@@ -283,10 +287,24 @@ def _key_lines(text: str) -> dict[tuple[str, ...], int]:
     return lines
 
 
+class _KeyLines:
+    """The YAML's key lines, found only when an error needs one: composing the text a second time
+    costs as much as loading it, and a valid config (the usual case) never asks."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._lines: dict[tuple[str, ...], int] | None = None
+
+    def get(self, path: tuple[str, ...], default: int | None = None) -> int | None:
+        if self._lines is None:
+            self._lines = _key_lines(self._text)
+        return self._lines.get(path, default)
+
+
 class _Reader:
     """Turns nested dicts into dataclasses, raising errors that name file, line and key."""
 
-    def __init__(self, source: str, lines: dict[tuple[str, ...], int]):
+    def __init__(self, source: str, lines: dict[tuple[str, ...], int] | _KeyLines):
         self.source = source
         self.lines = lines
 
@@ -400,7 +418,7 @@ _CHOICES = {
 }
 
 
-def validate(config: RunConfig, source: str = "config", lines: dict | None = None) -> RunConfig:
+def validate(config: RunConfig, source: str = "config", lines: dict | _KeyLines | None = None) -> RunConfig:
     """Check values a type cannot: choices and ranges. Returns the config, or raises ConfigError."""
     reader = _Reader(source, lines or {})
     for (section, key), allowed in _CHOICES.items():
@@ -432,13 +450,13 @@ def validate(config: RunConfig, source: str = "config", lines: dict | None = Non
 def parse_config(text: str, source: str = "config") -> RunConfig:
     """Read a config from YAML text (Studio or Ludwig layout). ``source`` names it in errors."""
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_LOADER)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}: line {mark.line + 1}" if mark else source
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{where}: not valid YAML ({problem}); check the indentation") from None
-    lines = _key_lines(text)
+    lines = _KeyLines(text)
     reader = _Reader(source, lines)
     if raw is None:
         raw = {}

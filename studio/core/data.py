@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from studio.core import prompt as prompts
+from studio.core.paths import resolve_path  # also data.resolve_path, as before
 
 if TYPE_CHECKING:
     import datasets
@@ -47,22 +48,6 @@ class DataError(ValueError):
 
 
 # ------------------------------------------------------------------------------------- loading
-
-
-def resolve_path(path: str | Path, base_dir: str | Path | None = None) -> Path | None:
-    """A local data path: as given (relative to the working directory), else relative to ``base_dir``
-    (the folder of the config that names it), else to the folder above it, so that a config kept in
-    ``sample_data/`` may name ``sample_data/rows.jsonl`` the way it reads from the project root.
-    None when none exists (a hub id, or a typo)."""
-    candidate = Path(path).expanduser()
-    if candidate.exists():
-        return candidate
-    if base_dir is not None and not candidate.is_absolute():
-        base = Path(base_dir)
-        for folder in (base, base.parent):
-            if (folder / candidate).exists():
-                return folder / candidate
-    return None
 
 
 @contextlib.contextmanager

@@ -39,3 +39,19 @@ def settings_dir() -> Path:
     path = Path(os.environ.get("STUDIO_CONFIG_DIR") or xdg / "studio")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def resolve_path(path: str | Path, base_dir: str | Path | None = None) -> Path | None:
+    """A local data path: as given (relative to the working directory), else relative to ``base_dir``
+    (the folder of the config that names it), else to the folder above it, so that a config kept in
+    ``sample_data/`` may name ``sample_data/rows.jsonl`` the way it reads from the project root.
+    None when none exists (a hub id, or a typo)."""
+    candidate = Path(path).expanduser()
+    if candidate.exists():
+        return candidate
+    if base_dir is not None and not candidate.is_absolute():
+        base = Path(base_dir)
+        for folder in (base, base.parent):
+            if (folder / candidate).exists():
+                return folder / candidate
+    return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import importlib
 import queue
 import threading
@@ -166,10 +167,19 @@ class StudioApp(App[None]):
         self._outbox: queue.Queue[ev.Command] = queue.Queue()
         self._client: Any = None
         self._follower: Any = None
+        self._mounted_panes: set[str] = set()
         for theme in themes.bundled_themes():
             self.register_theme(theme)
         saved = themes.load_theme_choice() if settings else None
-        self.theme = saved if saved in self.available_themes else themes.DEFAULT_THEME
+        initial = saved if saved in self.available_themes else themes.DEFAULT_THEME
+        # Set before the app runs without the theme watcher: it would re-parse every stylesheet once
+        # more just before the first frame. The classes it sets are set here instead.
+        self.set_reactive(App.theme, initial)
+        dark = self.current_theme.dark
+        self.update_classes({**{name: False for name in self.classes if name.startswith("-theme-")},
+                             f"-theme-{initial}": True, "-dark-mode": dark, "-light-mode": not dark},
+                            update=False)
+        self.stylesheet.set_variables(self.get_css_variables())  # (nothing is parsed yet)
 
     # ------------------------------------------------------------------------------- layout
 
@@ -205,6 +215,12 @@ class StudioApp(App[None]):
     def pane_mounted(self, tab: str) -> None:
         """A pane just mounted into its slot: focus it if its tab is the one shown."""
         self.call_after_refresh(self._start_tokenizer)
+        self._mounted_panes.add(tab)
+        if len(self._mounted_panes) == len(PANES) + 1:  # and the config tab
+            # Everything built so far lives as long as the app: move it out of the collector's
+            # sight. A full collection otherwise walks it all, a 50-90 ms stall of the event loop a
+            # few times a minute (a keypress landing in one waits for it).
+            self.call_after_refresh(gc.freeze)
         tabs = self.query_one("#panes", TabbedContent)
         focused = self.focused
         # Before the pane arrived, focus could only land on the tab bar (the screen's auto focus).

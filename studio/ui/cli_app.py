@@ -21,7 +21,7 @@ def initial_config(config_path: str | None, data: str | None) -> tuple[RunConfig
     A relative data path in a config file is made absolute (against the working directory, then the
     file's folder) so that the browser opens it from wherever Studio was started.
     """
-    from studio.core.data import resolve_path
+    from studio.core.paths import resolve_path
 
     if config_path:
         path: Path | None = Path(config_path)
@@ -60,7 +60,11 @@ def main(args: argparse.Namespace) -> int:
     if runs_dir != "runs":
         config.output_dir = runs_dir
 
+    import gc
+
     from studio.ui.app import StudioApp
 
-    StudioApp(config, path, run, initial_pane=getattr(args, "pane", None)).run()
+    app = StudioApp(config, path, run, initial_pane=getattr(args, "pane", None))
+    gc.freeze()  # the imported modules live as long as the process: no collection need walk them
+    app.run()
     return 0
