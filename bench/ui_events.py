@@ -128,7 +128,7 @@ async def measure(seconds: float, rate: float, key_every: float, size: tuple[int
 
         setattr(cls, name, timed)
 
-    app = StudioApp(config, run=run, settings=False)
+    app = StudioApp(config, run=run, settings=False, freeze_gc=True)  # as `studio` runs it
     paints: list[float] = []
     moves: list[tuple[str, str, float]] = []  # (focus before, focus after, ms) of every timed key
     latencies: list[float] = []

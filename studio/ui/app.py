@@ -144,10 +144,12 @@ class StudioApp(App[None]):
     ]
 
     def __init__(self, config: RunConfig, config_path: Path | None = None, run: RunDir | None = None,
-                 *, initial_pane: str | None = None, settings: bool = True) -> None:
+                 *, initial_pane: str | None = None, settings: bool = True, freeze_gc: bool = False) -> None:
         """``config`` is edited in place; ``config_path`` is where Save writes (asks when None);
         ``run`` is followed from the start; ``initial_pane`` is the tab shown first (``chat``...).
-        ``settings`` False neither reads nor saves the theme choice (tests and snapshots)."""
+        ``settings`` False neither reads nor saves the theme choice (tests and snapshots).
+        ``freeze_gc`` moves everything alive once the panes are mounted out of the garbage
+        collector's sight (the ``studio`` command does; a test process running many apps must not)."""
         super().__init__()
         self.initial_pane = initial_pane
         self.config = config
@@ -168,6 +170,7 @@ class StudioApp(App[None]):
         self._client: Any = None
         self._follower: Any = None
         self._mounted_panes: set[str] = set()
+        self._freeze_gc = freeze_gc
         for theme in themes.bundled_themes():
             self.register_theme(theme)
         saved = themes.load_theme_choice() if settings else None
@@ -216,7 +219,7 @@ class StudioApp(App[None]):
         """A pane just mounted into its slot: focus it if its tab is the one shown."""
         self.call_after_refresh(self._start_tokenizer)
         self._mounted_panes.add(tab)
-        if len(self._mounted_panes) == len(PANES) + 1:  # and the config tab
+        if self._freeze_gc and len(self._mounted_panes) == len(PANES) + 1:  # and the config tab
             # Everything built so far lives as long as the app: move it out of the collector's
             # sight. A full collection otherwise walks it all, a 50-90 ms stall of the event loop a
             # few times a minute (a keypress landing in one waits for it).

@@ -64,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
 
     from studio.ui.app import StudioApp
 
-    app = StudioApp(config, path, run, initial_pane=getattr(args, "pane", None))
+    app = StudioApp(config, path, run, initial_pane=getattr(args, "pane", None), freeze_gc=True)
     gc.freeze()  # the imported modules live as long as the process: no collection need walk them
     app.run()
     return 0
