@@ -139,7 +139,7 @@ async def test_palette_works_before_the_hidden_panes_have_mounted(tmp_path, monk
         preset = next(e for e in entries if e.title == "Template: Next preset")
         before = app.config.prompt.template
         preset.run()
-        await settle(pilot, rounds=2)
+        await settle(pilot, rounds=2, panes=False)
         assert app.query_one("#panes", TabbedContent).active == "template"
         assert "pane-template" in [p.id for p in app.panes]
         assert app.config.prompt.template != before  # the action ran on the pane it mounted

@@ -85,8 +85,22 @@ async def idle_workers(pilot, timeout: float = 60.0) -> None:
         await pilot.pause(0.05)
 
 
-async def settle(pilot, rounds: int = 3) -> None:
-    """Wait until thread workers are done and debounce timers (render, filter, lint) have fired."""
+async def panes_mounted(pilot, timeout: float = 60.0) -> None:
+    """Wait until every hidden pane has been mounted (they follow the first frame by ~0.6 s, later
+    on a loaded machine)."""
+    from studio.ui.app import PaneSlot
+
+    deadline = time.monotonic() + timeout
+    while any(not slot._mounted.is_set() for slot in pilot.app.query(PaneSlot)):
+        assert time.monotonic() < deadline, "the hidden panes never mounted"
+        await pilot.pause(0.05)
+
+
+async def settle(pilot, rounds: int = 3, panes: bool = True) -> None:
+    """Wait until the panes are mounted (unless ``panes`` is False), thread workers are done and
+    debounce timers (render, filter, lint) have fired."""
+    if panes:
+        await panes_mounted(pilot)
     for _ in range(rounds):
         await idle_workers(pilot)
         await pilot.pause(0.35)
