@@ -145,6 +145,28 @@ async def test_palette_works_before_the_hidden_panes_have_mounted(tmp_path, monk
         assert app.config.prompt.template != before  # the action ran on the pane it mounted
 
 
+async def test_stop_key_reaches_the_training_pane_even_before_it_mounts(tmp_path, monkeypatch):
+    """F2 (and the palette's "Stop training") is the training pane's own stop, which asks first; the
+    app mounts that pane if the key comes before it has."""
+    import studio.ui.app as app_module
+
+    monkeypatch.setattr(app_module, "HIDDEN_PANES_DELAY_S", 60.0)
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert "pane-training" not in [p.id for p in app.panes]
+        called: list[str] = []
+        from studio.ui.panes.training import TrainingPane
+
+        monkeypatch.setattr(TrainingPane, "action_stop_training", lambda self: called.append(self.id))
+        monkeypatch.setattr(TrainingPane, "check_action", lambda self, action, params: True)  # as if training
+        await pilot.press("f2")
+        await settle(pilot, rounds=1, panes=False)
+        assert app.query_one("#panes", TabbedContent).active == "training"
+        assert called == ["pane-training"]
+
+
 def test_themes_are_tcss_variables_and_the_styles_use_only_variables():
     names = {t.name: t for t in themes.bundled_themes()}
     assert {"studio-dark", "studio-light"} <= set(names)

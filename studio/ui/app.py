@@ -545,42 +545,16 @@ class StudioApp(App[None]):
 
         self.push_screen(PathDialog("Load a config", str(self.config_path or ""), must_exist=True), load)
 
-    def _pane_action(self, tab: str, action: str) -> bool:
-        """Run ``action`` of the pane on tab ``tab`` (bringing it to the front); False if absent."""
-        try:
-            pane = self.query_one(f"#pane-{tab}")
-        except NoMatches:
-            return False  # not mounted yet (the first moment after start)
-        if not hasattr(pane, f"action_{action}"):
-            return False
-        self.action_show_pane(tab)
-        self.call_next(self.run_action, action, pane)
-        return True
-
     def action_start_training(self) -> None:
-        """Train the current config: a new run directory and its background worker."""
-        from studio.core import events as ev
-        from studio.core.runs import create_run
-
+        """Train the current config: the training pane creates the run and its background worker."""
         editor = self.config_editor()
         if editor is not None and not editor.apply():
             return
-        if not self._pane_action("training", "start_training"):
-            run = create_run(self.config)
-            self.open_run(run, start_worker=True)
-            self.send_command(ev.StartTraining())
-            self.notify(f"Run {run.id} created; training starts once the model is loaded")
+        self.call_next(self.run_pane_action, "training", "start_training")
 
     def action_stop_training(self) -> None:
-        """Checkpoint, save the adapter and stop the current run's training (asks first)."""
-        from studio.core import events as ev
-
-        if self._pane_action("training", "stop_training"):
-            return
-        if self.current_run is None:
-            self.notify("No run is being followed; nothing to stop", severity="warning")
-            return
-        self.send_command(ev.Stop())
+        """Checkpoint, save the adapter and stop the current run's training (the pane asks first)."""
+        self.call_next(self.run_pane_action, "training", "stop_training")
 
     def action_open_run(self) -> None:
         """Pick a run from the output folder and follow it (plots, chat, its config)."""
