@@ -23,7 +23,9 @@ from studio.core.vram import (
     CATEGORIES,
     INT8_THRESHOLD,
     Plan,
+    _small_pool_trainable,
     _swiglu_tail,
+    _workspace_pins_loss_expandable,
     estimate,
     estimate_plan,
     expandable_segments_from_env,
@@ -255,15 +257,71 @@ def test_loss_blocks_are_reused_when_the_forward_leaves_a_block_for_the_workspac
     assert half.peak_reserved - half.peak_allocated > 4 * 4096 * 49152
 
 
-def test_expandable_segments_reserve_the_allocated_peak_in_20_mib_steps():
+def test_expandable_segments_add_the_small_pool_peak_that_comes_later():
+    # Llama-2-7B QLoRA r16: every LoRA matrix is under 1 MiB, so the adapters, their gradients and
+    # AdamW's foreach temporary live in the small pool, which peaks at the optimizer step; the overall
+    # allocated peak is at the loss, before any gradient exists. Reserved is the sum of the two pools'
+    # high-water marks: allocated + gradients + temporary (2 x 4 bytes x 39.98M), in mapping steps.
+    # Traced on the H100: 7.812 GB reserved, 7.225 allocated, 0.319 GB of it this pool timing.
     plan = replace(QLORA7, micro_batch=4, seq_len=512)
     fixed = estimate_plan(LLAMA7, plan)
     grown = estimate_plan(LLAMA7, replace(plan, expandable_segments=True))
     assert grown.peak_allocated == fixed.peak_allocated
-    mib = 2**20
-    assert grown.peak_reserved == -(-fixed.peak_allocated // (20 * mib)) * 20 * mib + 2 * mib
-    assert grown.peak_reserved < fixed.peak_reserved
-    assert grown.total < fixed.total
+    lora = lora_params(LLAMA7, 16, ALL_LINEAR)
+    gap = grown.peak_reserved - grown.peak_allocated
+    assert 2 * 4 * lora <= gap <= 2 * 4 * lora + 20 * 2**20 + 4 * 2**20
+    assert grown.peak_reserved < fixed.peak_reserved  # freed blocks merge: less slack than segments
+    assert grown.peak_reserved / GB == pytest.approx(7.812, rel=0.05)
+
+
+def test_expandable_small_pool_takes_only_tensors_up_to_one_mib():
+    # r64: a 64 x 4096 fp32 matrix is exactly 1 MiB (small pool); 64 x 11008 ones go to the large
+    # pool, so only 352 MiB of the 610 MiB of adapters add their gradient and temporary to the gap
+    plan = replace(QLORA7, lora_r=64, micro_batch=2, seq_len=4096, lora_dropout=0.05, expandable_segments=True)
+    assert _small_pool_trainable(LLAMA7, plan) == 32 * 64 * (8 * 4096 + 2 * 4096 + 4096)
+    result = estimate_plan(LLAMA7, plan)
+    assert result.peak_reserved / GB == pytest.approx(16.070, rel=0.05)  # measured on the H100
+
+
+def test_expandable_workspace_in_the_logits_range_shifts_the_next_loss():
+    # SmolLM2 nf4 ckpt, 8 x 1024 tokens: the forward leaves no hole of 32 MiB in the one segment (the
+    # saved hidden states are carved out of the freed working sets), so the backward's cuBLAS workspace
+    # settles right after the freed bf16 logits and every later loss starts one bf16 logits block
+    # further on. H100 trace: step 1 reserved 6.635 GB, steps 2-3 7.474; 6.574 GB allocated.
+    plan = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.05, micro_batch=8,
+                seq_len=1024, checkpointing=True, expandable_segments=True)
+    assert _workspace_pins_loss_expandable(SMOL, plan)
+    result = estimate_plan(SMOL, plan)
+    assert result.peak_reserved - result.peak_allocated > 2 * 8192 * 49152
+    assert result.peak_reserved / GB == pytest.approx(7.474, rel=0.05)
+    # Llama-2-7B at 2048 tokens: three freed 4096-wide bf16 tensors make a 48 MiB hole; no shift
+    llama = replace(QLORA7, micro_batch=4, seq_len=512, expandable_segments=True)
+    assert not _workspace_pins_loss_expandable(LLAMA7, llama)
+
+
+def test_workspace_rules_match_every_h100_allocator_trace():
+    # bench/results/traces: where the backward's cuBLAS workspace actually landed on the H100. It
+    # pinned the loss's range when the hole or segment it took can hold an fp32 logits block.
+    from bench.trace_pools import load, workspaces
+    from bench.vram_accuracy import ARCHS, Case
+    from studio.core.model_info import from_config_dict
+    from studio.core.vram import _loss_blocks_pinned
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    seen = 0
+    for name in ("vram_accuracy_h100_v3.json", "vram_accuracy_h100_v3_expandable.json"):
+        for row in json.loads((results / name).read_text())["rows"]:
+            trace = row.get("measured", {}).get("trace")
+            if not trace:
+                continue
+            case = Case(**{**row["case"], "targets": tuple(row["case"]["targets"])})
+            info, plan = from_config_dict(dict(ARCHS[case.arch]), case.arch), case.plan()
+            _, landed_in, _ = workspaces(load(results / "traces" / trace))[-1]
+            pinned = landed_in >= plan.tokens * info.vocab * 4
+            rule = _workspace_pins_loss_expandable if plan.expandable_segments else _loss_blocks_pinned
+            assert rule(info, plan) is pinned, row["label"]
+            seen += 1
+    assert seen == 20  # 18 expandable rows, 2 default ones
 
 
 @pytest.mark.parametrize("value,expandable", [
@@ -281,13 +339,17 @@ def test_allocator_mode_follows_what_the_engine_will_see(value, expandable, monk
     assert plan_for(RunConfig()).expandable_segments is expandable
 
 
-def test_rescored_h100_results_meet_the_goal(tmp_path, capsys):
+@pytest.mark.parametrize("name,prefix", [
+    ("vram_accuracy_h100_v3.json", ""),  # PyTorch's default allocator: the grid as the issue asks
+    ("vram_accuracy_h100_v3_expandable.json", "expandable_"),  # what Studio's engine runs with
+])
+def test_rescored_h100_results_meet_the_goal(tmp_path, capsys, name, prefix):
     out = tmp_path / "rescored.json"
-    results = Path(__file__).resolve().parents[1] / "bench" / "results" / "vram_accuracy_h100_v2.json"
+    results = Path(__file__).resolve().parents[1] / "bench" / "results" / name
     assert rescore_main(["--results", str(results), "--out", str(out)]) == 0
     assert "median |error|" in capsys.readouterr().out
     summary = json.loads(out.read_text())["summary"]
-    assert summary["peak_allocated"]["median_abs_error"] < 0.05
-    assert summary["peak_allocated"]["worst_abs_error"] < 0.10
-    assert summary["peak_reserved"]["median_abs_error"] < 0.05
-    assert summary["peak_reserved"]["worst_abs_error"] < 0.10
+    for key in ("peak_allocated", "peak_reserved"):
+        assert summary[prefix + key]["n"] == 18
+        assert summary[prefix + key]["median_abs_error"] < 0.05
+        assert summary[prefix + key]["worst_abs_error"] < 0.10

@@ -502,13 +502,77 @@ _LARGE_PAGE = 20 * 2**20
 """With expandable segments the large pool (tensors over 1 MiB) maps its one segment in 20 MiB steps."""
 
 _SMALL_PAGE = 2 * 2**20
-"""... and the small pool in 2 MiB steps."""
+"""... and the small pool (tensors of at most 1 MiB) its own segment in 2 MiB steps."""
+
+_SMALL_TENSOR = 2**20
 
 
-def expandable_reserved(peak_allocated: int) -> int:
-    """Peak reserved bytes under expandable segments: the allocated peak rounded up to the large
-    pool's 20 MiB mapping step, plus the small pool's partly used 2 MiB page."""
-    return math.ceil(peak_allocated / _LARGE_PAGE) * _LARGE_PAGE + _SMALL_PAGE
+def _small_pool_trainable(info: ModelInfo, plan: Plan) -> int:
+    """Trainable parameters in tensors of at most 1 MiB: they, their gradients and their optimizer
+    temporaries live in the allocator's small pool (all of LoRA r16 on a 7B model; at r64 the
+    4096-wide matrices are 1 MiB and stay there, the 11008-wide ones move to the large pool)."""
+    if plan.lora_r is None:
+        return info.norm_params()
+    width = _trainable_dtype_bytes(plan)
+    shapes = info.linear_shapes()
+    small = 0
+    for t in plan.lora_targets:
+        fan_in, fan_out = shapes[t]
+        for numel in (plan.lora_r * fan_in, plan.lora_r * fan_out):
+            if numel * width <= _SMALL_TENSOR:
+                small += numel
+    return small * info.layers
+
+
+def _workspace_pins_loss_expandable(info: ModelInfo, plan: Plan) -> bool:
+    """:func:`_loss_blocks_pinned` for expandable segments, where freed blocks are not cached
+    segments of their own but holes in one address range, merging with their free neighbours.
+
+    At the first backward matmul the autograd thread's 32 MiB cuBLAS workspace takes the smallest
+    hole that holds it. Allocator traces on the H100 (bench/trace_pools.py) show what the forward
+    leaves: with checkpointing, the saved hidden states are carved out of each layer's freed working
+    set and the holes left are about three hidden-width bf16 tensors side by side; without it, the
+    block of :func:`_largest_freed_forward_block`, two of them merged when gate and up both carry
+    LoRA (their base outputs are freed next to each other). If no hole is large enough the workspace
+    goes into the freed logits range and stays there.
+    """
+    t = plan.tokens
+    if plan.checkpointing:
+        hole = 3 * t * info.hidden * _bytes(plan.compute)
+    elif plan.lora_r is not None and {"gate_proj", "up_proj"} <= set(plan.lora_targets):
+        hole = 2 * t * info.intermediate * _bytes(plan.compute)
+    else:
+        hole = _largest_freed_forward_block(info, plan)
+    return hole < CUBLAS_WORKSPACE_BYTES
+
+
+def _expandable_reserved(info: ModelInfo, plan: Plan, base: float, m: _Moments, grads: int) -> int:
+    """Peak reserved bytes under expandable segments.
+
+    Each pool maps one address range and never gives pages back during training, so reserved is the
+    sum of the two pools' high-water marks, not the high-water mark of their sum:
+
+    - the small pool peaks at the optimizer step, when the small trainable tensors' gradients and
+      the foreach AdamW temporary are alive; at the moment of the overall peak (the loss, or a
+      layer's backward) they are partly not, so the small pool adds what is missing then;
+    - freed blocks merge, so the large pool holds little slack, except when the backward's cuBLAS
+      workspace settles in the freed logits range (:func:`_workspace_pins_loss_expandable`): from
+      the second step on, the loss's blocks start one bf16 logits block (plus the workspace) later.
+    """
+    small = _small_pool_trainable(info, plan) / max(trainable_params(info, plan), 1)
+    temp = m.optimizer_step - grads
+    shift = 0.0
+    if _workspace_pins_loss_expandable(info, plan):
+        shift = plan.tokens * info.vocab * _bytes(plan.compute) + CUBLAS_WORKSPACE_BYTES
+    held_grads = grads if plan.accumulation > 1 else 0  # at the loss, earlier micro-batches' gradients
+    # (bytes beyond ``base`` at each moment, of which in the small pool)
+    moments = [(m.loss + shift, small * held_grads),
+               (m.layer_backward, small * grads),
+               (m.optimizer_step, small * (grads + temp))]
+    large = base + max(need - in_small for need, in_small in moments)
+    small_high = max(in_small for _, in_small in moments)
+    return (math.ceil(large / _LARGE_PAGE) * _LARGE_PAGE
+            + math.ceil(small_high / _SMALL_PAGE) * _SMALL_PAGE + _SMALL_PAGE)
 
 
 def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> Estimate:
@@ -527,7 +591,7 @@ def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> 
     # reserved never shrinks during training: its peak is the largest need of any moment
     base = weights + lora + on_device_optimizer
     if plan.expandable_segments:
-        peak_reserved = expandable_reserved(peak_allocated)
+        peak_reserved = max(_expandable_reserved(info, plan, base, m, grads), peak_allocated)
     else:
         peak_reserved = int(max(peak_allocated, base + m.loss + m.slack_loss,
                                 base + m.layer_backward + m.slack_backward,
