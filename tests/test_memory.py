@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from types import SimpleNamespace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -64,3 +68,42 @@ def test_gradients_are_counted_when_freed_between_steps(tmp_path):
     opt.zero_grad(set_to_none=True)
     after = measure_memory(model, opt, "cpu")["gradients"]
     assert before == after > 0
+
+
+class _FakeNvml:
+    """The slice of pynvml that process_gpu_bytes uses: two cards, processes on each."""
+
+    def __init__(self, procs_by_card):
+        self.procs_by_card = procs_by_card
+        self.shut = False
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+    def nvmlDeviceGetCount(self):
+        return len(self.procs_by_card)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.procs_by_card[handle]]
+
+
+def test_context_is_what_the_driver_charges_this_process_beyond_torchs_pool(monkeypatch):
+    from studio.engine import memory
+
+    me = os.getpid()
+    fake = _FakeNvml([[(me + 1, 9 * 2**30), (me, 7 * 2**30)], [(me, 2**30)]])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert memory.process_gpu_bytes() == 8 * 2**30  # both cards, only this process
+    assert fake.shut
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 7 * 2**30 + 512 * 2**20)
+    assert memory.context_bytes(torch.device("cuda")) == 512 * 2**20
+    # a PID namespace hides the process from the driver: nothing is guessed
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml([[(me + 1, 2**30)]]))
+    assert memory.process_gpu_bytes() is None
+    assert memory.context_bytes(torch.device("cuda")) == 0

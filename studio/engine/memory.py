@@ -7,12 +7,15 @@ int8 row scales), which are not parameters and which ``model.parameters()`` alon
 
 On CUDA, activations are the peak allocated since the last ``reset_peak`` minus everything else
 (parameters, gradients, optimizer state): the saved tensors and temporaries of the step. Overhead is
-peak reserved minus peak allocated (memory torch's caching allocator holds but does not use); the
-CUDA context is outside torch's counters and is not included. On CPU both are 0.
+peak reserved minus peak allocated (memory torch's caching allocator holds but does not use) plus
+the CUDA context and library handles, which are outside torch's counters: this process's memory on
+the card as the driver reports it (nvidia-ml-py), less torch's reserved. Where the driver does not
+list the process (some containers) that part is left out. On CPU both are 0.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -107,6 +110,44 @@ def optimizer_bytes(optimizer: Any, device: torch.device | None = None) -> tuple
     return total, paged
 
 
+def process_gpu_bytes(pid: int | None = None) -> int | None:
+    """Device memory the driver charges to this process, over all GPUs; None if it cannot say
+    (no nvidia-ml-py, no driver, or a PID namespace that hides the process from NVML)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - any NVML failure means "cannot say"
+        return None
+    try:
+        used, found = 0, False
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == pid and proc.usedGpuMemory is not None:
+                    used, found = used + int(proc.usedGpuMemory), True
+        return used if found else None
+    except Exception:  # noqa: BLE001
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def context_bytes(device: torch.device) -> int:
+    """What this process holds on the card beyond torch's reserved pool (CUDA context, cuBLAS and
+    cuDNN handles, kernels' modules); 0 when the driver cannot say."""
+    used = process_gpu_bytes()
+    if used is None:
+        return 0
+    return max(0, used - torch.cuda.memory_reserved(device))
+
+
 def measure_memory(model: Any, optimizer: Any, device: torch.device | str | None) -> dict[str, int]:
     """Bytes by category on the live model: weights, lora, gradients, optimizer, activations,
     overhead (the keys of :data:`studio.core.vram.CATEGORIES`).
@@ -124,7 +165,7 @@ def measure_memory(model: Any, optimizer: Any, device: torch.device | str | None
         # paged optimizer state is not in torch's counters, so it is not subtracted from them
         resident = params["weights"] + params["lora"] + params["gradients"] + optim - paged
         activations = max(0, peak_allocated - resident)
-        overhead = max(0, peak_reserved - peak_allocated)
+        overhead = max(0, peak_reserved - peak_allocated) + context_bytes(device)
     return {"weights": params["weights"], "lora": params["lora"], "gradients": params["gradients"],
             "optimizer": optim, "activations": activations, "overhead": overhead}
 
