@@ -75,13 +75,10 @@ class _FakeNvml:
 
     def __init__(self, procs_by_card):
         self.procs_by_card = procs_by_card
-        self.shut = False
+        self.inits = 0
 
     def nvmlInit(self):
-        pass
-
-    def nvmlShutdown(self):
-        self.shut = True
+        self.inits += 1
 
     def nvmlDeviceGetCount(self):
         return len(self.procs_by_card)
@@ -99,11 +96,30 @@ def test_context_is_what_the_driver_charges_this_process_beyond_torchs_pool(monk
     me = os.getpid()
     fake = _FakeNvml([[(me + 1, 9 * 2**30), (me, 7 * 2**30)], [(me, 2**30)]])
     monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(memory, "_NVML", None)
     assert memory.process_gpu_bytes() == 8 * 2**30  # both cards, only this process
-    assert fake.shut
+    assert memory.process_gpu_bytes() == 8 * 2**30
+    assert fake.inits == 1  # initialised once: the training loop asks every logged step
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 7 * 2**30 + 512 * 2**20)
     assert memory.context_bytes(torch.device("cuda")) == 512 * 2**20
     # a PID namespace hides the process from the driver: nothing is guessed
-    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml([[(me + 1, 2**30)]]))
+    monkeypatch.setattr(memory, "_NVML", _FakeNvml([[(me + 1, 2**30)]]))
     assert memory.process_gpu_bytes() is None
     assert memory.context_bytes(torch.device("cuda")) == 0
+
+
+def test_no_driver_means_no_context_and_no_retry(monkeypatch):
+    from studio.engine import memory
+
+    class Broken:
+        tries = 0
+
+        def nvmlInit(self):
+            Broken.tries += 1
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", Broken())
+    monkeypatch.setattr(memory, "_NVML", None)
+    assert memory.process_gpu_bytes() is None
+    assert memory.process_gpu_bytes() is None
+    assert Broken.tries == 1

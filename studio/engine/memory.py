@@ -110,33 +110,40 @@ def optimizer_bytes(optimizer: Any, device: torch.device | None = None) -> tuple
     return total, paged
 
 
+_NVML: Any = None  # the initialised pynvml module, False once it failed, None before the first try
+
+
+def _nvml() -> Any:
+    """pynvml, initialised once per process (the training loop asks every logged step)."""
+    global _NVML
+    if _NVML is None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            _NVML = pynvml
+        except Exception:  # noqa: BLE001 - no package, no driver, no GPU: "cannot say"
+            _NVML = False
+    return _NVML
+
+
 def process_gpu_bytes(pid: int | None = None) -> int | None:
     """Device memory the driver charges to this process, over all GPUs; None if it cannot say
     (no nvidia-ml-py, no driver, or a PID namespace that hides the process from NVML)."""
+    nvml = _nvml()
+    if not nvml:
+        return None
     pid = os.getpid() if pid is None else pid
     try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - any NVML failure means "cannot say"
-        return None
-    try:
         used, found = 0, False
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 if proc.pid == pid and proc.usedGpuMemory is not None:
                     used, found = used + int(proc.usedGpuMemory), True
         return used if found else None
     except Exception:  # noqa: BLE001
         return None
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def context_bytes(device: torch.device) -> int:
