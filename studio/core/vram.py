@@ -253,18 +253,17 @@ def optimizer_bytes(info: ModelInfo, plan: Plan) -> int:
     return int(2 * (big + 4 * math.ceil(big / _OPTIM8_BLOCK)) + 8 * small)
 
 
+def _lora_matrix_sizes(info: ModelInfo, plan: Plan) -> list[int]:
+    """Elements of each LoRA matrix (A: r x fan_in, B: fan_out x r) of one layer."""
+    shapes = info.linear_shapes()
+    return [plan.lora_r * fan for t in plan.lora_targets for fan in shapes[t]]
+
+
 def _small_tensor_params(info: ModelInfo, plan: Plan) -> int:
     """Trainable parameters in tensors too small for 8-bit optimizer state."""
     if plan.lora_r is None:
         return info.norm_params()
-    shapes = info.linear_shapes()
-    small = 0
-    for t in plan.lora_targets:
-        fan_in, fan_out = shapes[t]
-        for numel in (plan.lora_r * fan_in, plan.lora_r * fan_out):
-            if numel < _OPTIM8_MIN_SIZE:
-                small += numel
-    return small * info.layers
+    return sum(n for n in _lora_matrix_sizes(info, plan) if n < _OPTIM8_MIN_SIZE) * info.layers
 
 
 # ----------------------------------------------------------------------------------- activations
@@ -517,14 +516,7 @@ def _small_pool_trainable(info: ModelInfo, plan: Plan) -> int:
     if plan.lora_r is None:
         return info.norm_params()
     width = _trainable_dtype_bytes(plan)
-    shapes = info.linear_shapes()
-    small = 0
-    for t in plan.lora_targets:
-        fan_in, fan_out = shapes[t]
-        for numel in (plan.lora_r * fan_in, plan.lora_r * fan_out):
-            if numel * width <= _SMALL_TENSOR:
-                small += numel
-    return small * info.layers
+    return sum(n for n in _lora_matrix_sizes(info, plan) if n * width <= _SMALL_TENSOR) * info.layers
 
 
 def _workspace_pins_loss_expandable(info: ModelInfo, plan: Plan) -> bool:
