@@ -172,7 +172,9 @@ def measure_memory(model: Any, optimizer: Any, device: torch.device | str | None
         # paged optimizer state is not in torch's counters, so it is not subtracted from them
         resident = params["weights"] + params["lora"] + params["gradients"] + optim - paged
         activations = max(0, peak_allocated - resident)
-        overhead = max(0, peak_reserved - peak_allocated) + context_bytes(device)
+        # the driver also charges the process for paged (unified-memory) state living on the card,
+        # which the optimizer category already holds
+        overhead = max(0, peak_reserved - peak_allocated) + max(0, context_bytes(device) - paged)
     return {"weights": params["weights"], "lora": params["lora"], "gradients": params["gradients"],
             "optimizer": optim, "activations": activations, "overhead": overhead}
 
