@@ -104,7 +104,10 @@ class VramPane(VerticalScroll):
     def refresh_estimate(self) -> None:
         """Estimate ``app.config`` on the chosen card and redraw (the walkthrough too)."""
         config = getattr(self.app, "config", None)
-        summary = self.query_one("#vram-summary", Static)
+        found = self.query("#vram-summary")
+        if not found:  # the app is tearing the pane down (a flush can land mid-shutdown): nothing to draw
+            return
+        summary = found.first(Static)
         if config is None:
             summary.update("No config to estimate.")
             return
