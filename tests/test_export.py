@@ -1,6 +1,9 @@
-"""Merging a run's adapter into its base model (studio.engine.export), on the tiny model."""
+"""A run's adapter: which one it is (RunDir.adapter), copied out as a PEFT folder, and merged into its
+base model (studio.engine.export), on the tiny model."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -8,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from studio.core import events as ev  # noqa: E402
 from studio.core.config import RunConfig  # noqa: E402
-from studio.core.runs import create_run  # noqa: E402
+from studio.core.runs import create_run, export_adapter  # noqa: E402
 from studio.engine.export import export_merged  # noqa: E402
 
 
@@ -54,3 +57,54 @@ def test_no_adapter_is_a_clear_message(tmp_path):
     result = export_merged(run, tmp_path / "out")
     assert not result.ok and "no saved adapter yet" in result.message
     assert not (tmp_path / "out").exists()
+
+
+def _fake_adapter(folder, step: int | None = None) -> None:
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text("{}")
+    if step is not None:
+        (folder / "studio_step.json").write_text(json.dumps({"step": step}))
+
+
+def test_run_adapter_is_the_final_one_unless_a_resume_checkpointed_past_it(tmp_path):
+    run = create_run(RunConfig(output_dir=str(tmp_path / "runs")))
+    assert run.adapter() is None
+    (run.checkpoints_dir / "step-2").mkdir()  # a checkpoint with no adapter in it is no adapter
+    assert run.adapter() is None
+    _fake_adapter(run.checkpoints_dir / "step-3" / "adapter")
+    assert run.adapter() == run.checkpoints_dir / "step-3" / "adapter"  # killed before the end
+    _fake_adapter(run.adapter_dir, step=3)
+    assert run.adapter() == run.adapter_dir  # finished (or stopped) at the newest checkpoint
+    _fake_adapter(run.checkpoints_dir / "step-5" / "adapter")
+    assert run.adapter() == run.checkpoints_dir / "step-5" / "adapter"  # resumed, then killed at 5
+    (run.adapter_dir / "studio_step.json").unlink()
+    assert run.adapter() == run.adapter_dir  # no step recorded: the final folder counts as final
+
+
+def test_exported_adapter_is_a_peft_folder_without_the_checkpoint_state(tmp_path, tiny_dir):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = RunConfig(output_dir=str(tmp_path / "runs"))
+    config.model.base_model = str(tiny_dir)
+    run = create_run(config)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    step = run.checkpoints_dir / "step-4"
+    model.save_pretrained(step / "adapter")  # as engine/checkpoint.py lays a checkpoint out
+    torch.save({"state": {}}, step / "optimizer.pt")
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    with torch.no_grad():
+        expected = model(ids).logits
+
+    dest = export_adapter(run, tmp_path / "exported")
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "README.md", "adapter_config.json", "adapter_model.safetensors", "studio_config.yaml"]
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32), dest)
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, expected, atol=1e-5)
+    with pytest.raises(FileExistsError, match="already exists"):
+        export_adapter(run, dest)
+    with pytest.raises(FileNotFoundError, match="no saved adapter yet"):
+        export_adapter(create_run(config), tmp_path / "other")

@@ -110,6 +110,7 @@ async def test_heldout_table_scores_both_models_and_saves(tmp_path):
     config.data.path = str(data)
     run = create_run(config)
     (run.adapter_dir).mkdir()
+    (run.adapter_dir / "adapter_config.json").write_text("{}")  # a saved adapter, as far as the pane looks
     app = PaneHarness(ChatPane, config, run=run)
     async with app.run_test(size=SIZE) as pilot:
         app.query_one("#chat-heldout-n").value = "4"

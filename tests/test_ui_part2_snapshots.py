@@ -106,6 +106,7 @@ def test_chat_pane(snap_compare, theme, size, tmp_path):
     config = RunConfig(output_dir=str(tmp_path))
     run = fixed_run(tmp_path, "demo-run", config)
     run.adapter_dir.mkdir()
+    (run.adapter_dir / "adapter_config.json").write_text("{}")  # a saved adapter, as far as the pane looks
     app = themed(PaneHarness(ChatPane, config, run=run), theme)
 
     async def run_before(pilot):

@@ -3,8 +3,8 @@
     runs/<run-id>/
       config.yaml          the exact config (studio train runs/<run-id>/config.yaml re-runs it)
       events.jsonl         append-only event log, one JSON event a line
-      checkpoints/step-N/  resumable checkpoints
-      adapter/             the final PEFT adapter
+      checkpoints/step-N/  resumable checkpoints, each with its adapter in adapter/
+      adapter/             the final PEFT adapter (RunDir.adapter() says which adapter is the run's)
       worker.sock, worker.key, worker.pid, worker.log
 
 Plain Python: the UI lists and reads runs through this module.
@@ -22,6 +22,17 @@ from pathlib import Path
 
 from studio.core import events as ev
 from studio.core.config import RunConfig, load_config
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""The file that makes a folder a PEFT adapter (``PeftModel.from_pretrained`` reads it first)."""
+
+ADAPTER_STEP_FILE = "studio_step.json"
+"""Written beside the final adapter: ``{"step": N}``, the optimizer step its weights are from."""
+
+ADAPTER_FILES = (ADAPTER_CONFIG, "adapter_model.safetensors", "adapter_model.bin", "studio_config.yaml",
+                 "README.md")
+"""What an exported adapter folder holds: the PEFT files, and the run config that trained it (so
+its prompt template travels with it)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,28 @@ class RunDir:
         found = self.checkpoints()
         return found[-1] if found else None
 
+    def adapter(self) -> Path | None:
+        """The one answer to "which adapter is this run's": the folder to chat, evaluate, export
+        and merge with; None when the run has saved none yet.
+
+        The final ``adapter/`` when it is there, else the newest checkpoint's ``adapter/``. One
+        exception: a run resumed after its final adapter was saved can checkpoint past it (then be
+        stopped by a kill, which writes no new ``adapter/``); the newer checkpoint's adapter wins
+        then. ``adapter/`` records its step in ``studio_step.json``; one without that file (saved by
+        hand, or by an older Studio) counts as final.
+        """
+        latest = self.latest_checkpoint()
+        newest = latest / "adapter" if latest is not None else None
+        if newest is not None and not (newest / ADAPTER_CONFIG).exists():
+            newest = None
+        if not (self.adapter_dir / ADAPTER_CONFIG).exists():
+            return newest
+        if newest is None:
+            return self.adapter_dir
+        final_step = _adapter_step(self.adapter_dir)
+        checkpoint_step = int(newest.parent.name.removeprefix("step-"))
+        return newest if final_step is not None and checkpoint_step > final_step else self.adapter_dir
+
     def worker_pid(self) -> int | None:
         """The pid of a live worker for this run, or None."""
         try:
@@ -125,6 +158,45 @@ class RunDir:
         except PermissionError:
             return pid
         return pid
+
+
+def _adapter_step(folder: Path) -> int | None:
+    """The step recorded beside a final adapter, or None when it has no (readable) record."""
+    try:
+        return int(json.loads((folder / ADAPTER_STEP_FILE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def export_adapter(run: RunDir, dest: str | Path) -> Path:
+    """Copy the run's adapter (:meth:`RunDir.adapter`) to the new folder ``dest`` as a plain PEFT
+    adapter folder that ``PeftModel.from_pretrained(base, dest)`` loads: the adapter files only,
+    not a checkpoint's optimizer and RNG states. Written beside ``dest`` and renamed when complete.
+    Raises FileNotFoundError (no adapter yet) or FileExistsError (``dest`` exists)."""
+    import shutil
+
+    dest = Path(dest)
+    source = run.adapter()
+    if source is None:
+        raise FileNotFoundError(f"run {run.id} has no saved adapter yet (looked in {run.adapter_dir} and "
+                                f"{run.checkpoints_dir}); train, or stop the run, first")
+    if dest.exists():
+        raise FileExistsError(f"{dest} already exists; choose a new folder")
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for name in ADAPTER_FILES:
+            if (source / name).exists():
+                shutil.copy2(source / name, tmp / name)
+        if not (tmp / "studio_config.yaml").exists() and run.config_path.exists():
+            # A checkpoint's adapter has no config beside it; the run's is the one that trained it.
+            shutil.copy2(run.config_path, tmp / "studio_config.yaml")
+        tmp.rename(dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
 
 
 def iter_events(path: Path) -> Iterator[ev.Event]:

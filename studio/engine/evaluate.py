@@ -55,7 +55,8 @@ def evaluate_run(run: RunDir, rows: int = 50, progress: Any = None) -> dict[str,
     from studio.engine.model import load_adapter, load_base
 
     config = run.config()
-    if not (run.adapter_dir / "adapter_config.json").exists():
+    adapter = run.adapter()
+    if adapter is None:
         raise FileNotFoundError(f"{run.path}: no adapter yet; wait for training to finish, or stop it "
                                 f"('studio stop {run.id}') to save one")
     split, held_out = held_out_rows(config)
@@ -65,7 +66,7 @@ def evaluate_run(run: RunDir, rows: int = 50, progress: Any = None) -> dict[str,
                                 "evaluate on; set data.val_fraction or mark rows with split 1 or 2")
     start = time.time()
     base = load_base(config)
-    model = load_adapter(base, run.adapter_dir)
+    model = load_adapter(base, adapter)
     tokenizer = base.tokenizer
     template = prompts.resolve_template(config.prompt, getattr(tokenizer, "chat_template", None),
                                         bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")

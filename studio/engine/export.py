@@ -25,14 +25,10 @@ class ExportError(RuntimeError):
 
 
 def find_adapter(run: RunDir) -> Path:
-    """The run's final adapter folder, else the newest checkpoint's adapter; ExportError if none."""
-    candidates = [run.adapter_dir]
-    checkpoint = run.latest_checkpoint()
-    if checkpoint is not None:
-        candidates += [checkpoint / "adapter", checkpoint]
-    for folder in candidates:
-        if (folder / "adapter_config.json").exists():
-            return folder
+    """The run's adapter (:meth:`RunDir.adapter`); ExportError if it has none yet."""
+    folder = run.adapter()
+    if folder is not None:
+        return folder
     raise ExportError(f"run {run.id} has no saved adapter yet (looked in {run.adapter_dir} and the "
                       "checkpoints); train or stop the run first")
 

@@ -169,7 +169,7 @@ class ChatPane(Vertical):
         """A new run: forget the answers; the adapter exists if the run saved one or a checkpoint."""
         self.answers, self.sides = {}, {}
         self.heldout, self._heldout_requests, self._heldout_next = [], {}, 0
-        self.adapter_ready = run is not None and (run.adapter_dir.exists() or run.latest_checkpoint() is not None)
+        self.adapter_ready = run is not None and run.adapter() is not None
         if self.is_mounted:
             self.query_one("#chat-heldout-box").remove_class("shown")
             self._set_status(self._idle_status())

@@ -9,7 +9,6 @@ inside Studio and in a small test harness.
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, ProgressBar, Static
 
 from studio.core import events as ev
-from studio.core.runs import RunDir, create_run
+from studio.core.runs import RunDir, create_run, export_adapter
 from studio.ui.metrics import TrainingState, format_duration
 from studio.ui.widgets.loss_plot import LearningRatePlot, LossPlot
 from studio.ui.widgets.run_picker import CompareScreen, PickResult, RunPickerScreen
@@ -423,14 +422,13 @@ class TrainingPane(Vertical):
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="export", description="copying adapter")
     def copy_adapter(self, run: RunDir, dest: Path) -> None:
-        """Copy the run's adapter folder (final, else the newest checkpoint's) to ``dest``."""
-        source = run.adapter_dir if run.adapter_dir.exists() else run.latest_checkpoint()
-        if source is None:
+        """Copy the run's adapter (``RunDir.adapter()``) to ``dest`` as a plain PEFT adapter folder."""
+        try:
+            export_adapter(run, dest)
+        except FileNotFoundError:
             self.app.call_from_thread(self.notify, "No adapter yet: train (or stop a run) first.",
                                       severity="warning")
             return
-        try:
-            shutil.copytree(source, dest)
         except OSError as exc:
             self.app.call_from_thread(self.notify, f"Copying the adapter to {dest} failed: {exc}",
                                       severity="error")
