@@ -277,6 +277,7 @@ def trainer_worker(args) -> int:
     from studio.core import events as ev
     from studio.core.runs import create_run
     from studio.engine.batching import collate
+    from studio.engine.session import Session
     from studio.engine.train import Trainer
 
     name, data, mb, template = args.workload.split(":")
@@ -296,7 +297,7 @@ def trainer_worker(args) -> int:
             notes.append(event.message)
             print(f"studio {name}: {event.message}", flush=True)
 
-    trainer = Trainer(config, create_run(config), emit)
+    trainer = Trainer(Session(config, create_run(config), emit))
     t0 = time.perf_counter()
     trainer.load()
     load_s = time.perf_counter() - t0
@@ -319,12 +320,12 @@ def trainer_worker(args) -> int:
     timed = steps[warm:]
     tokens = timed[-1].tokens_seen - steps[warm - 1].tokens_seen
     seconds = timed[-1].elapsed_s - steps[warm - 1].elapsed_s
-    result = {"impl": "studio-trainer", "load_s": load_s, "fast_path": trainer.fast.describe() if trainer.fast
+    result = {"impl": "studio-trainer", "load_s": load_s, "fast_path": trainer.session.fast.describe() if trainer.session.fast
               else "plain path", "notes": notes, "losses": [e.loss for e in steps],
               "step_tokens_per_s": [e.tokens_per_s for e in steps], "mfu_events": [e.mfu for e in steps],
               "tokens_per_s": tokens / seconds, "peak_allocated": peak["allocated"],
-              "peak_reserved": peak["reserved"], "graphs_failed": trainer.fast._graphs.failed
-              if trainer.fast is not None and trainer.fast._graphs is not None else ""}
+              "peak_reserved": peak["reserved"], "graphs_failed": trainer.session.fast._graphs.failed
+              if trainer.session.fast is not None and trainer.session.fast._graphs is not None else ""}
     Path(args.json).write_text(json.dumps(result))
     # The baseline trains on exactly these batches; on short data it gets the same examples padded.
     work = Path(args.work)
@@ -332,10 +333,10 @@ def trainer_worker(args) -> int:
         torch.save(recorded, work / f"{name}.pt")
     else:
         rng = random.Random(args.seed)
-        order = rng.sample(range(len(trainer.data.train)), len(trainer.data.train))
+        order = rng.sample(range(len(trainer.session.data.train)), len(trainer.session.data.train))
         padded = []
         for i in range(args.steps):
-            unit = [[trainer.data.train[j % len(order)]] for j in order[4 * i:4 * i + 4]]
+            unit = [[trainer.session.data.train[j % len(order)]] for j in order[4 * i:4 * i + 4]]
             b = collate(unit, trainer.tokenizer.pad_token_id, packing=False)
             padded.append({"input_ids": b.input_ids, "labels": b.labels, "attention_mask": b.attention_mask,
                            "position_ids": b.position_ids, "tokens": b.tokens})

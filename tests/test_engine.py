@@ -8,10 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from oom_injection import inject_from_spec
 
 from studio.core import events as ev
 from studio.core.runs import create_run
 from studio.engine.batching import Cursor, DataStream, collate
+from studio.engine.session import Session
 from studio.engine.train import Trainer, TrainingError
 
 
@@ -75,10 +77,12 @@ def test_data_order_is_seeded_and_split_independent() -> None:
     assert all(sum(len(examples[i].input_ids) for i in row) <= 64 for row in rows if len(row) > 1)
 
 
-def _run(config, between_steps=None, **kwargs):
+def _run(config, between_steps=None, inject_oom_at_step: str | None = None):
     run = create_run(config)
     events: list[ev.Event] = []
-    trainer = Trainer(config, run, events.append, between_steps, **kwargs)
+    trainer = Trainer(Session(config, run, events.append), between_steps)
+    if inject_oom_at_step is not None:
+        inject_from_spec(trainer, inject_oom_at_step)
     return trainer, run, events
 
 
@@ -175,39 +179,39 @@ def test_memory_samples_are_measured_by_category_over_one_step(tiny_config, monk
 
 
 def test_generation_streams_and_base_differs_from_adapter(tiny_config) -> None:
-    trainer, _, _ = _run(tiny_config)
-    trainer.load()
-    model = trainer.model
+    session = _run(tiny_config)[0].session  # loading and generation are the session's
+    session.load()
+    model = session.model
     model.train()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.add_(torch.randn_like(param) * 0.5)
     pieces: list[str] = []
-    tuned = trainer.generate("Reverse the letters of the word.", max_new_tokens=12, on_text=pieces.append)
+    tuned = session.generate("Reverse the letters of the word.", max_new_tokens=12, on_text=pieces.append)
     assert model.training, "generation must hand the model back in training mode"
     assert "".join(pieces) == tuned.text
     assert 0 < tuned.new_tokens <= 12 and tuned.tokens_per_s > 0
-    base = trainer.generate({"instruction": "Reverse the letters of the word.", "input": "a-b-c"},
+    base = session.generate({"instruction": "Reverse the letters of the word.", "input": "a-b-c"},
                             adapter=False, max_new_tokens=12)
-    again = trainer.generate({"instruction": "Reverse the letters of the word.", "input": "a-b-c"},
+    again = session.generate({"instruction": "Reverse the letters of the word.", "input": "a-b-c"},
                              adapter=False, max_new_tokens=12)
     assert base.text == again.text, "greedy decoding is deterministic"
-    with_adapter = trainer.generate({"instruction": "Reverse the letters of the word.", "input": "a-b-c"},
+    with_adapter = session.generate({"instruction": "Reverse the letters of the word.", "input": "a-b-c"},
                                     max_new_tokens=12)
     assert with_adapter.token_ids != base.token_ids
 
 
 def test_generation_stops_at_eos(tiny_config) -> None:
     """A model that always predicts EOS answers with nothing."""
-    trainer, _, _ = _run(tiny_config)
-    trainer.load()
-    eos = trainer.tokenizer.eos_token_id
-    lm_head = trainer.model.get_output_embeddings()
+    session = _run(tiny_config)[0].session  # loading and generation are the session's
+    session.load()
+    eos = session.tokenizer.eos_token_id
+    lm_head = session.model.get_output_embeddings()
     with torch.no_grad():
         # Tied embeddings: raise EOS's row so it wins every argmax.
         lm_head.weight[eos] *= 1000
-    result = trainer.generate("anything", max_new_tokens=10)
+    result = session.generate("anything", max_new_tokens=10)
     assert result.new_tokens == 0 and result.text == ""
 
 

@@ -14,14 +14,14 @@ from test_worker import wait_for
 
 from studio.core import events as ev
 from studio.core.runs import RunDir, create_run
-from studio.engine.train import Trainer
+from studio.engine.session import Session
 from studio.ui.client import WorkerClient, start_worker
 
 ROW = {"instruction": "Reverse the letters of the word.", "input": "s-t-o-n-e"}
 
 
-def _answers(trainer: Trainer) -> dict[bool, str]:
-    return {adapter: trainer.generate(ROW, adapter=adapter).text for adapter in (True, False)}
+def _answers(session: Session) -> dict[bool, str]:
+    return {adapter: session.generate(ROW, adapter=adapter).text for adapter in (True, False)}
 
 
 @pytest.fixture
@@ -38,9 +38,9 @@ def trained_run(tiny_config, tmp_path: Path) -> tuple[RunDir, dict[bool, str], f
     tiny_config.generation.temperature = 0.0
     run = create_run(tiny_config, tmp_path / "runs")
     losses: list[float] = []
-    trainer = Trainer(tiny_config, run, lambda e: losses.append(e.loss) if isinstance(e, ev.StepLogged) else None)
-    trainer.train()
-    answers = _answers(trainer)
+    session = Session(tiny_config, run, lambda e: losses.append(e.loss) if isinstance(e, ev.StepLogged) else None)
+    session.train()
+    answers = _answers(session)
     assert answers[True] != answers[False], "30 steps must move the adapter's answer"
     return run, answers, losses[0]
 
@@ -75,12 +75,12 @@ def test_checkpoint_stands_in_for_a_missing_adapter_and_fresh_training_starts_un
     run, before, first_loss = trained_run
     shutil.rmtree(run.adapter_dir)  # killed before the end: only checkpoints/step-30 is left
     losses: list[float] = []
-    trainer = Trainer(run.config(), run, lambda e: losses.append(e.loss) if isinstance(e, ev.StepLogged) else None,
+    session = Session(run.config(), run, lambda e: losses.append(e.loss) if isinstance(e, ev.StepLogged) else None,
                       between_steps=lambda t: "stop")
-    assert trainer.load_trained_adapter() == run.checkpoints_dir / "step-30" / "adapter"
-    assert _answers(trainer) == before
+    assert session.load_trained_adapter() == run.checkpoints_dir / "step-30" / "adapter"
+    assert _answers(session) == before
 
     # Training from scratch after chatting starts from the fresh LoRA: step 1's loss is the
     # untrained model's, as in the first run, not the trained adapter's much lower one.
-    trainer.train(resume=False)
+    session.train(resume=False)
     assert losses[0] == pytest.approx(first_loss, rel=1e-4)

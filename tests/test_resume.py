@@ -12,6 +12,7 @@ import pytest
 from studio.cli import main as studio_main
 from studio.core import events as ev
 from studio.core.runs import RunDir, create_run, iter_events
+from studio.engine.session import Session
 from studio.engine.train import Trainer
 
 
@@ -33,7 +34,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tiny_config, tmp_path: Pa
     tiny_config.trainer.micro_batch_size = 4  # two micro-batches a step: accumulation is resumed too
 
     events: list[ev.Event] = []
-    Trainer(tiny_config, create_run(tiny_config, tmp_path / "reference"), events.append).train()
+    Trainer(Session(tiny_config, create_run(tiny_config, tmp_path / "reference"), events.append)).train()
     expected = {e.step: e.loss for e in events if isinstance(e, ev.StepLogged)}
 
     runs = tmp_path / "runs"

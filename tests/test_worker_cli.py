@@ -227,6 +227,7 @@ def test_real_worker_outlives_its_terminal_answers_while_training_and_resumes_ex
     from transformers import AutoModelForCausalLM
 
     from studio.core.runs import create_run
+    from studio.engine.session import Session
     from studio.engine.train import Trainer
 
     reference: dict[int, float] = {}
@@ -236,7 +237,7 @@ def test_real_worker_outlives_its_terminal_answers_while_training_and_resumes_ex
             reference[event.step] = event.loss
 
     config = run.config()
-    Trainer(config, create_run(config, tmp_path / "reference"), record,
+    Trainer(Session(config, create_run(config, tmp_path / "reference"), record),
             between_steps=lambda t: "stop" if t.step >= stopped.step else None).train()
     resumed = {e.step: e.loss for e in logged if isinstance(e, ev.StepLogged) and e.seq > restarted.seq}
     assert sorted(resumed) == list(range(11, stopped.step + 1))
@@ -253,6 +254,8 @@ def test_real_worker_outlives_its_terminal_answers_while_training_and_resumes_ex
 def test_real_worker_halves_the_micro_batch_on_oom_and_pauses_without_losing_steps(
         real_cli: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setenv("STUDIO_INJECT_OOM_AT_STEP", "2")
+    monkeypatch.setenv("STUDIO_WORKER_TRAINER", "oom_injection:OomInjectingSession")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     assert studio(["train", str(real_cli), "--detach", "--max-steps", "8"]) == 0
     run = find_run(capsys.readouterr().out.strip(), tmp_path / "runs")
     client = WorkerClient(run)

@@ -1,8 +1,8 @@
-"""A stand-in for studio.engine.train.Trainer, so the worker's machinery (detach, lock, socket,
-commands, event log) is tested in seconds without torch. The worker loads it when
+"""A stand-in for studio.engine.session.Session (what the worker drives), so the worker's machinery
+(detach, lock, socket, commands, event log) is tested in seconds without torch. The worker loads it when
 $STUDIO_WORKER_TRAINER is "worker_fakes:FakeTrainer" (with tests/ on PYTHONPATH).
 
-It follows the Trainer contract of docs/CONTRACTS.md: load(), train(resume), generate(...),
+It follows the session contract of docs/CONTRACTS.md: load(), train(resume), generate(...),
 evaluate(), between_steps after every step ("stop" = checkpoint + TrainingFinished(stopped)).
 Knobs: $FAKE_STEP_S (seconds a step), $FAKE_FAIL_AT_STEP (raise there), $FAKE_CHECKPOINT_EVERY.
 """

@@ -146,6 +146,7 @@ def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
 
 def main(args: argparse.Namespace) -> int:
     """``studio train CONFIG [--data PATH] [--max-steps N] [--model M] [--resume RUN] [--run-dir DIR]``."""
+    from studio.engine.session import Session
     from studio.engine.train import Trainer
 
     try:
@@ -169,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     printer = ConsolePrinter()
     log = EventLog(run, printer)
-    trainer = Trainer(config, run, log)
+    trainer = Trainer(Session(config, run, log))
     print(f"run directory: {run.path}", flush=True)
     with _recorded_pid(run):
         return _train(run, trainer, printer, resume=bool(getattr(args, "resume", None)))

@@ -1,10 +1,11 @@
 """The training loop: one class you can read top to bottom.
 
-``Trainer(config, run, emit)`` loads the model and data, then ``train()`` runs optimizer steps of
-``accumulation`` micro-batches each, with warmup + schedule, gradient clipping, bf16 autocast on a
-GPU, evaluation every ``eval_interval`` steps, atomic checkpoints every ``checkpoint_interval`` steps,
-and the final adapter in ``runs/<id>/adapter``. Everything it has to say goes through the one
-``emit`` callback as typed events (studio/core/events.py).
+``Trainer(session)`` trains the model a :class:`~studio.engine.session.Session` loaded: ``train()``
+runs optimizer steps of ``accumulation`` micro-batches each, with warmup + schedule, gradient
+clipping, bf16 autocast on a GPU, evaluation every ``eval_interval`` steps, atomic checkpoints every
+``checkpoint_interval`` steps, and the final adapter in ``runs/<id>/adapter``. Everything it has to
+say goes through the session's ``emit`` callback as typed events (studio/core/events.py). Loading,
+generation and adapter swapping for chat are the session's.
 
 Exact resume: a checkpoint holds the adapter, optimizer, scheduler, RNG states and the data cursor,
 and the loss of a step is averaged over the response tokens of the whole step, so that the same
@@ -14,12 +15,11 @@ units split into different micro-batches (after an out-of-memory halving) give t
 from __future__ import annotations
 
 import gc
+import json
 import math
-import os
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,82 +27,59 @@ import torch
 import torch.nn.functional as F
 
 from studio.core import events as ev
-from studio.core.config import ConfigError, RunConfig
-from studio.core.runs import RunDir
+from studio.core.runs import ADAPTER_STEP_FILE
 from studio.engine import checkpoint
 from studio.engine import fast as fastpath
-from studio.engine import generate as gen
 from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream, MicroBatch, eval_batches
-from studio.engine.model import BaseModel, ModelLoadError, attach_lora, count_parameters, load_base
+from studio.engine.session import BetweenSteps, Session, TrainingError
 
-Emit = Callable[[ev.Event], None]
-BetweenSteps = Callable[["Trainer"], "str | None"]
-
-INJECT_OOM_ENV = "STUDIO_INJECT_OOM_AT_STEP"
-"""Test hook: ``N`` raises one simulated CUDA out-of-memory error in step N; ``N:always`` raises it
-on every attempt of step N (so the trainer gives up at micro-batch 1)."""
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on; a WorkerFailed event with this ``kind`` has already been emitted."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
-@dataclass
-class TrainingData:
-    """Encoded splits and the template they were rendered with."""
-
-    train: list[Any]
-    validation: list[Any]
-    test_rows: list[dict]
-    validation_rows: list[dict]
-    template: str
-    truncated: int
+__all__ = ["Trainer", "TrainingError"]
 
 
 class Trainer:
-    """Fine-tunes ``config``'s model with LoRA, writing into ``run`` and reporting through ``emit``."""
+    """Fine-tunes the LoRA of ``session``'s model, writing into its run; ``between_steps`` (default:
+    the session's) is called after every optimizer step, and a return of "stop" ends training."""
 
-    def __init__(self, config: RunConfig, run: RunDir, emit: Emit,
-                 between_steps: BetweenSteps | None = None, *, device: torch.device | None = None,
-                 inject_oom_at_step: str | None = None):
-        self.config = config
-        self.run = run
-        self.emit = emit
-        self.between_steps = between_steps
-        self.device = device
-        self.base: BaseModel | None = None
-        self.model: Any = None
-        self.tokenizer: Any = None
-        self.data: TrainingData | None = None
+    def __init__(self, session: Session, between_steps: BetweenSteps | None = None):
+        self.session = session
+        self.config = session.config
+        self.run = session.run
+        self.emit = session.emit
+        self.between_steps = between_steps if between_steps is not None else session.between_steps
         self.stream: DataStream | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.step = 0
         self.total_steps = 0
         self.cursor = Cursor()
-        self.micro_batch_size = config.trainer.micro_batch_size
+        self.micro_batch_size = self.config.trainer.micro_batch_size
         # Units per optimizer step stay fixed; accumulation follows the micro-batch.
-        self.units_per_step = self.micro_batch_size * config.trainer.accumulation_steps()
+        self.units_per_step = self.micro_batch_size * self.config.trainer.accumulation_steps()
         self.best_eval_loss: float | None = None
         self.tokens_seen = 0
         self.elapsed = 0.0
         self.state = "idle"
-        """idle, loading, training, paused (set by the worker), finished, stopped or failed."""
+        """idle, loading, training, finished, stopped or failed."""
         self._stop_requested = False
-        self.fast: fastpath.FastModel | None = None
-        """The fast training path (studio/engine/fast.py), or None for the plain transformers one."""
         self._flops_per_token = 0.0
         self._peak_flops = 0.0
-        self._sampler = torch.Generator()
-        self._fresh_lora: dict[str, torch.Tensor] | None = None
-        """The LoRA's initial weights while :meth:`load_trained_adapter` has replaced them."""
-        self._oom_spec = inject_oom_at_step if inject_oom_at_step is not None else os.environ.get(INJECT_OOM_ENV)
 
     # ------------------------------------------------------------------------------------ set-up
+
+    @property
+    def model(self) -> Any:
+        """The session's PEFT model."""
+        return self.session.model
+
+    @property
+    def tokenizer(self) -> Any:
+        """The session's tokenizer."""
+        return self.session.tokenizer
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the model is (None until loaded)."""
+        return self.session.device
 
     @property
     def accumulation_steps(self) -> int:
@@ -110,116 +87,23 @@ class Trainer:
         return math.ceil(self.units_per_step / self.micro_batch_size)
 
     def load(self) -> None:
-        """Load the model, attach a fresh LoRA (seeded) and encode the data. Emits ModelLoading,
-        ModelLoaded; on a user error emits WorkerFailed and raises :class:`TrainingError`."""
-        from studio.core.data import DataError, load_splits
-
-        self.state = "loading"
-        base_model = self.config.model.base_model
-        try:
-            # The data first: a bad path or column fails in a second, not after the model loads.
-            self.emit(ev.ModelLoading(stage="reading the data", fraction=0.0))
-            splits = load_splits(self.config)
-            checkpoint.seed_everything(self.config.trainer.seed)
-            self.base = load_base(self.config, progress=lambda stage, fraction: self.emit(
-                ev.ModelLoading(stage=stage, fraction=fraction)), device=self.device)
-            for warning in self.base.warnings:
-                self.emit(ev.WorkerFailed(kind="config", message=warning, fatal=False))
-            self.emit(ev.ModelLoading(stage="attaching LoRA", fraction=0.85))
-            self.model = attach_lora(self.base, self.config)
-            self.tokenizer = self.base.tokenizer
-            self.device = self.base.device
-            self.emit(ev.ModelLoading(stage="encoding the data", fraction=0.9))
-            self.data = self._encode_data(splits)
-        except ModelLoadError as exc:
-            self._fail("config", str(exc))
-        except ConfigError as exc:
-            self._fail("config", str(exc))
-        except DataError as exc:
-            self._fail("data", str(exc))
-        except (ValueError, FileNotFoundError) as exc:  # template and tokenizer problems
-            self._fail("config", f"{base_model}: {exc}")
-        tc = self.config.trainer
-        self.stream = DataStream(self.data.train, tc.seed, tc.packing, self.config.data.max_seq_length)
-        self._enable_fast_path()
-        total, trainable = count_parameters(self.model)
-        self.emit(ev.ModelLoaded(base_model=base_model, device=str(self.device),
-                                 dtype=str(self.base.compute_dtype).removeprefix("torch."),
-                                 quantization=self.base.quantization, total_params=total,
-                                 trainable_params=trainable, load_seconds=round(self.base.seconds, 2)))
-        if self.data.truncated:
-            self.emit(ev.WorkerFailed(kind="data", fatal=False, message=(
-                f"{self.data.truncated} training rows are longer than data.max_seq_length "
-                f"({self.config.data.max_seq_length} tokens) and were truncated; raise it if answers "
-                "get cut off")))
-        self.state = "idle"
-
-    def trained_adapter_dir(self) -> Path | None:
-        """The run's newest trained adapter: ``adapter/`` (saved at the end of training) or the latest
-        checkpoint's ``adapter/``, whichever was written last; None for a run that never trained."""
-        latest = self.run.latest_checkpoint()
-        candidates = [self.run.adapter_dir] + ([latest / "adapter"] if latest is not None else [])
-        found = [d for d in candidates if (d / "adapter_model.safetensors").exists()]
-        # A run resumed after its adapter was saved has a newer checkpoint than adapter/.
-        return max(found, key=lambda d: (d / "adapter_model.safetensors").stat().st_mtime, default=None)
-
-    def load_trained_adapter(self) -> Path | None:
-        """Load the model (if not yet) and put the run's trained adapter weights
-        (:meth:`trained_adapter_dir`) into its LoRA, so that generation and evaluation answer as the
-        fine-tuned model: chat with a past run. Returns the folder, or None (the fresh LoRA stays) when
-        the run has no adapter yet or it cannot be loaded (a non-fatal WorkerFailed says why).
-        A later ``train(resume=False)`` starts again from the fresh LoRA."""
-        if self.model is None:
-            self.load()
-        folder = self.trained_adapter_dir()
-        if folder is None:
-            return None
-        fresh = {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
-        try:
-            unmatched = checkpoint.load_adapter_weights(self.model, folder, self.device)
-        except (OSError, RuntimeError, ValueError) as exc:
-            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
-                f"{folder}: cannot load the trained adapter ({str(exc).splitlines()[0]}); the fine-tuned "
-                "answers come from an untrained LoRA. Was config.yaml's lora section edited after training?")))
-            return None
-        if unmatched:
-            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
-                f"{folder}: {len(unmatched)} adapter weights match no layer (e.g. {unmatched[0]}); was "
-                "lora.target_modules in config.yaml changed after training?")))
-        self._fresh_lora = fresh
-        return folder
-
-    def _encode_data(self, splits: Any) -> TrainingData:
-        from studio.core import prompt
-        chat = getattr(self.tokenizer, "chat_template", None)
-        template = prompt.resolve_template(self.config.prompt, chat,
-                                           bos_token=self.tokenizer.bos_token or "",
-                                           eos_token=self.tokenizer.eos_token or "")
-        field = self.config.prompt.response_field
-        max_len = self.config.data.max_seq_length
-        eos = self.tokenizer.eos_token_id if self.config.prompt.add_eos else None
-        bos = gen.bos_to_add(self.tokenizer)
-
-        def encode(rows: list[dict]) -> list[Any]:
-            return [prompt.encode(prompt.render(template, row, field), self._tokenize, max_len, eos, bos)
-                    for row in rows]
-
-        train = encode(list(splits.train))
-        if not train:
-            raise ConfigError(f"{self.config.data.path}: no training rows after splitting; check "
-                              "data.split_column / data.val_fraction")
-        validation_rows = list(splits.validation)[: self.config.trainer.eval_max_rows]
-        return TrainingData(train=train, validation=encode(validation_rows), test_rows=list(splits.test),
-                            validation_rows=validation_rows, template=template,
-                            truncated=sum(1 for e in train if e.truncated))
-
-    def _tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """Load the session if it is not yet, and set up the data stream. On a user error a
+        WorkerFailed is emitted and :class:`TrainingError` raised."""
+        if not self.session.loaded:
+            self.state = "loading"
+            try:
+                self.session.load()
+            except TrainingError:
+                self.state = "failed"
+                raise
+            self.state = "idle"
+        if self.stream is None:
+            tc = self.config.trainer
+            self.stream = DataStream(self.session.data.train, tc.seed, tc.packing, self.config.data.max_seq_length)
 
     def _fail(self, kind: str, message: str, detail: str = "") -> None:
         self.state = "failed"
-        self.emit(ev.WorkerFailed(kind=kind, message=message, detail=detail, fatal=True))
-        raise TrainingError(kind, message)
+        self.session.fail(kind, message, detail)
 
     # ------------------------------------------------------------------------------------ the loop
 
@@ -229,8 +113,7 @@ class Trainer:
 
     def train(self, resume: bool = False) -> ev.TrainingFinished:
         """Train to the end (or a stop request); with ``resume``, continue from the latest checkpoint."""
-        if self.model is None:
-            self.load()
+        self.load()
         try:
             return self._train(resume)
         except TrainingError:
@@ -243,7 +126,8 @@ class Trainer:
 
     def _train(self, resume: bool) -> ev.TrainingFinished:
         tc = self.config.trainer
-        assert self.stream is not None and self.data is not None
+        assert self.stream is not None
+        self._size_mfu()
         units_per_epoch = self.stream.units_per_epoch(0)
         self.total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * units_per_epoch / self.units_per_step))
         self._build_optimizer()
@@ -252,18 +136,14 @@ class Trainer:
         if latest is not None:
             self._restore(latest)
             resumed_from = self.step
-        elif self._fresh_lora is not None:
-            # The trained adapter was loaded for chat; training from scratch starts from the fresh LoRA.
-            with torch.no_grad():
-                for name, param in self.model.named_parameters():
-                    if name in self._fresh_lora:
-                        param.copy_(self._fresh_lora[name])
-        self._fresh_lora = None
+        else:
+            # A trained adapter loaded for chat must not be where training from scratch starts.
+            self.session.restore_fresh_lora()
         self.state = "training"
         self.model.train()
         self.emit(ev.RunStarted(run_id=self.run.id, base_model=self.config.model.base_model,
-                                total_steps=self.total_steps, train_rows=len(self.data.train),
-                                eval_rows=len(self.data.validation), micro_batch_size=self.micro_batch_size,
+                                total_steps=self.total_steps, train_rows=len(self.session.data.train),
+                                eval_rows=len(self.session.data.validation), micro_batch_size=self.micro_batch_size,
                                 gradient_accumulation_steps=self.accumulation_steps,
                                 resumed_from_step=resumed_from))
         from studio.engine.memory import reset_peak
@@ -317,6 +197,8 @@ class Trainer:
         from studio.engine.model import save_adapter
 
         adapter = save_adapter(self.model, self.run.adapter_dir, self.config)
+        # RunDir.adapter() compares this with the checkpoints' steps (a later resume may pass it).
+        (adapter / ADAPTER_STEP_FILE).write_text(json.dumps({"step": self.step}))
         self.state = "stopped" if stopped else "finished"
         finished = ev.TrainingFinished(step=self.step, stopped=stopped, adapter_path=str(adapter),
                                        train_loss=last_loss, best_eval_loss=self.best_eval_loss,
@@ -358,10 +240,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         out_of_memory = False
         try:
-            for index, batch in enumerate(batches):
-                if index == 0:
-                    self._maybe_inject_oom()
-                loss, _correct = self._forward(batch.to(self.device))
+            for batch in batches:
+                loss, _correct = self.forward(batch.to(self.device))
                 # Dividing by the step's token count (not the micro-batch's) makes the gradient the
                 # same however the step is split into micro-batches.
                 (loss / label_tokens).backward()
@@ -381,27 +261,28 @@ class Trainer:
         # .item() is a device sync point: once per optimizer step, not per micro-batch.
         return float(loss_sum.item()) / label_tokens, float(grad_norm.item()), sum(b.tokens for b in batches)
 
-    def _enable_fast_path(self) -> None:
-        """Switch to the fast training path where it applies, and size the MFU figures."""
-        self.fast, why = fastpath.enable(self.model, self.device)
-        if self.fast is None and self.device.type == "cuda":
-            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
-                f"the fast training path is off ({why}); training runs on the slower plain path")))
-        if self.device.type == "cuda":
-            lengths = [len(e.input_ids) for e in self.data.train] or [1]
-            config = self.model.get_base_model().config
-            self._flops_per_token = fastpath.model_flops_per_token(config, sum(lengths) / len(lengths))
-            self._peak_flops = fastpath.matmul_tflops(self.device) * 1e12
+    def _size_mfu(self) -> None:
+        """The FLOPs a token costs and the GPU's measured matmul rate, for StepLogged's MFU."""
+        if self.device.type != "cuda" or self._peak_flops:
+            return
+        lengths = [len(e.input_ids) for e in self.session.data.train] or [1]
+        config = self.model.get_base_model().config
+        self._flops_per_token = fastpath.model_flops_per_token(config, sum(lengths) / len(lengths))
+        self._peak_flops = fastpath.matmul_tflops(self.device) * 1e12
 
-    def _forward(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed cross-entropy over the response tokens, and the count of argmax hits among them."""
-        if self.fast is not None and torch.is_grad_enabled():
+    def forward(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed cross-entropy over the response tokens of one micro-batch, and the count of argmax
+        hits among them. Every micro-batch of a step and of an evaluation goes through here, so a
+        test can wrap it (``trainer.forward = ...``), e.g. to raise a simulated out-of-memory."""
+        fast = self.session.fast
+        if fast is not None and torch.is_grad_enabled():
             # Training step on the fast path: the loss only (argmax hits are an evaluation metric).
-            loss = self.fast.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids,
+            loss = fast.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids,
                                   reduction="sum")
             return loss, torch.zeros((), device=loss.device)
-        autocast = torch.autocast(device_type=self.device.type, dtype=self.base.compute_dtype,
-                                  enabled=self.device.type == "cuda" and self.base.compute_dtype != torch.float32)
+        dtype = self.session.base.compute_dtype
+        autocast = torch.autocast(device_type=self.device.type, dtype=dtype,
+                                  enabled=self.device.type == "cuda" and dtype != torch.float32)
         with autocast:
             logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                 position_ids=batch.position_ids, use_cache=False).logits
@@ -415,16 +296,6 @@ class Trainer:
         loss = F.cross_entropy(picked, wanted, reduction="sum")
         correct = (picked.argmax(-1) == wanted).sum()
         return loss, correct
-
-    def _maybe_inject_oom(self) -> None:
-        spec = self._oom_spec
-        if not spec:
-            return
-        at, _, mode = spec.partition(":")
-        if int(at) == self.step + 1:
-            if mode != "always":
-                self._oom_spec = None
-            raise torch.cuda.OutOfMemoryError(f"simulated out of memory at step {at} ({INJECT_OOM_ENV})")
 
     def _handle_oom(self) -> None:
         assert self.optimizer is not None
@@ -451,8 +322,8 @@ class Trainer:
 
     def evaluate(self) -> ev.EvalLogged:
         """Loss, perplexity and next-token accuracy on the validation rows' responses; emits EvalLogged."""
-        assert self.data is not None
-        examples = self.data.validation
+        self.load()
+        examples = self.session.data.validation
         if not examples:
             event = ev.EvalLogged(step=self.step, loss=float("nan"), perplexity=float("nan"), rows=0)
             return event
@@ -463,7 +334,7 @@ class Trainer:
         try:
             with torch.no_grad():
                 for batch in eval_batches(examples, self.micro_batch_size, self.tokenizer.pad_token_id):
-                    loss, hits = self._forward(batch.to(self.device))
+                    loss, hits = self.forward(batch.to(self.device))
                     loss_sum += float(loss)
                     correct += int(hits)
                     total += batch.label_tokens
@@ -477,34 +348,6 @@ class Trainer:
                               token_accuracy=correct / max(1, total), rows=len(examples))
         self.emit(event)
         return event
-
-    # ------------------------------------------------------------------------------- generation
-
-    def render_prompt(self, prompt: str | dict) -> str:
-        """The text the model is given for ``prompt``: a row (dict) or a plain instruction rendered
-        through the run's template, up to where the response starts."""
-        from studio.core.prompt import render, template_fields
-
-        template = self.data.template if self.data else self.config.prompt.template
-        field = self.config.prompt.response_field
-        if isinstance(prompt, str):
-            fields = [f for f in template_fields(template) if f != field]
-            prompt = {fields[0] if fields else "instruction": prompt}
-        return render(template, {**prompt, field: ""}, field).prompt
-
-    def generate(self, prompt: str | dict, adapter: bool = True, max_new_tokens: int | None = None,
-                 temperature: float | None = None, top_p: float | None = None,
-                 on_text: Callable[[str], None] | None = None) -> gen.GenerationResult:
-        """Answer ``prompt`` with the adapter (or the base model through ``disable_adapter()``),
-        streaming pieces of text to ``on_text``. Safe between training steps."""
-        g = self.config.generation
-        ids = gen.prompt_ids(self.tokenizer, self.render_prompt(prompt))
-        return gen.generate(self.model, self.tokenizer, ids, adapter=adapter,
-                            max_new_tokens=max_new_tokens or g.max_new_tokens,
-                            temperature=g.temperature if temperature is None else temperature,
-                            top_p=g.top_p if top_p is None else top_p, on_text=on_text,
-                            generator=self._sampler, device=self.device,
-                            autocast_dtype=self.base.compute_dtype if self.base else None)
 
     # ------------------------------------------------------------------------------- checkpoints
 

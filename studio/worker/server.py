@@ -174,11 +174,11 @@ def classify_failure(exc: BaseException, log_path: Path) -> ev.WorkerFailed:
 
 
 def default_trainer_factory() -> Callable[..., Any]:
-    """The engine's Trainer class, or the one named by $STUDIO_WORKER_TRAINER ("module:attr"),
-    which tests use to drive the worker with a stand-in that needs no torch."""
+    """The engine's Session class (it loads, trains, generates, evaluates), or the one named by
+    $STUDIO_WORKER_TRAINER ("module:attr"), which tests use to drive the worker with a stand-in."""
     import importlib
 
-    spec = os.environ.get("STUDIO_WORKER_TRAINER", "studio.engine.train:Trainer")
+    spec = os.environ.get("STUDIO_WORKER_TRAINER", "studio.engine.session:Session")
     module, _, attr = spec.partition(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -197,7 +197,7 @@ class Worker:
         self.model_loaded = False
         self.linger_s = linger_s
         self._trainer_factory = trainer_factory
-        self._trainer: Any = None
+        self._session: Any = None
         self._peers: set[_Peer] = set()
         # Orders log writes with client registration; re-entrant because dropping a slow client
         # from inside emit() unregisters it.
@@ -368,7 +368,7 @@ class Worker:
     def _evaluate(self) -> None:
         """The trainer emits EvalLogged itself; with no validation rows it has nothing to emit."""
         before = self._evaluations
-        self._trainer.evaluate()
+        self._session.evaluate()
         if self._evaluations == before:
             self.emit(ev.WorkerFailed(kind="data", fatal=False, message=(
                 "nothing to evaluate: the run has no validation rows; set data.val_fraction or give "
@@ -380,17 +380,17 @@ class Worker:
         Loaded to answer (LoadModel, Generate, Evaluate) rather than to train, the model gets the
         run's trained adapter when it has one (chat with a past run), not an untrained LoRA.
         """
-        if self._trainer is not None and self.model_loaded:
+        if self._session is not None and self.model_loaded:
             return True
         previous, self.state = self.state, "loading"
         try:
-            if self._trainer is None:
+            if self._session is None:
                 factory = self._trainer_factory or default_trainer_factory()
-                self._trainer = factory(self.run.config(), self.run, self.emit,
+                self._session = factory(self.run.config(), self.run, self.emit,
                                         between_steps=self._between_steps)
-            self._trainer.load()
-            # Optional on the Trainer contract: stand-in trainers in tests have nothing trained.
-            load_trained = getattr(self._trainer, "load_trained_adapter", None)
+            self._session.load()
+            # Optional on the session contract: stand-ins in tests have nothing trained.
+            load_trained = getattr(self._session, "load_trained_adapter", None)
             if not for_training and load_trained is not None:
                 load_trained()
         except Exception as exc:
@@ -408,7 +408,7 @@ class Worker:
         self._paused = False
         self._stop_training = False
         try:
-            self._trainer.train(resume=resume)
+            self._session.train(resume=resume)
         except Exception as exc:
             self._report(exc, fatal=True)
             self.state = "failed"
@@ -429,7 +429,7 @@ class Worker:
             self.emit(ev.TokenGenerated(request_id=request, text=text))
 
         def run() -> None:
-            result = self._trainer.generate(command.row or command.prompt, adapter=command.adapter,
+            result = self._session.generate(command.row or command.prompt, adapter=command.adapter,
                                             max_new_tokens=command.max_new_tokens,
                                             temperature=command.temperature, top_p=command.top_p,
                                             on_text=on_text)

@@ -1,0 +1,248 @@
+"""One loaded model and everything done with it: the engine side of a worker.
+
+``Session(config, run, emit)`` owns what loading makes: the base model with its LoRA, the
+tokenizer, the encoded data and the fast training path. It answers prompts with the adapter or
+with the base model (through peft's ``disable_adapter()``), puts a run's saved adapter in place for
+chat with a past run, and runs training as a :class:`~studio.engine.train.Trainer` on itself. The
+worker talks to the session only; the Trainer only trains.
+
+Everything it has to say goes through the one ``emit`` callback as typed events
+(studio/core/events.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from studio.core import events as ev
+from studio.core.config import ConfigError, RunConfig
+from studio.core.runs import RunDir
+from studio.engine import checkpoint
+from studio.engine import fast as fastpath
+from studio.engine import generate as gen
+from studio.engine.model import BaseModel, ModelLoadError, attach_lora, count_parameters, load_base
+
+if TYPE_CHECKING:
+    from studio.engine.train import Trainer
+
+Emit = Callable[[ev.Event], None]
+BetweenSteps = Callable[["Trainer"], "str | None"]
+
+
+class TrainingError(RuntimeError):
+    """The engine cannot go on; a WorkerFailed event with this ``kind`` has already been emitted."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class TrainingData:
+    """Encoded splits and the template they were rendered with."""
+
+    train: list[Any]
+    validation: list[Any]
+    test_rows: list[dict]
+    validation_rows: list[dict]
+    template: str
+    truncated: int
+
+
+class Session:
+    """``config``'s model loaded for ``run``; reports through ``emit``. ``between_steps`` is what
+    every Trainer made by :meth:`new_trainer` calls after each optimizer step (the worker serves
+    its commands there)."""
+
+    def __init__(self, config: RunConfig, run: RunDir, emit: Emit,
+                 between_steps: BetweenSteps | None = None, *, device: torch.device | None = None):
+        self.config = config
+        self.run = run
+        self.emit = emit
+        self.between_steps = between_steps
+        self.device = device
+        self.base: BaseModel | None = None
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.data: TrainingData | None = None
+        self.fast: fastpath.FastModel | None = None
+        """The fast training path (studio/engine/fast.py), or None for the plain transformers one."""
+        self.trainer: Trainer | None = None
+        """The Trainer of the latest :meth:`train`, or None before any."""
+        self._sampler = torch.Generator()
+        self._fresh_lora: dict[str, torch.Tensor] | None = None
+        """The LoRA's initial weights (on the CPU) while :meth:`load_trained_adapter` has replaced them."""
+
+    # ------------------------------------------------------------------------------------ loading
+
+    @property
+    def loaded(self) -> bool:
+        """True once :meth:`load` has succeeded."""
+        return self.model is not None and self.data is not None
+
+    def load(self) -> None:
+        """Load the model, attach a fresh LoRA (seeded) and encode the data. Emits ModelLoading,
+        ModelLoaded; on a user error emits WorkerFailed and raises :class:`TrainingError`."""
+        from studio.core.data import DataError, load_splits
+
+        base_model = self.config.model.base_model
+        try:
+            # The data first: a bad path or column fails in a second, not after the model loads.
+            self.emit(ev.ModelLoading(stage="reading the data", fraction=0.0))
+            splits = load_splits(self.config)
+            checkpoint.seed_everything(self.config.trainer.seed)
+            self.base = load_base(self.config, progress=lambda stage, fraction: self.emit(
+                ev.ModelLoading(stage=stage, fraction=fraction)), device=self.device)
+            for warning in self.base.warnings:
+                self.emit(ev.WorkerFailed(kind="config", message=warning, fatal=False))
+            self.emit(ev.ModelLoading(stage="attaching LoRA", fraction=0.85))
+            self.model = attach_lora(self.base, self.config)
+            self.tokenizer = self.base.tokenizer
+            self.device = self.base.device
+            self.emit(ev.ModelLoading(stage="encoding the data", fraction=0.9))
+            self.data = self._encode_data(splits)
+        except (ModelLoadError, ConfigError) as exc:
+            self.fail("config", str(exc))
+        except DataError as exc:
+            self.fail("data", str(exc))
+        except (ValueError, FileNotFoundError) as exc:  # template and tokenizer problems
+            self.fail("config", f"{base_model}: {exc}")
+        self.fast, why = fastpath.enable(self.model, self.device)
+        if self.fast is None and self.device.type == "cuda":
+            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                f"the fast training path is off ({why}); training runs on the slower plain path")))
+        total, trainable = count_parameters(self.model)
+        self.emit(ev.ModelLoaded(base_model=base_model, device=str(self.device),
+                                 dtype=str(self.base.compute_dtype).removeprefix("torch."),
+                                 quantization=self.base.quantization, total_params=total,
+                                 trainable_params=trainable, load_seconds=round(self.base.seconds, 2)))
+        if self.data.truncated:
+            self.emit(ev.WorkerFailed(kind="data", fatal=False, message=(
+                f"{self.data.truncated} training rows are longer than data.max_seq_length "
+                f"({self.config.data.max_seq_length} tokens) and were truncated; raise it if answers "
+                "get cut off")))
+
+    def _encode_data(self, splits: Any) -> TrainingData:
+        from studio.core import prompt
+        chat = getattr(self.tokenizer, "chat_template", None)
+        template = prompt.resolve_template(self.config.prompt, chat,
+                                           bos_token=self.tokenizer.bos_token or "",
+                                           eos_token=self.tokenizer.eos_token or "")
+        field = self.config.prompt.response_field
+        max_len = self.config.data.max_seq_length
+        eos = self.tokenizer.eos_token_id if self.config.prompt.add_eos else None
+        bos = gen.bos_to_add(self.tokenizer)
+
+        def tokenize(text: str) -> list[int]:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        def encode(rows: list[dict]) -> list[Any]:
+            return [prompt.encode(prompt.render(template, row, field), tokenize, max_len, eos, bos)
+                    for row in rows]
+
+        train = encode(list(splits.train))
+        if not train:
+            raise ConfigError(f"{self.config.data.path}: no training rows after splitting; check "
+                              "data.split_column / data.val_fraction")
+        validation_rows = list(splits.validation)[: self.config.trainer.eval_max_rows]
+        return TrainingData(train=train, validation=encode(validation_rows), test_rows=list(splits.test),
+                            validation_rows=validation_rows, template=template,
+                            truncated=sum(1 for e in train if e.truncated))
+
+    def fail(self, kind: str, message: str, detail: str = "") -> None:
+        """Emit a fatal WorkerFailed and raise :class:`TrainingError` (never returns)."""
+        self.emit(ev.WorkerFailed(kind=kind, message=message, detail=detail, fatal=True))
+        raise TrainingError(kind, message)
+
+    # ------------------------------------------------------------------------------------ adapters
+
+    def load_trained_adapter(self) -> Path | None:
+        """Load the model (if not yet) and put the run's adapter (:meth:`RunDir.adapter`) into its
+        LoRA, so that generation and evaluation answer as the fine-tuned model: chat with a past
+        run. Returns the folder, or None (the fresh LoRA stays) when the run has no adapter yet or
+        it cannot be loaded (a non-fatal WorkerFailed says why). A later training from scratch
+        starts again from the fresh LoRA (:meth:`restore_fresh_lora`)."""
+        if not self.loaded:
+            self.load()
+        folder = self.run.adapter()
+        if folder is None:
+            return None
+        fresh = {name: p.detach().to("cpu", copy=True)
+                 for name, p in self.model.named_parameters() if p.requires_grad}
+        try:
+            unmatched = checkpoint.load_adapter_weights(self.model, folder, self.device)
+        except (OSError, RuntimeError, ValueError) as exc:
+            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                f"{folder}: cannot load the trained adapter ({str(exc).splitlines()[0]}); the fine-tuned "
+                "answers come from an untrained LoRA. Was config.yaml's lora section edited after training?")))
+            return None
+        if unmatched:
+            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                f"{folder}: {len(unmatched)} adapter weights match no layer (e.g. {unmatched[0]}); was "
+                "lora.target_modules in config.yaml changed after training?")))
+        self._fresh_lora = self._fresh_lora or fresh
+        return folder
+
+    def restore_fresh_lora(self) -> None:
+        """Put back the LoRA's initial weights if :meth:`load_trained_adapter` replaced them, in
+        place (the optimizer and the fast path keep pointing at the same tensors)."""
+        if self._fresh_lora is None:
+            return
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name in self._fresh_lora:
+                    param.copy_(self._fresh_lora[name])
+        self._fresh_lora = None
+
+    # ------------------------------------------------------------------------------------ training
+
+    def new_trainer(self) -> Trainer:
+        """A Trainer on this session (a test wraps this to install hooks on the trainer)."""
+        from studio.engine.train import Trainer
+
+        return Trainer(self, self.between_steps)
+
+    def train(self, resume: bool = False) -> ev.TrainingFinished:
+        """Train to the end or a stop request with a new Trainer; with ``resume``, continue from the
+        run's latest checkpoint."""
+        self.trainer = self.new_trainer()
+        return self.trainer.train(resume=resume)
+
+    def evaluate(self) -> ev.EvalLogged:
+        """Validation loss now (EvalLogged), at the latest Trainer's step and micro-batch size."""
+        return (self.trainer or self.new_trainer()).evaluate()
+
+    # ------------------------------------------------------------------------------------ answers
+
+    def render_prompt(self, prompt: str | dict) -> str:
+        """The text the model is given for ``prompt``: a row (dict) or a plain instruction rendered
+        through the run's template, up to where the response starts."""
+        from studio.core.prompt import render, template_fields
+
+        template = self.data.template if self.data else self.config.prompt.template
+        field = self.config.prompt.response_field
+        if isinstance(prompt, str):
+            fields = [f for f in template_fields(template) if f != field]
+            prompt = {fields[0] if fields else "instruction": prompt}
+        return render(template, {**prompt, field: ""}, field).prompt
+
+    def generate(self, prompt: str | dict, adapter: bool = True, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None,
+                 on_text: Callable[[str], None] | None = None) -> gen.GenerationResult:
+        """Answer ``prompt`` with the adapter (or the base model through ``disable_adapter()``),
+        streaming pieces of text to ``on_text``. Safe between training steps."""
+        if not self.loaded:
+            self.load()
+        g = self.config.generation
+        ids = gen.prompt_ids(self.tokenizer, self.render_prompt(prompt))
+        return gen.generate(self.model, self.tokenizer, ids, adapter=adapter,
+                            max_new_tokens=max_new_tokens or g.max_new_tokens,
+                            temperature=g.temperature if temperature is None else temperature,
+                            top_p=g.top_p if top_p is None else top_p, on_text=on_text,
+                            generator=self._sampler, device=self.device,
+                            autocast_dtype=self.base.compute_dtype if self.base else None)
