@@ -86,8 +86,10 @@ def test_oom_and_failures_are_explained():
 
 
 def test_memory_line():
-    state = fold([ev.MemorySampled(device="cuda", allocated=3 << 30, peak_allocated=4 << 30, capacity=80 << 30)])
-    assert state.memory_line() == "memory (cuda): 3.00 GiB in use, peak 4.00 GiB of 80.00 GiB"
+    # Decimal GB, the VRAM gauge's unit, as every front end prints it (studio/core/report.py).
+    gb = 10**9
+    state = fold([ev.MemorySampled(device="cuda", allocated=3 * gb, peak_allocated=4 * gb, capacity=80 * gb)])
+    assert state.memory_line() == "memory (cuda): 3.00 GB in use, peak 4.00 GB of 80.00 GB"
 
 
 def test_unknown_events_change_nothing():

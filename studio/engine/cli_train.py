@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from studio.core import events as ev
+from studio.core import report
 from studio.core.config import ConfigError, RunConfig, load_config
 from studio.core.runs import RunDir, append_event, create_run, find_run, iter_events
 
@@ -43,15 +44,6 @@ class EventLog:
         return numbered
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
 class ConsolePrinter:
     """Turns events into the lines a person watches: one per log interval, plus a progress bar on a
     terminal."""
@@ -74,51 +66,23 @@ class ConsolePrinter:
             return
         width = 30
         filled = int(width * step / total)
-        self.err.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{total}  eta {_duration(eta)}")
+        self.err.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{total}  "
+                       f"eta {report.format_duration(eta)}")
         self.err.flush()
         self._bar_shown = True
 
-    def memory_text(self) -> str:
-        m = self.memory
-        if m is None:
-            return ""
-        if m.capacity:
-            return f"mem {_gb(m.allocated)} (peak {_gb(m.peak_allocated)} of {_gb(m.capacity)})"
-        return f"mem {_gb(m.allocated)}"
-
     def __call__(self, event: ev.Event) -> None:
-        if isinstance(event, ev.ModelLoading):
-            self.line(f"loading: {event.stage}")
-        elif isinstance(event, ev.ModelLoaded):
-            self.line(f"model {event.base_model} on {event.device} ({event.quantization}), "
-                      f"{event.trainable_params:,} trainable of {event.total_params:,} parameters, "
-                      f"loaded in {event.load_seconds:.1f} s")
-        elif isinstance(event, ev.RunStarted):
-            start = f", resuming after step {event.resumed_from_step}" if event.resumed_from_step else ""
-            self.line(f"run {event.run_id}: {event.total_steps} steps, {event.train_rows} training rows, "
-                      f"{event.eval_rows} validation rows, micro-batch {event.micro_batch_size} x "
-                      f"{event.gradient_accumulation_steps} accumulation{start}")
-        elif isinstance(event, ev.MemorySampled):
-            self.memory = event
+        if isinstance(event, ev.MemorySampled):
+            self.memory = event  # shown on the next step's line
         elif isinstance(event, ev.StepLogged):
-            self.line(f"step {event.step}/{event.total_steps}  loss {event.loss:.4f}  "
-                      f"lr {event.learning_rate:.2e}  {event.tokens_per_s:,.0f} tok/s  {self.memory_text()}"
-                      f"  eta {_duration(event.eta_s)}")
+            memory = f"  mem {report.memory_text(self.memory)}" if self.memory is not None else ""
+            self.line(report.step_line(event) + memory)
             self.draw_bar(event.step, event.total_steps, event.eta_s)
-        elif isinstance(event, ev.EvalLogged):
-            self.line(f"eval at step {event.step}: loss {event.loss:.4f}  perplexity {event.perplexity:.2f}  "
-                      f"token accuracy {event.token_accuracy:.1%} ({event.rows} rows)")
-        elif isinstance(event, ev.CheckpointSaved):
-            self.line(f"checkpoint saved: {event.path}")
-        elif isinstance(event, ev.BatchSizeReduced):
-            self.line(f"warning: {event.message}")
-        elif isinstance(event, ev.WorkerFailed):
-            self.line(f"{'error' if event.fatal else 'warning'} ({event.kind}): {event.message}")
-        elif isinstance(event, ev.TrainingFinished):
-            how = "stopped" if event.stopped else "finished"
-            best = f", best eval loss {event.best_eval_loss:.4f}" if event.best_eval_loss is not None else ""
-            self.line(f"{how} at step {event.step} in {_duration(event.elapsed_s)}{best}; "
-                      f"adapter: {event.adapter_path}")
+        elif not isinstance(event, (ev.TokenGenerated, ev.GenerationStarted, ev.GenerationFinished,
+                                    ev.WorkerStarted, ev.WorkerStopped, ev.StatusReported)):
+            line = report.describe(event)
+            if line is not None:
+                self.line(line)
 
 
 def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:

@@ -3,7 +3,7 @@
 A :class:`TrainingState` is a fold over a run's events: feed it every event of ``events.jsonl`` in
 order (then the live ones) and it holds the step, the ETA, the loss curves and the last failure.
 Replaying a whole log and following it live give the same state, which is what lets a UI quit and
-come back to the full history.
+come back to the full history. Its lines are worded by studio/core/report.py, as the CLI's are.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from studio.core import events as ev
+from studio.core import report
+from studio.core.report import format_duration
 
 DEFAULT_SMOOTHING = 0.9
 """EMA weight of the past in the smoothed loss curve (TensorBoard's default is 0.6; a noisy
@@ -56,29 +58,6 @@ def ema(values: Iterable[float], smoothing: float = DEFAULT_SMOOTHING) -> list[f
         avg = smoothing * avg + (1 - smoothing) * value
         out.append(avg / (1 - smoothing**n))
     return out
-
-
-def format_duration(seconds: float | None) -> str:
-    """``1h02m``, ``3m05s`` or ``12s``; ``--`` when unknown."""
-    if seconds is None or not math.isfinite(seconds) or seconds < 0:
-        return "--"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
-    return f"{secs}s"
-
-
-def format_bytes(count: int | None) -> str:
-    """Bytes as ``1.23 GiB`` / ``456 MiB``; ``--`` when unknown."""
-    if not count:
-        return "--"
-    if count >= 1 << 30:
-        return f"{count / (1 << 30):.2f} GiB"
-    return f"{count / (1 << 20):.0f} MiB"
 
 
 @dataclass
@@ -218,12 +197,7 @@ class TrainingState:
     def _on_BatchSizeReduced(self, event: ev.BatchSizeReduced) -> None:
         self.micro_batch_size = event.micro_batch_size
         self.gradient_accumulation_steps = event.gradient_accumulation_steps
-        self.notices.append(
-            f"step {event.step}: out of memory; micro-batch {event.old_micro_batch_size} -> "
-            f"{event.micro_batch_size}, accumulation {event.gradient_accumulation_steps} "
-            "(same effective batch), training continues"
-            + (f" ({event.message})" if event.message else "")
-        )
+        self.notices.append(report.batch_reduced_line(event))
 
     def _on_TrainingFinished(self, event: ev.TrainingFinished) -> None:
         self.step = event.step or self.step
@@ -238,7 +212,7 @@ class TrainingState:
         if event.fatal:
             self.status = "failed"
         else:
-            self.notices.append(f"{event.kind}: {event.message}")
+            self.notices.append(report.failure_line(event))
 
     # -------------------------------------------------------------------------- views
 
@@ -264,7 +238,7 @@ class TrainingState:
         total = self.total_steps or "?"
         parts = [f"step {self.step}/{total}", f"epoch {self.epoch:.2f}", f"ETA {format_duration(self.eta_s)}"]
         if self.tokens_per_s:
-            parts.append(f"{self.tokens_per_s:,.0f} tok/s")
+            parts.append(report.format_rate(self.tokens_per_s))
         return " · ".join(parts)
 
     def memory_line(self) -> str:
@@ -272,27 +246,17 @@ class TrainingState:
         mem = self.memory
         if mem is None:
             return "memory: --"
-        used = mem.allocated or mem.reserved
-        text = f"memory ({mem.device}): {format_bytes(used)} in use, peak {format_bytes(mem.peak_allocated)}"
-        if mem.capacity:
-            text += f" of {format_bytes(mem.capacity)}"
-        return text
+        return f"memory ({mem.device}): {report.memory_text(mem)}"
 
     def eval_line(self) -> str:
         """The last evaluation: loss, perplexity and token accuracy."""
-        e = self.last_eval
-        if e is None:
+        if self.last_eval is None:
             return "eval: none yet"
-        return (f"eval @ step {e.step}: loss {e.loss:.4f} · perplexity {e.perplexity:.2f} · "
-                f"token accuracy {e.token_accuracy:.1%}")
+        return report.eval_line(self.last_eval)
 
     def failure_line(self) -> str:
         """What went wrong and what to do, or an empty string."""
-        f = self.failure
-        if f is None:
-            return ""
-        label = {"oom": "Out of memory", "data": "Data error", "config": "Config error"}.get(f.kind, "Worker error")
-        return f"{label}: {f.message}"
+        return "" if self.failure is None else report.failure_line(self.failure)
 
 
 def fold(events: Iterable[ev.Event], smoothing: float = DEFAULT_SMOOTHING) -> TrainingState:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from studio.core import events as ev
+from studio.core.report import describe, format_duration, shorten
 from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
 from studio.ui.client import WorkerClient, WorkerStartError, WorkerUnavailable, start_worker
 from studio.worker.launch import GpuLock
@@ -128,95 +129,6 @@ def _resume_run(run: RunDir) -> int:
 # ------------------------------------------------------------------------------------- attach
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def _short(text: str, width: int = 60) -> str:
-    text = text.replace("\n", "\\n")
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def describe(event: ev.Event) -> str | None:
-    """One readable line for ``event``; None for streamed tokens (their answer gets a line)."""
-    match event:
-        case ev.StepLogged():
-            total = event.total_steps or "?"
-            parts = [f"step {event.step:>5}/{total}", f"loss {event.loss:.4f}", f"lr {event.learning_rate:.2e}"]
-            if event.grad_norm:
-                parts.append(f"grad {event.grad_norm:.3f}")
-            if event.tokens_per_s:
-                parts.append(f"{event.tokens_per_s:,.0f} tok/s")
-            if event.eta_s:
-                parts.append(f"eta {_duration(event.eta_s)}")
-            return "  ".join(parts)
-        case ev.EvalLogged():
-            return (f"eval  step {event.step}  loss {event.loss:.4f}  ppl {event.perplexity:.2f}  "
-                    f"accuracy {event.token_accuracy:.1%}  ({event.rows} rows)")
-        case ev.TokenGenerated():
-            return None
-        case ev.GenerationStarted():
-            which = "adapter" if event.adapter else "base"
-            return f"generate [{which}] {event.request_id}: {_short(event.prompt)}"
-        case ev.GenerationFinished():
-            which = "adapter" if event.adapter else "base"
-            return (f"answer [{which}] {event.request_id} ({event.new_tokens} tokens, "
-                    f"{event.tokens_per_s:.0f} tok/s): {_short(event.text, 200)}")
-        case ev.RunStarted():
-            start = f"resumed from step {event.resumed_from_step}" if event.resumed_from_step else "started"
-            return (f"training {start}: {event.total_steps} steps, {event.train_rows} train / "
-                    f"{event.eval_rows} eval rows, micro-batch {event.micro_batch_size} x "
-                    f"{event.gradient_accumulation_steps} accumulation")
-        case ev.ModelLoading():
-            return f"loading model: {event.stage} {event.fraction:.0%}"
-        case ev.ModelLoaded():
-            quant = f", {event.quantization}" if event.quantization else ""
-            return (f"model loaded: {event.base_model} ({event.dtype or '?'}{quant}), "
-                    f"{event.trainable_params:,} trainable of {event.total_params:,} params, "
-                    f"{event.load_seconds:.1f} s")
-        case ev.MemorySampled():
-            capacity = f" of {_gib(event.capacity)}" if event.capacity else ""
-            return (f"memory step {event.step}: {_gib(event.allocated)} allocated, "
-                    f"peak {_gib(event.peak_allocated)}{capacity} ({event.device})")
-        case ev.CheckpointSaved():
-            return f"checkpoint step {event.step} -> {event.path}"
-        case ev.TrainingPaused():
-            return f"paused after step {event.step}"
-        case ev.TrainingResumed():
-            return f"resumed at step {event.step}"
-        case ev.BatchSizeReduced():
-            return (f"out of memory at step {event.step}: micro-batch {event.old_micro_batch_size} -> "
-                    f"{event.micro_batch_size}, accumulation {event.gradient_accumulation_steps} "
-                    f"(same effective batch). {event.message}").rstrip()
-        case ev.TrainingFinished():
-            how = "stopped" if event.stopped else "finished"
-            best = f", best eval loss {event.best_eval_loss:.4f}" if event.best_eval_loss is not None else ""
-            return (f"training {how} at step {event.step}: train loss {event.train_loss:.4f}{best}, "
-                    f"adapter -> {event.adapter_path} ({_duration(event.elapsed_s)})")
-        case ev.WorkerFailed():
-            label = "FAILED" if event.fatal else "warning"
-            return f"{label} ({event.kind}): {event.message}"
-        case ev.WorkerStarted():
-            return f"worker started (pid {event.pid})"
-        case ev.WorkerStopped():
-            return f"worker stopped: {event.reason}"
-        case ev.StatusReported():
-            return f"status: {event.state}, step {event.step}/{event.total_steps}"
-    fields = {k: v for k, v in event.to_dict().items() if k not in ("type", "seq", "time")}
-    return f"{type(event).__name__} " + " ".join(f"{k}={v}" for k, v in fields.items())
-
-
 def _print_event(event: ev.Event) -> None:
     line = describe(event)
     if line is not None:
@@ -295,8 +207,8 @@ def runs(args: argparse.Namespace) -> int:
         s = summarize(run)
         step = f"{s.step}/{s.total_steps}" if s.total_steps else str(s.step)
         best = f"{s.best_eval_loss:.4f}" if s.best_eval_loss is not None else "-"
-        rows.append((run.id, _short(s.model.rstrip("/").split("/")[-1], 32), s.status, step, best,
-                     _duration(now - s.started)))
+        rows.append((run.id, shorten(s.model.rstrip("/").split("/")[-1], 32), s.status, step, best,
+                     format_duration(now - s.started)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())

@@ -1,0 +1,163 @@
+"""Events as text: the one place that words and units what a run reports, for every front end.
+
+``studio train``, ``studio attach`` and the TUI's training pane all print events through these
+functions, so the same event reads the same everywhere. Memory is in decimal gigabytes
+(``studio.core.gpus.GB``, 10^9 bytes), the unit of the VRAM gauge's squares and of card sizes;
+durations read ``2m05s``; rates ``1,234 tok/s``; losses four decimals.
+
+Plain Python: no Textual, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from studio.core import events as ev
+from studio.core.gpus import GB
+
+MB = 10**6
+"""Decimal megabyte, for sizes under a gigabyte."""
+
+_FAILURE_LABELS = {"oom": "Out of memory", "data": "Data error", "config": "Config error"}
+
+
+def format_bytes(count: int | None) -> str:
+    """Bytes as ``1.23 GB`` or ``456 MB`` (decimal units, as the gauge); ``--`` when unknown (0)."""
+    if not count:
+        return "--"
+    if count >= GB:
+        return f"{count / GB:.2f} GB"
+    return f"{count / MB:.0f} MB"
+
+
+def format_duration(seconds: float | None) -> str:
+    """``2d03h``, ``1h02m``, ``3m05s`` or ``12s``; ``--`` when unknown."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "--"
+    seconds = int(round(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def format_rate(tokens_per_s: float) -> str:
+    """``1,234 tok/s``."""
+    return f"{tokens_per_s:,.0f} tok/s"
+
+
+def format_loss(loss: float | None) -> str:
+    """A loss to four decimals; ``--`` when unknown."""
+    return "--" if loss is None else f"{loss:.4f}"
+
+
+def shorten(text: str, width: int = 60) -> str:
+    """``text`` on one line, cut to ``width`` characters with an ellipsis."""
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def memory_text(event: ev.MemorySampled) -> str:
+    """``3.00 GB in use, peak 4.00 GB of 80.00 GB`` (the capacity when the device has one)."""
+    text = f"{format_bytes(event.allocated or event.reserved)} in use, peak {format_bytes(event.peak_allocated)}"
+    if event.capacity:
+        text += f" of {format_bytes(event.capacity)}"
+    return text
+
+
+def step_line(event: ev.StepLogged) -> str:
+    """``step 40/300  loss 1.2345  lr 2.00e-04  grad 0.512  1,234 tok/s  eta 3m05s``."""
+    parts = [f"step {event.step}/{event.total_steps or '?'}", f"loss {format_loss(event.loss)}",
+             f"lr {event.learning_rate:.2e}"]
+    if event.grad_norm:
+        parts.append(f"grad {event.grad_norm:.3f}")
+    if event.tokens_per_s:
+        parts.append(format_rate(event.tokens_per_s))
+    if event.eta_s:
+        parts.append(f"eta {format_duration(event.eta_s)}")
+    return "  ".join(parts)
+
+
+def eval_line(event: ev.EvalLogged) -> str:
+    """``eval at step 300: loss 1.2345  perplexity 3.44  token accuracy 61.0% (40 rows)``."""
+    return (f"eval at step {event.step}: loss {format_loss(event.loss)}  perplexity {event.perplexity:.2f}  "
+            f"token accuracy {event.token_accuracy:.1%} ({event.rows} rows)")
+
+
+def batch_reduced_line(event: ev.BatchSizeReduced) -> str:
+    """What an out-of-memory halving did, and that training goes on."""
+    text = (f"step {event.step}: out of memory; micro-batch {event.old_micro_batch_size} -> "
+            f"{event.micro_batch_size}, accumulation {event.gradient_accumulation_steps} "
+            "(same effective batch), training continues")
+    return text + (f" ({event.message})" if event.message else "")
+
+
+def failure_line(event: ev.WorkerFailed) -> str:
+    """``Data error: <what to do>``; a failure that did not stop the worker reads ``Warning (kind): ...``."""
+    if not event.fatal:
+        return f"Warning ({event.kind}): {event.message}"
+    return f"{_FAILURE_LABELS.get(event.kind, 'Worker error')}: {event.message}"
+
+
+def finished_line(event: ev.TrainingFinished) -> str:
+    """``training finished at step 300: train loss 0.1234, best eval loss 0.2345, adapter -> DIR (5m02s)``."""
+    how = "stopped" if event.stopped else "finished"
+    best = f", best eval loss {format_loss(event.best_eval_loss)}" if event.best_eval_loss is not None else ""
+    return (f"training {how} at step {event.step}: train loss {format_loss(event.train_loss)}{best}, "
+            f"adapter -> {event.adapter_path} ({format_duration(event.elapsed_s)})")
+
+
+def describe(event: ev.Event) -> str | None:
+    """One readable line for any event; None for streamed tokens (their answer gets a line)."""
+    match event:
+        case ev.StepLogged():
+            return step_line(event)
+        case ev.EvalLogged():
+            return eval_line(event)
+        case ev.TokenGenerated():
+            return None
+        case ev.GenerationStarted():
+            return f"generate [{'adapter' if event.adapter else 'base'}] {event.request_id}: {shorten(event.prompt)}"
+        case ev.GenerationFinished():
+            return (f"answer [{'adapter' if event.adapter else 'base'}] {event.request_id} ({event.new_tokens} "
+                    f"tokens, {format_rate(event.tokens_per_s)}): {shorten(event.text, 200)}")
+        case ev.RunStarted():
+            start = f"resumed from step {event.resumed_from_step}" if event.resumed_from_step else "started"
+            return (f"training {start}: {event.total_steps} steps, {event.train_rows} train / "
+                    f"{event.eval_rows} eval rows, micro-batch {event.micro_batch_size} x "
+                    f"{event.gradient_accumulation_steps} accumulation")
+        case ev.ModelLoading():
+            return f"loading model: {event.stage} {event.fraction:.0%}"
+        case ev.ModelLoaded():
+            quant = f", {event.quantization}" if event.quantization else ""
+            return (f"model loaded: {event.base_model} on {event.device or '?'} ({event.dtype or '?'}{quant}), "
+                    f"{event.trainable_params:,} trainable of {event.total_params:,} params, "
+                    f"{format_duration(event.load_seconds)}")
+        case ev.MemorySampled():
+            return f"memory at step {event.step} ({event.device}): {memory_text(event)}"
+        case ev.CheckpointSaved():
+            return f"checkpoint at step {event.step} -> {event.path}"
+        case ev.TrainingPaused():
+            return f"paused after step {event.step}"
+        case ev.TrainingResumed():
+            return f"resumed at step {event.step}"
+        case ev.BatchSizeReduced():
+            return batch_reduced_line(event)
+        case ev.TrainingFinished():
+            return finished_line(event)
+        case ev.WorkerFailed():
+            return failure_line(event)
+        case ev.WorkerStarted():
+            return f"worker started (pid {event.pid})"
+        case ev.WorkerStopped():
+            return f"worker stopped: {event.reason}"
+        case ev.StatusReported():
+            return f"status: {event.state}, step {event.step}/{event.total_steps}"
+    fields = {k: v for k, v in event.to_dict().items() if k not in ("type", "seq", "time")}
+    return f"{type(event).__name__} " + " ".join(f"{k}={v}" for k, v in fields.items())
