@@ -47,7 +47,7 @@ def train(model, batches: list[dict], steps: int, lr: float, warmup_steps: int, 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     # Linear warmup over the first steps (as Studio's trainer does), then constant.
-    # Studio's schedule (train._schedule): (step + 1) / (warmup + 1) while warming up, then constant.
+    # Studio's schedule (engine/optim.py: schedule): (step + 1) / (warmup + 1) while warming up, then constant.
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / (WARMUP + 1) if s < WARMUP else 1.0)
     model.train()
     losses, times, tokens = [], [], []

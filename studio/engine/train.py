@@ -19,7 +19,6 @@ import json
 import math
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +30,8 @@ from studio.core.runs import ADAPTER_STEP_FILE
 from studio.engine import checkpoint
 from studio.engine import fast as fastpath
 from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream, MicroBatch, eval_batches
+from studio.engine.optim import build_optimizer, build_scheduler
 from studio.engine.session import BetweenSteps, Session, TrainingError
-
-__all__ = ["Trainer", "TrainingError"]
 
 
 class Trainer:
@@ -130,7 +128,8 @@ class Trainer:
         self._size_mfu()
         units_per_epoch = self.stream.units_per_epoch(0)
         self.total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * units_per_epoch / self.units_per_step))
-        self._build_optimizer()
+        self.optimizer = build_optimizer(self.model, tc, self.device, self.emit)
+        self.scheduler = build_scheduler(self.optimizer, tc, self.total_steps)
         resumed_from = 0
         latest = self.run.latest_checkpoint() if resume else None
         if latest is not None:
@@ -205,29 +204,6 @@ class Trainer:
                                        elapsed_s=round(self.elapsed, 2))
         self.emit(finished)
         return finished
-
-    def _build_optimizer(self) -> None:
-        tc = self.config.trainer
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        name = tc.optimizer
-        self.optimizer = None
-        if name in ("adamw_8bit", "paged_adamw_8bit"):
-            try:
-                import bitsandbytes as bnb
-
-                cls = bnb.optim.PagedAdamW8bit if name == "paged_adamw_8bit" else bnb.optim.AdamW8bit
-                self.optimizer = cls(params, lr=tc.learning_rate, weight_decay=tc.weight_decay)
-            except Exception as exc:  # no GPU backend for 8-bit states
-                self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
-                    f"trainer.optimizer {name} is not available here ({str(exc).splitlines()[0]}); "
-                    "using torch AdamW")))
-        if self.optimizer is None:
-            # fused: one kernel for all adapter tensors instead of a few per tensor.
-            self.optimizer = torch.optim.AdamW(params, lr=tc.learning_rate, weight_decay=tc.weight_decay,
-                                               fused=self.device.type == "cuda")
-        warmup = math.ceil(tc.warmup_fraction * self.total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda=_schedule(tc.scheduler, warmup, self.total_steps))
 
     def _optimizer_step(self, units: list[list[int]]) -> tuple[float, float, int] | None:
         """One optimizer step over ``units``: (loss, grad norm, tokens), or None after an OOM."""
@@ -401,16 +377,3 @@ class Trainer:
             name = "cpu"
         return ev.MemorySampled(step=self.step, device=name, categories=categories, **totals)
 
-
-def _schedule(kind: str, warmup: int, total: int) -> Callable[[int], float]:
-    """The learning-rate multiplier at a step: linear warmup, then cosine, linear or constant."""
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if kind == "constant":
-            return 1.0
-        progress = (step - warmup) / max(1, total - warmup)
-        if kind == "linear":
-            return max(0.0, 1.0 - progress)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return factor
