@@ -55,9 +55,11 @@ def test_the_tui_words_events_as_the_cli_does() -> None:
     assert state.notices[-1] == describe(OOM)
     assert "out of memory; micro-batch 8 -> 4" in describe(OOM)
     state.apply(WARNED)
-    assert state.notices[-1] == describe(WARNED) == "Warning (config): using torch AdamW"
+    assert state.notices[-1] == describe(WARNED) == "warning (config): using torch AdamW"
     state.apply(FAILED)
-    assert state.failure_line() == describe(FAILED) == f"Data error: {FAILED.message}"
+    # The pane heads its alert with a label; a console line starts with "error" for grep.
+    assert state.failure_line() == f"Data error: {FAILED.message}"
+    assert describe(FAILED) == f"error (data): {FAILED.message}"
 
 
 def test_attach_prints_the_shared_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

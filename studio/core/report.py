@@ -99,7 +99,9 @@ def batch_reduced_line(event: ev.BatchSizeReduced) -> str:
 
 
 def failure_line(event: ev.WorkerFailed) -> str:
-    """``Data error: <what to do>``; a failure that did not stop the worker reads ``Warning (kind): ...``."""
+    """The headline of a failure, as the training pane shows it: ``Data error: <what to do>``; one
+    that did not stop the worker reads ``Warning (kind): ...``. A console line is :func:`describe`'s
+    ``error (data): <what to do>``, which a script can grep for."""
     if not event.fatal:
         return f"Warning ({event.kind}): {event.message}"
     return f"{_FAILURE_LABELS.get(event.kind, 'Worker error')}: {event.message}"
@@ -152,7 +154,7 @@ def describe(event: ev.Event) -> str | None:
         case ev.TrainingFinished():
             return finished_line(event)
         case ev.WorkerFailed():
-            return failure_line(event)
+            return f"{'error' if event.fatal else 'warning'} ({event.kind}): {event.message}"
         case ev.WorkerStarted():
             return f"worker started (pid {event.pid})"
         case ev.WorkerStopped():

@@ -212,7 +212,7 @@ class TrainingState:
         if event.fatal:
             self.status = "failed"
         else:
-            self.notices.append(report.failure_line(event))
+            self.notices.append(report.describe(event) or "")
 
     # -------------------------------------------------------------------------- views
 
