@@ -101,9 +101,17 @@ def _load_file(path: Path) -> datasets.Dataset:
         raise DataError(f"{path}: cannot read the file ({exc.strerror or exc}); check its permissions") from None
     if not head.strip():
         raise DataError(f"{path}: the file is empty; add rows (CSV needs a header line first)")
+    if kind != "parquet" and head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise DataError(f"{path}: the file is UTF-16 text (what some editors call 'Unicode'); save it as UTF-8")
     if kind != "parquet" and b"\x00" in head:
         raise DataError(f"{path}: this is not a text {kind.upper()} file (it holds binary data); "
                         "check that the path points at the dataset")
+    if kind != "parquet":
+        # pyarrow reads invalid UTF-8 without complaint and fails later, when a row is decoded, far
+        # from the file; checking the bytes first names the file and the line.
+        problem = _utf8_problem(path)
+        if problem:
+            raise DataError(problem)
     try:
         with _quiet_datasets():
             if kind == "csv":
@@ -111,7 +119,8 @@ def _load_file(path: Path) -> datasets.Dataset:
                 # Every column as text, exactly as written: pandas would turn "007" into 7.0 and "NA"
                 # into a missing value, silently changing what the model is trained on.
                 features = datasets.Features({c: datasets.Value("string") for c in _csv_header(path, sep)})
-                dataset = datasets.Dataset.from_csv(str(path), sep=sep, features=features, keep_default_na=False)
+                dataset = datasets.Dataset.from_csv(str(path), sep=sep, features=features, keep_default_na=False,
+                                                    encoding="utf-8-sig")
             elif kind == "parquet":
                 dataset = datasets.Dataset.from_parquet(str(path))
             else:
@@ -130,7 +139,8 @@ def _csv_header(path: Path, sep: str) -> list[str]:
     import csv
 
     try:
-        with path.open(newline="", encoding="utf-8") as handle:
+        # utf-8-sig: spreadsheet programs start CSV files with a byte-order mark, not part of the header.
+        with path.open(newline="", encoding="utf-8-sig") as handle:
             header = next(csv.reader(handle, delimiter=sep), [])
     except UnicodeDecodeError:
         raise DataError(_utf8_problem(path) or f"{path}: not UTF-8 text; save it as UTF-8") from None
@@ -168,14 +178,31 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _utf8_problem(path: Path) -> str | None:
-    """Where a file stops being UTF-8 text, as a message (None when it is UTF-8)."""
-    raw = path.read_bytes()
+    """Where a file stops being UTF-8 text, as a message (None when it is UTF-8). Reads in chunks, so
+    a large file costs no more memory than a small one."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line = 1
     try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = raw.count(b"\n", 0, err.start) + 1
-        return (f"{path}: line {line} is not UTF-8 text (byte 0x{raw[err.start]:02x}); "
-                "save the file as UTF-8")
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as err:
+                    # The decoder may hold back a few bytes of a previous chunk: count lines up to the
+                    # bad byte in this one (a character split across chunks is at most 3 bytes back).
+                    at = max(0, err.start - len(err.object) + len(chunk))
+                    line += chunk.count(b"\n", 0, at)
+                    bad = chunk[at] if at < len(chunk) else err.object[err.start]
+                    return (f"{path}: line {line} is not UTF-8 text (byte 0x{bad:02x}); save the file as "
+                            "UTF-8 (in a spreadsheet: 'CSV UTF-8'; in an editor: encoding UTF-8)")
+                line += chunk.count(b"\n")
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return f"{path}: the file ends in the middle of a character (line {line}); save it as UTF-8"
+    except OSError as exc:
+        return f"{path}: cannot read the file ({exc.strerror or exc}); check its permissions"
     return None
 
 
@@ -184,13 +211,16 @@ def _find_json_problem(path: Path) -> str | None:
     problem = _utf8_problem(path)
     if problem:
         return problem
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
+    text = path.read_text(encoding="utf-8-sig")
+    if text.lstrip().startswith("[") and path.suffix.lower() == ".json":
         try:
             json.loads(text)
         except json.JSONDecodeError as err:
-            return f"{path}: line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); fix the file"
-        return f"{path}: the JSON array must hold one object per row ({{\"instruction\": ..., ...}})"
+            if err.msg != "Extra data":
+                return f"{path}: line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); fix the file"
+            # "Extra data" after a first [...] line: JSON lines, named .json; read it line by line.
+        else:
+            return f"{path}: the JSON array must hold one object per row ({{\"instruction\": ..., ...}})"
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -200,7 +230,10 @@ def _find_json_problem(path: Path) -> str | None:
             return (f"{path}: line {number} is not valid JSON ({err.msg} at column {err.colno}); "
                     "fix or delete that line (JSONL wants one object per line)")
         if not isinstance(value, dict):
-            return f"{path}: line {number} is not a JSON object; JSONL wants one {{...}} object per line"
+            shape = {list: "a JSON array [...]", str: "a JSON string", type(None): "null"}.get(
+                type(value), "a bare number or true/false")
+            return (f"{path}: line {number} is {shape}, not an object; JSONL wants one "
+                    "{\"field\": value, ...} object per line, the same fields on every line")
     return None
 
 
