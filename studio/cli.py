@@ -146,6 +146,18 @@ def _run(handler: str, args: argparse.Namespace) -> int:
     return int(getattr(module, func_name)(args) or 0)
 
 
+def _not_a_folder(exc: NotADirectoryError) -> str:
+    """One line for a folder that cannot be made because part of its path is a file."""
+    from pathlib import Path
+
+    path = Path(str(exc.filename or ""))
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is None:
+        return f"{path}: {exc.strerror or exc}"
+    return (f"{path}: cannot make this folder because {blocker} is a file; choose another output_dir "
+            "(or --runs-dir), or move the file")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `studio` console script."""
     args = _parser().parse_args(argv)
@@ -173,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except NotADirectoryError as exc:
+        print(f"error: {_not_a_folder(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from studio.core.config import ConfigError, RunConfig
+from studio.core.model_ref import local_problem
 
 Progress = Callable[[str, float], None]
 """progress(stage, fraction 0..1): what the loader is doing."""
@@ -90,6 +91,9 @@ def load_base(config: RunConfig, progress: Progress | None = None,
     device = device or pick_device()
     dtype = compute_dtype(config, device)
     say("finding the model", 0.0)
+    problem = local_problem(config.model.base_model)
+    if problem:
+        raise ModelLoadError(problem)
     path = resolve_model(config.model.base_model, progress=lambda msg: say(msg, 0.05))
     say("loading the tokenizer", 0.1)
     try:
