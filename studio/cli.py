@@ -28,6 +28,7 @@ _HANDLERS = {
     "resume": "studio.worker.cli_runs:resume",
     "pull": "studio.engine.pull:main",
     "config-dump": "studio.cli:config_dump",
+    "config-check": "studio.core.cli_check:main",
 }
 
 
@@ -113,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     dump = config_sub.add_parser("dump", help="print the fully resolved config (defaults filled in)")
     dump.add_argument("config", nargs="?", help="config YAML (default: the sample config)")
+    check = config_sub.add_parser("check", help="check the config, its data and template without loading a model")
+    check.add_argument("config", help="config YAML")
+    check.add_argument("--data", help="dataset path or hub id (overrides data.path)")
     return parser
 
 
@@ -175,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("studio train: give a CONFIG (or --resume RUN)", file=sys.stderr)
         return 2
     elif command == "config":
-        command = "config-dump"
+        command = f"config-{args.config_command}"
     from studio.core.config import ConfigError
 
     try:

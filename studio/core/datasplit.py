@@ -41,12 +41,18 @@ def template_fields_for(config: RunConfig) -> tuple[list[str], set[str]]:
     """The fields the prompt needs from each row, and which of them may be absent (rendered empty).
 
     ``input`` is optional for the alpaca and chat presets: rows without one use the no-input wording.
+    A template with a brace that is no placeholder raises :class:`DataError`: its field would never
+    reach the examples.
     """
     name, answer = config.prompt.template, config.prompt.response_field
     if name in ("alpaca", "chat"):
         return ["instruction", "input", answer], {"input"}
     if name == "alpaca_no_input":
         return ["instruction", answer], set()
+    problems = prompts.syntax_issues(name)
+    if problems:
+        # A config built in memory (the TUI's editor) has not been through config.validate.
+        raise DataError(f"prompt.template: {problems[0].message}")
     fields = prompts.template_fields(name)
     return fields + ([answer] if answer not in fields else []), set()
 
