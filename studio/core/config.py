@@ -175,7 +175,8 @@ class TrainerConfig:
     """Learning-rate schedule after warmup: ``cosine``, ``linear`` or ``constant``."""
 
     optimizer: str = "adamw"
-    """``adamw`` (torch), ``adamw_8bit`` or ``paged_adamw_8bit`` (bitsandbytes)."""
+    """``adamw`` (torch), ``adamw_8bit``, ``paged_adamw`` (32-bit state in unified memory, which spills
+    to host RAM under pressure) or ``paged_adamw_8bit`` (bitsandbytes)."""
 
     weight_decay: float = 0.0
     """AdamW weight decay on the adapter weights."""

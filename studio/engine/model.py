@@ -181,7 +181,8 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
     if isinstance(targets, list) and targets == ["all-linear"]:
         targets = "all-linear"  # peft only recognises the shorthand as a plain string
     peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             target_modules=targets, bias="none", task_type="CAUSAL_LM")
+                             target_modules=targets, bias="none", task_type="CAUSAL_LM",
+                             use_dora=lora.use_dora, use_rslora=lora.use_rslora)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # peft: is_gradient_checkpointing

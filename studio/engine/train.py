@@ -330,11 +330,12 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         name = tc.optimizer
         self.optimizer = None
-        if name in ("adamw_8bit", "paged_adamw_8bit"):
+        if name in ("adamw_8bit", "paged_adamw", "paged_adamw_8bit"):
             try:
                 import bitsandbytes as bnb
 
-                cls = bnb.optim.PagedAdamW8bit if name == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+                cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
+                       "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}[name]
                 self.optimizer = cls(params, lr=tc.learning_rate, weight_decay=tc.weight_decay)
             except Exception as exc:  # no GPU backend for 8-bit states
                 self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
