@@ -2,8 +2,9 @@
 
 QLoRA in one picture: the base weights are frozen and stored small (4-bit NF4 through bitsandbytes),
 matmuls run in the compute dtype (bf16 on a GPU), and only the low-rank adapter matrices train, in
-fp32. On CPU everything runs in fp32; 4-bit tries bitsandbytes' CPU backend and falls back to fp32
-with a warning when that backend is missing.
+fp32. Without a CUDA GPU a 4-bit or 8-bit config loads its base in fp32 with a notice (the CPU plan:
+quantization saves GPU memory, on a CPU it only costs time); ``quantization.on_cpu: keep`` tries
+bitsandbytes' CPU backend instead, falling back to fp32 with a warning when that backend is missing.
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ def load_base(config: RunConfig, progress: Progress | None = None,
         raise ModelLoadError(_not_found(config.model.base_model, exc)) from None
     warnings: list[str] = []
     bits = config.quantization.bits
+    if bits is not None and device.type != "cuda" and config.quantization.on_cpu != "keep":
+        # k-bit weights save GPU memory; on a CPU bitsandbytes' kernels only cost time (10x or more).
+        warnings.append(f"no CUDA GPU: loading the base in {str(dtype).removeprefix('torch.')} instead of "
+                        f"{bits}-bit (quantization only saves GPU memory; on a CPU it is slower); set "
+                        "quantization.on_cpu: keep to quantize anyway")
+        bits = None
     say("loading the weights", 0.2)
     model, quantization = None, ""
     if bits is not None:
