@@ -195,3 +195,16 @@ def test_the_console_script_answers_in_one_line(corpus, argv):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert _snapshot(corpus) == before
+
+
+def test_a_template_edited_in_memory_is_checked_when_the_data_is_split(corpus):
+    """The TUI edits app.config without parsing YAML: the split (train time) still refuses a brace
+    that is no placeholder instead of dropping the field from every example."""
+    from studio.core.config import RunConfig
+    from studio.core.data import DataError, load_splits
+
+    config = RunConfig()
+    config.data.path = "good.jsonl"
+    config.prompt.template = "Q: {instruction\nA: {output}"
+    with pytest.raises(DataError, match=r"prompt.template: the placeholder '\{instruction' .* never closed"):
+        load_splits(config)

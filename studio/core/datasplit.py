@@ -41,18 +41,12 @@ def template_fields_for(config: RunConfig) -> tuple[list[str], set[str]]:
     """The fields the prompt needs from each row, and which of them may be absent (rendered empty).
 
     ``input`` is optional for the alpaca and chat presets: rows without one use the no-input wording.
-    A template with a brace that is no placeholder raises :class:`DataError`: its field would never
-    reach the examples.
     """
     name, answer = config.prompt.template, config.prompt.response_field
     if name in ("alpaca", "chat"):
         return ["instruction", "input", answer], {"input"}
     if name == "alpaca_no_input":
         return ["instruction", answer], set()
-    problems = prompts.syntax_issues(name)
-    if problems:
-        # A config built in memory (the TUI's editor) has not been through config.validate.
-        raise DataError(f"prompt.template: {problems[0].message}")
     fields = prompts.template_fields(name)
     return fields + ([answer] if answer not in fields else []), set()
 
@@ -105,7 +99,8 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
     ``test_fraction``; then ``sample_ratio`` of the training rows are kept.
 
     ``base_dir`` is the config file's folder (relative data paths are tried there after the working
-    directory); ``dataset`` skips loading when the caller already has the table.
+    directory); ``dataset`` skips loading when the caller already has the table. A template with a
+    brace that is no placeholder raises :class:`DataError` (see :func:`studio.core.prompt.syntax_issues`).
     """
     data = config.data
     if dataset is None:
@@ -116,6 +111,11 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
     source = str(data.path or "dataset")
     if len(dataset) == 0:
         raise DataError(f"{source}: the dataset has no rows; add some")
+    problems = prompts.syntax_issues(config.prompt.template)
+    if problems:
+        # A config built in memory (the TUI's editor) has not been through config.validate; a brace
+        # that is no placeholder would drop its field from every example.
+        raise DataError(f"prompt.template: {problems[0].message}")
     fields, optional = template_fields_for(config)
     values = field_columns(dataset, fields, data.columns, source, optional,
                            reserved=[data.split_column] if data.split_column else [])
