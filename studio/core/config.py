@@ -6,36 +6,29 @@ A config file is either Studio's own layout (sections ``model``, ``quantization`
 and returns a :class:`RunConfig`. Errors name the file, the line and the key, and suggest the
 nearest known key.
 
-Plain Python and PyYAML only: the UI imports this.
+Plain Python and PyYAML only: the UI imports this. Past 400 lines because every field carries its
+docstring (this file is the config's reference); reading YAML into the dataclasses is in
+:mod:`studio.core.config_reader`, the YAML itself in :mod:`studio.core.safe_yaml`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import re
 import typing
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from studio.core.config_reader import ConfigError as ConfigError  # re-exported: callers import it from here
+from studio.core.config_reader import ConfigNote as ConfigNote
+from studio.core.config_reader import KeyLines, Reader
 from studio.core.ludwig import from_ludwig
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-class ConfigError(ValueError):
-    """A config problem a person can fix; the message names the file, line and key."""
-
-
-class ConfigNote(UserWarning):
-    """Something about a config worth one line, not worth refusing it: an other tool's key name read
-    as Studio's, a Ludwig section Studio does not act on. Issued with :func:`warnings.warn`; the CLI
-    prints each as ``note: ...``."""
 
 
 @dataclass
@@ -278,134 +271,6 @@ class RunConfig:
         tmp.replace(path)
 
 
-# --------------------------------------------------------------------------------- YAML -> config
-
-
-class _KeyLines:
-    """The YAML's key lines; renamed keys (aliases, Ludwig's names) keep the line they were written on."""
-
-    def __init__(self, lines: dict[tuple[str, ...], int] | None = None) -> None:
-        self._lines = dict(lines or {})
-
-    def get(self, path: tuple[str, ...], default: int | None = None) -> int | None:
-        return self._lines.get(path, default)
-
-    def rename(self, old: tuple[str, ...], new: tuple[str, ...]) -> None:
-        """Errors about ``new`` point at the line where ``old`` was written."""
-        if old in self._lines:
-            self._lines.setdefault(new, self._lines[old])
-
-
-class _Reader:
-    """Turns nested dicts into dataclasses, raising errors that name file, line and key."""
-
-    def __init__(self, source: str, lines: dict[tuple[str, ...], int] | _KeyLines):
-        self.source = source
-        self.lines = lines
-
-    def note(self, path: tuple[str, ...], message: str) -> None:
-        """Tell the person something about a key without refusing the config (see :class:`ConfigNote`)."""
-        warnings.warn(ConfigNote(f"{self.where(path)}: {message}"), stacklevel=2)
-
-    def where(self, path: tuple[str, ...]) -> str:
-        line = self.lines.get(path)
-        return f"{self.source}: line {line}" if line else self.source
-
-    def fail(self, path: tuple[str, ...], message: str) -> ConfigError:
-        return ConfigError(f"{self.where(path)}: {message}")
-
-    def unknown(self, path: tuple[str, ...], known: list[str]) -> ConfigError:
-        key = path[-1]
-        dotted = ".".join(path)
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-        hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(known)}"
-        return self.fail(path, f"unknown key '{dotted}': {hint}")
-
-    def build(self, cls: type, data: Any, path: tuple[str, ...]) -> Any:
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            where = ".".join(path) or "the top level"
-            raise self.fail(path, f"'{where}' must be a mapping of keys to values")
-        hints = typing.get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        values = {}
-        for key, value in data.items():
-            key = str(key)
-            if key not in fields:
-                raise self.unknown((*path, key), list(fields))
-            values[key] = self.coerce(hints[key], value, (*path, key))
-        return cls(**values)
-
-    def coerce(self, hint: Any, value: Any, path: tuple[str, ...]) -> Any:
-        if dataclasses.is_dataclass(hint):
-            return self.build(hint, value, path)
-        dotted = ".".join(path)
-        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, _UnionType) else (hint,)
-        if value is None:
-            if type(None) in options:
-                return None
-            raise self.fail(path, f"'{dotted}' needs a value")
-        for option in options:
-            if option is type(None):
-                continue
-            ok, converted = _convert(option, value)
-            if ok:
-                return converted
-        wanted = " or ".join(_type_name(o) for o in options if o is not type(None))
-        raise self.fail(path, f"'{dotted}' should be {wanted}, got {value!r}")
-
-
-_UnionType = type(int | None)
-
-
-def _type_name(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin is list:
-        return "a list"
-    if origin is dict:
-        return "a mapping"
-    return {bool: "true/false", int: "an integer", float: "a number", str: "text"}.get(hint, str(hint))
-
-
-def _convert(hint: Any, value: Any) -> tuple[bool, Any]:
-    origin = typing.get_origin(hint)
-    if origin is list:
-        if isinstance(value, list):
-            return True, [str(v) for v in value]
-        return False, None
-    if origin is dict:
-        if isinstance(value, dict):
-            return True, {str(k): str(v) for k, v in value.items()}
-        return False, None
-    if hint is bool:
-        return (True, value) if isinstance(value, bool) else (False, None)
-    if hint is int:
-        if isinstance(value, bool):
-            return False, None
-        if isinstance(value, int):
-            return True, value
-        if isinstance(value, float) and value.is_integer():
-            return True, int(value)
-        return False, None
-    if hint is float:
-        if isinstance(value, bool):
-            return False, None
-        if isinstance(value, (int, float)):
-            return True, float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
-            try:
-                return True, float(value)
-            except ValueError:
-                return False, None
-        return False, None
-    if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return True, str(value)
-        return False, None
-    return False, None
-
-
 # ------------------------------------------------------------------------------------- checking
 
 _CHOICES = {
@@ -450,10 +315,10 @@ _RANGES: list[tuple[str, str, typing.Callable[[Any], bool], str]] = [
 ]
 
 
-def validate(config: RunConfig, source: str = "config", lines: dict | _KeyLines | None = None) -> RunConfig:
+def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines | None = None) -> RunConfig:
     """Check values a type cannot: choices, ranges, finite numbers and the template's syntax.
     Returns the config, or raises ConfigError naming the key (and its line when ``lines`` has it)."""
-    reader = _Reader(source, lines or {})
+    reader = Reader(source, lines or {})
     for (section, key), allowed in _CHOICES.items():
         value = getattr(getattr(config, section), key)
         if value not in allowed:
@@ -490,7 +355,7 @@ def validate(config: RunConfig, source: str = "config", lines: dict | _KeyLines 
 _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _check_template(config: RunConfig, reader: _Reader) -> None:
+def _check_template(config: RunConfig, reader: Reader) -> None:
     """A literal template with a brace that opens or closes nothing would render a placeholder as
     text (or drop it) in every example: refuse it here, before any data is read."""
     from studio.core.prompt import PRESETS, syntax_issues
@@ -515,8 +380,8 @@ def parse_config(text: str, source: str = "config") -> RunConfig:
         raw, found = safe_yaml.load(text, source)
     except safe_yaml.YamlError as exc:
         raise ConfigError(str(exc)) from None
-    lines = _KeyLines(found)
-    reader = _Reader(source, lines)
+    lines = KeyLines(found)
+    reader = Reader(source, lines)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -524,7 +389,7 @@ def parse_config(text: str, source: str = "config") -> RunConfig:
     raw = {str(k): v for k, v in raw.items()}
     if "model_type" in raw or "base_model" in raw or "input_features" in raw or "ludwig_version" in raw:
         raw = from_ludwig(raw, reader)
-        reader = _Reader(source, {})  # keys were renamed, so their lines no longer apply
+        reader = Reader(source, {})  # keys were renamed, so their lines no longer apply
     else:
         if "lora" in raw and raw["lora"] is None:
             raise reader.fail(("lora",), "'lora' is empty (null): write 'lora: {}' for the default LoRA "
