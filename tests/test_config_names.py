@@ -119,3 +119,12 @@ def test_a_ludwig_optimizer_without_a_counterpart_is_refused():
 def test_lora_null_is_refused_not_silently_r16():
     with pytest.raises(ConfigError, match=r"line 1: 'lora' is empty \(null\)"):
         _parse("lora: null\n")
+
+
+def test_a_range_error_in_a_ludwig_config_names_the_line_of_ludwigs_key():
+    text = SAVED_BY_LUDWIG.replace("      batch_size: 1\n", "      batch_size: 0\n")
+    with pytest.raises(ConfigError, match=r"^x.yaml: line 16: 'trainer.micro_batch_size' must be greater than 0"):
+        _parse(text)
+    text = SAVED_BY_LUDWIG.replace("      type: lora\n", "      type: lora\n      dropout: 1.5\n")
+    with pytest.raises(ConfigError, match=r"^x.yaml: line 6: 'lora.dropout' must be in \[0, 1\)"):
+        _parse(text)

@@ -388,8 +388,7 @@ def parse_config(text: str, source: str = "config") -> RunConfig:
         raise ConfigError(f"{source}: the config must be a mapping of keys to values")
     raw = {str(k): v for k, v in raw.items()}
     if "model_type" in raw or "base_model" in raw or "input_features" in raw or "ludwig_version" in raw:
-        raw = from_ludwig(raw, reader)
-        reader = Reader(source, {})  # keys were renamed, so their lines no longer apply
+        raw = from_ludwig(raw, reader)  # renamed keys keep the lines Ludwig's names were written on
     else:
         if "lora" in raw and raw["lora"] is None:
             raise reader.fail(("lora",), "'lora' is empty (null): write 'lora: {}' for the default LoRA "

@@ -88,6 +88,7 @@ def from_ludwig(raw: dict[str, Any], reader: Any) -> dict[str, Any]:
         raise reader.fail(("model_type",), "only 'model_type: llm' is supported")
     if "base_model" in raw:
         out["model"]["base_model"] = raw["base_model"]
+        _moved(reader, ("base_model",), ("model", "base_model"))
     _quantization(raw, out, reader)
     _adapter(raw, out, reader)
     max_len = _features_and_prompt(raw, out, reader)
@@ -95,6 +96,13 @@ def from_ludwig(raw: dict[str, Any], reader: Any) -> dict[str, Any]:
     _trainer(raw, out, reader)
     _generation(raw, out, reader)
     return out
+
+
+def _moved(reader: Any, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+    """Errors about Studio's ``new`` key point at the line of Ludwig's ``old`` one."""
+    lines = getattr(reader, "lines", None)
+    if hasattr(lines, "rename"):
+        lines.rename(old, new)
 
 
 def _section(raw: dict[str, Any], name: str, reader: Any) -> dict[str, Any]:
@@ -132,6 +140,7 @@ def _quantization(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None
                      ("bnb_4bit_compute_dtype", "compute_dtype")):
         if src in quant:
             out["quantization"][dst] = quant[src]
+            _moved(reader, ("quantization", src), ("quantization", dst))
 
 
 def _adapter(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
@@ -150,6 +159,8 @@ def _adapter(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
         raise reader.fail(("adapter", "type"), "only 'adapter: {type: lora}' is supported")
     for key, default in LORA_DEFAULTS.items():
         out["lora"][key] = adapter.get(key, default)
+    for key in adapter:
+        _moved(reader, ("adapter", key), ("lora", key))
     for key in ("use_dora", "use_rslora"):
         if key in adapter:
             out["lora"][key] = adapter[key]
@@ -191,10 +202,12 @@ def _preprocessing(raw: dict[str, Any], out: dict[str, Any], reader: Any, max_le
                 ["sample_size", "oversample_minority", "undersample_majority", "cache_encoder_embeddings"], reader)
     if pre.get("global_max_sequence_length"):
         max_len = int(pre["global_max_sequence_length"])
+        _moved(reader, ("preprocessing", "global_max_sequence_length"), ("data", "max_seq_length"))
     if max_len:
         out["data"]["max_seq_length"] = max_len
     if "sample_ratio" in pre:
         out["data"]["sample_ratio"] = pre["sample_ratio"]
+        _moved(reader, ("preprocessing", "sample_ratio"), ("data", "sample_ratio"))
     split = pre.get("split") or {}
     if split.get("type") == "fixed":
         out["data"]["split_column"] = split.get("column", "split")
@@ -215,6 +228,7 @@ def _trainer(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
     for src, dst in _TRAINER.items():
         if src in trainer and trainer[src] != "auto":
             t[dst] = trainer[src]
+            _moved(reader, ("trainer", src), ("trainer", dst))
     if isinstance(trainer.get("gradient_accumulation_steps"), int):
         t["effective_batch_size"] = None
     elif isinstance(trainer.get("batch_size"), int):
@@ -226,6 +240,7 @@ def _trainer(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
                  "t_0", "t_mult", "eta_min"], reader)
     if "warmup_fraction" in sched:
         t["warmup_fraction"] = sched["warmup_fraction"]
+        _moved(reader, ("trainer", "learning_rate_scheduler", "warmup_fraction"), ("trainer", "warmup_fraction"))
     if sched.get("decay"):
         t["scheduler"] = {"cosine": "cosine", "linear": "linear"}.get(sched["decay"], "constant")
     optimizer = trainer.get("optimizer") or {}
