@@ -67,6 +67,7 @@ CASES: list[tuple[list[str], list[str]]] = [
     # YAML that must not hang, run code or be read half-way
     (["config", "dump", "billion_laughs.yaml"], ["line ", "aliases", "write the values out"]),
     (["config", "dump", "alias_loop.yaml"], ["line ", "alias refers to the value that contains it"]),
+    (["config", "dump", "deep_nesting.yaml"], ["line 2", "nests more than 50 levels"]),
     (["config", "dump", "duplicate_section.yaml"], ["line 5", "'trainer' appears twice"]),
     (["config", "dump", "python_tag.yaml"], ["line 2", "plain values"]),
     (["config", "dump", "tab_indent.yaml"], ["line 2", "not valid YAML"]),
@@ -208,3 +209,11 @@ def test_a_template_edited_in_memory_is_checked_when_the_data_is_split(corpus):
     config.prompt.template = "Q: {instruction\nA: {output}"
     with pytest.raises(DataError, match=r"prompt.template: the placeholder '\{instruction' .* never closed"):
         load_splits(config)
+
+
+def test_nesting_deep_enough_to_overflow_libyaml_is_refused_not_a_crash(tmp_path):
+    """Unchecked, libyaml's recursive composer overflows the C stack on this: a segfault."""
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 200_000 + "]" * 200_000 + "\n")
+    result = _studio(["config", "dump", "deep.yaml"], tmp_path)
+    assert result.returncode == 2, result.stderr[-500:]
+    assert result.stderr.strip() == "error: deep.yaml: line 1: the YAML nests more than 50 levels deep here; a config needs a few"

@@ -6,7 +6,8 @@ the result (checking it, dumping it) hangs. PyYAML shares aliased values instead
 so loading is cheap; the walk is not. So the document is composed into nodes first, its expanded
 size is counted once per node (linear in the file), and a file whose expansion passes
 :data:`MAX_VALUES` is refused before anything walks it. The same pass refuses a key written twice in
-one mapping (PyYAML would silently keep the last) and records the line of each key for messages.
+one mapping (PyYAML would silently keep the last), refuses nesting deeper than :data:`MAX_DEPTH`,
+and records the line of each key for messages.
 
 Plain Python and PyYAML only: the UI imports this.
 """
@@ -24,6 +25,10 @@ MAX_VALUES = 100_000
 """Most values (scalars, lists, mappings) a document may expand to, aliases counted as copies; a
 Studio config has about a hundred."""
 
+MAX_DEPTH = 50
+"""Deepest nesting of lists and mappings accepted; a Studio config nests four deep. Deeper input would
+exhaust Python's recursion limit in the walk and in PyYAML's constructor."""
+
 
 class YamlError(ValueError):
     """The text is not YAML Studio will read; the message starts with ``<source>: line N``."""
@@ -33,11 +38,13 @@ def load(text: str, source: str) -> tuple[Any, dict[tuple[str, ...], int]]:
     """Parse ``text`` into plain data and the 1-based line of each mapping key path.
 
     Raises :class:`YamlError` (naming ``source`` and the line) on a syntax error, a key repeated in
-    one mapping, an alias that refers to itself, or aliases expanding past :data:`MAX_VALUES`.
+    one mapping, an alias that refers to itself, nesting past :data:`MAX_DEPTH`, or aliases
+    expanding past :data:`MAX_VALUES`.
     """
     loader = LOADER(text)
     try:
         try:
+            _check_depth(text, source)
             node = loader.get_single_node()
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
@@ -61,6 +68,21 @@ def load(text: str, source: str) -> tuple[Any, dict[tuple[str, ...], int]]:
         loader.dispose()
 
 
+def _check_depth(text: str, source: str) -> None:
+    """Refuse nesting past :data:`MAX_DEPTH` from the event stream, before anything recursive runs:
+    libyaml's composer recurses in C and overflows the stack (a crash, not an exception) on a few
+    hundred thousand ``[``."""
+    depth = 0
+    for event in yaml.parse(text, Loader=LOADER):
+        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise YamlError(f"{source}: line {event.start_mark.line + 1}: the YAML nests more than "
+                                f"{MAX_DEPTH} levels deep here; a config needs a few")
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            depth -= 1
+
+
 class _Walk:
     """One pass over the node graph: expanded sizes (memoised per node), duplicate keys, key lines."""
 
@@ -72,9 +94,11 @@ class _Walk:
     def fail(self, node: yaml.Node, message: str) -> YamlError:
         return YamlError(f"{self.source}: line {node.start_mark.line + 1}: {message}")
 
-    def size(self, node: yaml.Node, path: tuple[str, ...] | None) -> int:
+    def size(self, node: yaml.Node, path: tuple[str, ...] | None, depth: int = 0) -> int:
         """Values ``node`` expands to; ``path`` is its key path the first time it is met (lines are
         recorded then), None once it is reached again through an alias."""
+        if depth > MAX_DEPTH:
+            raise self.fail(node, f"the YAML nests more than {MAX_DEPTH} levels deep here; a config needs a few")
         key = id(node)
         if key in self.sizes:
             known = self.sizes[key]
@@ -94,10 +118,10 @@ class _Walk:
                 sub = (*path, name) if path is not None else None
                 if sub is not None:
                     self.lines.setdefault(sub, key_node.start_mark.line + 1)
-                total += self.size(key_node, None) + self.size(value, sub)
+                total += self.size(key_node, None, depth + 1) + self.size(value, sub, depth + 1)
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
-                total += self.size(item, (*path, str(i)) if path is not None else None)
+                total += self.size(item, (*path, str(i)) if path is not None else None, depth + 1)
         if total > MAX_VALUES:
             raise self.fail(node, f"YAML aliases here expand to more than {MAX_VALUES:,} values; a config "
                             "never needs that many: write the values out instead of repeating aliases")
