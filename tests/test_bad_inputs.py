@@ -217,3 +217,10 @@ def test_nesting_deep_enough_to_overflow_libyaml_is_refused_not_a_crash(tmp_path
     result = _studio(["config", "dump", "deep.yaml"], tmp_path)
     assert result.returncode == 2, result.stderr[-500:]
     assert result.stderr.strip() == "error: deep.yaml: line 1: the YAML nests more than 50 levels deep here; a config needs a few"
+
+
+def test_a_dataset_given_as_the_config_is_refused_unread(corpus, capsys):
+    (corpus / "reverse.jsonl").write_text('{"instruction": "reverse abc", "output": "cba"}\n' * 30_000)
+    assert cli_main(["config", "dump", "reverse.jsonl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: reverse.jsonl: the file is 1.4 MB, and a config is a few KB")

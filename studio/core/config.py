@@ -406,6 +406,10 @@ def parse_config(text: str, source: str = "config") -> RunConfig:
 _SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation")
 
 
+_MAX_CONFIG_BYTES = 2**20
+"""Larger files are refused unread: a config is a few KB, and a dataset passed by mistake would be parsed whole."""
+
+
 def load_config(path: str | Path) -> RunConfig:
     """Read a YAML config file; every problem is a ConfigError naming the file (and line)."""
     path = Path(path)
@@ -415,6 +419,10 @@ def load_config(path: str | Path) -> RunConfig:
     if path.is_dir():
         raise ConfigError(f"{path}: this is a folder; give the config's YAML file")
     try:
+        size = path.stat().st_size
+        if size > _MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: the file is {size / 2**20:.1f} MB, and a config is a few KB; check that "
+                              "this is the config (a dataset goes in data.path)")
         raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config ({exc.strerror or exc}); check its permissions") from None
