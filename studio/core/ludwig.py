@@ -7,6 +7,9 @@ Ludwig trains here unchanged. :func:`from_ludwig` only renames and reshapes keys
 own defaults where Studio's differ (LoRA r 8, alpha 16, dropout 0.05); config.py then reads the
 result like any Studio config, so types and ranges are checked in one place.
 
+The 4-bit compute dtype is the one default kept Studio's: ``auto`` (bf16 where the GPU has it)
+rather than Ludwig's float16, which overflows more easily and gains nothing on current cards.
+
 Three kinds of key: those Studio acts on (translated), those Ludwig has but Studio does not act on
 (each named in a note, never dropped in silence: ``backend``, ``hyperopt``, an early-stopping
 setting...), and anything else, refused with the nearest known key (a typo must not pass as
