@@ -94,6 +94,7 @@ CASES: list[tuple[list[str], list[str]]] = [
                                                              "data.columns: {output: answer}"]),
     (["config", "check", "data_bad_split_jsonl.yaml"], ["bad_split.jsonl", "row 1", "'holdout'"]),
     (["config", "check", "data_rows_xlsx.yaml"], ["rows.xlsx", "unsupported file type"]),
+    (["config", "check", "data_ragged_csv.yaml"], ["ragged.csv", "line 3 has 5 fields, the header has 3", "quotes"]),
     (["config", "check", "data_binary_jsonl.yaml"], ["binary.jsonl", "binary data"]),
     (["config", "check", "data_missing_jsonl.yaml"], ["missing.jsonl", "no such file", "data.path"]),
     # models and folders
@@ -224,3 +225,14 @@ def test_a_dataset_given_as_the_config_is_refused_unread(corpus, capsys):
     assert cli_main(["config", "dump", "reverse.jsonl"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: reverse.jsonl: the file is 1.4 MB, and a config is a few KB")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes need a POSIX system")
+@pytest.mark.parametrize("what", ["config", "data"])
+def test_a_named_pipe_is_refused_instead_of_blocking_the_read(corpus, capsys, what):
+    os.mkfifo(corpus / "pipe.yaml" if what == "config" else corpus / "pipe.jsonl")
+    if what == "data":
+        (corpus / "pipe_data.yaml").write_text("data:\n  path: pipe.jsonl\n")
+    code = cli_main(["config", "check", "pipe.yaml" if what == "config" else "pipe_data.yaml"])
+    assert code == 2
+    assert "not a regular file" in capsys.readouterr().err

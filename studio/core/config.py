@@ -418,6 +418,8 @@ def load_config(path: str | Path) -> RunConfig:
                           "for a starting point)")
     if path.is_dir():
         raise ConfigError(f"{path}: this is a folder; give the config's YAML file")
+    if not path.is_file():  # a pipe or a device would block the read, or never end
+        raise ConfigError(f"{path}: not a regular file; save the config to a file")
     try:
         size = path.stat().st_size
         if size > _MAX_CONFIG_BYTES:

@@ -94,6 +94,8 @@ def _load_file(path: Path) -> datasets.Dataset:
     if kind is None:
         raise DataError(f"{path}: unsupported file type '{path.suffix or '(none)'}'; use .csv, .tsv, "
                         ".json, .jsonl, .parquet or a folder saved with datasets.save_to_disk")
+    if not path.is_file():  # a pipe or a device would block the read below, or never end
+        raise DataError(f"{path}: not a regular file; save the data to a file and point data.path at it")
     try:
         with path.open("rb") as handle:
             head = handle.read(4096)
@@ -161,7 +163,7 @@ def _explain_failure(path: Path, kind: str, exc: Exception) -> DataError:
         if found:
             return DataError(found)
     if kind == "csv":
-        problem = _utf8_problem(path)
+        problem = _utf8_problem(path) or _ragged_csv_row(path)
         if problem:
             return DataError(problem)
     if kind == "parquet":
@@ -170,6 +172,22 @@ def _explain_failure(path: Path, kind: str, exc: Exception) -> DataError:
     if "no data" in detail:
         return DataError(f"{path}: the dataset has no rows; add some after the header line")
     return DataError(f"{path}: cannot read as {kind.upper()} ({detail}); check the file's format")
+
+
+def _ragged_csv_row(path: Path) -> str | None:
+    """The first CSV record whose field count differs from the header's, as a message."""
+    import csv
+
+    sep = "\t" if path.suffix.lower() == ".tsv" else ","
+    with path.open(newline="", encoding="utf-8-sig") as handle:
+        reader = csv.reader(handle, delimiter=sep)
+        header = next(reader, [])
+        for record in reader:
+            if record and len(record) != len(header):
+                # reader.line_num is the line the record ends on; a quoted newline spans several
+                return (f"{path}: line {reader.line_num} has {len(record)} fields, the header has {len(header)}; "
+                        f"put quotes around values that contain '{sep}' (or a newline)")
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
