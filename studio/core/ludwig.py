@@ -7,7 +7,9 @@ Ludwig trains here unchanged. :func:`from_ludwig` only renames and reshapes keys
 own defaults where Studio's differ (LoRA r 8, alpha 16, dropout 0.05); config.py then reads the
 result like any Studio config, so types and ranges are checked in one place.
 
-The 4-bit compute dtype is the one default kept Studio's: ``auto`` (bf16 where the GPU has it)
+Trainer keys a Ludwig config leaves out take Studio's defaults: Ludwig's fine-tune trainer inherits
+its general trainer's (100 epochs at learning rate 0.001), which do not suit an LLM. The 4-bit
+compute dtype also stays Studio's: ``auto`` (bf16 where the GPU has it)
 rather than Ludwig's float16, which overflows more easily and gains nothing on current cards.
 
 Three kinds of key: those Studio acts on (translated), those Ludwig has but Studio does not act on
@@ -49,6 +51,10 @@ _TRAINER_IGNORED = [
     "gradient_clipping", "learning_rate_scaling", "bucketing_field", "skip_all_evaluation", "enable_profiling",
     "profiler", "use_mixed_precision", "compile", "max_batch_size", "steps_per_epoch", "base_learning_rate",
     "effective_batch_size", "skip_save_model", "skip_save_progress", "skip_save_log", "seed",
+    "increase_batch_size_on_plateau_max", "layers_to_freeze_regex", "learning_rate_warmup_epochs",
+    "reduce_learning_rate_on_plateau", "reduce_learning_rate_on_plateau_patience",
+    "reduce_learning_rate_on_plateau_rate", "reduce_learning_rate_eval_metric", "reduce_learning_rate_eval_split",
+    "decay", "decay_steps", "decay_rate", "staircase",
 ]
 """Ludwig trainer keys Studio reads but does not act on (each named in a note)."""
 
