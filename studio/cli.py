@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
-from collections.abc import Sequence
+import typing
+import warnings
+from collections.abc import Callable, Sequence
 
 # subcommand -> "module:function"
 _HANDLERS = {
@@ -25,11 +28,39 @@ _HANDLERS = {
     "resume": "studio.worker.cli_runs:resume",
     "pull": "studio.engine.pull:main",
     "config-dump": "studio.cli:config_dump",
+    "config-check": "studio.core.cli_check:main",
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line, like every other error `studio` prints."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _number(kind: type, low: float, rule: str) -> Callable[[str], float]:
+    """An argparse type: a finite ``kind`` (int or float) of at least ``low``, else a one-line error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}"
+                                             ) from None
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {rule}")
+        return value
+
+    return parse
+
+
+_POSITIVE_INT = _number(int, 1, "1 or more")
+_POSITIVE_GB = _number(float, 0.5, "a capacity in GB of 0.5 or more")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="studio",
         description="QLoRA fine-tuning in the terminal. With no command, opens the TUI.",
     )
@@ -47,20 +78,20 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="config YAML (optional with --resume)")
     train.add_argument("--data", help="dataset path or hub id (overrides data.path; a Ludwig config needs it)")
     train.add_argument("--model", help="base model hub id or folder (overrides model.base_model)")
-    train.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    train.add_argument("--max-steps", type=_POSITIVE_INT, help="stop after this many optimizer steps")
     train.add_argument("--resume", metavar="RUN", help="continue RUN from its latest checkpoint")
     train.add_argument("--detach", action="store_true",
                        help="train in a background worker that outlives this terminal; prints the run id")
 
     estimate = add("estimate", "predict GPU memory by category for a config")
     estimate.add_argument("config", help="config YAML")
-    estimate.add_argument("--gpu-gb", type=float, help="card capacity in GB (default: detected, else 24)")
+    estimate.add_argument("--gpu-gb", type=_POSITIVE_GB, help="card capacity in GB (default: detected, else 24)")
     estimate.add_argument("--model", help="base model hub id or folder (overrides model.base_model)")
     estimate.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
 
     evaluate = add("eval", "base vs fine-tuned answers on held-out rows")
     evaluate.add_argument("run", nargs="?", help="run id or folder (default: the latest run)")
-    evaluate.add_argument("--rows", type=int, default=50, help="how many held-out rows (default 50)")
+    evaluate.add_argument("--rows", type=_POSITIVE_INT, default=50, help="how many held-out rows (default 50)")
     evaluate.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     attach = add("attach", "follow a running or finished run (Ctrl-C detaches; the run goes on)")
@@ -83,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     dump = config_sub.add_parser("dump", help="print the fully resolved config (defaults filled in)")
     dump.add_argument("config", nargs="?", help="config YAML (default: the sample config)")
+    check = config_sub.add_parser("check", help="check the config, its data and template without loading a model")
+    check.add_argument("config", help="config YAML")
+    check.add_argument("--data", help="dataset path or hub id (overrides data.path)")
     return parser
 
 
@@ -95,15 +129,43 @@ def config_dump(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_notes(message: warnings.WarningMessage | Warning | str, category: type[Warning], filename: str,
+                lineno: int, file: typing.TextIO | None = None, line: str | None = None) -> None:
+    """Config notes (an alias read as Studio's key, a Ludwig section not acted on) as one line each;
+    other warnings as Python prints them."""
+    from studio.core.config import ConfigNote
+
+    if issubclass(category, ConfigNote):
+        print(f"note: {message}", file=sys.stderr)
+    else:
+        _python_showwarning(message, category, filename, lineno, file, line)  # type: ignore[arg-type]
+
+
+_python_showwarning = warnings.showwarning
+
+
 def _run(handler: str, args: argparse.Namespace) -> int:
     module_name, func_name = handler.split(":")
     module = importlib.import_module(module_name)
     return int(getattr(module, func_name)(args) or 0)
 
 
+def _not_a_folder(exc: NotADirectoryError) -> str:
+    """One line for a folder that cannot be made because part of its path is a file."""
+    from pathlib import Path
+
+    path = Path(str(exc.filename or ""))
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is None:
+        return f"{path}: {exc.strerror or exc}"
+    return (f"{path}: cannot make this folder because {blocker} is a file; choose another output_dir "
+            "(or --runs-dir), or move the file")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `studio` console script."""
     args = _parser().parse_args(argv)
+    warnings.showwarning = _show_notes
     command = args.command
     if command is None:
         args.run, args.pane = None, None
@@ -117,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("studio train: give a CONFIG (or --resume RUN)", file=sys.stderr)
         return 2
     elif command == "config":
-        command = "config-dump"
+        command = f"config-{args.config_command}"
     from studio.core.config import ConfigError
 
     try:
@@ -127,6 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except NotADirectoryError as exc:
+        print(f"error: {_not_a_folder(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

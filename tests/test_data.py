@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from studio.core import data
+from studio.core import data, dataload
 from studio.core.config import RunConfig, default_config
 from studio.core.data import DataError, Table, column_stats, lint_rows, load_splits, load_table
 from studio.core.paths import sample_data_dir
@@ -141,7 +141,7 @@ def test_hub_ids_go_to_the_hub_and_fail_with_a_readable_error(monkeypatch):
         raise ConnectionError("Couldn't reach the Hub\nmore detail")
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    monkeypatch.setattr(data, "_hub_reachable", lambda: True)
+    monkeypatch.setattr(dataload, "_hub_reachable", lambda: True)
     with pytest.raises(DataError) as err:
         load_table("someone/code_alpaca", hub_split="validation")
     assert asked == {"name": "someone/code_alpaca", "split": "validation"}
@@ -154,7 +154,7 @@ def test_without_network_a_hub_id_fails_at_once_and_a_bare_name_is_a_missing_fil
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(data, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(dataload, "_hub_reachable", lambda: False)
     with pytest.raises(DataError, match=r"^someone/code_alpaca: not a local file, and the Hugging Face hub "
                                         "cannot be reached"):
         load_table("someone/code_alpaca")

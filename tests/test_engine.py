@@ -218,6 +218,7 @@ def test_generation_stops_at_eos(tiny_config) -> None:
 def test_four_bit_loads_and_trains_on_cpu(tiny_config) -> None:
     """bits: 4 on CPU: bitsandbytes' CPU backend (NF4) or a clear fallback warning, and it trains."""
     tiny_config.quantization.bits = 4
+    tiny_config.quantization.on_cpu = "keep"  # the CPU plan would load fp32 without trying 4-bit
     tiny_config.trainer.max_steps = 2
     tiny_config.trainer.eval_interval = 0
     trainer, _, events = _run(tiny_config)

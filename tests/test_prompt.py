@@ -241,3 +241,19 @@ def test_lint_no_eos_and_missing_response_placeholder():
     assert set(kinds) == {"no_eos", "no_response"}
     assert kinds["no_response"].severity == "info"
     assert kinds["no_response"].offset == len("{instruction}\n")
+
+
+@pytest.mark.parametrize(("template", "offset", "text"), [
+    ("### Instruction:\n{instruction\n\n### Response:\n{output}", 17, "never closed: write {instruction}"),
+    ("Q: {instruction}}\nA: {output}", 16, "closes nothing"),
+    ("Q: { instruction }\nA: {output}", 3, "write {instruction} (no spaces)"),
+    ("Q: { \nA: {output}", 3, "opens nothing"),
+])
+def test_lint_flags_a_brace_that_is_no_placeholder_as_an_error(template, offset, text):
+    issues = [i for i in lint_template(template, ["instruction", "output"]) if i.kind == "brace"]
+    assert len(issues) == 1
+    assert issues[0].severity == "error" and issues[0].offset == offset and text in issues[0].message
+
+
+def test_escaped_braces_and_placeholders_are_not_flagged():
+    assert [i for i in lint_template("{{json}} {instruction}\n{output}", ["instruction"]) if i.kind == "brace"] == []

@@ -6,14 +6,16 @@ A config file is either Studio's own layout (sections ``model``, ``quantization`
 and returns a :class:`RunConfig`. Errors name the file, the line and the key, and suggest the
 nearest known key.
 
-Plain Python and PyYAML only: the UI imports this.
+Plain Python and PyYAML only: the UI imports this. Past 400 lines because every field carries its
+docstring (this file is the config's reference); reading YAML into the dataclasses is in
+:mod:`studio.core.config_reader`, the YAML itself in :mod:`studio.core.safe_yaml`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,13 +23,12 @@ from typing import Any
 
 import yaml
 
+from studio.core.config_reader import ConfigError as ConfigError  # re-exported: callers import it from here
+from studio.core.config_reader import ConfigNote as ConfigNote
+from studio.core.config_reader import KeyLines, Reader
 from studio.core.ludwig import from_ludwig
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-class ConfigError(ValueError):
-    """A config problem a person can fix; the message names the file, line and key."""
 
 
 @dataclass
@@ -61,6 +62,10 @@ class QuantizationConfig:
     """dtype of matmuls and of unquantized weights: ``auto`` (bf16 on GPU, fp32 on CPU),
     ``bfloat16``, ``float16`` or ``float32``."""
 
+    on_cpu: str = "full"
+    """Without a CUDA GPU: ``full`` loads the base unquantized (4-bit and 8-bit save GPU memory; on a
+    CPU their kernels only cost time, often 10x), ``keep`` quantizes anyway."""
+
 
 @dataclass
 class LoraConfig:
@@ -78,6 +83,14 @@ class LoraConfig:
 
     target_modules: list[str] | str = "all-linear"
     """Modules that get adapters: ``all-linear`` or a list such as [q_proj, v_proj]."""
+
+    use_dora: bool = False
+    """DoRA (PEFT's ``use_dora``): split each adapted weight into a magnitude vector and a direction
+    that LoRA updates; often closer to full fine-tuning at low rank, ~10-20% slower a step."""
+
+    use_rslora: bool = False
+    """rsLoRA (PEFT's ``use_rslora``): scale the update by alpha / sqrt(r) instead of alpha / r, so
+    high ranks keep learning at the same rate."""
 
 
 @dataclass
@@ -155,7 +168,8 @@ class TrainerConfig:
     """Learning-rate schedule after warmup: ``cosine``, ``linear`` or ``constant``."""
 
     optimizer: str = "adamw"
-    """``adamw`` (torch), ``adamw_8bit`` or ``paged_adamw_8bit`` (bitsandbytes)."""
+    """``adamw`` (torch), ``adamw_8bit``, ``paged_adamw`` (32-bit state in unified memory, which spills
+    to host RAM under pressure) or ``paged_adamw_8bit`` (bitsandbytes)."""
 
     weight_decay: float = 0.0
     """AdamW weight decay on the adapter weights."""
@@ -257,216 +271,143 @@ class RunConfig:
         tmp.replace(path)
 
 
-# --------------------------------------------------------------------------------- YAML -> config
-
-
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-"""libyaml's loader where PyYAML was built with it (several times faster), else the pure-Python one."""
-
-
-def _key_lines(text: str) -> dict[tuple[str, ...], int]:
-    """Map each mapping key path in the YAML text to its 1-based line, for error messages."""
-    lines: dict[tuple[str, ...], int] = {}
-    try:
-        root = yaml.compose(text, Loader=_LOADER)
-    except yaml.YAMLError:
-        return lines
-
-    def walk(node: Any, path: tuple[str, ...]) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                sub = (*path, str(key.value))
-                lines[sub] = key.start_mark.line + 1
-                walk(value, sub)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                walk(item, (*path, str(i)))
-
-    if root is not None:
-        walk(root, ())
-    return lines
-
-
-class _KeyLines:
-    """The YAML's key lines, found only when an error needs one: composing the text a second time
-    costs as much as loading it, and a valid config (the usual case) never asks."""
-
-    def __init__(self, text: str) -> None:
-        self._text = text
-        self._lines: dict[tuple[str, ...], int] | None = None
-
-    def get(self, path: tuple[str, ...], default: int | None = None) -> int | None:
-        if self._lines is None:
-            self._lines = _key_lines(self._text)
-        return self._lines.get(path, default)
-
-
-class _Reader:
-    """Turns nested dicts into dataclasses, raising errors that name file, line and key."""
-
-    def __init__(self, source: str, lines: dict[tuple[str, ...], int] | _KeyLines):
-        self.source = source
-        self.lines = lines
-
-    def where(self, path: tuple[str, ...]) -> str:
-        line = self.lines.get(path)
-        return f"{self.source}: line {line}" if line else self.source
-
-    def fail(self, path: tuple[str, ...], message: str) -> ConfigError:
-        return ConfigError(f"{self.where(path)}: {message}")
-
-    def unknown(self, path: tuple[str, ...], known: list[str]) -> ConfigError:
-        key = path[-1]
-        dotted = ".".join(path)
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-        hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(known)}"
-        return self.fail(path, f"unknown key '{dotted}': {hint}")
-
-    def build(self, cls: type, data: Any, path: tuple[str, ...]) -> Any:
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            where = ".".join(path) or "the top level"
-            raise self.fail(path, f"'{where}' must be a mapping of keys to values")
-        hints = typing.get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        values = {}
-        for key, value in data.items():
-            key = str(key)
-            if key not in fields:
-                raise self.unknown((*path, key), list(fields))
-            values[key] = self.coerce(hints[key], value, (*path, key))
-        return cls(**values)
-
-    def coerce(self, hint: Any, value: Any, path: tuple[str, ...]) -> Any:
-        if dataclasses.is_dataclass(hint):
-            return self.build(hint, value, path)
-        dotted = ".".join(path)
-        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, _UnionType) else (hint,)
-        if value is None:
-            if type(None) in options:
-                return None
-            raise self.fail(path, f"'{dotted}' needs a value")
-        for option in options:
-            if option is type(None):
-                continue
-            ok, converted = _convert(option, value)
-            if ok:
-                return converted
-        wanted = " or ".join(_type_name(o) for o in options if o is not type(None))
-        raise self.fail(path, f"'{dotted}' should be {wanted}, got {value!r}")
-
-
-_UnionType = type(int | None)
-
-
-def _type_name(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin is list:
-        return "a list"
-    if origin is dict:
-        return "a mapping"
-    return {bool: "true/false", int: "an integer", float: "a number", str: "text"}.get(hint, str(hint))
-
-
-def _convert(hint: Any, value: Any) -> tuple[bool, Any]:
-    origin = typing.get_origin(hint)
-    if origin is list:
-        if isinstance(value, list):
-            return True, [str(v) for v in value]
-        return False, None
-    if origin is dict:
-        if isinstance(value, dict):
-            return True, {str(k): str(v) for k, v in value.items()}
-        return False, None
-    if hint is bool:
-        return (True, value) if isinstance(value, bool) else (False, None)
-    if hint is int:
-        if isinstance(value, bool):
-            return False, None
-        if isinstance(value, int):
-            return True, value
-        if isinstance(value, float) and value.is_integer():
-            return True, int(value)
-        return False, None
-    if hint is float:
-        if isinstance(value, bool):
-            return False, None
-        if isinstance(value, (int, float)):
-            return True, float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
-            try:
-                return True, float(value)
-            except ValueError:
-                return False, None
-        return False, None
-    if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return True, str(value)
-        return False, None
-    return False, None
-
-
 # ------------------------------------------------------------------------------------- checking
 
 _CHOICES = {
     ("quantization", "bits"): (4, 8, None),
     ("quantization", "quant_type"): ("nf4", "fp4"),
     ("quantization", "compute_dtype"): ("auto", "bfloat16", "float16", "float32"),
+    ("quantization", "on_cpu"): ("full", "keep"),
     ("trainer", "scheduler"): ("cosine", "linear", "constant"),
-    ("trainer", "optimizer"): ("adamw", "adamw_8bit", "paged_adamw_8bit"),
+    ("trainer", "optimizer"): ("adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"),
 }
 
+_SEED_LIMIT = 2**32
+"""Seeds must fit numpy's and torch's generators."""
 
-def validate(config: RunConfig, source: str = "config", lines: dict | _KeyLines | None = None) -> RunConfig:
-    """Check values a type cannot: choices and ranges. Returns the config, or raises ConfigError."""
-    reader = _Reader(source, lines or {})
+# (section, key, test, what the value must be). None values are skipped: they mean "not set".
+_RANGES: list[tuple[str, str, typing.Callable[[Any], bool], str]] = [
+    ("lora", "r", lambda v: v > 0, "greater than 0"),
+    ("lora", "alpha", lambda v: v > 0, "greater than 0"),
+    ("lora", "dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("data", "max_seq_length", lambda v: v >= 2, "at least 2 (tokens)"),
+    ("data", "val_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("data", "test_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("data", "sample_ratio", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("trainer", "learning_rate", lambda v: 0 < v < 1, "in (0, 1) (typical: 1e-4 to 5e-4)"),
+    ("trainer", "epochs", lambda v: v > 0, "greater than 0"),
+    ("trainer", "max_steps", lambda v: v > 0, "greater than 0 (or null to train for trainer.epochs)"),
+    ("trainer", "micro_batch_size", lambda v: v > 0, "greater than 0"),
+    ("trainer", "effective_batch_size", lambda v: v > 0, "greater than 0 (or null)"),
+    ("trainer", "gradient_accumulation_steps", lambda v: v > 0, "greater than 0 (or null)"),
+    ("trainer", "warmup_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("trainer", "weight_decay", lambda v: v >= 0, "0 or more"),
+    ("trainer", "max_grad_norm", lambda v: v >= 0, "0 (no clipping) or more"),
+    ("trainer", "eval_interval", lambda v: v >= 0, "0 (no evaluation) or more"),
+    ("trainer", "eval_max_rows", lambda v: v > 0, "greater than 0"),
+    ("trainer", "checkpoint_interval", lambda v: v >= 0, "0 (only at the end) or more"),
+    ("trainer", "keep_checkpoints", lambda v: v > 0, "greater than 0"),
+    ("trainer", "log_interval", lambda v: v > 0, "greater than 0"),
+    ("trainer", "seed", lambda v: 0 <= v < _SEED_LIMIT, f"in [0, {_SEED_LIMIT})"),
+    ("generation", "max_new_tokens", lambda v: v > 0, "greater than 0"),
+    ("generation", "temperature", lambda v: 0 <= v <= 100, "in [0, 100] (0 is greedy; typical: 0.7)"),
+    ("generation", "top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+]
+
+
+def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines | None = None) -> RunConfig:
+    """Check values a type cannot: choices, ranges, finite numbers and the template's syntax.
+    Returns the config, or raises ConfigError naming the key (and its line when ``lines`` has it)."""
+    reader = Reader(source, lines or {})
     for (section, key), allowed in _CHOICES.items():
         value = getattr(getattr(config, section), key)
         if value not in allowed:
             shown = ", ".join("null" if a is None else str(a) for a in allowed)
             raise reader.fail((section, key), f"'{section}.{key}' is {value!r}; choose one of {shown}")
-    positive = [("lora", "r"), ("lora", "alpha"), ("trainer", "micro_batch_size"),
-                ("data", "max_seq_length"), ("generation", "max_new_tokens")]
-    for section, key in positive:
-        if getattr(getattr(config, section), key) <= 0:
-            raise reader.fail((section, key), f"'{section}.{key}' must be greater than 0")
-    if not 0 <= config.lora.dropout < 1:
-        raise reader.fail(("lora", "dropout"), "'lora.dropout' must be in [0, 1)")
-    if config.trainer.learning_rate <= 0:
-        raise reader.fail(("trainer", "learning_rate"), "'trainer.learning_rate' must be > 0")
-    if not 0 <= config.trainer.warmup_fraction < 1:
-        raise reader.fail(("trainer", "warmup_fraction"), "'trainer.warmup_fraction' must be in [0, 1)")
-    if not 0 < config.data.sample_ratio <= 1:
-        raise reader.fail(("data", "sample_ratio"), "'data.sample_ratio' must be in (0, 1]")
-    if not 0 <= config.data.val_fraction + config.data.test_fraction < 1:
+    for section, key, ok, rule in _RANGES:
+        value = getattr(getattr(config, section), key)
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise reader.fail((section, key), f"'{section}.{key}' must be a finite number {rule}; it is {value}")
+        if not ok(value):
+            raise reader.fail((section, key), f"'{section}.{key}' must be {rule}; it is {value!r}")
+    if config.data.val_fraction + config.data.test_fraction >= 1:
         raise reader.fail(("data", "val_fraction"),
-                          "'data.val_fraction' + 'data.test_fraction' must be below 1")
-    if config.trainer.max_steps is not None and config.trainer.max_steps <= 0:
-        raise reader.fail(("trainer", "max_steps"), "'trainer.max_steps' must be > 0 (or null)")
+                          "'data.val_fraction' + 'data.test_fraction' must be below 1 (some rows must train)")
+    for section, key in (("model", "base_model"), ("prompt", "template"), ("output_dir", "")):
+        value = getattr(config, section) if not key else getattr(getattr(config, section), key)
+        if not str(value).strip():
+            dotted = f"{section}.{key}" if key else section
+            raise reader.fail((section, key) if key else (section,), f"'{dotted}' is empty; give a value")
+    if not _FIELD_NAME.fullmatch(config.prompt.response_field):
+        raise reader.fail(("prompt", "response_field"), f"'prompt.response_field' is "
+                          f"{config.prompt.response_field!r}; use a name of letters, digits and _ "
+                          "(map a column named otherwise with data.columns)")
+    for name, column in config.data.columns.items():
+        if not _FIELD_NAME.fullmatch(name) or not column.strip():
+            raise reader.fail(("data", "columns", name), f"'data.columns' maps {name!r} to {column!r}; "
+                              "write template_field: column_name (field names are letters, digits and _)")
+    _check_template(config, reader)
     return config
 
 
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_template(config: RunConfig, reader: Reader) -> None:
+    """A literal template with a brace that opens or closes nothing would render a placeholder as
+    text (or drop it) in every example: refuse it here, before any data is read."""
+    from studio.core.prompt import PRESETS, syntax_issues
+
+    template = config.prompt.template
+    if template in PRESETS:
+        return
+    problems = syntax_issues(template)
+    if problems:
+        raise reader.fail(("prompt", "template"), f"'prompt.template': {problems[0].message}")
+
+
 def parse_config(text: str, source: str = "config") -> RunConfig:
-    """Read a config from YAML text (Studio or Ludwig layout). ``source`` names it in errors."""
+    """Read a config from YAML text (Studio or Ludwig layout). ``source`` names it in errors.
+
+    Other tools' key names (``lora_alpha``, ``num_train_epochs``: see :mod:`studio.core.aliases`) are
+    read as Studio's, each with a :class:`ConfigNote`.
+    """
+    from studio.core import aliases, safe_yaml
+
     try:
-        raw = yaml.load(text, Loader=_LOADER)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}: line {mark.line + 1}" if mark else source
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{where}: not valid YAML ({problem}); check the indentation") from None
-    lines = _KeyLines(text)
-    reader = _Reader(source, lines)
+        raw, found = safe_yaml.load(text, source)
+    except safe_yaml.YamlError as exc:
+        raise ConfigError(str(exc)) from None
+    lines = KeyLines(found)
+    reader = Reader(source, lines)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the config must be a mapping of keys to values")
-    if "model_type" in raw or "base_model" in raw or "input_features" in raw:
-        raw = from_ludwig(raw, reader)
-        reader = _Reader(source, {})  # keys were renamed, so their lines no longer apply
+    raw = {str(k): v for k, v in raw.items()}
+    if "model_type" in raw or "base_model" in raw or "input_features" in raw or "ludwig_version" in raw:
+        raw = from_ludwig(raw, reader)  # renamed keys keep the lines Ludwig's names were written on
+    else:
+        if "lora" in raw and raw["lora"] is None:
+            raise reader.fail(("lora",), "'lora' is empty (null): write 'lora: {}' for the default LoRA "
+                              "(r 16), or give its keys (r, alpha, dropout, target_modules, use_dora)")
+
+        def note(old: tuple[str, ...], new: tuple[str, ...], message: str) -> None:
+            lines.rename(old, new)
+            reader.note(old, message)
+
+        raw = aliases.apply(raw, set(_SECTIONS), note, reader.fail)
     config = reader.build(RunConfig, raw, ())
-    return validate(config, source, lines)
+    return validate(config, source, reader.lines)
+
+
+_SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation")
+
+
+_MAX_CONFIG_BYTES = 2**20
+"""Larger files are refused unread: a config is a few KB, and a dataset passed by mistake would be parsed whole."""
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -475,10 +416,24 @@ def load_config(path: str | Path) -> RunConfig:
     if not path.exists():
         raise ConfigError(f"{path}: no such config file; check the path (or run 'studio config dump' "
                           "for a starting point)")
+    if path.is_dir():
+        raise ConfigError(f"{path}: this is a folder; give the config's YAML file")
+    if not path.is_file():  # a pipe or a device would block the read, or never end
+        raise ConfigError(f"{path}: not a regular file; save the config to a file")
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read the config ({exc})") from None
+        size = path.stat().st_size
+        if size > _MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: the file is {size / 2**20:.1f} MB, and a config is a few KB; check that "
+                              "this is the config (a dataset goes in data.path)")
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config ({exc.strerror or exc}); check its permissions") from None
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not content
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"{path}: line {line} is not UTF-8 text (byte 0x{raw[err.start]:02x}); "
+                          "save the file as UTF-8") from None
     return parse_config(text, str(path))
 
 

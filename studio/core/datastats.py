@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from studio.core import prompt as prompts
-from studio.core.data import arrow_table, as_text, column_values, row_count
+from studio.core.databrowse import arrow_table, column_values, row_count
+from studio.core.datasplit import as_text
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -1,80 +1,189 @@
 """Ludwig LLM configs, translated into Studio's layout.
 
 Ludwig's `model_type: llm` configs (base_model, adapter, quantization, prompt, input/output features,
-trainer, generation, preprocessing) are accepted as they are, so a config written for Ludwig trains
-here unchanged. :func:`from_ludwig` only renames and reshapes keys; config.py then reads the result
-like any Studio config, so types and ranges are checked in one place.
+trainer, generation, preprocessing) are accepted as they are, including the full config Ludwig saves
+beside a model (with ``ludwig_version`` and every default written out), so a config written for
+Ludwig trains here unchanged. :func:`from_ludwig` only renames and reshapes keys, filling in Ludwig's
+own defaults where Studio's differ (LoRA r 8, alpha 16, dropout 0.05); config.py then reads the
+result like any Studio config, so types and ranges are checked in one place.
+
+Trainer keys a Ludwig config leaves out take Studio's defaults: Ludwig's fine-tune trainer inherits
+its general trainer's (100 epochs at learning rate 0.001), which do not suit an LLM. The 4-bit
+compute dtype also stays Studio's: ``auto`` (bf16 where the GPU has it)
+rather than Ludwig's float16, which overflows more easily and gains nothing on current cards.
+
+Three kinds of key: those Studio acts on (translated), those Ludwig has but Studio does not act on
+(each named in a note, never dropped in silence: ``backend``, ``hyperopt``, an early-stopping
+setting...), and anything else, refused with the nearest known key (a typo must not pass as
+"ignored").
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_LUDWIG_TOP = [
-    "model_type", "base_model", "adapter", "quantization", "prompt", "input_features",
-    "output_features", "trainer", "generation", "preprocessing", "backend", "model_parameters",
+_METADATA = ["ludwig_version", "model_type"]
+"""Top-level keys that describe the file rather than the run."""
+
+_IGNORED_SECTIONS = {
+    "backend": "Studio trains on this machine's one GPU (Ludwig's backend picks Ray or local)",
+    "hyperopt": "Studio runs one configuration (compare runs with `studio runs`)",
+    "defaults": "feature defaults do not apply to an LLM fine-tune here",
+    "model_parameters": "Studio loads the model as saved (no RoPE scaling or neftune options)",
+}
+"""Ludwig sections Studio does not act on, with the reason shown in the note."""
+
+_LUDWIG_TOP = [*_METADATA, "base_model", "adapter", "quantization", "prompt", "input_features", "output_features",
+               "trainer", "generation", "preprocessing", *_IGNORED_SECTIONS]
+
+_TRAINER = {"learning_rate": "learning_rate", "batch_size": "micro_batch_size",
+            "gradient_accumulation_steps": "gradient_accumulation_steps", "epochs": "epochs",
+            "train_steps": "max_steps", "enable_gradient_checkpointing": "gradient_checkpointing",
+            "weight_decay": "weight_decay", "steps_per_checkpoint": "checkpoint_interval",
+            "max_grad_norm": "max_grad_norm"}
+"""Ludwig trainer key -> Studio trainer key."""
+
+_TRAINER_IGNORED = [
+    "eval_batch_size", "checkpoints_per_epoch", "early_stop", "evaluate_training_set", "validation_field",
+    "validation_metric", "regularization_type", "regularization_lambda", "should_shuffle",
+    "increase_batch_size_on_plateau", "increase_batch_size_on_plateau_patience",
+    "increase_batch_size_on_plateau_rate", "increase_batch_size_eval_metric", "increase_batch_size_eval_split",
+    "gradient_clipping", "learning_rate_scaling", "bucketing_field", "skip_all_evaluation", "enable_profiling",
+    "profiler", "use_mixed_precision", "compile", "max_batch_size", "steps_per_epoch", "base_learning_rate",
+    "effective_batch_size", "skip_save_model", "skip_save_progress", "skip_save_log", "seed",
+    "increase_batch_size_on_plateau_max", "layers_to_freeze_regex", "learning_rate_warmup_epochs",
+    "reduce_learning_rate_on_plateau", "reduce_learning_rate_on_plateau_patience",
+    "reduce_learning_rate_on_plateau_rate", "reduce_learning_rate_eval_metric", "reduce_learning_rate_eval_split",
+    "decay", "decay_steps", "decay_rate", "staircase",
 ]
-_LUDWIG_TRAINER = [
-    "type", "learning_rate", "batch_size", "gradient_accumulation_steps", "epochs", "train_steps",
-    "learning_rate_scheduler", "enable_gradient_checkpointing", "optimizer", "weight_decay",
-    "eval_batch_size", "steps_per_checkpoint", "checkpoints_per_epoch", "max_grad_norm",
+"""Ludwig trainer keys Studio reads but does not act on (each named in a note)."""
+
+_OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "paged_adam": "paged_adamw", "paged_adamw": "paged_adamw",
+               "paged_adam_8bit": "paged_adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
+               "adam8bit": "adamw_8bit", "adamw_8bit": "adamw_8bit", "adam_8bit": "adamw_8bit",
+               "adamw8bit": "adamw_8bit"}
+"""Ludwig optimizer type -> Studio's. Ludwig's paged_adam is bitsandbytes' 32-bit paged optimizer, so it
+maps to paged AdamW (32-bit), not the 8-bit one."""
+
+_GENERATION_IGNORED = [
+    "top_k", "num_beams", "repetition_penalty", "max_length", "min_length", "min_new_tokens", "penalty_alpha",
+    "pad_token_id", "eos_token_id", "bos_token_id", "use_cache", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "diversity_penalty", "length_penalty", "no_repeat_ngram_size", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "early_stopping", "num_beam_groups", "renormalize_logits", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
+    "forced_eos_token_id", "guidance_scale", "prompt_lookup_num_tokens", "max_time", "encoder_repetition_penalty",
+    "bad_words_ids", "force_words_ids", "sequence_bias", "constraints", "decoder_start_token_id",
 ]
+
+LORA_DEFAULTS = {"r": 8, "alpha": 16, "dropout": 0.05}
+"""Ludwig's LoRA defaults, used where a Ludwig config's adapter leaves a key out."""
 
 
 def from_ludwig(raw: dict[str, Any], reader: Any) -> dict[str, Any]:
     """Translate a Ludwig LLM config into Studio's layout (then read as usual).
 
     ``reader`` is config.py's error builder: ``reader.fail(path, message)`` and
-    ``reader.unknown(path, known_keys)`` return a ConfigError naming the file, line and key.
+    ``reader.unknown(path, known_keys)`` return a ConfigError naming the file, line and key;
+    ``reader.note(path, message)`` tells the person about a key Studio does not act on.
     """
     out: dict[str, Any] = {"model": {}, "quantization": {}, "lora": {}, "prompt": {}, "data": {},
                            "trainer": {}, "generation": {}}
     for key in raw:
         if key not in _LUDWIG_TOP:
             raise reader.unknown((key,), _LUDWIG_TOP)
+        if key in _IGNORED_SECTIONS and raw[key] is not None:
+            reader.note((key,), f"Ludwig's '{key}' section is ignored: {_IGNORED_SECTIONS[key]}")
     if raw.get("model_type") != "llm":
         raise reader.fail(("model_type",), "only 'model_type: llm' is supported")
     if "base_model" in raw:
         out["model"]["base_model"] = raw["base_model"]
+        _moved(reader, ("base_model",), ("model", "base_model"))
+    _quantization(raw, out, reader)
+    _adapter(raw, out, reader)
+    max_len = _features_and_prompt(raw, out, reader)
+    _preprocessing(raw, out, reader, max_len)
+    _trainer(raw, out, reader)
+    _generation(raw, out, reader)
+    return out
 
-    quant = raw.get("quantization")
-    if quant is None:
+
+def _moved(reader: Any, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+    """Errors about Studio's ``new`` key point at the line of Ludwig's ``old`` one."""
+    lines = getattr(reader, "lines", None)
+    if hasattr(lines, "rename"):
+        lines.rename(old, new)
+
+
+def _section(raw: dict[str, Any], name: str, reader: Any) -> dict[str, Any]:
+    value = raw.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise reader.fail((name,), f"'{name}' must be a mapping of keys to values")
+    return value
+
+
+def _check_keys(section: dict[str, Any], path: tuple[str, ...], acted: list[str], ignored: list[str],
+                reader: Any) -> None:
+    """Refuse unknown keys (suggesting the nearest); note the known ones Studio does not act on."""
+    for key in section:
+        if key in acted:
+            continue
+        if key in ignored:
+            if section[key] is not None:
+                reader.note((*path, key), f"Ludwig's '{'.'.join((*path, key))}' is not acted on by Studio; ignored")
+            continue
+        raise reader.unknown((*path, key), acted)
+
+
+def _quantization(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
+    if raw.get("quantization") is None:
         out["quantization"]["bits"] = None
-    else:
-        for key in quant:
-            if key not in ("bits", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
-                           "bnb_4bit_compute_dtype", "llm_int8_threshold"):
-                raise reader.unknown(("quantization", key), ["bits", "bnb_4bit_quant_type",
-                                                             "bnb_4bit_use_double_quant",
-                                                             "bnb_4bit_compute_dtype"])
-        out["quantization"]["bits"] = quant.get("bits", 4)
-        if "bnb_4bit_quant_type" in quant:
-            out["quantization"]["quant_type"] = quant["bnb_4bit_quant_type"]
-        if "bnb_4bit_use_double_quant" in quant:
-            out["quantization"]["double_quant"] = quant["bnb_4bit_use_double_quant"]
-        if "bnb_4bit_compute_dtype" in quant:
-            out["quantization"]["compute_dtype"] = quant["bnb_4bit_compute_dtype"]
+        return
+    quant = _section(raw, "quantization", reader)
+    _check_keys(quant, ("quantization",), ["bits", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+                                           "bnb_4bit_compute_dtype"], ["llm_int8_threshold",
+                                                                       "llm_int8_has_fp16_weight"], reader)
+    out["quantization"]["bits"] = quant.get("bits", 4)
+    for src, dst in (("bnb_4bit_quant_type", "quant_type"), ("bnb_4bit_use_double_quant", "double_quant"),
+                     ("bnb_4bit_compute_dtype", "compute_dtype")):
+        if src in quant:
+            out["quantization"][dst] = quant[src]
+            _moved(reader, ("quantization", src), ("quantization", dst))
 
-    adapter = raw.get("adapter") or {}
-    for key in adapter:
-        if key not in ("type", "r", "alpha", "dropout", "target_modules", "bias_type"):
-            raise reader.unknown(("adapter", key), ["type", "r", "alpha", "dropout", "target_modules"])
+
+def _adapter(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
+    if "adapter" not in raw or raw["adapter"] is None:
+        # Ludwig fine-tunes every weight without an adapter; Studio trains a LoRA, and says so.
+        reader.note(("model_type",), "no 'adapter' section: Ludwig would fine-tune every weight, Studio trains "
+                    "a LoRA with Ludwig's defaults (r 8, alpha 16, dropout 0.05); add 'adapter: {type: lora}' "
+                    "to say so")
+        out["lora"].update(LORA_DEFAULTS)
+        return
+    adapter = _section(raw, "adapter", reader)
+    _check_keys(adapter, ("adapter",), ["type", "r", "alpha", "dropout", "target_modules", "use_dora",
+                                        "use_rslora"], ["bias_type", "pretrained_adapter_weights",
+                                                        "postprocessor"], reader)
     if adapter.get("type", "lora") != "lora":
         raise reader.fail(("adapter", "type"), "only 'adapter: {type: lora}' is supported")
-    for key in ("r", "alpha", "dropout", "target_modules"):
+    for key, default in LORA_DEFAULTS.items():
+        out["lora"][key] = adapter.get(key, default)
+    for key in adapter:
+        _moved(reader, ("adapter", key), ("lora", key))
+    for key in ("use_dora", "use_rslora"):
         if key in adapter:
             out["lora"][key] = adapter[key]
-    if "target_modules" not in adapter and adapter:
-        # Ludwig's LoRA default targets the attention query and value projections.
-        out["lora"]["target_modules"] = ["q_proj", "v_proj"]
+    # Ludwig's LoRA default targets the attention query and value projections.
+    out["lora"]["target_modules"] = adapter.get("target_modules") or ["q_proj", "v_proj"]
 
-    prompt = raw.get("prompt") or {}
-    for key in prompt:
-        if key not in ("template", "task"):
-            raise reader.unknown(("prompt", key), ["template"])
+
+def _features_and_prompt(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> int | None:
+    """Prompt template and response field from ``prompt`` and the features; the summed per-feature
+    max_sequence_length (None when no feature sets one)."""
+    prompt = _section(raw, "prompt", reader)
+    _check_keys(prompt, ("prompt",), ["template"], ["task", "retrieval"], reader)
     if "template" in prompt:
         out["prompt"]["template"] = prompt["template"]
-
     max_len = None
     inputs = raw.get("input_features") or []
     outputs = raw.get("output_features") or []
@@ -88,24 +197,26 @@ def from_ludwig(raw: dict[str, Any], reader: Any) -> dict[str, Any]:
             if length:
                 max_len = (max_len or 0) + int(length)
     if outputs:
-        column = outputs[0]["name"]
-        out["prompt"]["response_field"] = column
+        out["prompt"]["response_field"] = outputs[0]["name"]
     if inputs and "template" not in prompt:
-        # No template: the single input column is the prompt, the output follows a newline.
+        # No template: the input columns are the prompt, the output follows a newline.
         fields = "\n".join("{" + f["name"] + "}" for f in inputs)
         out["prompt"]["template"] = fields + "\n{" + out["prompt"].get("response_field", "output") + "}"
+    return max_len
 
-    pre = raw.get("preprocessing") or {}
-    for key in pre:
-        if key not in ("global_max_sequence_length", "sample_ratio", "split"):
-            raise reader.unknown(("preprocessing", key),
-                                 ["global_max_sequence_length", "sample_ratio", "split"])
+
+def _preprocessing(raw: dict[str, Any], out: dict[str, Any], reader: Any, max_len: int | None) -> None:
+    pre = _section(raw, "preprocessing", reader)
+    _check_keys(pre, ("preprocessing",), ["global_max_sequence_length", "sample_ratio", "split"],
+                ["sample_size", "oversample_minority", "undersample_majority", "cache_encoder_embeddings"], reader)
     if pre.get("global_max_sequence_length"):
         max_len = int(pre["global_max_sequence_length"])
+        _moved(reader, ("preprocessing", "global_max_sequence_length"), ("data", "max_seq_length"))
     if max_len:
         out["data"]["max_seq_length"] = max_len
     if "sample_ratio" in pre:
         out["data"]["sample_ratio"] = pre["sample_ratio"]
+        _moved(reader, ("preprocessing", "sample_ratio"), ("data", "sample_ratio"))
     split = pre.get("split") or {}
     if split.get("type") == "fixed":
         out["data"]["split_column"] = split.get("column", "split")
@@ -115,46 +226,49 @@ def from_ludwig(raw: dict[str, Any], reader: Any) -> dict[str, Any]:
         out["data"]["val_fraction"] = probs[1]
         out["data"]["test_fraction"] = probs[2] if len(probs) > 2 else 0.0
 
-    trainer = raw.get("trainer") or {}
-    for key in trainer:
-        if key not in _LUDWIG_TRAINER:
-            raise reader.unknown(("trainer", key), _LUDWIG_TRAINER)
+
+def _trainer(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
+    trainer = _section(raw, "trainer", reader)
+    _check_keys(trainer, ("trainer",), ["type", *_TRAINER, "learning_rate_scheduler", "optimizer"],
+                _TRAINER_IGNORED, reader)
     if trainer.get("type", "finetune") != "finetune":
         raise reader.fail(("trainer", "type"), "only 'trainer: {type: finetune}' is supported")
     t = out["trainer"]
-    mapping = {"learning_rate": "learning_rate", "batch_size": "micro_batch_size",
-               "gradient_accumulation_steps": "gradient_accumulation_steps", "epochs": "epochs",
-               "train_steps": "max_steps", "enable_gradient_checkpointing": "gradient_checkpointing",
-               "weight_decay": "weight_decay", "steps_per_checkpoint": "checkpoint_interval",
-               "max_grad_norm": "max_grad_norm"}
-    for src, dst in mapping.items():
-        if src in trainer:
+    for src, dst in _TRAINER.items():
+        if src in trainer and trainer[src] != "auto":
             t[dst] = trainer[src]
-    if "gradient_accumulation_steps" in trainer:
+            _moved(reader, ("trainer", src), ("trainer", dst))
+    if isinstance(trainer.get("gradient_accumulation_steps"), int):
         t["effective_batch_size"] = None
-    elif "batch_size" in trainer:
+    elif isinstance(trainer.get("batch_size"), int):
         t["effective_batch_size"] = trainer["batch_size"]
     sched = trainer.get("learning_rate_scheduler") or {}
-    for key in sched:
-        if key not in ("warmup_fraction", "decay", "warmup_evaluations"):
-            raise reader.unknown(("trainer", "learning_rate_scheduler", key), ["warmup_fraction", "decay"])
+    _check_keys(sched, ("trainer", "learning_rate_scheduler"), ["warmup_fraction", "decay"],
+                ["warmup_evaluations", "decay_rate", "decay_steps", "staircase", "reduce_on_plateau",
+                 "reduce_on_plateau_patience", "reduce_on_plateau_rate", "reduce_eval_metric", "reduce_eval_split",
+                 "t_0", "t_mult", "eta_min"], reader)
     if "warmup_fraction" in sched:
         t["warmup_fraction"] = sched["warmup_fraction"]
+        _moved(reader, ("trainer", "learning_rate_scheduler", "warmup_fraction"), ("trainer", "warmup_fraction"))
     if sched.get("decay"):
         t["scheduler"] = {"cosine": "cosine", "linear": "linear"}.get(sched["decay"], "constant")
     optimizer = trainer.get("optimizer") or {}
+    _check_keys(optimizer, ("trainer", "optimizer"), ["type"], ["betas", "eps", "weight_decay", "amsgrad",
+                                                                "block_wise", "percentile_clipping"], reader)
     if optimizer.get("type"):
-        t["optimizer"] = {"adamw": "adamw", "paged_adam": "paged_adamw_8bit",
-                          "paged_adamw_8bit": "paged_adamw_8bit",
-                          "adam8bit": "adamw_8bit"}.get(optimizer["type"], optimizer["type"])
+        kind = str(optimizer["type"])
+        if kind not in _OPTIMIZERS:
+            raise reader.fail(("trainer", "optimizer", "type"), f"Ludwig optimizer '{kind}' has no Studio "
+                              f"counterpart; use one of {', '.join(sorted(_OPTIMIZERS))}")
+        t["optimizer"] = _OPTIMIZERS[kind]
 
-    gen = raw.get("generation") or {}
-    for key in gen:
-        if key not in ("max_new_tokens", "temperature", "top_p", "do_sample", "top_k"):
-            raise reader.unknown(("generation", key), ["max_new_tokens", "temperature", "top_p"])
+
+def _generation(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
+    gen = _section(raw, "generation", reader)
+    _check_keys(gen, ("generation",), ["max_new_tokens", "temperature", "top_p", "do_sample"],
+                _GENERATION_IGNORED, reader)
     for key in ("max_new_tokens", "temperature", "top_p"):
         if key in gen:
             out["generation"][key] = gen[key]
     if gen.get("do_sample") is False:
         out["generation"]["temperature"] = 0.0
-    return out

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from studio.core.model_ref import local_problem
+
 
 class ModelInfoError(ValueError):
     """The model's shape could not be found; the message says where Studio looked."""
@@ -169,6 +171,9 @@ def _hub_cache_config(ref: str, revision: str | None) -> Path | None:
 
 def load_model_info(ref: str, revision: str | None = None) -> ModelInfo:
     """The shape of model ``ref``: a local folder, the HF cache, or the offline table, in that order."""
+    problem = local_problem(ref)
+    if problem:
+        raise ModelInfoError(problem)
     folder = Path(ref).expanduser()
     path = folder / "config.json" if folder.is_dir() else _hub_cache_config(ref, revision)
     if path is not None:

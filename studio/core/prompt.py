@@ -6,7 +6,8 @@ is computed on it only, so one :class:`Rendered` drives both. Presets: ``alpaca`
 no-input wording on rows whose input is empty), ``alpaca_no_input`` and ``chat`` (the tokenizer's own
 chat template, rendered with Jinja into a ``{field}`` template once).
 
-Plain Python (plus jinja2 for chat templates): the UI imports this.
+Plain Python (plus jinja2 for chat templates): the UI imports this. A little past 400 lines, kept
+whole: parsing, rendering, encoding and lint are one concept (the template) and share the parser.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ _JOINED_INPUT = "\n\n{input}"
 # what the model should learn to emit, so it is not flagged.
 _END_MARKERS = re.compile(r"(\s*<[^<>\s{}]+>)*\s*")
 _TOKEN = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# Every brace, classified: escaped or a placeholder (fine), braces around something that is not a
+# field name, an opening brace never closed on its line, a closing brace that closes nothing.
+_BRACES = re.compile(r"\{\{|\}\}|\{[A-Za-z_][A-Za-z0-9_]*\}|(\{[^{}\n]*\})|(\{)|(\})")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class TemplateError(ValueError):
@@ -103,7 +108,8 @@ class TemplateIssue:
     """A lint finding the editor can point at."""
 
     kind: str
-    """``unknown_field``, ``no_separator``, ``response_not_at_end``, ``no_eos`` or ``no_response``."""
+    """``brace`` (a ``{`` or ``}`` that is no placeholder), ``unknown_field``, ``no_separator``,
+    ``response_not_at_end``, ``no_eos`` or ``no_response``."""
 
     message: str
     offset: int
@@ -145,6 +151,45 @@ def parse(template: str) -> list[_Piece]:
     if literal:
         pieces.append(_Piece("".join(literal), None, literal_at))
     return pieces
+
+
+def syntax_issues(template: str) -> list[TemplateIssue]:
+    """Braces that are neither a ``{field}`` placeholder nor an escaped ``{{`` / ``}}``.
+
+    Such a brace renders as literal text, so a placeholder never closed (``{instruction``) or
+    misspelt (``{ instruction }``) would put the brace text, not the field, in every example.
+    """
+    issues: list[TemplateIssue] = []
+    for match in _BRACES.finditer(template):
+        enclosed, opened, closed = match.groups()
+        where = _position(template, match.start())
+        if enclosed is not None:
+            inner = enclosed[1:-1].strip()
+            if _NAME.fullmatch(inner):
+                message = f"'{enclosed}' at {where} is not a placeholder: write {{{inner}}} (no spaces)"
+            else:
+                message = (f"'{enclosed[:40]}' at {where} is not a placeholder (a field name is letters, "
+                           "digits and _): rename the field, or write {{ and }} for literal braces")
+        elif opened is not None:
+            follows = _NAME.match(template, match.end())
+            if follows:
+                message = (f"the placeholder '{{{follows.group(0)}' at {where} is never closed: "
+                           f"write {{{follows.group(0)}}}")
+            else:
+                message = f"a '{{' at {where} opens nothing: write {{{{ for a literal brace"
+        elif closed is not None:
+            message = f"a '}}' at {where} closes nothing: write }}}} for a literal brace"
+        else:
+            continue
+        issues.append(TemplateIssue("brace", message, match.start(), "error"))
+    return issues
+
+
+def _position(text: str, offset: int) -> str:
+    """``line L, column C`` of a character offset (1-based, as editors count)."""
+    line = text.count("\n", 0, offset) + 1
+    column = offset - (text.rfind("\n", 0, offset) + 1) + 1
+    return f"line {line}, column {column} of the template"
 
 
 def template_fields(template: str) -> list[str]:
@@ -352,13 +397,13 @@ def lint_template(
 ) -> list[TemplateIssue]:
     """Problems with a template against the available fields (dataset columns), each with an offset.
 
-    Finds: placeholders naming no field (with the nearest field suggested), no whitespace/colon
-    between the prompt and the response, text after the response placeholder, no EOS, and a missing
-    response placeholder.
+    Finds: braces that are no placeholder (one never closed, a stray ``}``), placeholders naming no
+    field (with the nearest field suggested), no whitespace/colon between the prompt and the
+    response, text after the response placeholder, no EOS, and a missing response placeholder.
     """
     template = _preset(template, response_field) or template
     known = list(fields)
-    issues: list[TemplateIssue] = []
+    issues: list[TemplateIssue] = syntax_issues(template)
     pieces = parse(template)
     for piece in pieces:
         if piece.field is None or piece.field in known or piece.field == response_field:

@@ -20,6 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from studio.core.model_ref import local_problem
 from studio.core.paths import cache_dir
 
 
@@ -107,6 +108,8 @@ def find_tokenizer_folder(ref: str, revision: str | None = None) -> Path:
 
     Raises :class:`TokenizerNotFound` naming the places searched and what to do.
     """
+    if not Path(ref).expanduser().exists() and (problem := local_problem(ref)):
+        raise TokenizerNotFound(problem)  # a folder that is not there: say so, not where else we looked
     folders = _candidate_folders(ref)
     if revision:
         folders = _hub_snapshots(ref, revision) + folders

@@ -75,7 +75,11 @@ class Plan:
     """Gradient checkpointing: keep only each layer's input, recompute the rest in backward."""
 
     optimizer: str = "adamw"
-    """adamw (torch, state in the parameter's dtype), adamw_8bit or paged_adamw_8bit."""
+    """adamw (torch, state in the parameter's dtype), paged_adamw (32-bit, in unified memory),
+    adamw_8bit or paged_adamw_8bit."""
+
+    dora: bool = False
+    """DoRA: each adapted module also trains a magnitude vector (one value per output feature)."""
 
     accumulation: int = 1
     """Micro-batches per optimizer step; above 1 gradients stay alive through the forward pass."""
@@ -166,7 +170,7 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
     names = ALL_LINEAR if targets == "all-linear" else tuple(t for t in targets)
     accumulation = config.trainer.accumulation_steps()
     return Plan(weights=weights, double_quant=q.double_quant, compute=compute, lora_r=config.lora.r,
-                lora_targets=names, lora_dropout=config.lora.dropout,
+                lora_targets=names, lora_dropout=config.lora.dropout, dora=config.lora.use_dora,
                 micro_batch=micro_batch or config.trainer.micro_batch_size,
                 seq_len=config.data.max_seq_length, checkpointing=config.trainer.gradient_checkpointing,
                 optimizer=config.trainer.optimizer, accumulation=accumulation, attention=attention,
@@ -230,7 +234,15 @@ def trainable_params(info: ModelInfo, plan: Plan) -> int:
     """Parameters that get gradients and optimizer state."""
     if plan.lora_r is None:
         return info.total_params()
-    return lora_params(info, plan.lora_r, plan.lora_targets)
+    return lora_params(info, plan.lora_r, plan.lora_targets) + dora_params(info, plan)
+
+
+def dora_params(info: ModelInfo, plan: Plan) -> int:
+    """DoRA's magnitude vectors: one value per output feature of every adapted module (0 without DoRA)."""
+    if not plan.dora or plan.lora_r is None:
+        return 0
+    shapes = info.linear_shapes()
+    return info.layers * sum(shapes[t][1] for t in plan.lora_targets if t in shapes)
 
 
 def _trainable_dtype_bytes(plan: Plan) -> int:
@@ -244,7 +256,7 @@ def _trainable_dtype_bytes(plan: Plan) -> int:
 def optimizer_bytes(info: ModelInfo, plan: Plan) -> int:
     """Optimizer state: AdamW m and v in the parameter's dtype, or bitsandbytes 8-bit blocks."""
     n = trainable_params(info, plan)
-    if plan.optimizer == "adamw":
+    if plan.optimizer in ("adamw", "paged_adamw"):
         return 2 * n * _trainable_dtype_bytes(plan)
     # 8-bit: one byte per element for m and v, plus an fp32 absmax per 256; tensors under 4096
     # elements keep 32-bit state (bitsandbytes' min_8bit_size).
@@ -263,7 +275,10 @@ def _small_tensor_params(info: ModelInfo, plan: Plan) -> int:
     """Trainable parameters in tensors too small for 8-bit optimizer state."""
     if plan.lora_r is None:
         return info.norm_params()
-    return sum(n for n in _lora_matrix_sizes(info, plan) if n < _OPTIM8_MIN_SIZE) * info.layers
+    # DoRA's magnitude vectors are as wide as a module's output: thousands, at the 8-bit threshold
+    magnitudes = [info.linear_shapes()[t][1] for t in plan.lora_targets] if plan.dora else []
+    small = sum(n for n in (*_lora_matrix_sizes(info, plan), *magnitudes) if n < _OPTIM8_MIN_SIZE)
+    return small * info.layers
 
 
 # ----------------------------------------------------------------------------------- activations
@@ -596,6 +611,9 @@ def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> 
                   "optimizer": int(optimizer), "activations": int(activations), "overhead": int(overhead)}
     total = sum(categories.values())
     notes = []
+    if plan.dora:
+        notes.append("DoRA recomputes each adapted weight's norm every step: a dequantized copy of one "
+                      "weight at a time, not counted in activations")
     if paged:
         notes.append("paged optimizer state lives in unified memory: it spills to host RAM under "
                      "pressure and torch.cuda's counters do not see it")

@@ -2,8 +2,9 @@
 
 QLoRA in one picture: the base weights are frozen and stored small (4-bit NF4 through bitsandbytes),
 matmuls run in the compute dtype (bf16 on a GPU), and only the low-rank adapter matrices train, in
-fp32. On CPU everything runs in fp32; 4-bit tries bitsandbytes' CPU backend and falls back to fp32
-with a warning when that backend is missing.
+fp32. Without a CUDA GPU a 4-bit or 8-bit config loads its base in fp32 with a notice (the CPU plan:
+quantization saves GPU memory, on a CPU it only costs time); ``quantization.on_cpu: keep`` tries
+bitsandbytes' CPU backend instead, falling back to fp32 with a warning when that backend is missing.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from studio.core.config import ConfigError, RunConfig
+from studio.core.model_ref import local_problem
 
 Progress = Callable[[str, float], None]
 """progress(stage, fraction 0..1): what the loader is doing."""
@@ -90,6 +92,9 @@ def load_base(config: RunConfig, progress: Progress | None = None,
     device = device or pick_device()
     dtype = compute_dtype(config, device)
     say("finding the model", 0.0)
+    problem = local_problem(config.model.base_model)
+    if problem:
+        raise ModelLoadError(problem)
     path = resolve_model(config.model.base_model, progress=lambda msg: say(msg, 0.05))
     say("loading the tokenizer", 0.1)
     try:
@@ -98,6 +103,12 @@ def load_base(config: RunConfig, progress: Progress | None = None,
         raise ModelLoadError(_not_found(config.model.base_model, exc)) from None
     warnings: list[str] = []
     bits = config.quantization.bits
+    if bits is not None and device.type != "cuda" and config.quantization.on_cpu != "keep":
+        # k-bit weights save GPU memory; on a CPU bitsandbytes' kernels only cost time (10x or more).
+        warnings.append(f"no CUDA GPU: loading the base in {str(dtype).removeprefix('torch.')} instead of "
+                        f"{bits}-bit (quantization only saves GPU memory; on a CPU it is slower); set "
+                        "quantization.on_cpu: keep to quantize anyway")
+        bits = None
     say("loading the weights", 0.2)
     model, quantization = None, ""
     if bits is not None:
@@ -177,7 +188,8 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
     if isinstance(targets, list) and targets == ["all-linear"]:
         targets = "all-linear"  # peft only recognises the shorthand as a plain string
     peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             target_modules=targets, bias="none", task_type="CAUSAL_LM")
+                             target_modules=targets, bias="none", task_type="CAUSAL_LM",
+                             use_dora=lora.use_dora, use_rslora=lora.use_rslora)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # peft: is_gradient_checkpointing

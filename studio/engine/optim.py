@@ -23,11 +23,12 @@ def build_optimizer(model: Any, tc: TrainerConfig, device: torch.device,
     cannot run falls back to torch AdamW with a non-fatal WorkerFailed saying so."""
     params = [p for p in model.parameters() if p.requires_grad]
     name = tc.optimizer
-    if name in ("adamw_8bit", "paged_adamw_8bit"):
+    if name in ("adamw_8bit", "paged_adamw", "paged_adamw_8bit"):
         try:
             import bitsandbytes as bnb
 
-            cls = bnb.optim.PagedAdamW8bit if name == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+            cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
+                   "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}[name]
             return cls(params, lr=tc.learning_rate, weight_decay=tc.weight_decay)
         except Exception as exc:  # no GPU backend for 8-bit states
             emit(ev.WorkerFailed(kind="config", fatal=False, message=(

@@ -117,9 +117,10 @@ class Trainer:
         except TrainingError:
             raise
         except Exception as exc:
-            self._fail("crash", f"training crashed: {type(exc).__name__}: {exc}; the last checkpoint is "
-                       f"in {self.run.checkpoints_dir} (resume with 'studio train --resume {self.run.id}')",
-                       traceback.format_exc())
+            latest = self.run.latest_checkpoint()
+            then = (f"the last checkpoint is {latest} (resume with 'studio train --resume {self.run.id}')"
+                    if latest is not None else "no checkpoint was saved yet: fix the cause and train again")
+            self._fail("crash", f"training crashed: {type(exc).__name__}: {exc}; {then}", traceback.format_exc())
             raise  # not reached: _fail raises
 
     def _train(self, resume: bool) -> ev.TrainingFinished:

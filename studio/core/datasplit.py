@@ -1,0 +1,170 @@
+"""Rows for training: template fields read from their columns, split into train / validation / test.
+
+Row numbers in messages are 0-based positions in the table, as the dataset browser shows them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from studio.core import prompt as prompts
+from studio.core.databrowse import arrow_table, column_values
+from studio.core.dataload import SPLIT_NAMES, DataError, load_table
+
+if TYPE_CHECKING:
+    import datasets
+
+    from studio.core.config import RunConfig
+
+
+@dataclass
+class Splits:
+    """Rows for training, validation and test; each row a dict keyed by template field names."""
+
+    train: list[dict[str, str]]
+    validation: list[dict[str, str]]
+    test: list[dict[str, str]]
+    indices: dict[str, list[int]] = field(default_factory=dict)
+    """Each split's row positions in the loaded table (for the browser and for lint)."""
+
+    def counts(self) -> dict[str, int]:
+        """Rows per split."""
+        return {"train": len(self.train), "validation": len(self.validation), "test": len(self.test)}
+
+
+def template_fields_for(config: RunConfig) -> tuple[list[str], set[str]]:
+    """The fields the prompt needs from each row, and which of them may be absent (rendered empty).
+
+    ``input`` is optional for the alpaca and chat presets: rows without one use the no-input wording.
+    """
+    name, answer = config.prompt.template, config.prompt.response_field
+    if name in ("alpaca", "chat"):
+        return ["instruction", "input", answer], {"input"}
+    if name == "alpaca_no_input":
+        return ["instruction", answer], set()
+    fields = prompts.template_fields(name)
+    return fields + ([answer] if answer not in fields else []), set()
+
+
+def field_columns(
+    dataset: Any, fields: Sequence[str], columns: Mapping[str, str], source: str,
+    optional: set[str] = frozenset(), reserved: Sequence[str] = (),
+) -> dict[str, list[str]]:
+    """Each template field's values (as text), read from its mapped column.
+
+    Raises :class:`DataError` naming a missing column, the columns present, and the mapping to add.
+    ``reserved`` columns (the split column) are never suggested.
+    """
+    table = arrow_table(dataset)
+    present = table.column_names
+    out: dict[str, list[str]] = {}
+    for name in fields:
+        column = columns.get(name, name)
+        if column not in present:
+            if name in optional and name not in columns:
+                out[name] = [""] * table.num_rows
+                continue
+            # Suggest a column no other field uses: the one most like the field's name, else the first.
+            used = {columns.get(f, f) for f in fields} | set(reserved)
+            free = [c for c in present if c not in used]
+            close = difflib.get_close_matches(column, free, n=1, cutoff=0.3)
+            guess = close[0] if close else free[0] if free else "<column>"
+            raise DataError(f"{source}: no column '{column}' for the template field '{name}' (columns: "
+                            f"{', '.join(present)}); map it in the config with data.columns: "
+                            f"{{{name}: {guess}}}")
+        out[name] = [as_text(v) for v in column_values(dataset, column)]
+    return out
+
+
+def as_text(value: Any) -> str:
+    """A cell as training text: None is empty, 3.0 is "3", other values their str()."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def load_splits(config: RunConfig, base_dir: str | Path | None = None,
+                dataset: datasets.Dataset | None = None) -> Splits:
+    """Load ``config.data`` and split it: by the split column when the data has one (0 train,
+    1 validation, 2 test), otherwise a shuffle seeded by ``trainer.seed`` into ``val_fraction`` /
+    ``test_fraction``; then ``sample_ratio`` of the training rows are kept.
+
+    ``base_dir`` is the config file's folder (relative data paths are tried there after the working
+    directory); ``dataset`` skips loading when the caller already has the table. A template with a
+    brace that is no placeholder raises :class:`DataError` (see :func:`studio.core.prompt.syntax_issues`).
+    """
+    data = config.data
+    if dataset is None:
+        if not data.path:
+            raise DataError("data.path is not set; name a CSV/JSON/JSONL/Parquet file, a saved dataset "
+                            "folder or a hub id (or pass --data PATH)")
+        dataset = load_table(data.path, data.hub_split, base_dir)
+    source = str(data.path or "dataset")
+    if len(dataset) == 0:
+        raise DataError(f"{source}: the dataset has no rows; add some")
+    problems = prompts.syntax_issues(config.prompt.template)
+    if problems:
+        # A config built in memory (the TUI's editor) has not been through config.validate; a brace
+        # that is no placeholder would drop its field from every example.
+        raise DataError(f"prompt.template: {problems[0].message}")
+    fields, optional = template_fields_for(config)
+    values = field_columns(dataset, fields, data.columns, source, optional,
+                           reserved=[data.split_column] if data.split_column else [])
+    total = len(dataset)
+    table_rows = [dict(zip(values, row, strict=True)) for row in zip(*values.values(), strict=True)]
+
+    if data.split_column and data.split_column in dataset.column_names:
+        parts: dict[str, list[int]] = {"train": [], "validation": [], "test": []}
+        for index, value in enumerate(column_values(dataset, data.split_column)):
+            name = SPLIT_NAMES.get(as_text(value).strip().lower())
+            if name is None:
+                raise DataError(f"{source}: row {index}, column '{data.split_column}': split value {value!r} "
+                                "is not 0/1/2 (train/validation/test); fix it or set data.split_column: null")
+            parts[name].append(index)
+    else:
+        order = list(range(total))
+        random.Random(config.trainer.seed).shuffle(order)
+        n_test = _share(total, data.test_fraction)
+        n_val = min(_share(total, data.val_fraction), total - n_test - 1)
+        parts = {"test": sorted(order[:n_test]), "validation": sorted(order[n_test:n_test + n_val]),
+                 "train": sorted(order[n_test + n_val:])}
+    if not parts["train"]:
+        raise DataError(f"{source}: no training rows after splitting (split column "
+                        f"'{data.split_column}' has no 0s?); mark some rows 0 or lower the fractions")
+    if data.sample_ratio < 1:
+        keep = max(1, round(len(parts["train"]) * data.sample_ratio))
+        rng = random.Random(config.trainer.seed + 1)
+        parts["train"] = sorted(rng.sample(parts["train"], keep))
+    return Splits(
+        train=[table_rows[i] for i in parts["train"]],
+        validation=[table_rows[i] for i in parts["validation"]],
+        test=[table_rows[i] for i in parts["test"]],
+        indices=parts,
+    )
+
+
+def _share(total: int, fraction: float) -> int:
+    """Rows for a held-out fraction: at least one when asked for any, never all."""
+    if fraction <= 0 or total < 2:
+        return 0
+    return min(total - 1, max(1, round(total * fraction)))
+
+
+def split_counts(dataset: Any, split_column: str = "split") -> dict[str, int] | None:
+    """Rows per split named by the split column, or None when the data has no such column."""
+    table = arrow_table(dataset)
+    if split_column not in table.column_names:
+        return None
+    counts = {"train": 0, "validation": 0, "test": 0, "other": 0}
+    for value in column_values(dataset, split_column):
+        counts[SPLIT_NAMES.get(as_text(value).strip().lower(), "other")] += 1
+    return counts
