@@ -21,7 +21,7 @@ from worker_fakes import fake_loss
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.runs import RunDir, create_run
-from studio.ui.client import WorkerClient, WorkerRefused, WorkerStartError, start_worker
+from studio.worker.client import WorkerClient, WorkerRefused, WorkerStartError, start_worker
 from studio.worker.launch import GpuLock
 
 TESTS = Path(__file__).resolve().parent

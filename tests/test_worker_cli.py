@@ -24,7 +24,7 @@ from test_worker import TESTS, wait_for
 from studio.cli import main as studio
 from studio.core import events as ev
 from studio.core.runs import find_run, list_runs
-from studio.ui.client import WorkerClient
+from studio.worker.client import WorkerClient
 
 PROJECT = TESTS.parent
 

@@ -365,7 +365,7 @@ class StudioApp(App[None]):
     @work(thread=True, group="commands", exit_on_error=False, description="talking to the worker")
     def _deliver(self, start: bool) -> None:
         """Connect to the run's worker (starting it when asked) and send every queued command."""
-        from studio.ui.client import WorkerClient, start_worker
+        from studio.worker.client import WorkerClient, start_worker
 
         while True:
             if not self._send_lock.acquire(blocking=False):
@@ -402,7 +402,7 @@ class StudioApp(App[None]):
         client = self._client if self._client is not None and self._client.run == run else None
 
         def shutdown() -> None:
-            from studio.ui.client import WorkerClient
+            from studio.worker.client import WorkerClient
 
             try:
                 sender = client or WorkerClient(run)
@@ -418,7 +418,7 @@ class StudioApp(App[None]):
     @work(thread=True, exclusive=True, group="events", exit_on_error=False, description="following events")
     def _follow_events(self, run: RunDir) -> None:
         """Read the run's events (history, then live) into a queue the UI drains on a timer."""
-        from studio.ui.client import WorkerClient
+        from studio.worker.client import WorkerClient
 
         worker = get_current_worker()
         client = WorkerClient(run)

@@ -2,7 +2,7 @@
 ``resume``. Each takes the parsed arguments and returns an exit code; a problem a person can fix
 is one line on stderr, never a traceback.
 
-No torch here: these talk to the worker through :mod:`studio.ui.client` and read run directories.
+No torch here: these talk to the worker through :mod:`studio.worker.client` and read run directories.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from studio.core import events as ev
 from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
-from studio.ui.client import WorkerClient, WorkerStartError, WorkerUnavailable, start_worker
+from studio.worker.client import WorkerClient, WorkerStartError, WorkerUnavailable, start_worker
 from studio.worker.launch import GpuLock
 
 _LIVE_STATES = ("loading", "training", "paused")
