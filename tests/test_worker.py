@@ -7,6 +7,7 @@ machinery in seconds; tests/test_worker_cli.py runs the real Trainer end to end.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import time
@@ -100,7 +101,7 @@ def test_second_worker_on_a_busy_gpu_is_refused_naming_the_holder(tmp_path: Path
     first, second = make_run(tmp_path / "runs", name="first"), make_run(tmp_path / "runs", name="second")
     fake_worker_env.extend([first, second])
     pid = start_worker(first)
-    with pytest.raises(WorkerStartError, match=f"GPU 0 is busy: run {first.id}"):
+    with pytest.raises(WorkerStartError, match=f"{re.escape(GpuLock().label)} is busy: run {first.id}"):
         start_worker(second)
     assert second.worker_pid() is None
 

@@ -15,8 +15,14 @@ from pathlib import Path
 
 from studio.core import events as ev
 from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
-from studio.worker.client import WorkerClient, WorkerStartError, WorkerUnavailable, start_worker
-from studio.worker.launch import GpuLock
+from studio.worker.client import (
+    DeviceBusy,
+    WorkerClient,
+    WorkerStartError,
+    WorkerUnavailable,
+    claim_device,
+    start_worker,
+)
 
 _LIVE_STATES = ("loading", "training", "paused")
 
@@ -51,9 +57,10 @@ def train_detached(args: argparse.Namespace) -> int:
     config.model.base_model = _absolute_if_local(config.model.base_model) or config.model.base_model
     if config.data.path is None:
         return _fail(f"{args.config}: no dataset; set data.path in the config or pass --data PATH")
-    refusal = _claim_gpu()
-    if refusal:
-        return _fail(refusal)
+    try:
+        claim_device()
+    except DeviceBusy as exc:
+        return _fail(str(exc))
     # --runs-dir when given, else the config's output_dir (the foreground `studio train` uses it too).
     root = args.runs_dir if getattr(args, "runs_dir", "runs") != "runs" else config.output_dir
     run = create_run(config, root)
@@ -65,28 +72,6 @@ def train_detached(args: argparse.Namespace) -> int:
     print(f"training in the background (worker pid {pid}); follow it with 'studio attach {run.id}', "
           f"stop it with 'studio stop {run.id}'", file=sys.stderr)
     return 0
-
-
-def _claim_gpu(timeout: float = 30.0) -> str | None:
-    """Make the GPU free for a new worker: a worker that is only idling there (its run finished,
-    stopped or failed; kept up for chat) is shut down. Returns why the GPU stays busy, or None."""
-    lock = GpuLock()
-    if not lock.busy():
-        return None
-    held = lock.holder()
-    if held.get("run_dir") and Path(str(held["run_dir"])).is_dir():
-        client = WorkerClient(RunDir(Path(str(held["run_dir"]))))
-        try:
-            if client.connect(5.0).state not in _LIVE_STATES:
-                client.send(ev.Shutdown())
-                deadline = time.monotonic() + timeout
-                while lock.busy() and time.monotonic() < deadline:
-                    client.poll(0.2)
-        except WorkerUnavailable:
-            pass
-        finally:
-            client.close()
-    return lock.holder_message() if lock.busy() else None
 
 
 def _resume_run(run: RunDir) -> int:
@@ -114,9 +99,10 @@ def _resume_run(run: RunDir) -> int:
         client.close()
         print(f"resuming run {run.id} {where} in its worker")
         return 0
-    refusal = _claim_gpu()
-    if refusal:
-        return _fail(refusal)
+    try:
+        claim_device(run)
+    except DeviceBusy as exc:
+        return _fail(str(exc))
     try:
         pid = start_worker(run, resume=True)
     except WorkerStartError as exc:

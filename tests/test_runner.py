@@ -1,0 +1,145 @@
+"""One runner: every job that loads the model goes through a worker holding the device lock.
+
+These drive real worker processes with the torch-free FakeTrainer (tests/worker_fakes.py), and the
+real StudioApp through Textual's pilot, so they take seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from studio.core import events as ev
+from studio.core.config import RunConfig
+from studio.core.runs import RunDir, create_run, iter_events, list_runs
+from studio.worker.client import DeviceBusy, WorkerStartError, claim_device, start_worker
+from studio.worker.launch import GpuLock
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def fake_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """FakeTrainer workers with a private device lock; any left running at the end are killed.
+    Yields the runs folder."""
+    monkeypatch.setenv("STUDIO_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setenv("STUDIO_WORKER_TRAINER", "worker_fakes:FakeTrainer")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("STUDIO_WORKER_LINGER", "60")  # a stopped run's worker stays up, as for chat
+    monkeypatch.setenv("FAKE_STEP_S", "0.03")
+    monkeypatch.setenv("STUDIO_CONFIG_DIR", str(tmp_path / "settings"))
+    runs = tmp_path / "runs"
+    yield runs
+    for run in list_runs(runs):
+        if (pid := run.worker_pid()) is not None:
+            os.kill(pid, signal.SIGKILL)
+
+
+def fake_config(runs: Path, steps: int = 5000) -> RunConfig:
+    config = RunConfig(output_dir=str(runs))
+    config.model.base_model = "fake-model"
+    config.trainer.max_steps = steps
+    return config
+
+
+def test_the_lock_names_the_cpu_on_a_machine_without_cuda(fake_env: Path, monkeypatch) -> None:
+    """TUI bug 5: no GPU, yet the refusal said "GPU 0 is busy"."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")  # no device visible: a CPU-only machine
+    first = create_run(fake_config(fake_env), fake_env)
+    second = create_run(fake_config(fake_env), fake_env)
+    start_worker(first, train=True)
+    with pytest.raises(WorkerStartError) as refused:
+        start_worker(second)
+    message = str(refused.value)
+    assert message.startswith(f"this machine's CPU is busy: run {first.id}") and "GPU" not in message
+    assert f"studio stop {first.id}" in message
+
+
+def test_claiming_the_device_shuts_an_idle_worker_down_but_not_a_busy_one(fake_env: Path) -> None:
+    idle = create_run(fake_config(fake_env, steps=3), fake_env)
+    start_worker(idle, train=True)
+    deadline = time.monotonic() + 30
+    while not any(isinstance(e, ev.TrainingFinished) for e in iter_events(idle.events_path)):
+        assert time.monotonic() < deadline, "the short run did not finish"
+        time.sleep(0.05)
+    claim_device()  # the finished run's worker only idles: it is asked to leave
+    assert not GpuLock().busy() and idle.worker_pid() is None
+
+    busy = create_run(fake_config(fake_env), fake_env)
+    start_worker(busy, train=True)
+    with pytest.raises(DeviceBusy, match=f"is busy: run {busy.id}"):
+        claim_device()
+    assert busy.worker_pid() is not None
+
+
+@pytest.mark.anyio
+async def test_start_after_stop_in_one_session_trains_the_new_run(fake_env: Path) -> None:
+    """TUI bug 1: stop a run (its worker stays up for chat), press Start: the new run used to stay
+    "loading" behind a "GPU 0 is busy" toast, and Stop then trained it for a step."""
+    from studio.ui.app import StudioApp
+    from studio.ui.panes.training import TrainingPane
+
+    app = StudioApp(fake_config(fake_env), settings=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = await _show_training(app, pilot)
+        await pilot.press("s")
+        await _wait(pilot, lambda: pane.state.step >= 3, "the first run's steps")
+        first = app.current_run
+        assert first is not None
+        await pilot.press("x")
+        await pilot.press("y")
+        await _wait(pilot, lambda: pane.state.status == "stopped", "the stop")
+        assert first.worker_pid() is not None  # kept up for chat
+
+        await pilot.press("s")
+        await _wait(pilot, lambda: app.current_run != first and pane.state.step >= 3, "the second run's steps")
+        second = app.current_run
+        assert isinstance(second, RunDir) and second.worker_pid() is not None
+        assert first.worker_pid() is None  # the idle worker gave the device up
+        assert isinstance(app.query_one(TrainingPane), TrainingPane)
+
+
+@pytest.mark.anyio
+async def test_start_while_another_run_trains_says_so_and_the_pane_stays_usable(fake_env: Path) -> None:
+    from studio.ui.app import StudioApp
+
+    holder = create_run(fake_config(fake_env), fake_env)
+    start_worker(holder, train=True)
+    app = StudioApp(fake_config(fake_env), settings=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = await _show_training(app, pilot)
+        await pilot.press("s")
+        await _wait(pilot, lambda: pane.state.status == "failed", "the refusal")
+        assert pane.state.failure is not None and f"busy: run {holder.id}" in pane.state.failure.message
+        assert pane.check_action("start_training", ()) is True  # Start is offered again
+        refused = app.current_run
+        await pilot.press("x")  # nothing queued for the refused run may reach a worker later
+        await pilot.pause(1.0)
+        assert refused is not None and refused.worker_pid() is None
+        assert not any(isinstance(e, ev.StepLogged) for e in iter_events(refused.events_path))
+
+
+async def _show_training(app, pilot):
+    from studio.ui.panes.training import TrainingPane
+
+    await pilot.press("4")
+
+    def ready() -> bool:
+        found = app.query(TrainingPane)
+        return bool(found) and found.first().is_mounted and app.focused is not None \
+            and found.first() in app.focused.ancestors_with_self
+
+    await _wait(pilot, ready, "the training pane")
+    return app.query_one(TrainingPane)
+
+
+async def _wait(pilot, condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await pilot.pause(0.1)
