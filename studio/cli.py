@@ -14,7 +14,7 @@ from collections.abc import Sequence
 # subcommand -> "module:function"
 _HANDLERS = {
     "app": "studio.ui.cli_app:main",
-    "train": "studio.engine.cli_train:main",
+    "train": "studio.worker.cli_train:main",
     "train-detached": "studio.worker.cli_runs:train_detached",
     "estimate": "studio.core.cli_estimate:main",
     "eval": "studio.engine.evaluate:main",

@@ -143,3 +143,49 @@ async def _wait(pilot, condition, what: str, timeout: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await pilot.pause(0.1)
+
+
+def test_foreground_train_is_the_worker_pause_chat_and_ctrl_c_reach_it(fake_env: Path, tmp_path: Path) -> None:
+    """`studio train CONFIG` holds the device lock and serves its socket while the console prints."""
+    import subprocess
+    import sys
+
+    from studio.cli import main as studio
+    from studio.worker.client import WorkerClient
+
+    config = fake_config(fake_env)
+    (tmp_path / "rows.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    config.data.path = str(tmp_path / "rows.jsonl")
+    config.save(tmp_path / "fg.yaml")
+    proc = subprocess.Popen([sys.executable, "-m", "studio.cli", "train", str(tmp_path / "fg.yaml")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (runs := list_runs(fake_env)) or not any(
+                isinstance(e, ev.StepLogged) for e in iter_events(runs[0].events_path)):
+            assert time.monotonic() < deadline and proc.poll() is None, "the foreground run did not train"
+            time.sleep(0.05)
+        run = runs[0]
+        assert run.worker_pid() == proc.pid
+        assert GpuLock().holder().get("pid") == proc.pid  # the foreground run holds the device
+        assert studio(["pause", run.id, "--runs-dir", str(fake_env)]) == 0
+        client = WorkerClient(run)
+        assert client.connect(5.0).state == "paused"
+        client.send(ev.Generate(request_id="fg", prompt="olleh"))
+        deadline = time.monotonic() + 30
+        answer = None
+        while answer is None:
+            assert time.monotonic() < deadline, "no answer from the foreground worker"
+            answer = next((e for e in client.poll(0.2) if isinstance(e, ev.GenerationFinished)), None)
+        assert answer.text.endswith("hello")
+        client.close()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "continue with: studio train --resume" in out and "Traceback" not in out
+    finished = [e for e in iter_events(run.events_path) if isinstance(e, ev.TrainingFinished)]
+    assert len(finished) == 1 and finished[0].stopped
+    assert run.worker_pid() is None and not GpuLock().busy()

@@ -51,7 +51,7 @@ def train_detached(args: argparse.Namespace) -> int:
     print the run id and return at once; the run survives this terminal."""
     if getattr(args, "resume", None):
         return _resume_run(find_run(args.resume, _runs_root(args)))
-    from studio.engine.cli_train import prepare_config  # plain Python: no torch on this path
+    from studio.worker.cli_train import prepare_config
 
     config, _ = prepare_config(args)
     config.model.base_model = _absolute_if_local(config.model.base_model) or config.model.base_model

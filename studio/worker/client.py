@@ -135,13 +135,15 @@ class WorkerClient:
     """One client of one run's worker. Use from one thread, except :meth:`send` and :meth:`close`,
     which any thread may call."""
 
-    def __init__(self, run: RunDir):
+    def __init__(self, run: RunDir, after_seq: int = -1):
+        """``after_seq``: events numbered up to it are skipped (a console that shows only what
+        happens from now on); -1 sees the run's whole history."""
         self.run = run
         self.status: ev.StatusReported | None = None
         """The worker's state as of the greeting or the latest StatusReported."""
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
-        self._last_seq = -1
+        self._last_seq = after_seq
         self._offset = 0
         self._pending: deque[ev.Event] = deque()
         self._next_attempt = 0.0

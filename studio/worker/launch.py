@@ -165,6 +165,22 @@ def write_pid(run: RunDir) -> None:
     tmp.replace(run.pid_path)
 
 
+def become_worker(run: RunDir) -> tuple[GpuLock, Listener]:
+    """Make this process ``run``'s worker: take the device lock, make sure no other worker serves
+    the run, write a fresh key, listen, record the pid. Raises WorkerStartError (or OSError) with
+    the reason; release the returned lock when the worker is done (exiting does it too)."""
+    lock = GpuLock()
+    lock.acquire(run)
+    try:
+        check_no_other_worker(run)
+        listener = listen(run, write_key(run))
+        write_pid(run)
+    except BaseException:
+        lock.release()
+        raise
+    return lock, listener
+
+
 def detach(run: RunDir) -> Callable[[str], None]:
     """Turn this process into a daemon (double fork, new session, stdin from /dev/null, output to
     ``RUN_DIR/worker.log``); the original process waits and exits with the daemon's verdict.

@@ -187,8 +187,15 @@ class Worker:
     """Serves one run: the trainer, the event log, and the connected clients."""
 
     def __init__(self, run: RunDir, trainer_factory: Callable[..., Any] | None = None,
-                 linger_s: float = 60.0):
+                 linger_s: float = 60.0, foreground: bool = False):
+        """``foreground``: the worker of ``studio train`` in a terminal. It exits once its first
+        command (the training) is done, and a hang-up of the terminal stops it with a checkpoint
+        (a detached worker ignores SIGHUP)."""
         self.run = run
+        self.foreground = foreground
+        self.stop_requested = False
+        """Set (from a signal handler too: a plain flag takes no lock) to stop training after the
+        current step with a checkpoint, as the Stop command does."""
         self.log = EventLog(run.events_path)
         self.commands: queue.Queue[tuple[_Peer | None, ev.Command]] = queue.Queue()
         self.state = "idle"
@@ -268,23 +275,36 @@ class Worker:
 
     def serve(self, listener: Listener, first: ev.Command | None = None) -> str:
         """Run until Shutdown, SIGTERM, or idle with no client for ``linger_s``; returns why."""
+        previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda *_: self._terminate.set())
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            def terminate(*_: Any) -> None:
+                self._terminate.set()
+
+            previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, terminate)
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, terminate if self.foreground
+                                                    else signal.SIG_IGN)
         if first is not None:
             self.state = "loading"  # before any client can ask, so none sees a passing "idle"
             self.commands.put((None, first))
         self.emit(ev.WorkerStarted(pid=os.getpid()))
         threading.Thread(target=self._accept_loop, args=(listener,), name="worker-accept",
                          daemon=True).start()
-        while self._exit_reason is None:
-            try:
-                peer, command = self.commands.get(timeout=0.25)
-            except queue.Empty:
-                self._check_idle()
-                continue
-            self._handle_idle(peer, command)
-        self._close(listener)
+        try:
+            while self._exit_reason is None:
+                try:
+                    peer, command = self.commands.get(timeout=0.25)
+                except queue.Empty:
+                    self._check_idle()
+                    continue
+                self._handle_idle(peer, command)
+                if self.foreground and command is first:
+                    self._exit_reason = self._exit_reason or f"training {self.state}"
+        finally:
+            # Also on KeyboardInterrupt in a foreground worker: the socket, key and pid go.
+            self._exit_reason = self._exit_reason or "interrupted"
+            self._close(listener)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         return self._exit_reason
 
     def _check_idle(self) -> None:
@@ -451,6 +471,8 @@ class Worker:
         while True:
             if self._terminate.is_set():
                 self._exit_reason = "terminated (SIGTERM)"
+            if self.stop_requested:
+                self._stop_training = True
             if self._exit_reason is not None or self._stop_training:
                 self._stop_training = True
                 return "stop"
