@@ -189,3 +189,56 @@ def test_foreground_train_is_the_worker_pause_chat_and_ctrl_c_reach_it(fake_env:
     finished = [e for e in iter_events(run.events_path) if isinstance(e, ev.TrainingFinished)]
     assert len(finished) == 1 and finished[0].stopped
     assert run.worker_pid() is None and not GpuLock().busy()
+
+
+def _reverse_rows(path: Path) -> Path:
+    """Rows whose answer is the input reversed: 6 train, 2 validation, 3 test."""
+    import json
+
+    words = ["alpha", "bravo", "delta", "gamma", "omega", "sigma", "kappa", "theta", "lambda", "iota", "rho"]
+    splits = [0] * 6 + [1] * 2 + [2] * 3
+    path.write_text("".join(json.dumps({"instruction": "Reverse the word.", "input": w, "output": w[::-1],
+                                        "split": s}) + "\n" for w, s in zip(words, splits, strict=True)))
+    return path
+
+
+def test_eval_is_served_by_a_worker_it_starts_and_shuts_down(fake_env: Path, tmp_path: Path, capsys) -> None:
+    import json
+
+    from studio.cli import main as studio
+
+    config = fake_config(fake_env, steps=3)
+    config.data.path = str(_reverse_rows(tmp_path / "rows.jsonl"))
+    run = create_run(config, fake_env)
+    (run.adapter_dir).mkdir()
+    (run.adapter_dir / "adapter_config.json").write_text("{}")
+    assert studio(["eval", run.id, "--runs-dir", str(fake_env), "--json", "--rows", "5"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["split"] == "test" and report["rows"] == 3  # the test split wins over validation
+    assert [r["target"] for r in report["results"]] == ["adbmal", "atoi", "ohr"]
+    assert report["fine_tuned"]["exact_match"] == 1.0 and report["base"]["exact_match"] == 0.0
+    assert json.loads((run.path / "eval.json").read_text())["fine_tuned"] == report["fine_tuned"]
+    assert (run.path / "eval.csv").read_text().startswith("instruction,input,target,base_answer")
+    scored = [e for e in iter_events(run.events_path) if isinstance(e, ev.HeldOutRowScored)]
+    assert [e.index for e in scored] == [0, 1, 2] and all(e.total == 3 for e in scored)
+    assert run.worker_pid() is None and not GpuLock().busy()  # the worker it started is gone
+
+
+def test_eval_uses_the_running_worker_and_training_goes_on(fake_env: Path, tmp_path: Path, capsys) -> None:
+    from studio.cli import main as studio
+
+    config = fake_config(fake_env)
+    config.data.path = str(_reverse_rows(tmp_path / "rows.jsonl"))
+    run = create_run(config, fake_env)
+    pid = start_worker(run, train=True)
+    deadline = time.monotonic() + 30
+    while run.latest_checkpoint() is None:  # the fake checkpoints every 5 steps
+        assert time.monotonic() < deadline, "no checkpoint yet"
+        time.sleep(0.05)
+    assert studio(["eval", run.id, "--runs-dir", str(fake_env), "--rows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "exact match: base 0.0% -> fine-tuned 100.0%" in out and "eval.json" in out
+    assert run.worker_pid() == pid  # left running, still training
+    steps = [e.step for e in iter_events(run.events_path) if isinstance(e, ev.StepLogged)]
+    time.sleep(0.5)
+    assert max(e.step for e in iter_events(run.events_path) if isinstance(e, ev.StepLogged)) > max(steps)

@@ -268,7 +268,7 @@ async def test_live_train_pause_resume_reopen_stop_chat_heldout(tmp_path, monkey
             # 5. Held-out: both models over validation rows; the fine-tune scores higher.
             app.query_one("#chat-heldout-n").value = "4"
             await pilot.press("f5")
-            await wait_until(pilot, lambda: (run.path / "heldout.json").exists(), 120, "the held-out table")
+            await wait_until(pilot, lambda: (run.path / "eval.json").exists(), 120, "the held-out table")
             totals = chat.totals()
             assert totals["tuned"].rows == totals["base"].rows == 4
             assert totals["tuned"].similarity > totals["base"].similarity

@@ -74,7 +74,11 @@ def claim_device(run: RunDir | None = None, timeout: float = 30.0) -> None:
                 while lock.busy() and time.monotonic() < deadline:
                     client.poll(0.2)
         except WorkerUnavailable:
-            pass  # another user's worker, or one still starting: it stays, the message says whose
+            # Exiting (its socket already gone), still starting, or another user's: an exiting
+            # one lets go in a moment; otherwise the message says whose it is.
+            deadline = time.monotonic() + 3.0
+            while lock.busy() and time.monotonic() < deadline:
+                time.sleep(0.1)
         finally:
             client.close()
     if lock.busy():
@@ -97,7 +101,7 @@ def connect_or_start(run: RunDir, timeout: float = 30.0) -> WorkerClient:
             raise
         except WorkerUnavailable:
             pass  # a worker killed a moment ago (its pid file lingers): start a new one
-    claim_device(run, timeout)
+    claim_device(timeout=timeout)  # this run's own worker, if it holds the device, is exiting
     start_worker(run, timeout=timeout)
     client.connect(timeout)
     return client

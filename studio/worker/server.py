@@ -1,5 +1,9 @@
 """The worker's command loop: one thread owns the trainer, the others only talk.
 
+Past ~400 lines on purpose: the command handlers all read and change one state machine (state,
+trainer, pause/stop flags, the held-out request, the connected clients); split over modules they
+would reach into each other's privates.
+
 Threads:
 - the control thread (the caller of :meth:`Worker.serve`) owns the trainer: it loads, trains,
   generates and evaluates. While training it serves commands in the trainer's ``between_steps``
@@ -215,6 +219,7 @@ class Worker:
         self._last_client_left = time.monotonic()
         self._terminate = threading.Event()
         self._evaluations = 0
+        self._scoring: Any = None  # the held-out request being answered a row at a time
 
     # ------------------------------------------------------------------------------ events out
 
@@ -241,8 +246,9 @@ class Worker:
             self.step = event.step
 
     def status(self) -> ev.StatusReported:
-        """What the worker is doing now."""
-        return ev.StatusReported(state=self.state, step=self.step, total_steps=self.total_steps,
+        """What the worker is doing now ("scoring": answering held-out rows while not training)."""
+        state = "scoring" if self._scoring is not None and self.state not in _TRAINING_STATES else self.state
+        return ev.StatusReported(state=state, step=self.step, total_steps=self.total_steps,
                                  run_id=self.run.id, model_loaded=self.model_loaded)
 
     # ------------------------------------------------------------------------------ clients
@@ -292,9 +298,13 @@ class Worker:
         try:
             while self._exit_reason is None:
                 try:
-                    peer, command = self.commands.get(timeout=0.25)
+                    peer, command = self.commands.get_nowait() if self._scoring is not None else \
+                        self.commands.get(timeout=0.25)
                 except queue.Empty:
-                    self._check_idle()
+                    if self._scoring is not None:
+                        self._score_next_row()
+                    else:
+                        self._check_idle()
                     continue
                 self._handle_idle(peer, command)
                 if self.foreground and command is first:
@@ -349,11 +359,50 @@ class Worker:
         elif isinstance(command, ev.Evaluate):
             if self._ensure_trainer():
                 self._guarded(self._evaluate)
+        elif isinstance(command, ev.ScoreHeldOut):
+            self._start_scoring(command)
         elif isinstance(command, ev.ExportMerged) and self.state not in _TRAINING_STATES:
             self._guarded(lambda: self._export(command))
         else:
             self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, message=(
                 f"{type(command).__name__} is not served while the worker is {self.state}")))
+
+    def _start_scoring(self, command: ev.ScoreHeldOut) -> None:
+        """Begin a held-out comparison; its rows are answered one at a time when nothing else waits
+        (between training steps too), so chat and training go on meanwhile."""
+        from studio.engine.evaluate import HeldOutScoring
+
+        def refuse(message: str) -> None:
+            self.emit(ev.HeldOutFinished(request_id=command.request_id, ok=False, message=message))
+
+        if self._scoring is not None:
+            refuse(f"run {self.run.id} is already scoring held-out rows; wait for that to finish")
+            return
+        if not self._ensure_trainer():
+            refuse(f"the model did not load; the failure above says why (details in {self.run.log_path})")
+            return
+        trainer = self._trainer
+
+        def generate(row: dict[str, str], adapter: bool, max_new_tokens: int | None) -> str:
+            answer = trainer.generate(row, adapter=adapter, max_new_tokens=max_new_tokens, temperature=0.0)
+            return str(getattr(answer, "text", answer))
+
+        try:
+            self._scoring = HeldOutScoring(self.run, command, generate, self.emit,
+                                           render=getattr(trainer, "render_prompt", None))
+        except (OSError, ValueError) as exc:  # DataError is a ValueError: a message a person can act on
+            refuse(str(exc))
+
+    def _score_next_row(self) -> None:
+        scoring = self._scoring
+        try:
+            if scoring.next_row():
+                self._scoring = None
+        except Exception as exc:  # reported; the worker and any training go on
+            self._scoring = None
+            self._report(exc, fatal=False)
+            self.emit(ev.HeldOutFinished(request_id=scoring.request.request_id, ok=False,
+                                         message=f"scoring stopped at row {len(scoring.results) + 1}: {exc}"))
 
     def _export(self, command: ev.ExportMerged) -> None:
         from studio.engine.export import export_merged
@@ -480,6 +529,8 @@ class Worker:
                 peer, command = self.commands.get(timeout=0.25) if self._paused else \
                     self.commands.get_nowait()
             except queue.Empty:
+                if self._scoring is not None:
+                    self._score_next_row()  # one held-out row per optimizer step
                 if self._paused:
                     continue
                 return None
