@@ -269,7 +269,9 @@ class Worker:
                 # is in the file the client reads after the greeting, every later one is sent live.
                 self._peers.add(peer)
                 peer.reply(self.status())
-            peer.start()
+                # Started under the lock too: _close() must never find a registered peer whose
+                # threads it cannot join yet.
+                peer.start()
 
     def _forget(self, peer: _Peer) -> None:
         with self._lock:
@@ -430,7 +432,12 @@ class Worker:
 
     def _report(self, exc: Exception, fatal: bool) -> None:
         """Log the traceback and emit a WorkerFailed, unless the trainer already emitted one."""
-        traceback.print_exception(exc)
+        if self.foreground:
+            # The terminal shows the one-line WorkerFailed; the traceback goes where a daemon's goes.
+            with open(self.run.log_path, "a", encoding="utf-8") as log:
+                traceback.print_exception(exc, file=log)
+        else:
+            traceback.print_exception(exc)
         if not already_reported(exc):
             self.emit(dataclasses.replace(classify_failure(exc, self.run.log_path), fatal=fatal))
 
