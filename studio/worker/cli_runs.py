@@ -217,7 +217,7 @@ def _ends_follow(event: ev.Event) -> bool:
 
 def attach(args: argparse.Namespace) -> int:
     """``studio attach [RUN]``: print the run's every event from the start, then follow it live
-    until training ends (through the worker's socket, or the log of a foreground ``studio train``).
+    until training ends (through the worker's socket; a foreground ``studio train`` is a worker too).
     Ctrl-C detaches; the run goes on."""
     run = find_run(getattr(args, "run", None), _runs_root(args))
     client = WorkerClient(run)
@@ -226,7 +226,7 @@ def attach(args: argparse.Namespace) -> int:
         for event in client.catch_up():
             _print_event(event)
         if client.status is not None and client.status.state not in _LIVE_STATES or \
-                client.status is None and not _trains_in_foreground(run):
+                client.status is None and not _starting(run):
             client.close()
             return _explain_not_live(run)
         while True:
@@ -246,9 +246,9 @@ def attach(args: argparse.Namespace) -> int:
         return 0
 
 
-def _trains_in_foreground(run: RunDir) -> bool:
-    """A live process holds the run but serves no socket: ``studio train`` in the foreground (or a
-    worker still starting). Its events.jsonl is followed instead."""
+def _starting(run: RunDir) -> bool:
+    """A live process holds the run but its socket does not answer yet (a worker still starting,
+    a foreground ``studio train`` included). Its events.jsonl is followed until it does."""
     return run.worker_pid() is not None and summarize(run).status in ("created", "training", "paused")
 
 
