@@ -105,6 +105,32 @@ async def test_start_after_stop_in_one_session_trains_the_new_run(fake_env: Path
 
 
 @pytest.mark.anyio
+async def test_reopening_studio_after_quitting_a_stopped_run_starts_the_next_one(fake_env: Path) -> None:
+    """TUI bug 1, second half: quit Studio after stopping a run, reopen it within the linger time
+    (the stopped run's worker still holds the device), press Start."""
+    from studio.ui.app import StudioApp
+
+    app = StudioApp(fake_config(fake_env), settings=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = await _show_training(app, pilot)
+        await pilot.press("s")
+        await _wait(pilot, lambda: pane.state.step >= 3, "the first run's steps")
+        first = app.current_run
+        await pilot.press("x")
+        await pilot.press("y")
+        await _wait(pilot, lambda: pane.state.status == "stopped", "the stop")
+    assert first is not None and first.worker_pid() is not None and GpuLock().busy()
+
+    app = StudioApp(fake_config(fake_env), settings=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = await _show_training(app, pilot)
+        await pilot.press("s")
+        await _wait(pilot, lambda: app.current_run not in (None, first) and pane.state.step >= 3,
+                    "the new run's steps")
+        assert pane.state.status == "training" and first.worker_pid() is None
+
+
+@pytest.mark.anyio
 async def test_start_while_another_run_trains_says_so_and_the_pane_stays_usable(fake_env: Path) -> None:
     from studio.ui.app import StudioApp
 
