@@ -268,3 +268,16 @@ def test_eval_uses_the_running_worker_and_training_goes_on(fake_env: Path, tmp_p
     steps = [e.step for e in iter_events(run.events_path) if isinstance(e, ev.StepLogged)]
     time.sleep(0.5)
     assert max(e.step for e in iter_events(run.events_path) if isinstance(e, ev.StepLogged)) > max(steps)
+
+
+def test_attach_prints_held_out_progress_in_one_short_line() -> None:
+    from studio.worker.cli_runs import describe
+
+    row = describe(ev.HeldOutRowScored(index=1, total=3, split="test", target="cba", base="abc", tuned="cba",
+                                       fields={"instruction": "x" * 500}))
+    assert row == "held-out 2/3 (test): target 'cba'  base 'abc'  fine-tuned 'cba'"
+    done = describe(ev.HeldOutFinished(rows=3, split="test", base_exact_match=0.0, base_similarity=0.3,
+                                       tuned_exact_match=1.0, tuned_similarity=1.0, path="/r/eval.json"))
+    assert "base exact 0.0%" in done and "fine-tuned exact 100.0%" in done and done.endswith("/r/eval.json")
+    assert describe(ev.HeldOutFinished(ok=False, message="no held-out rows")) == \
+        "held-out scoring failed: no held-out rows"

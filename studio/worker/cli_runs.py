@@ -193,6 +193,17 @@ def describe(event: ev.Event) -> str | None:
         case ev.WorkerFailed():
             label = "FAILED" if event.fatal else "warning"
             return f"{label} ({event.kind}): {event.message}"
+        case ev.HeldOutRowScored():
+            tuned = f"  fine-tuned {_short(event.tuned, 30)!r}" if event.tuned is not None else ""
+            return (f"held-out {event.index + 1}/{event.total} ({event.split}): target "
+                    f"{_short(event.target, 30)!r}  base {_short(event.base, 30)!r}{tuned}")
+        case ev.HeldOutFinished():
+            if not event.ok:
+                return f"held-out scoring failed: {event.message}"
+            tuned = (f", fine-tuned exact {event.tuned_exact_match:.1%} similarity {event.tuned_similarity:.2f}"
+                     if event.tuned_exact_match is not None and event.tuned_similarity is not None else "")
+            return (f"held-out: {event.rows} {event.split} rows, base exact {event.base_exact_match:.1%} "
+                    f"similarity {event.base_similarity:.2f}{tuned} -> {event.path}")
         case ev.WorkerStarted():
             return f"worker started (pid {event.pid})"
         case ev.WorkerStopped():
