@@ -305,8 +305,7 @@ class Worker:
                 except queue.Empty:
                     if self._scoring is not None:
                         self._score_next_row()
-                    else:
-                        self._check_idle()
+                    self._check_idle()
                     continue
                 self._handle_idle(peer, command)
                 if self.foreground and command is first:
@@ -322,7 +321,7 @@ class Worker:
     def _check_idle(self) -> None:
         if self._terminate.is_set():
             self._exit_reason = "terminated (SIGTERM)"
-        elif not self._peers and self.state not in _TRAINING_STATES and \
+        elif not self._peers and self.state not in _TRAINING_STATES and self._scoring is None and \
                 time.monotonic() - self._last_client_left > self.linger_s:
             self._exit_reason = f"idle with no client for {self.linger_s:g} s"
 
