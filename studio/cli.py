@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 # subcommand -> "module:function"
 _HANDLERS = {
     "app": "studio.ui.cli_app:main",
-    "train": "studio.engine.cli_train:main",
+    "train": "studio.worker.cli_train:main",
     "train-detached": "studio.worker.cli_runs:train_detached",
     "estimate": "studio.core.cli_estimate:main",
-    "eval": "studio.engine.evaluate:main",
+    "eval": "studio.worker.cli_eval:main",
     "attach": "studio.worker.cli_runs:attach",
     "runs": "studio.worker.cli_runs:runs",
     "stop": "studio.worker.cli_runs:stop",

@@ -15,7 +15,7 @@ from worker_fakes import FakeTrainer
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.runs import RunDir, append_event, create_run
-from studio.ui.client import WorkerClient
+from studio.worker.client import WorkerClient
 from studio.worker.launch import listen, write_key, write_pid
 from studio.worker.server import EventLog, Worker
 

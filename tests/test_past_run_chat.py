@@ -15,7 +15,7 @@ from test_worker import wait_for
 from studio.core import events as ev
 from studio.core.runs import RunDir, create_run
 from studio.engine.session import Session
-from studio.ui.client import WorkerClient, start_worker
+from studio.worker.client import WorkerClient, start_worker
 
 ROW = {"instruction": "Reverse the letters of the word.", "input": "s-t-o-n-e"}
 

@@ -115,25 +115,30 @@ async def test_heldout_table_scores_both_models_and_saves(tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         app.query_one("#chat-heldout-n").value = "4"
         await pilot.press("f5")
-        answered: set[str] = set()
-        for _ in range(100):  # play the worker: the fine-tune answers right, the base does not
-            await pilot.pause(0.05)
-            for g in generates(app):
-                if g.request_id in answered:
-                    continue
-                answered.add(g.request_id)
-                word = g.row["input"]  # the whole row goes to the worker, input field included
-                text = word[::-1] if g.adapter else word
-                app.feed([ev.GenerationFinished(request_id=g.request_id, adapter=g.adapter, text=text,
-                                                new_tokens=len(text), tokens_per_s=10.0)])
-            if (run.path / "heldout.json").exists():
-                break
+        await pilot.pause(0.1)
+        requests = [c for c in app.sent if isinstance(c, ev.ScoreHeldOut)]
+        assert len(requests) == 1 and requests[0].rows == 4 and requests[0].adapter
+        assert not generates(app)  # the worker answers the rows, not one Generate per row
+
+        # Play the worker with the engine's own scorer: the fine-tune answers right, the base not.
+        from studio.engine.evaluate import HeldOutScoring
+
+        def generate(row: dict, adapter: bool, max_new_tokens: int | None) -> str:
+            word = row["input"]  # the whole row goes to the model, input field included
+            return word[::-1] if adapter else word
+
+        scoring = HeldOutScoring(run, requests[0], generate, lambda e: app.feed([e]))
+        while not scoring.next_row():
+            await pilot.pause(0.02)
+        await pilot.pause(0.3)
         pane = app.query_one(ChatPane)
         totals = pane.totals()
         assert totals["tuned"].rows == totals["base"].rows == 4
         assert totals["tuned"].exact_match == 1.0 and totals["base"].exact_match == 0.0
         assert "fine-tuned: exact 100.0%" in text_of(app, "#chat-heldout-totals")
-        saved = json.loads((run.path / "heldout.json").read_text())
-        assert saved["totals"]["tuned"]["exact_match"] > saved["totals"]["base"]["exact_match"]
-        assert saved["rows"][0]["target"] == "ahpla"  # validation rows, in order
-        assert (run.path / "heldout.csv").read_text().startswith("instruction,input,target,base_answer")
+        assert "eval.json" in text_of(app, "#chat-status")
+        saved = json.loads((run.path / "eval.json").read_text())
+        assert saved["fine_tuned"]["exact_match"] > saved["base"]["exact_match"]
+        assert saved["split"] == "validation"  # no test split in this data
+        assert saved["results"][0]["target"] == "ahpla"  # validation rows, in order
+        assert (run.path / "eval.csv").read_text().startswith("instruction,input,target,base_answer")

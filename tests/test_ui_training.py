@@ -268,7 +268,9 @@ async def test_live_train_pause_resume_reopen_stop_chat_heldout(tmp_path, monkey
             # 5. Held-out: both models over validation rows; the fine-tune scores higher.
             app.query_one("#chat-heldout-n").value = "4"
             await pilot.press("f5")
-            await wait_until(pilot, lambda: (run.path / "heldout.json").exists(), 120, "the held-out table")
+            # The worker saves eval.json, then reports HeldOutFinished: the pane says so once every row is in.
+            await wait_until(pilot, lambda: (run.path / "eval.json").exists() and
+                             "Held-out done" in text_of(app, "#chat-status"), 120, "the held-out table")
             totals = chat.totals()
             assert totals["tuned"].rows == totals["base"].rows == 4
             assert totals["tuned"].similarity > totals["base"].similarity

@@ -7,6 +7,7 @@ machinery in seconds; tests/test_worker_cli.py runs the real Trainer end to end.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import time
@@ -21,7 +22,7 @@ from worker_fakes import fake_loss
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.runs import RunDir, create_run
-from studio.ui.client import WorkerClient, WorkerRefused, WorkerStartError, start_worker
+from studio.worker.client import WorkerClient, WorkerRefused, WorkerStartError, start_worker
 from studio.worker.launch import GpuLock
 
 TESTS = Path(__file__).resolve().parent
@@ -100,7 +101,7 @@ def test_second_worker_on_a_busy_gpu_is_refused_naming_the_holder(tmp_path: Path
     first, second = make_run(tmp_path / "runs", name="first"), make_run(tmp_path / "runs", name="second")
     fake_worker_env.extend([first, second])
     pid = start_worker(first)
-    with pytest.raises(WorkerStartError, match=f"GPU 0 is busy: run {first.id}"):
+    with pytest.raises(WorkerStartError, match=f"{re.escape(GpuLock().label)} is busy: run {first.id}"):
         start_worker(second)
     assert second.worker_pid() is None
 

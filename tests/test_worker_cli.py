@@ -24,7 +24,8 @@ from test_worker import TESTS, wait_for
 from studio.cli import main as studio
 from studio.core import events as ev
 from studio.core.runs import find_run, list_runs
-from studio.ui.client import WorkerClient
+from studio.worker.client import WorkerClient
+from studio.worker.launch import GpuLock
 
 PROJECT = TESTS.parent
 
@@ -129,7 +130,7 @@ def test_a_busy_gpu_and_a_missing_run_are_one_line_errors(fake_cli: Path, capsys
     holder = capsys.readouterr().out.strip()
     assert studio(["train", str(fake_cli), "--detach"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"GPU 0 is busy: run {holder}" in err
+    assert err.count("\n") == 1 and f"{GpuLock().label} is busy: run {holder}" in err
     assert len(list_runs("runs")) == 1  # the refused start left no empty run behind
     assert studio(["attach", "no-such-run"]) == 2
     err = capsys.readouterr().err

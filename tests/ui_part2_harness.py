@@ -1,7 +1,7 @@
 """A small App with the attributes the training and chat panes expect (docs/CONTRACTS.md).
 
 It holds ``config`` and ``run``, records every command sent, and, when ``live`` is set, starts the
-real worker and follows its events (through studio.ui.client) like Studio does. Snapshot tests feed
+real worker and follows its events (through studio.worker.client) like Studio does. Snapshot tests feed
 it recorded events instead, so their plots are deterministic.
 """
 
@@ -68,8 +68,8 @@ class PaneHarness(App):
             self._connect(run, start_worker)
 
     def _connect(self, run: RunDir, start_worker: bool) -> None:
-        from studio.ui.client import WorkerClient
-        from studio.ui.client import start_worker as launch
+        from studio.worker.client import WorkerClient
+        from studio.worker.client import start_worker as launch
 
         self._close_client()
         if start_worker and run.worker_pid() is None:

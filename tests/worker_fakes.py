@@ -83,10 +83,15 @@ class FakeTrainer:
         self.emit(ev.TrainingFinished(step=self.step, stopped=stopped, adapter_path=str(self.run.adapter_dir),
                                       train_loss=fake_loss(self.step)))
 
-    def generate(self, prompt: str, adapter: bool = True, max_new_tokens: int | None = None,
+    def generate(self, prompt: str | dict, adapter: bool = True, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
                  on_text: Callable[[str], None] | None = None) -> FakeAnswer:
-        text = f"{'adapter' if adapter else 'base'}@{self.step}:{prompt[::-1]}"
+        if isinstance(prompt, dict):
+            # A dataset row (held-out scoring): the "fine-tune" reverses the input, the base echoes it.
+            word = str(prompt.get("input", ""))
+            text = word[::-1] if adapter else word
+        else:
+            text = f"{'adapter' if adapter else 'base'}@{self.step}:{prompt[::-1]}"
         for piece in (text[i:i + 4] for i in range(0, len(text), 4)):
             if on_text is not None:
                 on_text(piece)

@@ -257,6 +257,46 @@ class ExportFinished(Event):
 
 
 @dataclass(frozen=True)
+class HeldOutRowScored(Event):
+    """One held-out row of a :class:`ScoreHeldOut` request, answered greedily by the base model
+    and (``tuned`` not None) the fine-tune, each scored against ``target`` (studio/core/scoring.py)."""
+
+    request_id: str = ""
+    index: int = 0
+    total: int = 0
+    split: str = ""
+    fields: dict[str, str] = field(default_factory=dict)
+    """The row's prompt fields (template field -> text)."""
+    prompt: str = ""
+    """The rendered prompt the models were given."""
+    target: str = ""
+    base: str = ""
+    tuned: str | None = None
+    base_exact: bool = False
+    tuned_exact: bool | None = None
+    base_similarity: float = 0.0
+    tuned_similarity: float | None = None
+
+
+@dataclass(frozen=True)
+class HeldOutFinished(Event):
+    """A :class:`ScoreHeldOut` request is done: totals, and ``path`` of the saved ``eval.json``
+    (``ok`` False: ``message`` says why nothing was scored)."""
+
+    request_id: str = ""
+    ok: bool = True
+    message: str = ""
+    split: str = ""
+    rows: int = 0
+    path: str = ""
+    base_exact_match: float = 0.0
+    base_similarity: float = 0.0
+    tuned_exact_match: float | None = None
+    tuned_similarity: float | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class WorkerFailed(Event):
     """Something went wrong. ``kind`` is one of oom, data, config, crash; ``message`` says what to do."""
 
@@ -317,6 +357,21 @@ class Generate(Command):
 @dataclass(frozen=True)
 class Evaluate(Command):
     """Run evaluation on the validation split now."""
+
+
+@dataclass(frozen=True)
+class ScoreHeldOut(Command):
+    """Answer up to ``rows`` held-out rows (the test split, else the validation split) greedily
+    with the base model and, when ``adapter``, the fine-tune; score them against their targets.
+
+    Reported a row at a time (HeldOutRowScored, served between training steps and chat requests),
+    then HeldOutFinished; the results are saved as ``RUN_DIR/eval.json`` and ``eval.csv``.
+    """
+
+    request_id: str = ""
+    rows: int = 50
+    adapter: bool = True
+    max_new_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,17 @@ def describe(event: ev.Event) -> str | None:
             return f"worker started (pid {event.pid})"
         case ev.WorkerStopped():
             return f"worker stopped: {event.reason}"
+        case ev.HeldOutRowScored():
+            tuned = f"  fine-tuned {shorten(event.tuned, 30)!r}" if event.tuned is not None else ""
+            return (f"held-out {event.index + 1}/{event.total} ({event.split}): target "
+                    f"{shorten(event.target, 30)!r}  base {shorten(event.base, 30)!r}{tuned}")
+        case ev.HeldOutFinished():
+            if not event.ok:
+                return f"held-out scoring failed: {event.message}"
+            tuned = (f", fine-tuned exact {event.tuned_exact_match:.1%} similarity {event.tuned_similarity:.2f}"
+                     if event.tuned_exact_match is not None and event.tuned_similarity is not None else "")
+            return (f"held-out: {event.rows} {event.split} rows, base exact {event.base_exact_match:.1%} "
+                    f"similarity {event.base_similarity:.2f}{tuned} -> {event.path}")
         case ev.StatusReported():
             return f"status: {event.state}, step {event.step}/{event.total_steps}"
     fields = {k: v for k, v in event.to_dict().items() if k not in ("type", "seq", "time")}

@@ -1,40 +1,35 @@
-"""``studio eval RUN``: the base model's and the fine-tuned model's answers on held-out rows, scored.
+"""Held-out comparison: the base model's and the fine-tune's answers on held-out rows, scored.
 
-One copy of the weights answers both ways (the base through peft's ``disable_adapter()``), greedy,
-with the run's own prompt template. Scores are exact match and difflib similarity
-(studio/core/scoring.py, shared with the chat pane). The results are printed as a table (or JSON)
-and saved as ``runs/<id>/eval.json``.
+The one place that does it: the worker serves ``ScoreHeldOut`` with :class:`HeldOutScoring`, and
+both ``studio eval`` and the chat pane's Held-out table send that command. The rows are the test
+split, or the validation split when the data has no test split (the report says which). Answers are
+greedy, from the worker's one copy of the weights (the base through peft's ``disable_adapter()``),
+prompts rendered with the run's own template; scores are exact match and difflib similarity
+(studio/core/scoring.py). Results go to ``RUN_DIR/eval.json`` (totals and every row) and
+``RUN_DIR/eval.csv`` (one line a row).
+
+No torch here: answers come from the loaded model through the ``generate`` callable the worker
+passes (the Trainer's), so the worker's tests can drive this with a stand-in model.
 """
 
 from __future__ import annotations
 
-import argparse
+import csv
 import json
-import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
-from studio.core.config import ConfigError, RunConfig
-from studio.core.runs import RunDir, find_run
-from studio.core.scoring import score, totals
+from studio.core import events as ev
+from studio.core.config import RunConfig
+from studio.core.runs import RunDir
+from studio.core.scoring import Score, score, totals
 
 EVAL_FILE = "eval.json"
+EVAL_CSV = "eval.csv"
 
-
-@dataclass(frozen=True)
-class RowResult:
-    """One held-out row: its target and both answers with their scores."""
-
-    index: int
-    prompt: str
-    target: str
-    base: str
-    tuned: str
-    base_exact: bool
-    tuned_exact: bool
-    base_similarity: float
-    tuned_similarity: float
+Generate = Callable[[dict[str, str], bool, int | None], str]
+"""``generate(row, adapter, max_new_tokens) -> answer``: one greedy answer from the loaded model."""
 
 
 def held_out_rows(config: RunConfig) -> tuple[str, list[dict]]:
@@ -47,100 +42,96 @@ def held_out_rows(config: RunConfig) -> tuple[str, list[dict]]:
     return "validation", list(splits.validation)
 
 
-def evaluate_run(run: RunDir, rows: int = 50, progress: Any = None) -> dict[str, Any]:
-    """Answer up to ``rows`` held-out rows with the base and the fine-tuned model; returns the report
-    (also written to ``eval.json`` in the run)."""
-    from studio.core import prompt as prompts
-    from studio.engine import generate as gen
-    from studio.engine.model import load_adapter, load_base
+class HeldOutScoring:
+    """One ScoreHeldOut request, answered a row at a time (:meth:`next_row`), so that the worker
+    can serve training steps and chat requests in between.
 
-    config = run.config()
-    adapter = run.adapter()
-    if adapter is None:
-        raise FileNotFoundError(f"{run.path}: no adapter yet; wait for training to finish, or stop it "
-                                f"('studio stop {run.id}') to save one")
-    split, held_out = held_out_rows(config)
-    held_out = held_out[:rows]
-    if not held_out:
-        raise FileNotFoundError(f"{config.data.path}: no held-out rows (test or validation split) to "
-                                "evaluate on; set data.val_fraction or mark rows with split 1 or 2")
-    start = time.time()
-    base = load_base(config)
-    model = load_adapter(base, adapter)
-    tokenizer = base.tokenizer
-    template = prompts.resolve_template(config.prompt, getattr(tokenizer, "chat_template", None),
-                                        bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
-    field = config.prompt.response_field
-    max_new = config.generation.max_new_tokens
-    results: list[RowResult] = []
-    for index, row in enumerate(held_out):
-        text = prompts.render(template, {**row, field: ""}, field).prompt
-        ids = gen.prompt_ids(tokenizer, text)
-        answers = {}
-        for adapter in (False, True):
-            answers[adapter] = gen.generate(model, tokenizer, ids, adapter=adapter, max_new_tokens=max_new,
-                                            temperature=0.0, device=base.device,
-                                            autocast_dtype=base.compute_dtype).text.strip()
-        target = row.get(field, "")
-        b, t = score(answers[False], target), score(answers[True], target)
-        results.append(RowResult(index, text, target, answers[False], answers[True], b.exact, t.exact,
-                                 round(b.similarity, 4), round(t.similarity, 4)))
-        if progress is not None:
-            progress(index + 1, len(held_out))
-    base_totals = totals(score(r.base, r.target) for r in results)
-    tuned_totals = totals(score(r.tuned, r.target) for r in results)
-    report = {
-        "run": run.id, "split": split, "rows": len(results), "seconds": round(time.time() - start, 1),
-        "base": {"exact_match": base_totals.exact_match, "similarity": base_totals.similarity},
-        "fine_tuned": {"exact_match": tuned_totals.exact_match, "similarity": tuned_totals.similarity},
-        "results": [asdict(r) for r in results],
-    }
-    (run.path / EVAL_FILE).write_text(json.dumps(report, indent=1))
-    return report
+    Raises DataError (from loading the data) or ValueError (no held-out rows) when built.
+    """
 
+    def __init__(self, run: RunDir, request: ev.ScoreHeldOut, generate: Generate,
+                 emit: Callable[[ev.Event], object], render: Callable[[dict[str, str]], str] | None = None):
+        self.run, self.request, self.emit = run, request, emit
+        self._generate, self._render = generate, render
+        config = run.config()
+        self.response_field = config.prompt.response_field
+        self.split, rows = held_out_rows(config)
+        self.rows = rows[:max(0, request.rows)]
+        if not self.rows:
+            raise ValueError(f"{config.data.path}: no held-out rows (test or validation split) to "
+                             "score; set data.val_fraction, or mark rows with 2 (test) or 1 "
+                             "(validation) in the data's split column")
+        self.results: list[ev.HeldOutRowScored] = []
+        self._start = time.monotonic()
 
-def _cell(text: str, width: int) -> str:
-    text = text.replace("\n", "⏎ ")
-    return text if len(text) <= width else text[: width - 1] + "…"
+    @property
+    def done(self) -> bool:
+        """Whether every row has been answered."""
+        return len(self.results) >= len(self.rows)
 
+    def next_row(self) -> bool:
+        """Answer and score the next row (emits HeldOutRowScored); after the last, save the results
+        and emit HeldOutFinished. Returns True once finished."""
+        if self.done:
+            return True
+        index = len(self.results)
+        row = self.rows[index]
+        fields = {k: str(v) for k, v in row.items() if k != self.response_field}
+        target = str(row.get(self.response_field, ""))
+        max_new = self.request.max_new_tokens
+        base = self._generate(fields, False, max_new).strip()
+        tuned = self._generate(fields, True, max_new).strip() if self.request.adapter else None
+        b = score(base, target)
+        t = score(tuned, target) if tuned is not None else None
+        result = ev.HeldOutRowScored(
+            request_id=self.request.request_id, index=index, total=len(self.rows), split=self.split,
+            fields=fields, prompt=self._render(fields) if self._render else "", target=target,
+            base=base, tuned=tuned, base_exact=b.exact, base_similarity=round(b.similarity, 4),
+            tuned_exact=t.exact if t else None, tuned_similarity=round(t.similarity, 4) if t else None)
+        self.results.append(result)
+        self.emit(result)
+        if self.done:
+            self._finish()
+        return self.done
 
-def format_table(report: dict[str, Any], width: int = 28) -> str:
-    """The report as a plain-text table: target, base answer, fine-tuned answer, marks."""
-    # Answers start after a two-character mark column (a tick for an exact match).
-    lines = [f"{'#':>3}  {'target':<{width}}  {'  base':<{width}}  {'  fine-tuned':<{width}}  sim b/t"]
-    for r in report["results"]:
-        base = ("✓ " if r["base_exact"] else "  ") + _cell(r["base"], width - 2)
-        tuned = ("✓ " if r["tuned_exact"] else "  ") + _cell(r["tuned"], width - 2)
-        lines.append(f"{r['index']:>3}  {_cell(r['target'], width):<{width}}  {base:<{width}}  "
-                     f"{tuned:<{width}}  {r['base_similarity']:.2f}/{r['tuned_similarity']:.2f}")
-    b, t = report["base"], report["fine_tuned"]
-    lines.append("")
-    lines.append(f"{report['rows']} {report['split']} rows   exact match: base {b['exact_match']:.1%} -> "
-                 f"fine-tuned {t['exact_match']:.1%}   similarity: base {b['similarity']:.2f} -> "
-                 f"fine-tuned {t['similarity']:.2f}")
-    return "\n".join(lines)
+    def report(self) -> dict[str, Any]:
+        """Totals and rows, as saved in ``eval.json``."""
+        base = totals(Score(r.base_exact, r.base_similarity) for r in self.results)
+        tuned_scores = [Score(bool(r.tuned_exact), r.tuned_similarity or 0.0) for r in self.results
+                        if r.tuned is not None]
+        tuned = totals(tuned_scores) if tuned_scores else None
+        return {
+            "run": self.run.id, "split": self.split, "rows": len(self.results),
+            "seconds": round(time.monotonic() - self._start, 1),
+            "base": {"exact_match": base.exact_match, "similarity": base.similarity},
+            "fine_tuned": {"exact_match": tuned.exact_match, "similarity": tuned.similarity} if tuned else None,
+            "results": [{"index": r.index, "fields": r.fields, "prompt": r.prompt, "target": r.target,
+                         "base": r.base, "tuned": r.tuned, "base_exact": r.base_exact,
+                         "tuned_exact": r.tuned_exact, "base_similarity": r.base_similarity,
+                         "tuned_similarity": r.tuned_similarity} for r in self.results],
+        }
 
+    def _finish(self) -> None:
+        report = self.report()
+        path = self.run.path / EVAL_FILE
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        self._write_csv()
+        tuned = report["fine_tuned"] or {}
+        self.emit(ev.HeldOutFinished(
+            request_id=self.request.request_id, ok=True, split=self.split, rows=report["rows"],
+            path=str(path), base_exact_match=report["base"]["exact_match"],
+            base_similarity=report["base"]["similarity"], tuned_exact_match=tuned.get("exact_match"),
+            tuned_similarity=tuned.get("similarity"), seconds=report["seconds"]))
 
-def main(args: argparse.Namespace) -> int:
-    """``studio eval [RUN] [--rows N] [--json]``."""
-    from studio.core.data import DataError
-
-    def progress(done: int, total: int) -> None:
-        if sys.stderr.isatty():
-            sys.stderr.write(f"\ranswering held-out rows: {done}/{total}")
-            sys.stderr.flush()
-
-    try:
-        run = find_run(getattr(args, "run", None), getattr(args, "runs_dir", None) or "runs")
-        report = evaluate_run(run, rows=getattr(args, "rows", None) or 50, progress=progress)
-    except (ConfigError, DataError, FileNotFoundError, OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if sys.stderr.isatty():
-        sys.stderr.write("\r\033[K")
-    if getattr(args, "json", False):
-        print(json.dumps(report, indent=1))
-    else:
-        print(format_table(report))
-        print(f"saved: {run.path / EVAL_FILE}")
-    return 0
+    def _write_csv(self) -> None:
+        """One line a row: its prompt fields, the target, then each model's answer and scores."""
+        records = []
+        for r in self.results:
+            record: dict[str, Any] = {**r.fields, "target": r.target}
+            record.update(base_answer=r.base, base_exact=r.base_exact, base_similarity=r.base_similarity,
+                          tuned_answer=r.tuned, tuned_exact=r.tuned_exact, tuned_similarity=r.tuned_similarity)
+            records.append(record)
+        with open(self.run.path / EVAL_CSV, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(records[0]))
+            writer.writeheader()
+            writer.writerows(records)

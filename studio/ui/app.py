@@ -365,7 +365,8 @@ class StudioApp(App[None]):
     @work(thread=True, group="commands", exit_on_error=False, description="talking to the worker")
     def _deliver(self, start: bool) -> None:
         """Connect to the run's worker (starting it when asked) and send every queued command."""
-        from studio.ui.client import WorkerClient, start_worker
+        from studio.core import events as ev
+        from studio.worker.client import WorkerClient, WorkerStartError, connect_or_start
 
         while True:
             if not self._send_lock.acquire(blocking=False):
@@ -375,15 +376,23 @@ class StudioApp(App[None]):
                 if run is None:
                     return
                 if self._client is None or self._client.run != run or not self._client.connected:
-                    if start and run.worker_pid() is None:
-                        start_worker(run)
-                    client = WorkerClient(run)
-                    client.connect(timeout=30)
+                    if start:
+                        client = connect_or_start(run, timeout=30)
+                    else:
+                        client = WorkerClient(run)
+                        client.connect(timeout=30)
                     self._client = client
                 while not self._outbox.empty():
                     self._client.send(self._outbox.get_nowait())
             except Exception as exc:  # shown to the person; the UI stays up whatever the worker does
                 self._client = None
+                # Commands meant for a worker that never came must not reach a later one (a Stop
+                # would otherwise start it and train the queued StartTraining for a step).
+                while not self._outbox.empty():
+                    self._outbox.get_nowait()
+                if isinstance(exc, WorkerStartError):
+                    # Panes fold this like any failure: the training pane leaves "loading".
+                    self._events.append(ev.WorkerFailed(kind="config", fatal=True, message=str(exc)))
                 self.call_from_thread(self.notify, f"Could not reach the worker: {exc}",
                                       title="Worker", severity="error", timeout=10)
                 return
@@ -402,7 +411,7 @@ class StudioApp(App[None]):
         client = self._client if self._client is not None and self._client.run == run else None
 
         def shutdown() -> None:
-            from studio.ui.client import WorkerClient
+            from studio.worker.client import WorkerClient
 
             try:
                 sender = client or WorkerClient(run)
@@ -418,7 +427,7 @@ class StudioApp(App[None]):
     @work(thread=True, exclusive=True, group="events", exit_on_error=False, description="following events")
     def _follow_events(self, run: RunDir) -> None:
         """Read the run's events (history, then live) into a queue the UI drains on a timer."""
-        from studio.ui.client import WorkerClient
+        from studio.worker.client import WorkerClient
 
         worker = get_current_worker()
         client = WorkerClient(run)

@@ -15,15 +15,7 @@ from pathlib import Path
 
 from studio.core import events as ev
 from studio.core.runs import RunDir
-from studio.worker.launch import (
-    GpuLock,
-    WorkerStartError,
-    check_no_other_worker,
-    detach,
-    listen,
-    write_key,
-    write_pid,
-)
+from studio.worker.launch import WorkerStartError, become_worker, detach
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,11 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     report = (lambda line: print(line)) if args.foreground else detach(run)
     try:
-        lock = GpuLock()
-        lock.acquire(run)
-        check_no_other_worker(run)
-        listener = listen(run, write_key(run))
-        write_pid(run)
+        _lock, listener = become_worker(run)
     except (WorkerStartError, OSError) as exc:
         report(f"error {exc}")
         return 1

@@ -2,7 +2,7 @@
 ``resume``. Each takes the parsed arguments and returns an exit code; a problem a person can fix
 is one line on stderr, never a traceback.
 
-No torch here: these talk to the worker through :mod:`studio.ui.client` and read run directories.
+No torch here: these talk to the worker through :mod:`studio.worker.client` and read run directories.
 """
 
 from __future__ import annotations
@@ -16,8 +16,14 @@ from pathlib import Path
 from studio.core import events as ev
 from studio.core.report import describe, format_duration, shorten
 from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
-from studio.ui.client import WorkerClient, WorkerStartError, WorkerUnavailable, start_worker
-from studio.worker.launch import GpuLock
+from studio.worker.client import (
+    DeviceBusy,
+    WorkerClient,
+    WorkerStartError,
+    WorkerUnavailable,
+    claim_device,
+    start_worker,
+)
 
 _LIVE_STATES = ("loading", "training", "paused")
 
@@ -46,15 +52,16 @@ def train_detached(args: argparse.Namespace) -> int:
     print the run id and return at once; the run survives this terminal."""
     if getattr(args, "resume", None):
         return _resume_run(find_run(args.resume, _runs_root(args)))
-    from studio.engine.cli_train import prepare_config  # plain Python: no torch on this path
+    from studio.worker.cli_train import prepare_config
 
     config, _ = prepare_config(args)
     config.model.base_model = _absolute_if_local(config.model.base_model) or config.model.base_model
     if config.data.path is None:
         return _fail(f"{args.config}: no dataset; set data.path in the config or pass --data PATH")
-    refusal = _claim_gpu()
-    if refusal:
-        return _fail(refusal)
+    try:
+        claim_device()
+    except DeviceBusy as exc:
+        return _fail(str(exc))
     # --runs-dir when given, else the config's output_dir (the foreground `studio train` uses it too).
     root = args.runs_dir if getattr(args, "runs_dir", "runs") != "runs" else config.output_dir
     run = create_run(config, root)
@@ -66,28 +73,6 @@ def train_detached(args: argparse.Namespace) -> int:
     print(f"training in the background (worker pid {pid}); follow it with 'studio attach {run.id}', "
           f"stop it with 'studio stop {run.id}'", file=sys.stderr)
     return 0
-
-
-def _claim_gpu(timeout: float = 30.0) -> str | None:
-    """Make the GPU free for a new worker: a worker that is only idling there (its run finished,
-    stopped or failed; kept up for chat) is shut down. Returns why the GPU stays busy, or None."""
-    lock = GpuLock()
-    if not lock.busy():
-        return None
-    held = lock.holder()
-    if held.get("run_dir") and Path(str(held["run_dir"])).is_dir():
-        client = WorkerClient(RunDir(Path(str(held["run_dir"]))))
-        try:
-            if client.connect(5.0).state not in _LIVE_STATES:
-                client.send(ev.Shutdown())
-                deadline = time.monotonic() + timeout
-                while lock.busy() and time.monotonic() < deadline:
-                    client.poll(0.2)
-        except WorkerUnavailable:
-            pass
-        finally:
-            client.close()
-    return lock.holder_message() if lock.busy() else None
 
 
 def _resume_run(run: RunDir) -> int:
@@ -115,9 +100,10 @@ def _resume_run(run: RunDir) -> int:
         client.close()
         print(f"resuming run {run.id} {where} in its worker")
         return 0
-    refusal = _claim_gpu()
-    if refusal:
-        return _fail(refusal)
+    try:
+        claim_device(run)
+    except DeviceBusy as exc:
+        return _fail(str(exc))
     try:
         pid = start_worker(run, resume=True)
     except WorkerStartError as exc:
@@ -143,7 +129,7 @@ def _ends_follow(event: ev.Event) -> bool:
 
 def attach(args: argparse.Namespace) -> int:
     """``studio attach [RUN]``: print the run's every event from the start, then follow it live
-    until training ends (through the worker's socket, or the log of a foreground ``studio train``).
+    until training ends (through the worker's socket; a foreground ``studio train`` is a worker too).
     Ctrl-C detaches; the run goes on."""
     run = find_run(getattr(args, "run", None), _runs_root(args))
     client = WorkerClient(run)
@@ -152,7 +138,7 @@ def attach(args: argparse.Namespace) -> int:
         for event in client.catch_up():
             _print_event(event)
         if client.status is not None and client.status.state not in _LIVE_STATES or \
-                client.status is None and not _trains_in_foreground(run):
+                client.status is None and not _starting(run):
             client.close()
             return _explain_not_live(run)
         while True:
@@ -172,9 +158,9 @@ def attach(args: argparse.Namespace) -> int:
         return 0
 
 
-def _trains_in_foreground(run: RunDir) -> bool:
-    """A live process holds the run but serves no socket: ``studio train`` in the foreground (or a
-    worker still starting). Its events.jsonl is followed instead."""
+def _starting(run: RunDir) -> bool:
+    """A live process holds the run but its socket does not answer yet (a worker still starting,
+    a foreground ``studio train`` included). Its events.jsonl is followed until it does."""
     return run.worker_pid() is not None and summarize(run).status in ("created", "training", "paused")
 
 

@@ -31,18 +31,33 @@ def lock_dir() -> Path:
     return path
 
 
-def device_key() -> str:
-    """The GPU this process will use, as a lock name: the first of CUDA_VISIBLE_DEVICES, else 0.
+def cuda_present() -> bool:
+    """Whether this process can see an NVIDIA GPU, judged without torch (it takes seconds to
+    import): the driver's files exist and CUDA_VISIBLE_DEVICES does not hide every device."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.split(",")[0].strip() in ("", "-1"):
+        return False
+    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
 
-    A CPU-only machine also gets "0": one worker per machine there, which is what its cores can
-    take anyway.
-    """
+
+def device_key() -> str:
+    """The device this process will use, as a lock name: the first of CUDA_VISIBLE_DEVICES (0 when
+    unset) on a CUDA machine, else "cpu" (one worker per machine there, which is what its cores can
+    take anyway)."""
+    if not cuda_present():
+        return "cpu"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
     return visible or "0"
 
 
+def device_label(key: str) -> str:
+    """How a person calls the device behind lock ``key``: "GPU 0", or "this machine's CPU"."""
+    return "this machine's CPU" if key == "cpu" else f"GPU {key}"
+
+
 class GpuLock:
-    """An exclusive ``flock`` on ``lock_dir()/gpu-<key>.lock``, held for the life of the process.
+    """An exclusive ``flock`` on ``lock_dir()/gpu-<key>.lock`` (``cpu.lock`` without CUDA), held
+    for the life of the process.
 
     The kernel drops a flock when its holder dies, even by SIGKILL, so a crashed worker never leaves
     the GPU locked. The file records who holds it, for the refusal message.
@@ -50,7 +65,8 @@ class GpuLock:
 
     def __init__(self, key: str | None = None):
         self.key = key if key is not None else device_key()
-        self.path = lock_dir() / f"gpu-{self.key}.lock"
+        self.label = device_label(self.key)
+        self.path = lock_dir() / ("cpu.lock" if self.key == "cpu" else f"gpu-{self.key}.lock")
         self._fd: int | None = None
 
     def acquire(self, run: RunDir) -> None:
@@ -85,11 +101,12 @@ class GpuLock:
             return {}
 
     def holder_message(self) -> str:
+        """The refusal a person reads: which run holds the device, and how to free it."""
         held = self.holder()
         who = f"run {held['run_id']} (worker pid {held.get('pid')}, {held.get('run_dir')})" if held \
             else "another worker"
         ref = held.get("run_id", "RUN")
-        return (f"GPU {self.key} is busy: {who} holds it (lock {self.path}). Wait for it to finish, "
+        return (f"{self.label} is busy: {who} holds it (lock {self.path}). Wait for it to finish, "
                 f"or stop it with 'studio stop {ref}'.")
 
     def release(self) -> None:
@@ -146,6 +163,22 @@ def write_pid(run: RunDir) -> None:
     tmp = run.pid_path.with_name(run.pid_path.name + ".tmp")
     tmp.write_text(f"{os.getpid()}\n")
     tmp.replace(run.pid_path)
+
+
+def become_worker(run: RunDir) -> tuple[GpuLock, Listener]:
+    """Make this process ``run``'s worker: take the device lock, make sure no other worker serves
+    the run, write a fresh key, listen, record the pid. Raises WorkerStartError (or OSError) with
+    the reason; release the returned lock when the worker is done (exiting does it too)."""
+    lock = GpuLock()
+    lock.acquire(run)
+    try:
+        check_no_other_worker(run)
+        listener = listen(run, write_key(run))
+        write_pid(run)
+    except BaseException:
+        lock.release()
+        raise
+    return lock, listener
 
 
 def detach(run: RunDir) -> Callable[[str], None]:

@@ -1,5 +1,9 @@
 """The worker's command loop: one thread owns the trainer, the others only talk.
 
+Past ~400 lines on purpose: the command handlers all read and change one state machine (state,
+trainer, pause/stop flags, the held-out request, the connected clients); split over modules they
+would reach into each other's privates.
+
 Threads:
 - the control thread (the caller of :meth:`Worker.serve`) owns the trainer: it loads, trains,
   generates and evaluates. While training it serves commands in the trainer's ``between_steps``
@@ -187,8 +191,15 @@ class Worker:
     """Serves one run: the trainer, the event log, and the connected clients."""
 
     def __init__(self, run: RunDir, trainer_factory: Callable[..., Any] | None = None,
-                 linger_s: float = 60.0):
+                 linger_s: float = 60.0, foreground: bool = False):
+        """``foreground``: the worker of ``studio train`` in a terminal. It exits once its first
+        command (the training) is done, and a hang-up of the terminal stops it with a checkpoint
+        (a detached worker ignores SIGHUP)."""
         self.run = run
+        self.foreground = foreground
+        self.stop_requested = False
+        """Set (from a signal handler too: a plain flag takes no lock) to stop training after the
+        current step with a checkpoint, as the Stop command does."""
         self.log = EventLog(run.events_path)
         self.commands: queue.Queue[tuple[_Peer | None, ev.Command]] = queue.Queue()
         self.state = "idle"
@@ -208,6 +219,7 @@ class Worker:
         self._last_client_left = time.monotonic()
         self._terminate = threading.Event()
         self._evaluations = 0
+        self._scoring: Any = None  # the held-out request being answered a row at a time
 
     # ------------------------------------------------------------------------------ events out
 
@@ -234,8 +246,9 @@ class Worker:
             self.step = event.step
 
     def status(self) -> ev.StatusReported:
-        """What the worker is doing now."""
-        return ev.StatusReported(state=self.state, step=self.step, total_steps=self.total_steps,
+        """What the worker is doing now ("scoring": answering held-out rows while not training)."""
+        state = "scoring" if self._scoring is not None and self.state not in _TRAINING_STATES else self.state
+        return ev.StatusReported(state=state, step=self.step, total_steps=self.total_steps,
                                  run_id=self.run.id, model_loaded=self.model_loaded)
 
     # ------------------------------------------------------------------------------ clients
@@ -256,7 +269,9 @@ class Worker:
                 # is in the file the client reads after the greeting, every later one is sent live.
                 self._peers.add(peer)
                 peer.reply(self.status())
-            peer.start()
+                # Started under the lock too: _close() must never find a registered peer whose
+                # threads it cannot join yet.
+                peer.start()
 
     def _forget(self, peer: _Peer) -> None:
         with self._lock:
@@ -268,29 +283,45 @@ class Worker:
 
     def serve(self, listener: Listener, first: ev.Command | None = None) -> str:
         """Run until Shutdown, SIGTERM, or idle with no client for ``linger_s``; returns why."""
+        previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda *_: self._terminate.set())
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            def terminate(*_: Any) -> None:
+                self._terminate.set()
+
+            previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, terminate)
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, terminate if self.foreground
+                                                    else signal.SIG_IGN)
         if first is not None:
             self.state = "loading"  # before any client can ask, so none sees a passing "idle"
             self.commands.put((None, first))
         self.emit(ev.WorkerStarted(pid=os.getpid()))
         threading.Thread(target=self._accept_loop, args=(listener,), name="worker-accept",
                          daemon=True).start()
-        while self._exit_reason is None:
-            try:
-                peer, command = self.commands.get(timeout=0.25)
-            except queue.Empty:
-                self._check_idle()
-                continue
-            self._handle_idle(peer, command)
-        self._close(listener)
+        try:
+            while self._exit_reason is None:
+                try:
+                    peer, command = self.commands.get_nowait() if self._scoring is not None else \
+                        self.commands.get(timeout=0.25)
+                except queue.Empty:
+                    if self._scoring is not None:
+                        self._score_next_row()
+                    self._check_idle()
+                    continue
+                self._handle_idle(peer, command)
+                if self.foreground and command is first:
+                    self._exit_reason = self._exit_reason or f"training {self.state}"
+        finally:
+            # Also on KeyboardInterrupt in a foreground worker: the socket, key and pid go.
+            self._exit_reason = self._exit_reason or "interrupted"
+            self._close(listener)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         return self._exit_reason
 
     def _check_idle(self) -> None:
         if self._terminate.is_set():
             self._exit_reason = "terminated (SIGTERM)"
-        elif not self._peers and self.state not in _TRAINING_STATES and \
+        elif not self._peers and self.state not in _TRAINING_STATES and self._scoring is None and \
                 time.monotonic() - self._last_client_left > self.linger_s:
             self._exit_reason = f"idle with no client for {self.linger_s:g} s"
 
@@ -329,11 +360,50 @@ class Worker:
         elif isinstance(command, ev.Evaluate):
             if self._ensure_trainer():
                 self._guarded(self._evaluate)
+        elif isinstance(command, ev.ScoreHeldOut):
+            self._start_scoring(command)
         elif isinstance(command, ev.ExportMerged) and self.state not in _TRAINING_STATES:
             self._guarded(lambda: self._export(command))
         else:
             self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, message=(
                 f"{type(command).__name__} is not served while the worker is {self.state}")))
+
+    def _start_scoring(self, command: ev.ScoreHeldOut) -> None:
+        """Begin a held-out comparison; its rows are answered one at a time when nothing else waits
+        (between training steps too), so chat and training go on meanwhile."""
+        from studio.engine.evaluate import HeldOutScoring
+
+        def refuse(message: str) -> None:
+            self.emit(ev.HeldOutFinished(request_id=command.request_id, ok=False, message=message))
+
+        if self._scoring is not None:
+            refuse(f"run {self.run.id} is already scoring held-out rows; wait for that to finish")
+            return
+        if not self._ensure_trainer():
+            refuse(f"the model did not load; the failure above says why (details in {self.run.log_path})")
+            return
+        session = self._session
+
+        def generate(row: dict[str, str], adapter: bool, max_new_tokens: int | None) -> str:
+            answer = session.generate(row, adapter=adapter, max_new_tokens=max_new_tokens, temperature=0.0)
+            return str(getattr(answer, "text", answer))
+
+        try:
+            self._scoring = HeldOutScoring(self.run, command, generate, self.emit,
+                                           render=getattr(session, "render_prompt", None))
+        except (OSError, ValueError) as exc:  # DataError is a ValueError: a message a person can act on
+            refuse(str(exc))
+
+    def _score_next_row(self) -> None:
+        scoring = self._scoring
+        try:
+            if scoring.next_row():
+                self._scoring = None
+        except Exception as exc:  # reported; the worker and any training go on
+            self._scoring = None
+            self._report(exc, fatal=False)
+            self.emit(ev.HeldOutFinished(request_id=scoring.request.request_id, ok=False,
+                                         message=f"scoring stopped at row {len(scoring.results) + 1}: {exc}"))
 
     def _export(self, command: ev.ExportMerged) -> None:
         from studio.engine.export import export_merged
@@ -361,7 +431,12 @@ class Worker:
 
     def _report(self, exc: Exception, fatal: bool) -> None:
         """Log the traceback and emit a WorkerFailed, unless the trainer already emitted one."""
-        traceback.print_exception(exc)
+        if self.foreground:
+            # The terminal shows the one-line WorkerFailed; the traceback goes where a daemon's goes.
+            with open(self.run.log_path, "a", encoding="utf-8") as log:
+                traceback.print_exception(exc, file=log)
+        else:
+            traceback.print_exception(exc)
         if not already_reported(exc):
             self.emit(dataclasses.replace(classify_failure(exc, self.run.log_path), fatal=fatal))
 
@@ -451,6 +526,8 @@ class Worker:
         while True:
             if self._terminate.is_set():
                 self._exit_reason = "terminated (SIGTERM)"
+            if self.stop_requested:
+                self._stop_training = True
             if self._exit_reason is not None or self._stop_training:
                 self._stop_training = True
                 return "stop"
@@ -458,6 +535,8 @@ class Worker:
                 peer, command = self.commands.get(timeout=0.25) if self._paused else \
                     self.commands.get_nowait()
             except queue.Empty:
+                if self._scoring is not None:
+                    self._score_next_row()  # one held-out row per optimizer step
                 if self._paused:
                     continue
                 return None

@@ -6,20 +6,17 @@ Each request has its own ``request_id``; streamed ``TokenGenerated`` events are 
 The worker renders prompts with the run's template (its prompt part), exactly as training saw them:
 the pane sends the person's text, or a held-out row's fields (``Generate.row``).
 
-Held-out mode runs both models over N rows of the validation (or test) split and scores every answer
-against its target (``studio.core.scoring``); the table and its totals are saved to the run
-directory as ``heldout.json`` and ``heldout.csv``.
+Held-out mode asks the worker to score N held-out rows (``ScoreHeldOut``: the test split, else the
+validation split, greedy, both models), the same engine code as ``studio eval``; the table fills a
+row per ``HeldOutRowScored`` event, and the worker saves ``eval.json`` and ``eval.csv`` in the run.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -110,8 +107,7 @@ class ChatPane(Vertical):
         """request id -> "base" or "tuned" for the current question."""
         self.adapter_ready = False
         self.heldout: list[HeldOutRow] = []
-        self._heldout_requests: dict[str, tuple[int, str]] = {}
-        self._heldout_next = 0
+        self._heldout_request: str | None = None
         self._round = 0
         self._dirty = False
 
@@ -168,7 +164,7 @@ class ChatPane(Vertical):
     def reset_run(self, run: RunDir | None) -> None:
         """A new run: forget the answers; the adapter exists if the run saved one or a checkpoint."""
         self.answers, self.sides = {}, {}
-        self.heldout, self._heldout_requests, self._heldout_next = [], {}, 0
+        self.heldout, self._heldout_request = [], None
         self.adapter_ready = run is not None and run.adapter() is not None
         if self.is_mounted:
             self.query_one("#chat-heldout-box").remove_class("shown")
@@ -201,6 +197,10 @@ class ChatPane(Vertical):
                     self._dirty = True
             elif isinstance(event, ev.GenerationFinished):
                 self._finished(event)
+            elif isinstance(event, ev.HeldOutRowScored) and event.request_id == self._heldout_request:
+                self._heldout_row(event)
+            elif isinstance(event, ev.HeldOutFinished) and event.request_id == self._heldout_request:
+                self._heldout_finished(event)
             elif isinstance(event, ev.WorkerFailed) and self._waiting() and (
                     event.fatal or event.kind in ("crash", "oom")):
                 # Warnings while the model loads (truncated rows, no 4-bit on CPU) are the training
@@ -220,9 +220,6 @@ class ChatPane(Vertical):
         self._dirty = True
         if event.request_id in self.sides and not any(not self.answers[r].done for r in self.sides):
             self._set_status(self._idle_status() + " · answered")
-        if event.request_id in self._heldout_requests:
-            index, _ = self._heldout_requests[event.request_id]
-            self._heldout_row_done(index)
 
     def _paint_if_dirty(self) -> None:
         if self._dirty:
@@ -339,7 +336,7 @@ class ChatPane(Vertical):
     # ------------------------------------------------------------------------ held-out
 
     def action_heldout(self) -> None:
-        """Answer N held-out rows with both models and score them against the targets."""
+        """Score N held-out rows with both models (in the worker) and show them as a table."""
         try:
             count = int(self.query_one("#chat-heldout-n", Input).value)
         except ValueError:
@@ -347,66 +344,43 @@ class ChatPane(Vertical):
         if count <= 0:
             self._set_status("Held-out rows must be a whole number above 0", error=True)
             return
-        if self._settings() is None or not self._ensure_run():
+        settings = self._settings()
+        if settings is None or not self._ensure_run():
             return
-        self._set_status(f"Loading {count} held-out rows…")
-        self.load_heldout(self._config(), count)
-
-    @work(thread=True, exclusive=True, exit_on_error=False, group="heldout", description="loading held-out rows")
-    def load_heldout(self, config: RunConfig, count: int) -> None:
-        """Read the validation (or test) split off the event loop."""
-        from studio.core.data import DataError, load_splits
-
-        try:
-            splits = load_splits(config)
-        except (DataError, ValueError, OSError) as exc:
-            self.app.call_from_thread(self._set_status, f"Held-out rows: {exc}", True)
-            return
-        rows = (splits.validation or splits.test)[:count]
-        if not rows:
-            self.app.call_from_thread(self._set_status, "The dataset has no validation or test rows "
-                                      "(set data.val_fraction or a split column)", True)
-            return
-        answer = config.prompt.response_field
-        items = [HeldOutRow({k: v for k, v in row.items() if k != answer}, row.get(answer, ""),
-                            row_label(row, answer)) for row in rows]
-        self.app.call_from_thread(self._start_heldout, items)
-
-    def _start_heldout(self, items: list[HeldOutRow]) -> None:
-        self.heldout, self._heldout_requests, self._heldout_next = items, {}, 0
+        self.heldout = []
+        self._heldout_request = f"heldout-{time.monotonic_ns()}"
         table = self.query_one("#chat-heldout-table", DataTable)
         table.clear(columns=True)
         table.add_columns("#", "prompt", "target", "base", "exact/sim", "fine-tuned", "exact/sim")
-        for i, item in enumerate(items):
-            tuned = "…" if self.adapter_ready else "no adapter"
-            table.add_row(str(i + 1), _cell(item.label, 28), _cell(item.target, 20), "…", "", tuned, "", key=str(i))
+        self.query_one("#chat-heldout-totals", Static).update("")
         self.query_one("#chat-heldout-box").add_class("shown")
-        self._set_status(f"Held-out: answering {len(items)} rows with both models…")
-        self._send_next_heldout()
+        self._set_status(f"Held-out: answering {count} rows (test split, else validation; greedy)…")
+        self.app.send_command(ev.ScoreHeldOut(request_id=self._heldout_request, rows=count,
+                                              adapter=self.adapter_ready,
+                                              max_new_tokens=settings["max_new_tokens"]))
 
-    def _send_next_heldout(self) -> None:
-        """Ask for the next row's pair; one pair at a time keeps the chat responsive in between."""
-        settings = self._settings()
-        if settings is None or self._heldout_next >= len(self.heldout):
-            return
-        index = self._heldout_next
-        self._heldout_next += 1
-        item = self.heldout[index]
-        stamp = f"heldout-{index}-{time.monotonic_ns() % 10**8}"
-        sides = ["base", "tuned"] if self.adapter_ready else ["base"]
-        for side in sides:
-            request_id = f"{stamp}-{side}"
-            self._heldout_requests[request_id] = (index, side)
-            first = next(iter(item.fields.values()), "")
-            self._request(first, side == "tuned", request_id, settings, row=item.fields)
-            item.answers[side] = self.answers[request_id]
+    def _heldout_row(self, event: ev.HeldOutRowScored) -> None:
+        """One scored row from the worker: a table line now, the totals on the next paint."""
+        fields = dict(event.fields)
+        item = HeldOutRow(fields, event.target, row_label(fields, ""))
+        item.answers["base"] = Answer(event.base, done=True)
+        if event.tuned is not None:
+            item.answers["tuned"] = Answer(event.tuned, done=True)
+        self.heldout.append(item)
+        tuned = "…" if event.tuned is not None else "no adapter"
+        self.query_one("#chat-heldout-table", DataTable).add_row(
+            str(event.index + 1), _cell(item.label, 28), _cell(item.target, 20), "…", "", tuned, "",
+            key=str(len(self.heldout) - 1))
+        self._set_status(f"Held-out: {event.index + 1}/{event.total} {event.split} rows answered…")
+        self._dirty = True
 
-    def _heldout_row_done(self, index: int) -> None:
-        if all(a.done for a in self.heldout[index].answers.values()):
-            if self._heldout_next < len(self.heldout):
-                self._send_next_heldout()
-            else:
-                self._heldout_complete()
+    def _heldout_finished(self, event: ev.HeldOutFinished) -> None:
+        self._heldout_request = None
+        self._paint_heldout()
+        if event.ok:
+            self._set_status(f"Held-out done: {event.rows} {event.split} rows; saved {event.path} and eval.csv")
+        else:
+            self._set_status(f"Held-out: {event.message}", error=True)
 
     def _paint_heldout(self) -> None:
         table = self.query_one("#chat-heldout-table", DataTable)
@@ -440,41 +414,7 @@ class ChatPane(Vertical):
         parts = [f"{names[side]}: {t.line()}" for side, t in self.totals().items()]
         return "totals — " + " | ".join(parts) if parts else ""
 
-    def _heldout_complete(self) -> None:
-        self._paint_heldout()
-        run = getattr(self.app, "current_run", None)
-        if run is None:
-            return
-        try:
-            path = save_heldout(run, self.heldout, self.totals())
-        except OSError as exc:
-            self._set_status(f"Held-out results not saved: {exc}", error=True)
-            return
-        self._set_status(f"Held-out done; saved {path} and heldout.csv")
-
 
 def _cell(text: str, width: int = 40) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= width else flat[: width - 1] + "…"
-
-
-def save_heldout(run: RunDir, rows: list[HeldOutRow], totals: dict[str, scoring.Totals]) -> str:
-    """Write ``heldout.json`` (rows and totals) and ``heldout.csv`` (one line a row) in the run folder."""
-    records = []
-    for item in rows:
-        record: dict[str, Any] = {**item.fields, "target": item.target}
-        for side in ("base", "tuned"):
-            answer, result = item.answers.get(side), item.score(side)
-            record[f"{side}_answer"] = answer.text if answer else None
-            record[f"{side}_exact"] = result.exact if result else None
-            record[f"{side}_similarity"] = round(result.similarity, 4) if result else None
-        records.append(record)
-    summary = {side: {"rows": t.rows, "exact_match": t.exact_match, "similarity": t.similarity}
-               for side, t in totals.items()}
-    path = run.path / "heldout.json"
-    path.write_text(json.dumps({"rows": records, "totals": summary}, indent=2) + "\n")
-    with open(run.path / "heldout.csv", "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(records[0]) if records else ["target"])
-        writer.writeheader()
-        writer.writerows(records)
-    return str(path)

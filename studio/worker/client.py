@@ -1,6 +1,8 @@
-"""Talking to a run's worker: commands over its socket, events from its log and its live stream.
+"""The session client every front end uses (the TUI, ``studio train``, ``studio eval``, ``attach``):
+start-or-connect under the device lock, commands over the worker's socket, events from its log and
+its live stream.
 
-Plain Python (no torch): the TUI and the CLI import this.
+Plain Python (no torch, no textual): the TUI and the CLI import this.
 
 The event stream a client sees is the run's whole history without gaps or repeats: it subscribes on
 the socket first (the worker greets it only once it is registered for broadcast), then reads
@@ -24,8 +26,12 @@ from pathlib import Path
 
 from studio.core import events as ev
 from studio.core.runs import RunDir
+from studio.worker.launch import GpuLock
 
 _RECONNECT_EVERY_S = 1.0
+
+BUSY_STATES = ("loading", "training", "paused", "exporting", "scoring")
+"""Worker states in which it is doing a job: such a worker is never displaced for another run."""
 
 
 class WorkerUnavailable(ConnectionError):
@@ -38,6 +44,67 @@ class WorkerRefused(WorkerUnavailable):
 
 class WorkerStartError(RuntimeError):
     """``python -m studio.worker`` refused to start; the message says why (a busy GPU, ...)."""
+
+
+class DeviceBusy(WorkerStartError):
+    """The device's lock is held by a worker that is working (or that this user cannot reach)."""
+
+
+def claim_device(run: RunDir | None = None, timeout: float = 30.0) -> None:
+    """Make the device free for a new worker of ``run``.
+
+    A worker that only idles there (its run finished, stopped or failed; kept up for chat) is asked
+    to shut down, and this waits until its lock is released. Returns at once when the device is free
+    or when its holder serves ``run`` itself (connect to that one). Raises DeviceBusy, naming the
+    holder and how to stop it, when the holder is loading, training, paused, exporting or scoring.
+    """
+    lock = GpuLock()
+    if not lock.busy():
+        return
+    held = lock.holder()
+    held_dir = Path(str(held.get("run_dir") or ""))
+    if run is not None and held_dir == run.path.resolve():
+        return
+    if held.get("run_dir") and held_dir.is_dir():
+        client = WorkerClient(RunDir(held_dir))
+        try:
+            if client.connect(5.0).state not in BUSY_STATES:
+                client.send(ev.Shutdown())
+                deadline = time.monotonic() + timeout
+                while lock.busy() and time.monotonic() < deadline:
+                    client.poll(0.2)
+        except WorkerUnavailable:
+            # Exiting (its socket already gone), still starting, or another user's: an exiting
+            # one lets go in a moment; otherwise the message says whose it is.
+            deadline = time.monotonic() + 3.0
+            while lock.busy() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            client.close()
+    if lock.busy():
+        raise DeviceBusy(lock.holder_message())
+
+
+def connect_or_start(run: RunDir, timeout: float = 30.0) -> WorkerClient:
+    """A client connected to ``run``'s worker, starting one when none runs.
+
+    The one start-or-connect of every front end: a live worker of the run is reused; otherwise the
+    device is claimed (an idle worker of another run is shut down, a busy one refuses with
+    DeviceBusy) and a new worker started. Raises WorkerStartError or WorkerUnavailable.
+    """
+    client = WorkerClient(run)
+    if run.worker_pid() is not None:
+        try:
+            client.connect(5.0)
+            return client
+        except WorkerRefused:
+            raise
+        except WorkerUnavailable:
+            pass  # a worker killed a moment ago (its pid file lingers): start a new one
+    claim_device(timeout=timeout)  # this run's own worker, if it holds the device, is exiting
+    start_worker(run, timeout=timeout)
+    client.connect(timeout)
+    return client
 
 
 def start_worker(run: RunDir, train: bool = False, resume: bool = False, timeout: float = 60.0) -> int:
@@ -72,13 +139,15 @@ class WorkerClient:
     """One client of one run's worker. Use from one thread, except :meth:`send` and :meth:`close`,
     which any thread may call."""
 
-    def __init__(self, run: RunDir):
+    def __init__(self, run: RunDir, after_seq: int = -1):
+        """``after_seq``: events numbered up to it are skipped (a console that shows only what
+        happens from now on); -1 sees the run's whole history."""
         self.run = run
         self.status: ev.StatusReported | None = None
         """The worker's state as of the greeting or the latest StatusReported."""
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
-        self._last_seq = -1
+        self._last_seq = after_seq
         self._offset = 0
         self._pending: deque[ev.Event] = deque()
         self._next_attempt = 0.0

@@ -1,0 +1,122 @@
+"""``studio eval [RUN]``: base vs fine-tuned answers on held-out rows, scored by the run's worker.
+
+A client of the worker like every front end: it connects to the run's worker (starting one, under
+the device lock, when none runs), sends ``ScoreHeldOut`` and prints the per-row progress the worker
+streams, then the table (or the JSON report). The worker writes ``eval.json`` and ``eval.csv`` in
+the run directory (studio/engine/evaluate.py). A worker this command started is shut down at the
+end; a running one (training, or up for chat) is left as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from studio.core import events as ev
+from studio.core.runs import find_run
+from studio.worker.client import WorkerClient, WorkerStartError, WorkerUnavailable, connect_or_start
+from studio.worker.launch import GpuLock
+
+
+def _cell(text: str | None, width: int) -> str:
+    text = (text or "").replace("\n", "⏎ ")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_table(report: dict[str, Any], width: int = 28) -> str:
+    """The report as a plain-text table: target, base answer, fine-tuned answer, marks."""
+    # Answers start after a two-character mark column (a tick for an exact match).
+    lines = [f"{'#':>3}  {'target':<{width}}  {'  base':<{width}}  {'  fine-tuned':<{width}}  sim b/t"]
+    for r in report["results"]:
+        base = ("✓ " if r["base_exact"] else "  ") + _cell(r["base"], width - 2)
+        tuned = ("✓ " if r["tuned_exact"] else "  ") + _cell(r["tuned"], width - 2)
+        tuned_sim = f"{r['tuned_similarity']:.2f}" if r["tuned_similarity"] is not None else "-"
+        lines.append(f"{r['index']:>3}  {_cell(r['target'], width):<{width}}  {base:<{width}}  "
+                     f"{tuned:<{width}}  {r['base_similarity']:.2f}/{tuned_sim}")
+    b, t = report["base"], report["fine_tuned"] or {"exact_match": 0.0, "similarity": 0.0}
+    lines.append("")
+    lines.append(f"{report['rows']} {report['split']} rows   exact match: base {b['exact_match']:.1%} -> "
+                 f"fine-tuned {t['exact_match']:.1%}   similarity: base {b['similarity']:.2f} -> "
+                 f"fine-tuned {t['similarity']:.2f}")
+    return "\n".join(lines)
+
+
+def _score(client: WorkerClient, rows: int) -> ev.HeldOutFinished:
+    """Send ScoreHeldOut and follow the worker until its answer; progress on a terminal."""
+    request = f"eval-{time.time_ns()}"
+    client.send(ev.ScoreHeldOut(request_id=request, rows=rows))
+    tty = sys.stderr.isatty()
+    while True:
+        for event in client.poll(0.5):
+            if isinstance(event, ev.HeldOutRowScored) and event.request_id == request and tty:
+                sys.stderr.write(f"\ranswering held-out rows: {event.index + 1}/{event.total}")
+                sys.stderr.flush()
+            elif isinstance(event, ev.HeldOutFinished) and event.request_id == request:
+                if tty:
+                    sys.stderr.write("\r\033[K")
+                return event
+            elif isinstance(event, ev.WorkerFailed) and event.fatal:
+                print(f"error ({event.kind}): {event.message}", file=sys.stderr)
+            elif isinstance(event, ev.WorkerStopped):
+                return ev.HeldOutFinished(request_id=request, ok=False,
+                                          message=f"the worker stopped ({event.reason}) before answering")
+        if not client.connected and client.run.worker_pid() is None:
+            return ev.HeldOutFinished(request_id=request, ok=False, message=(
+                f"the worker of run {client.run.id} went away; see {client.run.log_path}"))
+
+
+def main(args: argparse.Namespace) -> int:
+    """``studio eval [RUN] [--rows N] [--json]``."""
+    run = find_run(getattr(args, "run", None), getattr(args, "runs_dir", None) or "runs")
+    if not (run.adapter_dir / "adapter_config.json").exists() and run.latest_checkpoint() is None:
+        print(f"error: {run.path}: no adapter yet; wait for training to finish, or stop it "
+              f"('studio stop {run.id}') to save one", file=sys.stderr)
+        return 1
+    started_here = run.worker_pid() is None
+    try:
+        client = connect_or_start(run, timeout=60)
+    except (WorkerStartError, WorkerUnavailable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        client.catch_up()  # the run's past events: only this request's answers matter below
+        finished = _score(client, getattr(args, "rows", None) or 50)
+        if started_here:
+            _shut_down(client)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; the worker finishes the rows and saves {run.path / 'eval.json'}",
+              file=sys.stderr)
+        return 130
+    finally:
+        client.close()
+    if not finished.ok:
+        print(f"error: {finished.message}", file=sys.stderr)
+        return 1
+    report = json.loads(Path(finished.path).read_text())
+    if getattr(args, "json", False):
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_table(report))
+        print(f"saved: {finished.path} and {Path(finished.path).with_suffix('.csv').name}")
+    return 0
+
+
+def _shut_down(client: WorkerClient, timeout: float = 30.0) -> None:
+    """Shut down the worker this command started, and wait until it has let the device go (the
+    next command, or the next test, may want it at once)."""
+    pid = client.run.worker_pid()
+    try:
+        client.send(ev.Shutdown())
+    except WorkerUnavailable:
+        return
+    deadline = time.monotonic() + timeout
+    while client.connected and time.monotonic() < deadline:
+        if any(isinstance(e, ev.WorkerStopped) for e in client.poll(0.2)):
+            break
+    lock = GpuLock()
+    while lock.busy() and lock.holder().get("pid") == pid and time.monotonic() < deadline:
+        time.sleep(0.05)

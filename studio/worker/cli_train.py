@@ -1,0 +1,176 @@
+"""``studio train CONFIG`` in the foreground: the run's worker in this process, a console client
+attached.
+
+This process becomes the run's worker exactly as ``python -m studio.worker`` does (device lock,
+socket, key, pid, ``events.jsonl``), without detaching: ``studio attach``, ``studio pause`` and the
+TUI's chat reach it on its socket while it trains. A console client follows the run's events in a
+thread and prints a line per log interval (plus a progress bar on a terminal). The worker exits
+when the training ends. Ctrl-C stops after the current optimizer step with a checkpoint and the
+adapter saved (continue with ``--resume``); a second Ctrl-C aborts at once.
+
+Plain Python here: the engine is imported by the worker only when it loads the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, TextIO
+
+from studio.core import events as ev
+from studio.core import report
+from studio.core.config import ConfigError, RunConfig, load_config
+from studio.core.runs import RunDir, create_run, find_run
+from studio.worker.client import WorkerClient, WorkerStartError, claim_device
+from studio.worker.launch import become_worker
+
+
+def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
+    """The config with the command line's overrides applied and the data path made absolute."""
+    from studio.core.data import resolve_path
+
+    config = load_config(args.config)
+    base_dir = Path(args.config).resolve().parent
+    if getattr(args, "data", None):
+        config.data.path = args.data
+        base_dir = None
+    if getattr(args, "max_steps", None):
+        if args.max_steps <= 0:
+            raise ConfigError("--max-steps must be greater than 0")
+        config.trainer.max_steps = args.max_steps
+    if getattr(args, "model", None):
+        config.model.base_model = args.model
+    if config.data.path:
+        found = resolve_path(config.data.path, base_dir)
+        if found is not None:
+            # The run's saved config must work from any directory.
+            config.data.path = str(found.resolve())
+    return config, base_dir
+
+
+class ConsolePrinter:
+    """Turns events into the lines a person watches: one per log interval, plus a progress bar on a
+    terminal."""
+
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None):
+        # Looked up now, not at import: sys.stdout may have been replaced since (tests, redirects).
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.bar = self.err.isatty()
+        self.memory: ev.MemorySampled | None = None
+        self._bar_shown = False
+        self._lock = threading.Lock()  # the console thread and Ctrl-C's message share the lines
+
+    def line(self, text: str) -> None:
+        """Print one line, clearing the progress bar first."""
+        with self._lock:
+            if self._bar_shown:
+                self.err.write("\r\033[K")
+                self._bar_shown = False
+            print(text, file=self.out, flush=True)
+
+    def draw_bar(self, step: int, total: int, eta: float) -> None:
+        """Redraw the progress bar on stderr (a terminal only)."""
+        if not self.bar or total <= 0:
+            return
+        width = 30
+        filled = int(width * step / total)
+        with self._lock:
+            self.err.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{total}  "
+                           f"eta {report.format_duration(eta)}")
+            self.err.flush()
+            self._bar_shown = True
+
+    def __call__(self, event: ev.Event) -> None:
+        if isinstance(event, ev.MemorySampled):
+            self.memory = event  # shown on the next step's line
+        elif isinstance(event, ev.StepLogged):
+            memory = f"  mem {report.memory_text(self.memory)}" if self.memory is not None else ""
+            self.line(report.step_line(event) + memory)
+            self.draw_bar(event.step, event.total_steps, event.eta_s)
+        elif not isinstance(event, (ev.TokenGenerated, ev.GenerationStarted, ev.GenerationFinished,
+                                    ev.WorkerStarted, ev.WorkerStopped, ev.StatusReported)):
+            line = report.describe(event)
+            if line is not None:
+                self.line(line)
+
+
+def _open_run(args: argparse.Namespace) -> tuple[RunDir, bool]:
+    """The run to train (a new one from the config, or ``--resume RUN``) and whether it resumes."""
+    if getattr(args, "resume", None):
+        run = find_run(args.resume, getattr(args, "runs_dir", None) or "runs")
+        if getattr(args, "max_steps", None):
+            if args.max_steps <= 0:
+                raise ConfigError("--max-steps must be greater than 0")
+            # The worker trains from the run's saved config: the new length goes there.
+            config = run.config()
+            config.trainer.max_steps = args.max_steps
+            config.save(run.config_path)
+        return run, True
+    config, _ = prepare_config(args)
+    # --runs-dir when given, else the config's output_dir (as `studio train --detach` does).
+    given = getattr(args, "runs_dir", None)
+    return create_run(config, given if given not in (None, "runs") else None), False
+
+
+def _follow(client: WorkerClient, printer: ConsolePrinter) -> None:
+    """The console client: print the run's new events until its worker stops."""
+    for event in client.events(poll_s=0.2):
+        printer(event)
+        if isinstance(event, ev.WorkerStopped) and event.seq >= 0:
+            break
+    client.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    """``studio train CONFIG [--data PATH] [--max-steps N] [--model M] [--resume RUN] [--runs-dir DIR]``."""
+    from studio.worker.server import Worker
+
+    try:
+        run, resume = _open_run(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        claim_device()  # an idle worker (a finished run kept up for chat) makes room
+        lock, listener = become_worker(run)
+    except (WorkerStartError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    printer = ConsolePrinter()
+    worker = Worker(run, foreground=True)
+    console = threading.Thread(target=_follow, name="studio-console",
+                               args=(WorkerClient(run, after_seq=worker.log.next_seq - 1), printer), daemon=True)
+    print(f"run directory: {run.path}", flush=True)
+    console.start()
+
+    def on_interrupt(_signum: int, _frame: Any) -> None:
+        if worker.state not in ("training", "paused"):
+            raise KeyboardInterrupt  # still loading: nothing to save yet
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts
+        printer.line("stopping after this step: saving a checkpoint and the adapter "
+                     "(Ctrl-C again to abort)")
+        worker.stop_requested = True
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    aborted = False
+    try:
+        worker.serve(listener, first=ev.StartTraining(resume=resume))
+    except KeyboardInterrupt:
+        aborted = True
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        lock.release()
+        console.join(timeout=30)
+    if aborted:
+        print(f"\naborted; continue with: studio train --resume {run.id}", file=sys.stderr)
+        return 130
+    if worker.state == "failed":
+        return 1  # the console already showed the failure
+    if worker.state == "stopped":
+        print(f"continue with: studio train --resume {run.id}")
+    else:
+        print(f"compare base and fine-tuned answers with: studio eval {run.id}")
+    return 0
