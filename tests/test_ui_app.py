@@ -26,6 +26,7 @@ from studio.ui.commands import palette_entries
 from studio.ui.messages import MemorySample
 from studio.ui.panes.template import TemplatePane
 from studio.ui.panes.vram import VramPane
+from studio.ui.widgets.block_gauge import BlockGauge
 from studio.ui.widgets.config_editor import ConfigEditor
 
 pytestmark = pytest.mark.anyio
@@ -291,3 +292,20 @@ async def test_a_newer_memory_sample_replaces_one_still_waiting(tmp_path, monkey
         await pilot.pause(0.2)
         assert drawn == [3]
         assert pane.measured == {"weights": 3 << 30}
+        assert app.query_one(BlockGauge).measured == {"weights": 3 << 30}
+
+
+async def test_a_hidden_vram_pane_draws_the_measurement_when_shown(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, rounds=1)
+        run = create_run(app.config)
+        app.open_run(run)
+        pane = app.query_one(VramPane)
+        pane.post_message(MemorySample(run, ev.MemorySampled(step=1, categories={"weights": 2 << 30})))
+        await pilot.pause(0.2)
+        assert pane.measured == {"weights": 2 << 30}
+        await pilot.press("3")
+        await pilot.pause(0.2)
+        assert app.query_one(BlockGauge).measured == {"weights": 2 << 30}

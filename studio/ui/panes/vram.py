@@ -232,9 +232,16 @@ class VramPane(Hosted, VerticalScroll):
         if sample.capacity and not self.gpu.detected:
             self._use_card(Gpu(sample.device or "this GPU", sample.capacity, detected=True))
         self.measured = dict(sample.categories)
+        if self.is_on_screen:  # hidden, the gauge catches up when shown (on_show)
+            self._show_measured()
+
+    def on_show(self) -> None:
+        self._show_measured()
+
+    def _show_measured(self) -> None:
         gauge = self.query(BlockGauge)
         if gauge:  # absent while the app tears the pane down
-            gauge.first().measured = self.measured
+            gauge.first().measured = dict(self.measured) if self.measured else None
 
     def _use_card(self, gpu: Gpu) -> None:
         """Estimate against ``gpu`` from now on (a new estimate only when the card changed)."""
