@@ -134,6 +134,7 @@ def test_compare_screen(snap_compare, tmp_path):
     app = studio(config, "studio-dark")
 
     async def run_before(pilot):
+        await panes_mounted(pilot)  # the training pane has taken focus: its keys are in the footer
         app.push_screen(CompareScreen([first, second]))
         await settle(pilot)
 
