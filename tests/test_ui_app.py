@@ -309,3 +309,20 @@ async def test_a_hidden_vram_pane_draws_the_measurement_when_shown(tmp_path, mon
         await pilot.press("3")
         await pilot.pause(0.2)
         assert app.query_one(BlockGauge).measured == {"weights": 2 << 30}
+
+
+def test_the_app_implements_the_host_interface_the_panes_use():
+    """Panes see the app only as a StudioHost (a cast, not a runtime check): every attribute and
+    method of that Protocol must exist on StudioApp, with the same parameters."""
+    import inspect
+
+    from studio.ui.host import StudioHost
+
+    app = StudioApp(make_config(), settings=False)
+    for name in StudioHost.__annotations__:
+        assert hasattr(app, name), name
+    methods = [n for n, v in vars(StudioHost).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert "send_command" in methods and "open_run" in methods
+    for name in methods:
+        expected = list(inspect.signature(getattr(StudioHost, name)).parameters)[1:]
+        assert list(inspect.signature(getattr(app, name)).parameters) == expected, name
