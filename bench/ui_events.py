@@ -1,7 +1,8 @@
 """Benchmark (not a test): the UI under a steady event stream, and how fast it answers a key.
 
 A writer thread appends training events to a run's events.jsonl at ``--rate`` events a second (steps,
-with evals, memory samples and streamed chat tokens mixed in, as a real worker writes them) while the
+with evals, memory samples by category and streamed chat tokens mixed in, as a real worker writes
+them) while the
 real Studio app follows the run with the Training pane in front. Every ``--key-every`` seconds the
 benchmark presses tab (focus moves to the next button) and times keypress-to-paint: from the key
 until the first frame drawn after the focus moved. It also reports what the training pane's redraws
@@ -10,6 +11,7 @@ studio/ui/plot_process.py, and their CPU time is reported too).
 
     python bench/ui_events.py                 # 20 events/s for 60 s -> bench/ui_events.json
     python bench/ui_events.py --seconds 10    # a quick look
+    python bench/ui_events.py --plots thread --out /tmp/thread.json   # frames built in a thread instead
 """
 
 from __future__ import annotations
@@ -50,6 +52,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
+def memory_sample(step: int, rnd: random.Random) -> ev.MemorySampled:
+    """A sample shaped like the real worker's on a GPU (Trainer.memory_event with
+    studio/engine/memory.py's categories): a 7B model in NF4 with LoRA, on an 80 GB card."""
+    categories = {"weights": 3_870_000_000, "lora": 80_000_000, "gradients": 80_000_000,
+                  "optimizer": 160_000_000, "activations": 2_400_000_000 + rnd.randrange(200_000_000),
+                  "overhead": 600_000_000}
+    peak_allocated = sum(categories.values()) - categories["overhead"]
+    return ev.MemorySampled(step=step, device="NVIDIA H100 80GB HBM3", allocated=peak_allocated - 2_000_000_000,
+                            reserved=peak_allocated + 400_000_000, peak_allocated=peak_allocated,
+                            peak_reserved=peak_allocated + 400_000_000, capacity=85_017_624_576,
+                            categories=categories)
+
+
 def write_events(run: RunDir, rate: float, seconds: float, stop: threading.Event, written: list[int]) -> None:
     """Append a plausible training event stream to the run's log at ``rate`` events a second."""
     rnd = random.Random(0)
@@ -71,8 +86,7 @@ def write_events(run: RunDir, rate: float, seconds: float, stop: threading.Event
             emit(ev.EvalLogged(step=step, loss=1.0 + 2 / (1 + step / 50), perplexity=3.0, token_accuracy=0.5,
                                rows=50))
         elif n % 20 == 0:
-            emit(ev.MemorySampled(step=step, device="cuda", allocated=3 << 30, peak_allocated=4 << 30,
-                                  capacity=80 << 30))
+            emit(memory_sample(step, rnd))
         elif n % 10 < 2:
             emit(ev.TokenGenerated(request_id="bench", text=" tok"))
         else:
@@ -104,10 +118,20 @@ async def press_and_time(pilot, pending: dict, latencies: list[float], seconds: 
 
 
 async def measure(seconds: float, rate: float, key_every: float, size: tuple[int, int],
-                  baseline_s: float) -> dict:
+                  baseline_s: float, plot_mode: str) -> dict:
+    from studio.ui import plot_process
     from studio.ui.app import StudioApp
     from studio.ui.panes.training import TrainingPane
+    from studio.ui.panes.vram import VramPane
     from studio.ui.widgets.loss_plot import BackgroundPlot, LearningRatePlot, LossPlot
+
+    if plot_mode == "thread":
+        # As if no helper process could start: BackgroundPlot then builds each frame in a thread
+        # of the UI process (the same once-a-second throttle).
+        def no_helper(*_args, **_kwargs):
+            raise plot_process.HelperDied("benchmark: plots built in a thread")
+
+        plot_process.submit = no_helper
 
     root = Path(tempfile.mkdtemp(prefix="studio-bench-"))
     config = RunConfig(output_dir=str(root))
@@ -115,8 +139,10 @@ async def measure(seconds: float, rate: float, key_every: float, size: tuple[int
 
     plot_render_s: list[float] = []
     plot_build_s: list[float] = []  # frames built in this process (a resize; no helper process)
+    memory_sample_s: list[float] = []  # what the VRAM pane does on the event loop per memory sample
     for cls, name, sink in ((LossPlot, "render", plot_render_s), (LearningRatePlot, "render", plot_render_s),
-                            (BackgroundPlot, "_frame_text", plot_build_s)):
+                            (BackgroundPlot, "_frame_text", plot_build_s),
+                            (VramPane, "on_memory_sample", memory_sample_s)):
         original = getattr(cls, name)
 
         def timed(self, *args, _original=original, _sink=sink):
@@ -194,6 +220,9 @@ async def measure(seconds: float, rate: float, key_every: float, size: tuple[int
         "plot_builds_in_ui_process": len(builds),
         "plot_build_in_ui_process_ms_mean": round(statistics.fmean(builds) * 1000, 2) if builds else 0.0,
         "frames_per_s": round(painted / elapsed, 2),
+        "plots_built_in": plot_mode,
+        "vram_pane_memory_samples": len(memory_sample_s),
+        "vram_pane_memory_sample_ms_max": round(max(memory_sample_s, default=0.0) * 1000, 2),
         "terminal_size": list(size),
         "keypress_to_paint_ms_p95_by_focus_move": {
             move: round(percentile([ms for a, b, ms in moves if f"{a} -> {b}" == move], 95), 1)
@@ -209,10 +238,13 @@ def main() -> int:
     parser.add_argument("--baseline", type=float, default=15.0,
                         help="seconds of keypresses with no events first, for comparison (default 15)")
     parser.add_argument("--size", default="120x40", help="terminal size, COLSxROWS")
+    parser.add_argument("--plots", choices=("process", "thread"), default="process",
+                        help="build plot frames in the helper process (default) or in a thread")
     parser.add_argument("--out", default=str(OUT), help=f"where to write the JSON (default {OUT.name})")
     args = parser.parse_args()
     cols, rows = (int(x) for x in args.size.split("x"))
-    result = asyncio.run(measure(args.seconds, args.rate, args.key_every, (cols, rows), args.baseline))
+    result = asyncio.run(measure(args.seconds, args.rate, args.key_every, (cols, rows), args.baseline,
+                                 args.plots))
     result["command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     result["machine"] = {"platform": platform.platform(), "python": platform.python_version(),
                          "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()}

@@ -12,16 +12,21 @@ from pathlib import Path
 
 import pytest
 from textual.widgets import TabbedContent, TextArea
-from ui_helpers import make_config, settle, workdir
+from ui_helpers import PlayedWorker, events_drawn, make_config, settle, workdir
 
 from studio.core import events as ev
 from studio.core.config import load_config
 from studio.core.data import resolve_path
 from studio.core.paths import themes_dir
+from studio.core.runs import create_run
 from studio.ui import theme as themes
 from studio.ui.app import PANES, StudioApp
 from studio.ui.cli_app import initial_config
 from studio.ui.commands import palette_entries
+from studio.ui.messages import MemorySample
+from studio.ui.panes.template import TemplatePane
+from studio.ui.panes.vram import VramPane
+from studio.ui.widgets.block_gauge import BlockGauge
 from studio.ui.widgets.config_editor import ConfigEditor
 
 pytestmark = pytest.mark.anyio
@@ -251,15 +256,73 @@ async def test_load_config_reports_errors_and_replaces_the_config(tmp_path, monk
 async def test_events_reach_panes_in_batches_without_loss(tmp_path, monkeypatch):
     workdir(tmp_path, monkeypatch)
     app = StudioApp(make_config(), settings=False)
+    seen: list[list[ev.Event]] = []
+    original = TemplatePane.on_worker_events
+    monkeypatch.setattr(TemplatePane, "on_worker_events",
+                        lambda self, message: (seen.append(message.events), original(self, message)))
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot, rounds=1)
-        seen: list[list[ev.Event]] = []
-        pane = app.query_one("#pane-template")
-        original = pane.handle_events
-        pane.handle_events = lambda batch: (seen.append(batch), original(batch))
+        worker = PlayedWorker(app)
+        app.open_run(create_run(app.config))
         for step in range(300):
-            app._events.append(ev.StepLogged(step=step, seq=step))
-        await pilot.pause(0.5)
+            worker.feed([ev.StepLogged(step=step, seq=step)])
+        await events_drawn(pilot)
         delivered = [e.step for batch in seen for e in batch]
         assert delivered == list(range(300))  # nothing dropped, in order
         assert len(seen) <= 3  # a few batches, not one call per event
+
+
+async def test_a_newer_memory_sample_replaces_one_still_waiting(tmp_path, monkeypatch):
+    """Memory samples come every logged step: a pane that is behind draws only the newest, while
+    every other event still arrives."""
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False, initial_pane="vram")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, rounds=1)
+        run = create_run(app.config)
+        app.open_run(run)
+        pane = app.query_one(VramPane)
+        drawn: list[int] = []
+        original = VramPane.on_memory_sample
+        monkeypatch.setattr(VramPane, "on_memory_sample",
+                            lambda self, message: (drawn.append(message.sample.step), original(self, message)))
+        # Three samples queued before the pane gets to run: only the last is handled.
+        for step in (1, 2, 3):
+            pane.post_message(MemorySample(run, ev.MemorySampled(step=step, categories={"weights": step << 30})))
+        await pilot.pause(0.2)
+        assert drawn == [3]
+        assert pane.measured == {"weights": 3 << 30}
+        assert app.query_one(BlockGauge).measured == {"weights": 3 << 30}
+
+
+async def test_a_hidden_vram_pane_draws_the_measurement_when_shown(tmp_path, monkeypatch):
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, rounds=1)
+        run = create_run(app.config)
+        app.open_run(run)
+        pane = app.query_one(VramPane)
+        pane.post_message(MemorySample(run, ev.MemorySampled(step=1, categories={"weights": 2 << 30})))
+        await pilot.pause(0.2)
+        assert pane.measured == {"weights": 2 << 30}
+        await pilot.press("3")
+        await pilot.pause(0.2)
+        assert app.query_one(BlockGauge).measured == {"weights": 2 << 30}
+
+
+def test_the_app_implements_the_host_interface_the_panes_use():
+    """Panes see the app only as a StudioHost (a cast, not a runtime check): every attribute and
+    method of that Protocol must exist on StudioApp, with the same parameters."""
+    import inspect
+
+    from studio.ui.host import StudioHost
+
+    app = StudioApp(make_config(), settings=False)
+    for name in StudioHost.__annotations__:
+        assert hasattr(app, name), name
+    methods = [n for n, v in vars(StudioHost).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert "send_command" in methods and "open_run" in methods
+    for name in methods:
+        expected = list(inspect.signature(getattr(StudioHost, name)).parameters)[1:]
+        assert list(inspect.signature(getattr(app, name)).parameters) == expected, name

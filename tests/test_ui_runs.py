@@ -6,11 +6,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from ui_part2_harness import PaneHarness
+from ui_helpers import PlayedWorker, panes_mounted
 
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.runs import append_event, create_run, iter_events
+from studio.ui.app import StudioApp
 from studio.ui.panes.training import TrainingPane
 from studio.ui.widgets.loss_plot import LossPlot
 from studio.ui.widgets.run_picker import CompareScreen, RunPickerScreen
@@ -34,6 +35,12 @@ def two_runs(tmp_path):
     return config, finished, short
 
 
+def studio(config: RunConfig) -> tuple[StudioApp, PlayedWorker]:
+    """The real app on the training pane (no run yet), its worker played by the test."""
+    app = StudioApp(config, settings=False, initial_pane="training")
+    return app, PlayedWorker(app)
+
+
 async def wait_for_rows(pilot, table, rows: int) -> None:
     for _ in range(60):
         await pilot.pause(0.05)
@@ -43,8 +50,9 @@ async def wait_for_rows(pilot, table, rows: int) -> None:
 
 async def test_picker_lists_runs_and_opens_one(tmp_path):
     config, finished, short = two_runs(tmp_path)
-    app = PaneHarness(TrainingPane, config)
+    app, worker = studio(config)
     async with app.run_test(size=(120, 34)) as pilot:
+        await panes_mounted(pilot)
         app.query_one(TrainingPane).focus()
         await pilot.press("o")
         assert isinstance(app.screen, RunPickerScreen)
@@ -57,13 +65,14 @@ async def test_picker_lists_runs_and_opens_one(tmp_path):
         table.move_cursor(row=[r[1] for r in map(table.get_row_at, range(2))].index(finished.id))
         await pilot.press("enter")
         await pilot.pause()
-        assert app.opened == [(finished, False)] and app.current_run == finished
+        assert worker.opened == [(finished, False)] and app.current_run == finished
 
 
 async def test_compare_two_runs_on_one_plot(tmp_path):
     config, finished, short = two_runs(tmp_path)
-    app = PaneHarness(TrainingPane, config)
+    app, _ = studio(config)
     async with app.run_test(size=(120, 34)) as pilot:
+        await panes_mounted(pilot)
         app.query_one(TrainingPane).focus()
         await pilot.press("o")
         table = app.screen.query_one("#runs-table")
@@ -89,8 +98,9 @@ async def test_compare_two_runs_on_one_plot(tmp_path):
 
 
 async def test_no_runs_says_how_to_make_one(tmp_path):
-    app = PaneHarness(TrainingPane, RunConfig(output_dir=str(tmp_path / "none")))
+    app, _ = studio(RunConfig(output_dir=str(tmp_path / "none")))
     async with app.run_test(size=(120, 34)) as pilot:
+        await panes_mounted(pilot)
         app.query_one(TrainingPane).focus()
         await pilot.press("o")
         await pilot.pause(0.3)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 from textual.widgets import Select, Static
-from ui_helpers import make_config, settle, workdir
+from ui_helpers import PlayedWorker, events_drawn, make_config, settle, workdir
 
 from studio.core import events as ev
 from studio.core import prompt as prompts
@@ -151,29 +151,54 @@ async def test_without_a_tokenizer_counts_are_labelled_approximate(tmp_path, mon
 async def test_zero_shot_sends_the_prompt_and_streams_the_answer(tmp_path, monkeypatch):
     workdir(tmp_path, monkeypatch)
     app = StudioApp(make_config(), settings=False)
-    sent: list[ev.Command] = []
-    app.send_command = sent.append  # the worker is exercised in the worker's own tests
+    worker = PlayedWorker(app)  # the worker is exercised in the worker's own tests
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         await pilot.press("2", "ctrl+g")
-        (command,) = sent
+        (command,) = worker.sent
         assert isinstance(command, ev.Generate) and command.adapter is False
         _, row = app.selected
         assert command.prompt.endswith("### Response:\n") and row["instruction"] in command.prompt
         pane = app.query_one(TemplatePane)
         rid = command.request_id
-        app._events.extend([ev.ModelLoading(stage="weights", fraction=0.5)])
-        await pilot.pause(0.3)
+        worker.feed([ev.ModelLoading(stage="weights", fraction=0.5)])
+        await events_drawn(pilot)
         assert "loading the model: weights" in str(app.query_one("#template-zero-label", Static).render())
-        app._events.extend([ev.ModelLoaded(base_model="tok"),
-                            ev.TokenGenerated(request_id=rid, text="def "),
-                            ev.TokenGenerated(request_id="someone-else", text="nope"),
-                            ev.TokenGenerated(request_id=rid, text="f():")])
-        await pilot.pause(0.3)
+        worker.feed([ev.ModelLoaded(base_model="tok"),
+                     ev.TokenGenerated(request_id=rid, text="def "),
+                     ev.TokenGenerated(request_id="someone-else", text="nope"),
+                     ev.TokenGenerated(request_id=rid, text="f():")])
+        await events_drawn(pilot)
         assert str(app.query_one("#template-zero-answer", Static).render()) == "def f():"
-        app._events.append(ev.GenerationFinished(request_id=rid, text="def f(): pass", new_tokens=5,
-                                                 tokens_per_s=10.0))
-        await pilot.pause(0.3)
+        worker.feed([ev.GenerationFinished(request_id=rid, text="def f(): pass", new_tokens=5,
+                                           tokens_per_s=10.0)])
+        await events_drawn(pilot)
         assert str(app.query_one("#template-zero-answer", Static).render()) == "def f(): pass"
         assert "5 tokens" in str(app.query_one("#template-zero-label", Static).render())
         assert pane._request is None
+
+
+async def test_zero_shot_shows_a_warning_as_a_note_and_keeps_the_answer(tmp_path, monkeypatch):
+    """A warning while the model loads (rows truncated) is not a failure: the answer that follows
+    is shown, and the warning beside it."""
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    worker = PlayedWorker(app)  # ctrl+g makes the run
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2", "ctrl+g")
+        (command,) = worker.sent
+        rid = command.request_id
+        worker.feed([ev.WorkerFailed(kind="data", fatal=False, message="3 rows were truncated to 512 tokens"),
+                     ev.ModelLoaded(base_model="tok"), ev.TokenGenerated(request_id=rid, text="def "),
+                     ev.GenerationFinished(request_id=rid, text="def f(): pass", new_tokens=5, tokens_per_s=10.0)])
+        await events_drawn(pilot)
+        label = str(app.query_one("#template-zero-label", Static).render())
+        assert "failed" not in label
+        assert "5 tokens" in label and "rows were truncated" in label
+        assert str(app.query_one("#template-zero-answer", Static).render()) == "def f(): pass"
+        # A real failure still reads as one.
+        await pilot.press("ctrl+g")
+        worker.feed([ev.WorkerFailed(kind="oom", message="out of memory")])
+        await events_drawn(pilot)
+        assert "the worker failed" in str(app.query_one("#template-zero-label", Static).render())

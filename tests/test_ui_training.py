@@ -1,7 +1,8 @@
 """The training pane: controls, batched redraws, failures in place, and (live) the real worker.
 
-Most tests run the pane in a harness app and play the worker with events; the live test at the end
-trains the tiny model through the real worker from the pane's keys.
+Most tests run the real app on the training pane and play the worker (commands recorded, events
+fed to the app's follower queue); the live test at the end trains the tiny model through the real
+worker from the pane's keys.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from ui_part2_harness import PaneHarness
+from ui_helpers import PlayedWorker, events_drawn, panes_mounted
 
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.runs import create_run, iter_events
+from studio.ui.app import StudioApp
 from studio.ui.panes.training import ConfirmScreen, TrainingPane
 from studio.ui.widgets.loss_plot import LossPlot
 
@@ -31,15 +33,31 @@ def text_of(app, selector: str) -> str:
     return str(app.query_one(selector).render())
 
 
-def harness(tmp_path, run=None) -> PaneHarness:
-    return PaneHarness(TrainingPane, RunConfig(output_dir=str(tmp_path / "runs")), run=run)
+def studio(config: RunConfig, run=None) -> tuple[StudioApp, PlayedWorker]:
+    """The real app on the training pane, its worker played by the test."""
+    app = StudioApp(config, run=run, settings=False, initial_pane="training")
+    return app, PlayedWorker(app)
+
+
+def harness(tmp_path, run: bool = True) -> tuple[StudioApp, PlayedWorker]:
+    """The app following a fresh run (events need one), or none when ``run`` is False."""
+    config = RunConfig(output_dir=str(tmp_path / "runs"))
+    return studio(config, create_run(config) if run else None)
+
+
+async def pane_ready(pilot) -> TrainingPane:
+    """The training pane, once every pane is mounted (they mount just after the first frame; an
+    app quitting while one is still composing fails in Textual's TabbedContent)."""
+    await panes_mounted(pilot)
+    return pilot.app.query_one(TrainingPane)
 
 
 async def test_recorded_history_is_drawn_in_full(tmp_path):
-    app = harness(tmp_path)
+    app, worker = harness(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
-        app.feed(RECORDED)
-        await pilot.pause(0.4)
+        await pane_ready(pilot)
+        worker.feed(RECORDED)
+        await events_drawn(pilot)
         last = RECORDED_STEPS[-1]
         assert f"step {last}/{last}" in text_of(app, "#training-progress-line")
         assert "finished" in text_of(app, "#training-status")
@@ -50,16 +68,16 @@ async def test_recorded_history_is_drawn_in_full(tmp_path):
 
 
 async def test_a_flood_of_events_is_drawn_a_few_times_a_second(tmp_path):
-    app = harness(tmp_path)
+    app, worker = harness(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
-        pane = app.query_one(TrainingPane)
+        pane = await pane_ready(pilot)
         await pilot.pause(0.3)
         before = pane.redraws
         started = time.monotonic()
-        for event in RECORDED:  # one batch per event: the worst case
-            app.feed([event])
+        for event in RECORDED:  # one event at a time: the worst case
+            worker.feed([event])
             await pilot.pause(0.005)
-        await pilot.pause(0.4)
+        await events_drawn(pilot)
         seconds = time.monotonic() - started
         assert pane.state.step == RECORDED_STEPS[-1]  # nothing lost...
         assert pane.redraws - before <= 4 * seconds + 2  # ...but at most ~4 redraws a second
@@ -67,55 +85,56 @@ async def test_a_flood_of_events_is_drawn_a_few_times_a_second(tmp_path):
 
 
 async def test_start_creates_a_run_and_starts_its_worker(tmp_path):
-    app = harness(tmp_path)
+    app, worker = harness(tmp_path, run=False)
     async with app.run_test(size=SIZE) as pilot:
+        (await pane_ready(pilot)).focus()
         await pilot.press("s")
         await pilot.pause()
-        (run, start_worker), = app.opened
+        (run, start_worker), = worker.opened
         assert start_worker and run.config_path.exists() and run.path.parent == tmp_path / "runs"
-        assert isinstance(app.sent[-1], ev.StartTraining)
+        assert isinstance(worker.sent[-1], ev.StartTraining)
         await pilot.press("s")  # a second press while loading does nothing
-        assert len(app.opened) == 1
+        assert len(worker.opened) == 1
 
 
 async def test_pause_resume_and_stop_with_confirmation(tmp_path):
-    config = RunConfig(output_dir=str(tmp_path / "runs"))
-    app = PaneHarness(TrainingPane, config, run=create_run(config))
+    app, worker = harness(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
-        app.query_one(TrainingPane).focus()
-        app.feed([ev.RunStarted(total_steps=10), ev.StepLogged(step=1, total_steps=10, loss=2.0)])
-        await pilot.pause(0.3)
+        (await pane_ready(pilot)).focus()
+        worker.feed([ev.RunStarted(total_steps=10), ev.StepLogged(step=1, total_steps=10, loss=2.0)])
+        await events_drawn(pilot)
         await pilot.press("r")  # not paused: resume is not offered
-        assert not app.sent
+        assert not worker.sent
         await pilot.press("p")
-        assert isinstance(app.sent[-1], ev.Pause)
-        app.feed([ev.TrainingPaused(step=1)])
-        await pilot.pause(0.3)
+        assert isinstance(worker.sent[-1], ev.Pause)
+        worker.feed([ev.TrainingPaused(step=1)])
+        await events_drawn(pilot)
         assert "paused" in text_of(app, "#training-status")
         await pilot.press("r")
-        assert isinstance(app.sent[-1], ev.Resume)
-        app.feed([ev.TrainingResumed(step=1)])
-        await pilot.pause(0.3)
+        assert isinstance(worker.sent[-1], ev.Resume)
+        worker.feed([ev.TrainingResumed(step=1)])
+        await events_drawn(pilot)
         await pilot.press("x")
         assert isinstance(app.screen, ConfirmScreen)
         await pilot.press("n")  # changed my mind: nothing sent
-        assert not isinstance(app.sent[-1], ev.Stop) and not isinstance(app.screen, ConfirmScreen)
+        assert not isinstance(worker.sent[-1], ev.Stop) and not isinstance(app.screen, ConfirmScreen)
         await pilot.press("x")
         await pilot.press("y")
-        assert isinstance(app.sent[-1], ev.Stop)
+        assert isinstance(worker.sent[-1], ev.Stop)
 
 
 async def test_failures_are_shown_in_place_and_the_ui_stays(tmp_path):
-    app = harness(tmp_path)
+    app, worker = harness(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
-        app.feed([ev.RunStarted(total_steps=10, micro_batch_size=8, gradient_accumulation_steps=2),
+        await pane_ready(pilot)
+        worker.feed([ev.RunStarted(total_steps=10, micro_batch_size=8, gradient_accumulation_steps=2),
                   ev.BatchSizeReduced(step=2, old_micro_batch_size=8, micro_batch_size=4,
                                       gradient_accumulation_steps=4)])
         # The pane redraws a few times a second: wait for the redraw rather than a fixed pause.
         await wait_until(pilot, lambda: "out of memory; micro-batch 8 -> 4" in text_of(app, "#training-alert"),
                          10, "the OOM notice")
         assert "micro-batch 4 × 4" in text_of(app, "#training-status")
-        app.feed([ev.WorkerFailed(kind="data", message="train.jsonl line 12: 'output' is empty; fill it or "
+        worker.feed([ev.WorkerFailed(kind="data", message="train.jsonl line 12: 'output' is empty; fill it or "
                                   "drop the row")])
         await wait_until(pilot, lambda: "Data error: train.jsonl line 12" in text_of(app, "#training-alert"),
                          10, "the data error")
@@ -123,15 +142,28 @@ async def test_failures_are_shown_in_place_and_the_ui_stays(tmp_path):
         assert app.is_running
 
 
+async def test_the_status_line_names_the_loading_stage_once(tmp_path):
+    """The worker's stages say what they do ("loading the weights"): the line must not stutter."""
+    app, worker = harness(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pane_ready(pilot)
+        worker.feed([ev.ModelLoading(stage="loading the weights", fraction=0.2)])
+        await events_drawn(pilot)
+        status = text_of(app, "#training-status")
+        assert "loading the weights 20%" in status
+        assert "loading loading" not in status
+
+
 async def test_export_copies_the_adapter(tmp_path):
     config = RunConfig(output_dir=str(tmp_path / "runs"))
     run = create_run(config)
     run.adapter_dir.mkdir()
     (run.adapter_dir / "adapter_config.json").write_text("{}")
-    app = PaneHarness(TrainingPane, config, run=run)
+    app, worker = studio(config, run)
     async with app.run_test(size=SIZE) as pilot:
-        app.feed([ev.TrainingFinished(step=5, adapter_path=str(run.adapter_dir))])
-        await pilot.pause(0.3)
+        (await pane_ready(pilot)).focus()
+        worker.feed([ev.TrainingFinished(step=5, adapter_path=str(run.adapter_dir))])
+        await events_drawn(pilot)
         await pilot.press("e")
         dest = tmp_path / "out"
         app.screen.query_one("#export-path").value = str(dest)
@@ -147,7 +179,7 @@ async def test_export_copies_the_adapter(tmp_path):
         app.screen.query_one("#export-path").value = str(tmp_path / "merged")
         await pilot.click("#export-merged")
         await pilot.pause()
-        assert app.sent[-1] == ev.ExportMerged(path=str(tmp_path / "merged"))
+        assert worker.sent[-1] == ev.ExportMerged(path=str(tmp_path / "merged"))
 
 
 # --------------------------------------------------------------------------- the real worker

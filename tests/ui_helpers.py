@@ -112,3 +112,63 @@ def no_blink(app) -> None:
     """Cursor blink off: a snapshot must not depend on the moment it is taken."""
     for widget in app.query("Input, TextArea"):
         widget.cursor_blink = False
+
+
+class PlayedWorker:
+    """The test plays the worker of a real :class:`~studio.ui.app.StudioApp`.
+
+    Commands the app would send to its worker are recorded in :attr:`sent` (no worker process is
+    started), the runs it opens in :attr:`opened` as (run, start_worker); :meth:`feed` hands events to
+    the app where its event follower puts what it reads from the run's log, so they reach the panes
+    the way a real worker's do (batched, as messages).
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.sent: list = []
+        self.opened: list = []
+        open_run = app.open_run
+
+        def record_open(run, start_worker: bool = False) -> None:
+            self.opened.append((run, start_worker))
+            open_run(run, start_worker=start_worker)
+
+        # Instance attributes shadow the methods: the panes call these through the app.
+        app.open_run = record_open
+        app._deliver = self._deliver
+
+    def _deliver(self, start: bool) -> None:
+        while not self.app._outbox.empty():
+            self.sent.append(self.app._outbox.get_nowait())
+
+    def feed(self, events) -> None:
+        """Events of the current run, as if the worker had just written them."""
+        assert self.app.current_run is not None, "events belong to a run: open one first"
+        self.app._events.extend(events)
+
+
+def fixed_run(root: Path, name: str, config: RunConfig):
+    """A run with a fixed id (create_run stamps the time, which would change every snapshot)."""
+    from studio.core.runs import RunDir
+
+    run = RunDir(root / name)
+    run.checkpoints_dir.mkdir(parents=True)
+    config.save(run.config_path)
+    return run
+
+
+async def events_drawn(pilot, timeout: float = 30.0) -> None:
+    """Wait until every event handed to the app has been posted to the mounted panes and handled,
+    then for the panes' own throttled repaints (4 a second at most)."""
+    app = pilot.app
+    deadline = time.monotonic() + timeout
+
+    def busy() -> bool:
+        mounted = [p for p in app.panes if p.is_mounted]
+        return bool(app._events) or any(app._delivered.get(p, 0) < len(app._history) for p in mounted) \
+            or any(not p._message_queue.empty() for p in mounted)
+
+    while busy():
+        assert time.monotonic() < deadline, "the events never reached the panes"
+        await pilot.pause(0.05)
+    await pilot.pause(0.3)

@@ -1,10 +1,11 @@
 """The Studio app: composes the panes as tabs and routes state between them.
 
 State lives here and nowhere else: the config being edited, the run being followed, the selected row,
-the token counter. Panes change it through the methods below (``config_edited``, ``select_row``,
-``send_command``...) and hear about changes through the messages in :mod:`studio.ui.messages`.
-Anything slow (the worker socket, the event log, the tokenizer) runs in a thread worker; events reach
-the panes in batches, a few times a second at most, however fast the worker writes them.
+the token counter. Panes see the app through :class:`studio.ui.host.StudioHost` (which this class
+implements), change state through its methods (``config_edited``, ``select_row``, ``send_command``...)
+and hear about changes through the messages in :mod:`studio.ui.messages`. Anything slow (the worker
+socket, the event log, the tokenizer) runs in a thread worker; the worker's events reach the panes as
+``WorkerEvents`` messages, batched a few times a second at most, however fast the worker writes them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from textual.worker import get_current_worker
 
 from studio.core.config import RunConfig
 from studio.ui import theme as themes
-from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged
+from studio.ui.messages import ConfigChanged, DatasetChanged, MemorySample, RowChanged, TokenizerChanged, WorkerEvents
 from studio.ui.widgets.footer import StudioFooter
 from studio.ui.widgets.token_counter import TokenCounter, approximate_counter, load_token_counter
 
@@ -52,7 +53,7 @@ PANES = (
 HIDDEN_PANES_DELAY_S = 0.6
 """Hidden panes are imported and mounted this long after start: after the shown pane is painted."""
 EVENT_FLUSH_S = 0.2
-"""Events reach the panes at most this often (5 redraws a second), however fast they arrive."""
+"""Events are posted to the panes at most this often (5 batches a second), however fast they arrive."""
 
 
 def _make_pane(tab: str, title: str, module: str, cls: str) -> Widget:
@@ -426,7 +427,8 @@ class StudioApp(App[None]):
 
     @work(thread=True, exclusive=True, group="events", exit_on_error=False, description="following events")
     def _follow_events(self, run: RunDir) -> None:
-        """Read the run's events (history, then live) into a queue the UI drains on a timer."""
+        """Read the run's events (history, then live) into a queue the UI drains on a timer
+        (``_flush_events``): posting a message per event would flood the panes' queues."""
         from studio.worker.client import WorkerClient
 
         worker = get_current_worker()
@@ -441,18 +443,32 @@ class StudioApp(App[None]):
             client.close()
 
     def _flush_events(self) -> None:
-        """Hand every pane that takes events the ones it has not seen yet (all of them, for a pane
-        that mounted after the run's history was read)."""
+        """Post every mounted pane the events it has not seen yet (all of them, for a pane that
+        mounted after the run's history was read): one :class:`WorkerEvents` batch, and the newest
+        memory sample as a :class:`MemorySample` that a later one replaces while it waits."""
+        from studio.core import events as ev
+
         while self._events:
             self._history.append(self._events.popleft())
+        run = self.current_run
+        if run is None:
+            return
+        split: dict[int, tuple[list[ev.Event], ev.MemorySampled | None]] = {}
         for pane in self.panes:
-            handle = getattr(pane, "handle_events", None)
-            if handle is None or not pane.is_mounted:
-                continue
             seen = self._delivered.get(pane, 0)
-            if seen < len(self._history):
-                self._delivered[pane] = len(self._history)
-                handle(self._history[seen:])
+            if not pane.is_mounted or seen >= len(self._history):
+                continue
+            self._delivered[pane] = len(self._history)
+            if seen not in split:  # panes mounted together share one split of their events
+                fresh = self._history[seen:]
+                samples = [e for e in fresh if isinstance(e, ev.MemorySampled)]
+                split[seen] = ([e for e in fresh if not isinstance(e, ev.MemorySampled)],
+                               samples[-1] if samples else None)
+            batch, sample = split[seen]
+            if batch:
+                pane.post_message(WorkerEvents(run, batch))
+            if sample is not None:
+                pane.post_message(MemorySample(run, sample))
 
     # ------------------------------------------------------------------------------ actions
 

@@ -81,13 +81,19 @@ def _loaded(module: str) -> object | None:
 class StudioCommands(Provider):
     """Studio's actions for the command palette."""
 
+    def _entries(self) -> list[PaletteEntry]:
+        from studio.ui.app import StudioApp
+
+        # Registered only by StudioApp (its COMMANDS); another app has no Studio entries.
+        return palette_entries(self.app) if isinstance(self.app, StudioApp) else []
+
     async def discover(self) -> Hits:
-        for entry in palette_entries(self.app):  # type: ignore[arg-type]
+        for entry in self._entries():
             yield DiscoveryHit(entry.title, entry.run, help=entry.help)
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
-        for entry in palette_entries(self.app):  # type: ignore[arg-type]
+        for entry in self._entries():
             score = matcher.match(entry.title)
             if score > 0:
                 yield Hit(score, matcher.highlight(entry.title), entry.run, text=entry.title, help=entry.help)

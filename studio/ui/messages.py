@@ -3,6 +3,10 @@
 Panes change shared state through the app (``app.config_edited``, ``app.select_row``,
 ``app.send_command``); the app then tells every other pane with one of these messages.
 A pane handles the ones it cares about with the usual ``on_<name>`` methods.
+
+The worker's events come down the same way: :class:`WorkerEvents` carries a batch (a few a second at
+most, however fast the worker writes), and :class:`MemorySample` the newest memory measurement, which
+a newer one replaces while it still waits in a pane's queue (a busy pane draws only the latest).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from textual.message import Message
 
 if TYPE_CHECKING:  # the app's first frame does not import the run machinery
+    from studio.core import events as ev
     from studio.core.runs import RunDir
 
 
@@ -21,14 +26,6 @@ class ConfigChanged(Message, bubble=False):
     def __init__(self, section: str = "all") -> None:
         super().__init__()
         self.section = section
-
-
-class RunChanged(Message, bubble=False):
-    """The app now follows another run (or none); its events arrive again from the start."""
-
-    def __init__(self, run: RunDir | None) -> None:
-        super().__init__()
-        self.run = run
 
 
 class DatasetChanged(Message, bubble=False):
@@ -52,3 +49,27 @@ class RowChanged(Message, bubble=False):
 
 class TokenizerChanged(Message, bubble=False):
     """The token counter for the current base model is ready (or fell back to an approximation)."""
+
+
+class WorkerEvents(Message, bubble=False):
+    """A batch of the followed run's events, in the order the worker wrote them (memory samples
+    excepted: they come as :class:`MemorySample`). Nothing is dropped."""
+
+    def __init__(self, run: RunDir, events: list[ev.Event]) -> None:
+        super().__init__()
+        self.run = run
+        """The run they belong to: a batch still queued when the app switched runs is stale."""
+        self.events = events
+
+
+class MemorySample(Message, bubble=False):
+    """The newest MemorySampled event of the followed run."""
+
+    def __init__(self, run: RunDir, sample: ev.MemorySampled) -> None:
+        super().__init__()
+        self.run = run
+        self.sample = sample
+
+    def can_replace(self, message: Message) -> bool:
+        """A newer sample of the same run, queued right behind this one, makes this one stale."""
+        return isinstance(message, MemorySample) and message.run == self.run

@@ -26,6 +26,8 @@ from studio.core import events as ev
 from studio.core import scoring
 from studio.core.config import RunConfig
 from studio.core.runs import RunDir, create_run
+from studio.ui.host import Hosted
+from studio.ui.messages import WorkerEvents
 
 CHAT_COMMANDS: list[tuple[str, str, str]] = [
     ("Chat: ask", "Send the prompt to the base model and the fine-tune side by side", "ask"),
@@ -69,7 +71,7 @@ class HeldOutRow:
         return scoring.score(answer.text, self.target) if answer and answer.done else None
 
 
-class ChatPane(Vertical):
+class ChatPane(Hosted, Vertical):
     """Prompt box, settings, the two answer columns and the held-out table."""
 
     DEFAULT_CSS = """
@@ -110,6 +112,9 @@ class ChatPane(Vertical):
         self._heldout_request: str | None = None
         self._round = 0
         self._dirty = False
+        self._idle_extra: str | None = ""
+        """What follows the idle status line now shown (None while it shows something else), so
+        the line can be rewritten when the adapter appears."""
 
     def compose(self) -> ComposeResult:
         gen = self._config().generation
@@ -140,8 +145,8 @@ class ChatPane(Vertical):
             yield Static("", id="chat-heldout-totals")
 
     def on_mount(self) -> None:
-        self.reset_run(getattr(self.app, "current_run", None))
-        self._set_status(self._idle_status())
+        self.reset_run(self.host.current_run)
+        self._show_idle()
         self._paint()
         self.set_interval(0.1, self._paint_if_dirty)
 
@@ -153,13 +158,13 @@ class ChatPane(Vertical):
 
     def _config(self) -> RunConfig:
         """The run's config when a run is open (its template trained the adapter), else the app's."""
-        run = getattr(self.app, "current_run", None)
+        run = self.host.current_run
         if run is not None:
             try:
                 return run.config()
             except ValueError:
                 pass
-        return getattr(self.app, "config", None) or RunConfig()
+        return self.host.config
 
     def reset_run(self, run: RunDir | None) -> None:
         """A new run: forget the answers; the adapter exists if the run saved one or a checkpoint."""
@@ -168,19 +173,30 @@ class ChatPane(Vertical):
         self.adapter_ready = run is not None and run.adapter() is not None
         if self.is_mounted:
             self.query_one("#chat-heldout-box").remove_class("shown")
-            self._set_status(self._idle_status())
+            self._show_idle()
             self._paint()
 
     def _idle_status(self) -> str:
-        run = getattr(self.app, "current_run", None)
+        run = self.host.current_run
         where = f"run {run.id}" if run else "no run yet (asking starts a worker for the current config)"
         adapter = "adapter ready" if self.adapter_ready else "no adapter yet (base model only)"
         return f"{where} · {adapter}"
 
     def _set_status(self, text: str, error: bool = False) -> None:
+        self._idle_extra = None
         status = self.query_one("#chat-status", Static)
         status.update(text)
         status.set_class(error, "error")
+
+    def _show_idle(self, extra: str = "") -> None:
+        """The idle status line (which run, whether it has an adapter), then ``extra``."""
+        self._set_status(self._idle_status() + extra)
+        self._idle_extra = extra
+
+    def on_worker_events(self, message: WorkerEvents) -> None:
+        """The run's events: answers, whether an adapter exists, failures."""
+        if message.run == self.host.current_run:
+            self.handle_events(message.events)
 
     def handle_events(self, events: list[ev.Event]) -> None:
         """Stream answers by request id; learn when an adapter exists; show generation failures."""
@@ -190,6 +206,8 @@ class ChatPane(Vertical):
                 if not self.adapter_ready:
                     self.adapter_ready = True
                     self._dirty = True
+                    if self._idle_extra is not None:  # the line said "no adapter yet": it has one now
+                        self._show_idle(self._idle_extra)
             elif isinstance(event, ev.TokenGenerated):
                 answer = self.answers.get(event.request_id)
                 if answer is not None and not answer.done:
@@ -219,7 +237,7 @@ class ChatPane(Vertical):
         answer.done, answer.new_tokens, answer.tokens_per_s = True, event.new_tokens, event.tokens_per_s
         self._dirty = True
         if event.request_id in self.sides and not any(not self.answers[r].done for r in self.sides):
-            self._set_status(self._idle_status() + " · answered")
+            self._show_idle(" · answered")
 
     def _paint_if_dirty(self) -> None:
         if self._dirty:
@@ -265,24 +283,20 @@ class ChatPane(Vertical):
 
     def _ensure_run(self) -> bool:
         """Before any run exists, make one from the app's config so a worker can answer."""
-        if getattr(self.app, "current_run", None) is not None:
+        if self.host.current_run is not None:
             return True
-        opener = getattr(self.app, "open_run", None)
-        if opener is None:
-            self._set_status("This app cannot start a worker (no open_run).", error=True)
-            return False
         try:
-            run = create_run(self.app.config)
+            run = create_run(self.host.config)
         except OSError as exc:
             self._set_status(f"Cannot create a run directory: {exc}", error=True)
             return False
-        opener(run, start_worker=True)
+        self.host.open_run(run, start_worker=True)
         return True
 
     def _request(self, prompt: str, adapter: bool, request_id: str, settings: dict[str, Any],
                  row: dict[str, str] | None = None) -> None:
         self.answers[request_id] = Answer()
-        self.app.send_command(ev.Generate(request_id=request_id, prompt=prompt, adapter=adapter, row=row,
+        self.host.send_command(ev.Generate(request_id=request_id, prompt=prompt, adapter=adapter, row=row,
                                           **settings))
 
     def ask(self, text: str) -> bool:
@@ -299,7 +313,7 @@ class ChatPane(Vertical):
         if self.adapter_ready:
             self.sides[f"{stamp}-tuned"] = "tuned"
             self._request(prompt, True, f"{stamp}-tuned", settings)
-        self._set_status(self._idle_status() + " · asking…")
+        self._show_idle(" · asking…")
         self._paint()
         return True
 

@@ -24,6 +24,7 @@ from textual.widgets import Button, Input, OptionList, ProgressBar, Static, Tabb
 from textual.widgets.option_list import Option
 
 from studio.core import data as datalib
+from studio.ui.host import Hosted
 from studio.ui.messages import ConfigChanged, TokenizerChanged
 from studio.ui.widgets.column_map import ColumnMap
 from studio.ui.widgets.column_stats import StatsView
@@ -55,7 +56,7 @@ _CONTROL_CHARACTERS = dict.fromkeys([*range(32), *range(127, 160)])
 """C0 and C1 control characters (and DEL), deleted from cells."""
 
 
-class DatasetPane(Vertical):
+class DatasetPane(Hosted, Vertical):
     """Open, page, filter and inspect a dataset."""
 
     BINDINGS = [
@@ -113,7 +114,7 @@ class DatasetPane(Vertical):
 
     def on_mount(self) -> None:
         self._busy(None)
-        path = self.app.config.data.path  # type: ignore[attr-defined]
+        path = self.host.config.data.path
         if path:
             self.query_one("#dataset-path", Input).value = str(path)
             # Reading starts once the pane is painted: the reader thread imports `datasets` and
@@ -143,11 +144,11 @@ class DatasetPane(Vertical):
 
     @work(thread=True, exclusive=True, group="dataset-load", exit_on_error=False, description="reading data")
     def _load(self, path: str) -> None:
-        config_path = self.app.config_path  # type: ignore[attr-defined]
+        config_path = self.host.config_path
         base = config_path.parent if config_path else None
         started = time.perf_counter()
         try:
-            table = datalib.Table.open(path, self.app.config.data.hub_split, base)  # type: ignore[attr-defined]
+            table = datalib.Table.open(path, self.host.config.data.hub_split, base)
         except datalib.DataError as exc:
             self.app.call_from_thread(self._load_failed, str(exc))
             return
@@ -175,7 +176,7 @@ class DatasetPane(Vertical):
             grid.add_column(name, key=name)
         self.show_page(0)
         self._busy(None)
-        self.app.dataset_opened(path, table.column_names, len(table), origin=self)  # type: ignore[attr-defined]
+        self.host.dataset_opened(path, table.column_names, len(table), origin=self)
         self._show_mapping()
         self.refresh_analysis()
         self.notify(f"{len(table):,} rows, {len(table.column_names)} columns in {seconds:.1f} s",
@@ -311,7 +312,7 @@ class DatasetPane(Vertical):
             return
         row = self.table.row(index)
         self._show_row(index, row)
-        self.app.select_row(index, row, origin=self)  # type: ignore[attr-defined]
+        self.host.select_row(index, row, origin=self)
 
     @on(PageTable.RowSelected, "#dataset-table")
     def _row_selected(self, event: PageTable.RowSelected) -> None:
@@ -339,8 +340,8 @@ class DatasetPane(Vertical):
     @work(thread=True, exclusive=True, group="dataset-analysis", exit_on_error=False,
           description="column statistics and lint")
     def _analyse(self, table: datalib.Table) -> None:
-        app: Any = self.app
-        config, counter = app.config, app.counter
+        app = self.app
+        config, counter = self.host.config, self.host.counter
         tokenize = counter.tokenizer if counter.tokenizer is not None else counter.tokenize
         app.call_from_thread(self._busy, "statistics…", 0.1)
         source: Any = table.dataset
@@ -404,7 +405,7 @@ class DatasetPane(Vertical):
     def _show_mapping(self) -> None:
         if self.table is None:
             return
-        config = self.app.config  # type: ignore[attr-defined]
+        config = self.host.config
         fields, optional = datalib.template_fields_for(config)
         shown = (tuple(fields), tuple(self.table.column_names), tuple(sorted(config.data.columns.items())))
         if shown != self._mapping_shown:  # rebuilding the Selects on every template edit is wasteful
@@ -412,7 +413,7 @@ class DatasetPane(Vertical):
             self.query_one(ColumnMap).show(fields, optional, self.table.column_names, config.data.columns)
 
     def on_column_map_changed(self, message: ColumnMap.Changed) -> None:
-        app: Any = self.app
+        app = self.host
         if app.config.data.columns == message.mapping:
             return
         app.config.data.columns = message.mapping
@@ -427,7 +428,7 @@ class DatasetPane(Vertical):
 
     def on_config_changed(self, message: ConfigChanged) -> None:
         if message.section in ("prompt", "data", "all"):
-            path = self.app.config.data.path  # type: ignore[attr-defined]
+            path = self.host.config.data.path
             if message.section in ("data", "all") and path and (self.table is None or self.table.source != path):
                 self.query_one("#dataset-path", Input).value = str(path)
                 self.open(str(path))

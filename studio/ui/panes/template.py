@@ -23,7 +23,8 @@ from textual.widgets import Button, Label, ProgressBar, Select, Static, TextArea
 from studio.core import events as ev
 from studio.core import prompt as prompts
 from studio.core.config import PromptConfig
-from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged
+from studio.ui.host import Hosted
+from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged, WorkerEvents
 from studio.ui.widgets.prompt_preview import count_line, legend, measure, preview_content
 from studio.ui.widgets.template_editor import TemplateEditor
 
@@ -51,7 +52,7 @@ def line_of(text: str, offset: int) -> int:
     return text.count("\n", 0, offset) + 1
 
 
-class TemplatePane(Vertical):
+class TemplatePane(Hosted, Vertical):
     """Template editor with a live render of the selected row and a zero-shot preview."""
 
     BINDINGS = [
@@ -66,6 +67,8 @@ class TemplatePane(Vertical):
         self._render_timer: Timer | None = None
         self._request: str | None = None
         self._answer = ""
+        self._note = ""
+        """A warning the worker gave while answering (shown beside the finished answer)."""
         self._columns: list[str] | None = None
         self._setting_text = False
         self._dirty = False
@@ -95,7 +98,7 @@ class TemplatePane(Vertical):
                         yield Static("", id="template-zero-answer")
 
     def on_mount(self) -> None:
-        self._columns = list(self.app.dataset_columns) or None  # type: ignore[attr-defined]
+        self._columns = list(self.host.dataset_columns) or None
         self.query_one("#template-zero-progress").display = False
         self._load_template()
 
@@ -113,7 +116,7 @@ class TemplatePane(Vertical):
 
     def _load_template(self) -> None:
         """Show ``config.prompt.template`` (a preset shows its text) and select its preset."""
-        config = self.app.config  # type: ignore[attr-defined]
+        config = self.host.config
         name = config.prompt.template
         text = self._preset_text(name) if name in prompts.PRESETS else name
         if text is None:
@@ -128,11 +131,10 @@ class TemplatePane(Vertical):
 
     def _preset_text(self, name: str) -> str | None:
         """A preset's literal text; None (and a notice) when it cannot be made (chat without one)."""
-        app: Any = self.app
-        counter = app.counter
+        counter = self.host.counter
         try:
             return prompts.resolve_template(
-                PromptConfig(template=name, response_field=app.config.prompt.response_field),
+                PromptConfig(template=name, response_field=self.host.config.prompt.response_field),
                 counter.chat_template, eos_token=counter.eos_token or "")
         except prompts.TemplateError as exc:
             self.notify(str(exc), title="Preset not available", severity="warning", timeout=8)
@@ -141,7 +143,7 @@ class TemplatePane(Vertical):
     @on(Select.Changed, "#template-preset")
     def _preset_chosen(self, event: Select.Changed) -> None:
         name = event.value
-        app: Any = self.app
+        app = self.host
         if not isinstance(name, str) or name == CUSTOM or name == app.config.prompt.template:
             return
         text = self._preset_text(name)
@@ -157,7 +159,7 @@ class TemplatePane(Vertical):
 
     def action_next_preset(self) -> None:
         """Cycle alpaca -> alpaca without input -> chat template."""
-        current = self.app.config.prompt.template  # type: ignore[attr-defined]
+        current = self.host.config.prompt.template
         order = list(prompts.PRESETS)
         following = order[(order.index(current) + 1) % len(order)] if current in order else order[0]
         self.query_one("#template-preset", Select).value = following
@@ -175,7 +177,7 @@ class TemplatePane(Vertical):
     def _commit_edit(self) -> None:
         """Make the edited text the config's template (a preset's name when it matches one)."""
         self._dirty = False
-        app: Any = self.app
+        app = self.host
         text = self.editor.text
         preset = next((n for n in ("alpaca", "alpaca_no_input") if self._preset_text(n) == text), None)
         if app.config.prompt.template == (preset or text):
@@ -198,11 +200,11 @@ class TemplatePane(Vertical):
     def _fields(self) -> list[str]:
         from studio.core.data import template_fields_for
 
-        return template_fields_for(self.app.config)[0]  # type: ignore[attr-defined]
+        return template_fields_for(self.host.config)[0]
 
     def _update_fields(self) -> None:
         """Tell the editor which fields the data has (unknown ones are coloured)."""
-        config = self.app.config  # type: ignore[attr-defined]
+        config = self.host.config
         self.editor.set_fields(self._known_fields(), config.prompt.response_field)
         self.query_one("#template-settings", Static).update(
             f"response: {{{config.prompt.response_field}}} · EOS {'on' if config.prompt.add_eos else 'off'}"
@@ -212,7 +214,7 @@ class TemplatePane(Vertical):
         """Field names a row provides: its columns, plus fields mapped onto them; None without data."""
         if self._columns is None:
             return None
-        mapping = self.app.config.data.columns  # type: ignore[attr-defined]
+        mapping = self.host.config.data.columns
         return [*self._columns, *(f for f, c in mapping.items() if c in self._columns)]
 
     def render_preview(self) -> None:
@@ -224,7 +226,7 @@ class TemplatePane(Vertical):
             self._stale = True
             return
         self._stale = False
-        app: Any = self.app
+        app = self.host
         config = app.config
         text = self.editor.text
         selected = app.selected
@@ -238,7 +240,7 @@ class TemplatePane(Vertical):
         self._show_lint(text)
 
     def _show_lint(self, text: str) -> None:
-        config = self.app.config  # type: ignore[attr-defined]
+        config = self.host.config
         known = self._known_fields()
         fields = known if known is not None else prompts.template_fields(text)
         issues = prompts.lint_template(text, fields, config.prompt.response_field, config.prompt.add_eos)
@@ -280,13 +282,14 @@ class TemplatePane(Vertical):
 
     def action_zero_shot(self) -> None:
         """Ask the base model (no adapter) to answer the rendered prompt of the selected row."""
-        app: Any = self.app
+        app = self.host
         config = app.config
         selected = app.selected
         row = row_fields(selected[1], config.data.columns, self._fields()) if selected else EXAMPLE_ROW
         rendered = prompts.render(self.editor.text, row, config.prompt.response_field)
         self._request = uuid.uuid4().hex[:12]
         self._answer = ""
+        self._note = ""
         self.query_one("#template-zero-label", Static).update("base model, zero-shot: sending…")
         self.query_one("#template-zero-answer", Static).update("")
         app.send_command(ev.Generate(request_id=self._request, prompt=rendered.prompt, adapter=False,
@@ -301,14 +304,14 @@ class TemplatePane(Vertical):
         """A new run has no answer to our request; keep waiting only if it was sent to this run."""
         self.query_one("#template-zero-progress").display = False
 
-    def handle_events(self, events: list[ev.Event]) -> None:
+    def on_worker_events(self, message: WorkerEvents) -> None:
         """Model loading progress and the streamed answer to our zero-shot request."""
-        if not self.query("#template-zero-label"):
-            return  # not composed yet: it has sent no request, so none of these are its answer
+        if message.run != self.host.current_run or not self.query("#template-zero-label"):
+            return  # another run's, or not composed yet: it has sent no request, so none of these are its answer
         label = self.query_one("#template-zero-label", Static)
         bar = self.query_one("#template-zero-progress", ProgressBar)
         changed = False
-        for event in events:
+        for event in message.events:
             if isinstance(event, ev.ModelLoading) and self._request:
                 bar.display = True
                 bar.update(progress=event.fraction * 100)
@@ -322,8 +325,14 @@ class TemplatePane(Vertical):
             elif isinstance(event, ev.GenerationFinished) and event.request_id == self._request:
                 self._answer = event.text or self._answer
                 changed = True
-                label.update(f"base model, zero-shot: {event.new_tokens} tokens at {event.tokens_per_s:.1f}/s")
+                done = f"base model, zero-shot: {event.new_tokens} tokens at {event.tokens_per_s:.1f}/s"
+                label.update(Content.from_markup("$done · [b $warning]note:[/] $m", done=done, m=self._note)
+                             if self._note else done)
                 self._request = None
+            elif isinstance(event, ev.WorkerFailed) and self._request and not event.fatal:
+                # A warning (rows truncated, no 4-bit on this machine): the answer is still coming.
+                self._note = event.message
+                label.update(Content.from_markup("[b $warning]note:[/] $m", m=event.message))
             elif isinstance(event, ev.WorkerFailed) and self._request:
                 bar.display = False
                 label.update(Content.from_markup("[b $error]the worker failed:[/] $m", m=event.message))

@@ -1,10 +1,11 @@
 """The training pane: start, pause, resume and stop a run, and watch it go.
 
-Events arrive in batches through :meth:`TrainingPane.handle_events`; they are folded into a
+Events arrive in batches as :class:`~studio.ui.messages.WorkerEvents` messages (memory samples as
+:class:`~studio.ui.messages.MemorySample`); they are folded into a
 :class:`~studio.ui.metrics.TrainingState` at once (cheap) but drawn at most ``REDRAW_HZ`` times a
 second, so a fast run cannot flood the terminal. The pane never talks to the worker directly: it
-asks the app (``app.send_command``, ``app.open_run``; see docs/CONTRACTS.md), so it works the same
-inside Studio and in a small test harness.
+asks the app through its :class:`~studio.ui.host.StudioHost` interface (``send_command``,
+``open_run``; see docs/CONTRACTS.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from textual.widgets import Button, Input, Label, ProgressBar, Static
 
 from studio.core import events as ev
 from studio.core.runs import RunDir, create_run, export_adapter
+from studio.ui.host import Hosted
+from studio.ui.messages import MemorySample, WorkerEvents
 from studio.ui.metrics import TrainingState, format_duration
 from studio.ui.widgets.loss_plot import LearningRatePlot, LossPlot
 from studio.ui.widgets.run_picker import CompareScreen, PickResult, RunPickerScreen
@@ -122,7 +125,7 @@ class ExportScreen(ModalScreen[tuple[str, str] | None]):
         self.dismiss((kind, path) if kind and path else None)
 
 
-class TrainingPane(Vertical):
+class TrainingPane(Hosted, Vertical):
     """Controls, progress, eval metrics, failures and live curves of the app's current run."""
 
     DEFAULT_CSS = """
@@ -183,7 +186,7 @@ class TrainingPane(Vertical):
             yield LearningRatePlot(id="training-lr-plot")
 
     def on_mount(self) -> None:
-        run = getattr(self.app, "current_run", None)
+        run = self.host.current_run
         if run is not None:
             self.state.run_id = run.id
         self._redraw()
@@ -215,10 +218,12 @@ class TrainingPane(Vertical):
         self._export_line = ""
         self._redraw()
 
-    def handle_events(self, events: list[ev.Event]) -> None:
-        """Fold a batch of events in; repaint soon (at most REDRAW_HZ times a second)."""
-        changed = self.state.apply_all(events)
-        for event in events:
+    def on_worker_events(self, message: WorkerEvents) -> None:
+        """Fold a batch of the run's events in; repaint soon (at most REDRAW_HZ times a second)."""
+        if message.run != self.host.current_run:
+            return  # queued before the app switched runs
+        changed = self.state.apply_all(message.events)
+        for event in message.events:
             if isinstance(event, ev.ExportProgress):
                 self._export_line = f"exporting to {event.path}: {event.stage} {event.fraction:.0%}"
                 changed = True
@@ -227,6 +232,11 @@ class TrainingPane(Vertical):
                                      if event.ok else f"export failed: {event.message}")
                 changed = True
         if changed:
+            self.schedule_redraw()
+
+    def on_memory_sample(self, message: MemorySample) -> None:
+        """The memory line follows the newest sample."""
+        if message.run == self.host.current_run and self.state.apply(message.sample):
             self.schedule_redraw()
 
     def schedule_redraw(self) -> None:
@@ -245,7 +255,7 @@ class TrainingPane(Vertical):
         self._redraw_pending = False
         self._last_redraw = time.monotonic()
         state = self.state
-        run = getattr(self.app, "current_run", None)
+        run = self.host.current_run
         what = f"run {state.run_id or (run.id if run else '')}".strip() if (state.run_id or run) else "no run yet"
         parts = [what, state.status]
         if state.base_model:
@@ -257,7 +267,8 @@ class TrainingPane(Vertical):
         if state.micro_batch_size:
             parts.append(f"micro-batch {state.micro_batch_size} × {state.gradient_accumulation_steps}")
         if state.status == "loading" and state.loading_stage:
-            parts.append(f"loading {state.loading_stage} {state.loading_fraction:.0%}")
+            # The stage says what it does ("loading the weights"): the status already said "loading".
+            parts.append(f"{state.loading_stage} {state.loading_fraction:.0%}")
         if state.status == "no run":
             parts = ["no run yet: press s to create one from the current config and train"]
         self.query_one("#training-status", Static).update(" · ".join(parts))
@@ -309,7 +320,7 @@ class TrainingPane(Vertical):
         if action == "stop_training":
             return True if status in ("training", "paused", "loading") else None
         if action == "export":
-            return True if getattr(self.app, "current_run", None) is not None and not active else None
+            return True if self.host.current_run is not None and not active else None
         return True
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
@@ -322,11 +333,8 @@ class TrainingPane(Vertical):
             self.run_action(action)
 
     def _open_run(self, run: RunDir, start_worker: bool) -> bool:
-        opener = getattr(self.app, "open_run", None)
-        if opener is None:
-            self.notify("This app cannot open runs (no open_run).", severity="error")
-            return False
-        opener(run, start_worker=start_worker)
+        """Make ``run`` the app's run (starting its worker when asked); True once it is."""
+        self.host.open_run(run, start_worker=start_worker)
         return True
 
     def action_start_training(self) -> None:
@@ -334,35 +342,35 @@ class TrainingPane(Vertical):
         if self.check_action("start_training", ()) is not True:
             return
         try:
-            run = create_run(self.app.config)
+            run = create_run(self.host.config)
         except OSError as exc:
             self.notify(f"Cannot create the run directory: {exc}", severity="error")
             return
-        if self._open_run(run, start_worker=True):
-            self.state = TrainingState(run_id=run.id, status="loading")
-            self.app.send_command(ev.StartTraining())
-            self.notify(f"Run {run.id} created; the worker loads the model, then trains.")
-            self._redraw()
+        self.host.open_run(run, start_worker=True)
+        self.state = TrainingState(run_id=run.id, status="loading")
+        self.host.send_command(ev.StartTraining())
+        self.notify(f"Run {run.id} created; the worker loads the model, then trains.")
+        self._redraw()
 
     def action_pause_training(self) -> None:
         """Pause after the current optimizer step."""
         if self.check_action("pause_training", ()) is True:
-            self.app.send_command(ev.Pause())
+            self.host.send_command(ev.Pause())
 
     def action_resume_training(self) -> None:
         """Continue a paused run; an interrupted or stopped run resumes from its latest checkpoint."""
         if self.check_action("resume_training", ()) is not True:
             return
         if self.state.status == "paused":
-            self.app.send_command(ev.Resume())
+            self.host.send_command(ev.Resume())
             return
-        run = self.app.current_run
+        run = self.host.current_run
         if run is None or run.latest_checkpoint() is None:
             self.notify("No checkpoint to resume from: start a new run with s.", severity="warning")
             return
-        if run.worker_pid() is None and not self._open_run(run, start_worker=True):
-            return
-        self.app.send_command(ev.StartTraining(resume=True))
+        if run.worker_pid() is None:
+            self.host.open_run(run, start_worker=True)
+        self.host.send_command(ev.StartTraining(resume=True))
 
     def action_stop_training(self) -> None:
         """Ask, then stop: the worker saves a checkpoint and the adapter first."""
@@ -371,7 +379,7 @@ class TrainingPane(Vertical):
 
         def answered(yes: bool | None) -> None:
             if yes:
-                self.app.send_command(ev.Stop())
+                self.host.send_command(ev.Stop())
                 self.notify("Stopping after this step; the checkpoint and adapter are being saved.")
 
         self.app.push_screen(
@@ -383,7 +391,7 @@ class TrainingPane(Vertical):
 
     def action_open_runs(self) -> None:
         """Pick a past run to open, or two to compare."""
-        root = getattr(getattr(self.app, "config", None), "output_dir", "runs")
+        root = self.host.config.output_dir
 
         def picked(result: PickResult) -> None:
             if result is None:
@@ -391,7 +399,7 @@ class TrainingPane(Vertical):
             kind, value = result
             if kind == "open" and isinstance(value, RunDir):
                 # A live worker on that run is reconnected; a finished run needs none until chat asks.
-                self._open_run(value, start_worker=False)
+                self.host.open_run(value, start_worker=False)
             elif kind == "compare" and isinstance(value, list):
                 self.app.push_screen(CompareScreen(value))
 

@@ -1,29 +1,38 @@
 """The VRAM pane: where the GPU memory of this run goes, predicted and measured, as 1-GB squares.
 
 It estimates from ``app.config`` (when mounted, when the config changes, and on
-:meth:`VramPane.refresh_estimate`), lets a person pick the card (detected, or a known size), fills
-the measured grid from the worker's MemorySampled events, and tells the memory story step by step:
+:meth:`VramPane.refresh_estimate`) in a thread, cached by (config, card); lets a person pick the card
+(detected, or a known size); fills the measured grid from the worker's memory samples (nothing else
+happens per sample: they arrive every logged step); and tells the memory story step by step:
 full fp32 -> bf16 -> 8-bit -> LoRA -> NF4 QLoRA -> + checkpointing -> + paged 8-bit AdamW.
 """
 
 from __future__ import annotations
 
+import copy
+
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Select, Static
 
 from studio.core import events as ev
+from studio.core.config import RunConfig
 from studio.core.gpus import GB, Gpu, capacity_choices, gpu_for_size
 from studio.core.model_info import ModelInfoError, load_model_info
 from studio.core.vram import Estimate, WalkStep, estimate, walkthrough
+from studio.ui.host import Hosted
+from studio.ui.messages import MemorySample, WorkerEvents
 from studio.ui.widgets.block_gauge import BlockGauge
 
 DEFAULT_CARD_GB = 24
 """Card shown when none is detected: the common 24 GB size."""
+ESTIMATE_CACHE_SIZE = 16
+"""(config, card) estimates kept: stepping back to a card or an edit already seen redraws at once."""
 
 
-class VramPane(VerticalScroll):
+class VramPane(Hosted, VerticalScroll):
     """Predicted vs measured GPU memory for the config being edited, with the walkthrough."""
 
     DEFAULT_CSS = """
@@ -76,6 +85,8 @@ class VramPane(VerticalScroll):
         self.steps: list[WalkStep] = []
         self.step_index: int | None = None
         self.measured: dict[str, int] | None = None
+        self._estimates: dict[tuple[str, Gpu], tuple[Estimate | str, list[WalkStep]]] = {}
+        """(repr of the config, card) -> (estimate or why none, walkthrough), oldest first."""
 
     def compose(self) -> ComposeResult:
         options = [(f"{g.name}{' (this machine)' if g.detected else ''}", k) for k, g in enumerate(self._cards)]
@@ -102,27 +113,50 @@ class VramPane(VerticalScroll):
     # ----------------------------------------------------------------------------------- estimate
 
     def refresh_estimate(self) -> None:
-        """Estimate ``app.config`` on the chosen card and redraw (the walkthrough too)."""
-        config = getattr(self.app, "config", None)
-        found = self.query("#vram-summary")
-        if not found:  # the app is tearing the pane down (a flush can land mid-shutdown): nothing to draw
+        """Estimate ``app.config`` on the chosen card and redraw (the walkthrough too).
+
+        The estimate reads the model's config.json and sizes a dozen plans (66-88 ms): it runs in a
+        thread, once per (config, card); the same pair again is drawn from the cache at once.
+        """
+        if not self.query("#vram-summary"):  # the app is tearing the pane down: nothing to draw
             return
-        summary = found.first(Static)
-        if config is None:
-            summary.update("No config to estimate.")
+        config = self.host.config
+        key = (repr(config), self.gpu)
+        if key in self._estimates:
+            self._estimated(key, *self._estimates[key])
             return
+        self._estimate(key, copy.deepcopy(config), self.gpu)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="vram-estimate", description="estimating memory")
+    def _estimate(self, key: tuple[str, Gpu], config: RunConfig, gpu: Gpu) -> None:
+        """Estimate in a thread (``config`` is a copy: the UI may edit the original meanwhile)."""
         try:
             info = load_model_info(config.model.base_model, config.model.revision)
-            self.current = estimate(config, info, self.gpu.capacity)
-            self.steps = walkthrough(config, info, self.gpu.capacity)
+            result: Estimate | str = estimate(config, info, gpu.capacity)
+            steps = walkthrough(config, info, gpu.capacity)
         except (ModelInfoError, ValueError) as exc:
+            result, steps = f"Cannot estimate: {exc}", []
+        self.app.call_from_thread(self._estimated, key, result, steps)
+
+    def _estimated(self, key: tuple[str, Gpu], result: Estimate | str, steps: list[WalkStep]) -> None:
+        """Draw an estimate (or why there is none), unless the config or the card changed since."""
+        self._estimates[key] = (result, steps)
+        while len(self._estimates) > ESTIMATE_CACHE_SIZE:
+            self._estimates.pop(next(iter(self._estimates)))
+        found = self.query("#vram-summary")
+        if not found or key != (repr(self.host.config), self.gpu):
+            return  # torn down, or a newer estimate is on its way
+        summary = found.first(Static)
+        self.steps = steps
+        if self.step_index is not None and self.step_index >= len(steps):
+            self.step_index = None
+        if isinstance(result, str):
             self.current = None
-            self.steps = []
-            summary.update(f"Cannot estimate: {exc}")
+            summary.update(result)
             summary.add_class("-does-not-fit")
-            self._draw()
-            return
-        summary.remove_class("-does-not-fit")
+        else:
+            self.current = result
+            summary.remove_class("-does-not-fit")
         self._draw()
 
     def _shown(self) -> Estimate | None:
@@ -182,17 +216,35 @@ class VramPane(VerticalScroll):
 
     # ------------------------------------------------------------------------------------- events
 
-    def handle_events(self, events: list[ev.Event]) -> None:
-        """Fill the measured grid from the worker's reports (the latest MemorySampled wins)."""
-        changed = False
-        for event in events:
-            if isinstance(event, ev.MemorySampled) and event.categories:
-                self.measured = dict(event.categories)
-                changed = True
-                if event.capacity and not self.gpu.detected:
-                    self.gpu = Gpu(event.device or "this GPU", event.capacity, detected=True)
-            elif isinstance(event, ev.WorkerStarted) and event.gpu_capacity_bytes:
-                self.gpu = Gpu(event.gpu_name or "this GPU", event.gpu_capacity_bytes, detected=True)
-                changed = True
-        if changed:
+    def on_worker_events(self, message: WorkerEvents) -> None:
+        """A worker that names its card (WorkerStarted) makes that card the one estimated against."""
+        if message.run != self.host.current_run:
+            return
+        for event in message.events:
+            if isinstance(event, ev.WorkerStarted) and event.gpu_capacity_bytes:
+                self._use_card(Gpu(event.gpu_name or "this GPU", event.gpu_capacity_bytes, detected=True))
+
+    def on_memory_sample(self, message: MemorySample) -> None:
+        """Fill the measured grid from the newest sample: no estimate, only the gauge's squares."""
+        sample = message.sample
+        if message.run != self.host.current_run or not sample.categories:
+            return
+        if sample.capacity and not self.gpu.detected:
+            self._use_card(Gpu(sample.device or "this GPU", sample.capacity, detected=True))
+        self.measured = dict(sample.categories)
+        if self.is_on_screen:  # hidden, the gauge catches up when shown (on_show)
+            self._show_measured()
+
+    def on_show(self) -> None:
+        self._show_measured()
+
+    def _show_measured(self) -> None:
+        gauge = self.query(BlockGauge)
+        if gauge:  # absent while the app tears the pane down
+            gauge.first().measured = dict(self.measured) if self.measured else None
+
+    def _use_card(self, gpu: Gpu) -> None:
+        """Estimate against ``gpu`` from now on (a new estimate only when the card changed)."""
+        if gpu != self.gpu:
+            self.gpu = gpu
             self.refresh_estimate()

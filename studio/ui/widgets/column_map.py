@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.widgets import Label, Select, Static
+
+
+class FieldSelect(Select[str]):
+    """A column picker that knows which template field it fills."""
+
+    def __init__(self, field_name: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.field_name = field_name
 
 
 class ColumnMap(VerticalScroll):
@@ -34,10 +44,9 @@ class ColumnMap(VerticalScroll):
             value = column if column in columns else Select.NULL
             if value is Select.NULL and name not in optional:
                 missing.append(name)
-            select = Select([(c, c) for c in columns], value=value, allow_blank=True,
-                            prompt="(none)" if name in optional else "⚠ pick a column",
-                            classes="map-select", compact=True)
-            select.field_name = name  # type: ignore[attr-defined]
+            select = FieldSelect(name, [(c, c) for c in columns], value=value, allow_blank=True,
+                                 prompt="(none)" if name in optional else "⚠ pick a column",
+                                 classes="map-select", compact=True)
             rows.append(Horizontal(Label(f"{{{name}}}", classes="map-field"), select, classes="map-row"))
         self.mount_all(rows)
         note = "Which column fills each {field} of the template."
@@ -54,8 +63,8 @@ class ColumnMap(VerticalScroll):
         if getattr(self, "_showing", False):
             return  # values set while rebuilding are not edits
         mapping: dict[str, str] = {}
-        for select in self.query(".map-select").results(Select):
-            name = select.field_name  # type: ignore[attr-defined]
+        for select in self.query(".map-select").results(FieldSelect):
+            name = select.field_name
             if isinstance(select.value, str) and select.value != name:
                 mapping[name] = select.value
         self.post_message(self.Changed(mapping))

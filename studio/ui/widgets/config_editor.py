@@ -15,6 +15,7 @@ from textual.timer import Timer
 from textual.widgets import Button, Static, TextArea
 
 from studio.core.config import ConfigError, RunConfig, parse_config
+from studio.ui.host import Hosted
 from studio.ui.messages import ConfigChanged
 
 SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation")
@@ -28,7 +29,7 @@ def changed_sections(old: RunConfig, new: RunConfig) -> list[str]:
     return changed
 
 
-class ConfigEditor(Vertical):
+class ConfigEditor(Hosted, Vertical):
     """YAML of ``app.config``: edit, apply (F5), save (ctrl+s, from the app)."""
 
     BINDINGS = [
@@ -64,7 +65,7 @@ class ConfigEditor(Vertical):
 
     def load_from_app(self) -> None:
         """Show the app's config (edits not applied are replaced)."""
-        self._synced = self.app.config.to_yaml()  # type: ignore[attr-defined]
+        self._synced = self.host.config.to_yaml()
         self.text_area.load_text(self._synced)
         self._status()
 
@@ -74,7 +75,7 @@ class ConfigEditor(Vertical):
         if error:
             status.update(error)
             return
-        path = self.app.config_path  # type: ignore[attr-defined]
+        path = self.host.config_path
         saved = f"saved as {path}" if path else "not saved yet (ctrl+s)"
         dirty = " · edits not applied (F5 applies)" if self.dirty else ""
         status.update(f"The config 'studio train' runs · {saved}{dirty}")
@@ -94,13 +95,13 @@ class ConfigEditor(Vertical):
             self._status(f"⚠ {exc}")
             self.app.notify(str(exc), title="Config not applied", severity="error", timeout=8)
             return False
-        app = self.app
-        sections = changed_sections(app.config, config)  # type: ignore[attr-defined]
-        app.config = config  # type: ignore[attr-defined]
+        app = self.host
+        sections = changed_sections(app.config, config)
+        app.config = config
         self._synced = config.to_yaml()
         self.text_area.load_text(self._synced)
         for section in sections:
-            app.config_edited(section, origin=self)  # type: ignore[attr-defined]
+            app.config_edited(section, origin=self)
         self._status()
         return True
 
@@ -133,4 +134,4 @@ class ConfigEditor(Vertical):
         elif event.button.id == "config-revert":
             self.action_revert()
         else:
-            self.app.action_save_config()  # type: ignore[attr-defined]
+            self.host.action_save_config()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -15,8 +16,8 @@ from textual.widgets import Button, DirectoryTree, Input, Label, Static
 class FilteredTree(DirectoryTree):
     """A directory tree showing folders and files with the given suffixes only (hidden ones left out)."""
 
-    def __init__(self, path: str | Path, suffixes: Iterable[str] | None = None, **kwargs: object) -> None:
-        super().__init__(path, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, path: str | Path, suffixes: Iterable[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
         self.suffixes = {s.lower() for s in suffixes} if suffixes else None
 
     def filter_paths(self, paths: Iterable[Path]) -> Iterable[Path]:

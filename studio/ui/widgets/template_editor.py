@@ -7,6 +7,7 @@ styled with theme variables in app.tcss), so a typo in a field name shows while 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from rich.style import Style
 from textual.geometry import Region
@@ -25,9 +26,8 @@ class TemplateEditor(TextArea):
         "template-editor--unknown",
     }
 
-    def __init__(self, text: str = "", **kwargs: object) -> None:
-        super().__init__(text, soft_wrap=True, show_line_numbers=False, tab_behavior="focus",
-                         **kwargs)  # type: ignore[arg-type]
+    def __init__(self, text: str = "", **kwargs: Any) -> None:
+        super().__init__(text, soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
         self.known_fields: set[str] | None = None
         """Fields the data provides; None while no dataset is open (nothing is marked unknown)."""
         self.response_field = "output"
