@@ -1,4 +1,4 @@
-"""The fast training path (studio/engine/fast.py) on CPU: same loss and LoRA gradients as the plain
+"""The fast training path (studio/engine/fast/) on CPU: same loss and LoRA gradients as the plain
 transformers + PEFT path, and packed or padded examples that never see each other."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from studio.engine import fast
 from studio.engine.batching import collate
+from studio.engine.fast.layer import Segments
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -120,7 +121,7 @@ def test_packing_bucket_layout_keeps_examples_apart() -> None:
     ids = torch.arange(1, 11)[None]
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])
     targets = torch.arange(10)[None]
-    seg = fast._Segments(cu=torch.tensor([0, 3, 5, 10], dtype=torch.int32), max_len=5)
+    seg = Segments(cu=torch.tensor([0, 3, 5, 10], dtype=torch.int32), max_len=5)
     ids, pos, targets, seg = model._static_layout(ids, pos, targets, seg)
     assert ids.shape[1] % 256 == 0 and seg.cu.numel() == 33
     starts = torch.nonzero(pos[0] == 0).flatten()
