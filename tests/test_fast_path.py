@@ -55,7 +55,9 @@ def test_fast_path_loss_and_lora_gradients_equal_the_plain_path(tiny_model: Path
     """fp32 on CPU, so both paths compute the same function to rounding: 4-bit base weights and
     adapters on only some projections included."""
     model = _peft_model(tiny_model, bits, targets)
-    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=False)
+    # On a CUDA machine bitsandbytes puts a 4-bit model on the GPU: the batch follows the model.
+    device = next(model.parameters()).device
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=False).to(device)
     plain = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                   position_ids=batch.position_ids, labels=batch.labels).loss
     plain.backward()
