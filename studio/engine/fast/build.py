@@ -102,7 +102,9 @@ def prepare(model: nn.Module, options: FastOptions | None = None) -> tuple[FastM
 
     kernels = liger_kernels() if options.kernels and dtype in (torch.bfloat16, torch.float16) else None
     device = backbone.embed_tokens.weight.device
-    varlen = varlen_attention() if options.varlen and device.type == "cuda" else None
+    # Flash-attention kernels take half precision only: an fp32 model on CUDA keeps SDPA.
+    half = dtype in (torch.bfloat16, torch.float16)
+    varlen = varlen_attention() if options.varlen and device.type == "cuda" and half else None
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     built = []
     for layer in layers:
