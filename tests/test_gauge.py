@@ -7,7 +7,8 @@ from textual.app import App, ComposeResult
 
 from studio.core import events as ev
 from studio.core.config import RunConfig, parse_config
-from studio.core.gpus import GB, capacity_choices
+from studio.core.gpus import GB, KNOWN_GPUS, Gpu
+from studio.ui.panes import vram as vram_pane
 from studio.ui.panes.vram import VramPane
 from studio.ui.widgets.block_gauge import BlockGauge, choose_unit, square_categories
 
@@ -24,6 +25,27 @@ class PaneApp(App):
 
     def compose(self) -> ComposeResult:
         yield VramPane(id="pane-vram")
+
+
+@pytest.fixture(autouse=True)
+def no_detected_card(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pane as on a machine without a GPU: its default card, sizes and snapshots are then the
+    same on every machine (on a GPU box the detected card would otherwise come first)."""
+    monkeypatch.setattr(vram_pane, "capacity_choices", lambda: list(KNOWN_GPUS))
+
+
+@pytest.mark.anyio
+async def test_a_detected_card_is_the_default_and_wins_over_the_events_figure(monkeypatch) -> None:
+    card = Gpu("NVIDIA H100 80GB HBM3", 81559 * 2**20, detected=True)
+    monkeypatch.setattr(vram_pane, "capacity_choices", lambda: [card, *KNOWN_GPUS])
+    app = PaneApp(parse_config(LLAMA_CONFIG))
+    async with app.run_test(size=SIZE) as pilot:
+        pane = app.query_one(VramPane)
+        assert pane.gpu == card
+        pane.handle_events([ev.MemorySampled(step=1, device="another card", capacity=16 * 2**30,
+                                             categories={"weights": GB})])
+        await pilot.pause()
+        assert app.query_one(BlockGauge).capacity == card.capacity
 
 
 def test_scale_is_one_gb_for_big_runs_and_finer_for_small_models():
@@ -68,10 +90,7 @@ async def test_measured_squares_fill_in_from_memory_events():
         await pilot.pause()
         gauge = app.query_one(BlockGauge)
         assert gauge.measured == measured
-        # A card this machine detects is the one the pane measures against (the event's figure
-        # only names a card where none is detected, e.g. on a CPU machine watching a remote run).
-        detected = [g for g in capacity_choices() if g.detected]
-        assert gauge.capacity == (detected[0].capacity if detected else 80 * 2**30)
+        assert gauge.capacity == 80 * 2**30
 
 
 @pytest.mark.anyio

@@ -37,8 +37,10 @@ def _trained(tmp_path, bits, targets, optimizer="adamw"):
                                                        lora_dropout=0.0, task_type="CAUSAL_LM"))
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3)
-    ids = torch.randint(0, TINY["vocab_size"], (2, 16))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    # On a CUDA machine bitsandbytes puts a 4-bit model on the GPU: the batch follows the model.
+    device = next(model.parameters()).device
+    ids = torch.randint(0, TINY["vocab_size"], (2, 16), device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     opt.step()
