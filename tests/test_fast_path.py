@@ -150,3 +150,32 @@ def test_flops_per_token_counts_the_frozen_matrices_twice() -> None:
     n = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008) + 32000 * 4096
     flops = fast.model_flops_per_token(config, 512)
     assert flops == pytest.approx(4 * n + 6 * 32 * 512 * 4096)
+
+
+def test_evaluation_scores_equal_the_full_logits_ones_in_chunks(tiny_model: Path, monkeypatch) -> None:
+    """Evaluation on the fast path (loss sum and argmax hits) goes through the vocabulary a few rows
+    at a time, and still gives the full-logits numbers."""
+    from studio.engine.fast import loss as fast_loss
+
+    model = _peft_model(tiny_model, None, ALL)
+    model.eval()
+    batch = collate([[e] for e in _examples([21, 14, 9], seed=3)], pad_id=0, packing=False)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids).logits[:, :-1].float()
+    targets = batch.labels[:, 1:]
+    keep = targets != -100
+    expected_loss = torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="sum")
+    expected_hits = int((logits[keep].argmax(-1) == targets[keep]).sum())
+
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    chunks: list[int] = []
+    real_rows = fast_loss.chunk_rows
+    monkeypatch.setattr(fast_loss, "chunk_rows", lambda *a: chunks.append(real_rows(*a)) or 5)
+    loss, hits = fast_model.score(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+    assert chunks, "the chunked path ran"
+    assert int(keep.sum()) > 5, "more target rows than one chunk holds"
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-4)
+    assert int(hits) == expected_hits
+    assert not loss.requires_grad

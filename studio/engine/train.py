@@ -400,6 +400,8 @@ class Trainer:
             loss = self.fast.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids,
                                   reduction="sum")
             return loss, torch.zeros((), device=loss.device)
+        if self.fast is not None:  # evaluation: chunked over the vocabulary, never full fp32 logits
+            return self.fast.score(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
         autocast = torch.autocast(device_type=self.device.type, dtype=self.base.compute_dtype,
                                   enabled=self.device.type == "cuda" and self.base.compute_dtype != torch.float32)
         with autocast:

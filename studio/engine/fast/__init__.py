@@ -18,6 +18,8 @@ one concern a module:
   other;
 - ``model``: padding is removed before the model, the residual stream stays in the compute dtype
   (bf16) from embedding to loss, and each layer is checkpointed (non-reentrant);
+- ``loss``: the cross-entropy over the vocabulary without a ``tokens x vocab`` logits tensor, for
+  training (fused) and for evaluation (chunked, with argmax hits);
 - ``graphs``: the decoder stack's forward and backward are replayed as CUDA graphs;
 - ``build``: which models are covered (:func:`prepare`) and when the trainer uses it (:func:`enable`).
 
@@ -29,7 +31,8 @@ trainer.
 """
 
 from studio.engine.fast.build import FAST_PATH_ENV, enable, prepare
-from studio.engine.fast.model import IGNORE_INDEX, FastModel, FastOptions
+from studio.engine.fast.loss import IGNORE_INDEX
+from studio.engine.fast.model import FastModel, FastOptions
 from studio.engine.flops import matmul_tflops, model_flops_per_token
 
 __all__ = ["FAST_PATH_ENV", "IGNORE_INDEX", "FastModel", "FastOptions", "enable", "matmul_tflops",

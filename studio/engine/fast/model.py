@@ -12,8 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from studio.engine.fast.graphs import Graphs
 from studio.engine.fast.layer import Layer, Segments, padding_mask
-
-IGNORE_INDEX = -100
+from studio.engine.fast.loss import IGNORE_INDEX, chunked_scores, cross_entropy
 
 
 @dataclass
@@ -86,6 +85,22 @@ class FastModel:
         Targets are ``labels`` shifted left by one; a target whose token starts a new example (its
         position id is 0) is ignored, so no example is trained to predict the next one.
         """
+        h, targets = self._hidden(input_ids, labels, attention_mask, position_ids)
+        return cross_entropy(h, self.head.weight, targets, reduction, self.kernels)
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed cross-entropy over the targets and the count of argmax hits among them, for
+        evaluation: no gradient, no CUDA graph, and never a ``tokens x vocab`` logits tensor (the
+        loss goes through the vocabulary in chunks, :func:`chunked_scores`)."""
+        h, targets = self._hidden(input_ids, labels, attention_mask, position_ids)
+        return chunked_scores(h, self.head.weight, targets)
+
+    def _hidden(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final normed hidden states ``[N, hidden]`` of the batch's real tokens, and their
+        targets ``[N]`` (IGNORE_INDEX where no loss is taken)."""
         b, t = input_ids.shape
         device = input_ids.device
         if position_ids is None:
@@ -125,7 +140,7 @@ class FastModel:
             h = self._graphs.run(h, cos, sin, seg)
         else:
             h = self.stack(h, cos, sin, seg)
-        return self._cross_entropy(h.reshape(-1, h.shape[-1]), targets.reshape(-1), reduction)
+        return h.reshape(-1, h.shape[-1]), targets.reshape(-1)
 
     def stack(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
         """The decoder layers and the final norm."""
@@ -174,13 +189,3 @@ class FastModel:
         same = example[:, None] == example[None, :]
         causal = torch.ones(n, n, dtype=torch.bool, device=flat.device).tril_()
         return Segments(mask=(same & causal)[None, None])
-
-    def _cross_entropy(self, h: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
-        weight = self.head.weight
-        if self.kernels and weight.dtype == h.dtype:
-            # Positional arguments: liger's autograd function takes no keywords.
-            loss = self.kernels["flce"].apply(h, weight, targets, None, None, IGNORE_INDEX, 0.0, 0.0, reduction)
-            return loss[0] if isinstance(loss, tuple) else loss
-        keep = targets != IGNORE_INDEX  # only target rows go through the fp32 softmax
-        logits = (h[keep] @ weight.to(h.dtype).t()).float()
-        return F.cross_entropy(logits, targets[keep], reduction=reduction)
