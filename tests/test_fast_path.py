@@ -179,3 +179,29 @@ def test_evaluation_scores_equal_the_full_logits_ones_in_chunks(tiny_model: Path
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-4)
     assert int(hits) == expected_hits
     assert not loss.requires_grad
+
+
+def test_trainer_evaluation_on_the_fast_path_matches_the_plain_path(tiny_config, monkeypatch) -> None:
+    """The Trainer's evaluation goes through the fast path's chunked scores when that path is on,
+    with the plain path's loss and token accuracy."""
+    from studio.core import events as ev
+    from studio.core.runs import create_run
+    from studio.engine.train import Trainer
+
+    calls: list[int] = []
+    score = fast.FastModel.score
+    monkeypatch.setattr(fast.FastModel, "score", lambda self, *a: calls.append(1) or score(self, *a))
+    results = {}
+    for wanted in ("0", "1"):
+        monkeypatch.setenv(fast.FAST_PATH_ENV, wanted)
+        events: list = []
+        trainer = Trainer(tiny_config, create_run(tiny_config), events.append)
+        trainer.load()
+        assert (trainer.fast is not None) == (wanted == "1")
+        results[wanted] = trainer.evaluate()
+        assert any(isinstance(e, ev.EvalLogged) for e in events)
+    assert calls, "the fast path's chunked scores served the evaluation"
+    plain, fused = results["0"], results["1"]
+    assert plain.rows == fused.rows > 0
+    assert fused.loss == pytest.approx(plain.loss, rel=1e-5)
+    assert fused.token_accuracy == pytest.approx(plain.token_accuracy, abs=1e-9)
