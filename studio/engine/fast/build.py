@@ -7,6 +7,7 @@ import os
 import torch
 from torch import nn
 
+from studio.core.plan import FAST_PATH_ENV, PathFacts, choose_path, model_blocker
 from studio.engine.fast.layer import Layer
 from studio.engine.fast.model import FastModel, FastOptions
 from studio.engine.fast.ops import liger_kernels, varlen_attention
@@ -137,16 +138,38 @@ def _exact_in(p: torch.Tensor, dtype: torch.dtype) -> bool:
         return bool(torch.equal(p.data.to(dtype).to(p.dtype), p.data))
 
 
-FAST_PATH_ENV = "STUDIO_FAST_PATH"
-"""``1`` forces the fast path on (also on CPU, for tests), ``0`` forces the plain path."""
+def path_facts(model: nn.Module, device: torch.device) -> PathFacts:
+    """What :func:`studio.core.plan.choose_path` decides on, read off the loaded PEFT model (the
+    estimator reads the same facts off the config files)."""
+    found, _ = _find(model)
+    config = getattr(model, "config", None)
+    config_dict = config.to_dict() if hasattr(config, "to_dict") else {}
+    adapter = getattr(model, "active_adapter", "default")
+    adapter = adapter[0] if isinstance(adapter, (list, tuple)) and adapter else adapter
+    targets = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if has_adapter(m, adapter)})
+    peft_config = getattr(model, "peft_config", {}).get(adapter)
+    weights = "bf16"
+    if found is not None:
+        first = found[2][0].self_attn.q_proj
+        base = first.get_base_layer() if hasattr(first, "get_base_layer") else first
+        if is_4bit(base):
+            weights = str(base.weight.quant_state.quant_type)
+        elif type(getattr(base, "weight", None)).__name__ == "Int8Params":
+            weights = "int8"
+        else:
+            weights = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+                base.weight.dtype, str(base.weight.dtype))
+    return PathFacts(cuda=device.type == "cuda", weights=weights, lora_targets=tuple(targets),
+                     lora_dropout=float(getattr(peft_config, "lora_dropout", 0.0) or 0.0),
+                     model_blocker=model_blocker(config_dict) if config_dict else "",
+                     env=os.environ.get(FAST_PATH_ENV, ""))
 
 
 def enable(model: nn.Module, device: torch.device) -> tuple[FastModel | None, str]:
-    """The fast path for a trainer's model: on by default on CUDA, off on CPU (where it is no
-    faster); the environment variable ``STUDIO_FAST_PATH`` overrides. Returns (None, why) when off."""
-    wanted = os.environ.get(FAST_PATH_ENV, "")
-    if wanted == "0":
-        return None, f"{FAST_PATH_ENV}=0"
-    if device.type != "cuda" and wanted != "1":
-        return None, "not on a CUDA device"
+    """The fast path for a trainer's model, where :func:`studio.core.plan.choose_path` (the function
+    the estimator uses too) picks it: on CUDA for covered models, off on CPU (where it is no faster);
+    the environment variable ``STUDIO_FAST_PATH`` overrides. Returns (None, why) when off."""
+    choice = choose_path(path_facts(model, device))
+    if choice.path != "fast":
+        return None, choice.reason
     return prepare(model)
