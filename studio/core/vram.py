@@ -89,6 +89,11 @@ class Plan:
     allocated peak rounded up to 2 MiB pages. False: PyTorch's default fixed-size segments, which
     cache freed blocks (see :func:`_moments` for what that costs)."""
 
+    path: str = "plain"
+    """The training path the engine takes (core/plan.py's choose_path): ``plain`` (transformers +
+    PEFT + bitsandbytes, modelled tensor by tensor below) or ``fast`` (studio/engine/fast/:
+    core/vram_fast.py)."""
+
     @property
     def quantized(self) -> bool:
         """True for 4-bit and 8-bit base weights (loaded through bitsandbytes)."""
