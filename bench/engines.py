@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +92,12 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
         elif isinstance(event, ev.WorkerFailed):
             notes.append(f"{event.kind}: {event.message}")
 
+    if case.lever:  # one lever of the fast path switched off (the engine's own choice otherwise)
+        import studio.engine.fast.build as build
+        from bench.speed import LEVERS
+        from studio.engine.fast.model import FastOptions
+
+        build.prepare = partial(build.prepare, options=FastOptions(**LEVERS[case.lever]))
     # The Trainer resets the peak before every step (its memory events are per step); a benchmark of
     # the whole run's peak must not lose the earlier steps'.
     memory.reset_peak = lambda device=None: None
@@ -101,7 +108,7 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     fast = getattr(trainer, "fast", None)
     if fast is None and hasattr(trainer, "session"):
         fast = trainer.session.fast
-    row = {"engine": "trainer", "path": "fast" if fast is not None else "plain",
+    row = {"engine": "trainer", "lever": case.lever, "path": "fast" if fast is not None else "plain",
            "fast_path": fast.describe() if fast is not None else "", "notes": notes,
            "losses": [e.loss for e in steps_seen], "steps": finished.step, "wall_s": round(wall, 1)}
     if len(steps_seen) > warmup:

@@ -80,13 +80,15 @@ class Case:
     optimizer: str = "adamw"
     expandable: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Studio's engine default)
     engine: str = "loop"  # loop: the plain HF + PEFT loop here; trainer: Studio's Trainer; unsloth
+    lever: str = ""  # trainer rows: one of bench/speed.py's LEVERS switched off (the memory/speed trades)
 
     @property
     def label(self) -> str:
         t = "all" if self.targets == ALL_LINEAR else "qv"
         return (f"{self.arch} {self.weights} r{self.r}-{t} seq{self.seq} mb{self.micro_batch} "
                 f"{'ckpt' if self.checkpointing else 'no-ckpt'} drop{self.dropout} {self.optimizer}"
-                f"{' expandable' if self.expandable else ''}{'' if self.engine == 'loop' else ' ' + self.engine}")
+                f"{' expandable' if self.expandable else ''}{'' if self.engine == 'loop' else ' ' + self.engine}"
+                f"{' ' + self.lever if self.lever else ''}")
 
     def plan(self) -> Plan:
         """The estimator's Plan for this row; the path is the one Studio's engine picks for the
@@ -123,6 +125,22 @@ GRID = [
     Case("smollm2-135m", "bf16", 8, QV, 256, 2, True),
     Case("llama2-7b", "int8", 8, QV, 1024, 1, False, 0.05),
     Case("smollm2-135m", "nf4", 32, ALL_LINEAR, 2048, 2, True, 0.05, "adamw_8bit"),
+]
+# Studio's Trainer, chosen and committed before the fast path's memory model was written against
+# the three speed rows (Llama-2-7B nf4 r16 seq 512, micro-batch 1/4/16): out of sample. Both paths
+# (int8 bases take the plain one), graphs on and off (dropout), bf16 and 4-bit bases, q/v-only LoRA.
+TRAINER_GRID = [
+    Case("smollm2-135m", "nf4", 16, ALL_LINEAR, 1024, 8, True, 0.05),
+    Case("smollm2-135m", "nf4", 16, ALL_LINEAR, 2048, 4, True, 0.0),
+    Case("smollm2-135m", "bf16", 64, ALL_LINEAR, 2048, 4, False),
+    Case("smollm2-135m", "nf4", 8, QV, 4096, 1, False, 0.05),
+    Case("smollm2-135m", "int8", 16, ALL_LINEAR, 512, 8, True),
+    Case("llama2-7b", "nf4", 8, QV, 2048, 1, True, 0.05),
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 1024, 4, True, 0.0, "adamw_8bit"),
+    Case("llama2-7b", "int8", 16, ALL_LINEAR, 512, 2, True),
+    # the memory/speed trades of the fast path, at issue 13's micro-batch 16
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, 16, True, 0.0, lever="no_graphs"),
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, 16, True, 0.0, lever="no_absmax_cache"),
 ]
 DRY_GRID = [
     Case("tiny", "bf16", 8, ALL_LINEAR, 64, 2, True),
@@ -380,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.expandable:
         grid = [replace(c, expandable=True) for c in grid]
     if args.engine == "trainer":
-        grid = [replace(c, expandable=True, engine="trainer") for c in grid]
+        grid = [replace(c, expandable=True, engine="trainer") for c in (grid if args.dry_run else TRAINER_GRID)]
     if args.only:
         grid = [c for c in grid if any(part in c.label for part in args.only.split(","))]
     speed = speed_grid(tuple(int(x) for x in args.speed.split(",") if x)) if args.speed else []

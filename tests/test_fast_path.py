@@ -156,6 +156,7 @@ def test_evaluation_scores_equal_the_full_logits_ones_in_chunks(tiny_model: Path
     """Evaluation on the fast path (loss sum and argmax hits) goes through the vocabulary a few rows
     at a time, and still gives the full-logits numbers."""
     from studio.engine.fast import loss as fast_loss
+    from studio.engine.fast import model as fast_model_module
 
     model = _peft_model(tiny_model, None, ALL)
     model.eval()
@@ -173,8 +174,9 @@ def test_evaluation_scores_equal_the_full_logits_ones_in_chunks(tiny_model: Path
     chunks: list[int] = []
     real_rows = fast_loss.chunk_rows
     monkeypatch.setattr(fast_loss, "chunk_rows", lambda *a: chunks.append(real_rows(*a)) or 5)
+    monkeypatch.setattr(fast_model_module, "SCORE_TOKENS", batch.input_ids.shape[1])  # one row a pass
     loss, hits = fast_model.score(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
-    assert chunks, "the chunked path ran"
+    assert len(chunks) == 3, "each of the three rows was scored on its own, in chunks"
     assert int(keep.sum()) > 5, "more target rows than one chunk holds"
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-4)
     assert int(hits) == expected_hits

@@ -38,6 +38,10 @@ class FastOptions:
     """Layouts beyond this many run without graphs (each graph keeps its own activation memory)."""
 
 
+SCORE_TOKENS = 2048
+"""Tokens per forward pass when scoring (evaluation): larger batches are scored a few rows at a time."""
+
+
 class FastModel:
     """A PEFT Llama-style model's loss, computed by the fast path. Build it with :func:`prepare`."""
 
@@ -92,10 +96,22 @@ class FastModel:
     def score(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
               position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy over the targets and the count of argmax hits among them, for
-        evaluation: no gradient, no CUDA graph, and never a ``tokens x vocab`` logits tensor (the
-        loss goes through the vocabulary in chunks, :func:`chunked_scores`)."""
-        h, targets = self._hidden(input_ids, labels, attention_mask, position_ids)
-        return chunked_scores(h, self.head.weight, targets)
+        evaluation: no gradient, no CUDA graph, at most :data:`SCORE_TOKENS` tokens a forward pass,
+        and never a ``tokens x vocab`` logits tensor (the loss goes through the vocabulary in
+        chunks, :func:`chunked_scores`)."""
+        # A few rows at a time: the eager forward's working set grows with the tokens, and on CUDA
+        # the training step's activations sit in the graphs' private pool, which this cannot reuse.
+        rows = max(1, SCORE_TOKENS // max(1, input_ids.shape[1]))
+        loss = hits = None
+        for start in range(0, input_ids.shape[0], rows):
+            part = slice(start, start + rows)
+            h, targets = self._hidden(input_ids[part], labels[part],
+                                      None if attention_mask is None else attention_mask[part],
+                                      None if position_ids is None else position_ids[part])
+            piece_loss, piece_hits = chunked_scores(h, self.head.weight, targets)
+            loss = piece_loss if loss is None else loss + piece_loss
+            hits = piece_hits if hits is None else hits + piece_hits
+        return loss, hits
 
     def _hidden(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
