@@ -94,7 +94,9 @@ async def test_measured_squares_fill_in_from_memory_events():
 
 
 @pytest.mark.anyio
-async def test_a_config_that_does_not_fit_says_so():
+async def test_a_config_that_does_not_fit_says_so(monkeypatch):
+    # The plain path (the fast one checkpoints every layer whatever the config says, and would fit)
+    monkeypatch.setenv("STUDIO_FAST_PATH", "0")
     config = parse_config(LLAMA_CONFIG + "quantization: {bits: null}\ntrainer: {micro_batch_size: 16, "
                           "gradient_checkpointing: false}\n")
     app = PaneApp(config)
@@ -102,6 +104,7 @@ async def test_a_config_that_does_not_fit_says_so():
         pane = app.query_one(VramPane)
         assert pane.current is not None and pane.current.fits is False
         assert "does NOT fit" in str(app.query_one("#vram-summary").render())
+        assert "plain path" in str(app.query_one("#vram-summary").render())
 
 
 def test_snapshot_small_model_default_config(snap_compare):
