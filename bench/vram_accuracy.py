@@ -357,12 +357,13 @@ def summarize(rows: list[dict]) -> dict:
     return summary
 
 
-def speed_grid(micro_batches: tuple[int, ...] = (1, 4, 16)) -> list[tuple[str, Case]]:
+def speed_grid(micro_batches: tuple[int, ...] = (1, 4, 16),
+               engines: tuple[str, ...] = ("trainer", "unsloth", "loop")) -> list[tuple[str, Case]]:
     """Issue 13's table: Llama-2-7B shape, NF4, LoRA r16 on all 7 projections, seq 512,
     checkpointing, dropout 0, through Studio's Trainer, Unsloth and the HF loop."""
     out = []
     for mb in micro_batches:
-        for engine in ("trainer", "unsloth", "loop"):
+        for engine in engines:
             out.append((f"speed_mb{mb}", Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, mb, True, 0.0,
                                              expandable=True, engine=engine)))
     return out
@@ -389,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated micro-batches: first run issue 13's speed rows (Studio's "
                         "Trainer, Unsloth, HF loop) at each")
     parser.add_argument("--speed-steps", type=int, default=12, help="steps of each speed row")
+    parser.add_argument("--speed-engines", default="trainer,unsloth,loop", help="which sides the speed rows run")
     parser.add_argument("--tokenizer", default=None,
                         help="folder whose tokenizer files the random models get (the Trainer and Unsloth "
                         "need one; default: the project's tiny model's)")
@@ -407,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         grid = [replace(c, expandable=True, engine="trainer") for c in (grid if args.dry_run else TRAINER_GRID)]
     if args.only:
         grid = [c for c in grid if any(part in c.label for part in args.only.split(","))]
-    speed = speed_grid(tuple(int(x) for x in args.speed.split(",") if x)) if args.speed else []
+    speed = speed_grid(tuple(int(x) for x in args.speed.split(",") if x),
+                       tuple(args.speed_engines.split(","))) if args.speed else []
     if args.dry_run:
         speed = [(w, replace(c, arch="tiny", seq=64)) for w, c in speed if c.engine != "unsloth"]
     jobs = [*speed, *(("", c) for c in grid)]

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from studio.core.plan import FAST_PROJECTIONS, PathFacts, choose_path, lora_targets, model_blocker
+from studio.core.plan import (
+    FAST_PROJECTIONS,
+    GRAPH_TOKEN_LIMIT,
+    PathFacts,
+    choose_path,
+    graphs_for,
+    lora_targets,
+    model_blocker,
+)
 
 LLAMA = {"model_type": "llama", "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False,
          "mlp_bias": False}
@@ -67,3 +75,9 @@ def test_the_engine_reads_the_same_facts_off_the_loaded_model(tiny_model: Path, 
                            model_blocker=model_blocker(config))
     assert live == from_files
     assert choose_path(live) == choose_path(from_files)
+
+
+def test_cuda_graphs_only_for_micro_batches_where_the_host_dominates() -> None:
+    assert graphs_for(512, 0.0, cuda=True) and graphs_for(GRAPH_TOKEN_LIMIT, 0.0, cuda=True)
+    assert not graphs_for(GRAPH_TOKEN_LIMIT + 1, 0.0, cuda=True)  # 16 x 512 tokens: eager
+    assert not graphs_for(512, 0.05, cuda=True) and not graphs_for(512, 0.0, cuda=False)

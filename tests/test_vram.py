@@ -375,19 +375,24 @@ def test_the_estimate_follows_the_engines_path_decision(monkeypatch):
 
 
 def test_fast_path_model_against_the_trainer_on_the_h100():
-    """The three rows the fast-path constants were fitted to (Studio's Trainer, Llama-2-7B NF4 r16
-    seq 512, micro-batch 1/4/16; peaks over the training steps) stay within 4% allocated and 2%
-    reserved; the out-of-sample rows are in bench/results/h100_vram_trainer.json (docs/memory.md)."""
+    """Studio's Trainer on the H100 (Llama-2-7B NF4 r16 seq 512) against the fast-path model, on the
+    rows that ran as the engine runs now: micro-batch 1 and 4 with CUDA graphs, micro-batch 16
+    without (the row measured with graphs switched off, which is the engine's rule now). Peaks over
+    the training steps: within 4% allocated and 3% reserved. The other rows: docs/memory.md."""
     import bench.vram_accuracy as bench
 
-    data = json.loads((REPO / "bench/results/h100_speed_memory_studio_unsloth.json").read_text())
-    rows = [r for r in data["rows"] if r["case"].get("engine") == "trainer"]
-    assert len(rows) == 3
-    for row in rows:
-        case = bench.Case(**{**row["case"], "targets": tuple(row["case"]["targets"])})
+    rows = []
+    for name in ("h100_speed_memory_studio_unsloth.json", "h100_vram_trainer.json"):
+        data = json.loads((REPO / "bench/results" / name).read_text())
+        rows += [r for r in data["rows"] if r["case"].get("engine") == "trainer"]
+    current = [r for r in rows if (r["case"]["micro_batch"] in (1, 4) and r["case"]["seq"] == 512
+                                   and not r["case"].get("lever")) or r["case"].get("lever") == "no_graphs"]
+    assert len(current) == 3
+    for row in current:
+        case = bench.Case(**{**row["case"], "targets": tuple(row["case"]["targets"]), "lever": ""})
         info = from_config_dict(dict(bench.ARCHS[case.arch]), case.arch)
         predicted = estimate_plan(info, case.plan())
         assert predicted.path == row["measured"]["path"] == "fast"
         measured = row["measured"]
-        assert abs(predicted.peak_allocated / measured["train_peak_allocated"] - 1) < 0.04
-        assert abs(predicted.peak_reserved / measured["train_peak_reserved"] - 1) < 0.02
+        assert abs(predicted.peak_allocated / measured["train_peak_allocated"] - 1) < 0.04, case.label
+        assert abs(predicted.peak_reserved / measured["train_peak_reserved"] - 1) < 0.03, case.label

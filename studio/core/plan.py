@@ -24,6 +24,19 @@ FAST_WEIGHTS = ("nf4", "fp4", "bf16", "fp16", "fp32")
 """Base-weight formats the fast path dequantizes or reads (LLM.int8 is not covered)."""
 
 
+GRAPH_TOKEN_LIMIT = 4096
+"""Micro-batches of more tokens than this run without CUDA graphs. Measured on an H100 (Llama-2-7B
+NF4 r16, 8192 tokens a micro-batch, bench/results/h100_vram_trainer.json): graphs gave no speed
+(11,787 vs 11,959 tokens/s without) and cost 1.07 GiB of reserved memory (their private pool);
+at 512 tokens they are what makes the step fast (the host's per-operation cost dominates there)."""
+
+
+def graphs_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
+    """Whether the fast path replays a micro-batch of ``tokens`` as a CUDA graph: CUDA only, no
+    adapter dropout (a graph would replay one mask), and only where the host's cost matters."""
+    return cuda and lora_dropout == 0 and tokens <= GRAPH_TOKEN_LIMIT
+
+
 @dataclass(frozen=True)
 class PathFacts:
     """What the decision depends on, as the estimator (from config files) or the engine (from the
@@ -59,7 +72,8 @@ class PathChoice:
     """Why: for the plain path, what rules the fast one out; for the fast path, what it runs."""
 
     cuda_graphs: bool = False
-    """The decoder stack is replayed as CUDA graphs (fast path, CUDA, no adapter dropout)."""
+    """The decoder stack is replayed as CUDA graphs (fast path, CUDA, no adapter dropout), for
+    micro-batches of up to :data:`GRAPH_TOKEN_LIMIT` tokens (:func:`graphs_for`)."""
 
     checkpointing: bool = True
     """Whether activations are recomputed: always per layer on the fast path; the config decides on
@@ -112,7 +126,10 @@ def choose_path(facts: PathFacts) -> PathChoice:
         return PathChoice("plain", "no LoRA adapter on the decoder's projections")
     graphs = facts.cuda and facts.lora_dropout == 0
     what = "fused 4-bit LoRA products" if facts.weights in ("nf4", "fp4") else "fused LoRA products"
-    what += ", CUDA graphs" if graphs else (", no CUDA graphs (LoRA dropout > 0)" if facts.cuda else "")
+    if graphs:
+        what += f", CUDA graphs up to {GRAPH_TOKEN_LIMIT} tokens a micro-batch"
+    elif facts.cuda:
+        what += ", no CUDA graphs (LoRA dropout > 0)"
     return PathChoice("fast", what + ", per-layer checkpointing, fused cross-entropy", cuda_graphs=graphs)
 
 

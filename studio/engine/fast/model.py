@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from studio.core.plan import graphs_for
 from studio.engine.fast.graphs import Graphs
 from studio.engine.fast.layer import Layer, Segments, padding_mask
 from studio.engine.fast.loss import IGNORE_INDEX, chunked_scores, cross_entropy
@@ -146,7 +147,10 @@ class FastModel:
         else:
             ids, pos, seg = input_ids, position_ids, Segments()
 
-        graphed = self._graphs is not None and torch.is_grad_enabled() and seg.mask is None
+        # Large micro-batches run eagerly: the graph would cost its private pool and gain nothing
+        # (core/plan.py's graphs_for, which the estimator follows too).
+        graphed = (self._graphs is not None and torch.is_grad_enabled() and seg.mask is None
+                   and graphs_for(ids.numel(), 0.0, True))
         if graphed:
             ids, pos, targets, seg = self._static_layout(ids, pos, targets, seg)
         h = self.backbone.embed_tokens(ids).to(self.dtype)
