@@ -205,5 +205,9 @@ def test_trainer_evaluation_on_the_fast_path_matches_the_plain_path(tiny_config,
     assert calls, "the fast path's chunked scores served the evaluation"
     plain, fused = results["0"], results["1"]
     assert plain.rows == fused.rows > 0
-    assert fused.loss == pytest.approx(plain.loss, rel=1e-5)
-    assert fused.token_accuracy == pytest.approx(plain.token_accuracy, abs=1e-9)
+    # To rounding in the compute dtype the machine chose (fp32 on CPU, bf16 on a GPU, where a
+    # near-tie in the argmax may also fall the other way)
+    loaded = next(e for e in events if isinstance(e, ev.ModelLoaded))
+    half = loaded.dtype != "float32"
+    assert fused.loss == pytest.approx(plain.loss, rel=2e-3 if half else 1e-5)
+    assert fused.token_accuracy == pytest.approx(plain.token_accuracy, abs=0.01 if half else 1e-9)
