@@ -74,7 +74,8 @@ class FastModel:
 
     def describe(self) -> str:
         """One line naming what is on, for logs and events."""
-        parts = ["fused 4-bit LoRA products"]
+        quantized = bool(self.layers) and any(self.layers[0].qkv.weights.quantized)
+        parts = ["fused 4-bit LoRA products" if quantized else "fused LoRA products"]
         if self._graphs is not None:
             parts.append("CUDA graphs")
         parts.append("liger kernels" if self.kernels else "torch kernels")
