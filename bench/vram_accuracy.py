@@ -18,7 +18,9 @@ package versions and the exact command.
     PYTHONPATH=. python bench/vram_accuracy.py --trace "seq1024 mb8" --trace-dir /tmp/traces --out x.json
 
 A fresh process per config means nothing of one config (allocator cache, bitsandbytes state)
-leaks into the next one's peak.
+leaks into the next one's peak. One file past 400 lines on purpose: one call on the GPU machine runs
+every step of a measurement (the house habit for bench/); the Trainer and Unsloth sides live in
+bench/engines.py.
 """
 
 from __future__ import annotations
