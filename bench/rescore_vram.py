@@ -32,10 +32,12 @@ def rescore(results: dict) -> dict:
     rows = []
     for old in results["rows"]:
         case = Case(**{**old["case"], "targets": tuple(old["case"]["targets"])})
+        if case.engine == "unsloth" or case.lever:  # not Studio's defaults: nothing to predict
+            continue
         # the benchmark reads the saved model's config.json; the architecture dict is what it saved
         info = from_config_dict(dict(ARCHS[case.arch]), case.arch)
         predicted = estimate_plan(info, case.plan())
-        row = {"label": case.label, "case": old["case"],
+        row = {"label": case.label, "case": old["case"], "path": predicted.plan.path,
                "predicted": {"peak_allocated": predicted.peak_allocated,
                              "peak_reserved": predicted.peak_reserved,
                              "categories": predicted.categories}}
@@ -44,7 +46,11 @@ def rescore(results: dict) -> dict:
             row["measured"] = measured
             rows.append(row)
             continue
-        row["measured"] = {k: measured[k] for k in ("peak_allocated", "peak_reserved", "categories")}
+        # Trainer rows: the peak over every phase of the run (training steps, evaluation, save)
+        row["measured"] = {k: measured[k] for k in ("peak_allocated", "peak_reserved", "categories", "path",
+                                                    "train_peak_allocated", "train_peak_reserved") if k in measured}
+        if "in_sample" in old:
+            row["in_sample"] = old["in_sample"]
         for key in ("peak_allocated", "peak_reserved"):
             row["error_" + key] = _rel(getattr(predicted, key), measured[key])
         rows.append(row)

@@ -18,7 +18,9 @@ package versions and the exact command.
     PYTHONPATH=. python bench/vram_accuracy.py --trace "seq1024 mb8" --trace-dir /tmp/traces --out x.json
 
 A fresh process per config means nothing of one config (allocator cache, bitsandbytes state)
-leaks into the next one's peak.
+leaks into the next one's peak. One file past 400 lines on purpose: one call on the GPU machine runs
+every step of a measurement (the house habit for bench/); the Trainer and Unsloth sides live in
+bench/engines.py.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from studio.core.model_info import load_model_info  # noqa: E402
+from studio.core.plan import PathFacts, choose_path  # noqa: E402
 from studio.core.vram import ALL_LINEAR, Plan, estimate_plan  # noqa: E402
 
 ARCHS = {
@@ -55,11 +58,13 @@ ARCHS = {
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
                       tie_word_embeddings=False),
-    # --dry-run only: small enough for a CPU in seconds
+    # --dry-run only: small enough for a CPU in seconds (the vocabulary of the tiny tokenizer the Trainer uses)
     "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False),
+                 num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=False),
 }
 QV = ("q_proj", "v_proj")
+WARMUP_STEPS = 3
+"""Steps before the tokens/s clock starts (CUDA-graph capture, Unsloth's compilation, cuBLAS set-up)."""
 
 
 @dataclass(frozen=True)
@@ -76,19 +81,28 @@ class Case:
     dropout: float = 0.0
     optimizer: str = "adamw"
     expandable: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Studio's engine default)
+    engine: str = "loop"  # loop: the plain HF + PEFT loop here; trainer: Studio's Trainer; unsloth
+    lever: str = ""  # trainer rows: one of bench/speed.py's LEVERS switched off (the memory/speed trades)
 
     @property
     def label(self) -> str:
         t = "all" if self.targets == ALL_LINEAR else "qv"
         return (f"{self.arch} {self.weights} r{self.r}-{t} seq{self.seq} mb{self.micro_batch} "
                 f"{'ckpt' if self.checkpointing else 'no-ckpt'} drop{self.dropout} {self.optimizer}"
-                f"{' expandable' if self.expandable else ''}")
+                f"{' expandable' if self.expandable else ''}{'' if self.engine == 'loop' else ' ' + self.engine}"
+                f"{' ' + self.lever if self.lever else ''}")
 
     def plan(self) -> Plan:
+        """The estimator's Plan for this row; the path is the one Studio's engine picks for the
+        Trainer rows (through core/plan.py, as the engine does), the plain one for the HF loop."""
+        path = "plain"
+        if self.engine == "trainer":
+            facts = PathFacts(cuda=True, weights=self.weights, lora_targets=self.targets, lora_dropout=self.dropout)
+            path = choose_path(facts).path
         return Plan(weights=self.weights, double_quant=True, compute="bf16", lora_r=self.r,
                     lora_targets=self.targets, lora_dropout=self.dropout, micro_batch=self.micro_batch,
                     seq_len=self.seq, checkpointing=self.checkpointing, optimizer=self.optimizer,
-                    expandable_segments=self.expandable)
+                    expandable_segments=self.expandable, path=path)
 
 
 # Most telling first: a run that hits the time budget drops the tail. The first two repeat the
@@ -114,6 +128,28 @@ GRID = [
     Case("llama2-7b", "int8", 8, QV, 1024, 1, False, 0.05),
     Case("smollm2-135m", "nf4", 32, ALL_LINEAR, 2048, 2, True, 0.05, "adamw_8bit"),
 ]
+# Studio's Trainer, chosen and committed before the fast path's memory model was written against
+# the three speed rows (Llama-2-7B nf4 r16 seq 512, micro-batch 1/4/16): out of sample. Both paths
+# (int8 bases take the plain one), graphs on and off (dropout), bf16 and 4-bit bases, q/v-only LoRA.
+TRAINER_GRID = [
+    Case("smollm2-135m", "nf4", 16, ALL_LINEAR, 1024, 8, True, 0.05),
+    Case("smollm2-135m", "nf4", 16, ALL_LINEAR, 2048, 4, True, 0.0),
+    Case("smollm2-135m", "bf16", 64, ALL_LINEAR, 2048, 4, False),
+    Case("smollm2-135m", "nf4", 8, QV, 4096, 1, False, 0.05),
+    Case("smollm2-135m", "int8", 16, ALL_LINEAR, 512, 8, True),
+    Case("llama2-7b", "nf4", 8, QV, 2048, 1, True, 0.05),
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 1024, 4, True, 0.0, "adamw_8bit"),
+    Case("llama2-7b", "int8", 16, ALL_LINEAR, 512, 2, True),
+    # in sample: issue 13's micro-batch 16 row again, its final evaluation now scored 2048 tokens a pass
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, 16, True, 0.0),
+    # the memory/speed trades of the fast path, at issue 13's micro-batch 16
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, 16, True, 0.0, lever="no_graphs"),
+    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, 16, True, 0.0, lever="no_absmax_cache"),
+]
+FITTED = {"llama2-7b nf4 r16-all seq512 mb1 ckpt drop0.0 adamw expandable trainer",
+          "llama2-7b nf4 r16-all seq512 mb4 ckpt drop0.0 adamw expandable trainer",
+          "llama2-7b nf4 r16-all seq512 mb16 ckpt drop0.0 adamw expandable trainer"}
+"""Trainer rows the fast path's memory constants (core/vram_fast.py) were fitted to: in sample."""
 DRY_GRID = [
     Case("tiny", "bf16", 8, ALL_LINEAR, 64, 2, True),
     Case("tiny", "bf16", 8, QV, 128, 1, False, 0.05),
@@ -196,6 +232,7 @@ def run_case(case: Case, folder: Path, steps: int, trace: Path | None = None) ->
     generator = torch.Generator().manual_seed(0)
     losses = []
     step_peaks = []
+    ends: list[float] = []
     t0 = time.perf_counter()
     for _ in range(steps):
         ids = torch.randint(3, vocab, (case.micro_batch, case.seq), generator=generator).to(device)
@@ -204,14 +241,17 @@ def run_case(case: Case, folder: Path, steps: int, trace: Path | None = None) ->
         outputs.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(outputs.loss))
+        losses.append(float(outputs.loss))  # a sync point: the step has finished on the device
+        ends.append(time.perf_counter())
         del outputs
         if cuda:  # running peaks after each step: shows which step set the reserved peak
             step_peaks.append([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)])
     if cuda:
         torch.cuda.synchronize()
-    row = {"categories": measure_memory(model, optimizer, device), "losses": losses,
-           "load_s": round(load_s, 2), "train_s": round(time.perf_counter() - t0, 2)}
+    row = {"engine": "loop", "path": "plain", "categories": measure_memory(model, optimizer, device),
+           "losses": losses, "load_s": round(load_s, 2), "train_s": round(time.perf_counter() - t0, 2)}
+    if steps > WARMUP_STEPS:
+        row["tokens_per_s"] = case.micro_batch * case.seq * (steps - WARMUP_STEPS) / (ends[-1] - ends[WARMUP_STEPS - 1])
     if cuda:
         row["peak_allocated"] = torch.cuda.max_memory_allocated(device)
         row["peak_reserved"] = torch.cuda.max_memory_reserved(device)
@@ -237,7 +277,18 @@ def _write_trace(snapshot: dict, path: Path) -> None:
 def _child(args: argparse.Namespace) -> int:
     case = Case(**{**json.loads(args.case), "targets": tuple(json.loads(args.case)["targets"])})
     try:
-        row = run_case(case, Path(args.model_dir), args.steps, Path(args.trace_file) if args.trace_file else None)
+        if case.engine == "trainer":
+            from bench.engines import run_trainer
+
+            work = Path(tempfile.mkdtemp(prefix="vram_trainer_"))
+            row = run_trainer(case, Path(args.model_dir), args.steps, WARMUP_STEPS, work)
+        elif case.engine == "unsloth":
+            from bench.engines import run_unsloth
+
+            row = run_unsloth(case, Path(args.model_dir), args.steps, WARMUP_STEPS)
+        else:
+            row = run_case(case, Path(args.model_dir), args.steps,
+                           Path(args.trace_file) if args.trace_file else None)
     except Exception as exc:  # noqa: BLE001 - an OOM or a missing kernel is a result, not a crash
         row = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
     print("RESULT " + json.dumps(row), flush=True)
@@ -270,17 +321,54 @@ def _gpu_name() -> str:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Median and worst absolute relative error of the peaks over the rows that ran; rows measured
-    with expandable segments are summarized apart (``expandable_peak_*``)."""
-    summary = {}
-    for prefix, expandable in (("", False), ("expandable_", True)):
-        group = [r for r in rows if bool(r["case"].get("expandable")) == expandable]
+    """Median and worst absolute relative error of the peaks over the rows that ran. Rows of the HF
+    loop measured with expandable segments are summarized apart (``expandable_peak_*``); where the
+    file has rows of Studio's Trainer, those are the main ones (``peak_*``) and the loop's go under
+    ``loop_peak_*``. Speed rows (``speed_*`` workloads) add ``workloads``: tokens/s and peak
+    reserved of Studio, Unsloth and the HF loop, side by side."""
+    summary: dict = {}
+    trainer = any(r["case"].get("engine") == "trainer" for r in rows)
+    groups = [("", lambda c: c.get("engine") == "trainer"),
+              ("loop_", lambda c: c.get("engine", "loop") == "loop")] if trainer else \
+        [("", lambda c: not c.get("expandable")), ("expandable_", lambda c: bool(c.get("expandable")))]
+    for prefix, member in groups:
+        group = [r for r in rows if member(r["case"])]
         for key in ("peak_allocated", "peak_reserved"):
             errors = [abs(r["error_" + key]) for r in group if "error_" + key in r]
             if errors:
                 summary[prefix + key] = {"median_abs_error": statistics.median(errors),
                                          "worst_abs_error": max(errors), "n": len(errors)}
+    workloads: dict = {}
+    names = {"trainer": "studio", "unsloth": "unsloth", "loop": "baseline"}
+    for r in rows:
+        measured = r.get("measured", {})
+        if not r.get("workload") or "tokens_per_s" not in measured:
+            continue
+        side = names[r["case"].get("engine", "loop")]
+        entry = workloads.setdefault(r["workload"], {})
+        entry[f"{side}_tokens_per_s"] = round(measured["tokens_per_s"], 1)
+        if "peak_reserved" in measured:  # CUDA only
+            entry[f"{side}_peak_reserved_gib"] = round(measured["peak_reserved"] / 2**30, 3)
+        if side == "studio" and "train_peak_reserved" in measured:
+            entry["studio_train_peak_reserved_gib"] = round(measured["train_peak_reserved"] / 2**30, 3)
+    for entry in workloads.values():
+        if "studio_tokens_per_s" in entry and "unsloth_tokens_per_s" in entry:
+            entry["studio_over_unsloth"] = round(entry["studio_tokens_per_s"] / entry["unsloth_tokens_per_s"], 3)
+    if workloads:
+        summary["workloads"] = workloads
     return summary
+
+
+def speed_grid(micro_batches: tuple[int, ...] = (1, 4, 16),
+               engines: tuple[str, ...] = ("trainer", "unsloth", "loop")) -> list[tuple[str, Case]]:
+    """Issue 13's table: Llama-2-7B shape, NF4, LoRA r16 on all 7 projections, seq 512,
+    checkpointing, dropout 0, through Studio's Trainer, Unsloth and the HF loop."""
+    out = []
+    for mb in micro_batches:
+        for engine in engines:
+            out.append((f"speed_mb{mb}", Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, mb, True, 0.0,
+                                             expandable=True, engine=engine)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,6 +385,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", default=None,
                         help="write the allocator trace of rows whose label contains one of these (comma-separated)")
     parser.add_argument("--trace-dir", default=None, help="where traces go (default: beside --out)")
+    parser.add_argument("--engine", choices=["loop", "trainer"], default="loop",
+                        help="run the grid through the HF loop here or Studio's own Trainer (expandable "
+                        "segments, as the engine sets them)")
+    parser.add_argument("--speed", default="",
+                        help="comma-separated micro-batches: first run issue 13's speed rows (Studio's "
+                        "Trainer, Unsloth, HF loop) at each")
+    parser.add_argument("--speed-steps", type=int, default=12, help="steps of each speed row")
+    parser.add_argument("--speed-engines", default="trainer,unsloth,loop", help="which sides the speed rows run")
+    parser.add_argument("--tokenizer", default=None,
+                        help="folder whose tokenizer files the random models get (the Trainer and Unsloth "
+                        "need one; default: the project's tiny model's)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--trace-file", help=argparse.SUPPRESS)
@@ -308,8 +407,15 @@ def main(argv: list[str] | None = None) -> int:
     grid = DRY_GRID if args.dry_run else GRID
     if args.expandable:
         grid = [replace(c, expandable=True) for c in grid]
+    if args.engine == "trainer":
+        grid = [replace(c, expandable=True, engine="trainer") for c in (grid if args.dry_run else TRAINER_GRID)]
     if args.only:
         grid = [c for c in grid if any(part in c.label for part in args.only.split(","))]
+    speed = speed_grid(tuple(int(x) for x in args.speed.split(",") if x),
+                       tuple(args.speed_engines.split(","))) if args.speed else []
+    if args.dry_run:
+        speed = [(w, replace(c, arch="tiny", seq=64)) for w, c in speed if c.engine != "unsloth"]
+    jobs = [*speed, *(("", c) for c in grid)]
     traced = [part for part in (args.trace or "").split(",") if part]
     trace_dir = Path(args.trace_dir or Path(args.out).parent)
     models_dir = Path(args.models_dir or tempfile.mkdtemp(prefix="vram_bench_"))
@@ -317,50 +423,67 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""
     folders = {}
-    for arch in dict.fromkeys(c.arch for c in grid):
+    for arch in dict.fromkeys(c.arch for _, c in jobs):
         t0 = time.perf_counter()
         code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.vram_accuracy import build_model; "
                 f"from pathlib import Path; build_model({arch!r}, Path({str(models_dir / arch)!r}))")
         subprocess.run([sys.executable, "-c", code], check=True, env=env)
         folders[arch] = models_dir / arch
+        if any(c.engine != "loop" for _, c in jobs):
+            from bench.make_random_model import _copy_tokenizer
+
+            _copy_tokenizer(folders[arch], Path(args.tokenizer) if args.tokenizer else None)
         print(f"built {arch} in {time.perf_counter() - t0:.0f} s", flush=True)
 
     gpu = _gpu_name()
     rows = []
-    for case in grid:
+    for workload, case in jobs:
         info = load_model_info(str(folders[case.arch]))
-        predicted = estimate_plan(info, case.plan())
-        row = {"label": case.label, "case": {**asdict(case), "targets": list(case.targets)},
-               "predicted": {"peak_allocated": predicted.peak_allocated, "peak_reserved": predicted.peak_reserved,
-                             "categories": predicted.categories}}
+        row = {"label": case.label, "case": {**asdict(case), "targets": list(case.targets)}}
+        if workload:
+            row["workload"] = workload
+        if case.engine == "trainer":
+            row["in_sample"] = case.label in FITTED
+        predicted = None
+        if case.engine != "unsloth" and not case.lever:  # the estimator models the engine's defaults
+            predicted = estimate_plan(info, case.plan())
+            row["path"] = predicted.plan.path
+            row["predicted"] = {"peak_allocated": predicted.peak_allocated,
+                                "peak_reserved": predicted.peak_reserved, "categories": predicted.categories}
         if time.perf_counter() - start > args.budget_s:
             row["skipped"] = "time budget"
             rows.append(row)
             continue
         t0 = time.perf_counter()
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--out", "-", "--steps", str(args.steps),
+        steps = args.speed_steps if workload else args.steps
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--out", "-", "--steps", str(steps),
                "--case", json.dumps(row["case"]), "--model-dir", str(folders[case.arch])]
         if any(part in case.label for part in traced):
             name = "trace_" + "".join(ch if ch.isalnum() or ch in ".-" else "_" for ch in case.label) + ".json.gz"
             cmd += ["--trace-file", str(trace_dir / name)]
         alloc_conf = EXPANDABLE_ALLOC_CONF if case.expandable else DEFAULT_ALLOC_CONF
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**env, "PYTORCH_CUDA_ALLOC_CONF": alloc_conf})
+        child_env = {**env, "PYTORCH_CUDA_ALLOC_CONF": alloc_conf}
+        if case.engine == "unsloth":  # Unsloth sets the allocator it wants itself
+            child_env.pop("PYTORCH_CUDA_ALLOC_CONF")
+        done = subprocess.run(cmd, capture_output=True, text=True, env=child_env)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
         measured = json.loads(lines[-1][7:]) if lines else {"error": (done.stderr or "no output")[-300:]}
         row["measured"] = measured
         row["wall_s"] = round(time.perf_counter() - t0, 1)
         for key in ("peak_allocated", "peak_reserved"):
-            if key in measured:
+            if key in measured and predicted is not None:
                 row["error_" + key] = _rel(predicted.__dict__[key], measured[key])
-        if "categories" in measured:
+        if "categories" in measured and predicted is not None:
             row["error_categories"] = {
                 k: _rel(v, measured["categories"][k]) for k, v in predicted.categories.items()
                 if measured["categories"].get(k)}
         rows.append(row)
         shown = ", ".join(f"{k[5:]} {row[k]:+.1%}" for k in ("error_peak_allocated", "error_peak_reserved")
                           if k in row)
-        print(f"[{time.perf_counter() - start:5.0f} s] {case.label}: {shown or measured.get('error', 'ran')}",
-              flush=True)
+        speed_note = f", {measured['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in measured else ""
+        peak_note = f", reserved {measured['peak_reserved'] / 2**30:.2f} GiB" if "peak_reserved" in measured else ""
+        print(f"[{time.perf_counter() - start:5.0f} s] {case.label}: {shown or measured.get('error', 'ran')}"
+              f"{peak_note}{speed_note}", flush=True)
         _write_result(args, rows, start, gpu)  # after every row: a run cut off still leaves its rows
 
     result = _write_result(args, rows, start, gpu)

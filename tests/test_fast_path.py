@@ -1,4 +1,4 @@
-"""The fast training path (studio/engine/fast.py) on CPU: same loss and LoRA gradients as the plain
+"""The fast training path (studio/engine/fast/) on CPU: same loss and LoRA gradients as the plain
 transformers + PEFT path, and packed or padded examples that never see each other."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from studio.engine import fast
 from studio.engine.batching import collate
+from studio.engine.fast.layer import Segments
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -54,7 +55,9 @@ def test_fast_path_loss_and_lora_gradients_equal_the_plain_path(tiny_model: Path
     """fp32 on CPU, so both paths compute the same function to rounding: 4-bit base weights and
     adapters on only some projections included."""
     model = _peft_model(tiny_model, bits, targets)
-    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=False)
+    # On a CUDA machine bitsandbytes puts a 4-bit model on the GPU: the batch follows the model.
+    device = next(model.parameters()).device
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=False).to(device)
     plain = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                   position_ids=batch.position_ids, labels=batch.labels).loss
     plain.backward()
@@ -120,7 +123,7 @@ def test_packing_bucket_layout_keeps_examples_apart() -> None:
     ids = torch.arange(1, 11)[None]
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])
     targets = torch.arange(10)[None]
-    seg = fast._Segments(cu=torch.tensor([0, 3, 5, 10], dtype=torch.int32), max_len=5)
+    seg = Segments(cu=torch.tensor([0, 3, 5, 10], dtype=torch.int32), max_len=5)
     ids, pos, targets, seg = model._static_layout(ids, pos, targets, seg)
     assert ids.shape[1] % 256 == 0 and seg.cu.numel() == 33
     starts = torch.nonzero(pos[0] == 0).flatten()
@@ -147,3 +150,64 @@ def test_flops_per_token_counts_the_frozen_matrices_twice() -> None:
     n = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008) + 32000 * 4096
     flops = fast.model_flops_per_token(config, 512)
     assert flops == pytest.approx(4 * n + 6 * 32 * 512 * 4096)
+
+
+def test_evaluation_scores_equal_the_full_logits_ones_in_chunks(tiny_model: Path, monkeypatch) -> None:
+    """Evaluation on the fast path (loss sum and argmax hits) goes through the vocabulary a few rows
+    at a time, and still gives the full-logits numbers."""
+    from studio.engine.fast import loss as fast_loss
+    from studio.engine.fast import model as fast_model_module
+
+    model = _peft_model(tiny_model, None, ALL)
+    model.eval()
+    batch = collate([[e] for e in _examples([21, 14, 9], seed=3)], pad_id=0, packing=False)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids).logits[:, :-1].float()
+    targets = batch.labels[:, 1:]
+    keep = targets != -100
+    expected_loss = torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="sum")
+    expected_hits = int((logits[keep].argmax(-1) == targets[keep]).sum())
+
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    chunks: list[int] = []
+    real_rows = fast_loss.chunk_rows
+    monkeypatch.setattr(fast_loss, "chunk_rows", lambda *a: chunks.append(real_rows(*a)) or 5)
+    monkeypatch.setattr(fast_model_module, "SCORE_TOKENS", batch.input_ids.shape[1])  # one row a pass
+    loss, hits = fast_model.score(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+    assert len(chunks) == 3, "each of the three rows was scored on its own, in chunks"
+    assert int(keep.sum()) > 5, "more target rows than one chunk holds"
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-4)
+    assert int(hits) == expected_hits
+    assert not loss.requires_grad
+
+
+def test_trainer_evaluation_on_the_fast_path_matches_the_plain_path(tiny_config, monkeypatch) -> None:
+    """The Trainer's evaluation goes through the fast path's chunked scores when that path is on,
+    with the plain path's loss and token accuracy."""
+    from studio.core import events as ev
+    from studio.core.runs import create_run
+    from studio.engine.session import Session
+
+    calls: list[int] = []
+    score = fast.FastModel.score
+    monkeypatch.setattr(fast.FastModel, "score", lambda self, *a: calls.append(1) or score(self, *a))
+    results = {}
+    for wanted in ("0", "1"):
+        monkeypatch.setenv(fast.FAST_PATH_ENV, wanted)
+        events: list = []
+        session = Session(tiny_config, create_run(tiny_config), events.append)
+        session.load()
+        assert (session.fast is not None) == (wanted == "1")
+        results[wanted] = session.evaluate()
+        assert any(isinstance(e, ev.EvalLogged) for e in events)
+    assert calls, "the fast path's chunked scores served the evaluation"
+    plain, fused = results["0"], results["1"]
+    assert plain.rows == fused.rows > 0
+    # To rounding in the compute dtype the machine chose (fp32 on CPU, bf16 on a GPU, where a
+    # near-tie in the argmax may also fall the other way)
+    loaded = next(e for e in events if isinstance(e, ev.ModelLoaded))
+    half = loaded.dtype != "float32"
+    assert fused.loss == pytest.approx(plain.loss, rel=2e-3 if half else 1e-5)
+    assert fused.token_accuracy == pytest.approx(plain.token_accuracy, abs=0.01 if half else 1e-9)

@@ -7,7 +7,8 @@ from textual.app import App, ComposeResult
 
 from studio.core import events as ev
 from studio.core.config import RunConfig, parse_config
-from studio.core.gpus import GB
+from studio.core.gpus import GB, KNOWN_GPUS, Gpu
+from studio.ui.panes import vram as vram_pane
 from studio.ui.panes.vram import VramPane
 from studio.ui.widgets.block_gauge import BlockGauge, choose_unit, square_categories
 
@@ -24,6 +25,27 @@ class PaneApp(App):
 
     def compose(self) -> ComposeResult:
         yield VramPane(id="pane-vram")
+
+
+@pytest.fixture(autouse=True)
+def no_detected_card(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pane as on a machine without a GPU: its default card, sizes and snapshots are then the
+    same on every machine (on a GPU box the detected card would otherwise come first)."""
+    monkeypatch.setattr(vram_pane, "capacity_choices", lambda: list(KNOWN_GPUS))
+
+
+@pytest.mark.anyio
+async def test_a_detected_card_is_the_default_and_wins_over_the_events_figure(monkeypatch) -> None:
+    card = Gpu("NVIDIA H100 80GB HBM3", 81559 * 2**20, detected=True)
+    monkeypatch.setattr(vram_pane, "capacity_choices", lambda: [card, *KNOWN_GPUS])
+    app = PaneApp(parse_config(LLAMA_CONFIG))
+    async with app.run_test(size=SIZE) as pilot:
+        pane = app.query_one(VramPane)
+        assert pane.gpu == card
+        pane.handle_events([ev.MemorySampled(step=1, device="another card", capacity=16 * 2**30,
+                                             categories={"weights": GB})])
+        await pilot.pause()
+        assert app.query_one(BlockGauge).capacity == card.capacity
 
 
 def test_scale_is_one_gb_for_big_runs_and_finer_for_small_models():
@@ -72,7 +94,9 @@ async def test_measured_squares_fill_in_from_memory_events():
 
 
 @pytest.mark.anyio
-async def test_a_config_that_does_not_fit_says_so():
+async def test_a_config_that_does_not_fit_says_so(monkeypatch):
+    # The plain path (the fast one checkpoints every layer whatever the config says, and would fit)
+    monkeypatch.setenv("STUDIO_FAST_PATH", "0")
     config = parse_config(LLAMA_CONFIG + "quantization: {bits: null}\ntrainer: {micro_batch_size: 16, "
                           "gradient_checkpointing: false}\n")
     app = PaneApp(config)
@@ -80,6 +104,7 @@ async def test_a_config_that_does_not_fit_says_so():
         pane = app.query_one(VramPane)
         assert pane.current is not None and pane.current.fits is False
         assert "does NOT fit" in str(app.query_one("#vram-summary").render())
+        assert "plain path" in str(app.query_one("#vram-summary").render())
 
 
 def test_snapshot_small_model_default_config(snap_compare):

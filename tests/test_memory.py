@@ -37,8 +37,10 @@ def _trained(tmp_path, bits, targets, optimizer="adamw"):
                                                        lora_dropout=0.0, task_type="CAUSAL_LM"))
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3)
-    ids = torch.randint(0, TINY["vocab_size"], (2, 16))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    # On a CUDA machine bitsandbytes puts a 4-bit model on the GPU: the batch follows the model.
+    device = next(model.parameters()).device
+    ids = torch.randint(0, TINY["vocab_size"], (2, 16), device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     opt.step()
@@ -50,7 +52,8 @@ def test_measured_static_categories_match_the_estimate(tmp_path, bits, weights):
     targets = ("q_proj", "v_proj") if bits is None else ("q_proj", "k_proj", "v_proj", "o_proj",
                                                         "gate_proj", "up_proj", "down_proj")
     model, opt, config = _trained(tmp_path, bits, targets)
-    measured = measure_memory(model, opt, "cpu")
+    device = next(model.parameters()).device  # a 4-bit model is on the GPU where there is one
+    measured = measure_memory(model, opt, device)
     info = from_config_dict(config.to_dict(), "tiny")
     predicted = estimate_plan(info, Plan(weights=weights, lora_r=8, lora_targets=targets)).categories
     # adapters, their gradients and AdamW's m and v are exact; weights within the buffers (rotary)
@@ -58,8 +61,10 @@ def test_measured_static_categories_match_the_estimate(tmp_path, bits, weights):
     assert measured["gradients"] == predicted["gradients"]
     assert measured["optimizer"] == predicted["optimizer"]
     assert measured["weights"] == pytest.approx(predicted["weights"], rel=0.02)
-    # off CUDA there is no allocator peak to read
-    assert measured["activations"] == 0 and measured["overhead"] == 0
+    if device.type == "cpu":  # off CUDA there is no allocator peak to read
+        assert measured["activations"] == 0 and measured["overhead"] == 0
+    else:  # on CUDA the step that ran left a peak above the static categories
+        assert measured["activations"] > 0
 
 
 def test_gradients_are_counted_when_freed_between_steps(tmp_path):

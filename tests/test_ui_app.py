@@ -4,6 +4,7 @@ the config is savable as YAML that `studio train` loads, events reach panes in b
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -60,7 +61,10 @@ def test_the_running_app_never_imports_torch(tmp_path):
 
         asyncio.run(main())
     """)
-    env = {"PYTHONPATH": str(ROOT), "STUDIO_CONFIG_DIR": str(tmp_path), "PATH": "/usr/bin:/bin",
+    # The caller's PYTHONPATH stays after the repository: on a machine whose packages travel on it
+    # (the GPU box), textual is found there; torch is never put on it by this test.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path, "STUDIO_CONFIG_DIR": str(tmp_path), "PATH": "/usr/bin:/bin",
            "HOME": str(Path.home())}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=180)

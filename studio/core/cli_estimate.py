@@ -24,7 +24,9 @@ def format_table(result: Estimate, model: str, gpu_name: str) -> str:
     lines = [f"{model}: {plan.weights} weights, "
              + (f"LoRA r{plan.lora_r} on {len(plan.lora_targets)} modules" if plan.lora_r else "full fine-tune")
              + f", micro-batch {plan.micro_batch} x {plan.seq_len} tokens, "
-             + ("checkpointing" if plan.checkpointing else "no checkpointing") + f", {plan.optimizer}",
+             + ("checkpointing" if plan.checkpointing or plan.path == "fast" else "no checkpointing")
+             + f", {plan.optimizer}",
+             f"path: {plan.path}" + (f" ({result.choice.reason})" if result.choice else ""),
              ""]
     for name in CATEGORIES:
         lines.append(f"  {name:<12} {result.categories[name] / GB:8.2f} GB")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from studio.core.model_ref import local_problem
+from studio.core.plan import model_blocker
 
 
 class ModelInfoError(ValueError):
@@ -58,6 +59,10 @@ class ModelInfo:
     init_std: float = 0.02
     """initializer_range: std of the random normal weights a freshly initialised model draws. The
     estimator uses it for the size of LLM.int8's outlier activations (see core/vram.py)."""
+
+    fast_path_blocker: str = ""
+    """Why Studio's GPU fast path does not cover this architecture ('' when it does):
+    core/plan.py's model_blocker of the config.json."""
 
     @property
     def head_width(self) -> int:
@@ -126,7 +131,7 @@ def _known(ref: str) -> ModelInfo | None:
 
 def _fields(info: ModelInfo) -> tuple:
     return (info.name, info.hidden, info.intermediate, info.layers, info.heads, info.kv_heads, info.vocab,
-            info.tied, info.max_positions, info.head_dim, info.init_std)
+            info.tied, info.max_positions, info.head_dim, info.init_std, info.fast_path_blocker)
 
 
 def from_config_dict(data: dict, name: str) -> ModelInfo:
@@ -147,6 +152,7 @@ def from_config_dict(data: dict, name: str) -> ModelInfo:
             max_positions=int(text.get("max_position_embeddings") or 2048),
             head_dim=int(text["head_dim"]) if text.get("head_dim") else None,
             init_std=float(text.get("initializer_range") or data.get("initializer_range") or 0.02),
+            fast_path_blocker=model_blocker(data),
         )
     except KeyError as exc:
         raise ModelInfoError(f"{name}: config.json has no '{exc.args[0]}'; is this a causal LM?") from None

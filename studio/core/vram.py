@@ -11,6 +11,11 @@ The peak of a step is the largest of three moments:
 * the backward of one layer (with checkpointing: every layer's input, plus one recomputed layer);
 * the optimizer step (gradients plus the optimizer's temporaries; activations are gone).
 
+Two paths: :func:`estimate` asks core/plan.py which one the engine will take (the function the
+engine calls itself) and models that one: the plain path here, the GPU fast path in
+core/vram_fast.py. This module stays one piece past 400 lines because the plain path's moments, pools
+and allocator rules are one model whose parts share their intermediate sizes.
+
 Plain Python: the UI and ``studio estimate`` import this; it must never import torch.
 """
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from studio.core.config import RunConfig
 from studio.core.model_info import ModelInfo
+from studio.core.plan import FAST_PATH_ENV, PathChoice, PathFacts, choose_path
 
 CATEGORIES = ("weights", "lora", "gradients", "optimizer", "activations", "overhead")
 """Category keys, in drawing order; engine/memory.py measures the same ones."""
@@ -93,6 +99,11 @@ class Plan:
     allocated peak rounded up to 2 MiB pages. False: PyTorch's default fixed-size segments, which
     cache freed blocks (see :func:`_moments` for what that costs)."""
 
+    path: str = "plain"
+    """The training path the engine takes (core/plan.py's choose_path): ``plain`` (transformers +
+    PEFT + bitsandbytes, modelled tensor by tensor below) or ``fast`` (studio/engine/fast/:
+    core/vram_fast.py)."""
+
     @property
     def quantized(self) -> bool:
         """True for 4-bit and 8-bit base weights (loaded through bitsandbytes)."""
@@ -135,10 +146,30 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     """Caveats a person should read (paged state, unknown model parts, ...)."""
 
+    choice: PathChoice | None = None
+    """The engine's path decision this estimate follows (core/plan.py), with its reason; None for
+    estimates of a bare Plan (the walkthrough's steps, the benchmark's rows)."""
+
+    @property
+    def path(self) -> str:
+        """``fast`` or ``plain``: the training path this estimate models."""
+        return self.plan.path
+
     def to_json_dict(self) -> dict:
-        """The ``studio estimate --json`` shape: categories, total, capacity, fits, max_micro_batch."""
+        """The ``studio estimate --json`` shape: categories, total, capacity, fits, max_micro_batch,
+        the path (``fast`` or ``plain``) and the plan it assumed."""
+        plan = {"weights": self.plan.weights, "compute": self.plan.compute, "lora_r": self.plan.lora_r,
+                "lora_targets": list(self.plan.lora_targets), "lora_dropout": self.plan.lora_dropout,
+                "micro_batch": self.plan.micro_batch, "seq_len": self.plan.seq_len,
+                "checkpointing": self.plan.checkpointing or self.plan.path == "fast",
+                "optimizer": self.plan.optimizer, "accumulation": self.plan.accumulation,
+                "expandable_segments": self.plan.expandable_segments}
+        if self.choice is not None:
+            plan.update(self.choice.to_json_dict())
+        else:
+            plan["path"] = self.plan.path
         return {"categories": dict(self.categories), "total": self.total, "capacity": self.capacity,
-                "fits": self.fits, "max_micro_batch": self.max_micro_batch}
+                "fits": self.fits, "max_micro_batch": self.max_micro_batch, "path": self.plan.path, "plan": plan}
 
 
 def expandable_segments_from_env(alloc_conf: str | None) -> bool:
@@ -586,7 +617,11 @@ def _expandable_reserved(info: ModelInfo, plan: Plan, base: float, m: _Moments, 
 
 
 def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> Estimate:
-    """Predict the memory of ``plan`` on model ``info`` (see :func:`estimate`)."""
+    """Predict the memory of ``plan`` on model ``info`` (see :func:`estimate`), on the plan's path."""
+    if plan.path == "fast":
+        from studio.core.vram_fast import estimate_fast  # it builds on this module's helpers
+
+        return estimate_fast(info, plan, gpu_bytes)
     weights = weight_bytes(info, plan)
     n_train = trainable_params(info, plan)
     lora = n_train * 4 if plan.lora_r is not None else 0
@@ -646,14 +681,30 @@ def _max_micro_batch(info: ModelInfo, plan: Plan, capacity: int, limit: int = 40
     return low
 
 
+def path_choice(config: RunConfig, model_info: ModelInfo) -> PathChoice:
+    """The training path Studio's engine will take for ``config`` on this model on a GPU, decided
+    by the function the engine calls (core/plan.py's choose_path)."""
+    plan = plan_for(config)
+    facts = PathFacts(cuda=True, weights=plan.weights, lora_targets=plan.lora_targets,
+                      lora_dropout=plan.lora_dropout, model_blocker=model_info.fast_path_blocker,
+                      env=os.environ.get(FAST_PATH_ENV, ""))
+    choice = choose_path(facts)
+    if choice.path == "plain":
+        choice = replace(choice, checkpointing=plan.checkpointing)
+    return choice
+
+
 def estimate(config: RunConfig, model_info: ModelInfo, gpu_bytes: int | None = None,
              micro_batch: int | None = None) -> Estimate:
-    """Predict the GPU memory of training ``config`` on the model ``model_info`` describes.
+    """Predict the GPU memory of training ``config`` on the model ``model_info`` describes, on the
+    path the engine will take (:func:`path_choice`).
 
     ``gpu_bytes`` is the card's capacity (for fits / max_micro_batch); ``micro_batch`` overrides the
     config's. Raises ValueError naming ``lora.target_modules`` if a target is not in the model.
     """
-    return estimate_plan(model_info, plan_for(config, micro_batch), gpu_bytes)
+    choice = path_choice(config, model_info)
+    plan = replace(plan_for(config, micro_batch), path=choice.path)
+    return replace(estimate_plan(model_info, plan, gpu_bytes), choice=choice)
 
 
 # ----------------------------------------------------------------------------------- walkthrough

@@ -257,6 +257,8 @@ class Trainer:
             loss = fast.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids,
                                   reduction="sum")
             return loss, torch.zeros((), device=loss.device)
+        if fast is not None:  # evaluation: chunked over the vocabulary, never full fp32 logits
+            return fast.score(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
         dtype = self.session.base.compute_dtype
         autocast = torch.autocast(device_type=self.device.type, dtype=dtype,
                                   enabled=self.device.type == "cuda" and dtype != torch.float32)

@@ -184,7 +184,7 @@ class VramPane(Hosted, VerticalScroll):
             f"{shown.total / GB:.1f} GB {verdict} on {self.gpu.name}; largest micro-batch "
             f"{shown.max_micro_batch}; {plan.weights}, "
             + (f"LoRA r{plan.lora_r}" if plan.lora_r else "full fine-tune")
-            + f", {plan.micro_batch} x {plan.seq_len} tokens")
+            + f", {plan.micro_batch} x {plan.seq_len} tokens; {plan.path} path")
         summary.set_class(not shown.fits, "-does-not-fit")
         if self.step_index is None:
             walk.update("Walkthrough: press w to step from full fp32 fine-tuning to paged QLoRA "

@@ -1,0 +1,161 @@
+"""The other two sides of bench/vram_accuracy.py's rows: Studio's own Trainer and Unsloth.
+
+Each function runs in a fresh process (the driver starts one per row), trains a few steps on
+full-length rows of random-ish text, and returns the peaks, the speed and what ran:
+
+- :func:`run_trainer` goes through ``studio.engine.train.Trainer``, the real engine (its path
+  decision, fast path, CUDA graphs, evaluation and adapter save included). Its peaks are read twice:
+  over the training steps only, and over the whole run (final evaluation and save too); the
+  Trainer's per-step peak reset is turned off so nothing is lost between the two.
+- :func:`run_unsloth` loads the same folder with Unsloth's FastLanguageModel (4-bit, its offloaded
+  checkpointing, dropout 0) and trains with a plain loop (Unsloth patches transformers globally,
+  which is why it never shares a process with the others).
+
+Tokens/s is timed from the end of step ``warmup`` to the end of the last step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def long_rows(path: Path, rows: int, seq: int, seed: int = 0) -> Path:
+    """A JSONL of instruction rows whose rendered text runs past ``seq`` tokens of the tiny
+    tokenizer, so each becomes one full-length (truncated) example; made of the sample data."""
+    sample = ROOT / "sample_data" / "code_alpaca_sample.jsonl"
+    pool = [json.loads(line) for line in sample.read_text().splitlines() if line.strip()]
+    rng = random.Random(seed)
+    picks = max(24, seq // 64)  # the tiny tokenizer gives ~2-3 characters a token
+    with open(path, "w", encoding="utf-8") as out:
+        for _ in range(rows):
+            chosen = [pool[rng.randrange(len(pool))] for _ in range(picks)]
+            out.write(json.dumps({"instruction": chosen[0]["instruction"],
+                                  "output": "\n\n".join(c["output"] for c in chosen)}) + "\n")
+    return path
+
+
+def _trainer(config, run, emit):
+    """Studio's Trainer over a Session that owns the loaded model."""
+    from studio.engine.session import Session
+    from studio.engine.train import Trainer
+
+    return Trainer(Session(config, run, emit))
+
+
+def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict:
+    """One row through Studio's Trainer: peaks (training steps; whole run), tokens/s, the path."""
+    import torch
+
+    import studio.engine.memory as memory
+    from studio.core import events as ev
+    from studio.core.config import RunConfig
+    from studio.core.runs import create_run
+
+    cuda = torch.cuda.is_available()
+    data = long_rows(work / f"rows_{case.seq}.jsonl", max(64, case.micro_batch * (steps + 2) * 2), case.seq)
+    config = RunConfig()
+    config.model.base_model = str(folder)
+    config.quantization.bits = {"nf4": 4, "fp4": 4, "int8": 8}.get(case.weights)
+    config.quantization.compute_dtype = "bfloat16" if cuda else "float32"
+    config.lora.r, config.lora.alpha, config.lora.dropout = case.r, 2 * case.r, case.dropout
+    config.lora.target_modules = "all-linear" if len(case.targets) == 7 else list(case.targets)
+    config.prompt.template = "{instruction}\n{output}"
+    config.data.path = str(data)
+    config.data.max_seq_length = case.seq
+    config.data.val_fraction = 0.05
+    t = config.trainer
+    t.max_steps, t.micro_batch_size, t.effective_batch_size = steps, case.micro_batch, case.micro_batch
+    t.gradient_checkpointing, t.optimizer, t.packing = case.checkpointing, case.optimizer, True
+    # one evaluation batch at the end (the phase that used to need full fp32 logits), no mid-run ones
+    t.eval_interval, t.eval_max_rows, t.checkpoint_interval = 0, case.micro_batch, 0
+    config.output_dir = str(work / "runs")
+
+    steps_seen: list = []
+    notes: list[str] = []
+    train_peak: dict[str, int] = {}
+
+    def emit(event) -> None:
+        if isinstance(event, ev.StepLogged):
+            steps_seen.append(event)
+            if cuda:
+                train_peak["allocated"] = torch.cuda.max_memory_allocated()
+                train_peak["reserved"] = torch.cuda.max_memory_reserved()
+        elif isinstance(event, ev.WorkerFailed):
+            notes.append(f"{event.kind}: {event.message}")
+
+    if case.lever:  # one lever of the fast path switched off (the engine's own choice otherwise)
+        import studio.engine.fast.build as build
+        from bench.speed import LEVERS
+        from studio.engine.fast.model import FastOptions
+
+        build.prepare = partial(build.prepare, options=FastOptions(**LEVERS[case.lever]))
+    # The Trainer resets the peak before every step (its memory events are per step); a benchmark of
+    # the whole run's peak must not lose the earlier steps'.
+    memory.reset_peak = lambda device=None: None
+    trainer = _trainer(config, create_run(config), emit)
+    t0 = time.perf_counter()
+    finished = trainer.train()
+    wall = time.perf_counter() - t0
+    fast = getattr(trainer, "fast", None)
+    if fast is None and hasattr(trainer, "session"):
+        fast = trainer.session.fast
+    row = {"engine": "trainer", "lever": case.lever, "path": "fast" if fast is not None else "plain",
+           "fast_path": fast.describe() if fast is not None else "", "notes": notes,
+           "losses": [e.loss for e in steps_seen], "steps": finished.step, "wall_s": round(wall, 1)}
+    if len(steps_seen) > warmup:
+        a, b = steps_seen[warmup - 1], steps_seen[-1]
+        row["tokens_per_s"] = (b.tokens_seen - a.tokens_seen) / max(b.elapsed_s - a.elapsed_s, 1e-9)
+    if cuda:
+        torch.cuda.synchronize()
+        row["peak_allocated"] = torch.cuda.max_memory_allocated()
+        row["peak_reserved"] = torch.cuda.max_memory_reserved()
+        row["train_peak_allocated"] = train_peak.get("allocated", 0)
+        row["train_peak_reserved"] = train_peak.get("reserved", 0)
+        if fast is not None and getattr(fast, "_graphs", None) is not None:
+            row["graphs"] = len(fast._graphs.graphed)
+            row["graphs_failed"] = fast._graphs.failed
+    return row
+
+
+def run_unsloth(case, folder: Path, steps: int, warmup: int) -> dict:
+    """One row through Unsloth 2026.10.9 (4-bit NF4 only): peaks and tokens/s over a plain loop."""
+    import os
+
+    os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import unsloth  # noqa: F401 - first, so that its patches apply before transformers loads
+    from unsloth import FastLanguageModel
+
+    t0 = time.perf_counter()
+    model, _ = FastLanguageModel.from_pretrained(str(folder), max_seq_length=case.seq, load_in_4bit=True,
+                                                 dtype=None)
+    model = FastLanguageModel.get_peft_model(model, r=case.r, lora_alpha=2 * case.r, lora_dropout=case.dropout,
+                                             target_modules=list(case.targets), bias="none",
+                                             use_gradient_checkpointing="unsloth", random_state=0)
+    load_s = time.perf_counter() - t0
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    torch.cuda.reset_peak_memory_stats()
+    ends, losses = [], []
+    for _ in range(steps):
+        ids = torch.randint(3, vocab, (case.micro_batch, case.seq), generator=generator).cuda()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))  # a sync point: the step has finished on the GPU
+        ends.append(time.perf_counter())
+    tokens = case.micro_batch * case.seq * (steps - warmup)
+    return {"engine": "unsloth", "path": "unsloth", "load_s": round(load_s, 1), "losses": losses,
+            "tokens_per_s": tokens / (ends[-1] - ends[warmup - 1]),
+            "peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved(),
+            "versions": {"unsloth": getattr(unsloth, "__version__", "?")}}

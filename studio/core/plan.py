@@ -1,0 +1,141 @@
+"""Which training path a run takes: the GPU fast path (studio/engine/fast/) or the plain one.
+
+One decision, made here in plain Python, so that the estimator (core/vram.py, ``studio estimate``,
+the VRAM pane) and the engine (engine/fast/build.py, on the live model) take it with the same code:
+each gathers the facts it has into :class:`PathFacts` and calls :func:`choose_path`. The engine
+still inspects every module before it builds the fast path; a refusal there that this function did
+not foresee is a bug in one of the two.
+
+Plain Python: core imports this; it must never import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+FAST_PATH_ENV = "STUDIO_FAST_PATH"
+"""``1`` forces the fast path on (also on CPU, for tests), ``0`` forces the plain path."""
+
+FAST_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections the fast path fuses; LoRA on anything else (lm_head, embeddings) is not covered."""
+
+FAST_WEIGHTS = ("nf4", "fp4", "bf16", "fp16", "fp32")
+"""Base-weight formats the fast path dequantizes or reads (LLM.int8 is not covered)."""
+
+
+GRAPH_TOKEN_LIMIT = 4096
+"""Micro-batches of more tokens than this run without CUDA graphs. Measured on an H100 (Llama-2-7B
+NF4 r16, 8192 tokens a micro-batch, bench/results/h100_vram_trainer.json): graphs gave no speed
+(11,787 vs 11,959 tokens/s without) and cost 1.07 GiB of reserved memory (their private pool);
+at 512 tokens they are what makes the step fast (the host's per-operation cost dominates there)."""
+
+
+def graphs_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
+    """Whether the fast path replays a micro-batch of ``tokens`` as a CUDA graph: CUDA only, no
+    adapter dropout (a graph would replay one mask), and only where the host's cost matters."""
+    return cuda and lora_dropout == 0 and tokens <= GRAPH_TOKEN_LIMIT
+
+
+@dataclass(frozen=True)
+class PathFacts:
+    """What the decision depends on, as the estimator (from config files) or the engine (from the
+    loaded model) knows it."""
+
+    cuda: bool
+    """Training runs on a CUDA GPU (the fast path is no faster on a CPU, so it is off there)."""
+
+    weights: str
+    """How the frozen base weights are stored: nf4, fp4, int8, bf16, fp16 or fp32."""
+
+    lora_targets: tuple[str, ...]
+    """Module names that carry a LoRA adapter (all-linear spelled out)."""
+
+    lora_dropout: float = 0.0
+    """Adapter dropout: above 0 the fast path keeps working but without CUDA graphs."""
+
+    model_blocker: str = ""
+    """Why the architecture is not covered ('' when it is): :func:`model_blocker` of its config."""
+
+    env: str = ""
+    """The value of STUDIO_FAST_PATH ('' when unset)."""
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """The decision and what it implies for memory and speed."""
+
+    path: str
+    """``"fast"`` or ``"plain"``."""
+
+    reason: str
+    """Why: for the plain path, what rules the fast one out; for the fast path, what it runs."""
+
+    cuda_graphs: bool = False
+    """The decoder stack is replayed as CUDA graphs (fast path, CUDA, no adapter dropout), for
+    micro-batches of up to :data:`GRAPH_TOKEN_LIMIT` tokens (:func:`graphs_for`)."""
+
+    checkpointing: bool = True
+    """Whether activations are recomputed: always per layer on the fast path; the config decides on
+    the plain one (the caller fills that in)."""
+
+    def to_json_dict(self) -> dict:
+        """The shape ``studio estimate --json`` carries under ``"plan"``."""
+        return {"path": self.path, "reason": self.reason, "cuda_graphs": self.cuda_graphs,
+                "checkpointing": self.checkpointing}
+
+
+def model_blocker(config: Mapping) -> str:
+    """Why the fast path does not cover a model with this config.json ('' when it does).
+
+    Covered: Llama-style decoders (Llama, Mistral, SmolLM, Qwen2 without attention biases, ...):
+    RMSNorm, SiLU-gated MLP, no biases, no per-head q/k norms.
+    """
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    model_type = str(text.get("model_type") or config.get("model_type") or "?")
+    if "rms_norm_eps" not in text:
+        return f"model type {model_type!r} is not covered (no RMSNorm)"
+    act = text.get("hidden_act", text.get("hidden_activation", "silu"))
+    if act != "silu" or text.get("attention_bias") or text.get("mlp_bias"):
+        return "only SiLU-gated MLPs without biases are covered"
+    if model_type in ("qwen2", "qwen2_moe"):
+        return "attention projections with a bias (Qwen2) are not covered"
+    if model_type in ("qwen3", "olmo2", "gemma3", "cohere", "cohere2") or text.get("use_qk_norm"):
+        return "a decoder layer that is not Llama-shaped (per-head q/k norms)"
+    if model_type in ("phi3", "phimoe"):
+        return "fused qkv and gate/up projections (Phi-3) are not covered"
+    if text.get("num_local_experts") or text.get("num_experts"):
+        return "mixture-of-experts layers are not covered"
+    return ""
+
+
+def choose_path(facts: PathFacts) -> PathChoice:
+    """The path a run takes: fast where it covers the model and the setup, else plain."""
+    if facts.env == "0":
+        return PathChoice("plain", f"{FAST_PATH_ENV}=0")
+    if not facts.cuda and facts.env != "1":
+        return PathChoice("plain", "not on a CUDA device")
+    if facts.model_blocker:
+        return PathChoice("plain", facts.model_blocker)
+    if facts.weights not in FAST_WEIGHTS:
+        return PathChoice("plain", f"{'8-bit' if facts.weights == 'int8' else facts.weights} base weights")
+    others = [t for t in facts.lora_targets if t not in FAST_PROJECTIONS]
+    if others:
+        return PathChoice("plain", f"LoRA on {', '.join(others)} (the fast path covers {', '.join(FAST_PROJECTIONS)})")
+    if not facts.lora_targets:
+        return PathChoice("plain", "no LoRA adapter on the decoder's projections")
+    graphs = facts.cuda and facts.lora_dropout == 0
+    what = "fused 4-bit LoRA products" if facts.weights in ("nf4", "fp4") else "fused LoRA products"
+    if graphs:
+        what += f", CUDA graphs up to {GRAPH_TOKEN_LIMIT} tokens a micro-batch"
+    elif facts.cuda:
+        what += ", no CUDA graphs (LoRA dropout > 0)"
+    return PathChoice("fast", what + ", per-layer checkpointing, fused cross-entropy", cuda_graphs=graphs)
+
+
+def lora_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
+    """A config's ``lora.target_modules`` as names (``all-linear``: the seven projections of a
+    Llama-style model, lm_head excluded, as PEFT reads it)."""
+    if isinstance(targets, str):
+        return FAST_PROJECTIONS if targets == "all-linear" else (targets,)
+    return tuple(targets)

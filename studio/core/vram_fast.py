@@ -1,0 +1,158 @@
+"""Predicted memory of a training step on Studio's GPU fast path (studio/engine/fast/).
+
+The fast path keeps far less than transformers + PEFT (core/vram.py models that one): no fp32
+residual stream, no per-module saved inputs, no logits. What it holds, from what engine/fast does:
+
+- weights: the packed 4-bit (or float) projections with their constants; embeddings, head and norms
+  back in the compute dtype (``prepare`` casts down what ``prepare_model_for_kbit_training`` had
+  cast up to fp32); the double-quantized 4-bit scales expanded to fp32 once (``cache_absmax``);
+- LoRA parameters, gradients and optimizer state as on the plain path;
+- activations: each layer's input (every layer is checkpointed, whatever the config says), the
+  stacked bf16 adapters of every layer (hoisted out of the checkpoints), one recomputed layer's
+  working set in its backward, and the fused cross-entropy's gradient of the hidden states (the
+  logits are never materialised); the fused weight of the widest projection, dequantized;
+- overhead: the CUDA context; allocator holes around the dequantized fused weights; with CUDA
+  graphs (micro-batches of up to core/plan.py's GRAPH_TOKEN_LIMIT tokens), the graph's private pool.
+
+``_LAYER_WORKING_SET`` was fitted to three H100 rows of Studio's Trainer (Llama-2-7B NF4 r16 seq 512,
+micro-batch 1, 4, 16: bench/results/h100_speed_memory_studio_unsloth.json). The rows of
+bench/results/h100_vram_trainer.json were chosen and predicted before that fit (their ``predicted``
+fields); the slack constants below were then refitted to them, so for reserved memory those rows
+are in sample now (docs/memory.md keeps both scores).
+
+Plain Python, like core/vram.py: it must never import torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from studio.core.model_info import ModelInfo
+from studio.core.plan import graphs_for
+
+_LAYER_WORKING_SET = 0.95
+"""One recomputed layer's backward holds about this many times its forward outputs (fitted)."""
+
+_FIXED_SLACK = 32 * 2**20
+"""Reserved beyond the allocated peak that no mechanism below explains: small-pool pages and 20 MiB
+mapping steps of the allocator (fitted)."""
+
+_GRAPH_POOL_LAYERS = 2
+"""A captured step's private pool keeps about this many decoder layers' weights, dequantized, beyond
+what it has allocated (fitted to the Llama-2-7B rows with graphs, micro-batch 1 and 4)."""
+
+_GRAPH_POOL_PER_TOKEN = 0.4
+"""... and this fraction of one layer's forward outputs per token (fitted likewise)."""
+
+
+def layer_outputs_per_token(info: ModelInfo, compute_bytes: int) -> float:
+    """Bytes per token of one decoder layer's forward outputs on the fast path: the two norms, the
+    fused q/k/v product, the rotated q and k, attention, o_proj, the residual, the fused gate/up
+    product, SwiGLU and down_proj."""
+    h, i = info.hidden, info.intermediate
+    q = info.heads * info.head_width
+    kv = info.kv_heads * info.head_width
+    widths = 2 * h + (q + 2 * kv) + (q + kv) + q + h + h + 2 * i + i + h
+    return compute_bytes * widths
+
+
+def hoisted_adapter_bytes(info: ModelInfo, r: int, targets: tuple[str, ...], compute_bytes: int) -> int:
+    """The adapters cast and stacked once per forward, for every layer: stacked A (n*r x in) and a
+    block-diagonal B^T (n*r x sum of the fused outputs) per fused product."""
+    shapes = info.linear_shapes()
+    fused = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+    total = 0
+    for group in fused:
+        n = sum(1 for name in group if name in targets)
+        if not n:
+            continue
+        fan_in = shapes[group[0]][0]
+        outs = sum(shapes[name][1] for name in group)
+        total += n * r * (fan_in + outs)
+    return info.layers * total * compute_bytes
+
+
+def widest_fused_weight(info: ModelInfo, compute_bytes: int) -> int:
+    """Bytes of the largest fused weight the product dequantizes (gate and up together, usually)."""
+    shapes = info.linear_shapes()
+    h = info.hidden
+    gate_up = shapes["gate_proj"][1] + shapes["up_proj"][1]
+    qkv = shapes["q_proj"][1] + shapes["k_proj"][1] + shapes["v_proj"][1]
+    return max(gate_up * h, qkv * h, shapes["down_proj"][0] * h) * compute_bytes
+
+
+def absmax_cache_bytes(info: ModelInfo, weights: str, double_quant: bool, block: int = 64) -> int:
+    """fp32 scales expanded once from double-quantized 4-bit ones (none for other formats)."""
+    if weights not in ("nf4", "fp4") or not double_quant:
+        return 0
+    return sum(math.ceil(a * b / block) for a, b in info.linear_shapes().values()) * info.layers * 4
+
+
+def step_activations(info: ModelInfo, tokens: int, compute_bytes: int) -> float:
+    """Bytes a training step holds beyond the parameters, gradients and optimizer state at its peak
+    (the start of a layer's backward), without the hoisted adapters and the dequantized weight."""
+    saved = tokens * info.layers * info.hidden * compute_bytes  # each layer's input
+    working = tokens * _LAYER_WORKING_SET * layer_outputs_per_token(info, compute_bytes)
+    loss = tokens * 2 * info.hidden * compute_bytes  # the fused loss's gradient of the last hidden states
+    return saved + working + loss
+
+
+def allocator_slack(info: ModelInfo, tokens: int, compute_bytes: int, graphs: bool) -> float:
+    """Reserved beyond the allocated peak. Eagerly, the two dequantized copies of the widest fused
+    weight (forward and backward) leave holes that later, smaller requests do not fill; with CUDA
+    graphs, the captured step's private pool keeps its own free blocks besides (one pool per batch
+    layout: a second layout, e.g. packed rows of another shape, adds a second pool, not modelled)."""
+    slack = 2 * widest_fused_weight(info, compute_bytes) + _FIXED_SLACK
+    if graphs:
+        layer_weights = sum(a * b for a, b in info.linear_shapes().values()) * compute_bytes
+        slack += _GRAPH_POOL_LAYERS * layer_weights
+        slack += tokens * _GRAPH_POOL_PER_TOKEN * layer_outputs_per_token(info, compute_bytes)
+    return slack
+
+
+def estimate_fast(info: ModelInfo, plan, gpu_bytes: int | None = None):
+    """The :class:`~studio.core.vram.Estimate` of ``plan`` (whose ``path`` is ``fast``) on ``info``."""
+    from studio.core import vram
+
+    c = 2 if plan.compute in ("bf16", "fp16") else 4
+    shapes = info.linear_shapes().values()
+    linear = 0.0
+    for fan_in, fan_out in shapes:
+        n = fan_in * fan_out
+        linear += n * vram._DTYPE_BYTES[plan.weights] + vram._quant_constants(n, plan)
+    other = info.embedding_params() + info.head_params() + info.norm_params()
+    weights = int(info.layers * linear + other * c)
+    n_train = vram.trainable_params(info, plan)
+    lora = grads = n_train * 4
+    optimizer = vram.optimizer_bytes(info, plan)
+    on_device_optimizer = 0 if plan.optimizer.startswith("paged") else optimizer
+    tokens = plan.tokens
+    graphs = graphs_for(tokens, plan.lora_dropout, cuda=True)  # the engine's own rule (core/plan.py)
+    activations = (step_activations(info, tokens, c)
+                   + hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c)
+                   + widest_fused_weight(info, c)
+                   + absmax_cache_bytes(info, plan.weights, plan.double_quant)
+                   + vram.CUBLAS_WORKSPACE_BYTES)
+    # Gradients exist through the whole step (the graphs' backward adds into them in place) and the
+    # optimizer's foreach temporary comes after the activations are gone: the backward is the peak.
+    temp = n_train * 4 if plan.optimizer == "adamw" else 0
+    peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations, temp))
+    slack = allocator_slack(info, tokens, c, graphs)
+    page = 2 * 2**20
+    peak_reserved = int(math.ceil((peak_allocated + slack) / page) * page)
+    overhead = peak_reserved - peak_allocated + vram.CUDA_CONTEXT_BYTES
+    categories = {"weights": weights, "lora": int(lora), "gradients": int(grads), "optimizer": int(optimizer),
+                  "activations": int(peak_allocated - weights - lora - on_device_optimizer - grads),
+                  "overhead": int(overhead)}
+    total = sum(categories.values())
+    notes = ["fast path (studio/engine/fast): every layer checkpointed, fused cross-entropy, "
+             + ("CUDA graphs" if graphs else "no CUDA graphs (LoRA dropout > 0)")]
+    if plan.optimizer.startswith("paged"):
+        notes.append("paged optimizer state lives in unified memory: it spills to host RAM under "
+                     "pressure and torch.cuda's counters do not see it")
+    if plan.seq_len > info.max_positions:
+        notes.append(f"sequence length {plan.seq_len} exceeds the model's {info.max_positions} positions")
+    notes.append("overhead includes ~0.8 GB of CUDA context that only nvidia-smi shows")
+    fits = None if gpu_bytes is None else total <= gpu_bytes
+    max_mb = None if gpu_bytes is None else vram._max_micro_batch(info, plan, gpu_bytes)
+    return vram.Estimate(categories, total, gpu_bytes, fits, max_mb, peak_allocated, peak_reserved, plan, notes)

@@ -1,0 +1,67 @@
+"""CUDA graphs of the decoder stack: forward and backward replayed, one graph per batch layout."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from studio.engine.fast.layer import Segments
+
+if TYPE_CHECKING:
+    from studio.engine.fast.model import FastModel
+
+
+class _StackModule(nn.Module):
+    """The decoder stack for one batch layout, as the module that CUDA-graph capture takes.
+
+    Its parameters are the adapters (so the captured backward returns their gradients); the
+    layout's example count and longest example are fixed in it, the boundaries come in as a tensor.
+    """
+
+    def __init__(self, fast: FastModel, max_len: int, flat: bool):
+        super().__init__()
+        self.adapters = nn.ParameterList(fast.trainable())
+        self._fast = [fast]  # a list: not a submodule, so its parameters are not counted twice
+        self.max_len, self.flat = max_len, flat
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        seg = Segments(cu=cu, max_len=self.max_len) if self.flat else Segments()
+        return self._fast[0].stack(h, cos, sin, seg)
+
+
+class Graphs:
+    """CUDA graphs of the decoder stack, one per batch layout, captured on first use."""
+
+    def __init__(self, fast: FastModel, limit: int):
+        self.fast = fast
+        self.limit = limit
+        self.graphed: dict[tuple, nn.Module] = {}
+        self.failed = ""
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
+        flat = seg.cu is not None
+        cu = seg.cu if flat else torch.zeros(1, dtype=torch.int32, device=h.device)
+        key = (tuple(h.shape), cu.numel(), seg.max_len, h.requires_grad)
+        module = self.graphed.get(key)
+        if module is None:
+            if self.failed or len(self.graphed) >= self.limit:
+                return self.fast.stack(h, cos, sin, seg)
+            try:
+                module = torch.cuda.make_graphed_callables(_StackModule(self.fast, seg.max_len, flat),
+                                                           (h, cos, sin, cu), num_warmup_iters=2)
+            except torch.cuda.OutOfMemoryError:
+                raise  # the trainer halves the micro-batch; the smaller layout gets its own graph
+            except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
+                self.failed = f"{type(exc).__name__}: {exc}"
+                return self.fast.stack(h, cos, sin, seg)
+            self.graphed[key] = module
+            # The capture's warm-up ran on a side stream; its cached blocks serve nothing now.
+            torch.cuda.empty_cache()
+        # The captured backward hands back gradients that live in the graph's memory: gradients that
+        # already exist make autograd add them in place instead of keeping (aliasing) that memory.
+        for p in self.fast.trainable():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return module(h, cos, sin, cu)

@@ -1,0 +1,110 @@
+"""One Llama-style decoder layer as one function: norms, fused projections, RoPE, attention inside
+each example of a flat token stream, SwiGLU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from studio.engine.fast.ops import rms_norm_torch, rope_torch
+from studio.engine.fast.weights import Projection
+
+
+@dataclass
+class Segments:
+    """Where examples start in a flat token stream (attention stays inside each)."""
+
+    cu: torch.Tensor | None = None
+    """int32 [n+1] cumulative example lengths (varlen attention), or None for full causal rows."""
+    max_len: int = 0
+    mask: torch.Tensor | None = None
+    """bool [1, 1, T, T] block-diagonal causal mask for the SDPA fallback."""
+
+
+@dataclass
+class Layer:
+    """One decoder layer's fused projections, norm weights and shape, run by :meth:`forward`."""
+
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    kernels: dict | None = field(default=None, repr=False)
+    varlen: tuple | None = field(default=None, repr=False)
+
+    def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            # in_place: the incoming gradient (used by nothing else) is overwritten with the result.
+            return self.kernels["rms_norm"].apply(x, w, self.eps, 0.0, "llama", True)
+        return rms_norm_torch(x, w, self.eps)
+
+    def adapters(self) -> tuple | None:
+        """Each projection's adapters in fused form (see :meth:`Projection.adapters`)."""
+        if any(any(p.dropout) for p in (self.qkv, self.o, self.gate_up, self.down)):
+            return None
+        return self.qkv.adapters(), self.o.adapters(), self.gate_up.adapters(), self.down.adapters()
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
+                adapters: tuple | None = None) -> torch.Tensor:
+        b, t, _ = h.shape
+        qkv_ad, o_ad, gu_ad, down_ad = adapters if adapters is not None else (None,) * 4
+        qkv = self.qkv(self.norm(h, self.ln1), qkv_ad)
+        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                             self.kv_heads * self.head_dim], dim=-1)
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        v = v.view(b, t, self.kv_heads, self.head_dim)
+        if self.kernels:
+            # liger's RoPE takes [B, H, T, D]; its kernel works on the [B, T, H, D] memory layout.
+            qt, kt = self.kernels["rope"].apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = qt.transpose(1, 2), kt.transpose(1, 2)
+        else:
+            q, k = rope_torch(q, k, cos, sin)
+        attn = self.attention(q, k, v, seg).reshape(b, t, self.heads * self.head_dim)
+        h = h + self.o(attn, o_ad)
+        gu = self.gate_up(self.norm(h, self.ln2), gu_ad)
+        if self.kernels:
+            # liger returns the gradient flat: give it a flat input so the shapes agree.
+            act = self.kernels["swiglu"].apply(gu.view(-1, gu.shape[-1]), True).view(*gu.shape[:-1], -1)
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return h + self.down(act, down_ad)
+
+    def attention(self, q, k, v, seg: Segments) -> torch.Tensor:
+        """Causal attention inside each example; returns [B, T, H, D]."""
+        if seg.cu is not None and self.varlen is not None:
+            fn, causal, gqa = self.varlen
+            kw = dict(causal)
+            if self.kv_heads != self.heads:
+                if gqa:
+                    kw["enable_gqa"] = True
+                else:
+                    rep = self.heads // self.kv_heads
+                    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+            out = fn(q[0], k[0], v[0], seg.cu, seg.cu, seg.max_len, seg.max_len, **kw)
+            return out.unsqueeze(0)
+        gqa = self.kv_heads != self.heads
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if gqa:
+            rep = self.heads // self.kv_heads
+            kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
+        if seg.mask is not None:
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=seg.mask)
+        else:
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        return out.transpose(1, 2)
+
+
+def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    t = attention_mask.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).tril_()
+    return causal[None, None] & attention_mask.bool()[:, None, None, :]

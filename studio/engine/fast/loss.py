@@ -1,0 +1,55 @@
+"""The cross-entropy over the vocabulary, without a ``tokens x vocab`` logits tensor.
+
+Training uses liger-kernel's fused linear cross-entropy where it is installed (the output
+projection and the loss in chunks, gradients written in place). Evaluation needs the argmax too and
+no gradient: :func:`chunked_scores` walks the target tokens in chunks whose fp32 logits are no
+larger than the batch's hidden states in fp32, so scoring a batch never needs more memory than the
+training step on it did.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
+                  kernels: dict | None) -> torch.Tensor:
+    """Cross-entropy of ``h @ weight.T`` against ``targets`` (rows of IGNORE_INDEX skipped)."""
+    if kernels and weight.dtype == h.dtype:
+        # Positional arguments: liger's autograd function takes no keywords.
+        loss = kernels["flce"].apply(h, weight, targets, None, None, IGNORE_INDEX, 0.0, 0.0, reduction)
+        return loss[0] if isinstance(loss, tuple) else loss
+    keep = targets != IGNORE_INDEX  # only target rows go through the fp32 softmax
+    logits = (h[keep] @ weight.to(h.dtype).t()).float()
+    return F.cross_entropy(logits, targets[keep], reduction=reduction)
+
+
+def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
+    """Target rows per chunk: fp32 logits of ``rows x vocab`` no larger than ``tokens x hidden``
+    fp32 values (the batch's hidden states), and at least 16 rows."""
+    return max(16, tokens * hidden // max(vocab, 1))
+
+
+@torch.no_grad()
+def chunked_scores(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy and the count of argmax hits over the target rows of ``h`` ([N, hidden]).
+
+    The same numbers as a full fp32 softmax (logits in the compute dtype, softmax in fp32), with at
+    most one chunk's logits alive.
+    """
+    keep = targets != IGNORE_INDEX
+    rows, wanted = h[keep], targets[keep]
+    w = weight.to(h.dtype)
+    step = chunk_rows(h.shape[0], h.shape[-1], w.shape[0])
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    hits = torch.zeros((), dtype=torch.long, device=h.device)
+    for start in range(0, rows.shape[0], step):
+        logits = (rows[start:start + step] @ w.t()).float()
+        target = wanted[start:start + step]
+        loss += F.cross_entropy(logits, target, reduction="sum")
+        hits += (logits.argmax(-1) == target).sum()
+        del logits
+    return loss, hits

@@ -1,0 +1,212 @@
+"""FastModel: the loss of a PEFT Llama-style model through the fast layers, with the batch laid out
+as one flat stream of real tokens and the cross-entropy fused with the output projection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from studio.core.plan import graphs_for
+from studio.engine.fast.graphs import Graphs
+from studio.engine.fast.layer import Layer, Segments, padding_mask
+from studio.engine.fast.loss import IGNORE_INDEX, chunked_scores, cross_entropy
+
+
+@dataclass
+class FastOptions:
+    """Which levers the fast path pulls (all on by default; the benchmark turns them off one by one)."""
+
+    kernels: bool = True
+    """Use liger-kernel's fused RMSNorm / RoPE / SwiGLU / linear cross-entropy when available."""
+    varlen: bool = True
+    """Flash-attention varlen for packed or padded batches (else a block-diagonal SDPA mask)."""
+    checkpointing: bool = True
+    """Recompute each layer in the backward instead of keeping its activations."""
+    cache_absmax: bool = True
+    """Expand double-quantized 4-bit scales to fp32 once (+0.25 GB on a 7B model, fewer kernels)."""
+    unpad: bool = True
+    """Drop padding tokens before the model (padded batches become a flat stream of examples)."""
+    hoist_adapters: bool = True
+    """Cast and stack the adapters once per forward, outside the checkpointed layers."""
+    cuda_graphs: bool = True
+    """Replay the decoder stack's forward and backward as CUDA graphs (one per batch layout, at most
+    ``max_graphs``), so the host's per-operation cost leaves the step; CUDA only, no LoRA dropout."""
+    max_graphs: int = 2
+    """Layouts beyond this many run without graphs (each graph keeps its own activation memory)."""
+
+
+SCORE_TOKENS = 2048
+"""Tokens per forward pass when scoring (evaluation): larger batches are scored a few rows at a time."""
+
+
+class FastModel:
+    """A PEFT Llama-style model's loss, computed by the fast path. Build it with :func:`prepare`."""
+
+    def __init__(self, peft_model: nn.Module, layers: list[Layer], backbone: nn.Module, head: nn.Module,
+                 dtype: torch.dtype, options: FastOptions, kernels: dict | None, varlen: tuple | None):
+        self.peft_model = peft_model
+        self.layers = layers
+        self.backbone = backbone
+        self.head = head
+        self.dtype = dtype
+        self.options = options
+        self.kernels = kernels
+        self.varlen = varlen
+        # The checkpoint must replay the RNG only when something in a layer draws from it.
+        self._dropout = any(any(p.dropout) for layer in layers for p in (layer.qkv, layer.o, layer.gate_up,
+                                                                          layer.down))
+        device = backbone.embed_tokens.weight.device
+        use_graphs = options.cuda_graphs and not self._dropout and device.type == "cuda"
+        self._graphs = Graphs(self, options.max_graphs) if use_graphs else None
+
+    def trainable(self) -> list[torch.Tensor]:
+        """The adapter weights the stack trains, in a fixed order."""
+        out = []
+        for layer in self.layers:
+            for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                for a, b in zip(proj.a, proj.b, strict=True):
+                    out += [a, b]
+        return out
+
+    def describe(self) -> str:
+        """One line naming what is on, for logs and events."""
+        quantized = bool(self.layers) and any(self.layers[0].qkv.weights.quantized)
+        parts = ["fused 4-bit LoRA products" if quantized else "fused LoRA products"]
+        if self._graphs is not None:
+            parts.append("CUDA graphs")
+        parts.append("liger kernels" if self.kernels else "torch kernels")
+        parts.append("varlen attention" if self.varlen else "SDPA attention")
+        if self.options.checkpointing:
+            parts.append("per-layer checkpointing")
+        return ", ".join(parts)
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
+        """Next-token cross-entropy over the targets (``mean`` as ``model(...).loss``, or ``sum``).
+
+        Targets are ``labels`` shifted left by one; a target whose token starts a new example (its
+        position id is 0) is ignored, so no example is trained to predict the next one.
+        """
+        h, targets = self._hidden(input_ids, labels, attention_mask, position_ids)
+        return cross_entropy(h, self.head.weight, targets, reduction, self.kernels)
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed cross-entropy over the targets and the count of argmax hits among them, for
+        evaluation: no gradient, no CUDA graph, at most :data:`SCORE_TOKENS` tokens a forward pass,
+        and never a ``tokens x vocab`` logits tensor (the loss goes through the vocabulary in
+        chunks, :func:`chunked_scores`)."""
+        # A few rows at a time: the eager forward's working set grows with the tokens, and on CUDA
+        # the training step's activations sit in the graphs' private pool, which this cannot reuse.
+        rows = max(1, SCORE_TOKENS // max(1, input_ids.shape[1]))
+        loss = hits = None
+        for start in range(0, input_ids.shape[0], rows):
+            part = slice(start, start + rows)
+            h, targets = self._hidden(input_ids[part], labels[part],
+                                      None if attention_mask is None else attention_mask[part],
+                                      None if position_ids is None else position_ids[part])
+            piece_loss, piece_hits = chunked_scores(h, self.head.weight, targets)
+            loss = piece_loss if loss is None else loss + piece_loss
+            hits = piece_hits if hits is None else hits + piece_hits
+        return loss, hits
+
+    def _hidden(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final normed hidden states ``[N, hidden]`` of the batch's real tokens, and their
+        targets ``[N]`` (IGNORE_INDEX where no loss is taken)."""
+        b, t = input_ids.shape
+        device = input_ids.device
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+            else:
+                position_ids = torch.arange(t, device=device).expand(b, t)
+        targets = torch.full_like(labels, IGNORE_INDEX)
+        targets[:, :-1] = labels[:, 1:]
+        targets[:, :-1].masked_fill_(position_ids[:, 1:] == 0, IGNORE_INDEX)
+
+        # Host syncs, once per micro-batch: the batch's shape decides the attention layout.
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        restarts = bool((position_ids[:, 1:] == 0).any())
+        if padded and not self.options.unpad:
+            # Rows kept as they are (the padded baseline's layout): mask the padding's keys.
+            ids, pos, seg = input_ids, position_ids, Segments(mask=padding_mask(attention_mask))
+        elif padded or restarts:
+            # One flat stream of real tokens, cut into examples where the position ids restart.
+            if padded:
+                keep = attention_mask.bool()
+                ids, pos, targets = input_ids[keep], position_ids[keep], targets[keep]
+            else:
+                ids, pos, targets = input_ids.reshape(-1), position_ids.reshape(-1), targets.reshape(-1)
+            ids, pos, targets = ids.unsqueeze(0), pos.unsqueeze(0), targets.unsqueeze(0)
+            seg = self._segments(pos)
+        else:
+            ids, pos, seg = input_ids, position_ids, Segments()
+
+        # Large micro-batches run eagerly: the graph would cost its private pool and gain nothing
+        # (core/plan.py's graphs_for, which the estimator follows too).
+        graphed = (self._graphs is not None and torch.is_grad_enabled() and seg.mask is None
+                   and graphs_for(ids.numel(), 0.0, True))
+        if graphed:
+            ids, pos, targets, seg = self._static_layout(ids, pos, targets, seg)
+        h = self.backbone.embed_tokens(ids).to(self.dtype)
+        cos, sin = self.backbone.rotary_emb(h, pos)
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        if graphed:
+            h = self._graphs.run(h, cos, sin, seg)
+        else:
+            h = self.stack(h, cos, sin, seg)
+        return h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+
+    def stack(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
+        """The decoder layers and the final norm."""
+        for layer in self.layers:
+            # Built outside the checkpoint: the recomputation then reuses them (fewer small ops).
+            adapters = layer.adapters() if self.options.hoist_adapters else None
+            if self.options.checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer.forward, h, cos, sin, seg, adapters, use_reentrant=False,
+                               preserve_rng_state=self._dropout)
+            else:
+                h = layer.forward(h, cos, sin, seg, adapters)
+        return self.layers[0].norm(h, self.backbone.norm.weight) if self.layers else h
+
+    def _static_layout(self, ids, pos, targets, seg: Segments):
+        """Pad a flat stream to a bucketed length with a bucketed number of examples, so that a
+        few CUDA graphs cover every batch. The padding is made of one-token examples (and one
+        longer one) that take no loss and that no real token attends to."""
+        if seg.cu is None:
+            return ids, pos, targets, seg
+        n_real = ids.shape[1]
+        segs = seg.cu.numel() - 1
+        slots = max(32, 1 << segs.bit_length())  # > segs: room for at least one padding example
+        total = -(-(n_real + slots) // 256) * 256
+        pad = total - n_real
+        dummies = slots - segs - 1
+        device = ids.device
+        ids = F.pad(ids, (0, pad))
+        targets = F.pad(targets, (0, pad), value=IGNORE_INDEX)
+        tail = torch.arange(pad - dummies, device=device)
+        pos = torch.cat([pos, torch.zeros(1, dummies, dtype=pos.dtype, device=device), tail[None]], dim=1)
+        cu = torch.cat([seg.cu, n_real + torch.arange(1, dummies + 1, device=device, dtype=seg.cu.dtype),
+                        torch.tensor([total], device=device, dtype=seg.cu.dtype)])
+        max_len = max(seg.max_len, pad - dummies)
+        max_len = 1 << (max_len - 1).bit_length()
+        return ids, pos, targets, Segments(cu=cu, max_len=max_len)
+
+    def _segments(self, pos: torch.Tensor) -> Segments:
+        flat = pos[0]
+        starts = torch.nonzero(flat == 0).flatten()
+        n = flat.numel()
+        if self.varlen is not None:
+            cu = torch.cat([starts, torch.tensor([n], device=flat.device)]).to(torch.int32)
+            max_len = int((cu[1:] - cu[:-1]).max())  # host sync: the kernel needs it as a number
+            return Segments(cu=cu, max_len=max_len)
+        example = torch.cumsum((flat == 0).long(), 0)
+        same = example[:, None] == example[None, :]
+        causal = torch.ones(n, n, dtype=torch.bool, device=flat.device).tril_()
+        return Segments(mask=(same & causal)[None, None])

@@ -1,0 +1,182 @@
+"""Frozen base weights and the fused QLoRA product.
+
+Several projections that read one input (q/k/v, gate/up) become one matrix product: their 4-bit
+weights are dequantized straight into one buffer, and the LoRA updates are added by the product's
+epilogue. The backward re-dequantizes instead of keeping the bf16 weights alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FrozenWeights:
+    """The frozen base weights of one or more projections that share an input, as one matrix.
+
+    4-bit weights are dequantized on every call (into one buffer, one kernel each); their
+    double-quantized scales are expanded to fp32 once here, since they never change while training.
+    """
+
+    def __init__(self, bases: Sequence[nn.Module], dtype: torch.dtype, cache_absmax: bool):
+        self.bases = list(bases)
+        self.dtype = dtype
+        self.out_features = [int(b.out_features) for b in self.bases]
+        self.in_features = int(self.bases[0].in_features)
+        self._absmax: list[torch.Tensor | None] = []
+        self.quantized = [is_4bit(b) for b in self.bases]
+        for base, q in zip(self.bases, self.quantized, strict=True):
+            if q and cache_absmax:
+                self._absmax.append(expanded_absmax(base.weight.quant_state))
+            else:
+                self._absmax.append(None)
+
+    def matrix(self) -> torch.Tensor:
+        """The bf16 (compute dtype) weight ``[sum(out_features), in_features]``."""
+        if not any(self.quantized):
+            if len(self.bases) == 1:
+                return self.bases[0].weight.to(self.dtype)
+            return torch.cat([b.weight.to(self.dtype) for b in self.bases])
+        device = self.bases[0].weight.device
+        out = torch.empty(sum(self.out_features), self.in_features, dtype=self.dtype, device=device)
+        row = 0
+        for base, absmax, n in zip(self.bases, self._absmax, self.out_features, strict=True):
+            _dequantize_into(base, absmax, out[row:row + n])
+            row += n
+        return out
+
+
+def is_4bit(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return type(weight).__name__ == "Params4bit" and getattr(weight, "quant_state", None) is not None
+
+
+def expanded_absmax(state) -> torch.Tensor:
+    import bitsandbytes.functional as bnbf
+
+    if state.nested:
+        absmax = bnbf.dequantize_blockwise(state.absmax, state.state2)
+        absmax += state.offset
+        return absmax.float()
+    return state.absmax.float()
+
+
+def _dequantize_into(base: nn.Module, absmax: torch.Tensor | None, out: torch.Tensor) -> None:
+    state = base.weight.quant_state
+    if absmax is None:
+        absmax = expanded_absmax(state)
+    args = (base.weight.data, absmax, state.blocksize, state.quant_type, out.shape, out.dtype)
+    if out.device.type == "cuda":
+        torch.ops.bitsandbytes.dequantize_4bit.out(*args, out=out)
+    else:  # bitsandbytes' CPU backend has no out= variant
+        out.copy_(torch.ops.bitsandbytes.dequantize_4bit.default(*args))
+
+
+class LoraProduct(torch.autograd.Function):
+    """``y = x W^T + s (x A^T) B^T`` for a frozen W that is rebuilt, never saved, in the backward.
+
+    ``A`` stacks the adapters' A matrices ``[n*r, in]``; ``Bt`` holds their B matrices transposed on
+    a block diagonal ``[n*r, sum(out)]``, so several adapters over one input cost two small products.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        w = weights.matrix()
+        y = x2 @ w.t()
+        del w
+        if a is not None:
+            xa = x2 @ a.t()
+            y.addmm_(xa, bt, alpha=scale)
+            ctx.save_for_backward(x2, a, bt, xa)
+        else:
+            ctx.save_for_backward(x2)
+        ctx.weights, ctx.scale, ctx.shape = weights, scale, shape
+        return y.view(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved = ctx.saved_tensors
+        x2 = saved[0]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        w = ctx.weights.matrix()
+        dx = dy2 @ w
+        del w
+        da = dbt = None
+        if len(saved) > 1:
+            _, a, bt, xa = saved
+            dyb = (dy2 @ bt.t()).mul_(ctx.scale)
+            dx.addmm_(dyb, a)
+            if ctx.needs_input_grad[2]:
+                da = dyb.t() @ x2
+            if ctx.needs_input_grad[3]:
+                dbt = (xa.t() @ dy2).mul_(ctx.scale)
+        return dx.view(ctx.shape), None, da, dbt, None
+
+
+def has_adapter(module: nn.Module, adapter: str) -> bool:
+    return hasattr(module, "lora_A") and adapter in module.lora_A
+
+
+class Projection:
+    """Linears reading the same input (with or without a LoRA adapter each), as one product."""
+
+    def __init__(self, modules: Sequence[nn.Module], adapter: str, dtype: torch.dtype, cache_absmax: bool):
+        self.modules = list(modules)
+        bases = [m.get_base_layer() if hasattr(m, "get_base_layer") else m for m in modules]
+        self.weights = FrozenWeights(bases, dtype, cache_absmax)
+        self.dtype = dtype
+        adapted = [m for m in modules if has_adapter(m, adapter)]
+        self.present = [has_adapter(m, adapter) for m in modules]
+        self.a = [m.lora_A[adapter].weight for m in adapted]
+        self.b = [m.lora_B[adapter].weight for m in adapted]
+        self.scales = [float(m.scaling[adapter]) for m in adapted]
+        drop = [m.lora_dropout[adapter] for m in adapted]
+        self.dropout = [d.p if isinstance(d, nn.Dropout) else 0.0 for d in drop]
+
+    def adapters(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float] | None:
+        """The adapters as the fused product takes them: stacked A, block-diagonal B^T, scale.
+
+        Built from the fp32 parameters through autograd, so their gradients flow back to each
+        adapter; a projection without an adapter gets an empty block. None when dropout is on
+        (each adapter then needs its own masked input).
+        """
+        if any(self.dropout):
+            return None
+        if not self.a:
+            return None, None, 1.0
+        a = torch.cat(self.a).to(self.dtype) if len(self.a) > 1 else self.a[0].to(self.dtype)
+        # Scales folded into B when they differ (rare: per-module alpha); else passed as alpha.
+        same = all(s == self.scales[0] for s in self.scales)
+        adapted = iter(zip(self.b, self.scales, strict=True))
+        bts = []
+        for present, n in zip(self.present, self.weights.out_features, strict=True):
+            if present:
+                b, s = next(adapted)
+                bts.append(b.t() if same else b.t() * s)
+            else:
+                bts.append(a.new_zeros(0, n))
+        bt = (torch.block_diag(*bts) if len(bts) > 1 else bts[0]).to(self.dtype)
+        return a, bt, self.scales[0] if same else 1.0
+
+    def __call__(self, x: torch.Tensor, adapters: tuple | None = None) -> torch.Tensor:
+        if not any(self.dropout):
+            a, bt, scale = adapters if adapters is not None else self.adapters()
+            return LoraProduct.apply(x, self.weights, a, bt, scale)
+        # Dropout on the adapter input: the base product stays fused, each adapter gets its own mask
+        # (as in PEFT), through plain autograd.
+        y = LoraProduct.apply(x, self.weights, None, None, 1.0)
+        deltas = []
+        adapted = iter(zip(self.a, self.b, self.scales, self.dropout, strict=True))
+        for present, n in zip(self.present, self.weights.out_features, strict=True):
+            if present:
+                a, b, s, p = next(adapted)
+                xd = F.dropout(x, p, self.modules[0].training)
+                deltas.append((xd @ a.to(self.dtype).t()) @ b.to(self.dtype).t() * s)
+            else:
+                deltas.append(x.new_zeros(*x.shape[:-1], n))
+        return y + (torch.cat(deltas, dim=-1) if len(deltas) > 1 else deltas[0])

@@ -1,0 +1,83 @@
+"""The training-path decision (studio/core/plan.py) that the estimator and the engine share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from studio.core.plan import (
+    FAST_PROJECTIONS,
+    GRAPH_TOKEN_LIMIT,
+    PathFacts,
+    choose_path,
+    graphs_for,
+    lora_targets,
+    model_blocker,
+)
+
+LLAMA = {"model_type": "llama", "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False,
+         "mlp_bias": False}
+
+
+def _facts(**changes) -> PathFacts:
+    base = dict(cuda=True, weights="nf4", lora_targets=FAST_PROJECTIONS, lora_dropout=0.0,
+                model_blocker=model_blocker(LLAMA))
+    return PathFacts(**{**base, **changes})
+
+
+def test_a_llama_qlora_run_on_a_gpu_takes_the_fast_path_with_graphs() -> None:
+    choice = choose_path(_facts())
+    assert (choice.path, choice.cuda_graphs, choice.checkpointing) == ("fast", True, True)
+    assert choose_path(_facts(lora_dropout=0.05)).cuda_graphs is False
+    assert choose_path(_facts(lora_dropout=0.05)).path == "fast"
+
+
+@pytest.mark.parametrize(("changes", "words"), [
+    ({"cuda": False}, "CUDA"),
+    ({"weights": "int8"}, "8-bit"),
+    ({"lora_targets": ("q_proj", "lm_head")}, "lm_head"),
+    ({"lora_targets": ()}, "no LoRA"),
+    ({"env": "0"}, "STUDIO_FAST_PATH=0"),
+    ({"model_blocker": model_blocker({**LLAMA, "model_type": "qwen3"})}, "q/k norms"),
+    ({"model_blocker": model_blocker({"model_type": "gpt2", "activation_function": "gelu"})}, "gpt2"),
+])
+def test_what_rules_the_fast_path_out_is_named(changes: dict, words: str) -> None:
+    choice = choose_path(_facts(**changes))
+    assert choice.path == "plain" and words in choice.reason
+
+
+def test_the_environment_forces_the_fast_path_on_a_cpu() -> None:
+    assert choose_path(_facts(cuda=False, env="1")).path == "fast"
+    assert choose_path(_facts(cuda=False, env="1")).cuda_graphs is False
+
+
+def test_all_linear_means_the_seven_projections() -> None:
+    assert lora_targets("all-linear") == FAST_PROJECTIONS
+    assert lora_targets(["q_proj", "v_proj"]) == ("q_proj", "v_proj")
+
+
+def test_the_engine_reads_the_same_facts_off_the_loaded_model(tiny_model: Path, monkeypatch) -> None:
+    """The live model and its config files lead to the same decision."""
+    monkeypatch.delenv("STUDIO_FAST_PATH", raising=False)
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from studio.engine.fast.build import path_facts
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]))
+    live = path_facts(model, torch.device("cuda"))
+    config = json.loads((tiny_model / "config.json").read_text())
+    from_files = PathFacts(cuda=True, weights="bf16", lora_targets=("q_proj", "v_proj"), lora_dropout=0.1,
+                           model_blocker=model_blocker(config))
+    assert live == from_files
+    assert choose_path(live) == choose_path(from_files)
+
+
+def test_cuda_graphs_only_for_micro_batches_where_the_host_dominates() -> None:
+    assert graphs_for(512, 0.0, cuda=True) and graphs_for(GRAPH_TOKEN_LIMIT, 0.0, cuda=True)
+    assert not graphs_for(GRAPH_TOKEN_LIMIT + 1, 0.0, cuda=True)  # 16 x 512 tokens: eager
+    assert not graphs_for(512, 0.05, cuda=True) and not graphs_for(512, 0.0, cuda=False)
