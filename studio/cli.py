@@ -28,6 +28,18 @@ _HANDLERS = {
 }
 
 
+def studio_version() -> str:
+    """The installed distribution's version, else the package's own (a checkout on PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from studio import __version__
+
+    try:
+        return version("studio")
+    except PackageNotFoundError:
+        return __version__
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="studio",
@@ -36,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="config YAML to open in the TUI (default: the sample config)")
     parser.add_argument("--data", help="dataset to open in the TUI (default: the sample data)")
     parser.add_argument("--runs-dir", default="runs", help="where runs live (default: ./runs)")
+    parser.add_argument("--version", action="version", version=f"studio {studio_version()}",
+                        help="print Studio's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
