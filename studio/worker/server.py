@@ -30,6 +30,7 @@ from typing import Any
 
 from studio.core import events as ev
 from studio.core.runs import RunDir, iter_events
+from studio.worker.jobs import JOBS, serve_job
 
 _TRAINING_STATES = ("loading", "training", "paused")
 _CLIENT_BACKLOG = 20000  # events queued for one client before it is dropped as too slow
@@ -331,6 +332,8 @@ class Worker:
                 self._guarded(self._evaluate)
         elif isinstance(command, ev.ExportMerged) and self.state not in _TRAINING_STATES:
             self._guarded(lambda: self._export(command))
+        elif isinstance(command, JOBS) and self.state not in _TRAINING_STATES:
+            self._guarded(lambda: self._serve_job(command))
         else:
             self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, message=(
                 f"{type(command).__name__} is not served while the worker is {self.state}")))
@@ -341,6 +344,13 @@ class Worker:
         previous, self.state = self.state, "exporting"
         try:
             export_merged(self.run, command.path, command.dtype, self.emit)
+        finally:
+            self.state = previous
+
+    def _serve_job(self, command: ev.Command) -> None:
+        previous, self.state = self.state, "exporting"
+        try:
+            serve_job(self.run, command, self.emit)
         finally:
             self.state = previous
 
