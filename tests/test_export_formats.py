@@ -171,3 +171,24 @@ def test_unknown_architecture_and_bad_quant_are_clear(trained, tmp_path: Path) -
     run, _, _ = trained
     result = export_run(run, tmp_path / "x", "gguf", quant="q3_k")
     assert not result.ok and "q3_k is not one of" in result.message and not (tmp_path / "x").exists()
+
+
+def test_studio_export_runs_through_the_worker(trained, tmp_path: Path, python: str, studio_env: dict) -> None:
+    """The CLI sends ExportRun to the run's worker (started for it) and prints the folder it wrote."""
+    import subprocess
+
+    run, _, _ = trained
+    env = {**studio_env, "STUDIO_LOCK_DIR": str(tmp_path / "locks"), "STUDIO_WORKER_LINGER": "3"}
+    out = tmp_path / "cli-gguf"
+    done = subprocess.run([python, "-m", "studio.cli", "export", str(run.path), "--format", "gguf", "--quant",
+                           "q8_0", "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(out)
+    assert (out / "model-q8_0.gguf").exists() and (out / "Modelfile").exists()
+    logged = [e for e in run.events() if isinstance(e, ev.ExportFinished) and e.path == str(out)]
+    assert logged and logged[-1].ok
+
+    again = subprocess.run([python, "-m", "studio.cli", "export", str(run.path), "--out", str(out)],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 1 and "Traceback" not in again.stderr
+    assert again.stderr.strip().splitlines()[-1] == f"error: {out} already exists; choose a new folder or remove it"
