@@ -31,6 +31,7 @@ from typing import Any
 from studio.core import events as ev
 from studio.core.runs import RunDir, iter_events
 from studio.worker.jobs import JOBS, serve_job
+from studio.worker.trackers import TrackerHub, start_trackers
 
 _TRAINING_STATES = ("loading", "training", "paused")
 _CLIENT_BACKLOG = 20000  # events queued for one client before it is dropped as too slow
@@ -209,6 +210,8 @@ class Worker:
         self._last_client_left = time.monotonic()
         self._terminate = threading.Event()
         self._evaluations = 0
+        self.trackers: TrackerHub | None = None
+        """report_to: the experiment trackers that also get the metrics (started by :meth:`serve`)."""
 
     # ------------------------------------------------------------------------------ events out
 
@@ -219,6 +222,8 @@ class Worker:
             event, line = self.log.append(event)
             for peer in list(self._peers):
                 peer.offer(line)
+        if self.trackers is not None:
+            self.trackers.offer(event)
         return event
 
     def _track(self, event: ev.Event) -> None:
@@ -276,6 +281,7 @@ class Worker:
             self.state = "loading"  # before any client can ask, so none sees a passing "idle"
             self.commands.put((None, first))
         self.emit(ev.WorkerStarted(pid=os.getpid()))
+        self.trackers = start_trackers(self.run, self.emit)
         threading.Thread(target=self._accept_loop, args=(listener,), name="worker-accept",
                          daemon=True).start()
         while self._exit_reason is None:
@@ -296,6 +302,8 @@ class Worker:
             self._exit_reason = f"idle with no client for {self.linger_s:g} s"
 
     def _close(self, listener: Listener) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
         self.emit(ev.WorkerStopped(reason=self._exit_reason or ""))
         with self._lock:
             peers = list(self._peers)
