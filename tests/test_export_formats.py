@@ -192,3 +192,12 @@ def test_studio_export_runs_through_the_worker(trained, tmp_path: Path, python: 
                            capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 1 and "Traceback" not in again.stderr
     assert again.stderr.strip().splitlines()[-1] == f"error: {out} already exists; choose a new folder or remove it"
+
+
+def test_a_run_without_an_adapter_is_a_clear_message(tmp_path: Path) -> None:
+    from studio.core.config import RunConfig
+
+    run = create_run(RunConfig(output_dir=str(tmp_path / "runs")))
+    result = export_run(run, tmp_path / "out", "gguf")
+    assert not result.ok and "no saved adapter yet" in result.message and "train or stop the run" in result.message
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

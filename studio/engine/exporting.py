@@ -49,11 +49,18 @@ def hub_id(ref: str) -> str:
 
 
 def adapter_for(run: RunDir) -> Path:
-    """The adapter a run exports: its final ``adapter/``, else the newest checkpoint's.
+    """The adapter a run exports: its final ``adapter/`` or the newest checkpoint's ``adapter/``.
 
-    One place to swap for ``RunDir.adapter()`` once the run directory names its adapter itself.
+    Whichever was written last, as the chat pane's ``Trainer.trained_adapter_dir`` picks (a run resumed
+    after its adapter was saved has a newer checkpoint). One place to swap for ``RunDir.adapter()``
+    once the run directory names its adapter itself.
     """
-    return find_adapter(run)
+    latest = run.latest_checkpoint()
+    candidates = [run.adapter_dir] + ([latest / "adapter"] if latest is not None else [])
+    found = [d for d in candidates if (d / "adapter_model.safetensors").exists()]
+    if found:
+        return max(found, key=lambda d: (d / "adapter_model.safetensors").stat().st_mtime)
+    return find_adapter(run)  # an older layout, or none: its ExportError says where it looked
 
 
 def _base_path(run: RunDir, say: Callable[[str], None]) -> str:
