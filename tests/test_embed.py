@@ -100,3 +100,21 @@ def test_rows_without_the_template_fields_or_a_wrong_layer_are_clear_messages(tu
     result = embed_run(run, ev.Embed(data=str(held_out), out=str(tmp_path / "o.parquet"), layer=9), lambda _e: None)
     assert not result.ok and "--layer 9: this model has layers 0..2" in result.message
     assert not (tmp_path / "o.parquet").exists()
+
+
+def test_studio_embed_runs_through_the_worker(tuned_run, tmp_path: Path, python: str, studio_env: dict) -> None:
+    import subprocess
+
+    import pyarrow.parquet as pq
+
+    run, held_out, labels = tuned_run
+    env = {**studio_env, "STUDIO_LOCK_DIR": str(tmp_path / "locks"), "STUDIO_WORKER_LINGER": "3"}
+    out = tmp_path / "emb.parquet"
+    done = subprocess.run([python, "-m", "studio.cli", "embed", str(run.path), "--data", str(held_out), "--out",
+                           str(out), "--layer", "1", "--base"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "60 rows x 128 dims from layer 1 (mean pooling, base model)" in done.stderr
+    assert pq.read_table(out).num_rows == len(labels)
+    wrong = subprocess.run([python, "-m", "studio.cli", "embed", str(run.path), "--data", str(held_out), "--out",
+                            str(tmp_path / "emb.csv")], capture_output=True, text=True, env=env, timeout=60)
+    assert wrong.returncode == 1 and wrong.stderr.strip().endswith("the output is a Parquet file; name it *.parquet")
