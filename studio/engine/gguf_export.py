@@ -110,33 +110,50 @@ def _orient(hf_name: str, data: np.ndarray, config: dict[str, Any]) -> np.ndarra
     return data
 
 
-def _encode(data: np.ndarray, quant: str) -> tuple[np.ndarray, Any]:
-    """``data`` (float32) stored as ``quant``: 1-D tensors stay float32 (as llama.cpp keeps norms),
-    and a row that does not split into the quant's blocks falls back to f16."""
+def _storage(shape: tuple[int, ...], quant: str) -> Any:
+    """The GGML type a tensor of ``shape`` is stored as: 1-D tensors stay float32 (as llama.cpp keeps
+    norms), and a matrix whose rows do not split into the quant's blocks falls back to f16."""
     g = _gguf()
-    if data.ndim < 2 or quant == "f32":
-        return data.astype(np.float32), g.GGMLQuantizationType.F32
-    if quant == "f16":
-        return data.astype(np.float16), g.GGMLQuantizationType.F16
+    if len(shape) < 2 or quant == "f32":
+        return g.GGMLQuantizationType.F32
     qtype = _qtype(quant)
-    block = g.GGML_QUANT_SIZES[qtype][0]
-    if data.shape[-1] % block:
-        return data.astype(np.float16), g.GGMLQuantizationType.F16
-    return g.quants.quantize(data.astype(np.float32), qtype), qtype
+    if shape[-1] % g.GGML_QUANT_SIZES[qtype][0]:
+        return g.GGMLQuantizationType.F16
+    return qtype
 
 
-def _read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
+def _nbytes(shape: tuple[int, ...], qtype: Any) -> int:
+    block, size = _gguf().GGML_QUANT_SIZES[qtype]
+    return int(np.prod(shape)) // block * size
 
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise GgufExportError(f"{model_dir}: no .safetensors weights to convert")
-    tensors: dict[str, np.ndarray] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                tensors[name] = handle.get_tensor(name).float().numpy()
-    return tensors
+
+def _convert(data: np.ndarray, qtype: Any) -> np.ndarray:
+    """``data`` (float32) as the bytes of ``qtype``."""
+    g = _gguf()
+    if qtype == g.GGMLQuantizationType.F32:
+        return np.ascontiguousarray(data, dtype=np.float32)
+    if qtype == g.GGMLQuantizationType.F16:
+        return np.ascontiguousarray(data, dtype=np.float16)
+    return g.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
+
+
+class _Weights:
+    """The safetensors files of a model folder, read one tensor at a time (never all at once)."""
+
+    def __init__(self, model_dir: Path):
+        from safetensors import safe_open
+
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise GgufExportError(f"{model_dir}: no .safetensors weights to convert")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self.where = {name: h for h in self._handles for name in h.keys()}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.where[name].get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        return self.where[name].get_tensor(name).float().numpy()
 
 
 def _vocab(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int]]:
@@ -175,10 +192,10 @@ def write_gguf(model_dir: str | Path, out: str | Path, quant: str = "f16",
     config = json.loads((model_dir / "config.json").read_text())
     check_architecture(config)
     tokens, types = _vocab(model_dir, int(config["vocab_size"]))
-    say("reading the merged weights", 0.0)
-    tensors = _read_tensors(model_dir)
+    weights = _Weights(model_dir)
     names = _name_map(config)
-    tied = bool(config.get("tie_word_embeddings")) or "lm_head.weight" not in tensors
+    tied = bool(config.get("tie_word_embeddings")) or "lm_head.weight" not in weights.where
+    ordered = [n for n in weights.where if not (tied and n == "lm_head.weight")]
 
     writer = g.GGUFWriter(str(out), g.MODEL_ARCH_NAMES[g.MODEL_ARCH.LLAMA])
     writer.add_type(g.GGUFType.MODEL)
@@ -198,18 +215,21 @@ def write_gguf(model_dir: str | Path, out: str | Path, quant: str = "f16",
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     g.SpecialVocab(model_dir, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
-
-    ordered = [n for n in tensors if not (tied and n == "lm_head.weight")]
-    for i, hf_name in enumerate(ordered):
-        data = _orient(hf_name, tensors.pop(hf_name), config)
-        stored, qtype = _encode(data, quant)
-        writer.add_tensor(gguf_name(hf_name, names), stored, raw_dtype=qtype)
-        say(f"converting to {quant}", 0.05 + 0.85 * (i + 1) / len(ordered))
-    say("writing the GGUF file", 0.92)
+    # Tensor infos first, then the data one tensor at a time: memory holds one tensor, not the model.
+    storage = {}
+    for hf_name in ordered:
+        shape = weights.shape(hf_name)
+        storage[hf_name] = _storage(shape, quant)
+        writer.add_tensor_info(gguf_name(hf_name, names), shape, np.dtype(np.float32),
+                               _nbytes(shape, storage[hf_name]), raw_dtype=storage[hf_name])
     out.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=False)
+    writer.write_ti_data_to_file()
+    for i, hf_name in enumerate(ordered):
+        data = _orient(hf_name, weights.read(hf_name), config)
+        writer.write_tensor_data(_convert(data, storage[hf_name]))
+        say(f"converting to {quant}", 0.02 + 0.98 * (i + 1) / len(ordered))
     writer.close()
     return out
 
