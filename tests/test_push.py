@@ -117,7 +117,7 @@ def test_push_uploads_the_exported_adapter_to_the_hub(adapter_run: RunDir, hub: 
     assert FakeHub.files["adapter_model.safetensors"] == (adapter_run.adapter_dir / "adapter_model.safetensors").read_bytes()
     assert json.loads(FakeHub.files["adapter_config.json"])["base_model_name_or_path"] == \
         adapter_run.config().model.base_model
-    assert FakeHub.files["README.md"].startswith(b"---\nbase_model:")
+    assert FakeHub.files["README.md"].startswith(b"---\nlibrary_name: \"peft\"")
 
 
 @pytest.mark.parametrize(("extra_env", "args", "expected"), [

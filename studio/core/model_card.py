@@ -11,6 +11,7 @@ Plain Python (matplotlib and plotext imported only when drawing).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,12 +107,14 @@ def model_card(config: RunConfig, run_id: str, base_ref: str, events: list[ev.Ev
     kind, chart = loss_chart(loss_curve(events), folder)
     lora, trainer = config.lora, config.trainer
     targets = lora.target_modules if isinstance(lora.target_modules, str) else ", ".join(lora.target_modules)
-    front = {"base_model": base_ref, "library_name": "peft", "tags": ["lora", "studio"]}
+    on_hub = re.fullmatch(r"[\w.-]+/[\w.-]+", base_ref) is not None and not Path(base_ref).exists()
+    # The Hub checks that base_model names a model there, so a local folder stays out of the metadata.
+    front = {**({"base_model": base_ref} if on_hub else {}), "library_name": "peft", "tags": ["lora", "studio"]}
     parts = [
         "---", *(f"{k}: {json.dumps(v)}" for k, v in front.items()), "---", "",
         f"# {config.name or run_id}", "",
         f"A LoRA adapter for [{base_ref}](https://huggingface.co/{base_ref}), fine-tuned with Studio "
-        f"(run `{run_id}`)." if "/" in base_ref and not Path(base_ref).exists() else
+        f"(run `{run_id}`)." if on_hub else
         f"A LoRA adapter for the model in `{base_ref}`, fine-tuned with Studio (run `{run_id}`).", "",
         "## Use", "", "```python", "from peft import AutoPeftModelForCausalLM",
         "model = AutoPeftModelForCausalLM.from_pretrained(\"PATH_OR_REPO_OF_THIS_FOLDER\")", "```", "",
