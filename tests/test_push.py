@@ -140,3 +140,17 @@ def test_an_unreachable_hub_is_one_message(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
     with pytest.raises(PushError, match=r"cannot reach the Hub at http://127.0.0.1:9 .*check the network"):
         upload(tmp_path, "someone/x", "token", private=False, message="m")
+
+
+def test_push_merged_uploads_safetensors_and_tokenizer(adapter_run: RunDir, hub: str, push_env: dict,
+                                                       python: str) -> None:
+    from safetensors.torch import load
+
+    env = {**push_env, "HF_ENDPOINT": hub, "HF_TOKEN": "hf_studio_test"}
+    done = _push(adapter_run, env, "--repo", "someone/reverse-merged", "--merged", python=python)
+    assert done.returncode == 0, done.stderr
+    assert FakeHub.created[0]["visibility"] == "public"
+    assert {"model.safetensors", "config.json", "tokenizer.json", "generation_config.json"} <= set(FakeHub.files)
+    weights = load(FakeHub.files["model.safetensors"])
+    assert str(weights["model.layers.0.self_attn.q_proj.weight"].dtype) == "torch.bfloat16"
+    assert not any("lora" in name for name in weights)
