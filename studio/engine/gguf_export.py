@@ -182,9 +182,32 @@ def _vocab(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+def _adds_prefix_space(node: Any) -> bool:
+    """Whether tokenizer.json's pre-tokenizer (possibly a Sequence) puts a space before the text."""
+    if isinstance(node, dict):
+        if node.get("type") == "ByteLevel" and node.get("add_prefix_space"):
+            return True
+        return any(_adds_prefix_space(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_adds_prefix_space(v) for v in node)
+    return False
+
+
+def tokenizer_pre(gguf_file: str | Path) -> str | None:
+    """``tokenizer.ggml.pre`` of an existing GGUF of the same base model (llama.cpp names its
+    pre-tokenizer by hashing the tokenizer's output, a table only its converter keeps)."""
+    reader = _gguf().GGUFReader(str(gguf_file))
+    field = reader.fields.get("tokenizer.ggml.pre")
+    return str(field.contents()) if field is not None else None
+
+
 def write_gguf(model_dir: str | Path, out: str | Path, quant: str = "f16",
-               progress: Progress | None = None, name: str | None = None) -> Path:
-    """Convert the Hugging Face model folder ``model_dir`` (safetensors + tokenizer) to one GGUF file."""
+               progress: Progress | None = None, name: str | None = None, pre: str | None = None) -> Path:
+    """Convert the Hugging Face model folder ``model_dir`` (safetensors + tokenizer) to one GGUF file.
+
+    ``pre`` is llama.cpp's pre-tokenizer name (see :func:`tokenizer_pre`); without it llama.cpp uses
+    its default pre-tokenizer and warns.
+    """
     g = _gguf()
     say = progress or (lambda _stage, _fraction: None)
     model_dir, out = Path(model_dir), Path(out)
@@ -211,10 +234,21 @@ def write_gguf(model_dir: str | Path, out: str | Path, quant: str = "f16",
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_vocab_size(len(tokens))
     writer.add_file_type(_file_type(quant))
+    writer.add_quantization_version(g.GGML_QUANT_VERSION)
     writer.add_tokenizer_model("gpt2")
+    if pre:
+        writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    g.SpecialVocab(model_dir, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    writer.add_add_space_prefix(_adds_prefix_space(tokenizer_json.get("pre_tokenizer")))
+    special = g.SpecialVocab(model_dir, load_merges=True, n_vocab=len(tokens))
+    if "bos" not in special.add_special_token:
+        # Not in tokenizer_config.json: say what the tokenizer does, so readers add BOS exactly as training did.
+        from studio.core.tokens import load_tokenizer_info
+
+        special.add_special_token["bos"] = load_tokenizer_info(model_dir).add_bos
+    special.add_to_gguf(writer, quiet=True)
     # Tensor infos first, then the data one tensor at a time: memory holds one tensor, not the model.
     storage = {}
     for hf_name in ordered:
