@@ -11,11 +11,11 @@ from test_worker import fake_worker_env, make_run, wait_for  # noqa: F401  (a fi
 from worker_fakes import fake_loss
 
 from studio.core import events as ev
+from studio.core import trackers
 from studio.core.config import RunConfig
 from studio.core.runs import RunDir, create_run
+from studio.core.trackers import TrackerHub, check_report_to, metrics_of
 from studio.ui.client import WorkerClient, start_worker
-from studio.worker import trackers
-from studio.worker.trackers import TrackerHub, check_report_to, metrics_of
 
 LOSSES = [2.5, 2.0, 1.6, 1.3, 1.1]
 
@@ -189,3 +189,26 @@ def test_loss_chart_falls_back_to_text_without_matplotlib(tmp_path: Path, monkey
     assert kind == "text" and chart.startswith("```text\n") and "install matplotlib" in chart
     assert "training loss" in chart and not (tmp_path / "loss.png").exists()
     assert loss_chart(loss_curve([]), tmp_path)[0] == "none"
+
+
+def test_foreground_train_also_reports_to_tensorboard(tiny_config, tmp_path: Path) -> None:
+    """``studio train CONFIG`` (no worker process) sends its metrics to the trackers too."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("torch")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from studio.cli import main as studio_main
+    from studio.core.runs import list_runs
+
+    tiny_config.report_to = ["tensorboard"]
+    tiny_config.trainer.max_steps = 4
+    tiny_config.trainer.eval_interval = 2
+    tiny_config.save(tmp_path / "tb.yaml")
+    assert studio_main(["train", str(tmp_path / "tb.yaml")]) == 0
+    (run,) = list_runs(tiny_config.output_dir)
+    reader = EventAccumulator(str(run.path / "tensorboard"))
+    reader.Reload()
+    steps = [e for e in run.events() if isinstance(e, ev.StepLogged)]
+    assert [(s.step, round(s.value, 5)) for s in reader.Scalars("train/loss")] == \
+        [(e.step, round(e.loss, 5)) for e in steps]
+    assert [s.step for s in reader.Scalars("eval/loss")] == [2, 4]

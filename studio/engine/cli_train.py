@@ -21,6 +21,7 @@ from typing import Any, TextIO
 from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig, load_config
 from studio.core.runs import RunDir, append_event, create_run, find_run, iter_events
+from studio.core.trackers import start_trackers
 
 
 class EventLog:
@@ -169,10 +170,17 @@ def main(args: argparse.Namespace) -> int:
         return 2
     printer = ConsolePrinter()
     log = EventLog(run, printer)
+    trackers = start_trackers(run, log)  # report_to: metrics also go to TensorBoard / W&B / MLflow
+    if trackers is not None:
+        log.listeners.append(trackers.offer)
     trainer = Trainer(config, run, log)
     print(f"run directory: {run.path}", flush=True)
-    with _recorded_pid(run):
-        return _train(run, trainer, printer, resume=bool(getattr(args, "resume", None)))
+    try:
+        with _recorded_pid(run):
+            return _train(run, trainer, printer, resume=bool(getattr(args, "resume", None)))
+    finally:
+        if trackers is not None:
+            trackers.close()
 
 
 @contextlib.contextmanager

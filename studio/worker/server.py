@@ -30,8 +30,8 @@ from typing import Any
 
 from studio.core import events as ev
 from studio.core.runs import RunDir, iter_events
+from studio.core.trackers import TrackerHub, start_trackers
 from studio.worker.jobs import JOBS, serve_job
-from studio.worker.trackers import TrackerHub, start_trackers
 
 _TRAINING_STATES = ("loading", "training", "paused")
 _CLIENT_BACKLOG = 20000  # events queued for one client before it is dropped as too slow

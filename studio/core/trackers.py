@@ -1,4 +1,6 @@
-"""``report_to: [tensorboard, wandb, mlflow]``: the worker's metrics, also sent to experiment trackers.
+"""``report_to: [tensorboard, wandb, mlflow]``: a run's metrics, also sent to experiment trackers.
+
+Both trainers of a run use it: the background worker and the foreground ``studio train``.
 
 Training never waits for a tracker: :meth:`TrackerHub.offer` puts the event on a bounded queue and
 returns; one thread turns events into metrics and hands them to each tracker (a network hiccup in
@@ -12,7 +14,7 @@ and the count is reported when the hub closes.
 - mlflow: ``MlflowClient`` against ``MLFLOW_TRACKING_URI``, else a file store in ``runs/<id>/mlruns``.
 
 A tracker whose package is missing is skipped with a message naming the extra to install.
-No torch here.
+Plain Python: the tracker packages are imported in the tracker thread only, never at import.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class TrackerHub:
         self._queue: queue.Queue[ev.Event | None] = queue.Queue(maxsize=_QUEUE)
         self._thread: threading.Thread | None = None
         if self.names:
-            self._thread = threading.Thread(target=self._work, name="worker-trackers", daemon=True)
+            self._thread = threading.Thread(target=self._work, name="trackers", daemon=True)
             self._thread.start()
 
     def offer(self, event: ev.Event) -> None:
