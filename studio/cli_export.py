@@ -101,8 +101,13 @@ def default_export_path(run: RunDir, fmt: str, quant: str) -> Path:
 
 def export(args: argparse.Namespace) -> int:
     """``studio export RUN --format adapter|merged|gguf [--quant Q] [--dtype D] [--out DIR]``."""
+    from studio.engine.gguf_export import QUANTS  # numpy only; checked here so a typo starts no worker
+
     run = find_run(getattr(args, "run", None), getattr(args, "runs_dir", None) or "runs")
     fmt, quant = args.format, args.quant
+    if fmt == "gguf" and quant not in QUANTS:
+        return _fail(f"--quant {quant} is not one of {', '.join(QUANTS)} (K-quants: run llama.cpp's "
+                     "llama-quantize on the f16 file)")
     out = Path(args.out).resolve() if args.out else default_export_path(run, fmt, quant)
     command = ev.ExportRun(path=str(out), format=fmt, quant=quant, dtype=args.dtype)
     result = run_job(run, command, str(out), f"export {fmt}")

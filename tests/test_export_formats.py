@@ -203,3 +203,14 @@ def test_a_run_without_an_adapter_is_a_clear_message(tmp_path: Path) -> None:
     result = export_run(run, tmp_path / "out", "gguf")
     assert not result.ok and "no saved adapter yet" in result.message and "train or stop the run" in result.message
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_an_unknown_quant_is_refused_before_any_worker_starts(tmp_path: Path, capsys) -> None:
+    from studio.cli import main as studio_main
+    from studio.core.config import RunConfig
+
+    run = create_run(RunConfig(output_dir=str(tmp_path / "runs")))
+    assert studio_main(["export", str(run.path), "--format", "gguf", "--quant", "q4_k_m"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --quant q4_k_m is not one of f32, f16") and "llama-quantize" in err
+    assert run.worker_pid() is None
