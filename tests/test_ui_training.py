@@ -180,6 +180,11 @@ async def test_export_copies_the_adapter(tmp_path):
         await pilot.click("#export-merged")
         await pilot.pause()
         assert worker.sent[-1] == ev.ExportMerged(path=str(tmp_path / "merged"))
+        await pilot.press("e")
+        app.screen.query_one("#export-path").value = str(tmp_path / "gguf")
+        await pilot.click("#export-gguf")
+        await pilot.pause()
+        assert worker.sent[-1] == ev.ExportRun(path=str(tmp_path / "gguf"), format="gguf", quant="f16")
 
 
 # --------------------------------------------------------------------------- the real worker

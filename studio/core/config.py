@@ -255,6 +255,10 @@ class RunConfig:
     name: str | None = None
     """A label for the run; the run id is made from the time and this (or the model)."""
 
+    report_to: list[str] = field(default_factory=list)
+    """Experiment trackers that also get the run's metrics: any of ``tensorboard`` (written under
+    ``runs/<id>/tensorboard``), ``wandb``, ``mlflow``. Needs ``pip install 'qlora-studio[trackers]'``."""
+
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data, every default filled in."""
         return dataclasses.asdict(self)

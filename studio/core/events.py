@@ -389,6 +389,33 @@ class ExportMerged(Command):
 
 
 @dataclass(frozen=True)
+class ExportRun(Command):
+    """Export the run's model to ``path`` as ``format``: ``adapter`` (the PEFT folder, a model card and
+    the prompt template), ``merged`` (safetensors in ``dtype``) or ``gguf`` (a GGUF file in ``quant``,
+    a LoRA GGUF adapter and an Ollama Modelfile). Reported by ExportProgress and ExportFinished;
+    served when training is not running."""
+
+    path: str = ""
+    format: str = "adapter"
+    quant: str = "f16"
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class Embed(Command):
+    """Write one embedding per row of ``data`` to the Parquet file ``out``: the hidden state of
+    ``layer`` (-1: the last) pooled by ``pool`` (mean or last token), from the fine-tuned model or,
+    with ``base``, the base model. Reported by ExportProgress and ExportFinished (path = ``out``)."""
+
+    data: str = ""
+    out: str = ""
+    layer: int = -1
+    pool: str = "mean"
+    base: bool = False
+    batch_size: int = 16
+
+
+@dataclass(frozen=True)
 class Shutdown(Command):
     """Stop training (with a checkpoint) and exit the worker."""
 

