@@ -8,6 +8,7 @@ from textual.app import App, ComposeResult
 from studio.core import events as ev
 from studio.core.config import RunConfig, parse_config
 from studio.core.gpus import GB, KNOWN_GPUS, Gpu
+from studio.ui.messages import MemorySample
 from studio.ui.panes import vram as vram_pane
 from studio.ui.panes.vram import VramPane
 from studio.ui.widgets.block_gauge import BlockGauge, choose_unit, square_categories
@@ -22,9 +23,15 @@ class PaneApp(App):
     def __init__(self, config: RunConfig) -> None:
         super().__init__()
         self.config = config
+        self.current_run = None  # no run followed: samples come for run None
 
     def compose(self) -> ComposeResult:
         yield VramPane(id="pane-vram")
+
+
+def sample(pane: VramPane, event: ev.MemorySampled) -> None:
+    """Deliver ``event`` to the pane as the app does: a MemorySample message for the followed run."""
+    pane.post_message(MemorySample(None, event))
 
 
 @pytest.fixture(autouse=True)
@@ -42,8 +49,8 @@ async def test_a_detected_card_is_the_default_and_wins_over_the_events_figure(mo
     async with app.run_test(size=SIZE) as pilot:
         pane = app.query_one(VramPane)
         assert pane.gpu == card
-        pane.handle_events([ev.MemorySampled(step=1, device="another card", capacity=16 * 2**30,
-                                             categories={"weights": GB})])
+        sample(pane, ev.MemorySampled(step=1, device="another card", capacity=16 * 2**30,
+                                      categories={"weights": GB}))
         await pilot.pause()
         assert app.query_one(BlockGauge).capacity == card.capacity
 
@@ -85,8 +92,8 @@ async def test_measured_squares_fill_in_from_memory_events():
         pane = app.query_one(VramPane)
         measured = {"weights": 4_401_000_000, "lora": 160_000_000, "gradients": 160_000_000,
                     "optimizer": 320_000_000, "activations": 2_200_000_000, "overhead": 1_280_000_000}
-        pane.handle_events([ev.MemorySampled(step=3, device="NVIDIA H100 80GB HBM3", capacity=80 * 2**30,
-                                             categories=measured)])
+        sample(pane, ev.MemorySampled(step=3, device="NVIDIA H100 80GB HBM3", capacity=80 * 2**30,
+                                      categories=measured))
         await pilot.pause()
         gauge = app.query_one(BlockGauge)
         assert gauge.measured == measured
@@ -113,10 +120,10 @@ def test_snapshot_small_model_default_config(snap_compare):
 
 def test_snapshot_llama_with_measured(snap_compare):
     async def run_before(pilot):
-        pilot.app.query_one(VramPane).handle_events([ev.MemorySampled(
+        sample(pilot.app.query_one(VramPane), ev.MemorySampled(
             step=2, capacity=0, categories={"weights": 4_401_000_000, "lora": 160_000_000,
                                             "gradients": 160_000_000, "optimizer": 320_000_000,
-                                            "activations": 2_300_000_000, "overhead": 1_800_000_000})])
+                                            "activations": 2_300_000_000, "overhead": 1_800_000_000}))
         await pilot.pause()
 
     assert snap_compare(PaneApp(parse_config(LLAMA_CONFIG)), terminal_size=SIZE, run_before=run_before)
