@@ -42,7 +42,7 @@ def _separation(vectors: torch.Tensor, labels: list[bool]) -> float:
 
 @pytest.fixture(scope="module")
 def tuned_run(make_tiny_config, tmp_path_factory: pytest.TempPathFactory) -> tuple[RunDir, Path, list[bool]]:
-    from studio.engine.train import Trainer
+    from studio.engine.session import Session
 
     folder = tmp_path_factory.mktemp("embed")
     train = folder / "train.jsonl"
@@ -56,7 +56,7 @@ def tuned_run(make_tiny_config, tmp_path_factory: pytest.TempPathFactory) -> tup
     config.trainer.max_steps = 100
     config.trainer.eval_interval = 0
     run = create_run(config)
-    Trainer(config, run, lambda _e: None).train()
+    Session(config, run, lambda _e: None).train()
     return run, held_out, [r["output"] == "yes" for r in rows]
 
 

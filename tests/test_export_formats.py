@@ -25,17 +25,17 @@ def trained(make_tiny_config, tmp_path_factory: pytest.TempPathFactory) -> tuple
     """A run trained in-process for 40 steps (its events logged), 10 held-out rows, and Studio's own
     greedy answers (token ids) to them with the adapter."""
     from studio.core.data import load_splits
-    from studio.engine.train import Trainer
+    from studio.engine.session import Session
 
     config = make_tiny_config(tmp_path_factory.mktemp("export"))
     config.trainer.max_steps = 40
     config.trainer.eval_interval = 20
     config.generation.temperature = 0.0
     run = create_run(config)
-    trainer = Trainer(config, run, lambda e: append_event(run.events_path, e))
-    trainer.train()
+    session = Session(config, run, lambda e: append_event(run.events_path, e))
+    session.train()
     rows = list(load_splits(config).test)[:HELD_OUT]
-    answers = [list(trainer.generate(row, adapter=True).token_ids) for row in rows]
+    answers = [list(session.generate(row, adapter=True).token_ids) for row in rows]
     return run, rows, answers
 
 

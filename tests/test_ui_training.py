@@ -154,7 +154,9 @@ async def test_the_status_line_names_the_loading_stage_once(tmp_path):
         assert "loading loading" not in status
 
 
-async def test_export_copies_the_adapter(tmp_path):
+async def test_export_asks_the_worker_for_each_format(tmp_path):
+    """Export offers what `studio export` does (adapter with its model card, merged, GGUF), each done
+    by the worker; the pane shows the worker's answer."""
     config = RunConfig(output_dir=str(tmp_path / "runs"))
     run = create_run(config)
     run.adapter_dir.mkdir()
@@ -164,27 +166,22 @@ async def test_export_copies_the_adapter(tmp_path):
         (await pane_ready(pilot)).focus()
         worker.feed([ev.TrainingFinished(step=5, adapter_path=str(run.adapter_dir))])
         await events_drawn(pilot)
+        for button, fmt in (("#export-adapter", "adapter"), ("#export-merged", "merged"), ("#export-gguf", "gguf")):
+            await pilot.press("e")
+            dest = tmp_path / fmt
+            app.screen.query_one("#export-path").value = str(dest)
+            await pilot.click(button)
+            await pilot.pause()
+            assert worker.sent[-1] == ev.ExportRun(path=str(dest), format=fmt, quant="f16", dtype="bfloat16")
+        worker.feed([ev.ExportFinished(path=str(tmp_path / "adapter"), ok=True, seconds=2.0)])
+        await events_drawn(pilot)
+        assert f"exported to {tmp_path / 'adapter'}" in text_of(app, "#training-alert")
+        (tmp_path / "taken").mkdir()
         await pilot.press("e")
-        dest = tmp_path / "out"
-        app.screen.query_one("#export-path").value = str(dest)
+        app.screen.query_one("#export-path").value = str(tmp_path / "taken")
         await pilot.click("#export-adapter")
-        for _ in range(40):
-            await pilot.pause(0.05)
-            if (dest / "adapter_config.json").exists():
-                break
-        assert (dest / "adapter_config.json").exists()
-        await pilot.pause(0.3)
-        assert f"adapter saved to {dest}" in text_of(app, "#training-alert")
-        await pilot.press("e")
-        app.screen.query_one("#export-path").value = str(tmp_path / "merged")
-        await pilot.click("#export-merged")
         await pilot.pause()
-        assert worker.sent[-1] == ev.ExportMerged(path=str(tmp_path / "merged"))
-        await pilot.press("e")
-        app.screen.query_one("#export-path").value = str(tmp_path / "gguf")
-        await pilot.click("#export-gguf")
-        await pilot.pause()
-        assert worker.sent[-1] == ev.ExportRun(path=str(tmp_path / "gguf"), format="gguf", quant="f16")
+        assert worker.sent[-1].format == "gguf"  # an existing folder is refused before anything is sent
 
 
 # --------------------------------------------------------------------------- the real worker

@@ -67,14 +67,12 @@ def export_adapter(run: RunDir, dest: Path, progress: Callable[[str, float], Non
     from transformers import AutoTokenizer
 
     from studio.core.model_card import model_card
+    from studio.core.runs import export_adapter as copy_adapter
 
     config = run.config()
-    adapter = find_adapter(run)
+    find_adapter(run)  # none yet: ExportError, the message every export gives
     progress("copying the adapter", 0.1)
-    dest.mkdir(parents=True)
-    for item in adapter.iterdir():
-        if item.is_file() and not item.name.startswith(("optimizer", "scheduler", "rng", "trainer_state")):
-            shutil.copy2(item, dest / item.name)
+    copy_adapter(run, dest)  # the PEFT files only (no optimizer or RNG state of a checkpoint)
     base_ref = hub_id(config.model.base_model)
     peft_config = json.loads((dest / "adapter_config.json").read_text())
     peft_config["base_model_name_or_path"] = base_ref

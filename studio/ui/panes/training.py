@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -21,7 +20,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, ProgressBar, Static
 
 from studio.core import events as ev
-from studio.core.runs import RunDir, create_run, export_adapter
+from studio.core.runs import RunDir, create_run
 from studio.ui.host import Hosted
 from studio.ui.messages import MemorySample, WorkerEvents
 from studio.ui.metrics import TrainingState, format_duration
@@ -38,7 +37,7 @@ TRAINING_COMMANDS: list[tuple[str, str, str]] = [
      "resume_training"),
     ("Training: stop", "Save a checkpoint and the adapter, then stop (asks first)", "stop_training"),
     ("Runs: open or compare", "Pick a past run to open, or two to compare their loss curves", "open_runs"),
-    ("Runs: export", "Save the adapter, or merge it into the base model (bf16)", "export"),
+    ("Runs: export", "Save the adapter (with a model card), merge it into the base (bf16), or write GGUF", "export"),
 ]
 """Palette entries: (title, help, action of :class:`TrainingPane`)."""
 
@@ -87,6 +86,14 @@ class ConfirmScreen(ModalScreen[bool]):
     def action_answer(self, answer: bool) -> None:
         """Close with ``answer``."""
         self.dismiss(answer)
+
+
+EXPORT_STEPS = {
+    "adapter": "saving the adapter with its model card and prompt template",
+    "merged": "merging the adapter into the base model (bf16 safetensors)",
+    "gguf": "writing GGUF (f16), a LoRA GGUF and a Modelfile",
+}
+"""What the training pane's status line says while the worker exports, by format."""
 
 
 class ExportScreen(ModalScreen[tuple[str, str] | None]):
@@ -409,7 +416,7 @@ class TrainingPane(Hosted, Vertical):
 
     def action_export(self) -> None:
         """Save the adapter, or merge it into the base model, to a folder."""
-        run = getattr(self.app, "current_run", None)
+        run = self.host.current_run
         if run is None or self.check_action("export", ()) is not True:
             return
 
@@ -419,36 +426,12 @@ class TrainingPane(Hosted, Vertical):
             kind, path = result
             if Path(path).exists():
                 self.notify(f"{path} already exists; choose a new folder.", severity="error")
-            elif kind == "adapter":
-                self.copy_adapter(run, Path(path))
-            elif kind == "gguf":
-                if run.worker_pid() is None and not self._open_run(run, start_worker=True):
-                    return
-                self._export_line = f"writing GGUF (f16), a LoRA GGUF and a Modelfile -> {path} (the worker does it)"
-                self.app.send_command(ev.ExportRun(path=path, format="gguf", quant="f16"))
-                self.schedule_redraw()
-            else:
-                if run.worker_pid() is None and not self._open_run(run, start_worker=True):
-                    return
-                self._export_line = f"merging the adapter into the base model -> {path} (the worker does it)"
-                self.app.send_command(ev.ExportMerged(path=path))
-                self.schedule_redraw()
+                return
+            if run.worker_pid() is None and not self._open_run(run, start_worker=True):
+                return
+            self._export_line = f"{EXPORT_STEPS[kind]} -> {path} (the worker does it)"
+            self.host.send_command(ev.ExportRun(path=path, format=kind, quant="f16", dtype="bfloat16"))
+            self.schedule_redraw()
 
         self.app.push_screen(ExportScreen(run), chosen)
-
-    @work(thread=True, exclusive=True, exit_on_error=False, group="export", description="copying adapter")
-    def copy_adapter(self, run: RunDir, dest: Path) -> None:
-        """Copy the run's adapter (``RunDir.adapter()``) to ``dest`` as a plain PEFT adapter folder."""
-        try:
-            export_adapter(run, dest)
-        except FileNotFoundError:
-            self.app.call_from_thread(self.notify, "No adapter yet: train (or stop a run) first.",
-                                      severity="warning")
-            return
-        except OSError as exc:
-            self.app.call_from_thread(self.notify, f"Copying the adapter to {dest} failed: {exc}",
-                                      severity="error")
-            return
-        self._export_line = f"adapter saved to {dest} (load it with PeftModel.from_pretrained)"
-        self.app.call_from_thread(self.schedule_redraw)
 
