@@ -11,9 +11,11 @@ import fcntl
 import json
 import os
 import secrets
+import socket
 import sys
+import threading
 from collections.abc import Callable
-from multiprocessing.connection import Listener
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
 
 from studio.core.paths import cache_dir
@@ -144,14 +146,57 @@ def check_no_other_worker(run: RunDir) -> None:
                                f"follow it with 'studio attach {run.id}'")
 
 
-def listen(run: RunDir, key: bytes) -> Listener:
+HANDSHAKE_TIMEOUT_S = 5.0
+"""How long a new connection has to answer the key challenge before it is hung up on."""
+
+
+class WorkerListener(Listener):
+    """The worker's socket. :meth:`accept` returns a connection that has not authenticated yet;
+    :meth:`authenticate` does the key handshake with a time limit.
+
+    ``multiprocessing.connection.Listener`` does the handshake inside ``accept()``, so one client
+    that connects and sends nothing would block every later one behind it. The worker accepts in
+    one thread and authenticates each connection in its own.
+    """
+
+    def __init__(self, address: str, key: bytes):
+        super().__init__(address, family="AF_UNIX", backlog=16)  # no authkey: accept() returns at once
+        self.key = key
+
+    def authenticate(self, conn: Connection, timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
+        """Challenge ``conn`` and answer its challenge; raises AuthenticationError on a wrong key,
+        OSError or EOFError when the peer hangs up or stays silent past ``timeout`` seconds."""
+        done = threading.Event()
+
+        def hang_up() -> None:
+            if done.is_set():
+                return
+            try:
+                # shutdown wakes the recv blocked in the handshake (it reads end of file).
+                with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+        timer = threading.Timer(timeout, hang_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            deliver_challenge(conn, self.key)
+            answer_challenge(conn, self.key)
+        finally:
+            done.set()
+            timer.cancel()
+
+
+def listen(run: RunDir, key: bytes) -> WorkerListener:
     """Listen on ``RUN_DIR/worker.sock`` with mode 0600 from the first moment (umask), replacing a
     socket file that a killed worker left behind."""
     address = run.socket_address()
     Path(address).unlink(missing_ok=True)
     old = os.umask(0o177)
     try:
-        listener = Listener(address, family="AF_UNIX", authkey=key)
+        listener = WorkerListener(address, key)
     finally:
         os.umask(old)
     os.chmod(address, 0o600)
@@ -165,7 +210,7 @@ def write_pid(run: RunDir) -> None:
     tmp.replace(run.pid_path)
 
 
-def become_worker(run: RunDir) -> tuple[GpuLock, Listener]:
+def become_worker(run: RunDir) -> tuple[GpuLock, WorkerListener]:
     """Make this process ``run``'s worker: take the device lock, make sure no other worker serves
     the run, write a fresh key, listen, record the pid. Raises WorkerStartError (or OSError) with
     the reason; release the returned lock when the worker is done (exiting does it too)."""

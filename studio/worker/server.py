@@ -28,12 +28,13 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from studio.core import events as ev
 from studio.core.runs import RunDir, iter_events
+from studio.worker.launch import WorkerListener
 
 _TRAINING_STATES = ("loading", "training", "paused")
 _CLIENT_BACKLOG = 20000  # events queued for one client before it is dropped as too slow
@@ -220,6 +221,7 @@ class Worker:
         self._terminate = threading.Event()
         self._evaluations = 0
         self._scoring: Any = None  # the held-out request being answered a row at a time
+        self._closing = False
 
     # ------------------------------------------------------------------------------ events out
 
@@ -253,25 +255,40 @@ class Worker:
 
     # ------------------------------------------------------------------------------ clients
 
-    def _accept_loop(self, listener: Listener) -> None:
+    def _accept_loop(self, listener: WorkerListener) -> None:
         while True:
             try:
                 conn = listener.accept()
             except OSError:
                 if self._exit_reason is not None:
                     return
-                continue  # a client with the wrong key (AuthenticationError) or one that hung up
-            except Exception:  # a bad handshake must never kill the accept loop
+                continue  # a client that hung up before it was accepted
+            except Exception:  # nothing a client does may end the accept loop
                 continue
-            peer = _Peer(conn, self.commands, self._forget)
-            with self._lock:
-                # Registered and greeted under the log lock: every event logged before this point
-                # is in the file the client reads after the greeting, every later one is sent live.
-                self._peers.add(peer)
-                peer.reply(self.status())
-                # Started under the lock too: _close() must never find a registered peer whose
-                # threads it cannot join yet.
-                peer.start()
+            # The key handshake waits on the client: in its own thread, with a time limit, so one
+            # client that connects and sends nothing never holds up the others.
+            threading.Thread(target=self._admit, args=(listener, conn), name="worker-handshake",
+                             daemon=True).start()
+
+    def _admit(self, listener: WorkerListener, conn: Connection) -> None:
+        """Authenticate ``conn``, then register and greet it; a wrong key or silence hangs it up."""
+        try:
+            listener.authenticate(conn)
+        except Exception:  # AuthenticationError, EOFError, OSError: not a client of ours
+            conn.close()
+            return
+        peer = _Peer(conn, self.commands, self._forget)
+        with self._lock:
+            if self._closing:  # exiting: no new client now
+                conn.close()
+                return
+            # Registered and greeted under the log lock: every event logged before this point
+            # is in the file the client reads after the greeting, every later one is sent live.
+            self._peers.add(peer)
+            peer.reply(self.status())
+            # Started under the lock too: _close() must never find a registered peer whose
+            # threads it cannot join yet.
+            peer.start()
 
     def _forget(self, peer: _Peer) -> None:
         with self._lock:
@@ -281,7 +298,7 @@ class Worker:
 
     # ------------------------------------------------------------------------------ the loop
 
-    def serve(self, listener: Listener, first: ev.Command | None = None) -> str:
+    def serve(self, listener: WorkerListener, first: ev.Command | None = None) -> str:
         """Run until Shutdown, SIGTERM, or idle with no client for ``linger_s``; returns why."""
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -325,9 +342,10 @@ class Worker:
                 time.monotonic() - self._last_client_left > self.linger_s:
             self._exit_reason = f"idle with no client for {self.linger_s:g} s"
 
-    def _close(self, listener: Listener) -> None:
+    def _close(self, listener: WorkerListener) -> None:
         self.emit(ev.WorkerStopped(reason=self._exit_reason or ""))
         with self._lock:
+            self._closing = True
             peers = list(self._peers)
         for peer in peers:
             peer.finish(timeout=2.0)
