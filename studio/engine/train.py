@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from studio.core import events as ev
 from studio.core.runs import ADAPTER_STEP_FILE
+from studio.core.storage import DiskFull, is_disk_full
 from studio.engine import checkpoint
 from studio.engine import fast as fastpath
 from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream, MicroBatch, eval_batches
@@ -117,6 +118,8 @@ class Trainer:
         except TrainingError:
             raise
         except Exception as exc:
+            if is_disk_full(exc, self.run.path):
+                raise  # the worker reports it in one line and exits; the checkpoints are whole
             latest = self.run.latest_checkpoint()
             then = (f"the last checkpoint is {latest} (resume with 'studio train --resume {self.run.id}')"
                     if latest is not None else "no checkpoint was saved yet: fix the cause and train again")
@@ -132,9 +135,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, tc, self.device, self.emit)
         self.scheduler = build_scheduler(self.optimizer, tc, self.total_steps)
         resumed_from = 0
-        latest = self.run.latest_checkpoint() if resume else None
-        if latest is not None:
-            self._restore(latest)
+        if resume:
+            self._restore_newest_loadable()
             resumed_from = self.step
         else:
             # A trained adapter loaded for chat must not be where training from scratch starts.
@@ -196,9 +198,15 @@ class Trainer:
             self.save_checkpoint()
         from studio.engine.model import save_adapter
 
-        adapter = save_adapter(self.model, self.run.adapter_dir, self.config)
-        # RunDir.adapter() compares this with the checkpoints' steps (a later resume may pass it).
-        (adapter / ADAPTER_STEP_FILE).write_text(json.dumps({"step": self.step}))
+        try:
+            # RunDir.adapter() compares the step file with the checkpoints' steps (a later resume
+            # may pass it).
+            adapter = save_adapter(self.model, self.run.adapter_dir, self.config,
+                                   extra={ADAPTER_STEP_FILE: json.dumps({"step": self.step})})
+        except Exception as exc:
+            if is_disk_full(exc, self.run.path):
+                raise DiskFull(self.run.adapter_dir, self.run.id) from exc
+            raise
         self.state = "stopped" if stopped else "finished"
         finished = ev.TrainingFinished(step=self.step, stopped=stopped, adapter_path=str(adapter),
                                        train_loss=last_loss, best_eval_loss=self.best_eval_loss,
@@ -342,14 +350,46 @@ class Trainer:
             "gradient_accumulation_steps": self.accumulation_steps, "best_eval_loss": self.best_eval_loss,
             "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed, "seed": self.config.trainer.seed,
         }
-        final = checkpoint.save(self.run, self.step, self.model, self.optimizer, self.scheduler, state,
-                                self.config.trainer.keep_checkpoints)
+        try:
+            final = checkpoint.save(self.run, self.step, self.model, self.optimizer, self.scheduler, state,
+                                    self.config.trainer.keep_checkpoints)
+        except Exception as exc:
+            if is_disk_full(exc, self.run.checkpoints_dir):
+                raise DiskFull(self.run.checkpoints_dir / f"step-{self.step}", self.run.id) from exc
+            raise
         self.emit(ev.CheckpointSaved(step=self.step, path=str(final)))
         return final
 
-    def _restore(self, path: Path) -> None:
+    def _restore_newest_loadable(self) -> Path:
+        """Restore the newest checkpoint that loads; each newer one that does not is skipped with a
+        warning saying why. None at all, or none that loads, fails the run in one line."""
+        found = list(reversed(self.run.checkpoints()))
+        rid = self.run.id
+        if not found:
+            self._fail("config", f"run {rid} has no checkpoint to resume from; start it again from step 0 "
+                                 f"with 'studio train --resume {rid} --from-scratch'")
+        skipped = []
+        for path in found:
+            try:
+                files = checkpoint.read(path, self.device)
+            except Exception as exc:  # a truncated or missing file: whatever the reader raises
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                skipped.append(f"{path.name}: {reason}")
+                self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                    f"checkpoint {path} does not load ({reason}); skipped it, trying the one before")))
+                continue
+            self._restore(files)
+            if skipped:
+                self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                    f"resuming from {path.name} (step {self.step}); skipped {', '.join(skipped)}")))
+            return path
+        self._fail("config", (f"no checkpoint of run {rid} loads ({'; '.join(skipped)}); train it again as "
+                              f"a new run with 'studio train {self.run.config_path}'"))
+        raise AssertionError("not reached: _fail raises")
+
+    def _restore(self, files: dict[str, Any]) -> None:
         assert self.optimizer is not None and self.scheduler is not None
-        state = checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.device)
+        state = checkpoint.apply(files, self.model, self.optimizer, self.scheduler)
         self.step = int(state["step"])
         self.cursor = Cursor(int(state["cursor"]["epoch"]), int(state["cursor"]["offset"]))
         self.micro_batch_size = int(state["micro_batch_size"])

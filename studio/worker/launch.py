@@ -20,6 +20,7 @@ from pathlib import Path
 
 from studio.core.paths import cache_dir
 from studio.core.runs import RunDir
+from studio.core.storage import FILE_MODE, PRIVATE_UMASK, DiskFull, is_disk_full
 
 
 class WorkerStartError(RuntimeError):
@@ -123,10 +124,14 @@ def write_key(run: RunDir) -> bytes:
     key = secrets.token_hex(32).encode()
     tmp = run.key_path.with_name(run.key_path.name + ".tmp")
     tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(key)
-    tmp.replace(run.key_path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(key)
+        tmp.replace(run.key_path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: no empty key file left behind
+        raise
     return key
 
 
@@ -206,22 +211,40 @@ def listen(run: RunDir, key: bytes) -> WorkerListener:
 def write_pid(run: RunDir) -> None:
     """Record this process as the run's worker."""
     tmp = run.pid_path.with_name(run.pid_path.name + ".tmp")
-    tmp.write_text(f"{os.getpid()}\n")
-    tmp.replace(run.pid_path)
+    try:
+        tmp.write_text(f"{os.getpid()}\n")
+        tmp.replace(run.pid_path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def become_worker(run: RunDir) -> tuple[GpuLock, WorkerListener]:
     """Make this process ``run``'s worker: take the device lock, make sure no other worker serves
-    the run, write a fresh key, listen, record the pid. Raises WorkerStartError (or OSError) with
-    the reason; release the returned lock when the worker is done (exiting does it too)."""
+    the run, write a fresh key, listen, record the pid. Raises WorkerStartError with the reason
+    (:class:`~studio.core.storage.DiskFull` when the disk is full; another OSError as it is);
+    release the returned lock when the worker is done (exiting does it too).
+
+    From here on the process creates files for its owner only (umask 077): the run directory holds
+    prompts, answers and data excerpts.
+    """
+    os.umask(PRIVATE_UMASK)
     lock = GpuLock()
     lock.acquire(run)
+    listener = None
     try:
         check_no_other_worker(run)
         listener = listen(run, write_key(run))
         write_pid(run)
-    except BaseException:
+    except BaseException as exc:
+        if listener is not None:
+            listener.close()
+            Path(run.socket_address()).unlink(missing_ok=True)
+        if not (run.pid_path.exists() and run.worker_pid() not in (None, os.getpid())):
+            run.key_path.unlink(missing_ok=True)  # ours, unless another worker serves the run
         lock.release()
+        if isinstance(exc, OSError) and is_disk_full(exc, run.path):
+            raise DiskFull(run.path, run.id) from exc
         raise
     return lock, listener
 
@@ -258,7 +281,7 @@ def detach(run: RunDir) -> Callable[[str], None]:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    log = os.open(run.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = os.open(run.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)

@@ -33,46 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from studio.core import events as ev
-from studio.core.runs import RunDir, iter_events
+from studio.core.runs import RunDir
+from studio.core.storage import DiskFull, is_disk_full, make_private
+from studio.worker.eventlog import EventLog
 from studio.worker.launch import WorkerListener
 
 _TRAINING_STATES = ("loading", "training", "paused")
 _CLIENT_BACKLOG = 20000  # events queued for one client before it is dropped as too slow
 _MAX_COMMAND_BYTES = 1 << 20
-
-
-class EventLog:
-    """``events.jsonl``: numbers events and appends them, continuing after the last seq on disk."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._drop_torn_tail()
-        last = -1
-        for event in iter_events(path):
-            last = max(last, event.seq)
-        self.next_seq = last + 1
-        self._handle = open(path, "ab")  # open for the worker's whole life
-
-    def _drop_torn_tail(self) -> None:
-        """A worker killed mid-write leaves half a line; cut it so the next event starts clean."""
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return
-        if data and not data.endswith(b"\n"):
-            os.truncate(self.path, data.rfind(b"\n") + 1)
-
-    def append(self, event: ev.Event) -> tuple[ev.Event, bytes]:
-        """Number ``event``, write it, and return it with its JSON line (no newline)."""
-        event = ev.with_seq(event, self.next_seq)
-        self.next_seq += 1
-        line = ev.to_json(event).encode()
-        self._handle.write(line + b"\n")
-        self._handle.flush()
-        return event, line
-
-    def close(self) -> None:
-        self._handle.close()
 
 
 class _Peer:
@@ -201,7 +169,12 @@ class Worker:
         self.stop_requested = False
         """Set (from a signal handler too: a plain flag takes no lock) to stop training after the
         current step with a checkpoint, as the Stop command does."""
-        self.log = EventLog(run.events_path)
+        # A run folder made by an older Studio (or copied in) may be readable by anyone: it holds
+        # prompts, answers and data excerpts. Said once the log is open (WorkerStarted's note).
+        self._tightened = make_private(run.path)
+        self.log = EventLog(run.events_path, run.id)
+        self.disk_full: DiskFull | None = None
+        """Set when a write failed for want of space: the worker reports it and exits."""
         self.commands: queue.Queue[tuple[_Peer | None, ev.Command]] = queue.Queue()
         self.state = "idle"
         self.step = 0
@@ -222,6 +195,7 @@ class Worker:
         self._evaluations = 0
         self._scoring: Any = None  # the held-out request being answered a row at a time
         self._closing = False
+        self._disk_reported = False
 
     # ------------------------------------------------------------------------------ events out
 
@@ -229,10 +203,33 @@ class Worker:
         """Number, log and broadcast ``event``; also the trainer's emit callback."""
         self._track(event)
         with self._lock:
-            event, line = self.log.append(event)
+            try:
+                event, line = self.log.append(event)
+            except DiskFull as exc:
+                # Not in the log (it stays whole), but the clients connected now still hear it.
+                self.disk_full = self.disk_full or exc
+                line = ev.to_json(ev.with_seq(event, -1)).encode()
+                for peer in list(self._peers):
+                    peer.offer(line)
+                raise
             for peer in list(self._peers):
                 peer.offer(line)
         return event
+
+    def _stop_for_disk_full(self, exc: BaseException) -> None:
+        """A write failed for want of space: fail the run with the one line that says where and
+        what to do (logged if it still fits, sent to the connected clients anyway), then exit."""
+        if self._disk_reported:
+            return  # a later write failing the same way (the stop's checkpoint) adds nothing
+        self._disk_reported = True
+        full = exc if isinstance(exc, DiskFull) else self.disk_full or DiskFull(
+            getattr(exc, "filename", None) or self.run.path, self.run.id)
+        self.state = "failed"
+        self._exit_reason = f"disk full at {full.path}"
+        try:
+            self.emit(ev.WorkerFailed(kind="disk", fatal=True, message=str(full)))
+        except DiskFull:
+            pass  # sent live, unnumbered; the log ends at its last whole event
 
     def _track(self, event: ev.Event) -> None:
         """Keep the status fields current from the events themselves."""
@@ -311,10 +308,10 @@ class Worker:
         if first is not None:
             self.state = "loading"  # before any client can ask, so none sees a passing "idle"
             self.commands.put((None, first))
-        self.emit(ev.WorkerStarted(pid=os.getpid()))
         threading.Thread(target=self._accept_loop, args=(listener,), name="worker-accept",
                          daemon=True).start()
         try:
+            self._guard_disk(self._started)
             while self._exit_reason is None:
                 try:
                     peer, command = self.commands.get_nowait() if self._scoring is not None else \
@@ -324,7 +321,7 @@ class Worker:
                         self._score_next_row()
                     self._check_idle()
                     continue
-                self._handle_idle(peer, command)
+                self._guard_disk(self._handle_idle, peer, command)
                 if self.foreground and command is first:
                     self._exit_reason = self._exit_reason or f"training {self.state}"
         finally:
@@ -335,6 +332,22 @@ class Worker:
                 signal.signal(signum, handler)
         return self._exit_reason
 
+    def _started(self) -> None:
+        self.emit(ev.WorkerStarted(pid=os.getpid()))
+        if self._tightened:
+            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                f"note: {self.run.path} was readable by other users; made it private (folders 0700, "
+                f"files 0600; {self._tightened} modes changed): it holds prompts, answers and data")))
+
+    def _guard_disk(self, action: Callable[..., Any], *args: Any) -> None:
+        """Run ``action(*args)``; a full disk ends the worker with its one-line report."""
+        try:
+            action(*args)
+        except OSError as exc:
+            if not is_disk_full(exc, self.run.path):
+                raise
+            self._stop_for_disk_full(exc)
+
     def _check_idle(self) -> None:
         if self._terminate.is_set():
             self._exit_reason = "terminated (SIGTERM)"
@@ -343,7 +356,10 @@ class Worker:
             self._exit_reason = f"idle with no client for {self.linger_s:g} s"
 
     def _close(self, listener: WorkerListener) -> None:
-        self.emit(ev.WorkerStopped(reason=self._exit_reason or ""))
+        try:
+            self.emit(ev.WorkerStopped(reason=self._exit_reason or ""))
+        except DiskFull:
+            pass  # sent live, unnumbered: the clients still learn that the worker is gone
         with self._lock:
             self._closing = True
             peers = list(self._peers)
@@ -448,13 +464,20 @@ class Worker:
             return False
 
     def _report(self, exc: Exception, fatal: bool) -> None:
-        """Log the traceback and emit a WorkerFailed, unless the trainer already emitted one."""
-        if self.foreground:
-            # The terminal shows the one-line WorkerFailed; the traceback goes where a daemon's goes.
-            with open(self.run.log_path, "a", encoding="utf-8") as log:
-                traceback.print_exception(exc, file=log)
-        else:
-            traceback.print_exception(exc)
+        """Log the traceback and emit a WorkerFailed, unless the trainer already emitted one; a
+        full disk stops the worker (:meth:`_stop_for_disk_full`)."""
+        if is_disk_full(exc, self.run.path):
+            self._stop_for_disk_full(exc)
+            return
+        try:
+            if self.foreground:
+                # The terminal shows the one-line WorkerFailed; the traceback goes where a daemon's goes.
+                with open(self.run.log_path, "a", encoding="utf-8") as log:
+                    traceback.print_exception(exc, file=log)
+            else:
+                traceback.print_exception(exc)
+        except OSError:
+            pass  # worker.log cannot take it; the event below still says what happened
         if not already_reported(exc):
             self.emit(dataclasses.replace(classify_failure(exc, self.run.log_path), fatal=fatal))
 
