@@ -193,6 +193,7 @@ class Worker:
         self._last_client_left = time.monotonic()
         self._terminate = threading.Event()
         self._evaluations = 0
+        self._warnings = 0
         self._scoring: Any = None  # the held-out request being answered a row at a time
         self._closing = False
         self._disk_reported = False
@@ -241,6 +242,8 @@ class Worker:
             self.model_loaded = True
         elif isinstance(event, ev.EvalLogged):
             self._evaluations += 1
+        elif isinstance(event, ev.WorkerFailed):
+            self._warnings += 1
         elif isinstance(event, ev.TrainingFinished):
             self.step = event.step
 
@@ -483,9 +486,9 @@ class Worker:
 
     def _evaluate(self) -> None:
         """The trainer emits EvalLogged itself; with no validation rows it has nothing to emit."""
-        before = self._evaluations
+        before, warned = self._evaluations, self._warnings
         self._session.evaluate()
-        if self._evaluations == before:
+        if self._evaluations == before and self._warnings == warned:  # not skipped for memory either
             self.emit(ev.WorkerFailed(kind="data", fatal=False, message=(
                 "nothing to evaluate: the run has no validation rows; set data.val_fraction or give "
                 "the data a split column with 1 for validation rows")))
