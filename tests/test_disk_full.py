@@ -147,12 +147,20 @@ def test_foreground_train_on_a_full_disk_then_resume(tiny_config, small_disk: Pa
     assert sorted(p.name for p in run.checkpoints_dir.iterdir()) == ["step-10"]
     assert not run.adapter_dir.exists() and not list(run.path.glob(".tmp-*"))
 
+    # Resumed while the disk is still full: the same one line, nothing left behind.
+    env["STUDIO_WORKER_TRAINER"] = "studio.engine.session:Session"
+    done = subprocess.run([python, "-m", "studio.cli", "train", "--resume", str(run.path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1
+    # Where it runs out (the key, the first event, the checkpoint) depends on what the exit freed.
+    _one_disk_full_line(done.stdout + done.stderr, run.path, run.id)
+    _assert_no_worker_files(run)
+
     # A torn line from an older Studio (or a kill) at the end: the resume starts on a new line.
+    filler.unlink()
     with open(run.events_path, "ab") as handle:
         handle.write(b'{"type":"StepLogged","seq":9999,"st')
-    filler.unlink()
     env.pop(FILL_ENV)
-    env["STUDIO_WORKER_TRAINER"] = "studio.engine.session:Session"
     done = subprocess.run([python, "-m", "studio.cli", "train", "--resume", str(run.path)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr

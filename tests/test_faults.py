@@ -174,3 +174,29 @@ def test_resume_skips_a_checkpoint_that_does_not_load_and_refuses_without_one(
     assert studio(["train", "--resume", str(run.path), "--from-scratch"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has checkpoints (newest step-6)" in err
+
+
+# ------------------------------------------------------------------------------------- the event log
+
+
+def test_readers_skip_or_repair_a_cut_off_line_and_writers_start_on_a_new_one(tmp_path: Path) -> None:
+    from studio.core.runs import append_event, iter_events
+    from studio.worker.eventlog import EventLog
+
+    log = tmp_path / "events.jsonl"
+    first = ev.to_json(ev.with_seq(ev.StepLogged(step=1), 0))
+    second = ev.to_json(ev.with_seq(ev.StepLogged(step=2), 1))
+    # An older Studio appended onto a torn line; the log then ends in another torn line.
+    log.write_text(first + "\n" + '{"type":"StepLo' + second + "\n" + '{"type":"Step')
+    assert [e.step for e in iter_events(log)] == [1, 2]
+
+    events = EventLog(log)
+    assert events.next_seq == 2
+    events.append(ev.StepLogged(step=3))
+    events.close()
+    append_event(log, ev.with_seq(ev.StepLogged(step=4), 3))
+    with open(log, "a") as handle:
+        handle.write('{"type":"Ste')  # cut off again
+    append_event(log, ev.with_seq(ev.StepLogged(step=5), 4))
+    assert [e.step for e in iter_events(log)] == [1, 2, 3, 4, 5]
+    assert log.read_text().endswith("\n") and log.read_text().count("\n") == 5

@@ -109,3 +109,25 @@ def make_private(folder: str | Path) -> int:
                 except OSError:
                     pass
     return changed
+
+
+def sync_tree(folder: str | Path) -> None:
+    """fsync every file under ``folder`` and the folders themselves, so that a rename that follows
+    publishes data that is on the disk: after a power cut, a checkpoint that is there is whole."""
+    for current, _dirs, files in os.walk(folder):
+        for name in files:
+            fd = os.open(Path(current) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        sync_dir(current)
+
+
+def sync_dir(folder: str | Path) -> None:
+    """fsync a folder: its entries (a rename into it) survive a power cut."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -3,8 +3,9 @@
 A checkpoint holds the adapter (``adapter/``, loadable by ``PeftModel.from_pretrained``), the
 optimizer and scheduler states, the RNG states (python, numpy, torch, CUDA) and the trainer's own
 state as JSON (step, data cursor, micro-batch and accumulation, best eval loss). It is written into a
-temp folder that is renamed into place, so a crash mid-write leaves the previous checkpoint intact
-(and :meth:`studio.core.runs.RunDir.checkpoints` never lists the temp folder).
+temp folder, synced to the disk and renamed into place, so a crash, a full disk or a power cut
+mid-write leaves the previous checkpoint intact (and :meth:`studio.core.runs.RunDir.checkpoints`
+never lists the temp folder, which a failed write removes).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from studio.core.runs import RunDir
+from studio.core.storage import sync_dir, sync_tree
 
 STATE_FILE = "trainer_state.json"
 
@@ -62,6 +64,7 @@ def save(run: RunDir, step: int, model: Any, optimizer: torch.optim.Optimizer,
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+        sync_tree(tmp)  # on the disk before the rename publishes it: whole even after a power cut
     except BaseException:
         # A full disk (or an out-of-memory copy) half way: the space goes back, the older
         # checkpoints were never touched.
@@ -75,6 +78,7 @@ def save(run: RunDir, step: int, model: Any, optimizer: torch.optim.Optimizer,
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    sync_dir(run.checkpoints_dir)
     for old in run.checkpoints()[:-max(1, keep)]:
         shutil.rmtree(old, ignore_errors=True)
     return final

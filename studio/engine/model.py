@@ -21,6 +21,7 @@ import torch
 
 from studio.core.config import ConfigError, RunConfig
 from studio.core.model_ref import local_problem
+from studio.core.storage import sync_dir, sync_tree
 
 Progress = Callable[[str, float], None]
 """progress(stage, fraction 0..1): what the loader is doing."""
@@ -245,6 +246,7 @@ def save_adapter(model: Any, directory: str | Path, config: RunConfig | None = N
             config.save(tmp / "studio_config.yaml")
         for name, text in (extra or {}).items():
             (tmp / name).write_text(text)
+        sync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -255,6 +257,7 @@ def save_adapter(model: Any, directory: str | Path, config: RunConfig | None = N
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, directory)
+    sync_dir(directory.parent)
     return directory
 
 

@@ -174,12 +174,19 @@ def _starting(run: RunDir) -> bool:
     return run.worker_pid() is not None and summarize(run).status in ("created", "training", "paused")
 
 
+def _disk_full_now(run: RunDir, status: str) -> str | None:
+    """The disk-full line for a run whose worker died without saying why (it could not log it)
+    while the disk it writes to is full now; None otherwise."""
+    free = free_bytes(run.path)
+    if status == "interrupted" and free is not None and free < LOW_SPACE_BYTES:
+        return disk_full_message(run.path, run.id)
+    return None
+
+
 def _explain_not_live(run: RunDir) -> int:
     summary = summarize(run)
-    free = free_bytes(run.path)
-    if summary.status == "interrupted" and free is not None and free < LOW_SPACE_BYTES:
-        # The worker could not log why it stopped: the disk it writes to is full now.
-        print(disk_full_message(run.path, run.id))
+    if (full := _disk_full_now(run, summary.status)) is not None:
+        print(full)
         return 1
     if summary.status == "interrupted":
         print(f"run {run.id} was interrupted at step {summary.step} (no worker is running); "
@@ -230,7 +237,8 @@ def _live_client(run: RunDir) -> WorkerClient | None:
             _fail(str(exc))
             return None
     summary = summarize(run)
-    _fail(f"run {run.id} has no worker running (status: {summary.status}, step {summary.step})")
+    _fail(_disk_full_now(run, summary.status) or
+          f"run {run.id} has no worker running (status: {summary.status}, step {summary.step})")
     return None
 
 

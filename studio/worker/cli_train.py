@@ -61,6 +61,8 @@ class ConsolePrinter:
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.bar = self.err.isatty()
         self.memory: ev.MemorySampled | None = None
+        self.saw_disk_full = False
+        """Whether the console showed the worker's disk-full failure."""
         self._bar_shown = False
         self._lock = threading.Lock()  # the console thread and Ctrl-C's message share the lines
 
@@ -94,6 +96,8 @@ class ConsolePrinter:
         elif not isinstance(event, (ev.TokenGenerated, ev.GenerationStarted, ev.GenerationFinished,
                                     ev.WorkerStarted, ev.WorkerStopped, ev.StatusReported)):
             line = report.describe(event)
+            if isinstance(event, ev.WorkerFailed) and event.kind == "disk":
+                self.saw_disk_full = True
             if line is not None:
                 self.line(line)
 
@@ -194,6 +198,9 @@ def main(args: argparse.Namespace) -> int:
     if aborted:
         print(f"\naborted; continue with: studio train --resume {run.id}", file=sys.stderr)
         return 130
+    if worker.disk_failure is not None and not printer.saw_disk_full:
+        # Full before the console connected (at a resume's first event): said here instead.
+        print(f"error: {worker.disk_failure}", file=sys.stderr)
     if worker.state == "failed":
         return 1  # the console already showed the failure
     if worker.state == "stopped":

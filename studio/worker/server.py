@@ -174,7 +174,9 @@ class Worker:
         self._tightened = make_private(run.path)
         self.log = EventLog(run.events_path, run.id)
         self.disk_full: DiskFull | None = None
-        """Set when a write failed for want of space: the worker reports it and exits."""
+        """Set when an event could not be logged for want of space."""
+        self.disk_failure: str | None = None
+        """The one line said when a write failed for want of space (the worker then exits)."""
         self.commands: queue.Queue[tuple[_Peer | None, ev.Command]] = queue.Queue()
         self.state = "idle"
         self.step = 0
@@ -227,6 +229,7 @@ class Worker:
             getattr(exc, "filename", None) or self.run.path, self.run.id)
         self.state = "failed"
         self._exit_reason = f"disk full at {full.path}"
+        self.disk_failure = str(full)
         try:
             self.emit(ev.WorkerFailed(kind="disk", fatal=True, message=str(full)))
         except DiskFull:
