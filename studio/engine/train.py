@@ -10,6 +10,10 @@ generation and adapter swapping for chat are the session's.
 Exact resume: a checkpoint holds the adapter, optimizer, scheduler, RNG states and the data cursor,
 and the loss of a step is averaged over the response tokens of the whole step, so that the same
 units split into different micro-batches (after an out-of-memory halving) give the same step.
+
+Past ~400 lines on purpose: each out-of-memory recovery (step, evaluation, optimizer step,
+checkpoint) and the resume fallback change the loop's own state (micro-batch, evaluation batch,
+optimizer settings, step and cursor); kept beside the loop they read in the order they happen.
 """
 
 from __future__ import annotations

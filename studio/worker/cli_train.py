@@ -161,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # a full disk (create_run says where), a folder it cannot write
+    except DiskFull as exc:  # other OSErrors are worded by studio.cli (a folder under a file, ...)
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
