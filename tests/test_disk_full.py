@@ -168,3 +168,46 @@ def test_foreground_train_on_a_full_disk_then_resume(tiny_config, small_disk: Pa
     events = _assert_log_whole(run)
     assert [e.step for e in events if isinstance(e, ev.TrainingFinished)] == [20]
     assert (run.adapter_dir / "adapter_model.safetensors").exists()
+
+
+def test_the_event_log_stays_whole_when_an_append_finds_the_disk_full(small_disk: Path) -> None:
+    from studio.core.storage import DiskFull
+    from studio.worker.eventlog import EventLog
+
+    log = EventLog(small_disk / "events.jsonl", "RUN")
+    log.append(ev.StepLogged(step=1))
+    fill(small_disk / "filler")
+    with pytest.raises(DiskFull) as full:
+        for step in range(2, 100_000):  # the file's last page takes a few more first
+            log.append(ev.WorkerFailed(message="x" * 500, detail=str(step)))
+    log.close()
+    assert str(full.value) == (f"disk full at {small_disk / 'events.jsonl'}: free space and run "
+                               "`studio train --resume RUN`")
+    data = (small_disk / "events.jsonl").read_bytes()
+    assert data.endswith(b"\n")
+    assert len(list(iter_events(small_disk / "events.jsonl"))) == data.count(b"\n")
+
+
+def test_an_adapter_save_on_a_full_disk_keeps_the_previous_adapter(small_disk: Path) -> None:
+    from studio.core.storage import is_disk_full
+    from studio.engine.model import save_adapter
+
+    class Model:
+        """Stands in for a PEFT model: save_pretrained writes 4 MB of weights."""
+
+        def __init__(self, marker: bytes):
+            self.marker = marker
+
+        def save_pretrained(self, folder: str) -> None:
+            (Path(folder) / "adapter_config.json").write_text("{}")
+            (Path(folder) / "adapter_model.safetensors").write_bytes(self.marker * (4 << 20))
+
+    adapter = small_disk / "run" / "adapter"
+    save_adapter(Model(b"a"), adapter, extra={"studio_step.json": '{"step": 10}'})
+    fill(small_disk / "filler")
+    with pytest.raises(OSError) as failed:
+        save_adapter(Model(b"b"), adapter, extra={"studio_step.json": '{"step": 20}'})
+    assert is_disk_full(failed.value)
+    assert (adapter / "studio_step.json").read_text() == '{"step": 10}'
+    assert (adapter / "adapter_model.safetensors").read_bytes()[:1] == b"a"
+    assert sorted(p.name for p in adapter.parent.iterdir()) == ["adapter"]  # no temp folder left
