@@ -102,10 +102,11 @@ def test_detached_worker_on_a_full_disk_reports_exits_and_resumes(fake_cli: Path
     # Every command says the same one line while the disk is full.
     assert studio(["attach", str(run.path)]) == 1
     _one_disk_full_line(capsys.readouterr().out, run.path, run.id)
-    assert studio(["resume", str(run.path)]) == 1
-    captured = capsys.readouterr()
-    assert captured.err.count("\n") == 1
-    _one_disk_full_line(captured.err, run.path, run.id)
+    for command in ("resume", "pause", "stop"):
+        assert studio([command, str(run.path)]) == 1
+        captured = capsys.readouterr()
+        assert captured.err.count("\n") == 1
+        _one_disk_full_line(captured.err, run.path, run.id)
     _assert_no_worker_files(run)
 
     # Space freed: the run resumes from its last good checkpoint and finishes.

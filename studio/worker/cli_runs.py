@@ -175,8 +175,11 @@ def _starting(run: RunDir) -> bool:
 
 
 def _disk_full_now(run: RunDir, status: str) -> str | None:
-    """The disk-full line for a run whose worker died without saying why (it could not log it)
-    while the disk it writes to is full now; None otherwise."""
+    """The disk-full line for a run whose worker stopped for a full disk: the one it logged, or,
+    when it could not log why it stopped, one made up while the run's disk is full now."""
+    if status == "failed":
+        fatal = [e for e in run.events() if isinstance(e, ev.WorkerFailed) and e.fatal]
+        return fatal[-1].message if fatal and fatal[-1].kind == "disk" else None
     free = free_bytes(run.path)
     if status == "interrupted" and free is not None and free < LOW_SPACE_BYTES:
         return disk_full_message(run.path, run.id)
@@ -185,8 +188,8 @@ def _disk_full_now(run: RunDir, status: str) -> str | None:
 
 def _explain_not_live(run: RunDir) -> int:
     summary = summarize(run)
-    if (full := _disk_full_now(run, summary.status)) is not None:
-        print(full)
+    if summary.status == "interrupted" and (full := _disk_full_now(run, summary.status)) is not None:
+        print(full)  # the log could not say it (the run's own FAILED line is above otherwise)
         return 1
     if summary.status == "interrupted":
         print(f"run {run.id} was interrupted at step {summary.step} (no worker is running); "
