@@ -167,9 +167,18 @@ def main(args: argparse.Namespace) -> int:
     try:
         claim_device()  # an idle worker (a finished run kept up for chat) makes room
         lock, listener = become_worker(run)
-        worker = Worker(run, foreground=True)
     except (WorkerStartError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        worker = Worker(run, foreground=True)
+    except OSError as exc:  # the event log cannot be opened: nothing of this worker may stay
+        listener.close()
+        for path in (Path(run.socket_address()), run.key_path, run.pid_path):
+            path.unlink(missing_ok=True)
+        lock.release()
+        print(f"error: {DiskFull(run.events_path, run.id) if is_disk_full(exc, run.path) else exc}",
+              file=sys.stderr)
         return 1
     printer = ConsolePrinter()
     console = threading.Thread(target=_follow, name="studio-console",
