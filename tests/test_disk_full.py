@@ -24,16 +24,36 @@ from studio.core import events as ev
 from studio.core.runs import RunDir, find_run, iter_events, list_runs
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 32 MB tmpfs, unmounted afterwards (lazily, should a process still hold a file there)."""
-    mount = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
-    mount.mkdir()
+def _mount_small_disk(mount: Path, image: Path) -> str | None:
+    """Mount a 32 MB filesystem at ``mount``: a tmpfs, else an ext4 image on a loop device; None
+    when mounted, else why not."""
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(mount)],
                           capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'mount failed'}); "
-                    "the disk-full tests need root or CAP_SYS_ADMIN")
+    if done.returncode == 0:
+        return None
+    why = f"tmpfs: {done.stderr.strip() or 'mount failed'}"
+    try:
+        with open(image, "wb") as handle:
+            handle.truncate(32 << 20)
+        # -m 0: no blocks reserved for root, so "full" is full for the tests' root user too.
+        made = subprocess.run(["mkfs.ext4", "-q", "-m", "0", "-F", str(image)], capture_output=True, text=True)
+        looped = made.returncode == 0 and subprocess.run(
+            ["mount", "-o", "loop", str(image), str(mount)], capture_output=True, text=True).returncode == 0
+    except OSError as exc:
+        return f"{why}; loop image: {exc}"
+    return None if looped else f"{why}; a loop-mounted image failed too"
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 32 MB filesystem of its own, unmounted afterwards (lazily, should a process still hold a
+    file there)."""
+    mount = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
+    mount.mkdir()
+    why = _mount_small_disk(mount, tmp_path / "disk.img")
+    if why is not None:
+        pytest.skip(f"cannot mount a small filesystem here ({why}); the disk-full tests need root "
+                    "or CAP_SYS_ADMIN")
     try:
         yield mount
     finally:
