@@ -97,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--model", help="base model hub id or folder (overrides model.base_model)")
     train.add_argument("--max-steps", type=_POSITIVE_INT, help="stop after this many optimizer steps")
     train.add_argument("--resume", metavar="RUN", help="continue RUN from its latest checkpoint")
+    train.add_argument("--from-scratch", action="store_true",
+                       help="with --resume: start a run that saved no checkpoint again from step 0")
     train.add_argument("--detach", action="store_true",
                        help="train in a background worker that outlives this terminal; prints the run id")
 
@@ -243,6 +245,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as exc:
+        from studio.core.storage import DiskFull, is_disk_full
+
+        if not is_disk_full(exc):
+            raise
+        # One line, wherever the write was (the handlers name the run where they know it).
+        print(f"error: {exc if isinstance(exc, DiskFull) else DiskFull(exc.filename or '.')}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

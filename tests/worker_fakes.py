@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,8 +54,16 @@ class FakeTrainer:
 
     def _save(self, step: int) -> Path:
         path = self.run.checkpoints_dir / f"step-{step}"
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "state.json").write_text(json.dumps({"step": step}))
+        tmp = self.run.checkpoints_dir / f".tmp-step-{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:  # atomic, as the engine's: a full disk half way leaves no checkpoint that does not load
+            tmp.mkdir(parents=True)
+            (tmp / "state.json").write_text(json.dumps({"step": step}))
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
         self.emit(ev.CheckpointSaved(step=step, path=str(path)))
         return path
 

@@ -104,6 +104,8 @@ def failure_line(event: ev.WorkerFailed) -> str:
     ``error (data): <what to do>``, which a script can grep for."""
     if not event.fatal:
         return f"Warning ({event.kind}): {event.message}"
+    if event.kind == "disk":
+        return event.message[:1].upper() + event.message[1:]  # "Disk full at <path>: ..."
     return f"{_FAILURE_LABELS.get(event.kind, 'Worker error')}: {event.message}"
 
 

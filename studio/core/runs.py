@@ -22,6 +22,7 @@ from pathlib import Path
 
 from studio.core import events as ev
 from studio.core.config import RunConfig, load_config
+from studio.core.storage import DIR_MODE, FILE_MODE, DiskFull, is_disk_full
 
 ADAPTER_CONFIG = "adapter_config.json"
 """The file that makes a folder a PEFT adapter (``PeftModel.from_pretrained`` reads it first)."""
@@ -199,22 +200,56 @@ def export_adapter(run: RunDir, dest: str | Path) -> Path:
     return dest
 
 
+def parse_event_line(line: str) -> ev.Event | None:
+    """The event on one line of events.jsonl, or None. A line that an interrupted write cut off
+    and a later writer continued (``{"type":"StepLo{"type":"StepLogged",...}``, left by Studio
+    versions that appended onto a torn line) gives the event that starts last on it."""
+    for text in (line, line[line.rfind('{"type":'):] if line.rfind('{"type":') > 0 else None):
+        if text is None:
+            continue
+        try:
+            message = ev.from_json(text)
+        except (ValueError, TypeError):
+            continue
+        return message if isinstance(message, ev.Event) else None
+    return None
+
+
 def iter_events(path: Path) -> Iterator[ev.Event]:
-    """Events from an events.jsonl file, in order; unparseable lines are skipped."""
+    """Events from an events.jsonl file, in order; unparseable lines are skipped, and a last line
+    with no newline (being written, or cut off by a crash or a full disk) is not read."""
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return
     with handle:
         for line in handle:
             if not line.endswith("\n"):
-                break  # a line still being written
-            try:
-                message = ev.from_json(line)
-            except (ValueError, TypeError):
-                continue
-            if isinstance(message, ev.Event):
-                yield message
+                break  # a line still being written, or cut off
+            event = parse_event_line(line)
+            if event is not None:
+                yield event
+
+
+def drop_torn_tail(path: Path) -> None:
+    """Cut a last line with no newline (a write cut off by a kill or a full disk) from ``path``, so
+    the next line written starts on a line of its own. Truncating needs no free space."""
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            start = max(0, size - (1 << 16))
+            while True:
+                handle.seek(start)
+                tail = handle.read(size - start)
+                cut = tail.rfind(b"\n")
+                if cut >= 0 or start == 0:
+                    break
+                start = max(0, start - (1 << 16))
+    except FileNotFoundError:
+        return
+    keep = start + cut + 1 if cut >= 0 else 0
+    if keep < size:
+        os.truncate(path, keep)
 
 
 def _slug(text: str) -> str:
@@ -223,23 +258,46 @@ def _slug(text: str) -> str:
 
 
 def create_run(config: RunConfig, root: str | Path | None = None) -> RunDir:
-    """Make a new run directory under ``root`` (default: the config's output_dir) and save the config."""
+    """Make a new run directory under ``root`` (default: the config's output_dir) and save the config.
+
+    Built as a hidden temp folder and renamed into place when complete, so a failure half way (a
+    full disk) leaves nothing that looks like a run; private to its owner (0700, the config 0600).
+    Raises :class:`~studio.core.storage.DiskFull` when the disk is full, other OSErrors as they are.
+    """
+    import shutil
+
     root = Path(root if root is not None else config.output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = f"{stamp}-{_slug(config.name or config.model.base_model)}"
-    run_id, n = base, 1
-    while True:
-        try:
-            (root / run_id).mkdir()
+    tmp = root / f".creating-{base}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(mode=DIR_MODE)
+        os.chmod(tmp, DIR_MODE)  # mkdir's mode is filtered by the umask; this is not
+        (tmp / "checkpoints").mkdir(mode=DIR_MODE)
+        config.save(tmp / "config.yaml")
+        os.chmod(tmp / "config.yaml", FILE_MODE)
+        run_id, n = base, 1
+        while True:
+            try:
+                # rename(2) onto an existing empty folder would succeed: make the name first.
+                (root / run_id).mkdir(mode=DIR_MODE)
+            except FileExistsError:
+                n += 1
+                run_id = f"{base}-{n}"
+                continue
+            try:
+                os.rename(tmp, root / run_id)
+            except OSError:
+                (root / run_id).rmdir()
+                raise
             break
-        except FileExistsError:
-            n += 1
-            run_id = f"{base}-{n}"
-    run = RunDir(root / run_id)
-    run.checkpoints_dir.mkdir()
-    config.save(run.config_path)
-    return run
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc, root):
+            raise DiskFull(root) from exc
+        raise
+    return RunDir(root / run_id)
 
 
 @dataclass(frozen=True)
@@ -295,7 +353,8 @@ def list_runs(root: str | Path = "runs") -> list[RunDir]:
     root = Path(root)
     if not root.exists():
         return []
-    runs = [RunDir(p) for p in root.iterdir() if (p / "config.yaml").exists()]
+    # A name starting with "." is a run still being made (create_run's temp folder).
+    runs = [RunDir(p) for p in root.iterdir() if not p.name.startswith(".") and (p / "config.yaml").exists()]
     return sorted(runs, key=lambda r: r.id, reverse=True)
 
 
@@ -317,7 +376,9 @@ def find_run(ref: str | None, root: str | Path = "runs") -> RunDir:
 
 
 def append_event(path: Path, event: ev.Event) -> None:
-    """Append one event to an events.jsonl file and flush it to the OS."""
+    """Append one event to an events.jsonl file and flush it to the OS, on a line of its own (a
+    torn last line is cut first)."""
+    drop_torn_tail(path)
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(json.dumps(event.to_dict(), separators=(",", ":"), default=str) + "\n")
         handle.flush()

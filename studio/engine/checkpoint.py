@@ -3,8 +3,9 @@
 A checkpoint holds the adapter (``adapter/``, loadable by ``PeftModel.from_pretrained``), the
 optimizer and scheduler states, the RNG states (python, numpy, torch, CUDA) and the trainer's own
 state as JSON (step, data cursor, micro-batch and accumulation, best eval loss). It is written into a
-temp folder that is renamed into place, so a crash mid-write leaves the previous checkpoint intact
-(and :meth:`studio.core.runs.RunDir.checkpoints` never lists the temp folder).
+temp folder, synced to the disk and renamed into place, so a crash, a full disk or a power cut
+mid-write leaves the previous checkpoint intact (and :meth:`studio.core.runs.RunDir.checkpoints`
+never lists the temp folder, which a failed write removes).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from studio.core.runs import RunDir
+from studio.core.storage import sync_dir, sync_tree
 
 STATE_FILE = "trainer_state.json"
 
@@ -55,15 +57,28 @@ def save(run: RunDir, step: int, model: Any, optimizer: torch.optim.Optimizer,
     final = run.checkpoints_dir / f"step-{step}"
     tmp = run.checkpoints_dir / f".tmp-step-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(str(tmp / "adapter"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+    try:
+        tmp.mkdir(parents=True)
+        model.save_pretrained(str(tmp / "adapter"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+        sync_tree(tmp)  # on the disk before the rename publishes it: whole even after a power cut
+    except BaseException:
+        # A full disk (or an out-of-memory copy) half way: the space goes back, the older
+        # checkpoints were never touched.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # the same step saved twice (a stop right after an interval checkpoint)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+        old = run.checkpoints_dir / f".old-step-{step}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    sync_dir(run.checkpoints_dir)
     for old in run.checkpoints()[:-max(1, keep)]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -82,16 +97,45 @@ def load_adapter_weights(model: Any, adapter_dir: Path, device: torch.device | s
     return list(getattr(result, "unexpected_keys", []) or [])
 
 
-def load(path: Path, model: Any, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device) -> dict[str, Any]:
-    """Restore adapter weights, optimizer, scheduler and RNG from ``path``; returns the trainer state.
+def read(path: Path, device: torch.device | str) -> dict[str, Any]:
+    """Every file of the checkpoint at ``path``, read and checked without touching the model: a
+    truncated or missing file raises here (OSError, RuntimeError, ValueError, pickle's errors...),
+    so a resume can fall back to an older checkpoint with nothing half restored."""
+    from safetensors.torch import load_file
+
+    state = json.loads((path / STATE_FILE).read_text())
+    for key in ("step", "cursor", "micro_batch_size", "units_per_step"):
+        if key not in state:
+            raise ValueError(f"{STATE_FILE} has no {key!r}")
+    return {
+        "adapter": load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(device)),
+        # Our own files: full unpickling is needed for the optimizer's and RNG's python objects.
+        "optimizer": torch.load(path / "optimizer.pt", map_location=device, weights_only=False),
+        "scheduler": torch.load(path / "scheduler.pt", weights_only=False),
+        "rng": torch.load(path / "rng.pt", weights_only=False),
+        "state": state,
+    }
+
+
+def apply(files: dict[str, Any], model: Any, optimizer: torch.optim.Optimizer,
+          scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+    """Put what :func:`read` returned into the model's LoRA (in place), the optimizer, the scheduler
+    and the random generators; returns the trainer state.
 
     Call it after the optimizer and scheduler are built (their states are loaded into them) and
     after everything else that draws random numbers, so the restored RNG is what the next step sees.
     """
-    load_adapter_weights(model, path / "adapter", device)
-    # Our own files: full unpickling is needed for the optimizer's and RNG's python objects.
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-    return json.loads((path / STATE_FILE).read_text())
+    from peft.utils import set_peft_model_state_dict
+
+    set_peft_model_state_dict(model, files["adapter"])
+    optimizer.load_state_dict(files["optimizer"])
+    scheduler.load_state_dict(files["scheduler"])
+    set_rng_state(files["rng"])
+    return files["state"]
+
+
+def load(path: Path, model: Any, optimizer: torch.optim.Optimizer,
+         scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device) -> dict[str, Any]:
+    """Restore adapter weights, optimizer, scheduler and RNG from ``path``; returns the trainer state
+    (:func:`read`, then :func:`apply`)."""
+    return apply(read(path, device), model, optimizer, scheduler)

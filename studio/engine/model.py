@@ -21,6 +21,7 @@ import torch
 
 from studio.core.config import ConfigError, RunConfig
 from studio.core.model_ref import local_problem
+from studio.core.storage import sync_dir, sync_tree
 
 Progress = Callable[[str, float], None]
 """progress(stage, fraction 0..1): what the loader is doing."""
@@ -224,14 +225,39 @@ def load_adapter(base: BaseModel, adapter_dir: str | Path) -> Any:
     return model
 
 
-def save_adapter(model: Any, directory: str | Path, config: RunConfig | None = None) -> Path:
+def save_adapter(model: Any, directory: str | Path, config: RunConfig | None = None,
+                 extra: dict[str, str] | None = None) -> Path:
     """Save the adapter (``PeftModel.from_pretrained`` loads it) and the run config beside it, so the
-    prompt template that trained it travels with it."""
+    prompt template that trained it travels with it; ``extra`` maps more file names to their text.
+
+    Written into a temp folder beside ``directory`` and swapped in when complete: a failure half way
+    (a full disk) leaves the adapter that was there before, whole.
+    """
+    import shutil
+
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(directory))
-    if config is not None:
-        config.save(directory / "studio_config.yaml")
+    tmp = directory.with_name(f".tmp-{directory.name}")
+    old = directory.with_name(f".old-{directory.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        model.save_pretrained(str(tmp))
+        if config is not None:
+            config.save(tmp / "studio_config.yaml")
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
+        sync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if directory.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, directory)
+    sync_dir(directory.parent)
     return directory
 
 

@@ -22,7 +22,7 @@ import torch
 from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig
 from studio.core.runs import RunDir
-from studio.engine import checkpoint
+from studio.engine import checkpoint, oom
 from studio.engine import fast as fastpath
 from studio.engine import generate as gen
 from studio.engine.model import BaseModel, ModelLoadError, attach_lora, count_parameters, load_base
@@ -240,9 +240,34 @@ class Session:
             self.load()
         g = self.config.generation
         ids = gen.prompt_ids(self.tokenizer, self.render_prompt(prompt))
-        return gen.generate(self.model, self.tokenizer, ids, adapter=adapter,
-                            max_new_tokens=max_new_tokens or g.max_new_tokens,
-                            temperature=g.temperature if temperature is None else temperature,
-                            top_p=g.top_p if top_p is None else top_p, on_text=on_text,
-                            generator=self._sampler, device=self.device,
-                            autocast_dtype=self.base.compute_dtype if self.base else None)
+        streamed = False
+
+        def stream(text: str) -> None:
+            nonlocal streamed
+            streamed = True
+            if on_text is not None:
+                on_text(text)
+
+        for attempt in (1, 2):
+            failed = False
+            try:
+                return gen.generate(self.model, self.tokenizer, ids, adapter=adapter,
+                                    max_new_tokens=max_new_tokens or g.max_new_tokens,
+                                    temperature=g.temperature if temperature is None else temperature,
+                                    top_p=g.top_p if top_p is None else top_p, on_text=stream,
+                                    generator=self._sampler, device=self.device,
+                                    autocast_dtype=self.base.compute_dtype if self.base else None)
+            except oom.OutOfMemory:
+                failed = True
+            if failed:  # outside the except block: the traceback no longer pins the cache
+                oom.free(self.device)
+                if attempt == 1 and not streamed:
+                    oom.warn(self.emit, (f"out of memory answering a prompt of {len(ids)} tokens: freed "
+                                         "memory and answering again"))
+                    continue
+                message = (f"out of memory answering a prompt of {len(ids)} tokens"
+                           f"{', again after freeing memory' if attempt == 2 else ' part way'}: no answer; "
+                           "training goes on. Try a shorter prompt or a smaller max_new_tokens")
+                oom.warn(self.emit, message)
+                raise TrainingError("oom", message)
+        raise AssertionError("not reached")

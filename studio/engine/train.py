@@ -10,6 +10,10 @@ generation and adapter swapping for chat are the session's.
 Exact resume: a checkpoint holds the adapter, optimizer, scheduler, RNG states and the data cursor,
 and the loss of a step is averaged over the response tokens of the whole step, so that the same
 units split into different micro-batches (after an out-of-memory halving) give the same step.
+
+Past ~400 lines on purpose: each out-of-memory recovery (step, evaluation, optimizer step,
+checkpoint) and the resume fallback change the loop's own state (micro-batch, evaluation batch,
+optimizer settings, step and cursor); kept beside the loop they read in the order they happen.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import torch.nn.functional as F
 
 from studio.core import events as ev
 from studio.core.runs import ADAPTER_STEP_FILE
-from studio.engine import checkpoint
+from studio.core.storage import DiskFull, is_disk_full
+from studio.engine import checkpoint, oom
 from studio.engine import fast as fastpath
 from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream, MicroBatch, eval_batches
 from studio.engine.optim import build_optimizer, build_scheduler
@@ -59,6 +64,8 @@ class Trainer:
         self.state = "idle"
         """idle, loading, training, finished, stopped or failed."""
         self._stop_requested = False
+        self._eval_batch_cap: int | None = None
+        """Rows per evaluation batch after an out-of-memory there (None: the micro-batch size)."""
         self._flops_per_token = 0.0
         self._peak_flops = 0.0
 
@@ -117,6 +124,8 @@ class Trainer:
         except TrainingError:
             raise
         except Exception as exc:
+            if is_disk_full(exc, self.run.path):
+                raise  # the worker reports it in one line and exits; the checkpoints are whole
             latest = self.run.latest_checkpoint()
             then = (f"the last checkpoint is {latest} (resume with 'studio train --resume {self.run.id}')"
                     if latest is not None else "no checkpoint was saved yet: fix the cause and train again")
@@ -132,9 +141,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, tc, self.device, self.emit)
         self.scheduler = build_scheduler(self.optimizer, tc, self.total_steps)
         resumed_from = 0
-        latest = self.run.latest_checkpoint() if resume else None
-        if latest is not None:
-            self._restore(latest)
+        if resume:
+            self._restore_newest_loadable()
             resumed_from = self.step
         else:
             # A trained adapter loaded for chat must not be where training from scratch starts.
@@ -196,9 +204,15 @@ class Trainer:
             self.save_checkpoint()
         from studio.engine.model import save_adapter
 
-        adapter = save_adapter(self.model, self.run.adapter_dir, self.config)
-        # RunDir.adapter() compares this with the checkpoints' steps (a later resume may pass it).
-        (adapter / ADAPTER_STEP_FILE).write_text(json.dumps({"step": self.step}))
+        try:
+            # RunDir.adapter() compares the step file with the checkpoints' steps (a later resume
+            # may pass it).
+            adapter = save_adapter(self.model, self.run.adapter_dir, self.config,
+                                   extra={ADAPTER_STEP_FILE: json.dumps({"step": self.step})})
+        except Exception as exc:
+            if is_disk_full(exc, self.run.path):
+                raise DiskFull(self.run.adapter_dir, self.run.id) from exc
+            raise
         self.state = "stopped" if stopped else "finished"
         finished = ev.TrainingFinished(step=self.step, stopped=stopped, adapter_path=str(adapter),
                                        train_loss=last_loss, best_eval_loss=self.best_eval_loss,
@@ -230,13 +244,44 @@ class Trainer:
             self._handle_oom()
             return None
         params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = self._update_or_retry(params)
+        self.optimizer.zero_grad(set_to_none=True)
+        # .item() is a device sync point: once per optimizer step, not per micro-batch.
+        return float(loss_sum.item()) / label_tokens, float(grad_norm.item()), sum(b.tokens for b in batches)
+
+    def update(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """Clip the gradients, step the optimizer and the schedule; returns the gradient norm. Every
+        optimizer step goes through here, so a test can wrap it (e.g. to raise an out-of-memory)."""
+        assert self.optimizer is not None and self.scheduler is not None
         max_norm = self.config.trainer.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        # .item() is a device sync point: once per optimizer step, not per micro-batch.
-        return float(loss_sum.item()) / label_tokens, float(grad_norm.item()), sum(b.tokens for b in batches)
+        return grad_norm
+
+    def _update_or_retry(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """:meth:`update`; out of memory there, it is retried once with the optimizer working one
+        tensor at a time (foreach off: a smaller peak). The usual place is the first step, where
+        AdamW allocates its moments lazily before touching any weight, so the retry is exact."""
+        assert self.optimizer is not None
+        for attempt in (1, 2):
+            failed = False
+            try:
+                return self.update(params)
+            except oom.OutOfMemory:
+                failed = True
+            if failed:  # outside the except block: the traceback no longer pins the tensors
+                oom.free(self.device)
+                if attempt == 2:
+                    self._fail("oom", (f"out of GPU memory in the optimizer step at step {self.step + 1}, even "
+                                       "one tensor at a time; use trainer.optimizer: adamw_8bit or paged_adamw_8bit, "
+                                       "a smaller lora.r, or a smaller model"))
+                for group in self.optimizer.param_groups:
+                    group["foreach"] = False
+                oom.warn(self.emit, (f"out of memory in the optimizer step at step {self.step + 1}: freed memory, "
+                                     "switched the optimizer to one tensor at a time and retried the step; "
+                                     "training goes on"))
+        raise AssertionError("not reached")
 
     def _size_mfu(self) -> None:
         """The FLOPs a token costs and the GPU's measured matmul rate, for StepLogged's MFU."""
@@ -306,20 +351,26 @@ class Trainer:
         if not examples:
             event = ev.EvalLogged(step=self.step, loss=float("nan"), perplexity=float("nan"), rows=0)
             return event
-        was_training = self.model.training
-        self.model.eval()
-        total = correct = 0
-        loss_sum = 0.0
-        try:
-            with torch.no_grad():
-                for batch in eval_batches(examples, self.micro_batch_size, self.tokenizer.pad_token_id):
-                    loss, hits = self.forward(batch.to(self.device))
-                    loss_sum += float(loss)
-                    correct += int(hits)
-                    total += batch.label_tokens
-        finally:
-            if was_training:
-                self.model.train()
+        size = min(self.micro_batch_size, self._eval_batch_cap or self.micro_batch_size)
+        while True:
+            result = None
+            try:
+                result = self._eval_pass(examples, size)
+            except oom.OutOfMemory:
+                pass
+            if result is not None:
+                break
+            oom.free(self.device)  # outside the except block: the failed batch is unreferenced now
+            if size <= 1:
+                oom.warn(self.emit, (f"out of memory evaluating at step {self.step} even one row at a time: "
+                                     "this evaluation is skipped, training goes on; lower "
+                                     "data.max_seq_length or trainer.eval_max_rows"))
+                return ev.EvalLogged(step=self.step, loss=float("nan"), perplexity=float("nan"), rows=0)
+            old, size = size, max(1, size // 2)
+            self._eval_batch_cap = size
+            oom.warn(self.emit, (f"out of memory evaluating at step {self.step} in batches of {old} rows: "
+                                 f"retrying in batches of {size}; training is not affected"))
+        loss_sum, correct, total = result
         loss = loss_sum / max(1, total)
         if self.best_eval_loss is None or loss < self.best_eval_loss:
             self.best_eval_loss = loss
@@ -328,14 +379,33 @@ class Trainer:
         self.emit(event)
         return event
 
+    def _eval_pass(self, examples: list[Any], size: int) -> tuple[float, int, int]:
+        """One pass over ``examples`` in batches of ``size``: (loss sum, argmax hits, label tokens)."""
+        was_training = self.model.training
+        self.model.eval()
+        total = correct = 0
+        loss_sum = 0.0
+        try:
+            with torch.no_grad():
+                for batch in eval_batches(examples, size, self.tokenizer.pad_token_id):
+                    loss, hits = self.forward(batch.to(self.device))
+                    loss_sum += float(loss)
+                    correct += int(hits)
+                    total += batch.label_tokens
+        finally:
+            if was_training:
+                self.model.train()
+        return loss_sum, correct, total
+
     # ------------------------------------------------------------------------------- checkpoints
 
     def _checkpoint_step(self) -> int | None:
         latest = self.run.latest_checkpoint()
         return int(latest.name.split("-")[1]) if latest is not None else None
 
-    def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step-N`` atomically (studio/engine/checkpoint.py); keep the newest K."""
+    def save_checkpoint(self) -> Path | None:
+        """Write ``checkpoints/step-N`` atomically (studio/engine/checkpoint.py); keep the newest K.
+        Out of memory twice, the checkpoint is skipped (a warning says so) and None returned."""
         assert self.optimizer is not None and self.scheduler is not None
         state = {
             "total_steps": self.total_steps,
@@ -344,14 +414,60 @@ class Trainer:
             "gradient_accumulation_steps": self.accumulation_steps, "best_eval_loss": self.best_eval_loss,
             "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed, "seed": self.config.trainer.seed,
         }
-        final = checkpoint.save(self.run, self.step, self.model, self.optimizer, self.scheduler, state,
-                                self.config.trainer.keep_checkpoints)
+        for attempt in (1, 2):
+            failed = False
+            try:
+                final = checkpoint.save(self.run, self.step, self.model, self.optimizer, self.scheduler, state,
+                                        self.config.trainer.keep_checkpoints)
+                break
+            except oom.OutOfMemory:
+                failed = True
+            except Exception as exc:
+                if is_disk_full(exc, self.run.checkpoints_dir):
+                    raise DiskFull(self.run.checkpoints_dir / f"step-{self.step}", self.run.id) from exc
+                raise
+            if failed:
+                oom.free(self.device)
+                latest = self.run.latest_checkpoint()
+                kept = f"the last checkpoint is {latest.name}" if latest is not None else "no checkpoint yet"
+                oom.warn(self.emit, (f"out of memory saving the checkpoint at step {self.step}: " + (
+                    "freed memory, saving it again" if attempt == 1 else
+                    f"skipped it ({kept}); training goes on")))
+        else:
+            return None
         self.emit(ev.CheckpointSaved(step=self.step, path=str(final)))
         return final
 
-    def _restore(self, path: Path) -> None:
+    def _restore_newest_loadable(self) -> Path:
+        """Restore the newest checkpoint that loads; each newer one that does not is skipped with a
+        warning saying why. None at all, or none that loads, fails the run in one line."""
+        found = list(reversed(self.run.checkpoints()))
+        rid = self.run.id
+        if not found:
+            self._fail("config", f"run {rid} has no checkpoint to resume from; start it again from step 0 "
+                                 f"with 'studio train --resume {rid} --from-scratch'")
+        skipped = []
+        for path in found:
+            try:
+                files = checkpoint.read(path, self.device)
+            except Exception as exc:  # a truncated or missing file: whatever the reader raises
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                skipped.append(f"{path.name}: {reason}")
+                self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                    f"checkpoint {path} does not load ({reason}); skipped it, trying the one before")))
+                continue
+            self._restore(files)
+            if skipped:
+                self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                    f"resuming from {path.name} (step {self.step}); skipped {', '.join(skipped)}")))
+            return path
+        self._fail("config", (f"no checkpoint of run {rid} loads ({'; '.join(skipped)}); train it again as "
+                              f"a new run with 'studio train {self.run.config_path}'"))
+        raise AssertionError("not reached: _fail raises")
+
+    def _restore(self, files: dict[str, Any]) -> None:
         assert self.optimizer is not None and self.scheduler is not None
-        state = checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.device)
+        state = checkpoint.apply(files, self.model, self.optimizer, self.scheduler)
         self.step = int(state["step"])
         self.cursor = Cursor(int(state["cursor"]["epoch"]), int(state["cursor"]["offset"]))
         self.micro_batch_size = int(state["micro_batch_size"])

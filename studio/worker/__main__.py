@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from studio.core import events as ev
@@ -52,11 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         reason = Worker(run, linger_s=args.linger).serve(listener, first=first)
     except Exception:  # the log is the only place a daemon can say what happened
-        traceback.print_exc()
+        _quietly(traceback.print_exc)
+        for path in (Path(run.socket_address()), run.key_path, run.pid_path):
+            path.unlink(missing_ok=True)
         return 1
-    print(f"worker exiting: {reason}", flush=True)
+    _quietly(lambda: print(f"worker exiting: {reason}", flush=True))
     return 0
 
+
+def _quietly(write: Callable[[], object]) -> None:
+    """Write to worker.log unless it cannot take it (a full disk): the exit must not fail on that."""
+    try:
+        write()
+    except OSError:
+        pass
 
 if __name__ == "__main__":
     code = main()

@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from studio.core import events as ev
+from studio.core.config import ConfigError
 from studio.core.report import describe, format_duration, shorten
 from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
+from studio.core.storage import LOW_SPACE_BYTES, disk_full_message, free_bytes
 from studio.worker.client import (
     DeviceBusy,
     WorkerClient,
@@ -51,7 +53,7 @@ def train_detached(args: argparse.Namespace) -> int:
     """``studio train CONFIG --detach`` (or ``--resume RUN --detach``): start the background worker,
     print the run id and return at once; the run survives this terminal."""
     if getattr(args, "resume", None):
-        return _resume_run(find_run(args.resume, _runs_root(args)))
+        return _resume_run(find_run(args.resume, _runs_root(args)), getattr(args, "from_scratch", False))
     from studio.worker.cli_train import prepare_config
 
     config, _ = prepare_config(args)
@@ -75,13 +77,21 @@ def train_detached(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume_run(run: RunDir) -> int:
-    """Continue ``run`` from its latest checkpoint: in its live worker, or in a new one."""
+def _resume_run(run: RunDir, from_scratch: bool = False) -> int:
+    """Continue ``run`` from its latest checkpoint (a paused run: where it is), in its live worker or
+    in a new one; ``from_scratch``: start a run that saved no checkpoint again from step 0."""
+    from studio.worker.cli_train import resume_refusal
+
     summary = summarize(run)
     if summary.status == "finished":
         return _fail(f"run {run.id} already finished (step {summary.step}); nothing to resume")
     checkpoint = run.latest_checkpoint()
-    where = f"from {checkpoint.name}" if checkpoint else "from step 0 (no checkpoint was saved yet)"
+    if summary.status not in ("paused", "training"):  # those are served by their live worker
+        try:
+            from_scratch = resume_refusal(run, from_scratch)
+        except ConfigError as exc:
+            return _fail(str(exc))
+    where = f"from {checkpoint.name}" if checkpoint else "from step 0 (--from-scratch)"
     client = WorkerClient(run)
     status = None
     if run.worker_pid() is not None:
@@ -96,7 +106,7 @@ def _resume_run(run: RunDir) -> int:
             return 0
         if status.state in _LIVE_STATES:
             return _fail(f"run {run.id} is already {status.state} (step {status.step})")
-        client.send(ev.StartTraining(resume=True))
+        client.send(ev.StartTraining(resume=not from_scratch))
         client.close()
         print(f"resuming run {run.id} {where} in its worker")
         return 0
@@ -105,7 +115,7 @@ def _resume_run(run: RunDir) -> int:
     except DeviceBusy as exc:
         return _fail(str(exc))
     try:
-        pid = start_worker(run, resume=True)
+        pid = start_worker(run, train=from_scratch, resume=not from_scratch)
     except WorkerStartError as exc:
         return _fail(str(exc))
     print(f"resuming run {run.id} {where} (worker pid {pid}); follow it with 'studio attach {run.id}'")
@@ -164,8 +174,23 @@ def _starting(run: RunDir) -> bool:
     return run.worker_pid() is not None and summarize(run).status in ("created", "training", "paused")
 
 
+def _disk_full_now(run: RunDir, status: str) -> str | None:
+    """The disk-full line for a run whose worker stopped for a full disk: the one it logged, or,
+    when it could not log why it stopped, one made up while the run's disk is full now."""
+    if status == "failed":
+        fatal = [e for e in run.events() if isinstance(e, ev.WorkerFailed) and e.fatal]
+        return fatal[-1].message if fatal and fatal[-1].kind == "disk" else None
+    free = free_bytes(run.path)
+    if status == "interrupted" and free is not None and free < LOW_SPACE_BYTES:
+        return disk_full_message(run.path, run.id)
+    return None
+
+
 def _explain_not_live(run: RunDir) -> int:
     summary = summarize(run)
+    if summary.status == "interrupted" and (full := _disk_full_now(run, summary.status)) is not None:
+        print(full)  # the log could not say it (the run's own FAILED line is above otherwise)
+        return 1
     if summary.status == "interrupted":
         print(f"run {run.id} was interrupted at step {summary.step} (no worker is running); "
               f"continue it with 'studio train --resume {run.id} --detach'")
@@ -215,7 +240,8 @@ def _live_client(run: RunDir) -> WorkerClient | None:
             _fail(str(exc))
             return None
     summary = summarize(run)
-    _fail(f"run {run.id} has no worker running (status: {summary.status}, step {summary.step})")
+    _fail(_disk_full_now(run, summary.status) or
+          f"run {run.id} has no worker running (status: {summary.status}, step {summary.step})")
     return None
 
 

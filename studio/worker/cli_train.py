@@ -24,6 +24,7 @@ from studio.core import events as ev
 from studio.core import report
 from studio.core.config import ConfigError, RunConfig, load_config
 from studio.core.runs import RunDir, create_run, find_run
+from studio.core.storage import DiskFull, is_disk_full
 from studio.worker.client import WorkerClient, WorkerStartError, claim_device
 from studio.worker.launch import become_worker
 
@@ -60,6 +61,8 @@ class ConsolePrinter:
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.bar = self.err.isatty()
         self.memory: ev.MemorySampled | None = None
+        self.saw_disk_full = False
+        """Whether the console showed the worker's disk-full failure."""
         self._bar_shown = False
         self._lock = threading.Lock()  # the console thread and Ctrl-C's message share the lines
 
@@ -93,6 +96,8 @@ class ConsolePrinter:
         elif not isinstance(event, (ev.TokenGenerated, ev.GenerationStarted, ev.GenerationFinished,
                                     ev.WorkerStarted, ev.WorkerStopped, ev.StatusReported)):
             line = report.describe(event)
+            if isinstance(event, ev.WorkerFailed) and event.kind == "disk":
+                self.saw_disk_full = True
             if line is not None:
                 self.line(line)
 
@@ -101,25 +106,48 @@ def _open_run(args: argparse.Namespace) -> tuple[RunDir, bool]:
     """The run to train (a new one from the config, or ``--resume RUN``) and whether it resumes."""
     if getattr(args, "resume", None):
         run = find_run(args.resume, getattr(args, "runs_dir", None) or "runs")
+        from_scratch = resume_refusal(run, getattr(args, "from_scratch", False))
         if getattr(args, "max_steps", None):
             if args.max_steps <= 0:
                 raise ConfigError("--max-steps must be greater than 0")
             # The worker trains from the run's saved config: the new length goes there.
             config = run.config()
             config.trainer.max_steps = args.max_steps
-            config.save(run.config_path)
-        return run, True
+            try:
+                config.save(run.config_path)
+            except OSError as exc:
+                run.config_path.with_name(run.config_path.name + ".tmp").unlink(missing_ok=True)
+                if is_disk_full(exc, run.path):
+                    raise DiskFull(run.config_path, run.id) from exc
+                raise
+        return run, not from_scratch
     config, _ = prepare_config(args)
     # --runs-dir when given, else the config's output_dir (as `studio train --detach` does).
     given = getattr(args, "runs_dir", None)
     return create_run(config, given if given not in (None, "runs") else None), False
 
 
+def resume_refusal(run: RunDir, from_scratch: bool) -> bool:
+    """Check a ``--resume RUN [--from-scratch]``; returns whether it starts from step 0. A run that
+    saved no checkpoint is started again only when asked (``--from-scratch``), and one that saved
+    checkpoints is never silently restarted: ConfigError says what to type instead."""
+    latest = run.latest_checkpoint()
+    if latest is None and not from_scratch:
+        raise ConfigError(f"run {run.id} has no checkpoint to resume from; start it again from step 0 "
+                          f"with 'studio train --resume {run.id} --from-scratch'")
+    if latest is not None and from_scratch:
+        raise ConfigError(f"--from-scratch: run {run.id} has checkpoints (newest {latest.name}); continue it "
+                          f"with 'studio train --resume {run.id}', or start a new run with "
+                          f"'studio train {run.config_path}'")
+    return from_scratch
+
+
 def _follow(client: WorkerClient, printer: ConsolePrinter) -> None:
     """The console client: print the run's new events until its worker stops."""
     for event in client.events(poll_s=0.2):
         printer(event)
-        if isinstance(event, ev.WorkerStopped) and event.seq >= 0:
+        # Unnumbered (seq -1) when the disk was too full to log it: it ends the console too.
+        if isinstance(event, ev.WorkerStopped):
             break
     client.close()
 
@@ -133,14 +161,26 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except DiskFull as exc:  # other OSErrors are worded by studio.cli (a folder under a file, ...)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     try:
         claim_device()  # an idle worker (a finished run kept up for chat) makes room
         lock, listener = become_worker(run)
     except (WorkerStartError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    try:
+        worker = Worker(run, foreground=True)
+    except OSError as exc:  # the event log cannot be opened: nothing of this worker may stay
+        listener.close()
+        for path in (Path(run.socket_address()), run.key_path, run.pid_path):
+            path.unlink(missing_ok=True)
+        lock.release()
+        print(f"error: {DiskFull(run.events_path, run.id) if is_disk_full(exc, run.path) else exc}",
+              file=sys.stderr)
+        return 1
     printer = ConsolePrinter()
-    worker = Worker(run, foreground=True)
     console = threading.Thread(target=_follow, name="studio-console",
                                args=(WorkerClient(run, after_seq=worker.log.next_seq - 1), printer), daemon=True)
     print(f"run directory: {run.path}", flush=True)
@@ -167,6 +207,9 @@ def main(args: argparse.Namespace) -> int:
     if aborted:
         print(f"\naborted; continue with: studio train --resume {run.id}", file=sys.stderr)
         return 130
+    if worker.disk_failure is not None and not printer.saw_disk_full:
+        # Full before the console connected (at a resume's first event): said here instead.
+        print(f"error: {worker.disk_failure}", file=sys.stderr)
     if worker.state == "failed":
         return 1  # the console already showed the failure
     if worker.state == "stopped":

@@ -11,13 +11,16 @@ import fcntl
 import json
 import os
 import secrets
+import socket
 import sys
+import threading
 from collections.abc import Callable
-from multiprocessing.connection import Listener
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
 
 from studio.core.paths import cache_dir
 from studio.core.runs import RunDir
+from studio.core.storage import FILE_MODE, PRIVATE_UMASK, DiskFull, is_disk_full
 
 
 class WorkerStartError(RuntimeError):
@@ -121,10 +124,14 @@ def write_key(run: RunDir) -> bytes:
     key = secrets.token_hex(32).encode()
     tmp = run.key_path.with_name(run.key_path.name + ".tmp")
     tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(key)
-    tmp.replace(run.key_path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(key)
+        tmp.replace(run.key_path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: no empty key file left behind
+        raise
     return key
 
 
@@ -144,14 +151,57 @@ def check_no_other_worker(run: RunDir) -> None:
                                f"follow it with 'studio attach {run.id}'")
 
 
-def listen(run: RunDir, key: bytes) -> Listener:
+HANDSHAKE_TIMEOUT_S = 5.0
+"""How long a new connection has to answer the key challenge before it is hung up on."""
+
+
+class WorkerListener(Listener):
+    """The worker's socket. :meth:`accept` returns a connection that has not authenticated yet;
+    :meth:`authenticate` does the key handshake with a time limit.
+
+    ``multiprocessing.connection.Listener`` does the handshake inside ``accept()``, so one client
+    that connects and sends nothing would block every later one behind it. The worker accepts in
+    one thread and authenticates each connection in its own.
+    """
+
+    def __init__(self, address: str, key: bytes):
+        super().__init__(address, family="AF_UNIX", backlog=16)  # no authkey: accept() returns at once
+        self.key = key
+
+    def authenticate(self, conn: Connection, timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
+        """Challenge ``conn`` and answer its challenge; raises AuthenticationError on a wrong key,
+        OSError or EOFError when the peer hangs up or stays silent past ``timeout`` seconds."""
+        done = threading.Event()
+
+        def hang_up() -> None:
+            if done.is_set():
+                return
+            try:
+                # shutdown wakes the recv blocked in the handshake (it reads end of file).
+                with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+        timer = threading.Timer(timeout, hang_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            deliver_challenge(conn, self.key)
+            answer_challenge(conn, self.key)
+        finally:
+            done.set()
+            timer.cancel()
+
+
+def listen(run: RunDir, key: bytes) -> WorkerListener:
     """Listen on ``RUN_DIR/worker.sock`` with mode 0600 from the first moment (umask), replacing a
     socket file that a killed worker left behind."""
     address = run.socket_address()
     Path(address).unlink(missing_ok=True)
     old = os.umask(0o177)
     try:
-        listener = Listener(address, family="AF_UNIX", authkey=key)
+        listener = WorkerListener(address, key)
     finally:
         os.umask(old)
     os.chmod(address, 0o600)
@@ -161,22 +211,40 @@ def listen(run: RunDir, key: bytes) -> Listener:
 def write_pid(run: RunDir) -> None:
     """Record this process as the run's worker."""
     tmp = run.pid_path.with_name(run.pid_path.name + ".tmp")
-    tmp.write_text(f"{os.getpid()}\n")
-    tmp.replace(run.pid_path)
+    try:
+        tmp.write_text(f"{os.getpid()}\n")
+        tmp.replace(run.pid_path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
-def become_worker(run: RunDir) -> tuple[GpuLock, Listener]:
+def become_worker(run: RunDir) -> tuple[GpuLock, WorkerListener]:
     """Make this process ``run``'s worker: take the device lock, make sure no other worker serves
-    the run, write a fresh key, listen, record the pid. Raises WorkerStartError (or OSError) with
-    the reason; release the returned lock when the worker is done (exiting does it too)."""
+    the run, write a fresh key, listen, record the pid. Raises WorkerStartError with the reason
+    (:class:`~studio.core.storage.DiskFull` when the disk is full; another OSError as it is);
+    release the returned lock when the worker is done (exiting does it too).
+
+    From here on the process creates files for its owner only (umask 077): the run directory holds
+    prompts, answers and data excerpts.
+    """
+    os.umask(PRIVATE_UMASK)
     lock = GpuLock()
     lock.acquire(run)
+    listener = None
     try:
         check_no_other_worker(run)
         listener = listen(run, write_key(run))
         write_pid(run)
-    except BaseException:
+    except BaseException as exc:
+        if listener is not None:
+            listener.close()
+            Path(run.socket_address()).unlink(missing_ok=True)
+        if not (run.pid_path.exists() and run.worker_pid() not in (None, os.getpid())):
+            run.key_path.unlink(missing_ok=True)  # ours, unless another worker serves the run
         lock.release()
+        if isinstance(exc, OSError) and is_disk_full(exc, run.path):
+            raise DiskFull(run.path, run.id) from exc
         raise
     return lock, listener
 
@@ -213,7 +281,7 @@ def detach(run: RunDir) -> Callable[[str], None]:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    log = os.open(run.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = os.open(run.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)

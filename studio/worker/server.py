@@ -28,52 +28,21 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from studio.core import events as ev
-from studio.core.runs import RunDir, iter_events
+from studio.core.runs import RunDir
+from studio.core.storage import DiskFull, is_disk_full, make_private
 from studio.core.trackers import TrackerHub, start_trackers
+from studio.worker.eventlog import EventLog
 from studio.worker.jobs import JOBS, serve_job
+from studio.worker.launch import WorkerListener
 
 _TRAINING_STATES = ("loading", "training", "paused")
 _CLIENT_BACKLOG = 20000  # events queued for one client before it is dropped as too slow
 _MAX_COMMAND_BYTES = 1 << 20
-
-
-class EventLog:
-    """``events.jsonl``: numbers events and appends them, continuing after the last seq on disk."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._drop_torn_tail()
-        last = -1
-        for event in iter_events(path):
-            last = max(last, event.seq)
-        self.next_seq = last + 1
-        self._handle = open(path, "ab")  # open for the worker's whole life
-
-    def _drop_torn_tail(self) -> None:
-        """A worker killed mid-write leaves half a line; cut it so the next event starts clean."""
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return
-        if data and not data.endswith(b"\n"):
-            os.truncate(self.path, data.rfind(b"\n") + 1)
-
-    def append(self, event: ev.Event) -> tuple[ev.Event, bytes]:
-        """Number ``event``, write it, and return it with its JSON line (no newline)."""
-        event = ev.with_seq(event, self.next_seq)
-        self.next_seq += 1
-        line = ev.to_json(event).encode()
-        self._handle.write(line + b"\n")
-        self._handle.flush()
-        return event, line
-
-    def close(self) -> None:
-        self._handle.close()
 
 
 class _Peer:
@@ -202,7 +171,14 @@ class Worker:
         self.stop_requested = False
         """Set (from a signal handler too: a plain flag takes no lock) to stop training after the
         current step with a checkpoint, as the Stop command does."""
-        self.log = EventLog(run.events_path)
+        # A run folder made by an older Studio (or copied in) may be readable by anyone: it holds
+        # prompts, answers and data excerpts. Said once the log is open (WorkerStarted's note).
+        self._tightened = make_private(run.path)
+        self.log = EventLog(run.events_path, run.id)
+        self.disk_full: DiskFull | None = None
+        """Set when an event could not be logged for want of space."""
+        self.disk_failure: str | None = None
+        """The one line said when a write failed for want of space (the worker then exits)."""
         self.commands: queue.Queue[tuple[_Peer | None, ev.Command]] = queue.Queue()
         self.state = "idle"
         self.step = 0
@@ -221,9 +197,12 @@ class Worker:
         self._last_client_left = time.monotonic()
         self._terminate = threading.Event()
         self._evaluations = 0
+        self._warnings = 0
         self._scoring: Any = None  # the held-out request being answered a row at a time
         self.trackers: TrackerHub | None = None
         """report_to: the experiment trackers that also get the metrics (started by :meth:`serve`)."""
+        self._closing = False
+        self._disk_reported = False
 
     # ------------------------------------------------------------------------------ events out
 
@@ -231,12 +210,36 @@ class Worker:
         """Number, log and broadcast ``event``; also the trainer's emit callback."""
         self._track(event)
         with self._lock:
-            event, line = self.log.append(event)
+            try:
+                event, line = self.log.append(event)
+            except DiskFull as exc:
+                # Not in the log (it stays whole), but the clients connected now still hear it.
+                self.disk_full = self.disk_full or exc
+                line = ev.to_json(ev.with_seq(event, -1)).encode()
+                for peer in list(self._peers):
+                    peer.offer(line)
+                raise
             for peer in list(self._peers):
                 peer.offer(line)
         if self.trackers is not None:
             self.trackers.offer(event)
         return event
+
+    def _stop_for_disk_full(self, exc: BaseException) -> None:
+        """A write failed for want of space: fail the run with the one line that says where and
+        what to do (logged if it still fits, sent to the connected clients anyway), then exit."""
+        if self._disk_reported:
+            return  # a later write failing the same way (the stop's checkpoint) adds nothing
+        self._disk_reported = True
+        full = exc if isinstance(exc, DiskFull) else self.disk_full or DiskFull(
+            getattr(exc, "filename", None) or self.run.path, self.run.id)
+        self.state = "failed"
+        self._exit_reason = f"disk full at {full.path}"
+        self.disk_failure = str(full)
+        try:
+            self.emit(ev.WorkerFailed(kind="disk", fatal=True, message=str(full)))
+        except DiskFull:
+            pass  # sent live, unnumbered; the log ends at its last whole event
 
     def _track(self, event: ev.Event) -> None:
         """Keep the status fields current from the events themselves."""
@@ -248,6 +251,8 @@ class Worker:
             self.model_loaded = True
         elif isinstance(event, ev.EvalLogged):
             self._evaluations += 1
+        elif isinstance(event, ev.WorkerFailed):
+            self._warnings += 1
         elif isinstance(event, ev.TrainingFinished):
             self.step = event.step
 
@@ -259,25 +264,40 @@ class Worker:
 
     # ------------------------------------------------------------------------------ clients
 
-    def _accept_loop(self, listener: Listener) -> None:
+    def _accept_loop(self, listener: WorkerListener) -> None:
         while True:
             try:
                 conn = listener.accept()
             except OSError:
                 if self._exit_reason is not None:
                     return
-                continue  # a client with the wrong key (AuthenticationError) or one that hung up
-            except Exception:  # a bad handshake must never kill the accept loop
+                continue  # a client that hung up before it was accepted
+            except Exception:  # nothing a client does may end the accept loop
                 continue
-            peer = _Peer(conn, self.commands, self._forget)
-            with self._lock:
-                # Registered and greeted under the log lock: every event logged before this point
-                # is in the file the client reads after the greeting, every later one is sent live.
-                self._peers.add(peer)
-                peer.reply(self.status())
-                # Started under the lock too: _close() must never find a registered peer whose
-                # threads it cannot join yet.
-                peer.start()
+            # The key handshake waits on the client: in its own thread, with a time limit, so one
+            # client that connects and sends nothing never holds up the others.
+            threading.Thread(target=self._admit, args=(listener, conn), name="worker-handshake",
+                             daemon=True).start()
+
+    def _admit(self, listener: WorkerListener, conn: Connection) -> None:
+        """Authenticate ``conn``, then register and greet it; a wrong key or silence hangs it up."""
+        try:
+            listener.authenticate(conn)
+        except Exception:  # AuthenticationError, EOFError, OSError: not a client of ours
+            conn.close()
+            return
+        peer = _Peer(conn, self.commands, self._forget)
+        with self._lock:
+            if self._closing:  # exiting: no new client now
+                conn.close()
+                return
+            # Registered and greeted under the log lock: every event logged before this point
+            # is in the file the client reads after the greeting, every later one is sent live.
+            self._peers.add(peer)
+            peer.reply(self.status())
+            # Started under the lock too: _close() must never find a registered peer whose
+            # threads it cannot join yet.
+            peer.start()
 
     def _forget(self, peer: _Peer) -> None:
         with self._lock:
@@ -287,7 +307,7 @@ class Worker:
 
     # ------------------------------------------------------------------------------ the loop
 
-    def serve(self, listener: Listener, first: ev.Command | None = None) -> str:
+    def serve(self, listener: WorkerListener, first: ev.Command | None = None) -> str:
         """Run until Shutdown, SIGTERM, or idle with no client for ``linger_s``; returns why."""
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -300,11 +320,11 @@ class Worker:
         if first is not None:
             self.state = "loading"  # before any client can ask, so none sees a passing "idle"
             self.commands.put((None, first))
-        self.emit(ev.WorkerStarted(pid=os.getpid()))
         self.trackers = start_trackers(self.run, self.emit)
         threading.Thread(target=self._accept_loop, args=(listener,), name="worker-accept",
                          daemon=True).start()
         try:
+            self._guard_disk(self._started)
             while self._exit_reason is None:
                 try:
                     peer, command = self.commands.get_nowait() if self._scoring is not None else \
@@ -314,7 +334,7 @@ class Worker:
                         self._score_next_row()
                     self._check_idle()
                     continue
-                self._handle_idle(peer, command)
+                self._guard_disk(self._handle_idle, peer, command)
                 if self.foreground and command is first:
                     self._exit_reason = self._exit_reason or f"training {self.state}"
         finally:
@@ -325,6 +345,22 @@ class Worker:
                 signal.signal(signum, handler)
         return self._exit_reason
 
+    def _started(self) -> None:
+        self.emit(ev.WorkerStarted(pid=os.getpid()))
+        if self._tightened:
+            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                f"note: {self.run.path} was readable by other users; made it private (folders 0700, "
+                f"files 0600; {self._tightened} modes changed): it holds prompts, answers and data")))
+
+    def _guard_disk(self, action: Callable[..., Any], *args: Any) -> None:
+        """Run ``action(*args)``; a full disk ends the worker with its one-line report."""
+        try:
+            action(*args)
+        except OSError as exc:
+            if not is_disk_full(exc, self.run.path):
+                raise
+            self._stop_for_disk_full(exc)
+
     def _check_idle(self) -> None:
         if self._terminate.is_set():
             self._exit_reason = "terminated (SIGTERM)"
@@ -332,11 +368,15 @@ class Worker:
                 time.monotonic() - self._last_client_left > self.linger_s:
             self._exit_reason = f"idle with no client for {self.linger_s:g} s"
 
-    def _close(self, listener: Listener) -> None:
+    def _close(self, listener: WorkerListener) -> None:
         if self.trackers is not None:
             self.trackers.close()
-        self.emit(ev.WorkerStopped(reason=self._exit_reason or ""))
+        try:
+            self.emit(ev.WorkerStopped(reason=self._exit_reason or ""))
+        except DiskFull:
+            pass  # sent live, unnumbered: the clients still learn that the worker is gone
         with self._lock:
+            self._closing = True
             peers = list(self._peers)
         for peer in peers:
             peer.finish(timeout=2.0)
@@ -448,21 +488,28 @@ class Worker:
             return False
 
     def _report(self, exc: Exception, fatal: bool) -> None:
-        """Log the traceback and emit a WorkerFailed, unless the trainer already emitted one."""
-        if self.foreground:
-            # The terminal shows the one-line WorkerFailed; the traceback goes where a daemon's goes.
-            with open(self.run.log_path, "a", encoding="utf-8") as log:
-                traceback.print_exception(exc, file=log)
-        else:
-            traceback.print_exception(exc)
+        """Log the traceback and emit a WorkerFailed, unless the trainer already emitted one; a
+        full disk stops the worker (:meth:`_stop_for_disk_full`)."""
+        if is_disk_full(exc, self.run.path):
+            self._stop_for_disk_full(exc)
+            return
+        try:
+            if self.foreground:
+                # The terminal shows the one-line WorkerFailed; the traceback goes where a daemon's goes.
+                with open(self.run.log_path, "a", encoding="utf-8") as log:
+                    traceback.print_exception(exc, file=log)
+            else:
+                traceback.print_exception(exc)
+        except OSError:
+            pass  # worker.log cannot take it; the event below still says what happened
         if not already_reported(exc):
             self.emit(dataclasses.replace(classify_failure(exc, self.run.log_path), fatal=fatal))
 
     def _evaluate(self) -> None:
         """The trainer emits EvalLogged itself; with no validation rows it has nothing to emit."""
-        before = self._evaluations
+        before, warned = self._evaluations, self._warnings
         self._session.evaluate()
-        if self._evaluations == before:
+        if self._evaluations == before and self._warnings == warned:  # not skipped for memory either
             self.emit(ev.WorkerFailed(kind="data", fatal=False, message=(
                 "nothing to evaluate: the run has no validation rows; set data.val_fraction or give "
                 "the data a split column with 1 for validation rows")))
