@@ -83,6 +83,25 @@ def test_run_folders_are_private_and_loose_ones_are_tightened_with_a_note(
     assert {_mode(p) for p in made if p.is_file()} == {0o600}
 
 
+def test_rewriting_a_run_config_keeps_it_private(tmp_path: Path) -> None:
+    """`studio train --resume RUN --max-steps N` rewrites the run's config: it stays 0600, and a
+    user's own config file keeps whatever mode it had."""
+    from studio.core.config import RunConfig
+    from studio.core.runs import create_run
+
+    run = create_run(RunConfig(), tmp_path / "runs")
+    assert _mode(run.config_path) == 0o600
+    config = run.config()
+    config.trainer.max_steps = 7
+    config.save(run.config_path)
+    assert _mode(run.config_path) == 0o600 and run.config().trainer.max_steps == 7
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("{}\n")
+    os.chmod(mine, 0o644)
+    config.save(mine)
+    assert _mode(mine) == 0o644
+
+
 # --------------------------------------------------------------------------- out of memory everywhere
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -268,10 +269,14 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True, width=100)
 
     def save(self, path: str | Path) -> None:
-        """Write the config as YAML to ``path`` (atomically: a temp file, then rename)."""
+        """Write the config as YAML to ``path`` (atomically: a temp file, then rename). A file that
+        exists keeps its permissions: a run's config is private (0600) and a rewrite (``--resume
+        --max-steps``) must not open it to other users."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(self.to_yaml())
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
         tmp.replace(path)
 
 
