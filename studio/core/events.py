@@ -6,6 +6,9 @@ that a UI can hold them without fear of another thread changing them, and both r
 JSON with :func:`to_json` / :func:`from_json` (the ``type`` key names the class).
 
 Plain Python only: the UI imports this module, so it must never pull in torch.
+
+Longer than ~400 lines on purpose: it is the whole wire format in one place (every class registers
+in the one table :func:`from_dict` reads), and each message is a few documented fields.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ socket, the event log, the tokenizer) runs in a thread worker. The link to the r
 :class:`studio.ui.worker_link.WorkerLink` (``self.link``): the worker's events reach the panes as
 ``WorkerEvents`` messages, batched a few times a second at most, however fast the worker writes them.
 Panes are mounted into :class:`studio.ui.pane_slot.PaneSlot` placeholders after the first frame.
+What is left here (a little over 400 lines) is routing: layout, shared state, focus and the app's actions.
 """
 
 from __future__ import annotations
