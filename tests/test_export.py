@@ -1,5 +1,6 @@
 """A run's adapter: which one it is (RunDir.adapter), copied out as a PEFT folder, and merged into its
-base model (studio.engine.export), on the tiny model."""
+base model (studio.engine.exporting's merged export, as the worker serves ExportRun(format="merged")),
+on the tiny model."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ torch = pytest.importorskip("torch")
 from studio.core import events as ev  # noqa: E402
 from studio.core.config import RunConfig  # noqa: E402
 from studio.core.runs import create_run, export_adapter  # noqa: E402
-from studio.engine.export import export_merged  # noqa: E402
+from studio.engine.exporting import export_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_merged_model_answers_like_base_plus_adapter(tmp_path, tiny_dir):
         expected = model(ids).logits
 
     events: list[ev.Event] = []
-    result = export_merged(run, tmp_path / "merged", "float32", events.append)
+    result = export_run(run, tmp_path / "merged", "merged", dtype="float32", emit=events.append)
     assert result.ok, result.message
     assert [e.fraction for e in events if isinstance(e, ev.ExportProgress)][-1] == 1.0
     assert events[-1] == result
@@ -48,13 +49,13 @@ def test_merged_model_answers_like_base_plus_adapter(tmp_path, tiny_dir):
     assert torch.allclose(got, expected, atol=1e-4)
     assert (tmp_path / "merged" / "tokenizer.json").exists()
 
-    again = export_merged(run, tmp_path / "merged", "float32")
+    again = export_run(run, tmp_path / "merged", "merged", dtype="float32")
     assert not again.ok and "already exists" in again.message
 
 
 def test_no_adapter_is_a_clear_message(tmp_path):
     run = create_run(RunConfig(output_dir=str(tmp_path / "runs")))
-    result = export_merged(run, tmp_path / "out")
+    result = export_run(run, tmp_path / "out", "merged")
     assert not result.ok and "no saved adapter yet" in result.message
     assert not (tmp_path / "out").exists()
 

@@ -136,9 +136,9 @@ async def test_every_binding_has_an_id_a_description_and_a_palette_entry(tmp_pat
 async def test_palette_works_before_the_hidden_panes_have_mounted(tmp_path, monkeypatch):
     """The palette lists pane commands from the pane classes: a person may open it (or press a
     key) in the moment before the hidden panes are mounted; the entry then mounts its pane."""
-    import studio.ui.app as app_module
+    import studio.ui.pane_slot as pane_slot
 
-    monkeypatch.setattr(app_module, "HIDDEN_PANES_DELAY_S", 60.0)  # hidden panes never arrive alone
+    monkeypatch.setattr(pane_slot, "HIDDEN_PANES_DELAY_S", 60.0)  # hidden panes never arrive alone
     workdir(tmp_path, monkeypatch)
     app = StudioApp(make_config(), settings=False)
     async with app.run_test(size=SIZE) as pilot:
@@ -157,9 +157,9 @@ async def test_palette_works_before_the_hidden_panes_have_mounted(tmp_path, monk
 async def test_stop_key_reaches_the_training_pane_even_before_it_mounts(tmp_path, monkeypatch):
     """F2 (and the palette's "Stop training") is the training pane's own stop, which asks first; the
     app mounts that pane if the key comes before it has."""
-    import studio.ui.app as app_module
+    import studio.ui.pane_slot as pane_slot
 
-    monkeypatch.setattr(app_module, "HIDDEN_PANES_DELAY_S", 60.0)
+    monkeypatch.setattr(pane_slot, "HIDDEN_PANES_DELAY_S", 60.0)
     workdir(tmp_path, monkeypatch)
     app = StudioApp(make_config(), settings=False)
     async with app.run_test(size=SIZE) as pilot:

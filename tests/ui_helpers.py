@@ -88,7 +88,7 @@ async def idle_workers(pilot, timeout: float = 60.0) -> None:
 async def panes_mounted(pilot, timeout: float = 60.0) -> None:
     """Wait until every hidden pane has been mounted (they follow the first frame by ~0.6 s, later
     on a loaded machine)."""
-    from studio.ui.app import PaneSlot
+    from studio.ui.pane_slot import PaneSlot
 
     deadline = time.monotonic() + timeout
     while any(not slot._mounted.is_set() for slot in pilot.app.query(PaneSlot)):
@@ -133,18 +133,18 @@ class PlayedWorker:
             self.opened.append((run, start_worker))
             open_run(run, start_worker=start_worker)
 
-        # Instance attributes shadow the methods: the panes call these through the app.
+        # Instance attributes shadow the methods: the panes reach these through the app.
         app.open_run = record_open
-        app._deliver = self._deliver
+        app.link.deliver = self._deliver
 
     def _deliver(self, start: bool) -> None:
-        while not self.app._outbox.empty():
-            self.sent.append(self.app._outbox.get_nowait())
+        while not self.app.link.outbox.empty():
+            self.sent.append(self.app.link.outbox.get_nowait())
 
     def feed(self, events) -> None:
         """Events of the current run, as if the worker had just written them."""
         assert self.app.current_run is not None, "events belong to a run: open one first"
-        self.app._events.extend(events)
+        self.app.link.events.extend(events)
 
 
 def fixed_run(root: Path, name: str, config: RunConfig):
@@ -165,7 +165,8 @@ async def events_drawn(pilot, timeout: float = 30.0) -> None:
 
     def busy() -> bool:
         mounted = [p for p in app.panes if p.is_mounted]
-        return bool(app._events) or any(app._delivered.get(p, 0) < len(app._history) for p in mounted) \
+        link = app.link
+        return bool(link.events) or any(link.delivered.get(p, 0) < len(link.history) for p in mounted) \
             or any(not p._message_queue.empty() for p in mounted)
 
     while busy():

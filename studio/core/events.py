@@ -6,6 +6,9 @@ that a UI can hold them without fear of another thread changing them, and both r
 JSON with :func:`to_json` / :func:`from_json` (the ``type`` key names the class).
 
 Plain Python only: the UI imports this module, so it must never pull in torch.
+
+Longer than ~400 lines on purpose: it is the whole wire format in one place (every class registers
+in the one table :func:`from_dict` reads), and each message is a few documented fields.
 """
 
 from __future__ import annotations
@@ -239,7 +242,7 @@ class StatusReported(Event):
 
 @dataclass(frozen=True)
 class ExportProgress(Event):
-    """Progress of an :class:`ExportMerged` request; ``fraction`` is 0..1."""
+    """Progress of an :class:`ExportRun` or :class:`Embed` request; ``fraction`` is 0..1."""
 
     path: str = ""
     stage: str = ""
@@ -248,7 +251,7 @@ class ExportProgress(Event):
 
 @dataclass(frozen=True)
 class ExportFinished(Event):
-    """A merged model was written to ``path`` (``ok`` False: ``message`` says why not)."""
+    """An export or embedding was written to ``path`` (``ok`` False: ``message`` says why not)."""
 
     path: str = ""
     ok: bool = True
@@ -377,15 +380,6 @@ class ScoreHeldOut(Command):
 @dataclass(frozen=True)
 class Status(Command):
     """Ask for a StatusReported event."""
-
-
-@dataclass(frozen=True)
-class ExportMerged(Command):
-    """Merge the run's adapter into the base model and save it (bf16 by default) to ``path``;
-    reported by ExportProgress and ExportFinished. Served when training is not running."""
-
-    path: str = ""
-    dtype: str = "bfloat16"
 
 
 @dataclass(frozen=True)

@@ -4,36 +4,34 @@ State lives here and nowhere else: the config being edited, the run being follow
 the token counter. Panes see the app through :class:`studio.ui.host.StudioHost` (which this class
 implements), change state through its methods (``config_edited``, ``select_row``, ``send_command``...)
 and hear about changes through the messages in :mod:`studio.ui.messages`. Anything slow (the worker
-socket, the event log, the tokenizer) runs in a thread worker; the worker's events reach the panes as
+socket, the event log, the tokenizer) runs in a thread worker. The link to the run's worker is
+:class:`studio.ui.worker_link.WorkerLink` (``self.link``): the worker's events reach the panes as
 ``WorkerEvents`` messages, batched a few times a second at most, however fast the worker writes them.
+Panes are mounted into :class:`studio.ui.pane_slot.PaneSlot` placeholders after the first frame.
+What is left here (a little over 400 lines) is routing: layout, shared state, focus and the app's actions.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import gc
-import importlib
-import queue
-import threading
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Container
 from textual.css.query import NoMatches
 from textual.widget import Widget
-from textual.widgets import Header, Static, TabbedContent, TabPane, Tabs
-from textual.worker import get_current_worker
+from textual.widgets import Header, TabbedContent, TabPane, Tabs
 
 from studio.core.config import RunConfig
 from studio.ui import theme as themes
-from studio.ui.messages import ConfigChanged, DatasetChanged, MemorySample, RowChanged, TokenizerChanged, WorkerEvents
+from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged
+from studio.ui.pane_slot import PaneSlot
 from studio.ui.widgets.footer import StudioFooter
 from studio.ui.widgets.token_counter import TokenCounter, approximate_counter, load_token_counter
+from studio.ui.worker_link import WorkerLink
 
 if TYPE_CHECKING:  # imported where used: not needed for the first frame (see PaneSlot)
     from textual.command import Provider
@@ -50,62 +48,6 @@ PANES = (
     ("training", "Training", "training", "TrainingPane"),
     ("chat", "Chat", "chat", "ChatPane"),
 )
-HIDDEN_PANES_DELAY_S = 0.6
-"""Hidden panes are imported and mounted this long after start: after the shown pane is painted."""
-EVENT_FLUSH_S = 0.2
-"""Events are posted to the panes at most this often (5 batches a second), however fast they arrive."""
-
-
-def _make_pane(tab: str, title: str, module: str, cls: str) -> Widget:
-    """The pane, or a notice while its module has not been written yet. ``module`` is a module of
-    studio/ui/panes, or a full dotted path."""
-    name = module if "." in module else f"studio.ui.panes.{module}"
-    try:
-        pane_module = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        return Static(f"The {title} pane is not available in this build.", id=f"pane-{tab}",
-                      classes="missing-pane")
-    return getattr(pane_module, cls)(id=f"pane-{tab}")
-
-
-class PaneSlot(Container):
-    """Where a pane will be: its module is imported and the pane mounted after the first frame.
-
-    The first frame (title, tab bar, footer) is on screen before any pane's module is imported or
-    its widgets styled; the shown pane follows a moment later, the hidden ones after it.
-    """
-
-    DEFAULT_CSS = "PaneSlot { height: 1fr; }"
-
-    def __init__(self, tab: str, title: str, module: str, cls: str, first: bool = False) -> None:
-        super().__init__()
-        self.spec = (tab, title, module, cls)
-        self.first = first
-        self.filled = False
-        self._mounted = asyncio.Event()
-
-    def on_mount(self) -> None:
-        if self.first:
-            self.call_after_refresh(self.fill)
-        else:
-            # Hidden panes wait until the shown one has been painted (or their tab is picked).
-            self.set_timer(HIDDEN_PANES_DELAY_S, self.fill)
-
-    async def fill(self) -> None:
-        """Import and mount the pane (once); a second call waits until the first has mounted it."""
-        if self.filled:
-            await self._mounted.wait()
-            return
-        self.filled = True
-        await self.mount(_make_pane(*self.spec))
-        self._mounted.set()
-        app = self.app
-        if isinstance(app, StudioApp):
-            app.pane_mounted(self.spec[0])
-
-
 CONFIG_PANE = ("config", "Config", "studio.ui.widgets.config_editor", "ConfigEditor")
 """The sixth tab: the config as YAML (a widget, not a pane module)."""
 
@@ -161,15 +103,8 @@ class StudioApp(App[None]):
         self.selected: tuple[int, dict[str, Any]] | None = None
         self.dataset_columns: list[str] = []
         self._settings = settings
-        self._events: deque[ev.Event] = deque()
-        # Every event of the current run, and how many of them each pane has been given: a pane
-        # mounted late (hidden panes mount after the first frame) catches up on the next flush.
-        self._history: list[ev.Event] = []
-        self._delivered: dict[Widget, int] = {}
-        self._send_lock = threading.Lock()
-        self._outbox: queue.Queue[ev.Command] = queue.Queue()
-        self._client: Any = None
-        self._follower: Any = None
+        self.link = WorkerLink(self)
+        """Commands to the current run's worker and its events to the panes."""
         self._mounted_panes: set[str] = set()
         self._freeze_gc = freeze_gc
         for theme in themes.bundled_themes():
@@ -203,7 +138,7 @@ class StudioApp(App[None]):
     def on_mount(self) -> None:
         self.sub_title = self._subtitle()
         self.theme_changed_signal.subscribe(self, self._theme_changed)
-        self.set_interval(EVENT_FLUSH_S, self._flush_events)
+        self.link.start()
         # The tokenizer thread imports `tokenizers` holding the GIL: it starts once the shown pane
         # is on screen (pane_mounted), or after a second at the latest.
         self._tokenizer_started = False
@@ -322,27 +257,14 @@ class StudioApp(App[None]):
         from the start of its log and then arrive live. ``start_worker`` starts its worker when none
         is alive. A previous run's worker that never trained (a preview) is shut down, so that the
         GPU is free for the new one."""
-        previous = self.current_run
-        if previous is not None and previous != run:
-            self._retire(previous)
-        if self._follower is not None:
-            self._follower.close()
+        self.link.leave(self.current_run, run)
         self.current_run = run
-        self._client = None
-        self._events.clear()
-        self._history.clear()
-        self._delivered.clear()
         self.sub_title = self._subtitle()
         for pane in self.panes:
             reset = getattr(pane, "reset_run", None)
             if reset is not None:
                 reset(run)
-        if run is None:
-            self.workers.cancel_group(self, "events")
-            return
-        self._follow_events(run)
-        if start_worker:
-            self._deliver(start=True)
+        self.link.follow(run, start_worker)
 
     def send_command(self, command: ev.Command) -> None:
         """Send ``command`` to the current run's worker (from a thread; queued until connected).
@@ -351,7 +273,7 @@ class StudioApp(App[None]):
         """
         from studio.core.runs import create_run
 
-        self._outbox.put(command)
+        self.link.queue(command)
         if self.current_run is None:
             try:
                 run = create_run(self.config)
@@ -361,114 +283,7 @@ class StudioApp(App[None]):
                 return
             self.open_run(run, start_worker=True)
         else:
-            self._deliver(start=True)
-
-    @work(thread=True, group="commands", exit_on_error=False, description="talking to the worker")
-    def _deliver(self, start: bool) -> None:
-        """Connect to the run's worker (starting it when asked) and send every queued command."""
-        from studio.core import events as ev
-        from studio.worker.client import WorkerClient, WorkerStartError, connect_or_start
-
-        while True:
-            if not self._send_lock.acquire(blocking=False):
-                return  # the thread holding the lock sends what is queued
-            try:
-                run = self.current_run
-                if run is None:
-                    return
-                if self._client is None or self._client.run != run or not self._client.connected:
-                    if start:
-                        client = connect_or_start(run, timeout=30)
-                    else:
-                        client = WorkerClient(run)
-                        client.connect(timeout=30)
-                    self._client = client
-                while not self._outbox.empty():
-                    self._client.send(self._outbox.get_nowait())
-            except Exception as exc:  # shown to the person; the UI stays up whatever the worker does
-                self._client = None
-                # Commands meant for a worker that never came must not reach a later one (a Stop
-                # would otherwise start it and train the queued StartTraining for a step).
-                while not self._outbox.empty():
-                    self._outbox.get_nowait()
-                if isinstance(exc, WorkerStartError):
-                    # Panes fold this like any failure: the training pane leaves "loading".
-                    self._events.append(ev.WorkerFailed(kind="config", fatal=True, message=str(exc)))
-                self.call_from_thread(self.notify, f"Could not reach the worker: {exc}",
-                                      title="Worker", severity="error", timeout=10)
-                return
-            finally:
-                self._send_lock.release()
-            if self._outbox.empty():
-                return
-
-    def _retire(self, run: RunDir) -> None:
-        """Shut down ``run``'s worker if it only served previews (it never started training)."""
-        from studio.core import events as ev
-        from studio.core.runs import iter_events
-
-        if run.worker_pid() is None or any(isinstance(e, ev.RunStarted) for e in iter_events(run.events_path)):
-            return
-        client = self._client if self._client is not None and self._client.run == run else None
-
-        def shutdown() -> None:
-            from studio.worker.client import WorkerClient
-
-            try:
-                sender = client or WorkerClient(run)
-                if not sender.connected:
-                    sender.connect(timeout=5)
-                sender.send(ev.Shutdown())
-                sender.close()
-            except Exception:  # best effort: a worker that is already gone needs no shutdown
-                pass
-
-        threading.Thread(target=shutdown, name="studio-retire-worker", daemon=True).start()
-
-    @work(thread=True, exclusive=True, group="events", exit_on_error=False, description="following events")
-    def _follow_events(self, run: RunDir) -> None:
-        """Read the run's events (history, then live) into a queue the UI drains on a timer
-        (``_flush_events``): posting a message per event would flood the panes' queues."""
-        from studio.worker.client import WorkerClient
-
-        worker = get_current_worker()
-        client = WorkerClient(run)
-        self._follower = client
-        try:
-            for event in client.events(poll_s=0.25):
-                if worker.is_cancelled or self.current_run != run:
-                    break
-                self._events.append(event)
-        finally:
-            client.close()
-
-    def _flush_events(self) -> None:
-        """Post every mounted pane the events it has not seen yet (all of them, for a pane that
-        mounted after the run's history was read): one :class:`WorkerEvents` batch, and the newest
-        memory sample as a :class:`MemorySample` that a later one replaces while it waits."""
-        from studio.core import events as ev
-
-        while self._events:
-            self._history.append(self._events.popleft())
-        run = self.current_run
-        if run is None:
-            return
-        split: dict[int, tuple[list[ev.Event], ev.MemorySampled | None]] = {}
-        for pane in self.panes:
-            seen = self._delivered.get(pane, 0)
-            if not pane.is_mounted or seen >= len(self._history):
-                continue
-            self._delivered[pane] = len(self._history)
-            if seen not in split:  # panes mounted together share one split of their events
-                fresh = self._history[seen:]
-                samples = [e for e in fresh if isinstance(e, ev.MemorySampled)]
-                split[seen] = ([e for e in fresh if not isinstance(e, ev.MemorySampled)],
-                               samples[-1] if samples else None)
-            batch, sample = split[seen]
-            if batch:
-                pane.post_message(WorkerEvents(run, batch))
-            if sample is not None:
-                pane.post_message(MemorySample(run, sample))
+            self.link.deliver(start=True)
 
     # ------------------------------------------------------------------------------ actions
 
@@ -609,7 +424,4 @@ class StudioApp(App[None]):
         self.search_themes()
 
     def on_unmount(self) -> None:
-        # Closing the follower ends its events() loop, so its thread (and the app) can exit.
-        for client in (self._follower, self._client):
-            if client is not None:
-                client.close()
+        self.link.close()

@@ -411,8 +411,6 @@ class Worker:
                 self._guarded(self._evaluate)
         elif isinstance(command, ev.ScoreHeldOut):
             self._start_scoring(command)
-        elif isinstance(command, ev.ExportMerged) and self.state not in _TRAINING_STATES:
-            self._guarded(lambda: self._export(command))
         elif isinstance(command, JOBS) and self.state not in _TRAINING_STATES:
             self._guarded(lambda: self._serve_job(command))
         else:
@@ -455,15 +453,6 @@ class Worker:
             self._report(exc, fatal=False)
             self.emit(ev.HeldOutFinished(request_id=scoring.request.request_id, ok=False,
                                          message=f"scoring stopped at row {len(scoring.results) + 1}: {exc}"))
-
-    def _export(self, command: ev.ExportMerged) -> None:
-        from studio.engine.export import export_merged
-
-        previous, self.state = self.state, "exporting"
-        try:
-            export_merged(self.run, command.path, command.dtype, self.emit)
-        finally:
-            self.state = previous
 
     def _serve_job(self, command: ev.Command) -> None:
         previous, self.state = self.state, "exporting"

@@ -9,6 +9,10 @@ the pane sends the person's text, or a held-out row's fields (``Generate.row``).
 Held-out mode asks the worker to score N held-out rows (``ScoreHeldOut``: the test split, else the
 validation split, greedy, both models), the same engine code as ``studio eval``; the table fills a
 row per ``HeldOutRowScored`` event, and the worker saves ``eval.json`` and ``eval.csv`` in the run.
+
+Longer than ~400 lines on purpose: free chat and held-out mode share the prompt settings, the request
+ids and the run the events belong to, so splitting them would put one request's bookkeeping in two
+places; the scoring itself is the engine's (engine/evaluate.py) and core/scoring.py's.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Events arrive in batches as :class:`~studio.ui.messages.WorkerEvents` messages (
 :class:`~studio.ui.metrics.TrainingState` at once (cheap) but drawn at most ``REDRAW_HZ`` times a
 second, so a fast run cannot flood the terminal. The pane never talks to the worker directly: it
 asks the app through its :class:`~studio.ui.host.StudioHost` interface (``send_command``,
-``open_run``; see docs/CONTRACTS.md).
+``open_run``; see docs/CONTRACTS.md). Its dialogs (stop? where to export?) are in
+:mod:`studio.ui.widgets.dialogs`.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from pathlib import Path
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, ProgressBar, Static
+from textual.widgets import Button, ProgressBar, Static
 
 from studio.core import events as ev
 from studio.core.runs import RunDir, create_run
 from studio.ui.host import Hosted
 from studio.ui.messages import MemorySample, WorkerEvents
 from studio.ui.metrics import TrainingState, format_duration
+from studio.ui.widgets.dialogs import ConfirmScreen, ExportScreen
 from studio.ui.widgets.loss_plot import LearningRatePlot, LossPlot
 from studio.ui.widgets.run_picker import CompareScreen, PickResult, RunPickerScreen
 
@@ -46,92 +47,12 @@ _BUTTON_ACTIONS = (("start_training", "training-start"), ("pause_training", "tra
                    ("export", "training-export"))
 """(action, button id) of the buttons enabled only while their action makes sense."""
 
-
-class ConfirmScreen(ModalScreen[bool]):
-    """A yes/no question; y or Enter on the first button says yes, n or Escape says no."""
-
-    DEFAULT_CSS = """
-    ConfirmScreen { align: center middle; }
-    ConfirmScreen > Vertical {
-        width: 64; height: auto; padding: 1 2;
-        border: thick $error; background: $panel;
-    }
-    ConfirmScreen Horizontal { height: auto; margin-top: 1; }
-    ConfirmScreen Button { margin-right: 2; }
-    """
-
-    BINDINGS = [
-        Binding("y", "answer(True)", "Yes", id="confirm.yes"),
-        Binding("n,escape", "answer(False)", "No", id="confirm.no"),
-    ]
-
-    def __init__(self, question: str, yes: str = "Yes", no: str = "No") -> None:
-        super().__init__()
-        self.question, self.yes, self.no = question, yes, no
-
-    def compose(self) -> ComposeResult:
-        with Vertical():
-            yield Static(self.question)
-            with Horizontal():
-                yield Button(f"{self.yes} (y)", variant="error", id="confirm-yes")
-                yield Button(f"{self.no} (n)", id="confirm-no")
-
-    def on_mount(self) -> None:
-        self.query_one("#confirm-no", Button).focus()
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        event.stop()
-        self.dismiss(event.button.id == "confirm-yes")
-
-    def action_answer(self, answer: bool) -> None:
-        """Close with ``answer``."""
-        self.dismiss(answer)
-
-
 EXPORT_STEPS = {
     "adapter": "saving the adapter with its model card and prompt template",
     "merged": "merging the adapter into the base model (bf16 safetensors)",
     "gguf": "writing GGUF (f16), a LoRA GGUF and a Modelfile",
 }
 """What the training pane's status line says while the worker exports, by format."""
-
-
-class ExportScreen(ModalScreen[tuple[str, str] | None]):
-    """Where to export, and how: a copy of the adapter, or the base model with the adapter merged."""
-
-    DEFAULT_CSS = """
-    ExportScreen { align: center middle; }
-    ExportScreen > Vertical {
-        width: 96; height: auto; padding: 1 2;
-        border: round $primary; background: $panel;
-    }
-    ExportScreen Horizontal { height: auto; margin-top: 1; }
-    ExportScreen Button { margin-right: 1; }
-    """
-
-    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel", id="export.cancel")]
-
-    def __init__(self, run: RunDir) -> None:
-        super().__init__()
-        self.run = run
-
-    def compose(self) -> ComposeResult:
-        with Vertical():
-            yield Label(f"Export run {self.run.id}")
-            yield Static("Folder to write (created; must not exist yet):")
-            yield Input(str(self.run.path / "export"), id="export-path")
-            with Horizontal():
-                yield Button("Save adapter", variant="primary", id="export-adapter")
-                yield Button("Merge into base (bf16)", id="export-merged")
-                yield Button("GGUF + Modelfile", id="export-gguf")
-                yield Button("Cancel", id="export-cancel")
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        event.stop()
-        path = self.query_one("#export-path", Input).value.strip()
-        kind = {"export-adapter": "adapter", "export-merged": "merged",
-                "export-gguf": "gguf"}.get(event.button.id or "")
-        self.dismiss((kind, path) if kind and path else None)
 
 
 class TrainingPane(Hosted, Vertical):

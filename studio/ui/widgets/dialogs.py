@@ -1,16 +1,19 @@
-"""Modal dialogs: pick a path (typed, or from a file tree)."""
+"""Modal dialogs: pick a path (typed, or from a file tree), answer yes or no, choose how to export a run."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DirectoryTree, Input, Label, Static
+
+if TYPE_CHECKING:
+    from studio.core.runs import RunDir
 
 
 class FilteredTree(DirectoryTree):
@@ -93,3 +96,82 @@ class PathDialog(ModalScreen[Path | None]):
             error.update(f"{path} is a folder; pick a file in it")
         else:
             self.dismiss(path)
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question; y or Enter on the first button says yes, n or Escape says no."""
+
+    DEFAULT_CSS = """
+    ConfirmScreen { align: center middle; }
+    ConfirmScreen > Vertical {
+        width: 64; height: auto; padding: 1 2;
+        border: thick $error; background: $panel;
+    }
+    ConfirmScreen Horizontal { height: auto; margin-top: 1; }
+    ConfirmScreen Button { margin-right: 2; }
+    """
+
+    BINDINGS = [
+        Binding("y", "answer(True)", "Yes", id="confirm.yes"),
+        Binding("n,escape", "answer(False)", "No", id="confirm.no"),
+    ]
+
+    def __init__(self, question: str, yes: str = "Yes", no: str = "No") -> None:
+        super().__init__()
+        self.question, self.yes, self.no = question, yes, no
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Static(self.question)
+            with Horizontal():
+                yield Button(f"{self.yes} (y)", variant="error", id="confirm-yes")
+                yield Button(f"{self.no} (n)", id="confirm-no")
+
+    def on_mount(self) -> None:
+        self.query_one("#confirm-no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss(event.button.id == "confirm-yes")
+
+    def action_answer(self, answer: bool) -> None:
+        """Close with ``answer``."""
+        self.dismiss(answer)
+
+
+class ExportScreen(ModalScreen[tuple[str, str] | None]):
+    """Where to export, and how: a copy of the adapter, or the base model with the adapter merged."""
+
+    DEFAULT_CSS = """
+    ExportScreen { align: center middle; }
+    ExportScreen > Vertical {
+        width: 96; height: auto; padding: 1 2;
+        border: round $primary; background: $panel;
+    }
+    ExportScreen Horizontal { height: auto; margin-top: 1; }
+    ExportScreen Button { margin-right: 1; }
+    """
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel", id="export.cancel")]
+
+    def __init__(self, run: RunDir) -> None:
+        super().__init__()
+        self.run = run
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label(f"Export run {self.run.id}")
+            yield Static("Folder to write (created; must not exist yet):")
+            yield Input(str(self.run.path / "export"), id="export-path")
+            with Horizontal():
+                yield Button("Save adapter", variant="primary", id="export-adapter")
+                yield Button("Merge into base (bf16)", id="export-merged")
+                yield Button("GGUF + Modelfile", id="export-gguf")
+                yield Button("Cancel", id="export-cancel")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        path = self.query_one("#export-path", Input).value.strip()
+        kind = {"export-adapter": "adapter", "export-merged": "merged",
+                "export-gguf": "gguf"}.get(event.button.id or "")
+        self.dismiss((kind, path) if kind and path else None)

@@ -1,0 +1,69 @@
+"""Where a pane will be: its module is imported and the pane mounted after the first frame.
+
+Kept apart from the app so that ``app.py`` stays a router: this is the one place that knows how a
+pane's module is found and when it is mounted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+
+from textual.containers import Container
+from textual.widget import Widget
+from textual.widgets import Static
+
+HIDDEN_PANES_DELAY_S = 0.6
+"""Hidden panes are imported and mounted this long after start: after the shown pane is painted."""
+
+
+def make_pane(tab: str, title: str, module: str, cls: str) -> Widget:
+    """The pane, or a notice while its module has not been written yet. ``module`` is a module of
+    studio/ui/panes, or a full dotted path."""
+    name = module if "." in module else f"studio.ui.panes.{module}"
+    try:
+        pane_module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        return Static(f"The {title} pane is not available in this build.", id=f"pane-{tab}",
+                      classes="missing-pane")
+    return getattr(pane_module, cls)(id=f"pane-{tab}")
+
+
+class PaneSlot(Container):
+    """Where a pane will be: its module is imported and the pane mounted after the first frame.
+
+    The first frame (title, tab bar, footer) is on screen before any pane's module is imported or
+    its widgets styled; the shown pane follows a moment later, the hidden ones after it.
+    """
+
+    DEFAULT_CSS = "PaneSlot { height: 1fr; }"
+
+    def __init__(self, tab: str, title: str, module: str, cls: str, first: bool = False) -> None:
+        super().__init__()
+        self.spec = (tab, title, module, cls)
+        self.first = first
+        self.filled = False
+        self._mounted = asyncio.Event()
+
+    def on_mount(self) -> None:
+        if self.first:
+            self.call_after_refresh(self.fill)
+        else:
+            # Hidden panes wait until the shown one has been painted (or their tab is picked).
+            self.set_timer(HIDDEN_PANES_DELAY_S, self.fill)
+
+    async def fill(self) -> None:
+        """Import and mount the pane (once); a second call waits until the first has mounted it."""
+        if self.filled:
+            await self._mounted.wait()
+            return
+        self.filled = True
+        await self.mount(make_pane(*self.spec))
+        self._mounted.set()
+        from studio.ui.app import StudioApp  # (a cycle at import time: the app composes slots)
+
+        app = self.app
+        if isinstance(app, StudioApp):
+            app.pane_mounted(self.spec[0])
