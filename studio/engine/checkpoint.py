@@ -2,7 +2,8 @@
 
 A checkpoint holds the adapter (``adapter/``, loadable by ``PeftModel.from_pretrained``), the
 optimizer and scheduler states, the RNG states (python, numpy, torch, CUDA) and the trainer's own
-state as JSON (step, data cursor, micro-batch and accumulation, best eval loss). It is written into a
+state as JSON (step, data cursor, micro-batch and accumulation, best eval loss). A data-parallel run
+adds each other rank's RNG states as ``rng-rank-R.pt``; the rest is the same on every rank. It is written into a
 temp folder that is renamed into place, so a crash mid-write leaves the previous checkpoint intact
 (and :meth:`studio.core.runs.RunDir.checkpoints` never lists the temp folder).
 """
@@ -50,8 +51,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(run: RunDir, step: int, model: Any, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler, state: dict[str, Any], keep: int) -> Path:
-    """Write ``checkpoints/step-<step>`` atomically and delete all but the newest ``keep``."""
+         scheduler: torch.optim.lr_scheduler.LRScheduler, state: dict[str, Any], keep: int,
+         rank_rng: list[dict[str, Any]] | None = None) -> Path:
+    """Write ``checkpoints/step-<step>`` atomically and delete all but the newest ``keep``;
+    ``rank_rng`` holds the RNG states of ranks 1, 2, ... of a data-parallel run."""
     final = run.checkpoints_dir / f"step-{step}"
     tmp = run.checkpoints_dir / f".tmp-step-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -60,6 +63,8 @@ def save(run: RunDir, step: int, model: Any, optimizer: torch.optim.Optimizer,
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_state(), tmp / "rng.pt")
+    for rank, states in enumerate(rank_rng or [], start=1):
+        torch.save(states, tmp / f"rng-rank-{rank}.pt")
     (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
     if final.exists():  # the same step saved twice (a stop right after an interval checkpoint)
         shutil.rmtree(final)
@@ -83,8 +88,10 @@ def load_adapter_weights(model: Any, adapter_dir: Path, device: torch.device | s
 
 
 def load(path: Path, model: Any, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device) -> dict[str, Any]:
+         scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device, rank: int = 0) -> dict[str, Any]:
     """Restore adapter weights, optimizer, scheduler and RNG from ``path``; returns the trainer state.
+    Rank R > 0 of a data-parallel run takes ``rng-rank-R.pt``; a rank the checkpoint has none for
+    (resumed on more processes than it was saved on) keeps the RNG it has.
 
     Call it after the optimizer and scheduler are built (their states are loaded into them) and
     after everything else that draws random numbers, so the restored RNG is what the next step sees.
@@ -93,5 +100,7 @@ def load(path: Path, model: Any, optimizer: torch.optim.Optimizer,
     # Our own files: full unpickling is needed for the optimizer's and RNG's python objects.
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    rng = path / ("rng.pt" if rank == 0 else f"rng-rank-{rank}.pt")
+    if rng.exists():
+        set_rng_state(torch.load(rng, weights_only=False))
     return json.loads((path / STATE_FILE).read_text())

@@ -109,6 +109,11 @@ class GpuLock:
         return (f"{self.label} is busy: {who} holds it (lock {self.path}). Wait for it to finish, "
                 f"or stop it with 'studio stop {ref}'.")
 
+    def fileno(self) -> int:
+        """The locked file's descriptor (a child process given it keeps the lock while it lives)."""
+        assert self._fd is not None, "the lock is not held"
+        return self._fd
+
     def release(self) -> None:
         """Give the lock back (exiting does the same)."""
         if self._fd is not None:
@@ -165,12 +170,15 @@ def write_pid(run: RunDir) -> None:
     tmp.replace(run.pid_path)
 
 
-def become_worker(run: RunDir) -> tuple[GpuLock, Listener]:
+def become_worker(run: RunDir, lock: GpuLock | None = None) -> tuple[GpuLock, Listener]:
     """Make this process ``run``'s worker: take the device lock, make sure no other worker serves
     the run, write a fresh key, listen, record the pid. Raises WorkerStartError (or OSError) with
-    the reason; release the returned lock when the worker is done (exiting does it too)."""
-    lock = GpuLock()
-    lock.acquire(run)
+    the reason; release the returned lock when the worker is done (exiting does it too).
+
+    Rank 0 of a multi-GPU run passes an unacquired ``lock``: its launcher holds the devices' locks."""
+    if lock is None:
+        lock = GpuLock()
+        lock.acquire(run)
     try:
         check_no_other_worker(run)
         listener = listen(run, write_key(run))
