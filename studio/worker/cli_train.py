@@ -92,7 +92,8 @@ class ConsolePrinter:
 
     def __call__(self, event: ev.Event) -> None:
         if isinstance(event, ev.MemorySampled):
-            self.memory = event  # shown on the next step's line
+            if event.rank == 0:
+                self.memory = event  # shown on the next step's line (rank 0's card on several GPUs)
         elif isinstance(event, ev.StepLogged):
             memory = f"  mem {report.memory_text(self.memory)}" if self.memory is not None else ""
             self.line(report.step_line(event) + memory)

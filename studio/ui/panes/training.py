@@ -255,7 +255,11 @@ class TrainingPane(Vertical):
         if state.device:
             parts.append(state.device)
         if state.micro_batch_size:
-            parts.append(f"micro-batch {state.micro_batch_size} × {state.gradient_accumulation_steps}")
+            batch = f"micro-batch {state.micro_batch_size} × {state.gradient_accumulation_steps}"
+            if state.gpus > 1:
+                effective = state.micro_batch_size * state.gradient_accumulation_steps * state.gpus
+                batch += f" × {state.gpus} GPUs = {effective}"
+            parts.append(batch)
         if state.status == "loading" and state.loading_stage:
             parts.append(f"loading {state.loading_stage} {state.loading_fraction:.0%}")
         if state.status == "no run":

@@ -4,10 +4,14 @@ It estimates from ``app.config`` (when mounted, when the config changes, and on
 :meth:`VramPane.refresh_estimate`), lets a person pick the card (detected, or a known size), fills
 the measured grid from the worker's MemorySampled events, and tells the memory story step by step:
 full fp32 -> bf16 -> 8-bit -> LoRA -> NF4 QLoRA -> + checkpointing -> + paged 8-bit AdamW.
+
+A run on several GPUs samples every card (MemorySampled.rank): the big gauge shows rank 0's
+breakdown, and one line a card below it shows each card's memory in use against its capacity.
 """
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
@@ -52,6 +56,11 @@ class VramPane(VerticalScroll):
         border-left: thick $panel;
         color: $foreground-muted;
     }
+    VramPane #vram-cards {
+        display: none;
+        height: auto;
+        padding: 0 1;
+    }
     VramPane #vram-notes {
         color: $foreground-muted;
         padding: 0 1;
@@ -76,6 +85,8 @@ class VramPane(VerticalScroll):
         self.steps: list[WalkStep] = []
         self.step_index: int | None = None
         self.measured: dict[str, int] | None = None
+        self.cards: dict[int, ev.MemorySampled] = {}
+        """The latest sample of each card (rank) of the run."""
 
     def compose(self) -> ComposeResult:
         options = [(f"{g.name}{' (this machine)' if g.detected else ''}", k) for k, g in enumerate(self._cards)]
@@ -84,6 +95,7 @@ class VramPane(VerticalScroll):
             yield Select(options, value=selected, allow_blank=False, id="vram-gpu")
             yield Static("", id="vram-summary")
         yield BlockGauge(id="vram-gauge")
+        yield Static("", id="vram-cards")
         yield Static("", id="vram-walk", classes="-off")
         yield Static("", id="vram-notes")
 
@@ -137,6 +149,9 @@ class VramPane(VerticalScroll):
         gauge.capacity_name = self.gpu.name
         gauge.predicted = dict(shown.categories) if shown else None
         gauge.measured = dict(self.measured) if self.measured else None
+        cards = self.query_one("#vram-cards", Static)
+        cards.display = len(self.cards) > 1
+        cards.update(cards_text(self.cards))
         walk = self.query_one("#vram-walk", Static)
         notes = self.query_one("#vram-notes", Static)
         if shown is None:
@@ -187,8 +202,11 @@ class VramPane(VerticalScroll):
         changed = False
         for event in events:
             if isinstance(event, ev.MemorySampled) and event.categories:
-                self.measured = dict(event.categories)
+                self.cards[event.rank] = event
                 changed = True
+                if event.rank != 0:
+                    continue  # the big gauge is rank 0's; the others get a line each
+                self.measured = dict(event.categories)
                 if event.capacity and not self.gpu.detected:
                     self.gpu = Gpu(event.device or "this GPU", event.capacity, detected=True)
             elif isinstance(event, ev.WorkerStarted) and event.gpu_capacity_bytes:
@@ -196,3 +214,26 @@ class VramPane(VerticalScroll):
                 changed = True
         if changed:
             self.refresh_estimate()
+
+
+CARD_SQUARES = 40
+"""Squares in one card's line: each is 1/40 of the card."""
+
+
+def cards_text(cards: dict[int, ev.MemorySampled]) -> Text:
+    """One line a card of a multi-GPU run: its memory in use (reserved) against its capacity as
+    squares, and the numbers; empty for a run on one card."""
+    text = Text()
+    if len(cards) < 2:
+        return text
+    text.append("Each card (reserved / capacity):\n", style="bold")
+    for rank in sorted(cards):
+        sample = cards[rank]
+        used = sample.reserved or sum(sample.categories.values())
+        filled = min(CARD_SQUARES, round(CARD_SQUARES * used / sample.capacity)) if sample.capacity else 0
+        text.append(f"GPU {rank}  ")
+        text.append("■" * filled, style="bold")
+        text.append("□" * (CARD_SQUARES - filled), style="dim")
+        capacity = f" / {sample.capacity / GB:.1f} GB" if sample.capacity else ""
+        text.append(f"  {used / GB:.2f} GB{capacity} at step {sample.step}\n")
+    return text
