@@ -151,7 +151,8 @@ def describe(event: ev.Event) -> str | None:
                     f"{event.trainable_params:,} trainable of {event.total_params:,} params, "
                     f"{format_duration(event.load_seconds)}")
         case ev.MemorySampled():
-            return f"memory at step {event.step} ({event.device}): {memory_text(event)}"
+            card = f", GPU {event.rank}" if event.rank else ""
+            return f"memory at step {event.step} ({event.device}{card}): {memory_text(event)}"
         case ev.CheckpointSaved():
             return f"checkpoint at step {event.step} -> {event.path}"
         case ev.TrainingPaused():
