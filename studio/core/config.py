@@ -156,7 +156,8 @@ class TrainerConfig:
     """Examples per forward/backward pass: what must fit in GPU memory."""
 
     effective_batch_size: int | None = 16
-    """Examples per optimizer step; gradient accumulation = effective / micro batch."""
+    """Examples per optimizer step on one GPU; gradient accumulation = effective / micro batch. On
+    several GPUs (``distributed.gpus``) each takes this many, so a step takes this x gpus."""
 
     gradient_accumulation_steps: int | None = None
     """Set directly instead of ``effective_batch_size`` (Ludwig style); None to derive it."""

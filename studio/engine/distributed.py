@@ -173,6 +173,13 @@ class Group:
             dist.destroy_process_group()
 
 
+def resume_note(saved_on: int, world: int, units_per_step: int, accumulation: int) -> str:
+    """What changes when a run checkpointed on ``saved_on`` processes resumes on ``world``."""
+    return (f"resuming on {world} process{'es' if world > 1 else ''} a run checkpointed on {saved_on}: the "
+            f"effective batch stays {units_per_step} and every step sees the same rows; accumulation becomes "
+            f"{accumulation} a rank, and the dropout masks (lora.dropout > 0) differ from an uninterrupted run")
+
+
 _group: Group | None = None
 
 

@@ -394,11 +394,8 @@ class Trainer:
         self.units_per_step = int(state["units_per_step"])
         saved_on = int(state.get("processes", 1))
         if saved_on != self.group.world:
-            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
-                f"resuming on {self.group.world} process{'es' if self.group.world > 1 else ''} a run checkpointed "
-                f"on {saved_on}: the effective batch stays {self.units_per_step} and every step sees the same rows; "
-                f"accumulation becomes {self.accumulation_steps} a rank, and the dropout masks (lora.dropout > 0) "
-                "differ from an uninterrupted run")))
+            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=dist.resume_note(
+                saved_on, self.group.world, self.units_per_step, self.accumulation_steps)))
         self.best_eval_loss = state.get("best_eval_loss")
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.elapsed = float(state.get("elapsed_s", 0.0))
@@ -406,21 +403,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------ memory
 
     def memory_event(self) -> ev.MemorySampled:
-        """Device memory now, by category (studio/engine/memory.py) and allocator totals; activations
-        and the peaks are those since the last ``reset_peak`` (the training loop resets it before
-        each logged step)."""
-        from studio.engine.memory import device_totals, measure_memory
+        """This rank's device memory now (studio/engine/memory.py:sample); activations and the peaks
+        are those since the last ``reset_peak`` (the loop resets it before each logged step)."""
+        from studio.engine.memory import sample
 
-        categories = measure_memory(self.model, self.optimizer, self.device)
-        if self.device is not None and self.device.type == "cuda":
-            totals = device_totals(self.device)
-            name = torch.cuda.get_device_name(self.device)
-        else:
-            # No allocator counters on CPU: what the model and optimizer hold is the best figure.
-            held = sum(categories.values())
-            totals = {"allocated": held, "reserved": held, "peak_allocated": held, "peak_reserved": held,
-                      "capacity": 0}
-            name = "cpu"
-        return ev.MemorySampled(step=self.step, device=name, categories=categories, rank=self.group.rank,
-                                **totals)
-
+        return sample(self.model, self.optimizer, self.device, self.step, self.group.rank)
