@@ -17,7 +17,7 @@ from textual.widgets import Button, Static, TextArea
 from studio.core.config import ConfigError, RunConfig, parse_config
 from studio.ui.messages import ConfigChanged
 
-SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation")
+SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation", "distributed")
 
 
 def changed_sections(old: RunConfig, new: RunConfig) -> list[str]:
