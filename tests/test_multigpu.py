@@ -198,3 +198,21 @@ def test_config_reads_gpus_and_ludwig_backend_strategy_gets_a_note() -> None:
     text = [str(n.message) for n in notes]
     assert any("'backend' section is ignored" in t and "--gpus N" in t for t in text), text
     assert any("strategy: deepspeed" in t and "distributed: {gpus: 4}" in t for t in text), text
+
+
+def test_each_card_gets_a_gauge_line_and_the_batch_line_counts_the_gpus() -> None:
+    from studio.core.report import batch_text
+    from studio.ui.panes.vram import CARD_SQUARES, cards_text
+
+    gb = 10**9
+    cards = {r: ev.MemorySampled(step=7, device="NVIDIA H200", rank=r, reserved=(20 + 10 * r) * gb,
+                                 capacity=80 * gb, categories={"weights": 4 * gb}) for r in (1, 0)}
+    lines = cards_text(cards).plain.splitlines()
+    assert lines[1].startswith("GPU 0  ") and lines[2].startswith("GPU 1  "), lines
+    assert lines[1].count("■") == CARD_SQUARES // 4 and lines[2].count("■") == round(CARD_SQUARES * 30 / 80)
+    assert "20.00 GB / 80.0 GB at step 7" in lines[1] and "30.00 GB / 80.0 GB" in lines[2]
+    assert cards_text({0: cards[0]}).plain == ""  # one card: the big gauge says it all
+    started = ev.RunStarted(micro_batch_size=4, gradient_accumulation_steps=2, gpus=2, effective_batch_size=16)
+    assert batch_text(started) == "micro-batch 4 x 2 accumulation x 2 GPUs = effective batch 16"
+    assert batch_text(ev.RunStarted(micro_batch_size=4, gradient_accumulation_steps=2)) == \
+        "micro-batch 4 x 2 accumulation = effective batch 8"
