@@ -114,10 +114,14 @@ def start_worker(run: RunDir, train: bool = False, resume: bool = False, timeout
     Returns once the worker listens on its socket. ``train`` starts training at once, ``resume``
     continues from the latest checkpoint. Raises WorkerStartError with the worker's reason.
     """
+    from studio.core.config import ConfigError
     from studio.core.multigpu import requested_gpus
 
-    if requested_gpus(run.config()) > 1:
-        timeout = max(timeout, 150.0)  # torchrun's ranks import torch and form their group first
+    try:
+        if requested_gpus(run.config()) > 1:
+            timeout = max(timeout, 150.0)  # torchrun's ranks import torch and form their group first
+    except (ConfigError, OSError):
+        pass  # the worker itself says what is wrong with the config
     command = [sys.executable, "-m", "studio.worker", str(run.path.resolve())]
     if resume:
         command.append("--resume")
