@@ -138,7 +138,9 @@ def driver(args: argparse.Namespace) -> int:
     elif not (Path(args.model) / "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "bench/make_random_model.py"), "--out", args.model], check=True)
     data = long_rows(work / "long.jsonl", max(MICRO_BATCHES) * args.gpus * args.steps + 64, args.seed)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    # This checkout first, then whatever the caller put there (wheels unpacked into a folder).
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     if args.tiny:
         env.update(STUDIO_DEVICE="cpu", STUDIO_DISTRIBUTED_CPU="1", OMP_NUM_THREADS="1")
     report: dict = {"command": " ".join(shlex.quote(a) for a in sys.argv), "gpus": gpus or ["cpu"],
