@@ -26,7 +26,7 @@ def batch_line(config: RunConfig) -> str:
            f"{t.accumulation_steps()} accumulation"
     if gpus > 1:
         line += (f" x {gpus} GPUs; the memory above is each GPU's (each holds the model, its LoRA and "
-                 "optimizer; NCCL adds a few hundred MB)")
+                 "optimizer; NCCL's buffers, a few hundred MB, are not counted)")
     return line
 
 
