@@ -75,8 +75,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"studio estimate: {args.config}: {exc}", file=sys.stderr)
         return 1
     if getattr(args, "json", False):
-        gpus = requested_gpus(config)
-        print(json.dumps({**result.to_json_dict(), "gpus": gpus, "effective_batch": effective_batch(config, gpus)}))
+        print(json.dumps(result.to_json_dict()))  # a documented shape: the batch line is the table's
     else:
         print(format_table(result, model, gpu.name, config))
     return 0
