@@ -9,6 +9,7 @@ refused in one line.
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,53 @@ def test_each_card_gets_a_gauge_line_and_the_batch_line_counts_the_gpus() -> Non
     assert batch_text(started) == "micro-batch 4 x 2 accumulation x 2 GPUs = effective batch 16"
     assert batch_text(ev.RunStarted(micro_batch_size=4, gradient_accumulation_steps=2)) == \
         "micro-batch 4 x 2 accumulation = effective batch 8"
+
+
+@pytest.mark.slow
+def test_pause_resume_stop_and_start_again_reach_both_processes(make_tiny_config, env, tmp_path,
+                                                                 monkeypatch) -> None:
+    """The TUI's way: start the run's worker (the launcher, torchrun, two ranks), then commands."""
+    from studio.core.runs import create_run
+    from studio.worker.client import connect_or_start
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = parse_config(_config(make_tiny_config, tmp_path, 4, 4).read_text())
+    config.trainer.max_steps, config.distributed.gpus = 400, 2
+    run = create_run(config, tmp_path / "runs")
+    client = connect_or_start(run, timeout=30)
+    client.send(ev.StartTraining())
+    seen: list[ev.Event] = []
+    paused_at = -10
+    try:
+        for event in client.events(poll_s=0.2):
+            seen.append(event)
+            if isinstance(event, ev.StepLogged) and event.step == 3:
+                client.send(ev.Pause())
+            elif isinstance(event, ev.TrainingPaused):
+                paused_at = event.step
+                time.sleep(1.5)  # the other rank waits through "still paused" meanwhile
+                client.send(ev.Resume())
+            elif isinstance(event, ev.StepLogged) and event.step == paused_at + 2:
+                client.send(ev.Stop())
+            elif isinstance(event, ev.TrainingFinished) and len(_of(seen, ev.TrainingFinished)) == 1:
+                client.send(ev.StartTraining(resume=True))  # the same processes train again
+            elif isinstance(event, ev.RunStarted) and event.resumed_from_step:
+                client.send(ev.Stop())
+            elif isinstance(event, ev.TrainingFinished):
+                client.send(ev.Shutdown())
+            elif isinstance(event, ev.WorkerStopped) and event.seq >= 0:
+                break
+    finally:
+        client.close()
+    finished, starts = _of(seen, ev.TrainingFinished), _of(seen, ev.RunStarted)
+    assert [s.gpus for s in starts] == [2, 2] and starts[1].resumed_from_step == finished[0].step
+    assert finished[0].stopped and finished[1].stopped and finished[0].step >= paused_at + 2
+    steps = [e.step for e in _of(seen, ev.StepLogged)]
+    # Nothing lost or repeated over the pause, and the resume went on from the stop.
+    assert steps == list(range(1, finished[1].step + 1)) and finished[1].step > finished[0].step
+    assert not [e for e in _of(seen, ev.WorkerFailed) if e.fatal]
+
+
+def _of(events: list[ev.Event], kind: type) -> list:
+    return [e for e in events if isinstance(e, kind)]
