@@ -1,8 +1,9 @@
 """How many GPUs a run trains on, and which: ``distributed.gpus`` against this machine's cards.
 
-Plain Python (no torch, no NVML): the launcher, ``studio estimate`` and the UI decide this before
+Plain Python (no torch): the launcher, ``studio estimate`` and the UI decide this before
 anything heavy is imported. The cards are counted from the NVIDIA driver's ``/proc`` entries and
-narrowed by ``CUDA_VISIBLE_DEVICES`` as CUDA narrows them.
+narrowed by ``CUDA_VISIBLE_DEVICES`` as CUDA narrows them (NVML or ``nvidia-smi -L`` where a container
+hides those entries).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class GpuCountError(ValueError):
 def visible_gpu_ids() -> list[str]:
     """The GPUs this process may use, by the names ``CUDA_VISIBLE_DEVICES`` gives them (indices, or
     UUIDs), or ``0..n-1`` for the driver's n cards; empty without an NVIDIA driver."""
-    present = len(list(DRIVER_GPUS.iterdir())) if DRIVER_GPUS.is_dir() else 0
+    present = _driver_gpu_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return [str(i) for i in range(present)]
@@ -39,6 +40,28 @@ def visible_gpu_ids() -> list[str]:
             break
         ids.append(item)
     return ids if present else []
+
+
+def _driver_gpu_count() -> int:
+    """The NVIDIA driver's cards: its /proc folders, else NVML (a container may hide /proc's), else
+    ``nvidia-smi -L``; 0 without a driver."""
+    if DRIVER_GPUS.is_dir():
+        return len(list(DRIVER_GPUS.iterdir()))
+    from studio.core.gpus import detect_gpus
+
+    found = detect_gpus()
+    if found:
+        return len(found)
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
 
 
 def cpu_processes_allowed() -> bool:
