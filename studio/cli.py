@@ -59,6 +59,11 @@ def _number(kind: type, low: float, rule: str) -> Callable[[str], float]:
 
 
 _POSITIVE_INT = _number(int, 1, "1 or more")
+
+
+def _gpu_count(text: str) -> int | str:
+    """--gpus: a whole number of 1 or more, or ``all``."""
+    return "all" if text.strip().lower() == "all" else int(_POSITIVE_INT(text))
 _POSITIVE_GB = _number(float, 0.5, "a capacity in GB of 0.5 or more")
 
 
@@ -99,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN", help="continue RUN from its latest checkpoint")
     train.add_argument("--from-scratch", action="store_true",
                        help="with --resume: start a run that saved no checkpoint again from step 0")
+    train.add_argument("--gpus", type=_gpu_count, metavar="N",
+                       help="train data-parallel on N GPUs of this machine, or 'all' (overrides distributed.gpus)")
     train.add_argument("--detach", action="store_true",
                        help="train in a background worker that outlives this terminal; prints the run id")
 

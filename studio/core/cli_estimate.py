@@ -9,16 +9,28 @@ import argparse
 import json
 import sys
 
-from studio.core.config import ConfigError, load_config
+from studio.core.config import ConfigError, RunConfig, load_config
 from studio.core.gpus import GB, detect_gpus, gpu_for_size
 from studio.core.model_info import ModelInfoError, load_model_info
+from studio.core.multigpu import effective_batch, requested_gpus
 from studio.core.vram import CATEGORIES, Estimate, estimate
 
 DEFAULT_GPU_GB = 24.0
 """Capacity assumed when no card is detected and none is given: the common 24 GB cards."""
 
 
-def format_table(result: Estimate, model: str, gpu_name: str) -> str:
+def batch_line(config: RunConfig) -> str:
+    """The effective batch, and on several GPUs that the memory above is each card's."""
+    t, gpus = config.trainer, requested_gpus(config)
+    line = f"effective batch {effective_batch(config, gpus)} = micro-batch {t.micro_batch_size} x " \
+           f"{t.accumulation_steps()} accumulation"
+    if gpus > 1:
+        line += (f" x {gpus} GPUs; the memory above is each GPU's (each holds the model, its LoRA and "
+                 "optimizer; NCCL's buffers, a few hundred MB, are not counted)")
+    return line
+
+
+def format_table(result: Estimate, model: str, gpu_name: str, config: RunConfig | None = None) -> str:
     """The human-readable report: one line per category, the total and the verdict."""
     plan = result.plan
     lines = [f"{model}: {plan.weights} weights, "
@@ -38,6 +50,8 @@ def format_table(result: Estimate, model: str, gpu_name: str) -> str:
         verdict = "fits" if result.fits else "does NOT fit"
         lines.append(f"{verdict} on {gpu_name} ({result.capacity / GB:.1f} GB); largest micro-batch that fits: "
                      f"{result.max_micro_batch}")
+    if config is not None:
+        lines.append(batch_line(config))
     lines.extend(f"note: {note}" for note in result.notes)
     return "\n".join(lines)
 
@@ -63,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"studio estimate: {args.config}: {exc}", file=sys.stderr)
         return 1
     if getattr(args, "json", False):
-        print(json.dumps(result.to_json_dict()))
+        print(json.dumps(result.to_json_dict()))  # a documented shape: the batch line is the table's
     else:
-        print(format_table(result, model, gpu.name))
+        print(format_table(result, model, gpu.name, config))
     return 0

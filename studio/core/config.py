@@ -1,7 +1,7 @@
 """The run configuration: typed dataclasses <-> YAML, with Ludwig-style LLM keys accepted.
 
 A config file is either Studio's own layout (sections ``model``, ``quantization``, ``lora``,
-``prompt``, ``data``, ``trainer``, ``generation``) or a Ludwig LLM config (``model_type: llm``,
+``prompt``, ``data``, ``trainer``, ``generation``, ``distributed``) or a Ludwig LLM config (``model_type: llm``,
 ``base_model``, ``adapter``, ``trainer: {type: finetune, ...}``); :func:`load_config` detects which
 and returns a :class:`RunConfig`. Errors name the file, the line and the key, and suggest the
 nearest known key.
@@ -157,7 +157,8 @@ class TrainerConfig:
     """Examples per forward/backward pass: what must fit in GPU memory."""
 
     effective_batch_size: int | None = 16
-    """Examples per optimizer step; gradient accumulation = effective / micro batch."""
+    """Examples per optimizer step on one GPU; gradient accumulation = effective / micro batch. On
+    several GPUs (``distributed.gpus``) each takes this many, so a step takes this x gpus."""
 
     gradient_accumulation_steps: int | None = None
     """Set directly instead of ``effective_batch_size`` (Ludwig style); None to derive it."""
@@ -212,6 +213,16 @@ class TrainerConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Data-parallel training on several GPUs of this machine (docs/multigpu.md)."""
+
+    gpus: int | str = 1
+    """How many GPUs train the run: 1, a number (each gets a copy of the model and a share of every
+    step's rows; torchrun starts one process a GPU), or ``all`` (every GPU this process can see).
+    The effective batch is micro-batch x accumulation x gpus; ``studio train --gpus N`` overrides."""
+
+
+@dataclass
 class GenerationConfig:
     """Defaults for answers in the chat pane, ``studio eval`` and previews."""
 
@@ -249,6 +260,9 @@ class RunConfig:
 
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     """Answer defaults."""
+
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """How many GPUs train it."""
 
     output_dir: str = "runs"
     """Folder under which each run gets its own directory."""
@@ -357,6 +371,12 @@ def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines |
         if not _FIELD_NAME.fullmatch(name) or not column.strip():
             raise reader.fail(("data", "columns", name), f"'data.columns' maps {name!r} to {column!r}; "
                               "write template_field: column_name (field names are letters, digits and _)")
+    gpus = config.distributed.gpus
+    if isinstance(gpus, str) and gpus.strip().lower() in ("all", *(str(n) for n in range(1, 1025))):
+        gpus = config.distributed.gpus = gpus.strip().lower() if not gpus.strip().isdigit() else int(gpus)
+    if not (gpus == "all" or (isinstance(gpus, int) and gpus >= 1)):
+        raise reader.fail(("distributed", "gpus"), f"'distributed.gpus' is {gpus!r}; give a number of GPUs "
+                          "(1 or more) or 'all'")
     _check_template(config, reader)
     return config
 
@@ -412,7 +432,7 @@ def parse_config(text: str, source: str = "config") -> RunConfig:
     return validate(config, source, reader.lines)
 
 
-_SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation")
+_SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation", "distributed")
 
 
 _MAX_CONFIG_BYTES = 2**20

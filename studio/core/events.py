@@ -87,6 +87,11 @@ class RunStarted(Event):
     micro_batch_size: int = 1
     gradient_accumulation_steps: int = 1
     resumed_from_step: int = 0
+    gpus: int = 1
+    """Processes (GPUs) training data-parallel; accumulation is each one's."""
+    effective_batch_size: int = 0
+    """Rows (packed rows when packing) per optimizer step over every GPU: micro x accumulation x gpus
+    (0 in logs written before it was recorded)."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,8 @@ class MemorySampled(Event):
     peak_reserved: int = 0
     capacity: int = 0
     categories: dict[str, int] = field(default_factory=dict)
+    rank: int = 0
+    """Which process (GPU) of a data-parallel run this sample is from; each samples its own card."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ _METADATA = ["ludwig_version", "model_type"]
 """Top-level keys that describe the file rather than the run."""
 
 _IGNORED_SECTIONS = {
-    "backend": "Studio trains on this machine's one GPU (Ludwig's backend picks Ray or local)",
+    "backend": ("Studio does not use Ray, Horovod or DeepSpeed; it trains data-parallel on this machine's GPUs "
+                "itself (torchrun, one process a GPU): set 'distributed: {gpus: N}' or run "
+                "'studio train CONFIG --gpus N'"),
     "hyperopt": "Studio runs one configuration (compare runs with `studio runs`)",
     "defaults": "feature defaults do not apply to an LLM fine-tune here",
     "model_parameters": "Studio loads the model as saved (no RoPE scaling or neftune options)",
@@ -93,6 +95,7 @@ def from_ludwig(raw: dict[str, Any], reader: Any) -> dict[str, Any]:
             raise reader.unknown((key,), _LUDWIG_TOP)
         if key in _IGNORED_SECTIONS and raw[key] is not None:
             reader.note((key,), f"Ludwig's '{key}' section is ignored: {_IGNORED_SECTIONS[key]}")
+    _note_strategy(raw.get("backend"), reader)
     if raw.get("model_type") != "llm":
         raise reader.fail(("model_type",), "only 'model_type: llm' is supported")
     if "base_model" in raw:
@@ -121,6 +124,20 @@ def _section(raw: dict[str, Any], name: str, reader: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise reader.fail((name,), f"'{name}' must be a mapping of keys to values")
     return value
+
+
+def _note_strategy(backend: Any, reader: Any) -> None:
+    """Ludwig's ``backend.trainer.strategy`` (ddp, fsdp, deepspeed, horovod) gets its own note: what
+    Studio does instead, and the ``distributed.gpus`` that matches ``num_workers``."""
+    trainer = backend.get("trainer") if isinstance(backend, dict) else None
+    if not isinstance(trainer, dict) or "strategy" not in trainer:
+        return
+    workers = trainer.get("num_workers")
+    gpus = workers if isinstance(workers, int) and workers > 0 else "N"
+    reader.note(("backend", "trainer", "strategy"), (
+        f"Ludwig's 'backend.trainer.strategy: {trainer['strategy']}' is not used: Studio copies the model to "
+        f"each GPU and sums the LoRA gradients across them (as DDP does; the 4-bit base is small enough not "
+        f"to shard); set 'distributed: {{gpus: {gpus}}}' or run 'studio train CONFIG --gpus {gpus}'"))
 
 
 def _check_keys(section: dict[str, Any], path: tuple[str, ...], acted: list[str], ignored: list[str],

@@ -117,6 +117,16 @@ def finished_line(event: ev.TrainingFinished) -> str:
             f"adapter -> {event.adapter_path} ({format_duration(event.elapsed_s)})")
 
 
+def batch_text(event: ev.RunStarted) -> str:
+    """"micro-batch 4 x 2 accumulation", with " x 2 GPUs = effective batch 16" on several GPUs."""
+    text = f"micro-batch {event.micro_batch_size} x {event.gradient_accumulation_steps} accumulation"
+    if event.gpus > 1:
+        text += f" x {event.gpus} GPUs"
+    effective = event.effective_batch_size or \
+        event.micro_batch_size * event.gradient_accumulation_steps * max(1, event.gpus)
+    return f"{text} = effective batch {effective}"
+
+
 def describe(event: ev.Event) -> str | None:
     """One readable line for any event; None for streamed tokens (their answer gets a line)."""
     match event:
@@ -134,8 +144,7 @@ def describe(event: ev.Event) -> str | None:
         case ev.RunStarted():
             start = f"resumed from step {event.resumed_from_step}" if event.resumed_from_step else "started"
             return (f"training {start}: {event.total_steps} steps, {event.train_rows} train / "
-                    f"{event.eval_rows} eval rows, micro-batch {event.micro_batch_size} x "
-                    f"{event.gradient_accumulation_steps} accumulation")
+                    f"{event.eval_rows} eval rows, {batch_text(event)}")
         case ev.ModelLoading():
             return f"loading model: {event.stage} {event.fraction:.0%}"
         case ev.ModelLoaded():
@@ -144,7 +153,8 @@ def describe(event: ev.Event) -> str | None:
                     f"{event.trainable_params:,} trainable of {event.total_params:,} params, "
                     f"{format_duration(event.load_seconds)}")
         case ev.MemorySampled():
-            return f"memory at step {event.step} ({event.device}): {memory_text(event)}"
+            card = f", GPU {event.rank}" if event.rank else ""
+            return f"memory at step {event.step} ({event.device}{card}): {memory_text(event)}"
         case ev.CheckpointSaved():
             return f"checkpoint at step {event.step} -> {event.path}"
         case ev.TrainingPaused():

@@ -2,7 +2,8 @@
 
 A checkpoint holds the adapter (``adapter/``, loadable by ``PeftModel.from_pretrained``), the
 optimizer and scheduler states, the RNG states (python, numpy, torch, CUDA) and the trainer's own
-state as JSON (step, data cursor, micro-batch and accumulation, best eval loss). It is written into a
+state as JSON (step, data cursor, micro-batch and accumulation, best eval loss). A data-parallel run
+adds each other rank's RNG states as ``rng-rank-R.pt``; the rest is the same on every rank. It is written into a
 temp folder, synced to the disk and renamed into place, so a crash, a full disk or a power cut
 mid-write leaves the previous checkpoint intact (and :meth:`studio.core.runs.RunDir.checkpoints`
 never lists the temp folder, which a failed write removes).
@@ -52,8 +53,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(run: RunDir, step: int, model: Any, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler, state: dict[str, Any], keep: int) -> Path:
-    """Write ``checkpoints/step-<step>`` atomically and delete all but the newest ``keep``."""
+         scheduler: torch.optim.lr_scheduler.LRScheduler, state: dict[str, Any], keep: int,
+         rank_rng: list[dict[str, Any]] | None = None) -> Path:
+    """Write ``checkpoints/step-<step>`` atomically and delete all but the newest ``keep``;
+    ``rank_rng`` holds the RNG states of ranks 1, 2, ... of a data-parallel run."""
     final = run.checkpoints_dir / f"step-{step}"
     tmp = run.checkpoints_dir / f".tmp-step-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -63,6 +66,8 @@ def save(run: RunDir, step: int, model: Any, optimizer: torch.optim.Optimizer,
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
+        for rank, states in enumerate(rank_rng or [], start=1):
+            torch.save(states, tmp / f"rng-rank-{rank}.pt")
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
         sync_tree(tmp)  # on the disk before the rename publishes it: whole even after a power cut
     except BaseException:
@@ -97,12 +102,15 @@ def load_adapter_weights(model: Any, adapter_dir: Path, device: torch.device | s
     return list(getattr(result, "unexpected_keys", []) or [])
 
 
-def read(path: Path, device: torch.device | str) -> dict[str, Any]:
+def read(path: Path, device: torch.device | str, rank: int = 0) -> dict[str, Any]:
     """Every file of the checkpoint at ``path``, read and checked without touching the model: a
     truncated or missing file raises here (OSError, RuntimeError, ValueError, pickle's errors...),
-    so a resume can fall back to an older checkpoint with nothing half restored."""
+    so a resume can fall back to an older checkpoint with nothing half restored. Rank R > 0 of a
+    data-parallel run reads ``rng-rank-R.pt``; a rank the checkpoint has none for (resumed on more
+    processes than it was saved on) gets None and keeps the RNG it has."""
     from safetensors.torch import load_file
 
+    rng = path / ("rng.pt" if rank == 0 else f"rng-rank-{rank}.pt")
     state = json.loads((path / STATE_FILE).read_text())
     for key in ("step", "cursor", "micro_batch_size", "units_per_step"):
         if key not in state:
@@ -112,7 +120,7 @@ def read(path: Path, device: torch.device | str) -> dict[str, Any]:
         # Our own files: full unpickling is needed for the optimizer's and RNG's python objects.
         "optimizer": torch.load(path / "optimizer.pt", map_location=device, weights_only=False),
         "scheduler": torch.load(path / "scheduler.pt", weights_only=False),
-        "rng": torch.load(path / "rng.pt", weights_only=False),
+        "rng": torch.load(rng, weights_only=False) if rank == 0 or rng.exists() else None,
         "state": state,
     }
 
@@ -130,12 +138,13 @@ def apply(files: dict[str, Any], model: Any, optimizer: torch.optim.Optimizer,
     set_peft_model_state_dict(model, files["adapter"])
     optimizer.load_state_dict(files["optimizer"])
     scheduler.load_state_dict(files["scheduler"])
-    set_rng_state(files["rng"])
+    if files["rng"] is not None:
+        set_rng_state(files["rng"])
     return files["state"]
 
 
 def load(path: Path, model: Any, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device) -> dict[str, Any]:
+         scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device, rank: int = 0) -> dict[str, Any]:
     """Restore adapter weights, optimizer, scheduler and RNG from ``path``; returns the trainer state
     (:func:`read`, then :func:`apply`)."""
-    return apply(read(path, device), model, optimizer, scheduler)
+    return apply(read(path, device, rank), model, optimizer, scheduler)

@@ -196,3 +196,21 @@ def reset_peak(device: torch.device | str | None) -> None:
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda" and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def sample(model: Any, optimizer: Any, device: torch.device | None, step: int, rank: int = 0) -> Any:
+    """A MemorySampled event for ``device`` now: the categories of :func:`measure_memory` and the
+    allocator's totals (on the CPU, which has no allocator counters, what the model and optimizer
+    hold stands for every total). ``rank``: which process of a data-parallel run it comes from."""
+    from studio.core import events as ev
+
+    categories = measure_memory(model, optimizer, device)
+    if device is not None and device.type == "cuda":
+        totals = device_totals(device)
+        name = torch.cuda.get_device_name(device)
+    else:
+        held = sum(categories.values())
+        totals = {"allocated": held, "reserved": held, "peak_allocated": held, "peak_reserved": held,
+                  "capacity": 0}
+        name = "cpu"
+    return ev.MemorySampled(step=step, device=name, categories=categories, rank=rank, **totals)

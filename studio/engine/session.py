@@ -8,10 +8,15 @@ worker talks to the session only; the Trainer only trains.
 
 Everything it has to say goes through the one ``emit`` callback as typed events
 (studio/core/events.py).
+
+Data parallel (torchrun): rank 0's session is the worker's; the other ranks run :func:`follow`, a
+session of their own that trains whenever rank 0's does (studio/engine/distributed.py).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +28,7 @@ from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig
 from studio.core.runs import RunDir
 from studio.engine import checkpoint, oom
+from studio.engine import distributed as dist
 from studio.engine import fast as fastpath
 from studio.engine import generate as gen
 from studio.engine.model import BaseModel, ModelLoadError, attach_lora, count_parameters, load_base
@@ -65,7 +71,9 @@ class Session:
         self.run = run
         self.emit = emit
         self.between_steps = between_steps
-        self.device = device
+        self.group = dist.current()
+        """This process's place in a data-parallel run (a group of one without torchrun)."""
+        self.device = device or self.group.device
         self.base: BaseModel | None = None
         self.model: Any = None
         self.tokenizer: Any = None
@@ -209,9 +217,17 @@ class Session:
 
     def train(self, resume: bool = False) -> ev.TrainingFinished:
         """Train to the end or a stop request with a new Trainer; with ``resume``, continue from the
-        run's latest checkpoint."""
+        run's latest checkpoint. Rank 0 of a data-parallel run first tells the other ranks to train
+        too. A crash there ends every rank (one alone could not finish a step; torchrun ends the rest)."""
+        self.group.instruct({"do": "train", "resume": resume})
         self.trainer = self.new_trainer()
-        return self.trainer.train(resume=resume)
+        try:
+            return self.trainer.train(resume=resume)
+        except TrainingError as exc:
+            if self.group.active and exc.kind == "crash":
+                sys.stderr.flush()
+                os._exit(1)
+            raise
 
     def evaluate(self) -> ev.EvalLogged:
         """Validation loss now (EvalLogged), at the latest Trainer's step and micro-batch size."""
@@ -271,3 +287,27 @@ class Session:
                 oom.warn(self.emit, message)
                 raise TrainingError("oom", message)
         raise AssertionError("not reached")
+
+
+def follow(run: RunDir) -> None:
+    """A rank other than 0 of a data-parallel run: a session of its own that loads and trains
+    whenever rank 0's worker says so, until it says exit. Its events stay here (rank 0 writes the
+    run's); failures go to stderr, which is the run's worker.log."""
+
+    def emit(event: ev.Event) -> None:
+        if isinstance(event, ev.WorkerFailed):
+            print(f"rank {group.rank}: {event.message}", file=sys.stderr, flush=True)
+
+    group = dist.current()
+    session = Session(run.config(), run, emit)
+    while (order := group.next_instruction())["do"] == "train":
+        if not session.loaded:
+            try:
+                session.load()
+            except TrainingError:
+                sys.exit(1)  # rank 0 loaded, so it waits for this rank: torchrun ends the run instead
+        try:
+            session.train(resume=bool(order.get("resume")))
+        except TrainingError:
+            pass  # every rank met it together (an OOM at micro-batch 1); wait for rank 0's next word
+    group.close()

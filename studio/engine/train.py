@@ -11,6 +11,11 @@ Exact resume: a checkpoint holds the adapter, optimizer, scheduler, RNG states a
 and the loss of a step is averaged over the response tokens of the whole step, so that the same
 units split into different micro-batches (after an out-of-memory halving) give the same step.
 
+Data parallel (torchrun, studio/engine/distributed.py): every rank draws the same step from the data
+stream and trains on its share of the units; the gradients are summed across ranks before clipping,
+so a step on N processes is the step one process would take on all the units. Rank 0 alone writes
+events, evaluates, checkpoints and saves the adapter, and decides after each step whether to go on.
+
 Past ~400 lines on purpose: each out-of-memory recovery (step, evaluation, optimizer step,
 checkpoint) and the resume fallback change the loop's own state (micro-batch, evaluation batch,
 optimizer settings, step and cursor); kept beside the loop they read in the order they happen.
@@ -33,6 +38,7 @@ from studio.core import events as ev
 from studio.core.runs import ADAPTER_STEP_FILE
 from studio.core.storage import DiskFull, is_disk_full
 from studio.engine import checkpoint, oom
+from studio.engine import distributed as dist
 from studio.engine import fast as fastpath
 from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream, MicroBatch, eval_batches
 from studio.engine.optim import build_optimizer, build_scheduler
@@ -49,6 +55,7 @@ class Trainer:
         self.run = session.run
         self.emit = session.emit
         self.between_steps = between_steps if between_steps is not None else session.between_steps
+        self.group: dist.Group = session.group
         self.stream: DataStream | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -56,8 +63,8 @@ class Trainer:
         self.total_steps = 0
         self.cursor = Cursor()
         self.micro_batch_size = self.config.trainer.micro_batch_size
-        # Units per optimizer step stay fixed; accumulation follows the micro-batch.
-        self.units_per_step = self.micro_batch_size * self.config.trainer.accumulation_steps()
+        # Units per optimizer step (over every rank) stay fixed; accumulation follows the micro-batch.
+        self.units_per_step = self.micro_batch_size * self.config.trainer.accumulation_steps() * self.group.world
         self.best_eval_loss: float | None = None
         self.tokens_seen = 0
         self.elapsed = 0.0
@@ -68,6 +75,7 @@ class Trainer:
         """Rows per evaluation batch after an out-of-memory there (None: the micro-batch size)."""
         self._flops_per_token = 0.0
         self._peak_flops = 0.0
+        self._saved_step: int | None = None
 
     # ------------------------------------------------------------------------------------ set-up
 
@@ -88,8 +96,8 @@ class Trainer:
 
     @property
     def accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step at the current micro-batch size."""
-        return math.ceil(self.units_per_step / self.micro_batch_size)
+        """Micro-batches per optimizer step (on each rank) at the current micro-batch size."""
+        return math.ceil(math.ceil(self.units_per_step / self.group.world) / self.micro_batch_size)
 
     def load(self) -> None:
         """Load the session if it is not yet, and set up the data stream. On a user error a
@@ -147,13 +155,18 @@ class Trainer:
         else:
             # A trained adapter loaded for chat must not be where training from scratch starts.
             self.session.restore_fresh_lora()
+            if self.group.rank > 0:
+                torch.manual_seed(tc.seed + self.group.rank)  # each rank its own dropout masks
+        # Every rank starts from rank 0's LoRA (a restored checkpoint's, or the fresh one).
+        self.group.broadcast_parameters([p for p in self.model.parameters() if p.requires_grad])
         self.state = "training"
         self.model.train()
         self.emit(ev.RunStarted(run_id=self.run.id, base_model=self.config.model.base_model,
                                 total_steps=self.total_steps, train_rows=len(self.session.data.train),
                                 eval_rows=len(self.session.data.validation), micro_batch_size=self.micro_batch_size,
                                 gradient_accumulation_steps=self.accumulation_steps,
-                                resumed_from_step=resumed_from))
+                                resumed_from_step=resumed_from, gpus=self.group.world,
+                                effective_batch_size=self.units_per_step))
         from studio.engine.memory import reset_peak
 
         window_tokens, window_start = 0, time.time()
@@ -168,7 +181,7 @@ class Trainer:
                 # The sample's peak (its activations) is this one step's: not loading's, evaluation's,
                 # a checkpoint's or a chat answer's between steps.
                 reset_peak(self.device)
-            result = self._optimizer_step(units)
+            result = self._optimizer_step(self.group.shard(units))
             if result is None:
                 continue  # out of memory: the micro-batch was halved, redo the same step
             loss, grad_norm, tokens = result
@@ -182,7 +195,8 @@ class Trainer:
                 now = time.time()
                 rate = window_tokens / max(now - window_start, 1e-9)
                 per_step = (now - session_start) / max(1, self.step - resumed_from)
-                self.emit(self.memory_event())
+                for sample in self.group.gather(self.memory_event()) or []:
+                    self.emit(sample)
                 self.emit(ev.StepLogged(step=self.step, total_steps=self.total_steps,
                                         epoch=round(self.stream.epoch_progress(self.cursor), 4), loss=loss,
                                         learning_rate=lr, grad_norm=grad_norm, tokens_per_s=round(rate, 1),
@@ -191,28 +205,30 @@ class Trainer:
                                         mfu=round(rate * self._flops_per_token / self._peak_flops, 4)
                                         if self._peak_flops else 0.0))
                 window_tokens, window_start = 0, now
-            if self.step == self.total_steps or (tc.eval_interval and self.step % tc.eval_interval == 0):
-                self.evaluate()
+            if self.group.leader and (self.step == self.total_steps or
+                                      (tc.eval_interval and self.step % tc.eval_interval == 0)):
+                self.evaluate()  # the other ranks wait for the verdict below meanwhile
             if tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0:
                 self.save_checkpoint()
-            if self.between_steps is not None and self.between_steps(self) == "stop":
-                self._stop_requested = True
+            self._stop_requested = self.group.verdict(self._decide) == dist.STOP
             if self._stop_requested and self.step < self.total_steps:
                 stopped = True
                 break
-        if self._checkpoint_step() != self.step:
+        if self._saved_step != self.step:
             self.save_checkpoint()
         from studio.engine.model import save_adapter
 
-        try:
-            # RunDir.adapter() compares the step file with the checkpoints' steps (a later resume
-            # may pass it).
-            adapter = save_adapter(self.model, self.run.adapter_dir, self.config,
-                                   extra={ADAPTER_STEP_FILE: json.dumps({"step": self.step})})
-        except Exception as exc:
-            if is_disk_full(exc, self.run.path):
-                raise DiskFull(self.run.adapter_dir, self.run.id) from exc
-            raise
+        adapter = self.run.adapter_dir
+        if self.group.leader:
+            try:
+                # RunDir.adapter() compares the step file with the checkpoints' steps (a later resume
+                # may pass it).
+                adapter = save_adapter(self.model, self.run.adapter_dir, self.config,
+                                       extra={ADAPTER_STEP_FILE: json.dumps({"step": self.step})})
+            except Exception as exc:
+                if is_disk_full(exc, self.run.path):
+                    raise DiskFull(self.run.adapter_dir, self.run.id) from exc
+                raise
         self.state = "stopped" if stopped else "finished"
         finished = ev.TrainingFinished(step=self.step, stopped=stopped, adapter_path=str(adapter),
                                        train_loss=last_loss, best_eval_loss=self.best_eval_loss,
@@ -220,13 +236,28 @@ class Trainer:
         self.emit(finished)
         return finished
 
+    def _decide(self) -> int:
+        """Rank 0's verdict after a step: the worker's hook (it serves commands, and blocks while
+        paused) or a stop request say STOP, else GO."""
+        if self.between_steps is not None and self.between_steps(self) == "stop":
+            self._stop_requested = True
+        return dist.STOP if self._stop_requested else dist.GO
+
+    def keep_alive(self) -> None:
+        """Called by the worker while training is paused: the other ranks keep waiting."""
+        self.group.still_paused()
+
     def _optimizer_step(self, units: list[list[int]]) -> tuple[float, float, int] | None:
-        """One optimizer step over ``units``: (loss, grad norm, tokens), or None after an OOM."""
+        """One optimizer step over ``units`` (this rank's share): (loss, grad norm, tokens) of the
+        whole step over every rank, or None after an OOM."""
         assert self.stream is not None and self.optimizer is not None and self.scheduler is not None
         pad = self.tokenizer.pad_token_id
         batches = [self.stream.collate(units[i:i + self.micro_batch_size], pad)
                    for i in range(0, len(units), self.micro_batch_size)]
-        label_tokens = max(1, sum(b.label_tokens for b in batches))
+        # Every rank divides by the whole step's count, so the summed gradients are one process's.
+        label_tokens, step_tokens = self.group.sum_counts(sum(b.label_tokens for b in batches),
+                                                          sum(b.tokens for b in batches))
+        label_tokens = max(1, label_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         out_of_memory = False
@@ -239,15 +270,17 @@ class Trainer:
                 loss_sum += loss.detach()
         except torch.cuda.OutOfMemoryError:
             out_of_memory = True
-        if out_of_memory:
+        if self.group.any(out_of_memory):  # every rank halves, and redoes the step, together
             # Outside the except block, so the traceback no longer pins the step's tensors.
             self._handle_oom()
             return None
         params = [p for p in self.model.parameters() if p.requires_grad]
+        # Outside the fast path's CUDA graphs: they wrote the gradients; this sums them over ranks.
+        loss_sum = self.group.reduce_gradients(params, loss_sum)
         grad_norm = self._update_or_retry(params)
         self.optimizer.zero_grad(set_to_none=True)
         # .item() is a device sync point: once per optimizer step, not per micro-batch.
-        return float(loss_sum.item()) / label_tokens, float(grad_norm.item()), sum(b.tokens for b in batches)
+        return float(loss_sum.item()) / label_tokens, float(grad_norm.item()), step_tokens
 
     def update(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         """Clip the gradients, step the optimizer and the schedule; returns the gradient norm. Every
@@ -399,26 +432,29 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- checkpoints
 
-    def _checkpoint_step(self) -> int | None:
-        latest = self.run.latest_checkpoint()
-        return int(latest.name.split("-")[1]) if latest is not None else None
-
     def save_checkpoint(self) -> Path | None:
         """Write ``checkpoints/step-N`` atomically (studio/engine/checkpoint.py); keep the newest K.
-        Out of memory twice, the checkpoint is skipped (a warning says so) and None returned."""
+        Every rank calls it (their RNG states go in); rank 0 writes. Out of memory twice, the
+        checkpoint is skipped (a warning says so) and None returned."""
         assert self.optimizer is not None and self.scheduler is not None
+        final = self.run.checkpoints_dir / f"step-{self.step}"
+        rank_rng = self.group.gather(checkpoint.rng_state())
+        self._saved_step = self.step
+        if not self.group.leader:
+            return final
         state = {
             "total_steps": self.total_steps,
             "cursor": {"epoch": self.cursor.epoch, "offset": self.cursor.offset},
             "micro_batch_size": self.micro_batch_size, "units_per_step": self.units_per_step,
             "gradient_accumulation_steps": self.accumulation_steps, "best_eval_loss": self.best_eval_loss,
             "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed, "seed": self.config.trainer.seed,
+            "processes": self.group.world,
         }
         for attempt in (1, 2):
             failed = False
             try:
                 final = checkpoint.save(self.run, self.step, self.model, self.optimizer, self.scheduler, state,
-                                        self.config.trainer.keep_checkpoints)
+                                        self.config.trainer.keep_checkpoints, rank_rng=(rank_rng or [])[1:])
                 break
             except oom.OutOfMemory:
                 failed = True
@@ -434,6 +470,7 @@ class Trainer:
                     "freed memory, saving it again" if attempt == 1 else
                     f"skipped it ({kept}); training goes on")))
         else:
+            self._saved_step = None  # skipped: the end of training tries again
             return None
         self.emit(ev.CheckpointSaved(step=self.step, path=str(final)))
         return final
@@ -449,7 +486,7 @@ class Trainer:
         skipped = []
         for path in found:
             try:
-                files = checkpoint.read(path, self.device)
+                files = checkpoint.read(path, self.device, rank=self.group.rank)
             except Exception as exc:  # a truncated or missing file: whatever the reader raises
                 reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
                 skipped.append(f"{path.name}: {reason}")
@@ -468,10 +505,16 @@ class Trainer:
     def _restore(self, files: dict[str, Any]) -> None:
         assert self.optimizer is not None and self.scheduler is not None
         state = checkpoint.apply(files, self.model, self.optimizer, self.scheduler)
-        self.step = int(state["step"])
+        self.step = self._saved_step = int(state["step"])
         self.cursor = Cursor(int(state["cursor"]["epoch"]), int(state["cursor"]["offset"]))
         self.micro_batch_size = int(state["micro_batch_size"])
+        # The effective batch (units over every rank) is the run's: on another number of processes
+        # each rank's share and accumulation change, the steps' data do not.
         self.units_per_step = int(state["units_per_step"])
+        saved_on = int(state.get("processes", 1))
+        if saved_on != self.group.world:
+            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=dist.resume_note(
+                saved_on, self.group.world, self.units_per_step, self.accumulation_steps)))
         self.best_eval_loss = state.get("best_eval_loss")
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.elapsed = float(state.get("elapsed_s", 0.0))
@@ -479,20 +522,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------ memory
 
     def memory_event(self) -> ev.MemorySampled:
-        """Device memory now, by category (studio/engine/memory.py) and allocator totals; activations
-        and the peaks are those since the last ``reset_peak`` (the training loop resets it before
-        each logged step)."""
-        from studio.engine.memory import device_totals, measure_memory
+        """This rank's device memory now (studio/engine/memory.py:sample); activations and the peaks
+        are those since the last ``reset_peak`` (the loop resets it before each logged step)."""
+        from studio.engine.memory import sample
 
-        categories = measure_memory(self.model, self.optimizer, self.device)
-        if self.device is not None and self.device.type == "cuda":
-            totals = device_totals(self.device)
-            name = torch.cuda.get_device_name(self.device)
-        else:
-            # No allocator counters on CPU: what the model and optimizer hold is the best figure.
-            held = sum(categories.values())
-            totals = {"allocated": held, "reserved": held, "peak_allocated": held, "peak_reserved": held,
-                      "capacity": 0}
-            name = "cpu"
-        return ev.MemorySampled(step=self.step, device=name, categories=categories, **totals)
-
+        return sample(self.model, self.optimizer, self.device, self.step, self.group.rank)

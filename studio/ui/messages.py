@@ -71,5 +71,7 @@ class MemorySample(Message, bubble=False):
         self.sample = sample
 
     def can_replace(self, message: Message) -> bool:
-        """A newer sample of the same run, queued right behind this one, makes this one stale."""
-        return isinstance(message, MemorySample) and message.run == self.run
+        """A newer sample of the same run and card (rank), queued right behind this one, makes this
+        one stale."""
+        return (isinstance(message, MemorySample) and message.run == self.run
+                and message.sample.rank == self.sample.rank)

@@ -82,6 +82,8 @@ class TrainingState:
     tokens_seen: int = 0
     micro_batch_size: int = 0
     gradient_accumulation_steps: int = 0
+    gpus: int = 1
+    """GPUs training data-parallel (the effective batch is micro x accumulation x gpus)."""
     loss: Series = field(default_factory=Series)
     eval_loss: Series = field(default_factory=Series)
     learning_rate: Series = field(default_factory=Series)
@@ -146,6 +148,7 @@ class TrainingState:
         self.total_steps = event.total_steps
         self.micro_batch_size = event.micro_batch_size
         self.gradient_accumulation_steps = event.gradient_accumulation_steps
+        self.gpus = max(1, event.gpus)
         self.status = "training"
         self.failure = None
         if event.resumed_from_step:
@@ -183,7 +186,8 @@ class TrainingState:
             self.best_eval_loss = event.loss
 
     def _on_MemorySampled(self, event: ev.MemorySampled) -> None:
-        self.memory = event
+        if event.rank == 0:  # a multi-GPU run's other cards are the VRAM pane's
+            self.memory = event
 
     def _on_CheckpointSaved(self, event: ev.CheckpointSaved) -> None:
         self.checkpoint_step = event.step

@@ -168,7 +168,8 @@ class WorkerLink:
     def flush(self) -> None:
         """Post every mounted pane the events it has not seen yet (all of them, for a pane that
         mounted after the run's history was read): one :class:`WorkerEvents` batch, and the newest
-        memory sample as a :class:`MemorySample` that a later one replaces while it waits."""
+        memory sample of each card as a :class:`MemorySample` that a later one of that card replaces
+        while it waits."""
         from studio.core import events as ev
 
         while self.events:
@@ -176,7 +177,7 @@ class WorkerLink:
         run = self._app.current_run
         if run is None:
             return
-        split: dict[int, tuple[list[ev.Event], ev.MemorySampled | None]] = {}
+        split: dict[int, tuple[list[ev.Event], list[ev.MemorySampled]]] = {}
         for pane in self._app.panes:
             seen = self.delivered.get(pane, 0)
             if not pane.is_mounted or seen >= len(self.history):
@@ -184,13 +185,13 @@ class WorkerLink:
             self.delivered[pane] = len(self.history)
             if seen not in split:  # panes mounted together share one split of their events
                 fresh = self.history[seen:]
-                samples = [e for e in fresh if isinstance(e, ev.MemorySampled)]
+                newest = {e.rank: e for e in fresh if isinstance(e, ev.MemorySampled)}  # one a card
                 split[seen] = ([e for e in fresh if not isinstance(e, ev.MemorySampled)],
-                               samples[-1] if samples else None)
-            batch, sample = split[seen]
+                               [newest[rank] for rank in sorted(newest)])
+            batch, samples = split[seen]
             if batch:
                 pane.post_message(WorkerEvents(run, batch))
-            if sample is not None:
+            for sample in samples:
                 pane.post_message(MemorySample(run, sample))
 
     def close(self) -> None:

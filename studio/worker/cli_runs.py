@@ -52,11 +52,27 @@ def _absolute_if_local(value: str | None) -> str | None:
 def train_detached(args: argparse.Namespace) -> int:
     """``studio train CONFIG --detach`` (or ``--resume RUN --detach``): start the background worker,
     print the run id and return at once; the run survives this terminal."""
+    from studio.core.multigpu import GpuCountError, plan_devices
+
     if getattr(args, "resume", None):
-        return _resume_run(find_run(args.resume, _runs_root(args)), getattr(args, "from_scratch", False))
+        run = find_run(args.resume, _runs_root(args))
+        if getattr(args, "gpus", None):
+            # On another number of GPUs: the run's saved config says how many (docs/multigpu.md).
+            config = run.config()
+            config.distributed.gpus = args.gpus
+            try:
+                plan_devices(config)
+            except GpuCountError as exc:
+                return _fail(str(exc))
+            config.save(run.config_path)
+        return _resume_run(run, getattr(args, "from_scratch", False))
     from studio.worker.cli_train import prepare_config
 
     config, _ = prepare_config(args)
+    try:
+        plan_devices(config)
+    except GpuCountError as exc:
+        return _fail(str(exc))
     config.model.base_model = _absolute_if_local(config.model.base_model) or config.model.base_model
     if config.data.path is None:
         return _fail(f"{args.config}: no dataset; set data.path in the config or pass --data PATH")

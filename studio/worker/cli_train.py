@@ -8,6 +8,10 @@ thread and prints a line per log interval (plus a progress bar on a terminal). T
 when the training ends. Ctrl-C stops after the current optimizer step with a checkpoint and the
 adapter saved (continue with ``--resume``); a second Ctrl-C aborts at once.
 
+With ``--gpus N`` (or ``distributed.gpus`` in the config) above 1, this process is the launcher
+of studio/worker/multigpu.py instead: torchrun runs the ranks (rank 0 is the worker), and this
+process follows the run's events and turns Ctrl-C into a stop with a checkpoint.
+
 Plain Python here: the engine is imported by the worker only when it loads the model.
 """
 
@@ -23,7 +27,8 @@ from typing import Any, TextIO
 from studio.core import events as ev
 from studio.core import report
 from studio.core.config import ConfigError, RunConfig, load_config
-from studio.core.runs import RunDir, create_run, find_run
+from studio.core.multigpu import GpuCountError, plan_devices, requested_gpus
+from studio.core.runs import RunDir, create_run, find_run, iter_events, summarize
 from studio.core.storage import DiskFull, is_disk_full
 from studio.worker.client import WorkerClient, WorkerStartError, claim_device
 from studio.worker.launch import become_worker
@@ -44,6 +49,8 @@ def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
         config.trainer.max_steps = args.max_steps
     if getattr(args, "model", None):
         config.model.base_model = args.model
+    if getattr(args, "gpus", None):
+        config.distributed.gpus = args.gpus
     if config.data.path:
         found = resolve_path(config.data.path, base_dir)
         if found is not None:
@@ -88,7 +95,8 @@ class ConsolePrinter:
 
     def __call__(self, event: ev.Event) -> None:
         if isinstance(event, ev.MemorySampled):
-            self.memory = event  # shown on the next step's line
+            if event.rank == 0:
+                self.memory = event  # shown on the next step's line (rank 0's card on several GPUs)
         elif isinstance(event, ev.StepLogged):
             memory = f"  mem {report.memory_text(self.memory)}" if self.memory is not None else ""
             self.line(report.step_line(event) + memory)
@@ -107,12 +115,14 @@ def _open_run(args: argparse.Namespace) -> tuple[RunDir, bool]:
     if getattr(args, "resume", None):
         run = find_run(args.resume, getattr(args, "runs_dir", None) or "runs")
         from_scratch = resume_refusal(run, getattr(args, "from_scratch", False))
-        if getattr(args, "max_steps", None):
-            if args.max_steps <= 0:
+        if getattr(args, "max_steps", None) or getattr(args, "gpus", None):
+            if getattr(args, "max_steps", None) is not None and args.max_steps <= 0:
                 raise ConfigError("--max-steps must be greater than 0")
-            # The worker trains from the run's saved config: the new length goes there.
+            # The worker trains from the run's saved config: the new length (or GPU count) goes there.
             config = run.config()
-            config.trainer.max_steps = args.max_steps
+            config.trainer.max_steps = getattr(args, "max_steps", None) or config.trainer.max_steps
+            config.distributed.gpus = getattr(args, "gpus", None) or config.distributed.gpus
+            plan_devices(config)  # more GPUs than present: refused before the run's config changes
             try:
                 config.save(run.config_path)
             except OSError as exc:
@@ -122,6 +132,7 @@ def _open_run(args: argparse.Namespace) -> tuple[RunDir, bool]:
                 raise
         return run, not from_scratch
     config, _ = prepare_config(args)
+    plan_devices(config)  # more GPUs than present: refused before a run directory is made
     # --runs-dir when given, else the config's output_dir (as `studio train --detach` does).
     given = getattr(args, "runs_dir", None)
     return create_run(config, given if given not in (None, "runs") else None), False
@@ -164,6 +175,11 @@ def main(args: argparse.Namespace) -> int:
     except DiskFull as exc:  # other OSErrors are worded by studio.cli (a folder under a file, ...)
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except GpuCountError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if requested_gpus(run.config()) > 1:
+        return _train_on_gpus(run, resume)
     try:
         claim_device()  # an idle worker (a finished run kept up for chat) makes room
         lock, listener = become_worker(run)
@@ -213,6 +229,51 @@ def main(args: argparse.Namespace) -> int:
     if worker.state == "failed":
         return 1  # the console already showed the failure
     if worker.state == "stopped":
+        print(f"continue with: studio train --resume {run.id}")
+    else:
+        print(f"compare base and fine-tuned answers with: studio eval {run.id}")
+    return 0
+
+
+def _train_on_gpus(run: RunDir, resume: bool) -> int:
+    """``studio train --gpus N``: lock the GPUs, start torchrun (rank 0 is the run's worker, and
+    exits when the training ends), follow its events here. Ctrl-C: rank 0 stops after the current
+    step with a checkpoint and the adapter, and every rank exits; a second Ctrl-C ends them at once."""
+    from studio.worker import multigpu
+
+    after = max((event.seq for event in iter_events(run.events_path)), default=-1)
+    try:
+        launch = multigpu.start(run, plan_devices(run.config()),
+                                ["--resume" if resume else "--train", "--exit-when-done"])
+    except (WorkerStartError, GpuCountError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    printer = ConsolePrinter()
+    print(f"run directory: {run.path} ({len(launch.keys)} processes; their output: {run.log_path})", flush=True)
+    console = threading.Thread(target=_follow, name="studio-console", args=(WorkerClient(run, after_seq=after),
+                                                                             printer), daemon=True)
+    console.start()
+
+    def on_interrupt(_signum: int, _frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts
+        printer.line("stopping after this step: saving a checkpoint and the adapter (Ctrl-C again to abort)")
+        launch.stop_rank0()
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        code = launch.wait()
+    except KeyboardInterrupt:
+        launch.kill()
+        launch.wait()
+        print(f"\naborted; continue with: studio train --resume {run.id}", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        console.join(timeout=30)
+    status = summarize(run).status
+    if code != 0 or status == "failed":
+        return 1
+    if status == "stopped":
         print(f"continue with: studio train --resume {run.id}")
     else:
         print(f"compare base and fine-tuned answers with: studio eval {run.id}")

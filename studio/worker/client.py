@@ -50,15 +50,16 @@ class DeviceBusy(WorkerStartError):
     """The device's lock is held by a worker that is working (or that this user cannot reach)."""
 
 
-def claim_device(run: RunDir | None = None, timeout: float = 30.0) -> None:
-    """Make the device free for a new worker of ``run``.
+def claim_device(run: RunDir | None = None, timeout: float = 30.0, key: str | None = None) -> None:
+    """Make the device (``key``, a device lock name; default this process's first) free for a new
+    worker of ``run``.
 
     A worker that only idles there (its run finished, stopped or failed; kept up for chat) is asked
     to shut down, and this waits until its lock is released. Returns at once when the device is free
     or when its holder serves ``run`` itself (connect to that one). Raises DeviceBusy, naming the
     holder and how to stop it, when the holder is loading, training, paused, exporting or scoring.
     """
-    lock = GpuLock()
+    lock = GpuLock(key)
     if not lock.busy():
         return
     held = lock.holder()
@@ -113,6 +114,14 @@ def start_worker(run: RunDir, train: bool = False, resume: bool = False, timeout
     Returns once the worker listens on its socket. ``train`` starts training at once, ``resume``
     continues from the latest checkpoint. Raises WorkerStartError with the worker's reason.
     """
+    from studio.core.config import ConfigError
+    from studio.core.multigpu import requested_gpus
+
+    try:
+        if requested_gpus(run.config()) > 1:
+            timeout = max(timeout, 150.0)  # torchrun's ranks import torch and form their group first
+    except (ConfigError, OSError):
+        pass  # the worker itself says what is wrong with the config
     command = [sys.executable, "-m", "studio.worker", str(run.path.resolve())]
     if resume:
         command.append("--resume")

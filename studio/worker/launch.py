@@ -112,6 +112,11 @@ class GpuLock:
         return (f"{self.label} is busy: {who} holds it (lock {self.path}). Wait for it to finish, "
                 f"or stop it with 'studio stop {ref}'.")
 
+    def fileno(self) -> int:
+        """The locked file's descriptor (a child process given it keeps the lock while it lives)."""
+        assert self._fd is not None, "the lock is not held"
+        return self._fd
+
     def release(self) -> None:
         """Give the lock back (exiting does the same)."""
         if self._fd is not None:
@@ -219,18 +224,20 @@ def write_pid(run: RunDir) -> None:
         raise
 
 
-def become_worker(run: RunDir) -> tuple[GpuLock, WorkerListener]:
+def become_worker(run: RunDir, lock: GpuLock | None = None) -> tuple[GpuLock, WorkerListener]:
     """Make this process ``run``'s worker: take the device lock, make sure no other worker serves
     the run, write a fresh key, listen, record the pid. Raises WorkerStartError with the reason
     (:class:`~studio.core.storage.DiskFull` when the disk is full; another OSError as it is);
-    release the returned lock when the worker is done (exiting does it too).
+    release the returned lock when the worker is done (exiting does it too). Rank 0 of a
+    multi-GPU run passes an unacquired ``lock``: its launcher holds the devices' locks.
 
     From here on the process creates files for its owner only (umask 077): the run directory holds
     prompts, answers and data excerpts.
     """
     os.umask(PRIVATE_UMASK)
-    lock = GpuLock()
-    lock.acquire(run)
+    if lock is None:
+        lock = GpuLock()
+        lock.acquire(run)
     listener = None
     try:
         check_no_other_worker(run)

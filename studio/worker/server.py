@@ -592,6 +592,10 @@ class Worker:
                 if self._scoring is not None:
                     self._score_next_row()  # one held-out row per optimizer step
                 if self._paused:
+                    # A data-parallel trainer tells its other ranks to keep waiting (optional hook).
+                    keep_alive = getattr(trainer, "keep_alive", None)
+                    if keep_alive is not None:
+                        keep_alive()
                     continue
                 return None
             if isinstance(command, ev.Pause):

@@ -195,7 +195,11 @@ class TrainingPane(Hosted, Vertical):
         if state.device:
             parts.append(state.device)
         if state.micro_batch_size:
-            parts.append(f"micro-batch {state.micro_batch_size} × {state.gradient_accumulation_steps}")
+            batch = f"micro-batch {state.micro_batch_size} × {state.gradient_accumulation_steps}"
+            if state.gpus > 1:
+                effective = state.micro_batch_size * state.gradient_accumulation_steps * state.gpus
+                batch += f" × {state.gpus} GPUs = {effective}"
+            parts.append(batch)
         if state.status == "loading" and state.loading_stage:
             # The stage says what it does ("loading the weights"): the status already said "loading".
             parts.append(f"{state.loading_stage} {state.loading_fraction:.0%}")

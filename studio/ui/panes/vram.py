@@ -5,12 +5,16 @@ It estimates from ``app.config`` (when mounted, when the config changes, and on
 (detected, or a known size); fills the measured grid from the worker's memory samples (nothing else
 happens per sample: they arrive every logged step); and tells the memory story step by step:
 full fp32 -> bf16 -> 8-bit -> LoRA -> NF4 QLoRA -> + checkpointing -> + paged 8-bit AdamW.
+
+A run on several GPUs samples every card (MemorySampled.rank): the big gauge shows rank 0's
+breakdown, and one line a card below it shows each card's memory in use against its capacity.
 """
 
 from __future__ import annotations
 
 import copy
 
+from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -61,6 +65,11 @@ class VramPane(Hosted, VerticalScroll):
         border-left: thick $panel;
         color: $foreground-muted;
     }
+    VramPane #vram-cards {
+        display: none;
+        height: auto;
+        padding: 0 1;
+    }
     VramPane #vram-notes {
         color: $foreground-muted;
         padding: 0 1;
@@ -87,6 +96,8 @@ class VramPane(Hosted, VerticalScroll):
         self.measured: dict[str, int] | None = None
         self._estimates: dict[tuple[str, Gpu], tuple[Estimate | str, list[WalkStep]]] = {}
         """(repr of the config, card) -> (estimate or why none, walkthrough), oldest first."""
+        self.cards: dict[int, ev.MemorySampled] = {}
+        """The latest sample of each card (rank) of the run."""
 
     def compose(self) -> ComposeResult:
         options = [(f"{g.name}{' (this machine)' if g.detected else ''}", k) for k, g in enumerate(self._cards)]
@@ -95,6 +106,7 @@ class VramPane(Hosted, VerticalScroll):
             yield Select(options, value=selected, allow_blank=False, id="vram-gpu")
             yield Static("", id="vram-summary")
         yield BlockGauge(id="vram-gauge")
+        yield Static("", id="vram-cards")
         yield Static("", id="vram-walk", classes="-off")
         yield Static("", id="vram-notes")
 
@@ -171,6 +183,7 @@ class VramPane(Hosted, VerticalScroll):
         gauge.capacity_name = self.gpu.name
         gauge.predicted = dict(shown.categories) if shown else None
         gauge.measured = dict(self.measured) if self.measured else None
+        self._show_cards()
         walk = self.query_one("#vram-walk", Static)
         notes = self.query_one("#vram-notes", Static)
         if shown is None:
@@ -229,6 +242,11 @@ class VramPane(Hosted, VerticalScroll):
         sample = message.sample
         if message.run != self.host.current_run or not sample.categories:
             return
+        self.cards[sample.rank] = sample
+        if self.is_on_screen and len(self.cards) > 1:
+            self._show_cards()
+        if sample.rank != 0:
+            return  # the big gauge is rank 0's; every card gets a line under it
         if sample.capacity and not self.gpu.detected:
             self._use_card(Gpu(sample.device or "this GPU", sample.capacity, detected=True))
         self.measured = dict(sample.categories)
@@ -237,6 +255,13 @@ class VramPane(Hosted, VerticalScroll):
 
     def on_show(self) -> None:
         self._show_measured()
+        self._show_cards()
+
+    def _show_cards(self) -> None:
+        cards = self.query("#vram-cards")
+        if cards:
+            cards.first(Static).display = len(self.cards) > 1
+            cards.first(Static).update(cards_text(self.cards))
 
     def _show_measured(self) -> None:
         gauge = self.query(BlockGauge)
@@ -248,3 +273,26 @@ class VramPane(Hosted, VerticalScroll):
         if gpu != self.gpu:
             self.gpu = gpu
             self.refresh_estimate()
+
+
+CARD_SQUARES = 40
+"""Squares in one card's line: each is 1/40 of the card."""
+
+
+def cards_text(cards: dict[int, ev.MemorySampled]) -> Text:
+    """One line a card of a multi-GPU run: its memory in use (reserved) against its capacity as
+    squares, and the numbers; empty for a run on one card."""
+    text = Text()
+    if len(cards) < 2:
+        return text
+    text.append("Each card (reserved / capacity):\n", style="bold")
+    for rank in sorted(cards):
+        sample = cards[rank]
+        used = sample.reserved or sum(sample.categories.values())
+        filled = min(CARD_SQUARES, round(CARD_SQUARES * used / sample.capacity)) if sample.capacity else 0
+        text.append(f"GPU {rank}  ")
+        text.append("■" * filled, style="bold")
+        text.append("□" * (CARD_SQUARES - filled), style="dim")
+        capacity = f" / {sample.capacity / GB:.1f} GB" if sample.capacity else ""
+        text.append(f"  {used / GB:.2f} GB{capacity} at step {sample.step}\n")
+    return text

@@ -18,7 +18,7 @@ from studio.core.config import ConfigError, RunConfig, parse_config
 from studio.ui.host import Hosted
 from studio.ui.messages import ConfigChanged
 
-SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation")
+SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation", "distributed")
 
 
 def changed_sections(old: RunConfig, new: RunConfig) -> list[str]:
