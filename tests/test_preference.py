@@ -195,3 +195,20 @@ def test_dpo_through_the_worker_learns_the_case_preference(tiny_model: Path, tmp
     row = report["results"][0]
     assert row["rejected"] and row["base_margin"] is not None and row["tuned_margin"] is not None
     assert (run.path / "eval.csv").read_text().splitlines()[0].endswith("rejected,base_margin,tuned_margin")
+
+
+def test_the_estimate_counts_two_sequences_a_pair() -> None:
+    """A DPO micro-batch of 4 pairs needs the activations of 8 sequences; the largest micro-batch
+    that fits is counted in pairs (about half the SFT one), and the note says so."""
+    from studio.core.model_info import KNOWN_MODELS
+    from studio.core.vram import estimate
+
+    llama = KNOWN_MODELS["meta-llama/Llama-2-7b-hf"]
+    sft = RunConfig()
+    dpo = parse_config("trainer: {method: dpo}\nprompt: {response_field: chosen}\n")
+    capacity = 24 * 10**9
+    a, b = estimate(sft, llama, capacity), estimate(dpo, llama, capacity)
+    doubled = estimate(sft, llama, capacity, micro_batch=2 * sft.trainer.micro_batch_size)
+    assert b.categories["activations"] == doubled.categories["activations"] > a.categories["activations"]
+    assert b.max_micro_batch in (a.max_micro_batch // 2, a.max_micro_batch // 2 + 1)
+    assert any("reference pass" in note for note in b.notes)
