@@ -212,3 +212,25 @@ def test_the_estimate_counts_two_sequences_a_pair() -> None:
     assert b.categories["activations"] == doubled.categories["activations"] > a.categories["activations"]
     assert b.max_micro_batch in (a.max_micro_batch // 2, a.max_micro_batch // 2 + 1)
     assert any("reference pass" in note for note in b.notes)
+
+
+def test_the_training_state_folds_preference_curves_and_words_them() -> None:
+    """The training pane's state: a preference run's curves, its eval line in place of the SFT
+    one, and a resume that drops the redone steps' points."""
+    from studio.core import report
+    from studio.ui.metrics import fold
+
+    def logged(step: int, accuracy: float, split: str = "train") -> ev.PreferenceLogged:
+        return ev.PreferenceLogged(step=step, split=split, method="dpo", loss=0.5, reward_margin=step / 10,
+                                   chosen_logp=-10.0, rejected_logp=-10.0 - step, accuracy=accuracy, pairs=8)
+
+    state = fold([ev.RunStarted(total_steps=40), logged(10, 0.5), logged(20, 0.75), logged(20, 0.9, "validation"),
+                  logged(30, 1.0)])
+    curves = state.preference
+    assert curves.active and curves.rejected_logp.values == [-20.0, -30.0, -40.0]
+    assert curves.eval_accuracy.values == [0.9]
+    assert state.eval_line() == report.preference_line(curves.last_eval)
+    assert state.eval_line().startswith("dpo eval at step 20: loss 0.5000  accuracy 90.0%")
+    state.apply(ev.RunStarted(total_steps=40, resumed_from_step=20))
+    assert curves.accuracy.steps == [10, 20]
+    assert not fold([ev.RunStarted(total_steps=4)]).preference.active
