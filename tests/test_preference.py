@@ -72,7 +72,7 @@ def test_chat_shaped_pairs_flatten_to_a_transcript_and_final_turns() -> None:
 
 
 def test_lint_flags_identical_pairs_and_empty_sides() -> None:
-    issues = lint_pairs(["A", "same  Text", "", "ok"], ["b", "Same text", "x", " "])
+    issues = lint_pairs(["A", "same  text\n", "", "ok", "Case"], ["b", "same text", "x", " ", "case"])
     assert [(i.kind, i.row) for i in issues] == [("identical", 1), ("empty_chosen", 2), ("empty_rejected", 3)]
     assert "row 1" in issues[0].message
 

@@ -118,12 +118,13 @@ class PairIssue:
 
 
 def _normalise(text: str) -> str:
-    return " ".join(text.split()).lower()
+    # Spaces only: case can be the very preference a pair teaches (capitals over small letters).
+    return " ".join(text.split())
 
 
 def lint_pairs(chosen: Sequence[str], rejected: Sequence[str], chosen_name: str = "chosen",
                rejected_name: str = "rejected") -> list[PairIssue]:
-    """Rows whose two answers are the same (after collapsing spaces and case) or where one is empty."""
+    """Rows whose two answers are the same (after collapsing spaces) or where one is empty."""
     issues: list[PairIssue] = []
     for row, (c, r) in enumerate(zip(chosen, rejected, strict=True)):
         if not c.strip():

@@ -2,7 +2,8 @@
 
 Two plots from :class:`studio.ui.metrics.PreferenceCurves`: the summed log-probs of the chosen and
 the rejected answers (they should part: chosen up or level, rejected down), and the reward margin
-with the pairs' preference accuracy in the title. Frames are built off the event loop, as for the
+with the pairs' preference accuracy in the title (titles stay short: plotext drops one wider than
+the plot). Frames are built off the event loop, as for the
 loss (:class:`studio.ui.widgets.loss_plot.BackgroundPlot`).
 """
 
@@ -30,7 +31,7 @@ class PreferencePlot(BackgroundPlot):
         self.draw(Figure(title=self._title()))
 
     def _title(self) -> str:
-        return "log p chosen / rejected" if self.kind == "logps" else "reward margin"
+        return "log p" if self.kind == "logps" else "margin"
 
     def show(self, state: TrainingState) -> None:
         """Redraw from a run's state."""
@@ -47,9 +48,9 @@ class PreferencePlot(BackgroundPlot):
         title = self._title()
         last = curves_of.last
         if last is not None and self.kind == "logps":
-            title += f" · {last.chosen_logp:.1f} / {last.rejected_logp:.1f}"
+            title += f" {last.chosen_logp:.1f} / {last.rejected_logp:.1f}"
         elif last is not None:
-            title += f" {last.reward_margin:.2f} · accuracy {last.accuracy:.0%}"
+            title += f" {last.reward_margin:.2f} · acc {last.accuracy:.0%}"
             if curves_of.last_eval is not None:
                 title += f" (eval {curves_of.last_eval.accuracy:.0%})"
         self.draw(Figure(tuple(curves), title))
