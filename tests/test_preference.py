@@ -161,6 +161,48 @@ def test_pair_loss_is_the_same_however_the_step_is_split(tiny_model: Path, tmp_p
     assert float(loss) / len(pairs) == pytest.approx(math.log(2), abs=1e-5) and int(wins) == 0
 
 
+def test_oom_halving_and_exact_resume_keep_a_dpo_run_the_same(tiny_model: Path, tmp_path: Path) -> None:
+    """A DPO run with a (simulated) out-of-memory in step 2, stopped after step 3 and resumed from
+    its checkpoint, logs the uninterrupted run's losses and preference metrics at every step."""
+    from oom_injection import inject_from_spec
+
+    from studio.core.runs import create_run
+    from studio.engine.session import Session
+    from studio.engine.train import Trainer
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _sample_module().case_pairs(40, test_fraction=0)))
+    config = _pair_config(tiny_model, data, tmp_path / "runs")
+    t = config.trainer
+    t.max_steps, t.micro_batch_size, t.effective_batch_size, t.log_interval = 5, 4, 4, 1
+    t.eval_interval, t.checkpoint_interval = 0, 3
+    t.learning_rate = 1e-2  # steps that move: a wrong batch or state would show in the next loss
+
+    def train(run, resume=False, oom=None, stop_after=None) -> list[ev.Event]:
+        events: list[ev.Event] = []
+        stop = (lambda trainer: "stop" if trainer.step == stop_after else None) if stop_after else None
+        trainer = Trainer(Session(config, run, events.append), stop)
+        if oom:
+            inject_from_spec(trainer, oom)
+        trainer.train(resume=resume)
+        return events
+
+    def by_step(events: list[ev.Event]) -> dict[int, tuple[float, float]]:
+        steps = {e.step: e.loss for e in events if isinstance(e, ev.StepLogged)}
+        prefs = {e.step: e.reward_margin for e in events if isinstance(e, ev.PreferenceLogged)}
+        return {s: (steps[s], prefs[s]) for s in steps}
+
+    reference = by_step(train(create_run(config)))
+    run = create_run(config)
+    first = train(run, oom="2", stop_after=3)
+    assert [(e.old_micro_batch_size, e.micro_batch_size) for e in first if isinstance(e, ev.BatchSizeReduced)] \
+        == [(4, 2)]
+    got = {**by_step(first), **by_step(train(run, resume=True))}
+    assert list(got) == [1, 2, 3, 4, 5]
+    for step, (loss, margin) in reference.items():
+        assert got[step] == (pytest.approx(loss, rel=1e-4, abs=1e-6), pytest.approx(margin, rel=1e-3, abs=1e-5))
+
+
 # ------------------------------------------------------------------------------------ the worker
 
 
