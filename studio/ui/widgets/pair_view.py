@@ -45,7 +45,7 @@ class PairView(Horizontal):
     """Two columns: the chosen and the rejected answer; the words where they differ in reverse."""
 
     DEFAULT_CSS = """
-    PairView { height: auto; margin-top: 1; }
+    PairView { height: auto; margin-top: 1; display: none; }
     PairView > Static { width: 1fr; height: auto; padding-right: 1; }
     """
 
