@@ -9,14 +9,16 @@ from pathlib import Path
 
 import pytest
 from textual.widgets import DataTable, Static
-from ui_helpers import PlayedWorker, panes_mounted, settle, workdir
+from ui_helpers import PlayedWorker, events_drawn, panes_mounted, settle, workdir
 
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.runs import create_run
 from studio.ui.app import StudioApp
 from studio.ui.panes.chat import ChatPane
+from studio.ui.widgets.loss_plot import LearningRatePlot
 from studio.ui.widgets.pair_view import PairView
+from studio.ui.widgets.preference_plot import PreferencePlot
 
 pytestmark = pytest.mark.anyio
 SIZE = (140, 40)
@@ -103,3 +105,31 @@ async def test_heldout_table_shows_each_models_preference(tmp_path):
         assert app.query_one(ChatPane).heldout[0].margins == {"base": 1.0, "tuned": 2.5}
         saved = json.loads((run.path / "eval.json").read_text())
         assert saved["preference"] == {"base_accuracy": 0.25, "fine_tuned_accuracy": 1.0}
+
+
+async def test_training_pane_plots_the_preference_in_place_of_the_learning_rate(tmp_path):
+    data = _write(tmp_path / "pairs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}] * 4)
+    config = _config(data)
+    run = create_run(config)
+    app = StudioApp(config, run=run, settings=False, initial_pane="training")
+    worker = PlayedWorker(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await panes_mounted(pilot)
+        assert app.query_one(LearningRatePlot).display
+        assert not any(p.display for p in app.query(PreferencePlot))
+        events: list[ev.Event] = [ev.RunStarted(run_id=run.id, total_steps=20)]
+        for step in range(1, 11):
+            events.append(ev.StepLogged(step=step, total_steps=20, loss=0.7 - step / 50, learning_rate=1e-4))
+            events.append(ev.PreferenceLogged(step=step, method="dpo", loss=0.7 - step / 50, reward_margin=step / 5,
+                                              chosen_logp=-20.0, rejected_logp=-20.0 - step, accuracy=0.9, pairs=4))
+        events.append(ev.PreferenceLogged(step=10, split="validation", method="dpo", loss=0.4, reward_margin=1.5,
+                                          chosen_logp=-21.0, rejected_logp=-30.0, accuracy=0.75, pairs=4))
+        worker.feed(events)
+        await events_drawn(pilot)
+        assert not app.query_one(LearningRatePlot).display
+        logps, margin = app.query(PreferencePlot)
+        assert logps.display and margin.display
+        assert logps._figure.title == "log p -20.0 / -30.0" and len(logps._figure.curves) == 2
+        assert margin._figure.title == "margin 2.00 · acc 90% (eval 75%)"
+        line = str(app.query_one("#training-eval", Static).render())
+        assert line.startswith("dpo eval at step 10: loss 0.4000  accuracy 75.0%")
