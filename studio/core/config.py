@@ -110,6 +110,10 @@ class PromptConfig:
     add_eos: bool = True
     """Append the tokenizer's end-of-sequence token to every response, so the model learns to stop."""
 
+    rejected_field: str = "rejected"
+    """Preference runs (``trainer.method`` dpo or orpo): the field holding the rejected answer. The
+    chosen answer is ``response_field``'s; both render through the same template (docs/preference.md)."""
+
 
 @dataclass
 class DataConfig:
@@ -202,6 +206,15 @@ class TrainerConfig:
 
     seed: int = 42
     """Seed for data order, LoRA initialisation and dropout: same seed, same run."""
+
+    method: str = "sft"
+    """``sft`` (learn the responses), ``dpo`` (direct preference optimisation: prefer the chosen answer
+    over the rejected one, against the base as reference) or ``orpo`` (odds-ratio preference plus the
+    chosen answer's loss; no reference). Preference data: docs/preference.md."""
+
+    beta: float = 0.1
+    """Preference strength. DPO: the temperature of the implicit reward (0.1-0.5 typical; lower
+    strays further from the base). ORPO: the weight of the odds-ratio term (the paper's lambda)."""
 
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step, from the explicit value or the effective batch."""
@@ -303,6 +316,7 @@ _CHOICES = {
     ("quantization", "on_cpu"): ("full", "keep"),
     ("trainer", "scheduler"): ("cosine", "linear", "constant"),
     ("trainer", "optimizer"): ("adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"),
+    ("trainer", "method"): ("sft", "dpo", "orpo"),
 }
 
 _SEED_LIMIT = 2**32
@@ -332,6 +346,7 @@ _RANGES: list[tuple[str, str, typing.Callable[[Any], bool], str]] = [
     ("trainer", "keep_checkpoints", lambda v: v > 0, "greater than 0"),
     ("trainer", "log_interval", lambda v: v > 0, "greater than 0"),
     ("trainer", "seed", lambda v: 0 <= v < _SEED_LIMIT, f"in [0, {_SEED_LIMIT})"),
+    ("trainer", "beta", lambda v: v > 0, "greater than 0 (typical: 0.1)"),
     ("generation", "max_new_tokens", lambda v: v > 0, "greater than 0"),
     ("generation", "temperature", lambda v: 0 <= v <= 100, "in [0, 100] (0 is greedy; typical: 0.7)"),
     ("generation", "top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -367,6 +382,12 @@ def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines |
         raise reader.fail(("prompt", "response_field"), f"'prompt.response_field' is "
                           f"{config.prompt.response_field!r}; use a name of letters, digits and _ "
                           "(map a column named otherwise with data.columns)")
+    if config.trainer.method != "sft" and (config.prompt.rejected_field == config.prompt.response_field
+                                           or not _FIELD_NAME.fullmatch(config.prompt.rejected_field)):
+        raise reader.fail(("prompt", "rejected_field"), (
+            f"'prompt.rejected_field' is {config.prompt.rejected_field!r} and 'prompt.response_field' is "
+            f"{config.prompt.response_field!r}; a {config.trainer.method} run needs two different fields, "
+            "e.g. response_field: chosen, rejected_field: rejected"))
     for name, column in config.data.columns.items():
         if not _FIELD_NAME.fullmatch(name) or not column.strip():
             raise reader.fail(("data", "columns", name), f"'data.columns' maps {name!r} to {column!r}; "

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from studio.core import prompt as prompts
 from studio.core.databrowse import arrow_table, column_values
 from studio.core.dataload import SPLIT_NAMES, DataError, load_table
+from studio.core.preference import flatten_table, is_preference
 
 if TYPE_CHECKING:
     import datasets
@@ -42,6 +43,13 @@ def template_fields_for(config: RunConfig) -> tuple[list[str], set[str]]:
 
     ``input`` is optional for the alpaca and chat presets: rows without one use the no-input wording.
     """
+    fields, optional = _template_fields(config)
+    if is_preference(config) and config.prompt.rejected_field not in fields:
+        fields.append(config.prompt.rejected_field)  # the pair's other side, rendered like the response
+    return fields, optional
+
+
+def _template_fields(config: RunConfig) -> tuple[list[str], set[str]]:
     name, answer = config.prompt.template, config.prompt.response_field
     if name in ("alpaca", "chat"):
         return ["instruction", "input", answer], {"input"}
@@ -117,6 +125,8 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
         # that is no placeholder would drop its field from every example.
         raise DataError(f"prompt.template: {problems[0].message}")
     fields, optional = template_fields_for(config)
+    if is_preference(config):
+        dataset = flatten_table(dataset, config, fields[0])  # chat-shaped pairs -> text columns
     values = field_columns(dataset, fields, data.columns, source, optional,
                            reserved=[data.split_column] if data.split_column else [])
     total = len(dataset)

@@ -144,6 +144,27 @@ class EvalLogged(Event):
 
 
 @dataclass(frozen=True)
+class PreferenceLogged(Event):
+    """A preference run's (DPO / ORPO) step or evaluation, averaged over its pairs.
+
+    DPO's rewards are ``beta * (log p - log p_reference)`` of each answer; ORPO's are ``beta`` times
+    the answer's mean token log-prob. Log-probs are summed over each answer's tokens."""
+
+    step: int = 0
+    split: str = "train"
+    """``train`` (the optimizer step's pairs) or ``validation`` (the evaluation's)."""
+    method: str = "dpo"
+    loss: float = 0.0
+    reward_margin: float = 0.0
+    """Mean of chosen reward minus rejected reward."""
+    chosen_logp: float = 0.0
+    rejected_logp: float = 0.0
+    accuracy: float = 0.0
+    """Fraction of pairs whose chosen reward is above the rejected one's."""
+    pairs: int = 0
+
+
+@dataclass(frozen=True)
 class MemorySampled(Event):
     """Device memory, in bytes: totals from the allocator and a breakdown by category.
 
@@ -286,6 +307,12 @@ class HeldOutRowScored(Event):
     tuned_exact: bool | None = None
     base_similarity: float = 0.0
     tuned_similarity: float | None = None
+    rejected: str | None = None
+    """Preference runs: the pair's rejected answer (``target`` is the chosen one)."""
+    base_margin: float | None = None
+    """Preference runs: the base model's log p(chosen) - log p(rejected); above 0 it prefers chosen."""
+    tuned_margin: float | None = None
+    """Preference runs: the same for the fine-tune."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +331,10 @@ class HeldOutFinished(Event):
     tuned_exact_match: float | None = None
     tuned_similarity: float | None = None
     seconds: float = 0.0
+    base_preference_accuracy: float | None = None
+    """Preference runs: the fraction of pairs the base model prefers the chosen answer of."""
+    tuned_preference_accuracy: float | None = None
+    """Preference runs: the same for the fine-tune."""
 
 
 @dataclass(frozen=True)

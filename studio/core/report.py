@@ -90,6 +90,15 @@ def eval_line(event: ev.EvalLogged) -> str:
             f"token accuracy {event.token_accuracy:.1%} ({event.rows} rows)")
 
 
+def preference_line(event: ev.PreferenceLogged) -> str:
+    """``dpo step 40: loss 0.1234  accuracy 87.5%  margin 1.23  log p chosen -7.10 rejected -71.62``
+    (``dpo eval at step 40: ...`` for the validation pairs)."""
+    where = f"eval at step {event.step}" if event.split == "validation" else f"step {event.step}"
+    return (f"{event.method} {where}: loss {format_loss(event.loss)}  accuracy {event.accuracy:.1%}  "
+            f"margin {event.reward_margin:.2f}  log p chosen {event.chosen_logp:.2f} rejected "
+            f"{event.rejected_logp:.2f} ({event.pairs} pairs)")
+
+
 def batch_reduced_line(event: ev.BatchSizeReduced) -> str:
     """What an out-of-memory halving did, and that training goes on."""
     text = (f"step {event.step}: out of memory; micro-batch {event.old_micro_batch_size} -> "
@@ -134,6 +143,8 @@ def describe(event: ev.Event) -> str | None:
             return step_line(event)
         case ev.EvalLogged():
             return eval_line(event)
+        case ev.PreferenceLogged():
+            return preference_line(event)
         case ev.TokenGenerated():
             return None
         case ev.GenerationStarted():
@@ -173,6 +184,9 @@ def describe(event: ev.Event) -> str | None:
             return f"worker stopped: {event.reason}"
         case ev.HeldOutRowScored():
             tuned = f"  fine-tuned {shorten(event.tuned, 30)!r}" if event.tuned is not None else ""
+            if event.base_margin is not None:
+                tuned += f"  margin base {event.base_margin:+.2f}" + (
+                    f" fine-tuned {event.tuned_margin:+.2f}" if event.tuned_margin is not None else "")
             return (f"held-out {event.index + 1}/{event.total} ({event.split}): target "
                     f"{shorten(event.target, 30)!r}  base {shorten(event.base, 30)!r}{tuned}")
         case ev.HeldOutFinished():
@@ -180,6 +194,10 @@ def describe(event: ev.Event) -> str | None:
                 return f"held-out scoring failed: {event.message}"
             tuned = (f", fine-tuned exact {event.tuned_exact_match:.1%} similarity {event.tuned_similarity:.2f}"
                      if event.tuned_exact_match is not None and event.tuned_similarity is not None else "")
+            if event.base_preference_accuracy is not None:
+                tuned += f", prefers chosen: base {event.base_preference_accuracy:.1%}" + (
+                    f" fine-tuned {event.tuned_preference_accuracy:.1%}"
+                    if event.tuned_preference_accuracy is not None else "")
             return (f"held-out: {event.rows} {event.split} rows, base exact {event.base_exact_match:.1%} "
                     f"similarity {event.base_similarity:.2f}{tuned} -> {event.path}")
         case ev.StatusReported():

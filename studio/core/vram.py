@@ -104,6 +104,15 @@ class Plan:
     PEFT + bitsandbytes, modelled tensor by tensor below) or ``fast`` (studio/engine/fast/:
     core/vram_fast.py)."""
 
+    sequences_per_example: int = 1
+    """2 for preference runs (DPO, ORPO): a pair is its chosen and its rejected answer, padded rows."""
+
+    reference_pass: bool = False
+    """DPO: one more forward per micro-batch, through the base (adapter off) without gradients. It
+    runs after the policy's forward, and its logits (compute dtype plus an fp32 copy of the answer
+    positions) are smaller than the loss moment's, which also holds the gradients of the fp32 logits:
+    it costs time, not peak memory."""
+
     @property
     def quantized(self) -> bool:
         """True for 4-bit and 8-bit base weights (loaded through bitsandbytes)."""
@@ -111,8 +120,8 @@ class Plan:
 
     @property
     def tokens(self) -> int:
-        """Tokens in one micro-batch."""
-        return self.micro_batch * self.seq_len
+        """Tokens in one micro-batch (a preference pair counts both of its sequences)."""
+        return self.micro_batch * self.sequences_per_example * self.seq_len
 
 
 @dataclass
@@ -206,7 +215,9 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
                 seq_len=config.data.max_seq_length, checkpointing=config.trainer.gradient_checkpointing,
                 optimizer=config.trainer.optimizer, accumulation=accumulation, attention=attention,
                 expandable_segments=(expandable_segments_from_env(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-                                     if expandable_segments is None else expandable_segments))
+                                     if expandable_segments is None else expandable_segments),
+                sequences_per_example=2 if config.trainer.method in ("dpo", "orpo") else 1,
+                reference_pass=config.trainer.method == "dpo")
 
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -652,6 +663,10 @@ def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> 
     if paged:
         notes.append("paged optimizer state lives in unified memory: it spills to host RAM under "
                      "pressure and torch.cuda's counters do not see it")
+    if plan.sequences_per_example == 2:
+        notes.append("a preference pair is two sequences (chosen, rejected): the micro-batch counts pairs"
+                     + ("; DPO's reference pass (adapter off, no gradients) adds a forward's time, not memory"
+                        if plan.reference_pass else ""))
     if plan.seq_len > info.max_positions:
         notes.append(f"sequence length {plan.seq_len} exceeds the model's {info.max_positions} positions")
     notes.append("overhead includes ~0.8 GB of CUDA context that only nvidia-smi shows")

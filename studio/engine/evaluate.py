@@ -31,6 +31,9 @@ EVAL_CSV = "eval.csv"
 Generate = Callable[[dict[str, str], bool, int | None], str]
 """``generate(row, adapter, max_new_tokens) -> answer``: one greedy answer from the loaded model."""
 
+Margin = Callable[[dict[str, str], bool], float]
+"""``margin(row, adapter) -> log p(chosen) - log p(rejected)``: a preference run's pair, by one model."""
+
 
 def held_out_rows(config: RunConfig) -> tuple[str, list[dict]]:
     """The test split, or the validation split when there is no test split: (name, rows)."""
@@ -50,11 +53,14 @@ class HeldOutScoring:
     """
 
     def __init__(self, run: RunDir, request: ev.ScoreHeldOut, generate: Generate,
-                 emit: Callable[[ev.Event], object], render: Callable[[dict[str, str]], str] | None = None):
+                 emit: Callable[[ev.Event], object], render: Callable[[dict[str, str]], str] | None = None,
+                 margin: Margin | None = None):
         self.run, self.request, self.emit = run, request, emit
-        self._generate, self._render = generate, render
+        self._generate, self._render, self._margin = generate, render, margin
         config = run.config()
         self.response_field = config.prompt.response_field
+        self.rejected_field = config.prompt.rejected_field if margin is not None else None
+        """Preference runs (``margin`` given): each row is also a pair, scored by both models' margin."""
         self.split, rows = held_out_rows(config)
         self.rows = rows[:max(0, request.rows)]
         if not self.rows:
@@ -76,18 +82,24 @@ class HeldOutScoring:
             return True
         index = len(self.results)
         row = self.rows[index]
-        fields = {k: str(v) for k, v in row.items() if k != self.response_field}
+        fields = {k: str(v) for k, v in row.items() if k not in (self.response_field, self.rejected_field)}
         target = str(row.get(self.response_field, ""))
         max_new = self.request.max_new_tokens
         base = self._generate(fields, False, max_new).strip()
         tuned = self._generate(fields, True, max_new).strip() if self.request.adapter else None
         b = score(base, target)
         t = score(tuned, target) if tuned is not None else None
+        pair: dict[str, Any] = {}
+        if self._margin is not None:
+            pair = {"rejected": str(row.get(self.rejected_field, "")),
+                    "base_margin": round(self._margin(row, False), 4),
+                    "tuned_margin": round(self._margin(row, True), 4) if self.request.adapter else None}
         result = ev.HeldOutRowScored(
             request_id=self.request.request_id, index=index, total=len(self.rows), split=self.split,
             fields=fields, prompt=self._render(fields) if self._render else "", target=target,
             base=base, tuned=tuned, base_exact=b.exact, base_similarity=round(b.similarity, 4),
-            tuned_exact=t.exact if t else None, tuned_similarity=round(t.similarity, 4) if t else None)
+            tuned_exact=t.exact if t else None, tuned_similarity=round(t.similarity, 4) if t else None,
+            **pair)
         self.results.append(result)
         self.emit(result)
         if self.done:
@@ -100,15 +112,21 @@ class HeldOutScoring:
         tuned_scores = [Score(bool(r.tuned_exact), r.tuned_similarity or 0.0) for r in self.results
                         if r.tuned is not None]
         tuned = totals(tuned_scores) if tuned_scores else None
+        preference = None
+        if self.rejected_field is not None:
+            preference = {"base_accuracy": _preferred(r.base_margin for r in self.results),
+                          "fine_tuned_accuracy": _preferred(r.tuned_margin for r in self.results)}
         return {
             "run": self.run.id, "split": self.split, "rows": len(self.results),
             "seconds": round(time.monotonic() - self._start, 1),
             "base": {"exact_match": base.exact_match, "similarity": base.similarity},
             "fine_tuned": {"exact_match": tuned.exact_match, "similarity": tuned.similarity} if tuned else None,
+            "preference": preference,
             "results": [{"index": r.index, "fields": r.fields, "prompt": r.prompt, "target": r.target,
                          "base": r.base, "tuned": r.tuned, "base_exact": r.base_exact,
                          "tuned_exact": r.tuned_exact, "base_similarity": r.base_similarity,
-                         "tuned_similarity": r.tuned_similarity} for r in self.results],
+                         "tuned_similarity": r.tuned_similarity, "rejected": r.rejected,
+                         "base_margin": r.base_margin, "tuned_margin": r.tuned_margin} for r in self.results],
         }
 
     def _finish(self) -> None:
@@ -117,11 +135,14 @@ class HeldOutScoring:
         path.write_text(json.dumps(report, indent=1) + "\n")
         self._write_csv()
         tuned = report["fine_tuned"] or {}
+        preference = report["preference"] or {}
         self.emit(ev.HeldOutFinished(
             request_id=self.request.request_id, ok=True, split=self.split, rows=report["rows"],
             path=str(path), base_exact_match=report["base"]["exact_match"],
             base_similarity=report["base"]["similarity"], tuned_exact_match=tuned.get("exact_match"),
-            tuned_similarity=tuned.get("similarity"), seconds=report["seconds"]))
+            tuned_similarity=tuned.get("similarity"), seconds=report["seconds"],
+            base_preference_accuracy=preference.get("base_accuracy"),
+            tuned_preference_accuracy=preference.get("fine_tuned_accuracy")))
 
     def _write_csv(self) -> None:
         """One line a row: its prompt fields, the target, then each model's answer and scores."""
@@ -130,8 +151,16 @@ class HeldOutScoring:
             record: dict[str, Any] = {**r.fields, "target": r.target}
             record.update(base_answer=r.base, base_exact=r.base_exact, base_similarity=r.base_similarity,
                           tuned_answer=r.tuned, tuned_exact=r.tuned_exact, tuned_similarity=r.tuned_similarity)
+            if self.rejected_field is not None:
+                record.update(rejected=r.rejected, base_margin=r.base_margin, tuned_margin=r.tuned_margin)
             records.append(record)
         with open(self.run.path / EVAL_CSV, "w", newline="", encoding="utf-8") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(records[0]))
             writer.writeheader()
             writer.writerows(records)
+
+
+def _preferred(margins: Any) -> float | None:
+    """The fraction of margins above 0 (pairs whose chosen answer the model prefers); None if none."""
+    known = [m for m in margins if m is not None]
+    return sum(1 for m in known if m > 0) / len(known) if known else None

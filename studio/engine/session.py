@@ -26,12 +26,14 @@ import torch
 
 from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig
+from studio.core.preference import is_preference
 from studio.core.runs import RunDir
 from studio.engine import checkpoint, oom
 from studio.engine import distributed as dist
 from studio.engine import fast as fastpath
 from studio.engine import generate as gen
 from studio.engine.model import BaseModel, ModelLoadError, attach_lora, count_parameters, load_base
+from studio.engine.preference import PreferenceObjective, encode_pair
 
 if TYPE_CHECKING:
     from studio.engine.train import Trainer
@@ -80,6 +82,8 @@ class Session:
         self.data: TrainingData | None = None
         self.fast: fastpath.FastModel | None = None
         """The fast training path (studio/engine/fast.py), or None for the plain transformers one."""
+        self.preference: PreferenceObjective | None = None
+        """A DPO / ORPO run's loss (studio/engine/preference.py); None for SFT."""
         self.trainer: Trainer | None = None
         """The Trainer of the latest :meth:`train`, or None before any."""
         self._sampler = torch.Generator()
@@ -120,7 +124,11 @@ class Session:
             self.fail("data", str(exc))
         except (ValueError, FileNotFoundError) as exc:  # template and tokenizer problems
             self.fail("config", f"{base_model}: {exc}")
-        self.fast, why = fastpath.enable(self.model, self.device)
+        if self.preference is not None:
+            method = self.config.trainer.method
+            self.fast, why = None, f"trainer.method is {method}; the fast path computes SFT's loss only"
+        else:
+            self.fast, why = fastpath.enable(self.model, self.device)
         if self.fast is None and self.device.type == "cuda":
             self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
                 f"the fast training path is off ({why}); training runs on the slower plain path")))
@@ -149,9 +157,19 @@ class Session:
         def tokenize(text: str) -> list[int]:
             return self.tokenizer.encode(text, add_special_tokens=False)
 
+        def encode_one(rendered: prompt.Rendered) -> prompt.Encoded:
+            return prompt.encode(rendered, tokenize, max_len, eos, bos)
+
         def encode(rows: list[dict]) -> list[Any]:
-            return [prompt.encode(prompt.render(template, row, field), tokenize, max_len, eos, bos)
-                    for row in rows]
+            if self.preference is not None:
+                return [self.preference.encode(row) for row in rows]
+            return [encode_one(prompt.render(template, row, field)) for row in rows]
+
+        if is_preference(self.config):
+            tc, rejected = self.config.trainer, self.config.prompt.rejected_field
+            self.preference = PreferenceObjective(
+                tc.method, tc.beta, self.model, self.device, self.base.compute_dtype,
+                lambda row: encode_pair(template, row, field, rejected, encode_one))
 
         train = encode(list(splits.train))
         if not train:

@@ -42,6 +42,7 @@ from studio.engine import distributed as dist
 from studio.engine import fast as fastpath
 from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream, MicroBatch, eval_batches
 from studio.engine.optim import build_optimizer, build_scheduler
+from studio.engine.preference import PairStream
 from studio.engine.session import BetweenSteps, Session, TrainingError
 
 
@@ -112,7 +113,10 @@ class Trainer:
             self.state = "idle"
         if self.stream is None:
             tc = self.config.trainer
-            self.stream = DataStream(self.session.data.train, tc.seed, tc.packing, self.config.data.max_seq_length)
+            if self.session.preference is not None:
+                self.stream = PairStream(self.session.data.train, tc.seed, self.config.data.max_seq_length)
+            else:
+                self.stream = DataStream(self.session.data.train, tc.seed, tc.packing, self.config.data.max_seq_length)
 
     def _fail(self, kind: str, message: str, detail: str = "") -> None:
         self.state = "failed"
@@ -181,6 +185,8 @@ class Trainer:
                 # The sample's peak (its activations) is this one step's: not loading's, evaluation's,
                 # a checkpoint's or a chat answer's between steps.
                 reset_peak(self.device)
+            if self.session.preference is not None:
+                self.session.preference.start_step()
             result = self._optimizer_step(self.group.shard(units))
             if result is None:
                 continue  # out of memory: the micro-batch was halved, redo the same step
@@ -204,6 +210,8 @@ class Trainer:
                                         eta_s=round(per_step * (self.total_steps - self.step), 1),
                                         mfu=round(rate * self._flops_per_token / self._peak_flops, 4)
                                         if self._peak_flops else 0.0))
+                if self.session.preference is not None:
+                    self.emit(self.session.preference.logged(self.step))
                 window_tokens, window_start = 0, now
             if self.group.leader and (self.step == self.total_steps or
                                       (tc.eval_interval and self.step % tc.eval_interval == 0)):
@@ -329,6 +337,8 @@ class Trainer:
         """Summed cross-entropy over the response tokens of one micro-batch, and the count of argmax
         hits among them. Every micro-batch of a step and of an evaluation goes through here, so a
         test can wrap it (``trainer.forward = ...``), e.g. to raise a simulated out-of-memory."""
+        if self.session.preference is not None:
+            return self.session.preference.forward(batch)  # DPO / ORPO: studio/engine/preference.py
         fast = self.session.fast
         if fast is not None and torch.is_grad_enabled():
             # Training step on the fast path: the loss only (argmax hits are an evaluation metric).
@@ -383,6 +393,13 @@ class Trainer:
         examples = self.session.data.validation
         if not examples:
             event = ev.EvalLogged(step=self.step, loss=float("nan"), perplexity=float("nan"), rows=0)
+            return event
+        if self.session.preference is not None:
+            event, metrics = self.session.preference.evaluate(examples, self.step, self.micro_batch_size,
+                                                              self.tokenizer.pad_token_id)
+            self.best_eval_loss = min(event.loss, self.best_eval_loss or math.inf)
+            self.emit(event)
+            self.emit(metrics)
             return event
         size = min(self.micro_batch_size, self._eval_batch_cap or self.micro_batch_size)
         while True:

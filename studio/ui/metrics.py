@@ -50,6 +50,49 @@ class Series:
         return self.values[-1] if self.values else None
 
 
+@dataclass
+class PreferenceCurves:
+    """A preference run's (DPO / ORPO) curves from its PreferenceLogged events: per logged step the
+    pairs' summed log-probs, reward margin and accuracy, and the validation accuracy per evaluation.
+    The training pane plots them in place of the learning rate."""
+
+    chosen_logp: Series = field(default_factory=Series)
+    rejected_logp: Series = field(default_factory=Series)
+    reward_margin: Series = field(default_factory=Series)
+    accuracy: Series = field(default_factory=Series)
+    eval_accuracy: Series = field(default_factory=Series)
+    last: ev.PreferenceLogged | None = None
+    """The newest train-split event."""
+    last_eval: ev.PreferenceLogged | None = None
+    """The newest validation-split event."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the run logged any preference metrics (it is a DPO or ORPO run)."""
+        return self.last is not None or self.last_eval is not None
+
+    def add(self, event: ev.PreferenceLogged) -> None:
+        """Fold one event in."""
+        if event.split == "validation":
+            self.last_eval = event
+            self.eval_accuracy.add(event.step, event.accuracy)
+            return
+        self.last = event
+        for series, value in ((self.chosen_logp, event.chosen_logp), (self.rejected_logp, event.rejected_logp),
+                              (self.reward_margin, event.reward_margin), (self.accuracy, event.accuracy)):
+            series.add(event.step, value)
+
+    def truncate(self, after_step: float) -> None:
+        """Drop points past ``after_step`` (a resumed run redoes those steps)."""
+        for series in (self.chosen_logp, self.rejected_logp, self.reward_margin, self.accuracy, self.eval_accuracy):
+            series.truncate(after_step)
+
+    def eval_line(self) -> str:
+        """The newest evaluation's preference metrics (the newest step's before any evaluation)."""
+        event = self.last_eval or self.last
+        return report.preference_line(event) if event is not None else ""
+
+
 def ema(values: Iterable[float], smoothing: float = DEFAULT_SMOOTHING) -> list[float]:
     """Exponential moving average with bias correction, so the first points are not pulled to 0."""
     out: list[float] = []
@@ -88,6 +131,8 @@ class TrainingState:
     eval_loss: Series = field(default_factory=Series)
     learning_rate: Series = field(default_factory=Series)
     last_eval: ev.EvalLogged | None = None
+    preference: PreferenceCurves = field(default_factory=PreferenceCurves)
+    """DPO / ORPO runs' curves (empty for SFT)."""
     memory: ev.MemorySampled | None = None
     loading_stage: str = ""
     loading_fraction: float = 0.0
@@ -155,6 +200,7 @@ class TrainingState:
             # The steps after the checkpoint are about to be redone; drop their old points.
             for series in (self.loss, self.eval_loss, self.learning_rate):
                 series.truncate(event.resumed_from_step)
+            self.preference.truncate(event.resumed_from_step)
             self.step = event.resumed_from_step
             self.notices.append(f"resumed from the checkpoint at step {event.resumed_from_step}")
         else:
@@ -184,6 +230,9 @@ class TrainingState:
         self.eval_loss.add(event.step, event.loss)
         if self.best_eval_loss is None or event.loss < self.best_eval_loss:
             self.best_eval_loss = event.loss
+
+    def _on_PreferenceLogged(self, event: ev.PreferenceLogged) -> None:
+        self.preference.add(event)
 
     def _on_MemorySampled(self, event: ev.MemorySampled) -> None:
         if event.rank == 0:  # a multi-GPU run's other cards are the VRAM pane's
@@ -254,6 +303,8 @@ class TrainingState:
 
     def eval_line(self) -> str:
         """The last evaluation: loss, perplexity and token accuracy."""
+        if self.preference.active:
+            return self.preference.eval_line()
         if self.last_eval is None:
             return "eval: none yet"
         return report.eval_line(self.last_eval)

@@ -42,6 +42,22 @@ def format_table(report: dict[str, Any], width: int = 28) -> str:
     lines.append(f"{report['rows']} {report['split']} rows   exact match: base {b['exact_match']:.1%} -> "
                  f"fine-tuned {t['exact_match']:.1%}   similarity: base {b['similarity']:.2f} -> "
                  f"fine-tuned {t['similarity']:.2f}")
+    preference = report.get("preference")
+    if preference:
+        lines.append(_preference_table(report["results"], preference))
+    return "\n".join(lines)
+
+
+def _preference_table(results: list[dict[str, Any]], preference: dict[str, Any]) -> str:
+    """A preference run's pairs: chosen, rejected, and each model's log-prob margin (+ prefers chosen)."""
+    lines = ["", f"{'#':>3}  {'chosen':<24}  {'rejected':<24}  margin base -> fine-tuned"]
+    for r in results:
+        tuned = f"{r['tuned_margin']:+.2f}" if r.get("tuned_margin") is not None else "-"
+        lines.append(f"{r['index']:>3}  {_cell(r['target'], 24):<24}  {_cell(r.get('rejected') or '', 24):<24}  "
+                     f"{r['base_margin']:+.2f} -> {tuned}")
+    tuned = preference.get("fine_tuned_accuracy")
+    lines.append(f"prefers the chosen answer: base {preference['base_accuracy']:.1%} -> fine-tuned "
+                 + (f"{tuned:.1%}" if tuned is not None else "-"))
     return "\n".join(lines)
 
 

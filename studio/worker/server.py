@@ -438,8 +438,10 @@ class Worker:
             return str(getattr(answer, "text", answer))
 
         try:
+            preference = getattr(session, "preference", None)  # DPO / ORPO: pairs scored by margin too
             self._scoring = HeldOutScoring(self.run, command, generate, self.emit,
-                                           render=getattr(session, "render_prompt", None))
+                                           render=getattr(session, "render_prompt", None),
+                                           margin=preference.margin if preference is not None else None)
         except (OSError, ValueError) as exc:  # DataError is a ValueError: a message a person can act on
             refuse(str(exc))
 

@@ -29,6 +29,7 @@ from textual.widgets import Button, Checkbox, DataTable, Input, Label, Static
 from studio.core import events as ev
 from studio.core import scoring
 from studio.core.config import RunConfig
+from studio.core.preference import is_preference
 from studio.core.runs import RunDir, create_run
 from studio.ui.host import Hosted
 from studio.ui.messages import WorkerEvents
@@ -69,6 +70,9 @@ class HeldOutRow:
     target: str
     label: str = ""
     answers: dict[str, Answer] = field(default_factory=dict)
+    margins: dict[str, float] = field(default_factory=dict)
+    """Preference runs: log p(chosen) - log p(rejected) per model ("base", "tuned"); above 0 it
+    prefers the chosen answer."""
 
     def score(self, side: str) -> scoring.Score | None:
         answer = self.answers.get(side)
@@ -370,6 +374,10 @@ class ChatPane(Hosted, Vertical):
         table = self.query_one("#chat-heldout-table", DataTable)
         table.clear(columns=True)
         table.add_columns("#", "prompt", "target", "base", "exact/sim", "fine-tuned", "exact/sim")
+        run = self.host.current_run
+        if is_preference(run.config() if run is not None else self.host.config):
+            # Which answer each model prefers: the log-prob margin of chosen over rejected.
+            table.add_columns("rejected", "prefers chosen: base → tuned")
         self.query_one("#chat-heldout-totals", Static).update("")
         self.query_one("#chat-heldout-box").add_class("shown")
         self._set_status(f"Held-out: answering {count} rows (test split, else validation; greedy)…")
@@ -386,9 +394,13 @@ class ChatPane(Hosted, Vertical):
             item.answers["tuned"] = Answer(event.tuned, done=True)
         self.heldout.append(item)
         tuned = "…" if event.tuned is not None else "no adapter"
-        self.query_one("#chat-heldout-table", DataTable).add_row(
-            str(event.index + 1), _cell(item.label, 28), _cell(item.target, 20), "…", "", tuned, "",
-            key=str(len(self.heldout) - 1))
+        table = self.query_one("#chat-heldout-table", DataTable)
+        cells = [str(event.index + 1), _cell(item.label, 28), _cell(item.target, 20), "…", "", tuned, ""]
+        if len(table.ordered_columns) > len(cells):
+            item.margins = {side: m for side, m in (("base", event.base_margin), ("tuned", event.tuned_margin))
+                            if m is not None}
+            cells += [_cell(event.rejected or "", 20), margin_cell(item.margins)]
+        table.add_row(*cells, key=str(len(self.heldout) - 1))
         self._set_status(f"Held-out: {event.index + 1}/{event.total} {event.split} rows answered…")
         self._dirty = True
 
@@ -430,7 +442,17 @@ class ChatPane(Hosted, Vertical):
         """``base: exact 0.0% · similarity 0.21 (10 rows) | fine-tuned: …``."""
         names = {"base": "base", "tuned": "fine-tuned"}
         parts = [f"{names[side]}: {t.line()}" for side, t in self.totals().items()]
+        preferred = {side: [item.margins[side] > 0 for item in self.heldout if side in item.margins]
+                     for side in names}
+        if preferred["base"]:
+            parts.append("prefers chosen: " + " → ".join(
+                f"{names[side]} {sum(won) / len(won):.0%}" for side, won in preferred.items() if won))
         return "totals — " + " | ".join(parts) if parts else ""
+
+
+def margin_cell(margins: dict[str, float]) -> str:
+    """``✗ -12.3 → ✓ +8.1``: which answer the base and the fine-tune prefer, and by how much."""
+    return " → ".join(f"{'✓' if m > 0 else '✗'} {m:+.1f}" for m in margins.values())
 
 
 def _cell(text: str, width: int = 40) -> str:

@@ -28,12 +28,14 @@ from textual.widgets import Button, Input, OptionList, ProgressBar, Static, Tabb
 from textual.widgets.option_list import Option
 
 from studio.core import data as datalib
+from studio.core.preference import is_preference, pair_lint
 from studio.ui.host import Hosted
 from studio.ui.messages import ConfigChanged, TokenizerChanged
 from studio.ui.widgets.column_map import ColumnMap
 from studio.ui.widgets.column_stats import StatsView
 from studio.ui.widgets.dialogs import PathDialog
 from studio.ui.widgets.page_table import PageTable
+from studio.ui.widgets.pair_view import PairView, pair_row
 
 PAGE_SIZE = 100
 """Rows in the table at once; paging replaces them (never the whole dataset in the table)."""
@@ -108,6 +110,7 @@ class DatasetPane(Hosted, Vertical):
                 with TabPane("v Row", id="row"):
                     with VerticalScroll(id="dataset-row-scroll"):
                         yield Static("Highlight a row to read it in full.", id="dataset-row")
+                        yield PairView(id="dataset-pair")  # preference runs: chosen | rejected
                 with TabPane("s Stats", id="stats"):
                     yield StatsView(id="dataset-stats")
                 with TabPane("l Lint", id="lint"):
@@ -329,6 +332,14 @@ class DatasetPane(Hosted, Vertical):
             parts.append(Content.from_markup("\n[b $accent]$name[/]\n", name=name))
             parts.append(Content(text if text else "(empty)") + "\n")
         self.query_one("#dataset-row", Static).update(Content("").join(parts))
+        pair = self.query_one(PairView)
+        pair.display = is_preference(self.host.config)
+        if pair.display:
+            config = self.host.config
+            fields = datalib.template_fields_for(config)[0]
+            flat = pair_row(row, config, fields[0])
+            names = (config.prompt.response_field, config.prompt.rejected_field)
+            pair.show(str(flat.get(names[0]) or ""), str(flat.get(names[1]) or ""), names)
 
     def action_side(self, tab: str) -> None:
         """Bring a side tab (row, stats, lint, columns) to the front."""
@@ -366,6 +377,8 @@ class DatasetPane(Hosted, Vertical):
                                        columns=config.data.columns, tokenize=tokenize,
                                        max_seq_length=config.data.max_seq_length, template=template,
                                        add_eos=config.prompt.add_eos)
+            if is_preference(config):
+                issues = pair_lint(table.dataset, config, issues)
         except (datalib.DataError, ValueError) as exc:
             app.call_from_thread(self._show_lint_error, str(exc))
         else:

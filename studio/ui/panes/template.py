@@ -23,8 +23,10 @@ from textual.widgets import Button, Label, ProgressBar, Select, Static, TextArea
 from studio.core import events as ev
 from studio.core import prompt as prompts
 from studio.core.config import PromptConfig
+from studio.core.preference import is_preference
 from studio.ui.host import Hosted
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged, WorkerEvents
+from studio.ui.widgets.pair_view import pair_preview, pair_row
 from studio.ui.widgets.prompt_preview import count_line, legend, measure, preview_content
 from studio.ui.widgets.template_editor import TemplateEditor
 
@@ -236,7 +238,12 @@ class TemplatePane(Hosted, Vertical):
         where = f"row {selected[0]:,}" if selected else "example row (open a dataset to use yours)"
         self.query_one("#template-counts", Static).update(
             Content.from_markup("[b $accent]$where[/] · ", where=where) + count_line(measured, app.counter))
-        self.query_one("#template-render", Static).update(preview_content(measured, app.counter.eos_token))
+        if is_preference(config) and selected:
+            # A DPO / ORPO row trains on two texts: the chosen answer's and the rejected one's.
+            content = pair_preview(text, pair_row(row, config, self._fields()[0]), config, app.counter)
+        else:
+            content = preview_content(measured, app.counter.eos_token)
+        self.query_one("#template-render", Static).update(content)
         self._show_lint(text)
 
     def _show_lint(self, text: str) -> None:

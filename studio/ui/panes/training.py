@@ -26,6 +26,7 @@ from studio.ui.messages import MemorySample, WorkerEvents
 from studio.ui.metrics import TrainingState, format_duration
 from studio.ui.widgets.dialogs import ConfirmScreen, ExportScreen
 from studio.ui.widgets.loss_plot import LearningRatePlot, LossPlot
+from studio.ui.widgets.preference_plot import PreferencePlot
 from studio.ui.widgets.run_picker import CompareScreen, PickResult, RunPickerScreen
 
 REDRAW_HZ = 4.0
@@ -72,6 +73,7 @@ class TrainingPane(Hosted, Vertical):
     TrainingPane #training-plots { height: 1fr; }
     TrainingPane #training-loss-plot { width: 2fr; }
     TrainingPane #training-lr-plot { width: 1fr; }
+    TrainingPane PreferencePlot { width: 1fr; display: none; }
     """
 
     BINDINGS = [
@@ -114,6 +116,9 @@ class TrainingPane(Hosted, Vertical):
         with Horizontal(id="training-plots"):
             yield LossPlot(id="training-loss-plot")
             yield LearningRatePlot(id="training-lr-plot")
+            # A DPO / ORPO run shows its preference curves in place of the learning rate.
+            yield PreferencePlot("logps", id="training-pref-logps")
+            yield PreferencePlot("margin", id="training-pref-margin")
 
     def on_mount(self) -> None:
         run = self.host.current_run
@@ -223,7 +228,14 @@ class TrainingPane(Hosted, Vertical):
         alert.update("\n".join(line for line in lines if line))
         alert.set_class(state.status == "failed", "failed")
         self.query_one(LossPlot).show(state)
-        self.query_one(LearningRatePlot).show(state)
+        preference = state.preference.active
+        lr_plot, pref_plots = self.query_one(LearningRatePlot), list(self.query(PreferencePlot))
+        if lr_plot.display == preference:  # a layout change only when the run's kind changes
+            lr_plot.display = not preference
+            for plot in pref_plots:
+                plot.display = preference
+        for plot in pref_plots if preference else [lr_plot]:
+            plot.show(state)
         self._sync_buttons()
         self.redraws += 1
         self.redraw_seconds += time.perf_counter() - started
