@@ -266,9 +266,10 @@ def test_dpo_through_the_worker_learns_the_case_preference(tiny_model: Path, tmp
     assert (run.path / "eval.csv").read_text().splitlines()[0].endswith("rejected,base_margin,tuned_margin")
 
 
-def test_the_estimate_counts_two_sequences_a_pair() -> None:
+def test_the_estimate_counts_two_sequences_a_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     """A DPO micro-batch of 4 pairs needs the activations of 8 sequences; the largest micro-batch
-    that fits is counted in pairs (about half the SFT one), and the note says so."""
+    that fits is counted in pairs (about half the SFT one), and the note says so. DPO runs on the
+    plain path (the fast one computes SFT's loss only), so SFT is compared on that path too."""
     from studio.core.model_info import KNOWN_MODELS
     from studio.core.vram import estimate
 
@@ -276,6 +277,8 @@ def test_the_estimate_counts_two_sequences_a_pair() -> None:
     sft = RunConfig()
     dpo = parse_config("trainer: {method: dpo}\nprompt: {response_field: chosen}\n")
     capacity = 24 * 10**9
+    assert estimate(dpo, llama, capacity).path == "plain" and estimate(sft, llama, capacity).path == "fast"
+    monkeypatch.setenv("STUDIO_FAST_PATH", "0")
     a, b = estimate(sft, llama, capacity), estimate(dpo, llama, capacity)
     doubled = estimate(sft, llama, capacity, micro_batch=2 * sft.trainer.micro_batch_size)
     assert b.categories["activations"] == doubled.categories["activations"] > a.categories["activations"]

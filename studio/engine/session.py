@@ -124,11 +124,7 @@ class Session:
             self.fail("data", str(exc))
         except (ValueError, FileNotFoundError) as exc:  # template and tokenizer problems
             self.fail("config", f"{base_model}: {exc}")
-        if self.preference is not None:
-            method = self.config.trainer.method
-            self.fast, why = None, f"trainer.method is {method}; the fast path computes SFT's loss only"
-        else:
-            self.fast, why = fastpath.enable(self.model, self.device)
+        self.fast, why = fastpath.enable(self.model, self.device, self.config.trainer.method)
         if self.fast is None and self.device.type == "cuda":
             self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
                 f"the fast training path is off ({why}); training runs on the slower plain path")))

@@ -138,7 +138,7 @@ def _exact_in(p: torch.Tensor, dtype: torch.dtype) -> bool:
         return bool(torch.equal(p.data.to(dtype).to(p.dtype), p.data))
 
 
-def path_facts(model: nn.Module, device: torch.device) -> PathFacts:
+def path_facts(model: nn.Module, device: torch.device, method: str = "sft") -> PathFacts:
     """What :func:`studio.core.plan.choose_path` decides on, read off the loaded PEFT model (the
     estimator reads the same facts off the config files)."""
     found, _ = _find(model)
@@ -162,14 +162,14 @@ def path_facts(model: nn.Module, device: torch.device) -> PathFacts:
     return PathFacts(cuda=device.type == "cuda", weights=weights, lora_targets=tuple(targets),
                      lora_dropout=float(getattr(peft_config, "lora_dropout", 0.0) or 0.0),
                      model_blocker=model_blocker(config_dict) if config_dict else "",
-                     env=os.environ.get(FAST_PATH_ENV, ""))
+                     env=os.environ.get(FAST_PATH_ENV, ""), method=method)
 
 
-def enable(model: nn.Module, device: torch.device) -> tuple[FastModel | None, str]:
+def enable(model: nn.Module, device: torch.device, method: str = "sft") -> tuple[FastModel | None, str]:
     """The fast path for a trainer's model, where :func:`studio.core.plan.choose_path` (the function
     the estimator uses too) picks it: on CUDA for covered models, off on CPU (where it is no faster);
     the environment variable ``STUDIO_FAST_PATH`` overrides. Returns (None, why) when off."""
-    choice = choose_path(path_facts(model, device))
+    choice = choose_path(path_facts(model, device, method))
     if choice.path != "fast":
         return None, choice.reason
     return prepare(model)
