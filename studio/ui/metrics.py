@@ -86,6 +86,8 @@ class TrainingState:
     eval_loss: Series = field(default_factory=Series)
     learning_rate: Series = field(default_factory=Series)
     last_eval: ev.EvalLogged | None = None
+    base_eval: ev.EvalLogged | None = None
+    """The base model's evaluation (step 0, before training): the "before" of the eval curve."""
     memory: ev.MemorySampled | None = None
     loading_stage: str = ""
     loading_fraction: float = 0.0
@@ -178,7 +180,12 @@ class TrainingState:
 
     def _on_EvalLogged(self, event: ev.EvalLogged) -> None:
         self.last_eval = event
+        if not math.isfinite(event.loss):
+            return
         self.eval_loss.add(event.step, event.loss)
+        if event.step == 0:
+            self.base_eval = event  # the untrained model: a baseline, not a "best" of the fine-tune
+            return
         if self.best_eval_loss is None or event.loss < self.best_eval_loss:
             self.best_eval_loss = event.loss
 
