@@ -8,6 +8,7 @@ may be shared), the package versions, the training's wall and CPU seconds, the b
 loss at step 0 and the fine-tune's at the end, and the held-out totals.
 
     python bench/cpu_sample.py --threads 2 --rows 20 --out bench/results/cpu_sample_smollm2.json
+    python bench/cpu_sample.py --held-out-only RUN_DIR --rows 8   # redo the comparison of a run
 
 A loaded machine stretches wall time, not CPU time: ``estimated_wall_s_on_idle_cores`` divides the
 training's CPU seconds by the threads used, what the same work takes on that many idle cores.
@@ -90,12 +91,57 @@ def _timed(cmd: list[str], env: dict[str, str], log: Path) -> dict:
             "load_avg_1m_mean": round(sum(samples) / len(samples), 2), "load_avg_1m_max": round(max(samples), 2)}
 
 
+def _env(threads: int) -> dict[str, str]:
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _python(threads: int) -> list[str]:
+    """``studio`` pinned to ``threads`` cores, as on a small laptop, when this machine has more."""
+    cores = sorted(os.sched_getaffinity(0))
+    pin = ["taskset", "-c", ",".join(str(c) for c in cores[:threads])]
+    if len(cores) <= threads or not Path("/usr/bin/taskset").exists():
+        pin = []
+    return [*pin, sys.executable, "-m", "studio.cli"]
+
+
+def _held_out(python: list[str], env: dict[str, str], run_dir: Path, rows: int) -> dict:
+    """``studio eval`` on the run: base vs fine-tuned answers on held-out rows, timed."""
+    scored = _timed([*python, "eval", str(run_dir), "--rows", str(rows), "--json",
+                     "--runs-dir", str(run_dir.parent)], env, run_dir.parent.parent / "eval.log")
+    report = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").exists() else {}
+    held_out = {**scored, "command": " ".join([*python, "eval", str(run_dir), "--rows", str(rows)]),
+                "rows": report.get("rows"), "split": report.get("split"), "base": report.get("base"),
+                "fine_tuned": report.get("fine_tuned")}
+    if report.get("results"):
+        first = report["results"][0]
+        held_out["example"] = {k: first[k] for k in ("target", "base", "tuned")}
+    return held_out
+
+
+def held_out_only(run_dir: Path, args: argparse.Namespace) -> int:
+    """Redo the held-out comparison of a finished run and store it in ``args.out``'s JSON."""
+    out = Path(args.out)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result["held_out"] = _held_out(_python(args.threads), _env(args.threads), run_dir, args.rows)
+    result["held_out"]["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
+    result["held_out_command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["held_out"], indent=1))
+    return 0 if result["held_out"].get("fine_tuned") else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch (default 2)")
     parser.add_argument("--rows", type=int, default=20, help="held-out rows to compare (default 20)")
     parser.add_argument("--out", default=str(ROOT / "bench/results/cpu_sample_smollm2.json"))
+    parser.add_argument("--held-out-only", metavar="RUN_DIR",
+                        help="only (re)do the held-out comparison of this finished run, into --out's JSON")
     args = parser.parse_args()
+    if args.held_out_only:
+        return held_out_only(Path(args.held_out_only), args)
 
     from studio.core.events import EvalLogged, TrainingFinished, from_json
     from studio.ui.cli_app import initial_config
@@ -105,14 +151,8 @@ def main() -> int:
     config_path = work / "sample_config.yaml"
     config.output_dir = str(work / "runs")
     config.save(config_path)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(args.threads),
-           "MKL_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    # Two cores, as on a small laptop, when this machine has more and lets us pick.
-    pin = ["taskset", "-c", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[: args.threads])]
-    if len(os.sched_getaffinity(0)) <= args.threads or not Path("/usr/bin/taskset").exists():
-        pin = []
-    python = [*pin, sys.executable, "-m", "studio.cli"]
+    env = _env(args.threads)
+    python = _python(args.threads)
     load_before = os.getloadavg()
 
     train = _timed([*python, "train", str(config_path)], env, work / "train.log")
@@ -122,16 +162,7 @@ def main() -> int:
     evals = [e for e in events if isinstance(e, EvalLogged)]
     finished = next((e for e in events if isinstance(e, TrainingFinished)), None)
 
-    held_out: dict = {}
-    if run_dir is not None and finished is not None:
-        scored = _timed([*python, "eval", str(run_dir), "--rows", str(args.rows), "--json",
-                         "--runs-dir", str(work / "runs")], env, work / "eval.log")
-        report = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").exists() else {}
-        held_out = {**scored, "rows": report.get("rows"), "split": report.get("split"),
-                    "base": report.get("base"), "fine_tuned": report.get("fine_tuned")}
-        if report.get("results"):
-            first = report["results"][0]
-            held_out["example"] = {k: first[k] for k in ("target", "base", "tuned")}
+    held_out = _held_out(python, env, run_dir, args.rows) if run_dir is not None and finished is not None else {}
 
     result = {
         "bench": "cpu_sample",
@@ -139,7 +170,7 @@ def main() -> int:
         "what": "bundled sample config as `studio` opens it, trained by `studio train` on the CPU "
                 "(CUDA hidden), then `studio eval` on held-out rows",
         "machine": {"cpu": _cpu_model(), "cores_visible": os.cpu_count(), "threads": args.threads,
-                    "pinned_to": pin[2] if pin else "not pinned (all visible cores)",
+                    "pinned_to": python[2] if python[0] == "taskset" else "not pinned (all visible cores)",
                     "load_avg_before": [round(x, 2) for x in load_before],
                     "load_avg_after": [round(x, 2) for x in os.getloadavg()],
                     "platform": platform.platform()},
