@@ -78,3 +78,11 @@ def test_lint_names_empty_turns_wrong_order_and_long_conversations(tmp_path: Pat
     assert "turn 2 is a system turn" in late.message
     unknown = next(i for i in issues if i.row == 5)
     assert "'narrator'" in unknown.message and "system, user or assistant" in unknown.message
+
+
+def test_held_out_table_labels_a_conversation_by_its_last_question() -> None:
+    from studio.ui.panes.chat import row_label
+
+    asked = [*OPENAI, {"role": "user", "content": "And in French?"}]
+    assert row_label({"messages": json.dumps(asked)}, "") == "4 turns · And in French?"
+    assert row_label({"instruction": "Reverse it.", "input": "abc"}, "output") == "abc · Reverse it."
