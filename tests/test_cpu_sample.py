@@ -1,7 +1,8 @@
 """The bundled sample config on a CPU, as `studio` starts it, with the tiny model in SmolLM2's place.
 
-Everything but the model is the sample's: its 4-bit quantization (the CPU plan loads the base in
-full precision), its data, split, template and trainer settings. The run must take well under a
+Everything but the model and the data is the sample's: its 4-bit quantization (the CPU plan loads
+the base in full precision), sample ratio, template, sequence length and trainer settings; the data
+is the tiny model's reverse-word task, since the tiny model knows no Python. The run must take well under a
 minute of CPU time here and leave the held-out answers measurably better (bench/cpu_sample.py measures the
 same on SmolLM2 itself).
 """
@@ -18,11 +19,14 @@ from studio.core.runs import RunDir
 from studio.ui.cli_app import initial_config
 
 
-def test_sample_config_trains_on_cpu_and_improves_held_out(tiny_model: Path, tmp_path: Path, studio_env: dict,
-                                                          python: str) -> None:
+def test_sample_config_trains_on_cpu_and_improves_held_out(tiny_model: Path, reverse_data: Path, tmp_path: Path,
+                                                          studio_env: dict, python: str) -> None:
     config, _ = initial_config(None, None)
     assert config.quantization.bits == 4 and config.data.sample_ratio < 1 and config.trainer.epochs == 1
     config.model.base_model = str(tiny_model)
+    # The tiny model's own task (reverse a word, with a split column like the sample's): it knows no
+    # Python, so the sample's code answers would not show whether the settings teach it anything.
+    config.data.path = str(reverse_data)
     config.output_dir = str(tmp_path / "runs")
     path = tmp_path / "sample_tiny.yaml"
     config.save(path)
@@ -51,6 +55,5 @@ def test_sample_config_trains_on_cpu_and_improves_held_out(tiny_model: Path, tmp
     assert scored.returncode == 0, scored.stderr[-2000:]
     report = json.loads((run.path / "eval.json").read_text())
     assert report["rows"] == 12
-    # The tiny model knows no Python: a few steps move its answers a little, but measurably (the
-    # run is seeded and single-threaded, so the margin is stable); SmolLM2's gain is in the bench.
-    assert report["fine_tuned"]["similarity"] > report["base"]["similarity"] + 0.01
+    base, tuned = report["base"], report["fine_tuned"]
+    assert tuned["similarity"] > base["similarity"] + 0.05, (base, tuned)
