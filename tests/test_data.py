@@ -483,4 +483,8 @@ def test_sample_config_names_its_command_and_finds_its_data_from_anywhere(tmp_pa
     assert config.model.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert (config.quantization.bits, config.quantization.quant_type, config.lora.r) == (4, "nf4", 16)
     monkeypatch.chdir(tmp_path)
-    assert load_splits(config, base_dir=path.parent).counts()["train"] > 250
+    sampled = load_splits(config, base_dir=path.parent).counts()["train"]
+    config.data.sample_ratio = 1.0  # the whole training split; the sample config trains a fifth of it
+    whole = load_splits(config, base_dir=path.parent).counts()["train"]
+    assert whole > 250
+    assert sampled == round(whole * 0.2)

@@ -68,8 +68,10 @@ def test_train_writes_the_run_and_prints_progress(trained) -> None:
     assert steps[-1].loss < steps[0].loss
     assert all(e.tokens_per_s > 0 for e in steps)
     evals = [e for e in events if isinstance(e, ev.EvalLogged)]
-    assert [e.step for e in evals] == [100, 200, 300]
-    assert evals[-1].loss < evals[0].loss and 0 < evals[-1].token_accuracy <= 1
+    # Step 0 is the base model, evaluated before the first step.
+    assert [e.step for e in evals] == [0, 100, 200, 300]
+    assert "eval of the base model (step 0)" in stdout
+    assert evals[-1].loss < evals[1].loss < evals[0].loss and 0 < evals[-1].token_accuracy <= 1
     assert [e.step for e in events if isinstance(e, ev.CheckpointSaved)] == [100, 200, 300]
     assert [p.name for p in run.checkpoints()] == ["step-200", "step-300"]
     # The foreground run is the worker, so its log ends with the worker's exit right after training.

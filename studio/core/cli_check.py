@@ -18,6 +18,7 @@ def main(args: argparse.Namespace) -> int:
     """Handler for ``studio config check``: 0 and a summary when training could start, else 2 and
     one line naming the file, line or key."""
     from studio.core import prompt
+    from studio.core.chat import is_chat_row
     from studio.core.data import DataError, load_splits, template_fields_for
 
     config = load_config(args.config)
@@ -36,6 +37,9 @@ def main(args: argparse.Namespace) -> int:
         if errors:
             raise ConfigError(f"{args.config}: prompt.template: {errors[0].message}")
     counts = splits.counts()
+    chat = bool(splits.train) and is_chat_row(splits.train[0])
+    rendered = ("conversations through the model's chat template" if chat
+                else f"template fields {', '.join(fields)}")
     print(f"{args.config}: ok: {counts['train']} training, {counts['validation']} validation and "
-          f"{counts['test']} test rows from {config.data.path}; template fields {', '.join(fields)}")
+          f"{counts['test']} test rows from {config.data.path}; {rendered}")
     return 0

@@ -190,7 +190,8 @@ class TrainerConfig:
     """Pack several examples into one row without padding (each attends only to itself)."""
 
     eval_interval: int = 50
-    """Evaluate on the validation split every this many steps (and at the end); 0 disables."""
+    """Evaluate on the validation split every this many steps; the base model is evaluated before the
+    first step and the fine-tune at the end either way (0: only those two)."""
 
     eval_max_rows: int = 200
     """Evaluate on at most this many validation rows, to keep evaluation quick."""

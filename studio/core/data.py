@@ -6,7 +6,8 @@ Each concept has its own module; this one gathers their public names so callers 
   (``load_table``, ``DataError``, ``FORMATS``, ``SPLIT_NAMES``, ``resolve_path``)
 - :mod:`studio.core.databrowse`: slices, columns and search (``Table``, ``rows``, ``search``, ...)
 - :mod:`studio.core.datasplit`: template fields and the train / validation / test split
-  (``load_splits``, ``Splits``, ``template_fields_for``, ``field_columns``, ``split_counts``)
+  (``load_splits``, ``Splits``, ``template_fields_for``, ``field_columns``, ``split_counts``,
+  ``chat_column``: the column of a chat dataset, see :mod:`studio.core.chat`)
 - :mod:`studio.core.datastats`: length statistics and lint (imported from here only when asked for,
   since it is the heaviest)
 """
@@ -20,6 +21,7 @@ from studio.core.dataload import FORMATS, SPLIT_NAMES, DataError, load_table
 from studio.core.datasplit import (
     Splits,
     as_text,
+    chat_column,
     field_columns,
     load_splits,
     split_counts,
@@ -28,12 +30,14 @@ from studio.core.datasplit import (
 from studio.core.paths import resolve_path
 
 __all__ = [
-    "FORMATS", "SPLIT_NAMES", "DataError", "Splits", "Table", "arrow_table", "as_text", "column_values",
+    "FORMATS", "SPLIT_NAMES", "DataError", "Splits", "Table", "arrow_table", "as_text", "chat_column",
+    "column_values",
     "field_columns", "load_splits", "load_table", "resolve_path", "row_count", "rows", "search",
     "split_counts", "template_fields_for",
 ]
 
-_STATS = ("LengthStats", "length_stats", "ColumnStats", "column_stats", "DataIssue", "lint_rows")
+_STATS = ("LengthStats", "length_stats", "ColumnStats", "column_stats", "DataIssue", "lint_rows",
+          "lint_conversations")
 
 
 def __getattr__(name: str) -> Any:

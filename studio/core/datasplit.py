@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from studio.core import chat as chats
 from studio.core import prompt as prompts
 from studio.core.databrowse import arrow_table, column_values
 from studio.core.dataload import SPLIT_NAMES, DataError, load_table
@@ -25,11 +26,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class Splits:
-    """Rows for training, validation and test; each row a dict keyed by template field names."""
+    """Rows for training, validation and test; each row a dict keyed by template field names (text),
+    or for a chat dataset ``{"messages": [{"role", "content"}, ...]}``."""
 
-    train: list[dict[str, str]]
-    validation: list[dict[str, str]]
-    test: list[dict[str, str]]
+    train: list[dict[str, Any]]
+    validation: list[dict[str, Any]]
+    test: list[dict[str, Any]]
     indices: dict[str, list[int]] = field(default_factory=dict)
     """Each split's row positions in the loaded table (for the browser and for lint)."""
 
@@ -42,6 +44,7 @@ def template_fields_for(config: RunConfig) -> tuple[list[str], set[str]]:
     """The fields the prompt needs from each row, and which of them may be absent (rendered empty).
 
     ``input`` is optional for the alpaca and chat presets: rows without one use the no-input wording.
+    (A chat dataset has one field, ``messages``: see :func:`chat_column`.)
     """
     fields, optional = _template_fields(config)
     if is_preference(config) and config.prompt.rejected_field not in fields:
@@ -124,13 +127,22 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
         # A config built in memory (the TUI's editor) has not been through config.validate; a brace
         # that is no placeholder would drop its field from every example.
         raise DataError(f"prompt.template: {problems[0].message}")
-    fields, optional = template_fields_for(config)
-    if is_preference(config):
-        dataset = flatten_table(dataset, config, fields[0])  # chat-shaped pairs -> text columns
-    values = field_columns(dataset, fields, data.columns, source, optional,
-                           reserved=[data.split_column] if data.split_column else [])
+    preference = is_preference(config)
+    if preference:
+        # Chat-shaped pairs become text columns first: a pair's prompt may be a conversation.
+        dataset = flatten_table(dataset, config, template_fields_for(config)[0][0])
     total = len(dataset)
-    table_rows = [dict(zip(values, row, strict=True)) for row in zip(*values.values(), strict=True)]
+    chat = None if preference else chat_column(dataset, data.columns)
+    if chat is not None:
+        table_rows = chat_rows(dataset, chat[0], source)
+        if config.prompt.template != "chat":
+            raise DataError(f"{source}: column '{chat[0]}' holds conversations ({chat[1]} shape); they are "
+                            "rendered with the model's chat template: set prompt.template: chat")
+    else:
+        fields, optional = template_fields_for(config)
+        values = field_columns(dataset, fields, data.columns, source, optional,
+                               reserved=[data.split_column] if data.split_column else [])
+        table_rows = [dict(zip(values, row, strict=True)) for row in zip(*values.values(), strict=True)]
 
     if data.split_column and data.split_column in dataset.column_names:
         parts: dict[str, list[int]] = {"train": [], "validation": [], "test": []}
@@ -160,6 +172,39 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
         test=[table_rows[i] for i in parts["test"]],
         indices=parts,
     )
+
+
+def chat_column(dataset: Any, columns: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """The column of a chat dataset and its shape (``openai`` or ``sharegpt``), or None.
+
+    Only each column's first non-empty value is looked at (a slice, cheap on any size).
+    """
+    table = arrow_table(dataset)
+
+    def first(name: str) -> Any:
+        column = table.column(name)
+        for i in range(min(len(column), 64)):
+            value = column[i].as_py()
+            if value not in (None, "", []):
+                return value
+        return None
+
+    return chats.find_chat_column(table.column_names, first, columns)
+
+
+def chat_rows(dataset: Any, column: str, source: str) -> list[dict[str, Any]]:
+    """Every row's conversation as ``{"messages": [{"role", "content"}, ...]}`` (OpenAI's roles).
+
+    A row that is no conversation raises :class:`DataError` with its 0-based position.
+    """
+    out: list[dict[str, Any]] = []
+    for index, value in enumerate(column_values(dataset, column)):
+        try:
+            turns = chats.parse_turns(value, f"{source}: row {index}, column '{column}'")
+        except chats.ChatFormatError as exc:
+            raise DataError(str(exc)) from None
+        out.append({chats.CHAT_FIELD: [t.as_message() for t in turns]})
+    return out
 
 
 def _share(total: int, fraction: float) -> int:

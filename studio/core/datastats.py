@@ -117,7 +117,8 @@ class DataIssue:
     """A row worth a look before training."""
 
     kind: str
-    """``empty_output``, ``duplicate_prompt`` (same prompt, different answers) or ``too_long``."""
+    """``empty_output``, ``duplicate_prompt`` (same prompt, different answers) or ``too_long``; for a
+    chat dataset ``not_a_conversation``, ``empty_turn``, ``role_order`` or ``too_long``."""
     row: int
     """The (first) row concerned, 0-based."""
     message: str
@@ -151,6 +152,7 @@ def lint_rows(
     template: str | None = None,
     add_eos: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    chat_template: str | None = None,
 ) -> list[DataIssue]:
     """Rows that would hurt a fine-tune: empty outputs, the same prompt with different answers (after
     whitespace/case normalisation), and rows longer than ``max_seq_length`` tokens.
@@ -160,8 +162,19 @@ def lint_rows(
     present). Length is measured on the row rendered through ``template`` (or its fields joined by
     newlines), plus the EOS token when ``add_eos``; ``progress(done, total)`` follows that
     tokenization. Hash-based: 100k rows lint in well under a second without a tokenizer.
+
+    A chat dataset (a ``messages`` / ``conversations`` column) is linted as conversations instead
+    (:func:`lint_conversations`), its length measured through ``chat_template`` when given.
     """
     mapping = dict(columns or {})
+    if not isinstance(source, list):
+        from studio.core.datasplit import chat_column
+
+        found = chat_column(source, mapping)
+        if found is not None:
+            return lint_conversations(column_values(source, found[0]), tokenize=tokenize,
+                                      max_seq_length=max_seq_length, chat_template=chat_template,
+                                      progress=progress)
     if isinstance(source, list):
         available = list(source[0]) if source else []
     else:
@@ -245,3 +258,53 @@ def _too_long(values: dict[str, list[str]], total: int, response_field: str, tok
                   f"{max_seq_length}; the end of its response will be cut (raise max_seq_length or shorten it)")
         for index, count in zip(candidates, counts, strict=True) if count + extra > max_seq_length
     ]
+
+
+def lint_conversations(
+    values: Sequence[Any],
+    *,
+    tokenize: Tokenizer | Callable[[str], Sequence[int]] | None = None,
+    max_seq_length: int | None = None,
+    chat_template: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[DataIssue]:
+    """Conversations that would hurt a fine-tune: a value that is no conversation, empty turns,
+    turns out of order (see :func:`studio.core.chat.conversation_issues`), and conversations longer
+    than ``max_seq_length`` tokens (rendered through ``chat_template``, else their turns joined)."""
+    from studio.core import chat
+    from studio.core.prompt import TemplateError
+
+    issues: list[DataIssue] = []
+    conversations: dict[int, list[chat.Turn]] = {}
+    for index, value in enumerate(values):
+        try:
+            turns = chat.parse_turns(value, f"row {index}")
+        except chat.ChatFormatError as exc:
+            issues.append(DataIssue("not_a_conversation", index, f"{exc}"))
+            continue
+        conversations[index] = turns
+        for kind, message in chat.conversation_issues(turns):
+            issues.append(DataIssue(kind, index, f"row {index}: {message}"))
+    if tokenize is not None and max_seq_length:
+        from studio.core.tokens import count_tokens
+
+        renderer = chat.ChatRenderer(chat_template) if chat_template else None
+
+        def text_of(turns: list[chat.Turn]) -> str:
+            if renderer is not None:
+                with contextlib.suppress(TemplateError):
+                    return renderer.text(turns)
+            return "\n".join(f"{t.role}: {t.content}" for t in turns)
+
+        # Only conversations whose UTF-8 size could exceed the limit are tokenized (a token covers
+        # at least one byte).
+        texts = {i: text_of(turns) for i, turns in conversations.items()}
+        candidates = [i for i, text in texts.items() if len(text.encode()) > max_seq_length]
+        counts = count_tokens(tokenize, [texts[i] for i in candidates], progress)
+        issues.extend(
+            DataIssue("too_long", index, f"row {index}: {count} tokens, over data.max_seq_length "
+                      f"{max_seq_length}; the end of the conversation will be cut (raise max_seq_length, "
+                      "or split the conversation)")
+            for index, count in zip(candidates, counts, strict=True) if count > max_seq_length)
+    issues.sort(key=lambda issue: issue.row)
+    return issues

@@ -40,6 +40,7 @@ _JOINED_INPUT = "\n\n{input}"
 # Text after the response that is only end-of-turn markers (chat templates' <|im_end|>, </s>) is
 # what the model should learn to emit, so it is not flagged.
 _END_MARKERS = re.compile(r"(\s*<[^<>\s{}]+>)*\s*")
+_DOUBLED_MARKER = re.compile(r"(<[^<>\s{}]+>)\s*\1")
 _TOKEN = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # Every brace, classified: escaped or a placeholder (fine), braces around something that is not a
 # field name, an opening brace never closed on its line, a closing brace that closes nothing.
@@ -74,7 +75,12 @@ class Rendered:
     """Where each field's text landed, for colouring the preview."""
 
     template: str = ""
-    """The literal template actually used (the no-input variant on rows without input)."""
+    """The literal template actually used (the no-input variant on rows without input); ``chat`` for
+    a conversation rendered by :class:`studio.core.chat.ChatRenderer`."""
+
+    loss_spans: tuple[tuple[int, int], ...] = ()
+    """A conversation's assistant turns (character offsets, end exclusive): loss is taken on these
+    only. Empty for a single-turn row, whose response runs from ``response_start`` to the end."""
 
     @property
     def prompt(self) -> str:
@@ -109,7 +115,7 @@ class TemplateIssue:
 
     kind: str
     """``brace`` (a ``{`` or ``}`` that is no placeholder), ``unknown_field``, ``no_separator``,
-    ``response_not_at_end``, ``no_eos`` or ``no_response``."""
+    ``response_not_at_end``, ``double_eos``, ``no_eos`` or ``no_response``."""
 
     message: str
     offset: int
@@ -261,27 +267,17 @@ def without_input(template: str) -> str:
 
 def _render_chat(chat_template: str, user: str, response_field: str, chat_vars: dict[str, Any]) -> str:
     from jinja2 import TemplateError as JinjaError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from studio.core.chat import compile_chat_template
 
     # Sentinels that survive any template (no braces, no whitespace) are swapped for placeholders
     # after rendering, so braces that the chat template itself writes stay literal.
     names = ("instruction", "input", response_field)
     marks = {f"\x00F{i}\x00": name for i, name in enumerate(names)}
     user_text = user.replace("{instruction}", "\x00F0\x00").replace("{input}", "\x00F1\x00")
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(f"the chat template refused the conversation: {message}")
-
-    def strftime_now(fmt: str) -> str:
-        import datetime
-
-        return datetime.datetime.now().strftime(fmt)
-
     # The same environment transformers renders chat templates in, so the text matches training time.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     try:
-        text = env.from_string(chat_template).render(
+        text = compile_chat_template(chat_template).render(
             messages=[{"role": "user", "content": user_text}, {"role": "assistant", "content": "\x00F2\x00"}],
             add_generation_prompt=False,
             **{"bos_token": "", "eos_token": "", **chat_vars},
@@ -348,9 +344,12 @@ def encode(
 ) -> Encoded:
     """Token ids and labels for a rendered row, with loss on the response only.
 
-    Prompt and response are tokenized separately and concatenated, so the boundary between -100
-    labels and real labels is exact. ``bos_id`` (when given) starts the prompt; ``eos_id`` (when
-    given) ends the response. ``tokenize`` must not add special tokens itself.
+    The whole text is tokenized once, as ``apply_chat_template`` and inference tokenize it; the labels
+    start at the first token that the prompt tokenized alone does not share (where a token spans the
+    boundary, as ``\n\n`` before an answer can, it counts as response). ``bos_id`` (when given) starts
+    the prompt; ``eos_id`` (when given) ends the response (pass :func:`eos_to_append`'s answer).
+    ``tokenize`` must not add special tokens itself. A conversation (``rendered.loss_spans``) is encoded by
+    :func:`studio.core.chat.encode_turns`: loss on every assistant turn, no EOS added.
 
     Truncation to ``max_len``: the response's tail goes first (and the EOS with it: a cut answer
     should not teach the model to stop there). If the prompt alone leaves no room, the prompt loses
@@ -360,8 +359,13 @@ def encode(
     """
     if max_len < 2:
         raise ValueError("max_len must be at least 2")
-    prompt = list(tokenize(rendered.prompt))
-    response = list(tokenize(rendered.response))
+    if rendered.loss_spans:
+        from studio.core.chat import encode_turns
+
+        return encode_turns(rendered, tokenize, max_len, bos_id)
+    whole = list(tokenize(rendered.text))
+    cut = token_boundary(whole, tokenize(rendered.prompt))
+    prompt, response = whole[:cut], whole[cut:]
     bos = [bos_id] if bos_id is not None else []
     eos = [eos_id] if eos_id is not None else []
     total = len(bos) + len(prompt) + len(response) + len(eos)
@@ -386,6 +390,41 @@ def encode(
     )
 
 
+def token_boundary(whole: Sequence[int], head: Sequence[int]) -> int:
+    """How many leading tokens of ``whole`` (a text's tokens) belong to ``head`` (its start's tokens
+    alone): their common prefix."""
+    n = 0
+    for a, b in zip(whole, head, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def eos_to_append(rendered: Rendered, eos_id: int | None, eos_token: str | None, add_eos: bool = True
+                  ) -> int | None:
+    """The EOS id :func:`encode` should append to ``rendered``'s response, or None.
+
+    None when ``prompt.add_eos`` is off, for a conversation (the chat template ends each assistant
+    turn itself), and when the response already holds the EOS token's text: a chat template's
+    end of turn (``<|im_end|>``) is the EOS of an instruct model, and a second one would teach the
+    model to emit it twice (what ``apply_chat_template`` renders has one).
+    """
+    if not add_eos or eos_id is None or rendered.loss_spans:
+        return None
+    if eos_token and eos_token in rendered.response:
+        return None
+    return eos_id
+
+
+def bos_to_prepend(text: str, bos_id: int | None, bos_token: str | None) -> int | None:
+    """``bos_id``, unless ``text`` starts with the BOS token's text already (a chat template that
+    writes ``{{ bos_token }}``, as Llama 3's does): one BOS, as ``apply_chat_template`` makes."""
+    if bos_id is None or (bos_token and text.startswith(bos_token)):
+        return None
+    return bos_id
+
+
 # ---------------------------------------------------------------------------------------- lint
 
 
@@ -399,7 +438,8 @@ def lint_template(
 
     Finds: braces that are no placeholder (one never closed, a stray ``}``), placeholders naming no
     field (with the nearest field suggested), no whitespace/colon between the prompt and the
-    response, text after the response placeholder, no EOS, and a missing response placeholder.
+    response, text after the response placeholder, an end-of-turn marker written twice after the
+    response (``double_eos``), no EOS, and a missing response placeholder.
     """
     template = _preset(template, response_field) or template
     known = list(fields)
@@ -423,7 +463,13 @@ def lint_template(
         response_offset = pieces[at].offset
         before = "".join(p.text for p in pieces[:at] if p.field is None)
         after = pieces[at + 1:]
-        if after and not _END_MARKERS.fullmatch("".join(p.text for p in after)):
+        tail = "".join(p.text for p in after)
+        doubled = _DOUBLED_MARKER.search(tail)
+        if doubled:
+            issues.append(TemplateIssue(
+                "double_eos", f"the end of turn {doubled.group(1)} follows the response twice: the model "
+                f"learns to write it twice; keep one", after[0].offset + doubled.start(), "error"))
+        if after and not _END_MARKERS.fullmatch(tail):
             issues.append(TemplateIssue(
                 "response_not_at_end", f"text after {{{response_field}}} is trained on as part of the "
                 "answer; end the template with the response placeholder", after[0].offset))

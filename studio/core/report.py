@@ -85,8 +85,10 @@ def step_line(event: ev.StepLogged) -> str:
 
 
 def eval_line(event: ev.EvalLogged) -> str:
-    """``eval at step 300: loss 1.2345  perplexity 3.44  token accuracy 61.0% (40 rows)``."""
-    return (f"eval at step {event.step}: loss {format_loss(event.loss)}  perplexity {event.perplexity:.2f}  "
+    """``eval at step 300: loss 1.2345  perplexity 3.44  token accuracy 61.0% (40 rows)``; at step 0
+    ``eval of the base model (step 0): ...``, the loss before any training."""
+    where = "of the base model (step 0)" if event.step == 0 else f"at step {event.step}"
+    return (f"eval {where}: loss {format_loss(event.loss)}  perplexity {event.perplexity:.2f}  "
             f"token accuracy {event.token_accuracy:.1%} ({event.rows} rows)")
 
 

@@ -5,7 +5,8 @@ both ``studio eval`` and the chat pane's Held-out table send that command. The r
 split, or the validation split when the data has no test split (the report says which). Answers are
 greedy, from the worker's one copy of the weights (the base through peft's ``disable_adapter()``),
 prompts rendered with the run's own template; scores are exact match and difflib similarity
-(studio/core/scoring.py). Results go to ``RUN_DIR/eval.json`` (totals and every row) and
+(studio/core/scoring.py). A conversation is judged on its last assistant turn, with every turn
+before it as the prompt. Results go to ``RUN_DIR/eval.json`` (totals and every row) and
 ``RUN_DIR/eval.csv`` (one line a row).
 
 No torch here: answers come from the loaded model through the ``generate`` callable the worker
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from studio.core import chat
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.runs import RunDir
@@ -43,6 +45,15 @@ def held_out_rows(config: RunConfig) -> tuple[str, list[dict]]:
     if splits.test:
         return "test", list(splits.test)
     return "validation", list(splits.validation)
+
+
+def prompt_and_target(row: dict, response_field: str) -> tuple[dict[str, str], str]:
+    """A held-out row's prompt fields and target answer. A conversation's target is its last
+    assistant turn and its prompt every turn before it (``messages`` as JSON text)."""
+    if chat.is_chat_row(row):
+        before, answer = chat.split_last_answer(chat.messages_of(row))
+        return {chat.CHAT_FIELD: json.dumps([t.as_message() for t in before], ensure_ascii=False)}, answer
+    return {k: str(v) for k, v in row.items() if k != response_field}, str(row.get(response_field, ""))
 
 
 class HeldOutScoring:
@@ -81,9 +92,8 @@ class HeldOutScoring:
         if self.done:
             return True
         index = len(self.results)
-        row = self.rows[index]
-        fields = {k: str(v) for k, v in row.items() if k not in (self.response_field, self.rejected_field)}
-        target = str(row.get(self.response_field, ""))
+        row = {k: v for k, v in self.rows[index].items() if k != self.rejected_field}
+        fields, target = prompt_and_target(row, self.response_field)
         max_new = self.request.max_new_tokens
         base = self._generate(fields, False, max_new).strip()
         tuned = self._generate(fields, True, max_new).strip() if self.request.adapter else None

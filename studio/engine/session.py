@@ -60,6 +60,8 @@ class TrainingData:
     validation_rows: list[dict]
     template: str
     truncated: int
+    chat: bool = False
+    """Whether the rows are conversations (rendered with the tokenizer's chat template)."""
 
 
 class Session:
@@ -87,6 +89,8 @@ class Session:
         self.trainer: Trainer | None = None
         """The Trainer of the latest :meth:`train`, or None before any."""
         self._sampler = torch.Generator()
+        self._chat: Any = None
+        """The chat template renderer for conversation rows, made on first use."""
         self._fresh_lora: dict[str, torch.Tensor] | None = None
         """The LoRA's initial weights (on the CPU) while :meth:`load_trained_adapter` has replaced them."""
 
@@ -140,41 +144,80 @@ class Session:
                 "get cut off")))
 
     def _encode_data(self, splits: Any) -> TrainingData:
-        from studio.core import prompt
-        chat = getattr(self.tokenizer, "chat_template", None)
-        template = prompt.resolve_template(self.config.prompt, chat,
-                                           bos_token=self.tokenizer.bos_token or "",
-                                           eos_token=self.tokenizer.eos_token or "")
-        field = self.config.prompt.response_field
+        from studio.core import chat, prompt
+        from studio.core.data import DataError
+
+        tok = self.tokenizer
+        template = self._template()
         max_len = self.config.data.max_seq_length
-        eos = self.tokenizer.eos_token_id if self.config.prompt.add_eos else None
-        bos = gen.bos_to_add(self.tokenizer)
+        bos = gen.bos_to_add(tok)
 
         def tokenize(text: str) -> list[int]:
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return tok.encode(text, add_special_tokens=False)
 
-        def encode_one(rendered: prompt.Rendered) -> prompt.Encoded:
-            return prompt.encode(rendered, tokenize, max_len, eos, bos)
+        field = self.config.prompt.response_field
 
-        def encode(rows: list[dict]) -> list[Any]:
+        def encode_rendered(rendered: prompt.Rendered) -> prompt.Encoded:
+            eos = prompt.eos_to_append(rendered, tok.eos_token_id, tok.eos_token, self.config.prompt.add_eos)
+            return prompt.encode(rendered, tokenize, max_len, eos,
+                                 prompt.bos_to_prepend(rendered.text, bos, tok.bos_token))
+
+        def encode_row(row: dict) -> Any:
             if self.preference is not None:
-                return [self.preference.encode(row) for row in rows]
-            return [encode_one(prompt.render(template, row, field)) for row in rows]
+                return self.preference.encode(row)
+            return encode_rendered(self.render_row(row, template))
 
         if is_preference(self.config):
             tc, rejected = self.config.trainer, self.config.prompt.rejected_field
             self.preference = PreferenceObjective(
                 tc.method, tc.beta, self.model, self.device, self.base.compute_dtype,
-                lambda row: encode_pair(template, row, field, rejected, encode_one))
+                lambda row: encode_pair(template, row, field, rejected, encode_rendered))
 
-        train = encode(list(splits.train))
+        def encode(rows: list[dict], split: str) -> list[Any]:
+            out = []
+            for number, row in enumerate(rows):
+                try:
+                    out.append(encode_row(row))
+                except prompt.TemplateError as exc:
+                    raise DataError(f"{self.config.data.path}: {split} row {number}: {exc}") from None
+            return out
+
+        train = encode(list(splits.train), "training")
         if not train:
             raise ConfigError(f"{self.config.data.path}: no training rows after splitting; check "
                               "data.split_column / data.val_fraction")
         validation_rows = list(splits.validation)[: self.config.trainer.eval_max_rows]
-        return TrainingData(train=train, validation=encode(validation_rows), test_rows=list(splits.test),
-                            validation_rows=validation_rows, template=template,
-                            truncated=sum(1 for e in train if e.truncated))
+        return TrainingData(train=train, validation=encode(validation_rows, "validation"),
+                            test_rows=list(splits.test), validation_rows=validation_rows, template=template,
+                            truncated=sum(1 for e in train if e.truncated),
+                            chat=any(chat.is_chat_row(row) for row in splits.train[:1]))
+
+    def _template(self) -> str:
+        """``prompt.template`` with a preset replaced by its text (``chat``: the tokenizer's template)."""
+        from studio.core import prompt
+
+        return prompt.resolve_template(self.config.prompt, getattr(self.tokenizer, "chat_template", None),
+                                       bos_token=self.tokenizer.bos_token or "",
+                                       eos_token=self.tokenizer.eos_token or "")
+
+    def chat_renderer(self) -> Any:
+        """The tokenizer's chat template as a :class:`~studio.core.chat.ChatRenderer` (made once)."""
+        from studio.core.chat import ChatRenderer
+
+        if self._chat is None:
+            tok = self.tokenizer
+            self._chat = ChatRenderer(getattr(tok, "chat_template", None) or "", bos_token=tok.bos_token or "",
+                                      eos_token=tok.eos_token or "")
+        return self._chat
+
+    def render_row(self, row: dict, template: str) -> Any:
+        """A training row as text with its loss spans: a conversation through the chat template,
+        an instruction row through ``template``."""
+        from studio.core import chat, prompt
+
+        if chat.is_chat_row(row):
+            return self.chat_renderer().render(chat.messages_of(row))
+        return prompt.render(template, row, self.config.prompt.response_field)
 
     def fail(self, kind: str, message: str, detail: str = "") -> None:
         """Emit a fatal WorkerFailed and raise :class:`TrainingError` (never returns)."""
@@ -251,11 +294,17 @@ class Session:
 
     def render_prompt(self, prompt: str | dict) -> str:
         """The text the model is given for ``prompt``: a row (dict) or a plain instruction rendered
-        through the run's template, up to where the response starts."""
+        through the run's template, up to where the response starts. A chat row (``messages``) and,
+        on chat data, a plain message are rendered with the chat template plus its generation prompt."""
+        from studio.core import chat
         from studio.core.prompt import render, template_fields
 
         template = self.data.template if self.data else self.config.prompt.template
         field = self.config.prompt.response_field
+        if isinstance(prompt, dict) and chat.is_chat_row(prompt):
+            return self.chat_renderer().prompt(chat.messages_of(prompt))
+        if isinstance(prompt, str) and self.data is not None and self.data.chat:
+            return self.chat_renderer().prompt([chat.Turn("user", prompt)])
         if isinstance(prompt, str):
             fields = [f for f in template_fields(template) if f != field]
             prompt = {fields[0] if fields else "instruction": prompt}

@@ -63,8 +63,11 @@ def reverse_word_rows(n: int, seed: int = 0, min_len: int = 3, max_len: int = 5,
 
 
 def _corpus() -> Iterator[str]:
-    """Text the tokenizer learns from: the bundled sample data and the reverse-word task."""
-    for path in sorted(sample_data_dir().glob("*.jsonl")) if sample_data_dir().exists() else []:
+    """Text the tokenizer learns from: the bundled instruction sample and the reverse-word task.
+    One named file, not every sample: a sample added later must not change the tiny model (tests,
+    snapshots and cached builds depend on its vocabulary)."""
+    sample = sample_data_dir() / "code_alpaca_sample.jsonl"
+    for path in [sample] if sample.exists() else []:
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
                 row = json.loads(line)

@@ -2,7 +2,8 @@
 
 ``Trainer(session)`` trains the model a :class:`~studio.engine.session.Session` loaded: ``train()``
 runs optimizer steps of ``accumulation`` micro-batches each, with warmup + schedule, gradient
-clipping, bf16 autocast on a GPU, evaluation every ``eval_interval`` steps, atomic checkpoints every
+clipping, bf16 autocast on a GPU, evaluation before the first step (the base model's loss) and every
+``eval_interval`` steps, atomic checkpoints every
 ``checkpoint_interval`` steps, and the final adapter in ``runs/<id>/adapter``. Everything it has to
 say goes through the session's ``emit`` callback as typed events (studio/core/events.py). Loading,
 generation and adapter swapping for chat are the session's.
@@ -171,6 +172,9 @@ class Trainer:
                                 gradient_accumulation_steps=self.accumulation_steps,
                                 resumed_from_step=resumed_from, gpus=self.group.world,
                                 effective_batch_size=self.units_per_step))
+        if self.step == 0 and self.group.leader:
+            # The base model's loss, perplexity and accuracy: the "before" of the loss plot.
+            self.evaluate(record_best=False)
         from studio.engine.memory import reset_peak
 
         window_tokens, window_start = 0, time.time()
@@ -387,8 +391,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- evaluation
 
-    def evaluate(self) -> ev.EvalLogged:
-        """Loss, perplexity and next-token accuracy on the validation rows' responses; emits EvalLogged."""
+    def evaluate(self, record_best: bool = True) -> ev.EvalLogged:
+        """Loss, perplexity and next-token accuracy on the validation rows' responses; emits EvalLogged.
+        ``record_best=False`` (the base model's evaluation at step 0) leaves ``best_eval_loss`` alone."""
         self.load()
         examples = self.session.data.validation
         if not examples:
@@ -397,7 +402,8 @@ class Trainer:
         if self.session.preference is not None:
             event, metrics = self.session.preference.evaluate(examples, self.step, self.micro_batch_size,
                                                               self.tokenizer.pad_token_id)
-            self.best_eval_loss = min(event.loss, self.best_eval_loss or math.inf)
+            if record_best:
+                self.best_eval_loss = min(event.loss, self.best_eval_loss or math.inf)
             self.emit(event)
             self.emit(metrics)
             return event
@@ -422,7 +428,7 @@ class Trainer:
                                  f"retrying in batches of {size}; training is not affected"))
         loss_sum, correct, total = result
         loss = loss_sum / max(1, total)
-        if self.best_eval_loss is None or loss < self.best_eval_loss:
+        if record_best and (self.best_eval_loss is None or loss < self.best_eval_loss):
             self.best_eval_loss = loss
         event = ev.EvalLogged(step=self.step, loss=loss, perplexity=math.exp(min(loss, 50.0)),
                               token_accuracy=correct / max(1, total), rows=len(examples))

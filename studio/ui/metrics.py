@@ -133,6 +133,8 @@ class TrainingState:
     last_eval: ev.EvalLogged | None = None
     preference: PreferenceCurves = field(default_factory=PreferenceCurves)
     """DPO / ORPO runs' curves (empty for SFT)."""
+    base_eval: ev.EvalLogged | None = None
+    """The base model's evaluation (step 0, before training): the "before" of the eval curve."""
     memory: ev.MemorySampled | None = None
     loading_stage: str = ""
     loading_fraction: float = 0.0
@@ -227,7 +229,12 @@ class TrainingState:
 
     def _on_EvalLogged(self, event: ev.EvalLogged) -> None:
         self.last_eval = event
+        if not math.isfinite(event.loss):
+            return
         self.eval_loss.add(event.step, event.loss)
+        if event.step == 0:
+            self.base_eval = event  # the untrained model: a baseline, not a "best" of the fine-tune
+            return
         if self.best_eval_loss is None or event.loss < self.best_eval_loss:
             self.best_eval_loss = event.loss
 

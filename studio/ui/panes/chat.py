@@ -26,8 +26,8 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Checkbox, DataTable, Input, Label, Static
 
+from studio.core import chat, scoring
 from studio.core import events as ev
-from studio.core import scoring
 from studio.core.config import RunConfig
 from studio.core.preference import is_preference
 from studio.core.runs import RunDir, create_run
@@ -46,7 +46,14 @@ NO_ADAPTER = "No adapter yet: start training (Training pane, s). The base answer
 
 def row_label(row: dict[str, Any], response_field: str) -> str:
     """A held-out row's prompt fields in one line, for the table (the instruction is often the same
-    on every row, so the last non-empty field comes first)."""
+    on every row, so the last non-empty field comes first). A conversation shows its last user turn."""
+    if chat.CHAT_FIELD in row:
+        try:
+            turns = chat.parse_turns(row[chat.CHAT_FIELD])
+        except chat.ChatFormatError:
+            turns = []
+        asked = next((t.content.strip() for t in reversed(turns) if t.role == "user"), "")
+        return f"{len(turns) + 1} turns · {asked}" if turns else str(row[chat.CHAT_FIELD])
     parts = [str(v).strip() for k, v in row.items() if k != response_field and str(v).strip()]
     return " · ".join(reversed(parts))
 

@@ -27,6 +27,7 @@ from textual.timer import Timer
 from textual.widgets import Button, Input, OptionList, ProgressBar, Static, TabbedContent, TabPane
 from textual.widgets.option_list import Option
 
+from studio.core import chat
 from studio.core import data as datalib
 from studio.core.preference import is_preference, pair_lint
 from studio.ui.host import Hosted
@@ -51,11 +52,23 @@ _COLUMN_FILTER = re.compile(r"^(\w+):(.*)$")
 def cell_text(value: Any, limit: int = CELL_CHARS) -> str:
     """A value as one short table cell: newlines shown as ⏎, long text cut with …, and no control
     characters (an escape sequence in someone's data must not reach the terminal)."""
+    if isinstance(value, list) and chat.shape_of(value) is not None:
+        value = conversation_summary(value)
     text = "" if value is None else str(value)
     text = text.replace("\r\n", "\n").replace("\n", "⏎ ").replace("\t", " ")
     if not text.isprintable():
         text = text.translate(_CONTROL_CHARACTERS)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def conversation_summary(value: list) -> str:
+    """A conversation as one cell: ``3 turns · user: first question…``."""
+    try:
+        turns = chat.parse_turns(value)
+    except chat.ChatFormatError:
+        return str(value)
+    first = next((t for t in turns if t.role == "user"), turns[0])
+    return f"{len(turns)} turns · {first.role}: {first.content}"
 
 
 _CONTROL_CHARACTERS = dict.fromkeys([*range(32), *range(127, 160)])
@@ -84,6 +97,8 @@ class DatasetPane(Hosted, Vertical):
         """Row indices the filter kept, or None when there is no filter."""
         self.page = 0
         self.issues: list[datalib.DataIssue] = []
+        self.chat_column: str | None = None
+        """The column holding conversations when the dataset is a chat dataset."""
         self._filter_timer: Timer | None = None
         self._lint_timer: Timer | None = None
         self._page_rows: list[int] = []
@@ -162,17 +177,20 @@ class DatasetPane(Hosted, Vertical):
         except Exception as exc:  # anything else the reader raises is still the file's fault
             self.app.call_from_thread(self._load_failed, f"{path}: cannot read it ({exc})")
             return
-        self.app.call_from_thread(self._loaded, path, table, time.perf_counter() - started)
+        found = datalib.chat_column(table.dataset, self.app.config.data.columns)  # type: ignore[attr-defined]
+        self.app.call_from_thread(self._loaded, path, table, time.perf_counter() - started, found)
 
     def _load_failed(self, message: str) -> None:
         self._busy(None)
         self.query_one("#dataset-page-label", Static).update("no dataset")
         self.notify(message, title="Dataset not opened", severity="error", timeout=10)
 
-    def _loaded(self, path: str, table: datalib.Table, seconds: float) -> None:
+    def _loaded(self, path: str, table: datalib.Table, seconds: float,
+                chat_found: tuple[str, str] | None = None) -> None:
         if not self.is_attached:  # the app quit while the file was being read
             return
         self.table = table
+        self.chat_column = chat_found[0] if chat_found else None
         self.matches = None
         self.page = 0
         self.query_one("#dataset-filter", Input).value = ""
@@ -188,6 +206,18 @@ class DatasetPane(Hosted, Vertical):
         self.refresh_analysis()
         self.notify(f"{len(table):,} rows, {len(table.column_names)} columns in {seconds:.1f} s",
                     title=Path(path).name)
+        if chat_found is not None:
+            self._use_chat_template(*chat_found)
+
+    def _use_chat_template(self, column: str, shape: str) -> None:
+        """Conversations train through the model's chat template: switch ``prompt.template`` to it."""
+        app: Any = self.app
+        name = "ShareGPT from/value" if shape == "sharegpt" else "OpenAI role/content"
+        if app.config.prompt.template != "chat":
+            app.config.prompt.template = "chat"
+            app.config_edited("prompt", origin=self)
+            self.notify(f"column '{column}' holds conversations ({name}); prompt.template is now 'chat', "
+                        "the model's chat template (loss on the assistant turns)", title="Chat dataset")
 
     # ------------------------------------------------------------------------------- paging
 
@@ -328,6 +358,9 @@ class DatasetPane(Hosted, Vertical):
     def _show_row(self, index: int, row: dict[str, Any]) -> None:
         parts = [Content.from_markup("[b $primary]row $index[/]\n", index=f"{index:,}")]
         for name, value in row.items():
+            if name == self.chat_column:
+                parts.append(self._conversation_view(name, value))
+                continue
             text = "" if value is None else str(value)
             parts.append(Content.from_markup("\n[b $accent]$name[/]\n", name=name))
             parts.append(Content(text if text else "(empty)") + "\n")
@@ -340,6 +373,24 @@ class DatasetPane(Hosted, Vertical):
             flat = pair_row(row, config, fields[0])
             names = (config.prompt.response_field, config.prompt.rejected_field)
             pair.show(str(flat.get(names[0]) or ""), str(flat.get(names[1]) or ""), names)
+
+    def _conversation_view(self, name: str, value: Any) -> Content:
+        """A conversation turn by turn: role, token count (the model's tokenizer), text."""
+        try:
+            turns = chat.parse_turns(value)
+        except chat.ChatFormatError as exc:
+            return Content.from_markup("\n[b $accent]$name[/]\n[b $error]$m[/]\n", name=name, m=str(exc))
+        counter: Any = self.app.counter  # type: ignore[attr-defined]
+        counts = counter.count([t.content for t in turns])
+        approx = "" if counter.exact else "≈"
+        parts = [Content.from_markup("\n[b $accent]$name[/] [dim]$n turns, $total tokens of text[/]\n",
+                                     name=name, n=str(len(turns)), total=f"{approx}{sum(counts):,}")]
+        for number, (turn, count) in enumerate(zip(turns, counts, strict=True), start=1):
+            style = "$studio-response" if turn.role == "assistant" else "$studio-prompt"
+            parts.append(Content.from_markup(f"\n[b {style}]$number $role[/] [dim]$count tokens[/]\n",
+                                             number=str(number), role=turn.role, count=f"{approx}{count:,}"))
+            parts.append(Content(turn.content if turn.content.strip() else "(empty)") + "\n")
+        return Content("").join(parts)
 
     def action_side(self, tab: str) -> None:
         """Bring a side tab (row, stats, lint, columns) to the front."""
@@ -376,7 +427,7 @@ class DatasetPane(Hosted, Vertical):
             issues = datalib.lint_rows(table.dataset, config.prompt.response_field,
                                        columns=config.data.columns, tokenize=tokenize,
                                        max_seq_length=config.data.max_seq_length, template=template,
-                                       add_eos=config.prompt.add_eos)
+                                       add_eos=config.prompt.add_eos, chat_template=counter.chat_template)
             if is_preference(config):
                 issues = pair_lint(table.dataset, config, issues)
         except (datalib.DataError, ValueError) as exc:

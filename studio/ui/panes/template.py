@@ -2,13 +2,16 @@
 
 Typing re-renders after a short pause (debounced): the prompt and the response (the part the loss is
 computed on) in different colours, the token count from the model's tokenizer, and where
-``data.max_seq_length`` cuts. Lint from :func:`studio.core.prompt.lint_template` shows under the
-editor. "Zero-shot" sends the rendered prompt to the worker (``Generate(adapter=False)``) and streams
-the base model's answer; the worker loads the model on first use and reports its progress.
+``data.max_seq_length`` cuts. A row of a chat dataset renders as its conversation through the
+tokenizer's chat template, every assistant turn coloured as loss. Lint from
+:func:`studio.core.prompt.lint_template` shows under the editor. "Zero-shot" sends the rendered
+prompt (a conversation: its turns before the last answer) to the worker (``Generate(adapter=False)``)
+and streams the base model's answer; the worker loads the model on first use and reports its progress.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -20,6 +23,7 @@ from textual.content import Content
 from textual.timer import Timer
 from textual.widgets import Button, Label, ProgressBar, Select, Static, TextArea
 
+from studio.core import chat as chats
 from studio.core import events as ev
 from studio.core import prompt as prompts
 from studio.core.config import PromptConfig
@@ -49,6 +53,18 @@ def row_fields(row: dict[str, Any], mapping: dict[str, str], fields: list[str]) 
     return out
 
 
+def conversation_of(row: dict[str, Any], mapping: dict[str, str]) -> list[chats.Turn] | None:
+    """The row's conversation (its chat column, ``mapping['messages']`` when set), or None."""
+    mapped = mapping.get(chats.CHAT_FIELD)
+    for name, value in row.items():
+        if (mapped is None or name == mapped) and chats.shape_of(value) is not None:
+            try:
+                return chats.parse_turns(value)
+            except chats.ChatFormatError:
+                return None
+    return None
+
+
 def line_of(text: str, offset: int) -> int:
     """1-based line of a character offset."""
     return text.count("\n", 0, offset) + 1
@@ -72,6 +88,8 @@ class TemplatePane(Hosted, Vertical):
         self._note = ""
         """A warning the worker gave while answering (shown beside the finished answer)."""
         self._columns: list[str] | None = None
+        self._conversations = False
+        """Whether the previewed row is a conversation (a chat dataset)."""
         self._setting_text = False
         self._dirty = False
         self._stale = True
@@ -233,7 +251,13 @@ class TemplatePane(Hosted, Vertical):
         text = self.editor.text
         selected = app.selected
         row = row_fields(selected[1], config.data.columns, self._fields()) if selected else EXAMPLE_ROW
-        rendered = prompts.render(text, row, config.prompt.response_field)
+        self._conversations = conversation_of(row, config.data.columns) is not None
+        try:
+            rendered = self._render_row(text, row)
+        except prompts.TemplateError as exc:
+            self.query_one("#template-render", Static).update(
+                Content.from_markup("[b $error]cannot render this conversation:[/] $m", m=str(exc)))
+            return
         measured = measure(rendered, app.counter, config.data.max_seq_length, config.prompt.add_eos)
         where = f"row {selected[0]:,}" if selected else "example row (open a dataset to use yours)"
         self.query_one("#template-counts", Static).update(
@@ -246,11 +270,24 @@ class TemplatePane(Hosted, Vertical):
         self.query_one("#template-render", Static).update(content)
         self._show_lint(text)
 
+    def _render_row(self, template: str, row: dict[str, Any]) -> prompts.Rendered:
+        """``row`` as training text: a conversation through the tokenizer's chat template (loss on
+        the assistant turns), anything else through ``template``."""
+        turns = conversation_of(row, self.app.config.data.columns)  # type: ignore[attr-defined]
+        if turns is None:
+            return prompts.render(template, row, self.app.config.prompt.response_field)  # type: ignore[attr-defined]
+        counter = self.app.counter  # type: ignore[attr-defined]
+        return chats.ChatRenderer(counter.chat_template or "", eos_token=counter.eos_token or "").render(turns)
+
     def _show_lint(self, text: str) -> None:
         config = self.host.config
         known = self._known_fields()
         fields = known if known is not None else prompts.template_fields(text)
         issues = prompts.lint_template(text, fields, config.prompt.response_field, config.prompt.add_eos)
+        if self._conversations:
+            # Conversations fill the chat template's turns themselves; its {field} form is for
+            # instruction rows, so the data's columns are not its fields.
+            issues = [i for i in issues if i.kind != "unknown_field"]
         lint = self.query_one("#template-lint", Static)
         lint.set_class(any(i.severity == "error" for i in issues), "-error")
         if not issues:
@@ -293,13 +330,21 @@ class TemplatePane(Hosted, Vertical):
         config = app.config
         selected = app.selected
         row = row_fields(selected[1], config.data.columns, self._fields()) if selected else EXAMPLE_ROW
-        rendered = prompts.render(self.editor.text, row, config.prompt.response_field)
+        turns = conversation_of(row, config.data.columns)
+        asked: dict[str, str] | None = None
+        if turns is not None:
+            # The worker renders the conversation up to its last assistant turn with the chat template.
+            before, _ = chats.split_last_answer(turns)
+            asked = {chats.CHAT_FIELD: json.dumps([t.as_message() for t in before], ensure_ascii=False)}
+            prompt = ""
+        else:
+            prompt = prompts.render(self.editor.text, row, config.prompt.response_field).prompt
         self._request = uuid.uuid4().hex[:12]
         self._answer = ""
         self._note = ""
         self.query_one("#template-zero-label", Static).update("base model, zero-shot: sending…")
         self.query_one("#template-zero-answer", Static).update("")
-        app.send_command(ev.Generate(request_id=self._request, prompt=rendered.prompt, adapter=False,
+        app.send_command(ev.Generate(request_id=self._request, prompt=prompt, row=asked, adapter=False,
                                      max_new_tokens=config.generation.max_new_tokens,
                                      temperature=config.generation.temperature, top_p=config.generation.top_p))
 

@@ -39,7 +39,9 @@ class Measured:
 
 def measure(rendered: prompts.Rendered, counter: TokenCounter, max_len: int, add_eos: bool) -> Measured:
     """Count tokens the way training does and find the characters max length drops."""
-    eos_id = counter.eos_id if add_eos else None
+    if rendered.loss_spans:
+        return _measure_conversation(rendered, counter, max_len)
+    eos_id = prompts.eos_to_append(rendered, counter.eos_id, counter.eos_token, add_eos)
     encoded = prompts.encode(rendered, counter.tokenize, max_len, eos_id, counter.bos_id)
     prompt_offsets = counter.offsets(rendered.prompt)
     response_offsets = counter.offsets(rendered.response)
@@ -59,6 +61,20 @@ def measure(rendered: prompts.Rendered, counter: TokenCounter, max_len: int, add
                     encoded.total_tokens, max_len, encoded.truncated, keep_from, keep_to)
 
 
+def _measure_conversation(rendered: prompts.Rendered, counter: TokenCounter, max_len: int) -> Measured:
+    """A conversation: prompt tokens are every turn but the assistant's, response tokens the
+    assistant turns'; training cuts the tail at max length."""
+    whole = prompts.encode(rendered, counter.tokenize, 1 << 30, None, counter.bos_id)
+    learned = sum(1 for label in whole.labels if label != -100)
+    bos = 1 if counter.bos_id is not None else 0
+    keep_to = None
+    if whole.total_tokens > max_len:
+        offsets = counter.offsets(rendered.text)
+        keep_to = offsets[max_len - bos][0] if 0 <= max_len - bos < len(offsets) else None
+    return Measured(rendered, whole.total_tokens - learned, learned, False, whole.total_tokens, max_len,
+                    whole.total_tokens > max_len, 0, keep_to)
+
+
 def count_line(m: Measured, counter: TokenCounter) -> Content:
     """``143 tokens = prompt 98 + response 44 + EOS 1 · max 512`` with a cut warning."""
     eos = " + EOS 1" if m.eos else ""
@@ -73,6 +89,8 @@ def preview_content(m: Measured, eos_token: str | None) -> Content:
     """The example with the prompt and the response (what the loss is computed on) coloured apart,
     dropped text struck through after a ✂ marker."""
     text = m.rendered.text
+    if m.rendered.loss_spans:
+        return _conversation_content(m)
     start = m.rendered.response_start
     end = len(text) if m.keep_to is None else m.keep_to
     parts: list[Content] = []
@@ -86,6 +104,24 @@ def preview_content(m: Measured, eos_token: str | None) -> Content:
         parts.append(Content.styled(text[end:], "strike $studio-truncated"))
     elif m.eos:
         parts.append(Content.styled(eos_token or "⟨eos⟩", "italic $studio-response"))
+    return Content("").join(parts)
+
+
+def _conversation_content(m: Measured) -> Content:
+    """A conversation with every assistant turn (content and end of turn: the loss) coloured as
+    response, the rest as prompt, and the text past max length struck through."""
+    text = m.rendered.text
+    end = len(text) if m.keep_to is None else m.keep_to
+    parts: list[Content] = []
+    at = 0
+    for start, stop in [*m.rendered.loss_spans, (len(text), len(text))]:
+        for a, b, style in ((at, start, "$studio-prompt"), (start, stop, "bold $studio-response")):
+            if min(b, end) > a:
+                parts.append(Content.styled(text[a:min(b, end)], style))
+        at = stop
+    if m.keep_to is not None:
+        parts.append(Content.styled(f"✂ max length {m.max_len} ✂", "bold reverse $studio-truncated"))
+        parts.append(Content.styled(text[end:], "strike $studio-truncated"))
     return Content("").join(parts)
 
 

@@ -1,0 +1,309 @@
+"""Chat datasets: conversations in ShareGPT or OpenAI shape, read, checked and rendered.
+
+Two shapes are common on the Hub: ShareGPT's ``conversations`` column (``[{"from": "human", "value":
+...}, {"from": "gpt", ...}]``, roles human / gpt / system) and OpenAI's ``messages`` column
+(``[{"role": "user", "content": ...}]``, with an optional system turn first). Both become a list of
+:class:`Turn` with OpenAI's role names, and a training row ``{"messages": [{"role", "content"}]}``.
+
+A conversation is rendered with the tokenizer's own Jinja chat template, in the environment
+transformers' ``apply_chat_template`` uses, so the text is the one the model sees at inference. Loss
+is taken on every assistant turn (its content and its end of turn) and nowhere else: each assistant
+turn's span is found by rendering the conversation up to it (with the generation prompt) and up to
+its end, which every common template renders as prefixes of the whole.
+
+Plain Python plus jinja2: the UI imports this.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from studio.core.prompt import Encoded, Rendered, Span, TemplateError, token_boundary
+
+CHAT_FIELD = "messages"
+"""The field a chat row carries its turns in (after reading either shape)."""
+
+CHAT_COLUMNS = ("messages", "conversations", "conversation", "chat", "dialog")
+"""Column names looked at first for conversations (``data.columns: {messages: COLUMN}`` names another)."""
+
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+         "model": "assistant", "bot": "assistant", "chatgpt": "assistant", "tool": "tool", "function": "tool",
+         "ipython": "tool"}
+"""Role names either shape uses -> OpenAI's (system, user, assistant, tool)."""
+
+
+class ChatFormatError(ValueError):
+    """A value that is not a conversation in either shape; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message of a conversation, with OpenAI's role name."""
+
+    role: str
+    content: str
+
+    def as_message(self) -> dict[str, str]:
+        """The turn as the ``{"role", "content"}`` dict chat templates read."""
+        return {"role": self.role, "content": self.content}
+
+
+def shape_of(value: Any) -> str | None:
+    """``"openai"`` (role/content), ``"sharegpt"`` (from/value) or None when ``value`` is neither.
+
+    A string holding such a list as JSON (a CSV column) counts too.
+    """
+    value = _decoded(value)
+    if not isinstance(value, list) or not value or not all(isinstance(m, Mapping) for m in value):
+        return None
+    first = value[0]
+    if "role" in first and "content" in first:
+        return "openai"
+    if "from" in first and "value" in first:
+        return "sharegpt"
+    return None
+
+
+def _decoded(value: Any) -> Any:
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def find_chat_column(columns: Sequence[str], sample: Callable[[str], Any],
+                     mapping: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """The column holding conversations and its shape, or None for instruction data.
+
+    ``sample(column)`` gives the column's first non-empty value. The column ``data.columns`` maps
+    ``messages`` to is the only one tried when set; otherwise the usual names, then every column.
+    """
+    mapped = (mapping or {}).get(CHAT_FIELD)
+    if mapped:
+        tried: Sequence[str] = [mapped] if mapped in columns else []
+    else:
+        tried = [c for c in CHAT_COLUMNS if c in columns] + [c for c in columns if c not in CHAT_COLUMNS]
+    for column in tried:
+        shape = shape_of(sample(column))
+        if shape is not None:
+            return column, shape
+    return None
+
+
+def parse_turns(value: Any, where: str = "") -> list[Turn]:
+    """A conversation in either shape as turns; :class:`ChatFormatError` says what is wrong and where.
+
+    ``where`` (``"data.jsonl, row 12"``) starts the message.
+    """
+    prefix = f"{where}: " if where else ""
+    value = _decoded(value)
+    if value is None or value == []:
+        raise ChatFormatError(f"{prefix}the conversation is empty; give it at least a user and an "
+                              "assistant turn, or drop the row")
+    if not isinstance(value, list):
+        raise ChatFormatError(f"{prefix}the conversation is {type(value).__name__}, not a list of turns")
+    turns: list[Turn] = []
+    for number, message in enumerate(value, start=1):
+        if not isinstance(message, Mapping):
+            raise ChatFormatError(f"{prefix}turn {number} is {type(message).__name__}, not an object with "
+                                  "role/content (or from/value)")
+        role = message.get("role", message.get("from"))
+        content = message.get("content", message.get("value"))
+        if role is None:
+            raise ChatFormatError(f"{prefix}turn {number} has no 'role' (or ShareGPT 'from') key")
+        name = ROLES.get(str(role).strip().lower())
+        if name is None:
+            raise ChatFormatError(f"{prefix}turn {number} has the role {role!r}; use system, user or "
+                                  "assistant (ShareGPT: system, human, gpt)")
+        turns.append(Turn(name, _content_text(content)))
+    return turns
+
+
+def _content_text(content: Any) -> str:
+    """A turn's content as text: OpenAI's list-of-parts content joins its text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) if isinstance(part, Mapping) else str(part) for part in content)
+    return content if isinstance(content, str) else str(content)
+
+
+def messages_of(row: Mapping[str, Any]) -> list[Turn]:
+    """The turns of a training row (``{"messages": ...}``, a list or its JSON text)."""
+    return parse_turns(row.get(CHAT_FIELD))
+
+
+def is_chat_row(row: Mapping[str, Any]) -> bool:
+    """Whether a training row is a conversation (carries :data:`CHAT_FIELD`)."""
+    return CHAT_FIELD in row
+
+
+def split_last_answer(turns: Sequence[Turn]) -> tuple[list[Turn], str]:
+    """Everything before the last assistant turn, and that turn's text: the held-out prompt and target."""
+    for index in range(len(turns) - 1, -1, -1):
+        if turns[index].role == "assistant":
+            return list(turns[:index]), turns[index].content
+    return list(turns), ""
+
+
+# ---------------------------------------------------------------------------------------- lint
+
+
+def conversation_issues(turns: Sequence[Turn]) -> list[tuple[str, str]]:
+    """``(kind, message)`` for what would hurt training: ``empty_turn`` and ``role_order`` (a system
+    turn after the start, a conversation that does not start with the user, two turns in a row from
+    one side, no assistant turn at the end)."""
+    issues: list[tuple[str, str]] = []
+    for number, turn in enumerate(turns, start=1):
+        if not turn.content.strip():
+            issues.append(("empty_turn", f"turn {number} ({turn.role}) is empty; fill it in or drop the row"))
+    expected = "user"
+    for number, turn in enumerate(turns, start=1):
+        if turn.role == "system":
+            if number != 1:
+                issues.append(("role_order", f"turn {number} is a system turn; only the first turn may be one"))
+            continue
+        if turn.role == "tool":
+            expected = "assistant"
+            continue
+        if turn.role != expected:
+            issues.append(("role_order", f"turn {number} is {turn.role} where {expected} was expected; "
+                           "turns go user, assistant, user, ..."))
+            break
+        expected = "user" if expected == "assistant" else "assistant"
+    if turns and turns[-1].role != "assistant":
+        issues.append(("role_order", "the last turn is not the assistant's: nothing ends the conversation "
+                       "for the model to learn; drop the trailing turn"))
+    return issues
+
+
+# ------------------------------------------------------------------------------------ rendering
+
+
+def jinja_environment() -> Any:
+    """A Jinja environment like the one transformers renders chat templates in."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(f"the chat template refused the conversation: {message}")
+
+    def strftime_now(fmt: str) -> str:
+        import datetime
+
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env
+
+
+@lru_cache(maxsize=8)
+def compile_chat_template(chat_template: str) -> Any:
+    """The compiled Jinja template (cached: compiling costs far more than rendering)."""
+    from jinja2 import TemplateError as JinjaError
+
+    try:
+        return jinja_environment().from_string(chat_template)
+    except JinjaError as exc:
+        raise TemplateError(f"the tokenizer's chat template does not compile: {exc}") from None
+
+
+class ChatRenderer:
+    """Renders conversations with one tokenizer's chat template. ``chat_vars`` (``bos_token``,
+    ``eos_token``) are passed to the template, as transformers passes the special tokens."""
+
+    def __init__(self, chat_template: str, **chat_vars: Any):
+        if not chat_template:
+            raise TemplateError("this is a chat dataset but the model's tokenizer has no chat template; "
+                                "pick a model with one (an -Instruct model) or convert the data to "
+                                "instruction/output columns")
+        self._template = compile_chat_template(chat_template)
+        self._vars = {"bos_token": "", "eos_token": "", **chat_vars}
+
+    def text(self, turns: Sequence[Turn], add_generation_prompt: bool = False) -> str:
+        """The conversation as the template renders it (``apply_chat_template(tokenize=False)``)."""
+        from jinja2 import TemplateError as JinjaError
+
+        try:
+            return self._template.render(messages=[t.as_message() for t in turns],
+                                         add_generation_prompt=add_generation_prompt, **self._vars)
+        except JinjaError as exc:
+            raise TemplateError(f"the tokenizer's chat template does not render: {exc}") from None
+
+    def prompt(self, turns: Sequence[Turn]) -> str:
+        """What the model is given to answer after ``turns``: the conversation plus the generation prompt."""
+        return self.text(turns, add_generation_prompt=True)
+
+    def render(self, turns: Sequence[Turn]) -> Rendered:
+        """The conversation with a span per turn's content (for the preview) and a loss span per
+        assistant turn (its content and end of turn). ``response_start`` is where the last assistant
+        turn begins, so ``.prompt`` is everything before it."""
+        turns = list(turns)
+        full = self.text(turns)
+        spans: list[Span] = []
+        loss: list[tuple[int, int]] = []
+        before = ""
+        for index, turn in enumerate(turns):
+            upto = self.text(turns[: index + 1])
+            if not full.startswith(upto) or not upto.startswith(before):
+                raise TemplateError(
+                    f"the chat template does not render turn {index + 1} as a continuation of the turns "
+                    "before it, so the assistant turns cannot be told apart for the loss; use a "
+                    "template that renders each message in order")
+            start = len(before)
+            if turn.role == "assistant":
+                head = self.prompt(turns[:index]) if index else ""
+                if index == 0 or not upto.startswith(head):
+                    raise TemplateError(f"turn {index + 1}: the conversation starts with the assistant; "
+                                        "start it with a user turn (lint lists such rows)")
+                start = len(head)
+                loss.append((start, len(upto)))
+            at = upto.find(turn.content, start) if turn.content else -1
+            if at >= 0:
+                spans.append(Span(turn.role, at, at + len(turn.content)))
+            before = upto
+        response_start = loss[-1][0] if loss else len(full)
+        return Rendered(full, response_start, tuple(spans), template="chat", loss_spans=tuple(loss))
+
+
+def encode_turns(rendered: Rendered, tokenize: Callable[[str], Sequence[int]], max_len: int,
+                 bos_id: int | None = None) -> Encoded:
+    """Token ids and labels for a rendered conversation: loss on the loss spans only.
+
+    The whole text is tokenized once (the ids ``apply_chat_template`` gives); a span edge falls after
+    the tokens that the text before it, tokenized alone, shares with the whole. No EOS is appended
+    (the template's end of turn is part of each assistant span). Over ``max_len`` the tail is cut;
+    when that would leave no assistant token, the conversation is encoded as its last assistant turn
+    after a prompt that loses its start instead (see :func:`prompt.encode`).
+    """
+    from studio.core.prompt import encode
+
+    whole = list(tokenize(rendered.text))
+    # Each span edge's token index: the tokens the text before it shares with the whole text.
+    at = {0: 0, len(rendered.text): len(whole)}
+    for edge in sorted({e for span in rendered.loss_spans for e in span} - set(at)):
+        at[edge] = token_boundary(whole, tokenize(rendered.text[:edge]))
+    labels = [-100] * len(whole)
+    for start, end in rendered.loss_spans:
+        labels[at[start]:at[end]] = whole[at[start]:at[end]]
+    ids = ([bos_id] if bos_id is not None else []) + whole
+    labels = ([-100] if bos_id is not None else []) + labels
+    total = len(ids)
+    first_label = next((i for i, label in enumerate(labels) if label != -100), total)
+    if total > max_len and first_label >= max_len and rendered.loss_spans:
+        start, end = rendered.loss_spans[-1]
+        last = Rendered(rendered.text[:end], start)
+        cut = encode(last, tokenize, max_len, None, bos_id)
+        return Encoded(cut.input_ids, cut.labels, True, cut.prompt_tokens, total)
+    if total > max_len:
+        ids, labels = ids[:max_len], labels[:max_len]
+    return Encoded(ids, labels, total > max_len, min(first_label, len(ids)), total)
