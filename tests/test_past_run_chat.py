@@ -39,7 +39,13 @@ def trained_run(tiny_config, tmp_path: Path) -> tuple[RunDir, dict[bool, str], f
     run = create_run(tiny_config, tmp_path / "runs")
     losses: list[float] = []
     session = Session(tiny_config, run, lambda e: losses.append(e.loss) if isinstance(e, ev.StepLogged) else None)
-    session.train()
+    # As a worker writes a run (umask 077): files this in-process training makes are private too,
+    # so the worker below has no loose modes to tighten (and no note to log about them).
+    previous = os.umask(0o077)
+    try:
+        session.train()
+    finally:
+        os.umask(previous)
     answers = _answers(session)
     assert answers[True] != answers[False], "30 steps must move the adapter's answer"
     return run, answers, losses[0]

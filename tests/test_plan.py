@@ -41,6 +41,7 @@ def test_a_llama_qlora_run_on_a_gpu_takes_the_fast_path_with_graphs() -> None:
     ({"lora_targets": ()}, "no LoRA"),
     ({"env": "0"}, "STUDIO_FAST_PATH=0"),
     ({"method": "dpo"}, "trainer.method is dpo"),
+    ({"dora": True}, "DoRA"),
     ({"method": "orpo"}, "SFT's loss only"),
     ({"model_blocker": model_blocker({**LLAMA, "model_type": "qwen3"})}, "q/k norms"),
     ({"model_blocker": model_blocker({"model_type": "gpt2", "activation_function": "gelu"})}, "gpt2"),

@@ -60,6 +60,9 @@ class PathFacts:
     env: str = ""
     """The value of STUDIO_FAST_PATH ('' when unset)."""
 
+    dora: bool = False
+    """``lora.use_dora``: DoRA's magnitude vectors are not part of the fast path's fused product."""
+
     method: str = "sft"
     """``trainer.method``: the fast path computes the SFT loss only (DPO / ORPO take the plain one)."""
 
@@ -116,6 +119,8 @@ def choose_path(facts: PathFacts) -> PathChoice:
     """The path a run takes: fast where it covers the model and the setup, else plain."""
     if facts.env == "0":
         return PathChoice("plain", f"{FAST_PATH_ENV}=0")
+    if facts.dora:
+        return PathChoice("plain", "DoRA adapters (the fast path's fused LoRA product has no magnitude vector)")
     if facts.method != "sft":
         return PathChoice("plain", f"trainer.method is {facts.method}; the fast path computes SFT's loss only")
     if not facts.cuda and facts.env != "1":

@@ -702,7 +702,8 @@ def path_choice(config: RunConfig, model_info: ModelInfo) -> PathChoice:
     plan = plan_for(config)
     facts = PathFacts(cuda=True, weights=plan.weights, lora_targets=plan.lora_targets,
                       lora_dropout=plan.lora_dropout, model_blocker=model_info.fast_path_blocker,
-                      env=os.environ.get(FAST_PATH_ENV, ""), method=config.trainer.method)
+                      env=os.environ.get(FAST_PATH_ENV, ""), method=config.trainer.method,
+                      dora=config.lora.use_dora)
     choice = choose_path(facts)
     if choice.path == "plain":
         choice = replace(choice, checkpointing=plan.checkpointing)

@@ -162,7 +162,8 @@ def path_facts(model: nn.Module, device: torch.device, method: str = "sft") -> P
     return PathFacts(cuda=device.type == "cuda", weights=weights, lora_targets=tuple(targets),
                      lora_dropout=float(getattr(peft_config, "lora_dropout", 0.0) or 0.0),
                      model_blocker=model_blocker(config_dict) if config_dict else "",
-                     env=os.environ.get(FAST_PATH_ENV, ""), method=method)
+                     env=os.environ.get(FAST_PATH_ENV, ""), method=method,
+                     dora=bool(getattr(peft_config, "use_dora", False)))
 
 
 def enable(model: nn.Module, device: torch.device, method: str = "sft") -> tuple[FastModel | None, str]:
