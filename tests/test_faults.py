@@ -135,7 +135,9 @@ def test_out_of_memory_in_every_phase_is_caught_where_it_happens(tiny_config, mo
             return real(*args, **kwargs)
         return failing
 
-    trainer.forward = once(trainer.forward, "evaluation", lambda batch: not torch.is_grad_enabled())
+    # At step 3's evaluation (step 0's is the base model's, before training)
+    trainer.forward = once(trainer.forward, "evaluation",
+                           lambda batch: not torch.is_grad_enabled() and trainer.step == 3)
     trainer.update = once(trainer.update, "the optimizer step", lambda params: trainer.step + 1 == 4)
     monkeypatch.setattr(checkpoint, "save", once(checkpoint.save, "a checkpoint save"))
     finished = trainer.train()
@@ -147,7 +149,7 @@ def test_out_of_memory_in_every_phase_is_caught_where_it_happens(tiny_config, mo
     assert not any(e.fatal for e in events if isinstance(e, ev.WorkerFailed))
     assert [e.micro_batch_size for e in events if isinstance(e, ev.BatchSizeReduced)] == [4]
     assert any("evaluating at step 3 in batches of 4 rows: retrying in batches of 2" in m for m in warnings)
-    assert [e.step for e in events if isinstance(e, ev.EvalLogged)] == [3, 6]
+    assert [e.step for e in events if isinstance(e, ev.EvalLogged)] == [0, 3, 6]
     assert any("optimizer step at step 4" in m and "retried" in m for m in warnings)
     assert any("saving the checkpoint at step 3: freed memory, saving it again" in m for m in warnings)
     assert [e.step for e in events if isinstance(e, ev.CheckpointSaved)] == [3, 6]

@@ -13,11 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import engine_on_cpu
 
 from studio.core import events as ev
 from studio.core.config import RunConfig, parse_config
 from studio.core.multigpu import GpuCountError, plan_devices
 from studio.core.runs import iter_events, list_runs
+
+pytestmark = pytest.mark.usefixtures("on_cpu")  # thresholds calibrated in fp32 (conftest.on_cpu)
 
 STEPS = 30
 
@@ -73,7 +76,8 @@ def _train_here(make_tiny_config, out: Path, steps: int) -> tuple[Path, dict[int
     config.trainer.max_steps = steps
     run = create_run(config, out / "runs")
     events: list[ev.Event] = []
-    Session(config, run, events.append).train()
+    with engine_on_cpu():  # as the gloo processes it is compared with (CUDA_VISIBLE_DEVICES="")
+        Session(config, run, events.append).train()
     assert any(isinstance(e, ev.TrainingFinished) for e in events)
     return run.path, {e.step: e.loss for e in events if isinstance(e, ev.StepLogged)}
 

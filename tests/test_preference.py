@@ -20,6 +20,8 @@ from studio.core.preference import difference, flatten_pair, lint_pairs
 from studio.core.runs import RunDir, iter_events
 from studio.engine.tiny import TINY_TEMPLATE
 
+pytestmark = pytest.mark.usefixtures("on_cpu")  # thresholds calibrated in fp32 (conftest.on_cpu)
+
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "make_preference_data.py"
 
 
@@ -221,7 +223,7 @@ def test_orpo_learns_the_case_preference_without_a_reference(tiny_model: Path, t
     before = session.evaluate()
     session.train()
     validation = [e for e in events if isinstance(e, ev.PreferenceLogged) and e.split == "validation"]
-    assert [e.method for e in validation] == ["orpo", "orpo"]
+    assert [e.method for e in validation] == ["orpo", "orpo", "orpo"]  # step 0 (the base), then two
     assert validation[0].accuracy <= 0.7 and validation[-1].accuracy >= 0.9
     assert validation[-1].loss < before.loss
 
@@ -248,7 +250,8 @@ def test_dpo_through_the_worker_learns_the_case_preference(tiny_model: Path, tmp
     assert [e.step for e in train] == list(range(10, 81, 10))
     assert train[-1].accuracy >= 0.9 and train[-1].reward_margin > train[0].reward_margin
     validation = [e for e in events if isinstance(e, ev.PreferenceLogged) and e.split == "validation"]
-    assert [e.step for e in validation] == [40, 80] and validation[-1].accuracy >= 0.9
+    # step 0: the base model's preference, before training
+    assert [e.step for e in validation] == [0, 40, 80] and validation[-1].accuracy >= 0.9
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

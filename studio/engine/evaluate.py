@@ -92,8 +92,10 @@ class HeldOutScoring:
         if self.done:
             return True
         index = len(self.results)
-        row = {k: v for k, v in self.rows[index].items() if k != self.rejected_field}
-        fields, target = prompt_and_target(row, self.response_field)
+        row = self.rows[index]
+        # The prompt never shows the rejected answer; the margin below needs the whole pair.
+        fields, target = prompt_and_target({k: v for k, v in row.items() if k != self.rejected_field},
+                                           self.response_field)
         max_new = self.request.max_new_tokens
         base = self._generate(fields, False, max_new).strip()
         tuned = self._generate(fields, True, max_new).strip() if self.request.adapter else None
