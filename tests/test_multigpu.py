@@ -122,6 +122,35 @@ def test_a_run_checkpointed_on_one_process_resumes_on_two_with_the_same_losses(
         assert abs(two[step] - one[step]) <= 0.01 * abs(one[step]), (step, two[step], one[step])
 
 
+@pytest.mark.slow
+def test_a_run_checkpointed_on_two_processes_resumes_on_two_with_the_exact_losses(
+        make_tiny_config, env, python, tmp_path) -> None:
+    """Exact resume on N GPUs: a two-process run stopped at its step-3 checkpoint and resumed on two
+    processes loses, at every step after the checkpoint, what an uninterrupted two-process run loses
+    (to 1e-6 relative: both fp32 on the CPU), so the weights, optimizer, data position and each rank's
+    RNG all come back."""
+    runs = {}
+    for name, steps in (("whole", 6), ("part", 3)):
+        (tmp_path / name).mkdir()
+        config = parse_config(_config(make_tiny_config, tmp_path / name, 4, 4).read_text())
+        config.trainer.checkpoint_interval = 3  # the same saves in both, at step 3
+        config.save(tmp_path / name / "config.yaml")
+        done = _studio(["train", str(tmp_path / name / "config.yaml"), "--max-steps", str(steps), "--gpus", "2"],
+                       env, python, tmp_path)
+        assert done.returncode == 0, done.stderr + done.stdout
+        runs[name] = _only_run(tmp_path / name / "runs")
+    part = runs["part"]
+    assert (part / "checkpoints" / "step-3" / "rng-rank-1.pt").exists()
+    resumed = _studio(["train", "--resume", str(part), "--max-steps", "6", "--gpus", "2"], env, python, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    started = [e for e in iter_events(part / "events.jsonl") if isinstance(e, ev.RunStarted)]
+    assert [(s.gpus, s.resumed_from_step) for s in started][-1] == (2, 3)
+    whole, after = _losses(runs["whole"]), _losses(part)
+    assert sorted(whole) == list(range(1, 7)) and [s for s in sorted(after) if s > 3] == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert abs(after[step] - whole[step]) <= 1e-6 * abs(whole[step]), (step, after[step], whole[step])
+
+
 def test_more_gpus_than_present_is_one_line_and_makes_no_run(make_tiny_config, env, python, tmp_path) -> None:
     config = _config(make_tiny_config, tmp_path, 4, 4)
     no_cpu = {k: v for k, v in env.items() if k != "STUDIO_DISTRIBUTED_CPU"}
