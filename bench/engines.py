@@ -40,6 +40,17 @@ def long_rows(path: Path, rows: int, seq: int, seed: int = 0) -> Path:
     return path
 
 
+def short_rows(path: Path, copies: int = 4) -> Path:
+    """The sample's short instruction rows (a few hundred tokens or less each), ``copies`` times."""
+    sample = ROOT / "sample_data" / "code_alpaca_sample.jsonl"
+    rows = [json.loads(line) for line in sample.read_text().splitlines() if line.strip()]
+    with open(path, "w", encoding="utf-8") as out:
+        for _ in range(copies):
+            for row in rows:
+                out.write(json.dumps({"instruction": row["instruction"], "output": row["output"]}) + "\n")
+    return path
+
+
 def _trainer(config, run, emit):
     """Studio's Trainer over a Session that owns the loaded model."""
     from studio.engine.session import Session
@@ -58,7 +69,10 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     from studio.core.runs import create_run
 
     cuda = torch.cuda.is_available()
-    data = long_rows(work / f"rows_{case.seq}.jsonl", max(64, case.micro_batch * (steps + 2) * 2), case.seq)
+    if getattr(case, "data", "long") == "short":
+        data = short_rows(work / "short_rows.jsonl")
+    else:
+        data = long_rows(work / f"rows_{case.seq}.jsonl", max(64, case.micro_batch * (steps + 2) * 2), case.seq)
     config = RunConfig()
     config.model.base_model = str(folder)
     config.quantization.bits = {"nf4": 4, "fp4": 4, "int8": 8}.get(case.weights)
@@ -71,7 +85,7 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     config.data.val_fraction = 0.05
     t = config.trainer
     t.max_steps, t.micro_batch_size, t.effective_batch_size = steps, case.micro_batch, case.micro_batch
-    t.gradient_checkpointing, t.optimizer, t.packing = case.checkpointing, case.optimizer, True
+    t.gradient_checkpointing, t.optimizer, t.packing = case.checkpointing, case.optimizer, case.packing
     # one evaluation batch at the end (the phase that used to need full fp32 logits), no mid-run ones
     t.eval_interval, t.eval_max_rows, t.checkpoint_interval = 0, case.micro_batch, 0
     config.output_dir = str(work / "runs")

@@ -93,7 +93,10 @@ LEVERS = {
     "no_graphs": {"cuda_graphs": False},
     "no_liger": {"kernels": False},
     "sdpa_mask": {"varlen": False},
-    "no_absmax_cache": {"cache_absmax": False},
+    "no_absmax_cache": {"cache_absmax": False},  # the default since the shared workspace
+    "absmax_cache": {"cache_absmax": True},
+    "no_workspace": {"shared_workspace": False},
+    "no_offload": {"offload_inputs": False},
     "no_hoist": {"hoist_adapters": False},
 }
 

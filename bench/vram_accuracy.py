@@ -33,7 +33,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -58,6 +60,10 @@ ARCHS = {
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
                       tie_word_embeddings=False),
+    # Meta-Llama-3-8B's config.json: GQA (8 key/value heads), a 128k vocabulary, rope theta 500k
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                      rope_theta=500000.0, tie_word_embeddings=False),
     # --dry-run only: small enough for a CPU in seconds (the vocabulary of the tiny tokenizer the Trainer uses)
     "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=False),
@@ -83,6 +89,9 @@ class Case:
     expandable: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Studio's engine default)
     engine: str = "loop"  # loop: the plain HF + PEFT loop here; trainer: Studio's Trainer; unsloth
     lever: str = ""  # trainer rows: one of bench/speed.py's LEVERS switched off (the memory/speed trades)
+    data: str = "long"  # trainer rows: long (every row a full seq) or short (the sample's instruction rows)
+    packing: bool = True  # trainer rows: pack rows into seq-long streams, or pad each micro-batch
+    out_of_sample: bool = False  # chosen and predicted before the estimator was tuned; never tuned on
 
     @property
     def label(self) -> str:
@@ -90,7 +99,8 @@ class Case:
         return (f"{self.arch} {self.weights} r{self.r}-{t} seq{self.seq} mb{self.micro_batch} "
                 f"{'ckpt' if self.checkpointing else 'no-ckpt'} drop{self.dropout} {self.optimizer}"
                 f"{' expandable' if self.expandable else ''}{'' if self.engine == 'loop' else ' ' + self.engine}"
-                f"{' ' + self.lever if self.lever else ''}")
+                f"{' ' + self.lever if self.lever else ''}"
+                f"{'' if self.data == 'long' else ' short-' + ('packed' if self.packing else 'padded')}")
 
     def plan(self) -> Plan:
         """The estimator's Plan for this row; the path is the one Studio's engine picks for the
@@ -150,6 +160,53 @@ FITTED = {"llama2-7b nf4 r16-all seq512 mb1 ckpt drop0.0 adamw expandable traine
           "llama2-7b nf4 r16-all seq512 mb4 ckpt drop0.0 adamw expandable trainer",
           "llama2-7b nf4 r16-all seq512 mb16 ckpt drop0.0 adamw expandable trainer"}
 """Trainer rows the fast path's memory constants (core/vram_fast.py) were fitted to: in sample."""
+
+def _v2_grid() -> list[Case]:
+    """Issue 18's accuracy grid for the engine with the shared dequantization buffer and host-held
+    layer inputs (eager steps): SmolLM2-135M, Llama-2-7B and Llama-3-8B shapes, seq 256-4096,
+    micro-batch 1-16, checkpointing on and off, LoRA r8-64 on q/v and on all projections, NF4 /
+    8-bit / bf16 bases, long rows, short rows packed and short rows padded; both paths (8-bit bases
+    take the plain one, core/plan.py). Every third row (and
+    the last) was marked out of sample when the grid was committed, with the predictions of the
+    model as it stood then: the estimator is tuned on the other rows only."""
+    all_, ll2, ll3, smol = ALL_LINEAR, "llama2-7b", "llama3-8b", "smollm2-135m"
+    rows = [
+        Case(ll2, "nf4", 16, all_, 512, 1, True),
+        Case(ll2, "nf4", 16, all_, 512, 4, True),
+        Case(ll2, "nf4", 16, all_, 512, 16, True),  # 8192 tokens: eager, inputs on the host
+        Case(ll2, "nf4", 8, QV, 2048, 1, True),
+        Case(ll2, "nf4", 64, all_, 4096, 1, True),
+        Case(ll2, "nf4", 16, all_, 4096, 2, True),
+        Case(ll2, "nf4", 16, all_, 1024, 4, True, 0.05),  # dropout: no graphs, no offload
+        Case(ll2, "int8", 16, all_, 512, 2, True),  # the plain path
+        Case(ll2, "bf16", 16, QV, 1024, 2, True),
+        Case(ll2, "nf4", 32, all_, 256, 8, False),
+        Case(ll2, "nf4", 16, all_, 512, 8, True, data="short"),
+        Case(ll2, "nf4", 16, all_, 1024, 4, True, data="short", packing=False),
+        Case(ll3, "nf4", 16, all_, 512, 4, True),
+        Case(ll3, "nf4", 16, all_, 2048, 1, True),
+        Case(ll3, "nf4", 16, all_, 4096, 2, True),
+        Case(ll3, "nf4", 8, QV, 1024, 8, True),
+        Case(ll3, "int8", 16, QV, 512, 1, True),
+        Case(ll3, "nf4", 16, all_, 512, 16, True, data="short"),
+        Case(smol, "nf4", 16, all_, 1024, 8, True, 0.05),
+        Case(smol, "nf4", 16, all_, 2048, 4, True),
+        Case(smol, "bf16", 64, all_, 2048, 4, False),
+        Case(smol, "int8", 16, all_, 512, 8, True),
+        Case(smol, "nf4", 8, QV, 4096, 1, False, 0.05),
+        Case(smol, "nf4", 16, all_, 512, 16, True, data="short"),
+        Case(smol, "int8", 8, QV, 1024, 2, False),
+    ]
+    return [replace(c, expandable=True, engine="trainer", out_of_sample=(i % 3 == 2 or i == len(rows) - 1))
+            for i, c in enumerate(rows)]
+
+
+TRAINER_GRID_V2 = _v2_grid()
+LEVER_ROWS_V2 = [  # the memory side of each trade, beside the grid (speed: the --speed rows)
+    replace(TRAINER_GRID_V2[1], lever="no_workspace", out_of_sample=False),
+    replace(TRAINER_GRID_V2[1], lever="absmax_cache", out_of_sample=False),
+    replace(TRAINER_GRID_V2[2], lever="no_offload", out_of_sample=False),
+]
 DRY_GRID = [
     Case("tiny", "bf16", 8, ALL_LINEAR, 64, 2, True),
     Case("tiny", "bf16", 8, QV, 128, 1, False, 0.05),
@@ -396,6 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None,
                         help="folder whose tokenizer files the random models get (the Trainer and Unsloth "
                         "need one; default: the project's tiny model's)")
+    parser.add_argument("--grid", choices=["v1", "v2"], default="v1",
+                        help="with --engine trainer: v1, the first grid (before the shared workspace), or "
+                        "v2, issue 18's grid and the memory levers")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="grid rows run this many at a time (peaks are per process; never for --speed rows)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--trace-file", help=argparse.SUPPRESS)
@@ -408,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.expandable:
         grid = [replace(c, expandable=True) for c in grid]
     if args.engine == "trainer":
-        grid = [replace(c, expandable=True, engine="trainer") for c in (grid if args.dry_run else TRAINER_GRID)]
+        chosen = TRAINER_GRID_V2 + LEVER_ROWS_V2 if args.grid == "v2" else TRAINER_GRID
+        grid = [replace(c, expandable=True, engine="trainer") for c in (grid if args.dry_run else chosen)]
     if args.only:
         grid = [c for c in grid if any(part in c.label for part in args.only.split(","))]
     speed = speed_grid(tuple(int(x) for x in args.speed.split(",") if x),
@@ -436,14 +499,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"built {arch} in {time.perf_counter() - t0:.0f} s", flush=True)
 
     gpu = _gpu_name()
-    rows = []
-    for workload, case in jobs:
+    rows: list[dict] = []
+    lock = threading.Lock()
+
+    def one(workload: str, case: Case) -> None:
         info = load_model_info(str(folders[case.arch]))
         row = {"label": case.label, "case": {**asdict(case), "targets": list(case.targets)}}
         if workload:
             row["workload"] = workload
         if case.engine == "trainer":
-            row["in_sample"] = case.label in FITTED
+            row["in_sample"] = case.label in FITTED or (args.grid == "v2" and not case.out_of_sample)
         predicted = None
         if case.engine != "unsloth" and not case.lever:  # the estimator models the engine's defaults
             predicted = estimate_plan(info, case.plan())
@@ -452,8 +517,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "peak_reserved": predicted.peak_reserved, "categories": predicted.categories}
         if time.perf_counter() - start > args.budget_s:
             row["skipped"] = "time budget"
-            rows.append(row)
-            continue
+            with lock:
+                rows.append(row)
+            return
         t0 = time.perf_counter()
         steps = args.speed_steps if workload else args.steps
         cmd = [sys.executable, str(Path(__file__).resolve()), "--out", "-", "--steps", str(steps),
@@ -477,14 +543,26 @@ def main(argv: list[str] | None = None) -> int:
             row["error_categories"] = {
                 k: _rel(v, measured["categories"][k]) for k, v in predicted.categories.items()
                 if measured["categories"].get(k)}
-        rows.append(row)
         shown = ", ".join(f"{k[5:]} {row[k]:+.1%}" for k in ("error_peak_allocated", "error_peak_reserved")
                           if k in row)
         speed_note = f", {measured['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in measured else ""
         peak_note = f", reserved {measured['peak_reserved'] / 2**30:.2f} GiB" if "peak_reserved" in measured else ""
-        print(f"[{time.perf_counter() - start:5.0f} s] {case.label}: {shown or measured.get('error', 'ran')}"
-              f"{peak_note}{speed_note}", flush=True)
-        _write_result(args, rows, start, gpu)  # after every row: a run cut off still leaves its rows
+        with lock:
+            rows.append(row)
+            print(f"[{time.perf_counter() - start:5.0f} s] {case.label}: {shown or measured.get('error', 'ran')}"
+                  f"{peak_note}{speed_note}", flush=True)
+            _write_result(args, rows, start, gpu)  # after every row: a run cut off still leaves its rows
+
+    # Speed rows one at a time (their clocks must not share the GPU); grid rows --parallel at a time
+    # (the peaks are per process, so sharing the card leaves them as they are).
+    for workload, case in jobs:
+        if workload:
+            one(workload, case)
+    grid_jobs = [(w, c) for w, c in jobs if not w]
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        list(pool.map(lambda job: one(*job), grid_jobs))
+    order = {c.label: i for i, (_, c) in enumerate(jobs)}
+    rows.sort(key=lambda r: order.get(r["label"], 0))
 
     result = _write_result(args, rows, start, gpu)
     print(json.dumps(result["summary"], indent=1))

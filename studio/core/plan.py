@@ -37,6 +37,14 @@ def graphs_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
     return cuda and lora_dropout == 0 and tokens <= GRAPH_TOKEN_LIMIT
 
 
+def offload_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
+    """Whether the fast path keeps each checkpointed layer's input in pinned host memory for a
+    micro-batch of ``tokens`` (engine/fast/offload.py): on the steps that run eagerly on CUDA
+    without adapter dropout. Measured on an H100 in bench/results/ (docs/memory.md); a captured
+    graph replays fixed addresses, so graphed steps keep their inputs on the device."""
+    return cuda and lora_dropout == 0 and not graphs_for(tokens, lora_dropout, cuda)
+
+
 @dataclass(frozen=True)
 class PathFacts:
     """What the decision depends on, as the estimator (from config files) or the engine (from the
@@ -137,7 +145,8 @@ def choose_path(facts: PathFacts) -> PathChoice:
     graphs = facts.cuda and facts.lora_dropout == 0
     what = "fused 4-bit LoRA products" if facts.weights in ("nf4", "fp4") else "fused LoRA products"
     if graphs:
-        what += f", CUDA graphs up to {GRAPH_TOKEN_LIMIT} tokens a micro-batch"
+        what += (f", CUDA graphs up to {GRAPH_TOKEN_LIMIT} tokens a micro-batch"
+                 " (larger ones eager, their layer inputs in host memory)")
     elif facts.cuda:
         what += ", no CUDA graphs (LoRA dropout > 0)"
     return PathChoice("fast", what + ", per-layer checkpointing, fused cross-entropy", cuda_graphs=graphs)

@@ -5,14 +5,16 @@ residual stream, no per-module saved inputs, no logits. What it holds, from what
 
 - weights: the packed 4-bit (or float) projections with their constants; embeddings, head and norms
   back in the compute dtype (``prepare`` casts down what ``prepare_model_for_kbit_training`` had
-  cast up to fp32); the double-quantized 4-bit scales expanded to fp32 once (``cache_absmax``);
+  cast up to fp32); the double-quantized scales stay packed (``cache_absmax`` is off);
 - LoRA parameters, gradients and optimizer state as on the plain path;
-- activations: each layer's input (every layer is checkpointed, whatever the config says), the
-  stacked bf16 adapters of every layer (hoisted out of the checkpoints), one recomputed layer's
-  working set in its backward, and the fused cross-entropy's gradient of the hidden states (the
-  logits are never materialised); the fused weight of the widest projection, dequantized;
-- overhead: the CUDA context; allocator holes around the dequantized fused weights; with CUDA
-  graphs (micro-batches of up to core/plan.py's GRAPH_TOKEN_LIMIT tokens), the graph's private pool.
+- activations: each layer's input (every layer is checkpointed, whatever the config says; on the
+  eager steps, core/plan.py's ``offload_for``, the inputs wait in host memory and only two are on the
+  device), the stacked bf16 adapters of every layer (hoisted out of the checkpoints), one recomputed
+  layer's working set in its backward, and the fused cross-entropy's gradient of the hidden states
+  (the logits are never materialised); the shared buffer every 4-bit weight is dequantized into
+  (as large as the widest fused weight);
+- overhead: the CUDA context; with CUDA graphs (micro-batches of up to core/plan.py's
+  GRAPH_TOKEN_LIMIT tokens), the free blocks of the graph's private pool.
 
 ``_LAYER_WORKING_SET`` was fitted to three H100 rows of Studio's Trainer (Llama-2-7B NF4 r16 seq 512,
 micro-batch 1, 4, 16: bench/results/h100_speed_memory_studio_unsloth.json). The rows of
@@ -28,7 +30,7 @@ from __future__ import annotations
 import math
 
 from studio.core.model_info import ModelInfo
-from studio.core.plan import graphs_for
+from studio.core.plan import graphs_for, offload_for
 
 _LAYER_WORKING_SET = 0.95
 """One recomputed layer's backward holds about this many times its forward outputs (fitted)."""
@@ -37,9 +39,10 @@ _FIXED_SLACK = 32 * 2**20
 """Reserved beyond the allocated peak that no mechanism below explains: small-pool pages and 20 MiB
 mapping steps of the allocator (fitted)."""
 
-_GRAPH_POOL_LAYERS = 2
-"""A captured step's private pool keeps about this many decoder layers' weights, dequantized, beyond
-what it has allocated (fitted to the Llama-2-7B rows with graphs, micro-batch 1 and 4)."""
+_GRAPH_POOL_LAYERS = 0
+"""A captured step's private pool kept about two decoder layers' weights, dequantized, beyond what
+it had allocated while each product allocated its own dequantized weight; with the shared
+workspace nothing is dequantized into the pool (to be refitted on the H100 grid)."""
 
 _GRAPH_POOL_PER_TOKEN = 0.4
 """... and this fraction of one layer's forward outputs per token (fitted likewise)."""
@@ -81,28 +84,23 @@ def widest_fused_weight(info: ModelInfo, compute_bytes: int) -> int:
     return max(gate_up * h, qkv * h, shapes["down_proj"][0] * h) * compute_bytes
 
 
-def absmax_cache_bytes(info: ModelInfo, weights: str, double_quant: bool, block: int = 64) -> int:
-    """fp32 scales expanded once from double-quantized 4-bit ones (none for other formats)."""
-    if weights not in ("nf4", "fp4") or not double_quant:
-        return 0
-    return sum(math.ceil(a * b / block) for a, b in info.linear_shapes().values()) * info.layers * 4
-
-
-def step_activations(info: ModelInfo, tokens: int, compute_bytes: int) -> float:
+def step_activations(info: ModelInfo, tokens: int, compute_bytes: int, offloaded: bool = False) -> float:
     """Bytes a training step holds beyond the parameters, gradients and optimizer state at its peak
-    (the start of a layer's backward), without the hoisted adapters and the dequantized weight."""
-    saved = tokens * info.layers * info.hidden * compute_bytes  # each layer's input
+    (the start of a layer's backward), without the hoisted adapters and the dequantized weight.
+    ``offloaded``: the layer inputs wait on the host; two are on the device (the one being
+    recomputed and the next, prefetched)."""
+    kept = 2 if offloaded else info.layers
+    saved = tokens * kept * info.hidden * compute_bytes  # each layer's input
     working = tokens * _LAYER_WORKING_SET * layer_outputs_per_token(info, compute_bytes)
     loss = tokens * 2 * info.hidden * compute_bytes  # the fused loss's gradient of the last hidden states
     return saved + working + loss
 
 
 def allocator_slack(info: ModelInfo, tokens: int, compute_bytes: int, graphs: bool) -> float:
-    """Reserved beyond the allocated peak. Eagerly, the two dequantized copies of the widest fused
-    weight (forward and backward) leave holes that later, smaller requests do not fill; with CUDA
-    graphs, the captured step's private pool keeps its own free blocks besides (one pool per batch
-    layout: a second layout, e.g. packed rows of another shape, adds a second pool, not modelled)."""
-    slack = 2 * widest_fused_weight(info, compute_bytes) + _FIXED_SLACK
+    """Reserved beyond the allocated peak. With CUDA graphs, the captured step's private pool keeps
+    its own free blocks (one pool per batch layout: a second layout, e.g. packed rows of another
+    shape, adds a second pool, not modelled)."""
+    slack = _FIXED_SLACK
     if graphs:
         layer_weights = sum(a * b for a, b in info.linear_shapes().values()) * compute_bytes
         slack += _GRAPH_POOL_LAYERS * layer_weights
@@ -127,11 +125,11 @@ def estimate_fast(info: ModelInfo, plan, gpu_bytes: int | None = None):
     optimizer = vram.optimizer_bytes(info, plan)
     on_device_optimizer = 0 if plan.optimizer.startswith("paged") else optimizer
     tokens = plan.tokens
-    graphs = graphs_for(tokens, plan.lora_dropout, cuda=True)  # the engine's own rule (core/plan.py)
-    activations = (step_activations(info, tokens, c)
+    graphs = graphs_for(tokens, plan.lora_dropout, cuda=True)  # the engine's own rules (core/plan.py)
+    offloaded = offload_for(tokens, plan.lora_dropout, cuda=True)
+    activations = (step_activations(info, tokens, c, offloaded)
                    + hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c)
-                   + widest_fused_weight(info, c)
-                   + absmax_cache_bytes(info, plan.weights, plan.double_quant)
+                   + widest_fused_weight(info, c)  # the shared dequantization buffer
                    + vram.CUBLAS_WORKSPACE_BYTES)
     # Gradients exist through the whole step (the graphs' backward adds into them in place) and the
     # optimizer's foreach temporary comes after the activations are gone: the backward is the peak.
@@ -146,7 +144,8 @@ def estimate_fast(info: ModelInfo, plan, gpu_bytes: int | None = None):
                   "overhead": int(overhead)}
     total = sum(categories.values())
     notes = ["fast path (studio/engine/fast): every layer checkpointed, fused cross-entropy, "
-             + ("CUDA graphs" if graphs else "no CUDA graphs (LoRA dropout > 0)")]
+             + ("CUDA graphs" if graphs else "no CUDA graphs (LoRA dropout > 0)" if plan.lora_dropout
+                else "eager steps with the layer inputs in host memory")]
     if plan.optimizer.startswith("paged"):
         notes.append("paged optimizer state lives in unified memory: it spills to host RAM under "
                      "pressure and torch.cuda's counters do not see it")

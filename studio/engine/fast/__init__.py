@@ -9,7 +9,7 @@ one concern a module:
 - ``weights``: projections sharing an input are fused (q/k/v in one product, gate/up in one), the
   frozen 4-bit weights are dequantized straight into the fused matrix, and the LoRA update is added
   by the same product's epilogue (``addmm``), with a hand-written backward that re-dequantizes
-  instead of keeping the bf16 weights;
+  instead of keeping the bf16 weights; every 4-bit weight is dequantized into one shared buffer;
 - ``ops``: RMSNorm, RoPE, SwiGLU and the cross-entropy come from liger-kernel's Triton kernels when
   it is installed on a CUDA machine (the cross-entropy is fused with the output projection, so the
   logits are never materialised), with plain torch code as the fallback;
@@ -21,6 +21,8 @@ one concern a module:
 - ``loss``: the cross-entropy over the vocabulary without a ``tokens x vocab`` logits tensor, for
   training (fused) and for evaluation (chunked, with argmax hits);
 - ``graphs``: the decoder stack's forward and backward are replayed as CUDA graphs;
+- ``offload``: on the steps that run eagerly, each layer's checkpointed input waits in pinned host
+  memory between the forward and the backward;
 - ``build``: which models are covered (:func:`prepare`) and when the trainer uses it (:func:`enable`).
 
 The trainable parameters are PEFT's own ``lora_A`` / ``lora_B`` weights, so the optimizer, the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from studio.core.plan import FAST_PATH_ENV, PathFacts, choose_path, model_blocke
 from studio.engine.fast.layer import Layer
 from studio.engine.fast.model import FastModel, FastOptions
 from studio.engine.fast.ops import liger_kernels, varlen_attention
-from studio.engine.fast.weights import Projection, has_adapter, is_4bit
+from studio.engine.fast.weights import Projection, Workspace, has_adapter, is_4bit
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -108,18 +109,23 @@ def prepare(model: nn.Module, options: FastOptions | None = None) -> tuple[FastM
     varlen = varlen_attention() if options.varlen and device.type == "cuda" and half else None
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     built = []
+    workspace = Workspace() if options.shared_workspace else None
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
+        proj = partial(Projection, adapter=adapter, dtype=dtype, cache_absmax=options.cache_absmax,
+                       workspace=workspace)
         built.append(Layer(
-            qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj], adapter, dtype, options.cache_absmax),
-            o=Projection([attn.o_proj], adapter, dtype, options.cache_absmax),
-            gate_up=Projection([mlp.gate_proj, mlp.up_proj], adapter, dtype, options.cache_absmax),
-            down=Projection([mlp.down_proj], adapter, dtype, options.cache_absmax),
+            qkv=proj([attn.q_proj, attn.k_proj, attn.v_proj]),
+            o=proj([attn.o_proj]),
+            gate_up=proj([mlp.gate_proj, mlp.up_proj]),
+            down=proj([mlp.down_proj]),
             ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
             eps=float(getattr(layer.input_layernorm, "variance_epsilon", config.rms_norm_eps)),
             heads=int(config.num_attention_heads),
             kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
             head_dim=head_dim, kernels=kernels, varlen=varlen))
+    if workspace is not None:
+        workspace.allocate(dtype, device)
     return FastModel(model, built, backbone, head, dtype, options, kernels, varlen), ""
 
 

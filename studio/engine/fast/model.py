@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from studio.core.plan import graphs_for
+from studio.core.plan import graphs_for, offload_for
 from studio.engine.fast.graphs import Graphs
 from studio.engine.fast.layer import Layer, Segments, padding_mask
 from studio.engine.fast.loss import IGNORE_INDEX, chunked_scores, cross_entropy
+from studio.engine.fast.offload import HostInputs, OffloadedLayer, flatten
 
 
 @dataclass
@@ -26,8 +27,15 @@ class FastOptions:
     """Flash-attention varlen for packed or padded batches (else a block-diagonal SDPA mask)."""
     checkpointing: bool = True
     """Recompute each layer in the backward instead of keeping its activations."""
-    cache_absmax: bool = True
-    """Expand double-quantized 4-bit scales to fp32 once (+0.25 GB on a 7B model, fewer kernels)."""
+    cache_absmax: bool = False
+    """Expand double-quantized 4-bit scales to fp32 once and keep them (+0.40 GB on a 7B model for
+    one small kernel less per product; off: the memory matters more, docs/memory.md)."""
+    shared_workspace: bool = True
+    """Dequantize every fused 4-bit weight into one shared buffer (weights.Workspace) instead of a
+    fresh allocation per product."""
+    offload_inputs: bool = True
+    """Keep the checkpointed layer inputs in pinned host memory when a step runs eagerly on CUDA
+    (offload.py; core/plan.py's offload_for decides when)."""
     unpad: bool = True
     """Drop padding tokens before the model (padded batches become a flat stream of examples)."""
     hoist_adapters: bool = True
@@ -62,6 +70,8 @@ class FastModel:
         device = backbone.embed_tokens.weight.device
         use_graphs = options.cuda_graphs and not self._dropout and device.type == "cuda"
         self._graphs = Graphs(self, options.max_graphs) if use_graphs else None
+        self._host = HostInputs(device) if options.offload_inputs and options.checkpointing \
+            and not self._dropout and device.type == "cuda" else None
 
     def trainable(self) -> list[torch.Tensor]:
         """The adapter weights the stack trains, in a fixed order."""
@@ -78,6 +88,8 @@ class FastModel:
         parts = ["fused 4-bit LoRA products" if quantized else "fused LoRA products"]
         if self._graphs is not None:
             parts.append("CUDA graphs")
+        if self._host is not None:
+            parts.append("layer inputs offloaded to the host on eager steps")
         parts.append("liger kernels" if self.kernels else "torch kernels")
         parts.append("varlen attention" if self.varlen else "SDPA attention")
         if self.options.checkpointing:
@@ -160,15 +172,22 @@ class FastModel:
         if graphed:
             h = self._graphs.run(h, cos, sin, seg)
         else:
-            h = self.stack(h, cos, sin, seg)
+            offload = (self._host is not None and torch.is_grad_enabled()
+                       and offload_for(ids.numel(), 0.0, True))
+            h = self.stack(h, cos, sin, seg, offload)
         return h.reshape(-1, h.shape[-1]), targets.reshape(-1)
 
-    def stack(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
-        """The decoder layers and the final norm."""
-        for layer in self.layers:
+    def stack(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
+              offload: bool = False) -> torch.Tensor:
+        """The decoder layers and the final norm; with ``offload``, each layer's saved input waits
+        in host memory (:class:`HostInputs`) instead of on the device."""
+        for index, layer in enumerate(self.layers):
             # Built outside the checkpoint: the recomputation then reuses them (fewer small ops).
             adapters = layer.adapters() if self.options.hoist_adapters else None
-            if self.options.checkpointing and torch.is_grad_enabled():
+            if offload:
+                spec, tensors = flatten(adapters)
+                h = OffloadedLayer.apply(h, cos, sin, layer, seg, index, self._host, spec, *tensors)
+            elif self.options.checkpointing and torch.is_grad_enabled():
                 h = checkpoint(layer.forward, h, cos, sin, seg, adapters, use_reentrant=False,
                                preserve_rng_state=self._dropout)
             else:

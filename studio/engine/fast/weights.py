@@ -14,20 +14,53 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class Workspace:
+    """One buffer that every fused 4-bit weight of the model is dequantized into.
+
+    A dequantized weight lives from its dequantization to the end of the one matrix product that
+    reads it (:class:`LoraProduct` never saves it), and all of them run in order on one stream, so
+    one buffer as large as the widest fused weight serves them all. Without it each product
+    allocates its own: the allocator then keeps holes of the widest size around, and a CUDA graph's
+    private pool keeps about two layers of dequantized weights (bench/results, docs/memory.md).
+    """
+
+    def __init__(self) -> None:
+        self.numel = 0
+        self.buffer: torch.Tensor | None = None
+
+    def reserve(self, numel: int) -> None:
+        """Make room for a weight of ``numel`` elements (before :meth:`allocate`)."""
+        self.numel = max(self.numel, numel)
+
+    def allocate(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the buffer now, before any CUDA graph capture (a capture must not allocate it)."""
+        if self.numel and (self.buffer is None or self.buffer.numel() < self.numel):
+            self.buffer = torch.empty(self.numel, dtype=dtype, device=device)
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        assert self.buffer is not None and rows * cols <= self.buffer.numel(), "workspace not allocated"
+        return self.buffer[:rows * cols].view(rows, cols)
+
+
 class FrozenWeights:
     """The frozen base weights of one or more projections that share an input, as one matrix.
 
-    4-bit weights are dequantized on every call (into one buffer, one kernel each); their
-    double-quantized scales are expanded to fp32 once here, since they never change while training.
+    4-bit weights are dequantized on every call (into one buffer, one kernel each: the model's
+    shared :class:`Workspace` when there is one); their double-quantized scales can be expanded to
+    fp32 once here (``cache_absmax``), since they never change while training.
     """
 
-    def __init__(self, bases: Sequence[nn.Module], dtype: torch.dtype, cache_absmax: bool):
+    def __init__(self, bases: Sequence[nn.Module], dtype: torch.dtype, cache_absmax: bool,
+                 workspace: Workspace | None = None):
         self.bases = list(bases)
         self.dtype = dtype
         self.out_features = [int(b.out_features) for b in self.bases]
         self.in_features = int(self.bases[0].in_features)
-        self._absmax: list[torch.Tensor | None] = []
         self.quantized = [is_4bit(b) for b in self.bases]
+        self.workspace = workspace if any(self.quantized) else None
+        if self.workspace is not None:
+            self.workspace.reserve(sum(self.out_features) * self.in_features)
+        self._absmax: list[torch.Tensor | None] = []
         for base, q in zip(self.bases, self.quantized, strict=True):
             if q and cache_absmax:
                 self._absmax.append(expanded_absmax(base.weight.quant_state))
@@ -40,8 +73,11 @@ class FrozenWeights:
             if len(self.bases) == 1:
                 return self.bases[0].weight.to(self.dtype)
             return torch.cat([b.weight.to(self.dtype) for b in self.bases])
-        device = self.bases[0].weight.device
-        out = torch.empty(sum(self.out_features), self.in_features, dtype=self.dtype, device=device)
+        rows = sum(self.out_features)
+        if self.workspace is not None:
+            out = self.workspace.take(rows, self.in_features)
+        else:
+            out = torch.empty(rows, self.in_features, dtype=self.dtype, device=self.bases[0].weight.device)
         row = 0
         for base, absmax, n in zip(self.bases, self._absmax, self.out_features, strict=True):
             _dequantize_into(base, absmax, out[row:row + n])
@@ -125,10 +161,11 @@ def has_adapter(module: nn.Module, adapter: str) -> bool:
 class Projection:
     """Linears reading the same input (with or without a LoRA adapter each), as one product."""
 
-    def __init__(self, modules: Sequence[nn.Module], adapter: str, dtype: torch.dtype, cache_absmax: bool):
+    def __init__(self, modules: Sequence[nn.Module], adapter: str, dtype: torch.dtype, cache_absmax: bool,
+                 workspace: Workspace | None = None):
         self.modules = list(modules)
         bases = [m.get_base_layer() if hasattr(m, "get_base_layer") else m for m in modules]
-        self.weights = FrozenWeights(bases, dtype, cache_absmax)
+        self.weights = FrozenWeights(bases, dtype, cache_absmax, workspace)
         self.dtype = dtype
         adapted = [m for m in modules if has_adapter(m, adapter)]
         self.present = [has_adapter(m, adapter) for m in modules]

@@ -1,0 +1,135 @@
+"""Checkpointed layer inputs kept in host memory: per-layer recomputation whose saved input waits
+in pinned CPU memory between the forward and the backward.
+
+With every layer checkpointed, what a step keeps on the GPU through the forward is each layer's
+input: ``tokens x hidden`` in the compute dtype per layer (2.1 GB at 8192 tokens on a 7B model,
+more than the rest of the activations together). :class:`HostInputs` copies each input to a
+pinned host buffer on a side stream while the layer computes, and in the backward brings the next
+one back while the current layer is recomputed, so the copies hide behind the compute; at most two
+layer inputs are on the GPU at once. :class:`OffloadedLayer` is the recomputing layer (what
+``torch.utils.checkpoint`` does, with the input saved on the host).
+
+Only for steps that run eagerly: a CUDA graph replays fixed addresses and side-stream copies are
+not part of the captured stack (core/plan.py's ``offload_for`` decides, and the estimator follows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostInputs:
+    """Pinned host buffers for the layer inputs of one step, filled in the forward and read back,
+    last layer first, in the backward. Buffers are kept between steps (one per layer and shape)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._host: dict[tuple, torch.Tensor] = {}
+        self._stored: dict[int, tuple[torch.Tensor, object]] = {}
+        self._fetched: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def store(self, index: int, x: torch.Tensor) -> None:
+        """Start copying layer ``index``'s input to the host."""
+        key = (index, tuple(x.shape), x.dtype)
+        host = self._host.get(key)
+        if host is None:
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)
+            self._host[key] = host
+        if not self.cuda:
+            host.copy_(x)
+            self._stored[index] = (host, None)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(x, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        x.record_stream(self.stream)  # its memory is not reused before the copy has read it
+        self._stored[index] = (host, done)
+
+    def prefetch(self, index: int) -> None:
+        """Start bringing layer ``index``'s input back to the device (no-op if absent or on CPU)."""
+        if index < 0 or index in self._fetched or index not in self._stored:
+            return
+        host, stored = self._stored[index]
+        if not self.cuda:
+            self._fetched[index] = (host.clone(), None)
+            return
+        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # out's memory is free to write
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(stored)
+            out.copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        out.record_stream(self.stream)
+        self._fetched[index] = (out, done)
+
+    def load(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s input on the device, once its copy has arrived."""
+        self.prefetch(index)
+        out, done = self._fetched.pop(index)
+        self._stored.pop(index, None)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        return out
+
+
+class OffloadedLayer(torch.autograd.Function):
+    """``layer.forward(h, ...)`` run without keeping anything but its input, on the host; the
+    backward brings the input back, recomputes the layer with autograd on and returns the input's
+    and the adapters' gradients. ``tensors`` are the hoisted adapters flattened (``spec`` puts them
+    back in shape); their gradients flow on to the adapter parameters."""
+
+    @staticmethod
+    def forward(ctx, h, cos, sin, layer, seg, index, host: HostInputs, spec, *tensors):
+        host.store(index, h)
+        ctx.layer, ctx.seg, ctx.index, ctx.host, ctx.spec = layer, seg, index, host, spec
+        ctx.save_for_backward(cos, sin, *tensors)
+        with torch.no_grad():
+            return layer.forward(h, cos, sin, seg, unflatten(spec, tensors))
+
+    @staticmethod
+    def backward(ctx, dout):
+        cos, sin, *tensors = ctx.saved_tensors
+        h = ctx.host.load(ctx.index).requires_grad_(True)
+        ctx.host.prefetch(ctx.index - 1)  # the layer below's input, while this one recomputes
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        with torch.enable_grad():
+            out = ctx.layer.forward(h, cos, sin, ctx.seg, unflatten(ctx.spec, leaves))
+        wanted = [h, *[t for t in leaves if t.requires_grad]]
+        grads = iter(torch.autograd.grad(out, wanted, dout, allow_unused=True))
+        dh = next(grads)
+        dtensors = [next(grads) if t.requires_grad else None for t in leaves]
+        return (dh, None, None, None, None, None, None, None, *dtensors)
+
+
+def flatten(adapters: tuple | None) -> tuple[object, list[torch.Tensor]]:
+    """A layer's hoisted adapters (``Layer.adapters()``) as a spec and a flat tensor list."""
+    if adapters is None:
+        return None, []
+    spec, tensors = [], []
+    for item in adapters:
+        if item is None:
+            spec.append(None)
+            continue
+        a, bt, scale = item
+        spec.append((a is not None, bt is not None, scale))
+        tensors += [t for t in (a, bt) if t is not None]
+    return tuple(spec), tensors
+
+
+def unflatten(spec, tensors) -> tuple | None:
+    if spec is None:
+        return None
+    it = iter(tensors)
+    out = []
+    for item in spec:
+        if item is None:
+            out.append(None)
+            continue
+        has_a, has_bt, scale = item
+        out.append((next(it) if has_a else None, next(it) if has_bt else None, scale))
+    return tuple(out)
