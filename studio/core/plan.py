@@ -66,6 +66,10 @@ class PathFacts:
     method: str = "sft"
     """``trainer.method``: the fast path computes the SFT loss only (DPO / ORPO take the plain one)."""
 
+    full_finetune: bool = False
+    """``lora: null``: every weight trains and there is no adapter; the fast path fuses LoRA products
+    over frozen weights, so a full fine-tune takes the plain path."""
+
 
 @dataclass(frozen=True)
 class PathChoice:
@@ -119,6 +123,8 @@ def choose_path(facts: PathFacts) -> PathChoice:
     """The path a run takes: fast where it covers the model and the setup, else plain."""
     if facts.env == "0":
         return PathChoice("plain", f"{FAST_PATH_ENV}=0")
+    if facts.full_finetune:
+        return PathChoice("plain", "full fine-tuning (the fast path fuses LoRA products over frozen weights)")
     if facts.dora:
         return PathChoice("plain", "DoRA adapters (the fast path's fused LoRA product has no magnitude vector)")
     if facts.method != "sft":
