@@ -422,10 +422,11 @@ def _check_full_finetune(config: RunConfig, reader: Reader) -> None:
             f"'quantization.bits' is {bits} but 'lora' is null (full fine-tuning): {bits}-bit weights cannot "
             "take gradients; set quantization.bits: null to train every weight, or give a lora section "
             "(QLoRA)"))
-    if config.trainer.method == "dpo":
+    if config.trainer.method != "sft":
         raise reader.fail(("trainer", "method"), (
-            "'trainer.method' is dpo but 'lora' is null (full fine-tuning): DPO's reference is the base with "
-            "the adapter switched off; use a lora section, or trainer.method: orpo (no reference)"))
+            f"'trainer.method' is {config.trainer.method} but 'lora' is null (full fine-tuning): preference "
+            "runs compare against the base with the adapter switched off; give a lora section, or use "
+            "trainer.method: sft"))
     gpus = config.distributed.gpus
     if gpus != 1:
         raise reader.fail(("distributed", "gpus"), (
