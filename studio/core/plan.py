@@ -123,14 +123,14 @@ def choose_path(facts: PathFacts) -> PathChoice:
     """The path a run takes: fast where it covers the model and the setup, else plain."""
     if facts.env == "0":
         return PathChoice("plain", f"{FAST_PATH_ENV}=0")
-    if facts.full_finetune:
-        return PathChoice("plain", "full fine-tuning (the fast path fuses LoRA products over frozen weights)")
     if facts.dora:
         return PathChoice("plain", "DoRA adapters (the fast path's fused LoRA product has no magnitude vector)")
     if facts.method != "sft":
         return PathChoice("plain", f"trainer.method is {facts.method}; the fast path computes SFT's loss only")
     if not facts.cuda and facts.env != "1":
         return PathChoice("plain", "not on a CUDA device")
+    if facts.full_finetune:
+        return PathChoice("plain", "full fine-tuning (the fast path fuses LoRA products over frozen weights)")
     if facts.model_blocker:
         return PathChoice("plain", facts.model_blocker)
     if facts.weights not in FAST_WEIGHTS:

@@ -8,7 +8,8 @@ worker talks to the session only; the Trainer only trains.
 
 A full fine-tune (``lora: null``) has no adapter: every weight of the loaded base trains, a past
 run's saved weights are copied into it in place, and base answers come from a second, untouched
-copy of the base loaded on the first such answer (:meth:`Session.original_model`).
+copy of the base loaded on the first such answer (:meth:`Session.original_model`). Past ~400 lines
+for those branches: each sits beside the LoRA step it stands in for.
 
 Everything it has to say goes through the one ``emit`` callback as typed events
 (studio/core/events.py).
@@ -122,6 +123,9 @@ class Session:
         from studio.core.data import DataError, load_splits
 
         base_model = self.config.model.base_model
+        if self.config.full_finetune and self.group.world > 1:  # --gpus N after the config was checked
+            self.fail("config", f"'lora' is null (full fine-tuning) and this run has {self.group.world} GPUs: "
+                      "Studio trains a full fine-tune on one GPU; run it with --gpus 1, or give a lora section")
         try:
             # The data first: a bad path or column fails in a second, not after the model loads.
             self.emit(ev.ModelLoading(stage="reading the data", fraction=0.0))
