@@ -664,11 +664,6 @@ def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> 
                   "optimizer": int(optimizer), "activations": int(activations), "overhead": int(overhead)}
     total = sum(categories.values())
     notes = []
-    if plan.lora_r is None:
-        notes.append(f"full fine-tuning: every weight has a gradient in {plan.weights} and AdamW state ("
-                     + ("m and v in the weights' dtype, torch AdamW" if plan.optimizer == "adamw" else
-                        "fp32 m and v" if plan.optimizer == "paged_adamw" else "8-bit m and v")
-                     + "); no fp32 master copy")
     if plan.dora:
         notes.append("DoRA recomputes each adapted weight's norm every step: a dequantized copy of one "
                       "weight at a time, not counted in activations")
@@ -732,7 +727,13 @@ def estimate(config: RunConfig, model_info: ModelInfo, gpu_bytes: int | None = N
     """
     choice = path_choice(config, model_info)
     plan = replace(plan_for(config, micro_batch), path=choice.path)
-    return replace(estimate_plan(model_info, plan, gpu_bytes), choice=choice)
+    result = replace(estimate_plan(model_info, plan, gpu_bytes), choice=choice)
+    if plan.lora_r is None:  # the config's own full fine-tune (the walkthrough's steps tell their own story)
+        result.notes.insert(0, f"full fine-tuning: every weight has a gradient in {plan.weights} and AdamW state ("
+                            + ("m and v in the weights' dtype, torch AdamW" if plan.optimizer == "adamw" else
+                               "fp32 m and v" if plan.optimizer == "paged_adamw" else "8-bit m and v")
+                            + "); no fp32 master copy")
+    return result
 
 
 # ----------------------------------------------------------------------------------- walkthrough
