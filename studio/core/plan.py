@@ -130,7 +130,7 @@ def choose_path(facts: PathFacts) -> PathChoice:
     if not facts.cuda and facts.env != "1":
         return PathChoice("plain", "not on a CUDA device")
     if facts.full_finetune:
-        return PathChoice("plain", "full fine-tuning (the fast path fuses LoRA products over frozen weights)")
+        return PathChoice("plain", "full fine-tuning: the fast path fuses LoRA products over frozen weights")
     if facts.model_blocker:
         return PathChoice("plain", facts.model_blocker)
     if facts.weights not in FAST_WEIGHTS:
