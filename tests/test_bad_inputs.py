@@ -59,7 +59,7 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["config", "dump", "optimizer_sgd.yaml"], ["line 2", "trainer.optimizer", "paged_adamw"]),
     (["config", "dump", "on_cpu_maybe.yaml"], ["line 2", "quantization.on_cpu", "keep"]),
     # names and shapes
-    (["config", "dump", "lora_null.yaml"], ["line 3", "'lora'", "lora: {}"]),
+    (["config", "dump", "full_ft_4bit.yaml"], ["line 4", "'quantization.bits'", "quantization.bits: null"]),
     (["config", "dump", "alias_and_key.yaml"], ["line 3", "lora.lora_alpha", "lora.alpha", "keep one"]),
     (["config", "dump", "response_field_spaces.yaml"], ["line 2", "prompt.response_field", "data.columns"]),
     (["config", "dump", "empty_base_model.yaml"], ["line 2", "model.base_model", "empty"]),

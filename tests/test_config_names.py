@@ -104,11 +104,21 @@ def test_a_config_saved_by_ludwig_loads_with_ludwig_defaults_and_notes():
     assert any(n.startswith("x.yaml: line 26:") and "backend" in n for n in notes)
 
 
-def test_ludwig_without_an_adapter_says_it_trains_a_lora():
+def test_ludwig_without_an_adapter_fine_tunes_every_weight_as_ludwig_does():
+    text = SAVED_BY_LUDWIG.replace("    adapter:\n      type: lora\n", "").replace("    quantization:\n      bits: 4\n", "")
+    config, _notes = _parse(text)
+    assert config.lora is None and config.full_finetune
+    assert config.quantization.bits is None
+    config, _notes = _parse(text.replace("model_type: llm\n", "model_type: llm\n    adapter: null\n"))
+    assert config.full_finetune
+
+
+def test_ludwig_quantization_without_an_adapter_is_refused_in_one_line():
     text = SAVED_BY_LUDWIG.replace("    adapter:\n      type: lora\n", "")
-    config, notes = _parse(text)
-    assert config.lora.r == 8
-    assert any("no 'adapter' section" in n for n in notes)
+    with pytest.raises(ConfigError, match=r"^x.yaml: line \d+: a Ludwig config without 'adapter' fine-tunes every "
+                       r"weight.*add 'adapter: \{type: lora\}'") as caught:
+        _parse(text)
+    assert "\n" not in str(caught.value)
 
 
 def test_a_ludwig_optimizer_without_a_counterpart_is_refused():
@@ -116,9 +126,34 @@ def test_a_ludwig_optimizer_without_a_counterpart_is_refused():
         _parse(SAVED_BY_LUDWIG.replace("type: paged_adam", "type: sgd"))
 
 
-def test_lora_null_is_refused_not_silently_r16():
-    with pytest.raises(ConfigError, match=r"line 1: 'lora' is empty \(null\)"):
-        _parse("lora: null\n")
+@pytest.mark.parametrize("spelling", ["null", "false", "none", "~"])
+def test_lora_null_asks_for_full_fine_tuning_and_drops_the_4bit_default(spelling):
+    config, notes = _parse(f"lora: {spelling}\n")
+    assert config.lora is None and config.full_finetune
+    assert config.quantization.bits is None  # 4 is QLoRA's default; a full fine-tune trains unquantized
+    assert notes == []
+    # config dump writes it back as lora: null, and that reads back the same
+    assert "\nlora: null\n" in config.to_yaml()
+    assert parse_config(config.to_yaml()) == config
+
+
+def test_full_fine_tuning_with_explicit_quantization_is_one_line_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^x.yaml: line 2: 'quantization.bits' is 8 but 'lora' is null \(full "
+                       r"fine-tuning\).*set quantization.bits: null") as caught:
+        _parse("lora: null\nquantization: {bits: 8}\n")
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("lora: null\nuse_dora: true\n", "line 2: 'use_dora' sets a LoRA option"),
+    ("lora: null\nlora_alpha: 8\n", "line 2: 'lora_alpha' sets a LoRA option"),
+    ("lora: null\ntrainer: {method: dpo}\n", "line 2: 'trainer.method' is dpo"),
+    ("lora: null\ndistributed: {gpus: 2}\n", "line 2: 'distributed.gpus' is 2"),
+])
+def test_options_that_need_an_adapter_are_refused_with_full_fine_tuning(text, key):
+    with pytest.raises(ConfigError, match=r"^x.yaml: " + key.replace("(", r"\(")) as caught:
+        _parse(text)
+    assert "\n" not in str(caught.value)
 
 
 def test_a_range_error_in_a_ludwig_config_names_the_line_of_ludwigs_key():

@@ -133,3 +133,19 @@ def test_snapshot_walkthrough_first_and_qlora_steps(snap_compare):
     assert snap_compare(PaneApp(parse_config(LLAMA_CONFIG)), terminal_size=SIZE, press=["w"])
     assert snap_compare(PaneApp(parse_config(LLAMA_CONFIG)), terminal_size=SIZE,
                         press=["w", "right", "right", "right", "right"])
+
+
+@pytest.mark.anyio
+async def test_a_full_fine_tune_config_shows_its_own_estimate_in_the_predicted_column():
+    config = parse_config(LLAMA_CONFIG + "lora: null\n")
+    app = PaneApp(config)
+    async with app.run_test(size=SIZE):
+        pane = app.query_one(VramPane)
+        gauge = app.query_one(BlockGauge)
+        assert pane.current is not None and gauge.predicted == pane.current.categories
+        params = 6_738_415_616  # Llama-2-7B: bf16 weights and gradients, torch AdamW's bf16 m and v
+        assert (gauge.predicted["weights"], gauge.predicted["gradients"], gauge.predicted["optimizer"]) == (
+            2 * params, 2 * params, 4 * params)
+        assert gauge.predicted["lora"] == 0
+        summary = str(app.query_one("#vram-summary").render())
+        assert "full fine-tune" in summary and "plain path" in summary

@@ -34,7 +34,8 @@ def format_table(result: Estimate, model: str, gpu_name: str, config: RunConfig 
     """The human-readable report: one line per category, the total and the verdict."""
     plan = result.plan
     lines = [f"{model}: {plan.weights} weights, "
-             + (f"LoRA r{plan.lora_r} on {len(plan.lora_targets)} modules" if plan.lora_r else "full fine-tune")
+             + (f"LoRA r{plan.lora_r} on {len(plan.lora_targets)} modules" if plan.lora_r
+                else "full fine-tuning (every weight trains, no adapter)")
              + f", micro-batch {plan.micro_batch} x {plan.seq_len} tokens, "
              + ("checkpointing" if plan.checkpointing or plan.path == "fast" else "no checkpointing")
              + f", {plan.optimizer}",

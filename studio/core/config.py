@@ -260,8 +260,9 @@ class RunConfig:
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     """How base weights are stored."""
 
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    """The adapter."""
+    lora: LoraConfig | None = field(default_factory=LoraConfig)
+    """The adapter; ``null`` (or ``false``) fine-tunes every weight instead (full fine-tuning: no
+    adapter, the base in the compute dtype; docs/config.md)."""
 
     prompt: PromptConfig = field(default_factory=PromptConfig)
     """Row -> text."""
@@ -287,6 +288,11 @@ class RunConfig:
     report_to: list[str] = field(default_factory=list)
     """Experiment trackers that also get the run's metrics: any of ``tensorboard`` (written under
     ``runs/<id>/tensorboard``), ``wandb``, ``mlflow``. Needs ``pip install 'qlora-studio[trackers]'``."""
+
+    @property
+    def full_finetune(self) -> bool:
+        """True when every weight trains (``lora: null``): no adapter, the base unquantized."""
+        return self.lora is None
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data, every default filled in."""
@@ -364,6 +370,8 @@ def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines |
             shown = ", ".join("null" if a is None else str(a) for a in allowed)
             raise reader.fail((section, key), f"'{section}.{key}' is {value!r}; choose one of {shown}")
     for section, key, ok, rule in _RANGES:
+        if getattr(config, section) is None:
+            continue  # lora: null (full fine-tuning)
         value = getattr(getattr(config, section), key)
         if value is None:
             continue
@@ -399,8 +407,32 @@ def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines |
     if not (gpus == "all" or (isinstance(gpus, int) and gpus >= 1)):
         raise reader.fail(("distributed", "gpus"), f"'distributed.gpus' is {gpus!r}; give a number of GPUs "
                           "(1 or more) or 'all'")
+    _check_full_finetune(config, reader)
     _check_template(config, reader)
     return config
+
+
+def _check_full_finetune(config: RunConfig, reader: Reader) -> None:
+    """What full fine-tuning (``lora: null``) cannot be combined with, one line each."""
+    if not config.full_finetune:
+        return
+    bits = config.quantization.bits
+    if bits is not None:
+        raise reader.fail(("quantization", "bits"), (
+            f"'quantization.bits' is {bits} but 'lora' is null (full fine-tuning): {bits}-bit weights cannot "
+            "take gradients; set quantization.bits: null to train every weight, or give a lora section "
+            "(QLoRA)"))
+    if config.trainer.method != "sft":
+        raise reader.fail(("trainer", "method"), (
+            f"'trainer.method' is {config.trainer.method} but 'lora' is null (full fine-tuning): preference "
+            "runs compare against the base with the adapter switched off; give a lora section, or use "
+            "trainer.method: sft"))
+    gpus = config.distributed.gpus
+    if gpus != 1:
+        raise reader.fail(("distributed", "gpus"), (
+            f"'distributed.gpus' is {gpus!r} but 'lora' is null (full fine-tuning): Studio trains a full "
+            "fine-tune on one GPU (each GPU would hold every weight, gradient and optimizer state); set "
+            "distributed.gpus: 1, or give a lora section"))
 
 
 _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -441,9 +473,7 @@ def parse_config(text: str, source: str = "config") -> RunConfig:
     if "model_type" in raw or "base_model" in raw or "input_features" in raw or "ludwig_version" in raw:
         raw = from_ludwig(raw, reader)  # renamed keys keep the lines Ludwig's names were written on
     else:
-        if "lora" in raw and raw["lora"] is None:
-            raise reader.fail(("lora",), "'lora' is empty (null): write 'lora: {}' for the default LoRA "
-                              "(r 16), or give its keys (r, alpha, dropout, target_modules, use_dora)")
+        _full_finetune_spelling(raw, reader)
 
         def note(old: tuple[str, ...], new: tuple[str, ...], message: str) -> None:
             lines.rename(old, new)
@@ -452,6 +482,38 @@ def parse_config(text: str, source: str = "config") -> RunConfig:
         raw = aliases.apply(raw, set(_SECTIONS), note, reader.fail)
     config = reader.build(RunConfig, raw, ())
     return validate(config, source, reader.lines)
+
+
+_NO_ADAPTER = (None, False, "none", "null", "full")
+"""What ``lora:`` may say to ask for full fine-tuning (``lora: null`` is the spelling Studio writes)."""
+
+
+def _full_finetune_spelling(raw: dict[str, Any], reader: Reader) -> None:
+    """``lora: null`` / ``false`` / ``none`` become full fine-tuning (``lora`` None, in place). A
+    quantization section that does not name ``bits`` then gets ``bits: null``: the 4-bit default is
+    QLoRA's, and a full fine-tune needs unquantized weights (an explicit 4 or 8 is refused in
+    :func:`validate`). LoRA-only options given at the top level (``use_dora: true``) are refused here."""
+    if "lora" not in raw or raw["lora"] is True:
+        if raw.get("lora") is True:
+            raw["lora"] = {}
+        return
+    value = raw["lora"]
+    if isinstance(value, str):
+        value = value.strip().lower()
+    if value not in _NO_ADAPTER:
+        return
+    from studio.core import aliases
+
+    for key in raw:
+        if aliases.ALIASES.get(key, ("",))[0] == "lora":
+            raise reader.fail((key,), f"'{key}' sets a LoRA option but 'lora' is null (full fine-tuning: no "
+                              "adapter); remove it, or give a lora section")
+    raw["lora"] = None
+    quantization = raw.get("quantization")
+    if quantization is None:
+        raw["quantization"] = {"bits": None}
+    elif isinstance(quantization, dict) and "bits" not in quantization:
+        raw["quantization"] = {**quantization, "bits": None}
 
 
 _SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation", "distributed")

@@ -93,6 +93,8 @@ class Reader:
         for option in options:
             if option is type(None):
                 continue
+            if dataclasses.is_dataclass(option):  # an optional section (``lora: null``)
+                return self.build(option, value, path)
             ok, converted = _convert(option, value)
             if ok:
                 return converted

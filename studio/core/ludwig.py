@@ -5,7 +5,8 @@ trainer, generation, preprocessing) are accepted as they are, including the full
 beside a model (with ``ludwig_version`` and every default written out), so a config written for
 Ludwig trains here unchanged. :func:`from_ludwig` only renames and reshapes keys, filling in Ludwig's
 own defaults where Studio's differ (LoRA r 8, alpha 16, dropout 0.05); config.py then reads the
-result like any Studio config, so types and ranges are checked in one place.
+result like any Studio config, so types and ranges are checked in one place. As in Ludwig, a config
+without ``adapter`` (or with ``adapter: null``) fine-tunes every weight (Studio's ``lora: null``).
 
 Trainer keys a Ludwig config leaves out take Studio's defaults: Ludwig's fine-tune trainer inherits
 its general trainer's (100 epochs at learning rate 0.001), which do not suit an LLM. The 4-bit
@@ -171,11 +172,13 @@ def _quantization(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None
 
 def _adapter(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
     if "adapter" not in raw or raw["adapter"] is None:
-        # Ludwig fine-tunes every weight without an adapter; Studio trains a LoRA, and says so.
-        reader.note(("model_type",), "no 'adapter' section: Ludwig would fine-tune every weight, Studio trains "
-                    "a LoRA with Ludwig's defaults (r 8, alpha 16, dropout 0.05); add 'adapter: {type: lora}' "
-                    "to say so")
-        out["lora"].update(LORA_DEFAULTS)
+        # Ludwig's meaning: no adapter fine-tunes every weight. Its quantization needs an adapter
+        # (quantized weights take no gradients), so a config with both is refused as Ludwig refuses it.
+        if out["quantization"].get("bits") is not None:
+            raise reader.fail(("quantization",), (
+                "a Ludwig config without 'adapter' fine-tunes every weight, which quantized weights cannot "
+                "do; add 'adapter: {type: lora}' (QLoRA), or remove the quantization section"))
+        out["lora"] = None
         return
     adapter = _section(raw, "adapter", reader)
     _check_keys(adapter, ("adapter",), ["type", "r", "alpha", "dropout", "target_modules", "use_dora",

@@ -74,6 +74,10 @@ class PathFacts:
     method: str = "sft"
     """``trainer.method``: the fast path computes the SFT loss only (DPO / ORPO take the plain one)."""
 
+    full_finetune: bool = False
+    """``lora: null``: every weight trains and there is no adapter; the fast path fuses LoRA products
+    over frozen weights, so a full fine-tune takes the plain path."""
+
 
 @dataclass(frozen=True)
 class PathChoice:
@@ -133,6 +137,8 @@ def choose_path(facts: PathFacts) -> PathChoice:
         return PathChoice("plain", f"trainer.method is {facts.method}; the fast path computes SFT's loss only")
     if not facts.cuda and facts.env != "1":
         return PathChoice("plain", "not on a CUDA device")
+    if facts.full_finetune:
+        return PathChoice("plain", "full fine-tuning: the fast path fuses LoRA products over frozen weights")
     if facts.model_blocker:
         return PathChoice("plain", facts.model_blocker)
     if facts.weights not in FAST_WEIGHTS:

@@ -3,8 +3,10 @@
     runs/<run-id>/
       config.yaml          the exact config (studio train runs/<run-id>/config.yaml re-runs it)
       events.jsonl         append-only event log, one JSON event a line
-      checkpoints/step-N/  resumable checkpoints, each with its adapter in adapter/
+      checkpoints/step-N/  resumable checkpoints, each with its adapter in adapter/ (model/ for a
+                           full fine-tune)
       adapter/             the final PEFT adapter (RunDir.adapter() says which adapter is the run's)
+      model/               a full fine-tune's (lora: null) final weights and tokenizer, in place of adapter/
       worker.sock, worker.key, worker.pid, worker.log
 
 Plain Python: the UI lists and reads runs through this module.
@@ -26,6 +28,9 @@ from studio.core.storage import DIR_MODE, FILE_MODE, DiskFull, is_disk_full
 
 ADAPTER_CONFIG = "adapter_config.json"
 """The file that makes a folder a PEFT adapter (``PeftModel.from_pretrained`` reads it first)."""
+
+MODEL_CONFIG = "config.json"
+"""The file that makes a folder a full model (a full fine-tune's ``model/``: save_pretrained's weights)."""
 
 ADAPTER_STEP_FILE = "studio_step.json"
 """Written beside the final adapter: ``{"step": N}``, the optimizer step its weights are from."""
@@ -61,6 +66,11 @@ class RunDir:
     @property
     def adapter_dir(self) -> Path:
         return self.path / "adapter"
+
+    @property
+    def model_dir(self) -> Path:
+        """A full fine-tune's final weights (``lora: null``): the ``adapter/`` of such a run."""
+        return self.path / "model"
 
     @property
     def socket_path(self) -> Path:
@@ -126,7 +136,9 @@ class RunDir:
 
     def adapter(self) -> Path | None:
         """The one answer to "which adapter is this run's": the folder to chat, evaluate, export
-        and merge with; None when the run has saved none yet.
+        and merge with; None when the run has saved none yet. For a full fine-tune (``lora: null``)
+        it is the folder of the whole model's weights (``model/``; :func:`is_full_model` tells them
+        apart), chosen by the same rules.
 
         The final ``adapter/`` when it is there, else the newest checkpoint's ``adapter/``. One
         exception: a run resumed after its final adapter was saved can checkpoint past it (then be
@@ -135,16 +147,15 @@ class RunDir:
         hand, or by an older Studio) counts as final.
         """
         latest = self.latest_checkpoint()
-        newest = latest / "adapter" if latest is not None else None
-        if newest is not None and not (newest / ADAPTER_CONFIG).exists():
-            newest = None
-        if not (self.adapter_dir / ADAPTER_CONFIG).exists():
+        newest = _weights_in(latest) if latest is not None else None
+        final = _weights_in(self.path)
+        if final is None:
             return newest
         if newest is None:
-            return self.adapter_dir
-        final_step = _adapter_step(self.adapter_dir)
+            return final
+        final_step = _adapter_step(final)
         checkpoint_step = int(newest.parent.name.removeprefix("step-"))
-        return newest if final_step is not None and checkpoint_step > final_step else self.adapter_dir
+        return newest if final_step is not None and checkpoint_step > final_step else final
 
     def worker_pid(self) -> int | None:
         """The pid of a live worker for this run, or None."""
@@ -159,6 +170,20 @@ class RunDir:
         except PermissionError:
             return pid
         return pid
+
+
+def _weights_in(folder: Path) -> Path | None:
+    """``folder``'s ``adapter/`` (a PEFT adapter) or ``model/`` (a full fine-tune's weights), or None."""
+    if (folder / "adapter" / ADAPTER_CONFIG).exists():
+        return folder / "adapter"
+    if (folder / "model" / MODEL_CONFIG).exists():
+        return folder / "model"
+    return None
+
+
+def is_full_model(folder: Path) -> bool:
+    """True for a full fine-tune's saved weights (a ``model/`` folder), False for a PEFT adapter."""
+    return not (folder / ADAPTER_CONFIG).exists() and (folder / MODEL_CONFIG).exists()
 
 
 def _adapter_step(folder: Path) -> int | None:
@@ -181,6 +206,9 @@ def export_adapter(run: RunDir, dest: str | Path) -> Path:
     if source is None:
         raise FileNotFoundError(f"run {run.id} has no saved adapter yet (looked in {run.adapter_dir} and "
                                 f"{run.checkpoints_dir}); train, or stop the run, first")
+    if is_full_model(source):
+        raise FileNotFoundError(f"run {run.id} is a full fine-tune (lora: null): it has no adapter, its "
+                                f"weights are in {source}; export it as merged or gguf")
     if dest.exists():
         raise FileExistsError(f"{dest} already exists; choose a new folder")
     tmp = dest.with_name(dest.name + ".partial")

@@ -206,11 +206,14 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
     q = config.quantization
     compute = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[q.compute_dtype]
     weights = {4: q.quant_type, 8: "int8"}.get(q.bits, compute) if q.bits else compute
-    targets = config.lora.target_modules
+    lora = config.lora
+    targets = lora.target_modules if lora is not None else ()
     names = ALL_LINEAR if targets == "all-linear" else tuple(t for t in targets)
     accumulation = config.trainer.accumulation_steps()
-    return Plan(weights=weights, double_quant=q.double_quant, compute=compute, lora_r=config.lora.r,
-                lora_targets=names, lora_dropout=config.lora.dropout, dora=config.lora.use_dora,
+    return Plan(weights=weights, double_quant=q.double_quant, compute=compute,
+                lora_r=lora.r if lora is not None else None, lora_targets=names,
+                lora_dropout=lora.dropout if lora is not None else 0.0,
+                dora=lora.use_dora if lora is not None else False,
                 micro_batch=micro_batch or config.trainer.micro_batch_size,
                 seq_len=config.data.max_seq_length, checkpointing=config.trainer.gradient_checkpointing,
                 optimizer=config.trainer.optimizer, accumulation=accumulation, attention=attention,
@@ -296,10 +299,14 @@ def _trainable_dtype_bytes(plan: Plan) -> int:
 
 
 def optimizer_bytes(info: ModelInfo, plan: Plan) -> int:
-    """Optimizer state: AdamW m and v in the parameter's dtype, or bitsandbytes 8-bit blocks."""
+    """Optimizer state: torch AdamW's m and v in the parameter's dtype (bf16 weights of a full
+    fine-tune: 4 B a parameter), bitsandbytes' 32-bit paged AdamW's in fp32 whatever the parameter's
+    dtype (8 B), or bitsandbytes 8-bit blocks."""
     n = trainable_params(info, plan)
-    if plan.optimizer in ("adamw", "paged_adamw"):
+    if plan.optimizer == "adamw":
         return 2 * n * _trainable_dtype_bytes(plan)
+    if plan.optimizer == "paged_adamw":
+        return 2 * n * 4
     # 8-bit: one byte per element for m and v, plus an fp32 absmax per 256; tensors under 4096
     # elements keep 32-bit state (bitsandbytes' min_8bit_size).
     small = _small_tensor_params(info, plan)
@@ -703,7 +710,7 @@ def path_choice(config: RunConfig, model_info: ModelInfo) -> PathChoice:
     facts = PathFacts(cuda=True, weights=plan.weights, lora_targets=plan.lora_targets,
                       lora_dropout=plan.lora_dropout, model_blocker=model_info.fast_path_blocker,
                       env=os.environ.get(FAST_PATH_ENV, ""), method=config.trainer.method,
-                      dora=config.lora.use_dora)
+                      dora=plan.dora, full_finetune=config.full_finetune)
     choice = choose_path(facts)
     if choice.path == "plain":
         choice = replace(choice, checkpointing=plan.checkpointing)
@@ -720,7 +727,13 @@ def estimate(config: RunConfig, model_info: ModelInfo, gpu_bytes: int | None = N
     """
     choice = path_choice(config, model_info)
     plan = replace(plan_for(config, micro_batch), path=choice.path)
-    return replace(estimate_plan(model_info, plan, gpu_bytes), choice=choice)
+    result = replace(estimate_plan(model_info, plan, gpu_bytes), choice=choice)
+    if plan.lora_r is None:  # the config's own full fine-tune (the walkthrough's steps tell their own story)
+        result.notes.insert(0, f"full fine-tuning: every weight has a gradient in {plan.weights} and AdamW state ("
+                            + ("m and v in the weights' dtype, torch AdamW" if plan.optimizer == "adamw" else
+                               "fp32 m and v" if plan.optimizer == "paged_adamw" else "8-bit m and v")
+                            + "); no fp32 master copy")
+    return result
 
 
 # ----------------------------------------------------------------------------------- walkthrough
@@ -739,7 +752,9 @@ def walkthrough(config: RunConfig, info: ModelInfo, gpu_bytes: int | None = None
     """The seed's story for this model: full fp32 -> bf16 -> 8-bit -> LoRA -> NF4 QLoRA ->
     + gradient checkpointing -> + paged 8-bit optimizer, each step changing one thing."""
     base = plan_for(config)
-    lora = dict(lora_r=base.lora_r or 16, lora_targets=base.lora_targets, lora_dropout=base.lora_dropout)
+    # a full fine-tune's config (lora: null) has no adapter of its own: its LoRA steps show the default one
+    lora = dict(lora_r=base.lora_r or 16, lora_targets=base.lora_targets or ALL_LINEAR,
+                lora_dropout=base.lora_dropout)
     full = replace(base, lora_r=None, checkpointing=False, optimizer="adamw", compute="fp32",
                    weights="fp32")
     steps = [

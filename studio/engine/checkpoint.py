@@ -1,6 +1,7 @@
 """Resumable checkpoints: ``checkpoints/step-N/`` with everything a run needs to continue exactly.
 
-A checkpoint holds the adapter (``adapter/``, loadable by ``PeftModel.from_pretrained``), the
+A checkpoint holds the adapter (``adapter/``, loadable by ``PeftModel.from_pretrained``; a full
+fine-tune's whole model in ``model/`` instead, as ``save_pretrained`` writes it), the
 optimizer and scheduler states, the RNG states (python, numpy, torch, CUDA) and the trainer's own
 state as JSON (step, data cursor, micro-batch and accumulation, best eval loss). A data-parallel run
 adds each other rank's RNG states as ``rng-rank-R.pt``; the rest is the same on every rank. It is written into a
@@ -62,7 +63,7 @@ def save(run: RunDir, step: int, model: Any, optimizer: torch.optim.Optimizer,
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        model.save_pretrained(str(tmp / "adapter"))
+        model.save_pretrained(str(tmp / ("adapter" if is_peft(model) else "model")))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
@@ -87,6 +88,44 @@ def save(run: RunDir, step: int, model: Any, optimizer: torch.optim.Optimizer,
     for old in run.checkpoints()[:-max(1, keep)]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def is_peft(model: Any) -> bool:
+    """True for a model with a LoRA adapter, False for a full fine-tune's plain model."""
+    return hasattr(model, "peft_config")
+
+
+def read_model_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a full model saved by ``save_pretrained`` (one file or shards), on the CPU:
+    a resume must not hold a second copy of every weight on the GPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no .safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file), device="cpu"))
+    return weights
+
+
+def copy_model_weights(model: Any, weights: dict[str, torch.Tensor]) -> None:
+    """Copy saved weights into ``model``'s parameters in place (the optimizer keeps pointing at the
+    same tensors). Tied weights are saved once, under the first name ``named_parameters`` gives them.
+    Raises ValueError naming a parameter the file lacks (another model's weights)."""
+    params = dict(model.named_parameters())
+    missing = [name for name in params if name not in weights]
+    if missing:
+        raise ValueError(f"the saved weights have no {missing[0]} ({len(missing)} parameters missing): "
+                         "they are another model's")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(weights[name])
+
+
+def load_model_weights(model: Any, folder: Path) -> None:
+    """Put a full fine-tune's saved weights (``model/``) into ``model`` in place."""
+    copy_model_weights(model, read_model_weights(folder))
 
 
 def load_adapter_weights(model: Any, adapter_dir: Path, device: torch.device | str) -> list[str]:
@@ -115,8 +154,11 @@ def read(path: Path, device: torch.device | str, rank: int = 0) -> dict[str, Any
     for key in ("step", "cursor", "micro_batch_size", "units_per_step"):
         if key not in state:
             raise ValueError(f"{STATE_FILE} has no {key!r}")
+    full = (path / "model").is_dir()
     return {
-        "adapter": load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(device)),
+        "adapter": None if full else load_file(str(path / "adapter" / "adapter_model.safetensors"),
+                                               device=str(device)),
+        "model": read_model_weights(path / "model") if full else None,
         # Our own files: full unpickling is needed for the optimizer's and RNG's python objects.
         "optimizer": torch.load(path / "optimizer.pt", map_location=device, weights_only=False),
         "scheduler": torch.load(path / "scheduler.pt", weights_only=False),
@@ -127,7 +169,8 @@ def read(path: Path, device: torch.device | str, rank: int = 0) -> dict[str, Any
 
 def apply(files: dict[str, Any], model: Any, optimizer: torch.optim.Optimizer,
           scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
-    """Put what :func:`read` returned into the model's LoRA (in place), the optimizer, the scheduler
+    """Put what :func:`read` returned into the model's LoRA or, for a full fine-tune, its weights (in
+    place), the optimizer, the scheduler
     and the random generators; returns the trainer state.
 
     Call it after the optimizer and scheduler are built (their states are loaded into them) and
@@ -135,7 +178,16 @@ def apply(files: dict[str, Any], model: Any, optimizer: torch.optim.Optimizer,
     """
     from peft.utils import set_peft_model_state_dict
 
-    set_peft_model_state_dict(model, files["adapter"])
+    if files.get("model") is not None:
+        if is_peft(model):
+            raise ValueError("the checkpoint holds a full fine-tune's weights but the model has a LoRA "
+                             "(was 'lora' changed in config.yaml after training?)")
+        copy_model_weights(model, files["model"])
+    elif not is_peft(model):
+        raise ValueError("the checkpoint holds a LoRA adapter but the run is a full fine-tune "
+                         "(was 'lora: null' set in config.yaml after training?)")
+    else:
+        set_peft_model_state_dict(model, files["adapter"])
     optimizer.load_state_dict(files["optimizer"])
     scheduler.load_state_dict(files["scheduler"])
     if files["rng"] is not None:

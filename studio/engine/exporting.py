@@ -8,6 +8,9 @@
 - ``gguf``: the merged model (merged in float32, then stored as ``quant``) as one GGUF file, the
   adapter alone as a llama.cpp LoRA GGUF, and an Ollama Modelfile with the run's template.
 
+A full fine-tune (``lora: null``) has no adapter: ``merged`` saves its weights (nothing to merge),
+``gguf`` converts them (no LoRA GGUF), and ``adapter`` is refused in one line.
+
 Each writes into ``<path>.partial`` and renames it when complete, reports ExportProgress events and
 ends with one ExportFinished; nothing raises out of :func:`export_run`.
 """
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from studio.core import events as ev
-from studio.core.runs import RunDir
+from studio.core.runs import RunDir, is_full_model
 from studio.engine.export import DTYPES, ExportError, find_adapter
 from studio.engine.gguf_export import QUANTS, GgufExportError, write_gguf, write_lora_gguf
 
@@ -100,10 +103,17 @@ def merge(run: RunDir, dtype: str, progress: Callable[[str, float], None]) -> tu
     adapter = find_adapter(run)
     progress("loading the base model", 0.05)
     base = _base_path(run, lambda msg: progress(msg, 0.05))
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype), revision=config.model.revision,
-                                                 trust_remote_code=config.model.trust_remote_code)
-    progress("merging the adapter into the weights", 0.3)
-    model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    if is_full_model(adapter):
+        # A full fine-tune's weights are the model already: nothing to merge (the tokenizer is the
+        # base's, which a checkpoint's model/ folder does not carry).
+        model = AutoModelForCausalLM.from_pretrained(str(adapter), dtype=getattr(torch, dtype),
+                                                     trust_remote_code=config.model.trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype),
+                                                     revision=config.model.revision,
+                                                     trust_remote_code=config.model.trust_remote_code)
+        progress("merging the adapter into the weights", 0.3)
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     tokenizer = AutoTokenizer.from_pretrained(base, revision=config.model.revision)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -147,9 +157,11 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
     model_file = f"model-{quant}.gguf"
     write_gguf(staging, dest / model_file, quant, lambda stage, f: progress(stage, 0.45 + f * 0.45),
                name=config.name or run.id, pre=_reference_pre(config.model.base_model))
-    progress("writing the LoRA GGUF adapter", 0.92)
-    lora_file = "adapter-lora-f32.gguf"
-    write_lora_gguf(find_adapter(run), base_config, dest / lora_file)
+    lora_file = None
+    if not is_full_model(find_adapter(run)):  # a full fine-tune has no adapter to write alone
+        progress("writing the LoRA GGUF adapter", 0.92)
+        lora_file = "adapter-lora-f32.gguf"
+        write_lora_gguf(find_adapter(run), base_config, dest / lora_file)
     template = (staging / TEMPLATE_FILE).read_text(encoding="utf-8")
     shutil.move(staging / TEMPLATE_FILE, dest / TEMPLATE_FILE)
     eos = json.loads((staging / "tokenizer_config.json").read_text()).get("eos_token")
@@ -158,7 +170,8 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
                                               temperature=config.generation.temperature,
                                               adapter_name=lora_file, base_gguf_hint=hub_id(config.model.base_model)))
     shutil.rmtree(staging)
-    return f"{model_file}, {lora_file} and a Modelfile ('ollama create NAME -f {dest / 'Modelfile'}')"
+    made = f"{model_file}, {lora_file}" if lora_file else model_file
+    return f"{made} and a Modelfile ('ollama create NAME -f {dest / 'Modelfile'}')"
 
 
 def export_run(run: RunDir, path: str | Path, format: str = "adapter", quant: str = "f16",
@@ -179,7 +192,9 @@ def export_run(run: RunDir, path: str | Path, format: str = "adapter", quant: st
             raise ExportError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
         if dest.exists():
             raise ExportError(f"{dest} already exists; choose a new folder or remove it")
-        find_adapter(run)  # no adapter: say so before loading anything
+        if is_full_model(find_adapter(run)) and format == "adapter":  # no adapter: say so before loading
+            raise ExportError(f"run {run.id} is a full fine-tune (lora: null): it has no adapter; export it "
+                              "with --format merged (its weights) or --format gguf")
         shutil.rmtree(tmp, ignore_errors=True)
         note = ""
         if format == "adapter":

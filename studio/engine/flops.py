@@ -20,12 +20,13 @@ def matmul_tflops(device: torch.device, size: int = 4096, repeats: int = 10) -> 
     return 2 * size**3 * repeats / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-def model_flops_per_token(config, seq_len: float) -> float:
+def model_flops_per_token(config, seq_len: float, full: bool = False) -> float:
     """Useful FLOPs a QLoRA training step spends per token (recomputation not counted).
 
     Forward 2N plus the input-gradient backward 2N over the N frozen matrix parameters (no
     weight-gradient products: the base is frozen), plus causal attention (forward and backward:
     3 x 2 x 2 x layers x seq x hidden / 2). LoRA's own products are under 1% and left out.
+    A full fine-tune (``full``) also computes every weight's gradient: 2N more.
     """
     h = config.hidden_size
     inter = getattr(config, "intermediate_size", 4 * h)
@@ -36,4 +37,4 @@ def model_flops_per_token(config, seq_len: float) -> float:
     per_layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * inter
     n = layers * per_layer + config.vocab_size * h
     attention = 3 * 2 * 2 * layers * seq_len * heads * head_dim / 2
-    return 4 * n + attention
+    return (6 if full else 4) * n + attention

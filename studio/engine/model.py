@@ -1,4 +1,5 @@
-"""Load the base model (4-bit NF4/FP4, 8-bit, bf16 or fp32), attach LoRA, save the adapter.
+"""Load the base model (4-bit NF4/FP4, 8-bit, bf16 or fp32), attach LoRA, save the adapter; or
+prepare every weight to train (full fine-tuning, ``lora: null``).
 
 QLoRA in one picture: the base weights are frozen and stored small (4-bit NF4 through bitsandbytes),
 matmuls run in the compute dtype (bf16 on a GPU), and only the low-rank adapter matrices train, in
@@ -208,6 +209,24 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
     return model
 
 
+def prepare_full_finetune(base: BaseModel, config: RunConfig) -> Any:
+    """Every weight of the (unquantized) base trains: no adapter, parameters in the compute dtype as
+    loaded (bf16 on a GPU, fp32 on a CPU), gradient checkpointing as the config asks. AdamW then keeps
+    its m and v in that dtype too (torch's AdamW allocates them like the parameter): no fp32 master
+    copy, the memory core/vram.py predicts for ``lora: null``."""
+    model = base.model
+    if base.quantization in ("nf4", "fp4", "int8"):  # config validation refuses it; a guard, not a path
+        raise ConfigError(f"lora is null (full fine-tuning) but the base loaded as {base.quantization}; "
+                          "set quantization.bits: null")
+    for param in model.parameters():
+        param.requires_grad_(True)
+    if config.trainer.gradient_checkpointing:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def load_model(config: RunConfig, progress: Progress | None = None) -> tuple[Any, Any]:
     """The base model with a fresh LoRA attached, and its tokenizer."""
     base = load_base(config, progress)
@@ -215,9 +234,17 @@ def load_model(config: RunConfig, progress: Progress | None = None) -> tuple[Any
 
 
 def load_adapter(base: BaseModel, adapter_dir: str | Path) -> Any:
-    """Wrap the loaded base with a saved adapter (``runs/<id>/adapter`` or a checkpoint's) for inference."""
+    """Wrap the loaded base with a saved adapter (``runs/<id>/adapter`` or a checkpoint's) for inference.
+    A full fine-tune's saved model (``runs/<id>/model``) replaces the base's weights instead."""
     from peft import PeftModel
 
+    from studio.core.runs import is_full_model
+
+    if is_full_model(Path(adapter_dir)):
+        from studio.engine.checkpoint import load_model_weights
+
+        load_model_weights(base.model, Path(adapter_dir))
+        return base.model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft: is_gradient_checkpointing
         model = PeftModel.from_pretrained(base.model, str(adapter_dir))
@@ -226,9 +253,11 @@ def load_adapter(base: BaseModel, adapter_dir: str | Path) -> Any:
 
 
 def save_adapter(model: Any, directory: str | Path, config: RunConfig | None = None,
-                 extra: dict[str, str] | None = None) -> Path:
+                 extra: dict[str, str] | None = None, tokenizer: Any = None) -> Path:
     """Save the adapter (``PeftModel.from_pretrained`` loads it) and the run config beside it, so the
     prompt template that trained it travels with it; ``extra`` maps more file names to their text.
+    A full fine-tune's model saves all its weights the same way (safetensors), with ``tokenizer``
+    beside them so the folder loads with ``AutoModelForCausalLM.from_pretrained`` alone.
 
     Written into a temp folder beside ``directory`` and swapped in when complete: a failure half way
     (a full disk) leaves the adapter that was there before, whole.
@@ -242,6 +271,8 @@ def save_adapter(model: Any, directory: str | Path, config: RunConfig | None = N
     try:
         tmp.mkdir(parents=True)
         model.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
         if config is not None:
             config.save(tmp / "studio_config.yaml")
         for name, text in (extra or {}).items():

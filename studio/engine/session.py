@@ -6,6 +6,11 @@ with the base model (through peft's ``disable_adapter()``), puts a run's saved a
 chat with a past run, and runs training as a :class:`~studio.engine.train.Trainer` on itself. The
 worker talks to the session only; the Trainer only trains.
 
+A full fine-tune (``lora: null``) has no adapter: every weight of the loaded base trains, a past
+run's saved weights are copied into it in place, and base answers come from a second, untouched
+copy of the base loaded on the first such answer (:meth:`Session.original_model`). Past ~400 lines
+for those branches: each sits beside the LoRA step it stands in for.
+
 Everything it has to say goes through the one ``emit`` callback as typed events
 (studio/core/events.py).
 
@@ -32,7 +37,14 @@ from studio.engine import checkpoint, oom
 from studio.engine import distributed as dist
 from studio.engine import fast as fastpath
 from studio.engine import generate as gen
-from studio.engine.model import BaseModel, ModelLoadError, attach_lora, count_parameters, load_base
+from studio.engine.model import (
+    BaseModel,
+    ModelLoadError,
+    attach_lora,
+    count_parameters,
+    load_base,
+    prepare_full_finetune,
+)
 from studio.engine.preference import PreferenceObjective, encode_pair
 
 if TYPE_CHECKING:
@@ -92,7 +104,11 @@ class Session:
         self._chat: Any = None
         """The chat template renderer for conversation rows, made on first use."""
         self._fresh_lora: dict[str, torch.Tensor] | None = None
-        """The LoRA's initial weights (on the CPU) while :meth:`load_trained_adapter` has replaced them."""
+        """The LoRA's initial weights (on the CPU) while :meth:`load_trained_adapter` has replaced them
+        (a full fine-tune's: every weight of the base)."""
+        self._original: Any = None
+        """A full fine-tune's untouched base, loaded on the first base answer (there is no adapter to
+        switch off: the trained weights are the base's own)."""
 
     # ------------------------------------------------------------------------------------ loading
 
@@ -107,6 +123,9 @@ class Session:
         from studio.core.data import DataError, load_splits
 
         base_model = self.config.model.base_model
+        if self.config.full_finetune and self.group.world > 1:  # --gpus N after the config was checked
+            self.fail("config", f"'lora' is null (full fine-tuning) and this run has {self.group.world} GPUs: "
+                      "Studio trains a full fine-tune on one GPU; run it with --gpus 1, or give a lora section")
         try:
             # The data first: a bad path or column fails in a second, not after the model loads.
             self.emit(ev.ModelLoading(stage="reading the data", fraction=0.0))
@@ -116,8 +135,12 @@ class Session:
                 ev.ModelLoading(stage=stage, fraction=fraction)), device=self.device)
             for warning in self.base.warnings:
                 self.emit(ev.WorkerFailed(kind="config", message=warning, fatal=False))
-            self.emit(ev.ModelLoading(stage="attaching LoRA", fraction=0.85))
-            self.model = attach_lora(self.base, self.config)
+            if self.config.full_finetune:
+                self.emit(ev.ModelLoading(stage="every weight trains (full fine-tuning)", fraction=0.85))
+                self.model = prepare_full_finetune(self.base, self.config)
+            else:
+                self.emit(ev.ModelLoading(stage="attaching LoRA", fraction=0.85))
+                self.model = attach_lora(self.base, self.config)
             self.tokenizer = self.base.tokenizer
             self.device = self.base.device
             self.emit(ev.ModelLoading(stage="encoding the data", fraction=0.9))
@@ -239,6 +262,16 @@ class Session:
             return None
         fresh = {name: p.detach().to("cpu", copy=True)
                  for name, p in self.model.named_parameters() if p.requires_grad}
+        if self.config.full_finetune:
+            try:
+                checkpoint.load_model_weights(self.model, folder)
+            except (OSError, RuntimeError, ValueError) as exc:
+                self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                    f"{folder}: cannot load the fine-tuned weights ({str(exc).splitlines()[0]}); the "
+                    "fine-tuned answers come from the base")))
+                return None
+            self._fresh_lora = self._fresh_lora or fresh
+            return folder
         try:
             unmatched = checkpoint.load_adapter_weights(self.model, folder, self.device)
         except (OSError, RuntimeError, ValueError) as exc:
@@ -263,6 +296,16 @@ class Session:
                 if name in self._fresh_lora:
                     param.copy_(self._fresh_lora[name])
         self._fresh_lora = None
+
+    def original_model(self) -> Any:
+        """A full fine-tune's base as it was before training (its own copy, frozen, loaded on first
+        use): what base answers come from. It costs the weights' memory once more."""
+        if self._original is None:
+            self.emit(ev.ModelLoading(stage="loading the original base for base answers", fraction=0.5))
+            original = load_base(self.config, device=self.device).model
+            original.requires_grad_(False)
+            self._original = original.eval()
+        return self._original
 
     # ------------------------------------------------------------------------------------ training
 
@@ -327,10 +370,13 @@ class Session:
             if on_text is not None:
                 on_text(text)
 
+        model = self.model
+        if not adapter and self.config.full_finetune:
+            model, adapter = self.original_model(), True  # no adapter to switch off: the untouched base
         for attempt in (1, 2):
             failed = False
             try:
-                return gen.generate(self.model, self.tokenizer, ids, adapter=adapter,
+                return gen.generate(model, self.tokenizer, ids, adapter=adapter,
                                     max_new_tokens=max_new_tokens or g.max_new_tokens,
                                     temperature=g.temperature if temperature is None else temperature,
                                     top_p=g.top_p if top_p is None else top_p, on_text=stream,

@@ -4,7 +4,8 @@
 runs optimizer steps of ``accumulation`` micro-batches each, with warmup + schedule, gradient
 clipping, bf16 autocast on a GPU, evaluation before the first step (the base model's loss) and every
 ``eval_interval`` steps, atomic checkpoints every
-``checkpoint_interval`` steps, and the final adapter in ``runs/<id>/adapter``. Everything it has to
+``checkpoint_interval`` steps, and the final adapter in ``runs/<id>/adapter`` (a full fine-tune,
+``lora: null``: every weight trains, and the whole model goes to ``runs/<id>/model``). Everything it has to
 say goes through the session's ``emit`` callback as typed events (studio/core/events.py). Loading,
 generation and adapter swapping for chat are the session's.
 
@@ -230,16 +231,19 @@ class Trainer:
             self.save_checkpoint()
         from studio.engine.model import save_adapter
 
-        adapter = self.run.adapter_dir
+        full = self.config.full_finetune
+        # A full fine-tune's result is the whole model with its tokenizer (runs/<id>/model).
+        adapter = self.run.model_dir if full else self.run.adapter_dir
         if self.group.leader:
             try:
                 # RunDir.adapter() compares the step file with the checkpoints' steps (a later resume
                 # may pass it).
-                adapter = save_adapter(self.model, self.run.adapter_dir, self.config,
-                                       extra={ADAPTER_STEP_FILE: json.dumps({"step": self.step})})
+                adapter = save_adapter(self.model, adapter, self.config,
+                                       extra={ADAPTER_STEP_FILE: json.dumps({"step": self.step})},
+                                       tokenizer=self.tokenizer if full else None)
             except Exception as exc:
                 if is_disk_full(exc, self.run.path):
-                    raise DiskFull(self.run.adapter_dir, self.run.id) from exc
+                    raise DiskFull(adapter, self.run.id) from exc
                 raise
         self.state = "stopped" if stopped else "finished"
         finished = ev.TrainingFinished(step=self.step, stopped=stopped, adapter_path=str(adapter),
@@ -333,8 +337,9 @@ class Trainer:
         if self.device.type != "cuda" or self._peak_flops:
             return
         lengths = [len(e.input_ids) for e in self.session.data.train] or [1]
-        config = self.model.get_base_model().config
-        self._flops_per_token = fastpath.model_flops_per_token(config, sum(lengths) / len(lengths))
+        full = self.config.full_finetune
+        config = (self.model if full else self.model.get_base_model()).config
+        self._flops_per_token = fastpath.model_flops_per_token(config, sum(lengths) / len(lengths), full=full)
         self._peak_flops = fastpath.matmul_tflops(self.device) * 1e12
 
     def forward(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:

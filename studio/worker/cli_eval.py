@@ -88,7 +88,7 @@ def _score(client: WorkerClient, rows: int) -> ev.HeldOutFinished:
 def main(args: argparse.Namespace) -> int:
     """``studio eval [RUN] [--rows N] [--json]``."""
     run = find_run(getattr(args, "run", None), getattr(args, "runs_dir", None) or "runs")
-    if not (run.adapter_dir / "adapter_config.json").exists() and run.latest_checkpoint() is None:
+    if run.adapter() is None and run.latest_checkpoint() is None:
         print(f"error: {run.path}: no adapter yet; wait for training to finish, or stop it "
               f"('studio stop {run.id}') to save one", file=sys.stderr)
         return 1

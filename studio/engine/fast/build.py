@@ -169,7 +169,8 @@ def path_facts(model: nn.Module, device: torch.device, method: str = "sft") -> P
                      lora_dropout=float(getattr(peft_config, "lora_dropout", 0.0) or 0.0),
                      model_blocker=model_blocker(config_dict) if config_dict else "",
                      env=os.environ.get(FAST_PATH_ENV, ""), method=method,
-                     dora=bool(getattr(peft_config, "use_dora", False)))
+                     dora=bool(getattr(peft_config, "use_dora", False)),
+                     full_finetune=not hasattr(model, "peft_config"))
 
 
 def enable(model: nn.Module, device: torch.device, method: str = "sft") -> tuple[FastModel | None, str]:
