@@ -123,8 +123,10 @@ def find_model(ref: str, revision: str | None = None,
             raise ModelInfoError(f"{ref}: no such model on the Hub (404); check the id, or {WHAT_TO_DO}") from None
         problem = (f"the Hub refused {ref} (HTTP {exc.status}: gated or private; accept its licence on "
                    "huggingface.co and set HF_TOKEN)")
+        short = f"the Hub refused it: HTTP {exc.status}, gated?"
     except HubUnreachable:
         problem = f"could not reach the Hub for {ref} (offline?)"
+        short = "the Hub could not be reached: offline?"
     else:
         cached.parent.mkdir(parents=True, exist_ok=True)
         partial = cached.with_suffix(".part")
@@ -134,8 +136,8 @@ def find_model(ref: str, revision: str | None = None,
         return ModelSource(info, "the Hub")
     bundled = bundled_config(ref)
     if bundled is not None:
-        return ModelSource(_read(bundled, ref), f"Studio's bundled config.json: {problem}")
+        return ModelSource(_read(bundled, ref), f"Studio's bundled config.json ({short})")
     known = _known(ref)
     if known is not None:
-        return ModelSource(known, f"Studio's table of known shapes: {problem}")
+        return ModelSource(known, f"Studio's table of known shapes ({short})")
     raise ModelInfoError(f"{problem}: {WHAT_TO_DO}")
