@@ -4,6 +4,11 @@ The VRAM estimator needs only a handful of numbers (hidden size, layers, heads, 
 They come from a local folder, from the Hugging Face cache, or, offline with an empty cache, from a
 small table of well-known models.
 
+Families modelled: Llama, Mistral, Qwen2, Qwen3, Gemma (1, 2, 3; Gemma 3's text_config nesting and
+its SigLIP vision tower), Phi-3 (fused qkv_proj and gate_up_proj). Anything else (mixture of experts,
+state-space layers, encoder-decoders, an unknown model_type) raises ModelInfoError naming what is
+missing or not modelled: the estimator would otherwise draw a number for layers it does not know.
+
 Plain Python: the UI imports this.
 """
 
@@ -11,9 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from studio.core.model_families import FAMILIES, REQUIRED_KEYS, SUPPORTED_TEXT, unsupported, vision_tower_params
 from studio.core.model_ref import local_problem
 from studio.core.plan import model_blocker
 
@@ -64,18 +70,49 @@ class ModelInfo:
     """Why Studio's GPU fast path does not cover this architecture ('' when it does):
     core/plan.py's model_blocker of the config.json."""
 
+    model_type: str = "llama"
+    """config.json's model_type (the text model's, for a model nested in text_config)."""
+
+    fused: bool = False
+    """Phi-3 style: q, k and v are one ``qkv_proj`` and gate and up one ``gate_up_proj``."""
+
+    norms_per_layer: int = 2
+    """RMSNorm weights in a decoder layer (Gemma 2 and 3 have four: pre/post attention and MLP)."""
+
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k (Qwen3, Gemma 3): two more head-wide weights a layer."""
+
+    bias_outputs: tuple[str, ...] = ()
+    """Linear modules with a bias (Qwen2's q, k and v; ``attention_bias`` / ``mlp_bias`` configs)."""
+
+    vision_params: int = 0
+    """Parameters outside the decoder that load with it (Gemma 3's SigLIP vision tower and
+    projector); frozen, counted with the embeddings."""
+
     @property
     def head_width(self) -> int:
         """Width of one attention head."""
         return self.head_dim or self.hidden // self.heads
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear module in one decoder layer."""
+        """(in_features, out_features) of each linear module in one decoder layer, by the module
+        names PEFT targets (Phi-3's fused modules are one matrix each: that is what is quantized)."""
         h, i = self.hidden, self.intermediate
         q = self.heads * self.head_width
         kv = self.kv_heads * self.head_width
+        if self.fused:
+            return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * i),
+                    "down_proj": (i, h)}
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_modules(self, targets: tuple[str, ...]) -> tuple[str, ...]:
+        """Llama-style LoRA target names as this model's modules: on Phi-3, q/k/v_proj are
+        ``qkv_proj`` and gate/up_proj ``gate_up_proj``; other names pass through."""
+        if not self.fused:
+            return tuple(targets)
+        names = (FUSED_INTO.get(t, t) for t in targets)
+        return tuple(dict.fromkeys(names))
 
     def linear_params(self) -> int:
         """Parameters in all decoder layers' linear modules (what 4-bit / 8-bit quantize)."""
@@ -90,12 +127,22 @@ class ModelInfo:
         return 0 if self.tied else self.vocab * self.hidden
 
     def norm_params(self) -> int:
-        """RMSNorm weights: two per layer and the final one."""
-        return (2 * self.layers + 1) * self.hidden
+        """The small 1-D parameters: RMSNorm weights (per layer and the final one), per-head q/k
+        norms, and linear biases where the model has them."""
+        per_layer = self.norms_per_layer * self.hidden + (2 * self.head_width if self.qk_norm else 0)
+        shapes = self.linear_shapes()
+        per_layer += sum(shapes[name][1] for name in self.bias_outputs if name in shapes)
+        return self.layers * per_layer + self.hidden
 
     def total_params(self) -> int:
-        """Every parameter of the model."""
-        return self.linear_params() + self.embedding_params() + self.head_params() + self.norm_params()
+        """Every parameter of the model (a vision tower included)."""
+        return (self.linear_params() + self.embedding_params() + self.head_params() + self.norm_params()
+                + self.vision_params)
+
+
+FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+              "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+"""Phi-3's fused modules, by the Llama names they hold."""
 
 
 # Offline fallback, copied from each model's config.json on the hub.
@@ -125,37 +172,52 @@ def _known(ref: str) -> ModelInfo | None:
         short = base.split("/")[-1]
         for variant in (base, short):
             if key == variant or key in (variant + "-instruct", variant.replace("-hf", "-chat-hf")):
-                return ModelInfo(ref, *_fields(info)[1:])
+                return replace(info, name=ref)
     return None
 
 
-def _fields(info: ModelInfo) -> tuple:
-    return (info.name, info.hidden, info.intermediate, info.layers, info.heads, info.kv_heads, info.vocab,
-            info.tied, info.max_positions, info.head_dim, info.init_std, info.fast_path_blocker)
-
-
 def from_config_dict(data: dict, name: str) -> ModelInfo:
-    """A ModelInfo from a parsed config.json; raises ModelInfoError naming the missing key."""
+    """A ModelInfo from a parsed config.json; raises ModelInfoError naming the missing keys or the
+    feature Studio does not model (see core/model_families.py)."""
     text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
-    try:
-        hidden = int(text["hidden_size"])
-        heads = int(text["num_attention_heads"])
-        return ModelInfo(
-            name=name,
-            hidden=hidden,
-            intermediate=int(text["intermediate_size"]),
-            layers=int(text["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(text.get("num_key_value_heads") or heads),
-            vocab=int(text["vocab_size"]),
-            tied=bool(data.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            max_positions=int(text.get("max_position_embeddings") or 2048),
-            head_dim=int(text["head_dim"]) if text.get("head_dim") else None,
-            init_std=float(text.get("initializer_range") or data.get("initializer_range") or 0.02),
-            fast_path_blocker=model_blocker(data),
-        )
-    except KeyError as exc:
-        raise ModelInfoError(f"{name}: config.json has no '{exc.args[0]}'; is this a causal LM?") from None
+    model_type = str(text.get("model_type") or data.get("model_type") or "llama")
+    why = unsupported(data, text, model_type)
+    if why:
+        raise ModelInfoError(f"{name}: {why}")
+    family = FAMILIES[model_type]
+    values = {**family.defaults, **{k: v for k, v in text.items() if v is not None}}
+    missing = [key for key in REQUIRED_KEYS if key not in values]
+    if missing:
+        raise ModelInfoError(f"{name}: config.json has no {', '.join(missing)}; is this a causal LM? "
+                             f"Studio models {SUPPORTED_TEXT} decoders")
+    heads = int(values["num_attention_heads"])
+    tied = data.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+    head_dim = values.get("head_dim")
+    biases = family.bias_outputs
+    if values.get("attention_bias"):
+        biases += ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+    if values.get("mlp_bias"):
+        biases += ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+    return ModelInfo(
+        name=name,
+        hidden=int(values["hidden_size"]),
+        intermediate=int(values["intermediate_size"]),
+        layers=int(values["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(values.get("num_key_value_heads") or heads),
+        vocab=int(values["vocab_size"]),
+        tied=family.tied if tied is None else bool(tied),
+        max_positions=int(values.get("max_position_embeddings") or 2048),
+        head_dim=int(head_dim) if head_dim else None,
+        init_std=float(values.get("initializer_range") or data.get("initializer_range") or 0.02),
+        fast_path_blocker=model_blocker(data),
+        model_type=model_type,
+        fused=family.fused,
+        norms_per_layer=family.norms_per_layer,
+        qk_norm=family.qk_norm or bool(text.get("use_qk_norm")),
+        bias_outputs=tuple(dict.fromkeys(biases)),
+        vision_params=vision_tower_params(data, int(values["hidden_size"])),
+    )
 
 
 def _hub_cache_config(ref: str, revision: str | None) -> Path | None:

@@ -267,7 +267,7 @@ def weight_bytes(info: ModelInfo, plan: Plan) -> int:
         linear += n * _DTYPE_BYTES[plan.weights] + _quant_constants(n, plan)
         if plan.weights == "int8":
             linear += 4 * fan_out  # fp32 scale per output row (SCB)
-    other = info.embedding_params() + info.head_params() + info.norm_params()
+    other = info.embedding_params() + info.head_params() + info.norm_params() + info.vision_params
     if plan.lora_r is None:  # full fine-tuning: everything in the weights' dtype (int8: illustrative)
         other_bytes = _DTYPE_BYTES[plan.compute if plan.quantized else plan.weights]
     else:

@@ -6,6 +6,10 @@ It estimates from ``app.config`` (when mounted, when the config changes, and on
 happens per sample: they arrive every logged step); and tells the memory story step by step:
 full fp32 -> bf16 -> 8-bit -> LoRA -> NF4 QLoRA -> + checkpointing -> + paged 8-bit AdamW.
 
+The model field sizes another model with the config's other settings, without touching the config
+(``u`` makes it the run's model): a hub id (its config.json fetched in a thread, cached; offline, a
+bundled config or a one-line message), a model folder or a config.json path; empty, the run's own.
+
 A run on several GPUs samples every card (MemorySampled.rank): the big gauge shows rank 0's
 breakdown, and one line a card below it shows each card's memory in use against its capacity.
 """
@@ -19,12 +23,14 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
-from textual.widgets import Select, Static
+from textual.widgets import Input, Select, Static
 
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.gpus import GB, Gpu, capacity_choices, gpu_for_size
-from studio.core.model_info import ModelInfoError, load_model_info
+from studio.core.model_info import ModelInfo, ModelInfoError, load_model_info
+from studio.core.model_ref import looks_local
+from studio.core.model_source import find_model
 from studio.core.vram import Estimate, WalkStep, estimate, walkthrough
 from studio.ui.host import Hosted
 from studio.ui.messages import MemorySample, WorkerEvents
@@ -53,6 +59,17 @@ class VramPane(Hosted, VerticalScroll):
         width: 1fr;
         padding: 1 1 0 1;
         color: $foreground;
+    }
+    VramPane #vram-model-row {
+        height: auto;
+    }
+    VramPane #vram-model {
+        width: 48;
+    }
+    VramPane #vram-model-line {
+        width: 1fr;
+        padding: 1 1 0 1;
+        color: $foreground-muted;
     }
     VramPane #vram-walk {
         height: auto;
@@ -83,6 +100,8 @@ class VramPane(Hosted, VerticalScroll):
         Binding("w", "toggle_walkthrough", "Walkthrough", id="vram.walkthrough"),
         Binding("right,n", "walk(1)", "Next step", id="vram.next"),
         Binding("left,p", "walk(-1)", "Previous step", id="vram.previous"),
+        Binding("m", "focus_model", "Model", id="vram.model"),
+        Binding("u", "use_model", "Use model for run", id="vram.use_model"),
     ]
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
@@ -94,8 +113,11 @@ class VramPane(Hosted, VerticalScroll):
         self.steps: list[WalkStep] = []
         self.step_index: int | None = None
         self.measured: dict[str, int] | None = None
-        self._estimates: dict[tuple[str, Gpu], tuple[Estimate | str, list[WalkStep]]] = {}
-        """(repr of the config, card) -> (estimate or why none, walkthrough), oldest first."""
+        self.model_ref: str = ""
+        """What the model field holds ('' for the run's own model.base_model)."""
+        self._estimates: dict[tuple[str, Gpu, str], tuple[Estimate | str, list[WalkStep], str]] = {}
+        """(repr of the config, card, model field) -> (estimate or why none, walkthrough, which model
+        it is for), oldest first."""
         self.cards: dict[int, ev.MemorySampled] = {}
         """The latest sample of each card (rank) of the run."""
 
@@ -105,6 +127,9 @@ class VramPane(Hosted, VerticalScroll):
         with Horizontal(id="vram-top"):
             yield Select(options, value=selected, allow_blank=False, id="vram-gpu")
             yield Static("", id="vram-summary")
+        with Horizontal(id="vram-model-row"):
+            yield Input(placeholder="model: hub id, folder or config.json (Enter)", id="vram-model")
+            yield Static("", id="vram-model-line")
         yield BlockGauge(id="vram-gauge")
         yield Static("", id="vram-cards")
         yield Static("", id="vram-walk", classes="-off")
@@ -132,32 +157,39 @@ class VramPane(Hosted, VerticalScroll):
         """
         if not self.query("#vram-summary"):  # the app is tearing the pane down: nothing to draw
             return
-        config = self.host.config
-        key = (repr(config), self.gpu)
+        key = self._estimate_key()
         if key in self._estimates:
             self._estimated(key, *self._estimates[key])
             return
-        self._estimate(key, copy.deepcopy(config), self.gpu)
+        self._estimate(key, copy.deepcopy(self.host.config), self.gpu, self.model_ref)
+
+    def _estimate_key(self) -> tuple[str, Gpu, str]:
+        return (repr(self.host.config), self.gpu, self.model_ref)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="vram-estimate", description="estimating memory")
-    def _estimate(self, key: tuple[str, Gpu], config: RunConfig, gpu: Gpu) -> None:
-        """Estimate in a thread (``config`` is a copy: the UI may edit the original meanwhile)."""
+    def _estimate(self, key: tuple[str, Gpu, str], config: RunConfig, gpu: Gpu, model_ref: str) -> None:
+        """Estimate in a thread (``config`` is a copy: the UI may edit the original meanwhile).
+        With a model in the field, its config.json may come from the Hub: a network wait, here."""
+        model_line = f"Model: {model_ref or config.model.base_model}"
         try:
-            info = load_model_info(config.model.base_model, config.model.revision)
+            info, model_line = model_for_estimate(config, model_ref)
             result: Estimate | str = estimate(config, info, gpu.capacity)
             steps = walkthrough(config, info, gpu.capacity)
         except (ModelInfoError, ValueError) as exc:
             result, steps = f"Cannot estimate: {exc}", []
-        self.app.call_from_thread(self._estimated, key, result, steps)
+        self.app.call_from_thread(self._estimated, key, result, steps, model_line)
 
-    def _estimated(self, key: tuple[str, Gpu], result: Estimate | str, steps: list[WalkStep]) -> None:
-        """Draw an estimate (or why there is none), unless the config or the card changed since."""
-        self._estimates[key] = (result, steps)
+    def _estimated(self, key: tuple[str, Gpu, str], result: Estimate | str, steps: list[WalkStep],
+                   model_line: str = "") -> None:
+        """Draw an estimate (or why there is none), unless the config, the card or the model changed
+        since."""
+        self._estimates[key] = (result, steps, model_line)
         while len(self._estimates) > ESTIMATE_CACHE_SIZE:
             self._estimates.pop(next(iter(self._estimates)))
         found = self.query("#vram-summary")
-        if not found or key != (repr(self.host.config), self.gpu):
+        if not found or key != self._estimate_key():
             return  # torn down, or a newer estimate is on its way
+        self._show_model(model_line)
         summary = found.first(Static)
         self.steps = steps
         if self.step_index is not None and self.step_index >= len(steps):
@@ -209,6 +241,43 @@ class VramPane(Hosted, VerticalScroll):
                         f"{step.estimate.total / GB:.1f} GB\n{step.why}")
             walk.remove_class("-off")
         notes.update("\n".join(f"note: {n}" for n in shown.notes))
+
+    # ------------------------------------------------------------------------------ model field
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        """Enter in the model field: size that model (empty: the run's own) with the config's other
+        settings. The config is not changed."""
+        if event.input.id != "vram-model":
+            return
+        event.stop()
+        self.model_ref = event.value.strip()
+        self.query_one("#vram-model-line", Static).update(
+            f"Reading {self.model_ref}…" if self.model_ref else "")
+        self.refresh_estimate()
+
+    def action_focus_model(self) -> None:
+        """Put the cursor in the model field."""
+        self.query_one("#vram-model", Input).focus()
+
+    def _show_model(self, model_line: str) -> None:
+        line = self.query("#vram-model-line")
+        if line:
+            line.first(Static).update(model_line)
+
+    def action_use_model(self) -> None:
+        """Make the model in the field the run's model.base_model (a hub id or a model folder)."""
+        ref = self.model_ref
+        if not ref or ref == self.host.config.model.base_model:
+            self.notify("Type a model in the model field first (Enter), then u uses it for the run.")
+            return
+        if ref.endswith(".json"):
+            self.notify(f"{ref} is a config.json alone: a run needs the model's folder or hub id.",
+                        severity="warning")
+            return
+        self.host.config.model.base_model = ref
+        self.host.config_edited("model", origin=self)
+        self.notify(f"model.base_model is now {ref}")
+        self.refresh_estimate()  # the other panes hear of the edit; this one is its origin
 
     # -------------------------------------------------------------------------------- walkthrough
 
@@ -273,6 +342,30 @@ class VramPane(Hosted, VerticalScroll):
         if gpu != self.gpu:
             self.gpu = gpu
             self.refresh_estimate()
+
+
+def model_for_estimate(config: RunConfig, model_ref: str) -> tuple[ModelInfo, str]:
+    """The model to size (the field's, else the run's model.base_model) and a line saying which it
+    is. Blocking: reads files and may fetch config.json from the Hub. ``config`` (a copy) gets LoRA
+    target names the model has: on Phi-3, q/k/v_proj are its fused qkv_proj, gate/up its gate_up_proj."""
+    run_model = config.model.base_model
+    if model_ref and model_ref != run_model:
+        source = find_model(model_ref)
+        info = source.info
+        line = f"Model: {model_ref}, from {source.where}; not the run's model ({run_model}): u uses it"
+    else:
+        try:
+            info = load_model_info(run_model, config.model.revision)
+        except ModelInfoError:
+            if looks_local(run_model):
+                raise
+            info = find_model(run_model, config.model.revision).info  # Studio's cache, the Hub, bundled
+        line = f"Model: {run_model} (the run's model.base_model)"
+    if info.fused:
+        targets = config.lora.target_modules
+        names = tuple(info.linear_shapes()) if targets == "all-linear" else info.lora_modules(tuple(targets))
+        config.lora.target_modules = list(names)
+    return info, line
 
 
 CARD_SQUARES = 40

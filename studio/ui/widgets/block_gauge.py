@@ -144,7 +144,7 @@ class BlockGauge(Widget):
 
     def render(self) -> RenderableType:
         if not self.predicted and not self.measured:
-            return Text("No estimate yet: pick a model in the config.", style=Style(dim=True))
+            return Text("No estimate: the line above says why.", style=Style(dim=True))
         totals = [sum(c.values()) for c in (self.predicted, self.measured) if c]
         unit = choose_unit(max(totals), self.capacity)
         left = self._grid(self.predicted, unit, "Predicted")

@@ -1,0 +1,143 @@
+"""ModelInfo on each family Studio models, against the published parameter counts, and the refusal
+(naming what is missing) for what it cannot model."""
+
+from __future__ import annotations
+
+import pytest
+
+from studio.core.config import parse_config
+from studio.core.gpus import GB
+from studio.core.model_info import ModelInfoError, from_config_dict
+from studio.core.vram import estimate, lora_params, walkthrough
+
+# config.json values of public checkpoints (the keys the shape needs; sliding windows, RoPE and
+# token ids left out). Where each was read:
+CONFIGS = {
+    # huggingface.co/meta-llama/Llama-2-7b-hf config.json, bundled as
+    # sample_data/model_configs/meta-llama/Llama-2-7b-hf/config.json; transformers' LlamaConfig defaults
+    "llama-2-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # huggingface.co/mistralai/Mistral-7B-v0.1 config.json; transformers' MistralConfig defaults
+    # (models/mistral/configuration_mistral.py, checkpoint mistralai/Mistral-7B-v0.1)
+    "mistral-7b-v0.1": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                            max_position_embeddings=32768, sliding_window=4096, rms_norm_eps=1e-5,
+                            tie_word_embeddings=False),
+    # huggingface.co/Qwen/Qwen2.5-7B config.json (the same numbers are quoted in public code found with
+    # find_string '"vocab_size": 152064': hidden 3584, 18944, 28 layers, 28 heads, 4 kv heads, untied)
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # huggingface.co/Qwen/Qwen3-8B config.json (head_dim explicit, q/k norms in the modelling code)
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # google/gemma_pytorch gemma/config.py GemmaConfig defaults (= get_config_for_7b); the config.json
+    # leaves tie_word_embeddings to GemmaConfig's default (True)
+    "gemma-7b": dict(model_type="gemma", hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                     num_attention_heads=16, num_key_value_heads=16, head_dim=256, vocab_size=256000,
+                     max_position_embeddings=8192, hidden_act="gelu", rms_norm_eps=1e-6),
+    # google/gemma_pytorch gemma/config.py get_config_for_9b (Gemma 2)
+    "gemma-2-9b": dict(model_type="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
+                       max_position_embeddings=8192, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6),
+    # huggingface.co/google/gemma-3-1b-pt config.json (text-only Gemma 3)
+    "gemma-3-1b": dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                       max_position_embeddings=32768, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6),
+    # huggingface.co/google/gemma-3-4b-pt config.json: the text model nested in text_config, which leaves
+    # heads, kv heads, head_dim and vocabulary to Gemma3TextConfig's defaults; a SigLIP vision tower
+    "gemma-3-4b": dict(model_type="gemma3",
+                       text_config=dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240,
+                                        num_hidden_layers=34, sliding_window=1024),
+                       vision_config=dict(model_type="siglip_vision_model", hidden_size=1152, image_size=896,
+                                          intermediate_size=4304, num_attention_heads=16, num_hidden_layers=27,
+                                          patch_size=14, vision_use_head=False)),
+    # huggingface.co/microsoft/Phi-3-mini-4k-instruct config.json; transformers' Phi3Config defaults
+    # (models/phi3/configuration_phi3.py, checkpoint microsoft/Phi-3-mini-4k-instruct)
+    "phi-3-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+
+# Published sizes: the model cards' "Number of Parameters" or the Hub's safetensors total.
+PUBLISHED = {
+    "llama-2-7b": 6.74e9, "mistral-7b-v0.1": 7.24e9, "qwen2.5-7b": 7.61e9, "qwen3-8b": 8.19e9,
+    "gemma-7b": 8.54e9, "gemma-2-9b": 9.24e9, "gemma-3-1b": 1.0e9, "gemma-3-4b": 4.30e9, "phi-3-mini": 3.82e9,
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parameter_count_matches_the_published_size(name):
+    info = from_config_dict(CONFIGS[name], name)
+    assert info.total_params() == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+def test_gemma_ties_its_embeddings_and_reads_head_dim_from_the_config():
+    gemma = from_config_dict(CONFIGS["gemma-7b"], "gemma")
+    assert gemma.tied and gemma.head_params() == 0
+    assert gemma.head_width == 256 and gemma.linear_shapes()["q_proj"] == (3072, 16 * 256)  # not 3072 / 16
+    assert gemma.vocab == 256000
+    assert gemma.fast_path_blocker  # GeLU MLP: the plain path
+
+
+def test_gemma3_nested_text_config_takes_the_config_class_defaults_and_counts_the_vision_tower():
+    info = from_config_dict(CONFIGS["gemma-3-4b"], "gemma-3-4b")
+    assert (info.hidden, info.layers, info.heads, info.kv_heads, info.head_width, info.vocab) == (
+        2560, 34, 8, 4, 256, 262208)
+    assert info.tied and info.qk_norm and info.norms_per_layer == 4
+    assert 0.41e9 < info.vision_params < 0.43e9  # SigLIP-So400m's encoder and the projector
+
+
+def test_phi3_linear_shapes_are_the_fused_modules_and_lora_targets_map_onto_them():
+    info = from_config_dict(CONFIGS["phi-3-mini"], "phi3")
+    assert info.linear_shapes() == {"qkv_proj": (3072, 3 * 3072), "o_proj": (3072, 3072),
+                                     "gate_up_proj": (3072, 2 * 8192), "down_proj": (8192, 3072)}
+    assert info.lora_modules(("q_proj", "v_proj")) == ("qkv_proj",)
+    assert info.lora_modules(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) == (
+        "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    # r16 on all four: r x (in + out) per module, 32 layers
+    assert lora_params(info, 16, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")) == 32 * 16 * (
+        (3072 + 9216) + (3072 + 3072) + (3072 + 16384) + (8192 + 3072))
+    with pytest.raises(ValueError, match="qkv_proj"):  # Llama names do not exist in Phi-3
+        lora_params(info, 16, ("q_proj",))
+
+
+def test_qwen2_counts_its_qkv_biases_and_qwen3_its_qk_norms():
+    qwen2 = from_config_dict(CONFIGS["qwen2.5-7b"], "qwen2")
+    llama_like = from_config_dict({**CONFIGS["qwen2.5-7b"], "model_type": "llama"}, "as-llama")
+    assert qwen2.norm_params() - llama_like.norm_params() == 28 * (3584 + 2 * 512)
+    qwen3 = from_config_dict(CONFIGS["qwen3-8b"], "qwen3")
+    assert qwen3.norm_params() == 36 * (2 * 4096 + 2 * 128) + 4096
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_family_gets_an_estimate_and_the_whole_walkthrough(name):
+    info = from_config_dict(CONFIGS[name], name)
+    config = parse_config("lora: {target_modules: [" + ", ".join(info.linear_shapes()) + "]}\n")
+    result = estimate(config, info, 80 * GB)
+    assert result.total > info.total_params() * 0.5  # at least the 4-bit weights
+    steps = walkthrough(config, info, 80 * GB)
+    assert len(steps) == 7
+    totals = [step.estimate.total for step in steps]
+    assert totals == sorted(totals, reverse=True)  # every step of the story saves memory
+    assert totals[0] > 16 * info.total_params()  # full fp32: 4 + 4 + 8 bytes a parameter, plus activations
+    assert totals[0] > 2 * totals[-1]
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    ({"model_type": "mixtral", "hidden_size": 4096, "num_local_experts": 8}, "num_local_experts: 8"),
+    ({"model_type": "qwen2_moe", "num_experts": 60}, "mixture-of-experts"),
+    ({"model_type": "mamba", "hidden_size": 768, "state_size": 16}, "state-space"),
+    ({"model_type": "t5", "d_model": 512, "is_encoder_decoder": True}, "encoder-decoder"),
+    ({"model_type": "gpt_neox", "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
+      "num_attention_heads": 8, "vocab_size": 50304}, "model_type 'gpt_neox'"),
+    ({"model_type": "llama", "hidden_size": 64, "vocab_size": 100},
+     "no intermediate_size, num_hidden_layers, num_attention_heads"),
+    ({"n_embd": 768, "n_layer": 12, "n_head": 12}, "no hidden_size, intermediate_size, num_hidden_layers"),
+])
+def test_what_cannot_be_modelled_is_refused_naming_what_is_missing(config, named):
+    with pytest.raises(ModelInfoError, match=named.replace("(", r"\(")) as caught:
+        from_config_dict(config, "some/model")
+    assert str(caught.value).startswith("some/model: ")
