@@ -417,14 +417,27 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def speed_grid(micro_batches: tuple[int, ...] = (1, 4, 16),
-               engines: tuple[str, ...] = ("trainer", "unsloth", "loop")) -> list[tuple[str, Case]]:
+               engines: tuple[str, ...] = ("trainer", "unsloth", "loop"),
+               workloads: tuple[str, ...] = ()) -> list[tuple[str, Case]]:
     """Issue 13's table: Llama-2-7B shape, NF4, LoRA r16 on all 7 projections, seq 512,
-    checkpointing, dropout 0, through Studio's Trainer, Unsloth and the HF loop."""
+    checkpointing, dropout 0, through Studio's Trainer, Unsloth and the HF loop; plus ``workloads``
+    written ``ARCH:SEQxMB[:DROPOUT]`` (e.g. ``llama3-8b:512x4``, ``llama2-7b:2048x1``,
+    ``llama2-7b:512x4:0.05``), named ``speed_ARCH_sSEQ_mbMB[_dropD]``. Unsloth runs dropout 0 only."""
     out = []
     for mb in micro_batches:
         for engine in engines:
             out.append((f"speed_mb{mb}", Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, mb, True, 0.0,
                                              expandable=True, engine=engine)))
+    for spec in workloads:
+        arch, shape, *drop = spec.split(":")
+        seq, mb = (int(x) for x in shape.split("x"))
+        dropout = float(drop[0]) if drop else 0.0
+        name = f"speed_{arch}_s{seq}_mb{mb}" + (f"_drop{dropout}" if dropout else "")
+        for engine in engines:
+            if engine == "unsloth" and dropout:
+                continue
+            out.append((name, Case(arch, "nf4", 16, ALL_LINEAR, seq, mb, True, dropout,
+                                   expandable=True, engine=engine)))
     return out
 
 
@@ -448,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed", default="",
                         help="comma-separated micro-batches: first run issue 13's speed rows (Studio's "
                         "Trainer, Unsloth, HF loop) at each")
+    parser.add_argument("--speed-workloads", default="",
+                        help="comma-separated ARCH:SEQxMB[:DROPOUT] speed rows besides --speed's (see speed_grid)")
     parser.add_argument("--speed-steps", type=int, default=12, help="steps of each speed row")
     parser.add_argument("--speed-engines", default="trainer,unsloth,loop", help="which sides the speed rows run")
     parser.add_argument("--tokenizer", default=None,
@@ -474,8 +489,9 @@ def main(argv: list[str] | None = None) -> int:
         grid = [replace(c, expandable=True, engine="trainer") for c in (grid if args.dry_run else chosen)]
     if args.only:
         grid = [c for c in grid if any(part in c.label for part in args.only.split(","))]
-    speed = speed_grid(tuple(int(x) for x in args.speed.split(",") if x),
-                       tuple(args.speed_engines.split(","))) if args.speed else []
+    speed = speed_grid(tuple(int(x) for x in args.speed.split(",") if x), tuple(args.speed_engines.split(",")),
+                       tuple(w for w in args.speed_workloads.split(",") if w)) \
+        if args.speed or args.speed_workloads else []
     if args.dry_run:
         speed = [(w, replace(c, arch="tiny", seq=64)) for w, c in speed if c.engine != "unsloth"]
     jobs = [*speed, *(("", c) for c in grid)]

@@ -246,3 +246,30 @@ def test_trainer_evaluation_on_the_fast_path_matches_the_plain_path(tiny_config,
     half = loaded.dtype != "float32"
     assert fused.loss == pytest.approx(plain.loss, rel=2e-3 if half else 1e-5)
     assert fused.token_accuracy == pytest.approx(plain.token_accuracy, abs=0.01 if half else 1e-9)
+
+
+@pytest.mark.parametrize(("env", "change", "fast_expected"), [
+    ("1", {}, True), ("1", {"use_dora": True}, False), ("1", {"targets": ["q_proj", "lm_head"]}, False),
+    ("0", {}, False)])
+def test_the_loader_foresees_the_path_the_trainer_takes(tiny_config, monkeypatch, env, change,
+                                                       fast_expected) -> None:
+    """engine/model.fast_path_ahead decides from the config, before the adapter exists, whether the
+    base keeps its compute dtype (no fp32 upcast for the fast path); it must agree with the decision
+    engine/fast/build takes on the model with its adapter (STUDIO_FAST_PATH=1 stands in for CUDA)."""
+    from transformers import AutoModelForCausalLM
+
+    from studio.core.plan import choose_path
+    from studio.engine.fast.build import path_facts
+    from studio.engine.model import BaseModel, attach_lora, fast_path_ahead
+
+    monkeypatch.setenv("STUDIO_FAST_PATH", env)
+    tiny_config.lora.use_dora = change.get("use_dora", False)
+    tiny_config.lora.target_modules = change.get("targets", "all-linear")
+    model = AutoModelForCausalLM.from_pretrained(tiny_config.model.base_model, dtype=torch.float32)
+    ahead = fast_path_ahead(model, tiny_config)
+    base = BaseModel(model=model, tokenizer=None, device=torch.device("cpu"), compute_dtype=torch.float32,
+                     quantization="fp32", path=str(tiny_config.model.base_model))
+    peft_model = attach_lora(base, tiny_config)
+    taken = choose_path(path_facts(peft_model, torch.device("cpu"), tiny_config.trainer.method)).path
+    assert ahead == fast_expected
+    assert (taken == "fast") == ahead

@@ -163,4 +163,5 @@ def lora_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
     Llama-style model, lm_head excluded, as PEFT reads it)."""
     if isinstance(targets, str):
         return FAST_PROJECTIONS if targets == "all-linear" else (targets,)
-    return tuple(targets)
+    targets = tuple(targets)
+    return FAST_PROJECTIONS if targets == ("all-linear",) else targets

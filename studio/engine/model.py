@@ -163,6 +163,31 @@ def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: t
     return model, name
 
 
+def fast_path_ahead(model: Any, config: RunConfig) -> bool:
+    """Whether the trainer will take the fast path for this freshly loaded base and config: the
+    same decision (core/plan.py's choose_path) that engine/fast/build.enable takes on the model
+    with its adapter, made from the config before the adapter is attached."""
+    from studio.core.plan import FAST_PATH_ENV, PathFacts, choose_path, lora_targets, model_blocker
+
+    lora = config.lora
+    if lora is None:
+        return False
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    if getattr(model, "is_loaded_in_4bit", False):
+        weights = str(getattr(quant, "bnb_4bit_quant_type", "nf4"))
+    elif getattr(model, "is_loaded_in_8bit", False):
+        weights = "int8"
+    else:
+        weights = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(model.dtype, "?")
+    device = next(model.parameters()).device
+    config_dict = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
+    facts = PathFacts(cuda=device.type == "cuda", weights=weights, lora_targets=lora_targets(lora.target_modules),
+                      lora_dropout=float(lora.dropout), model_blocker=model_blocker(config_dict),
+                      env=os.environ.get(FAST_PATH_ENV, ""), dora=bool(lora.use_dora),
+                      method=config.trainer.method)
+    return choose_path(facts).path == "fast"
+
+
 def attach_lora(base: BaseModel, config: RunConfig) -> Any:
     """Freeze the base, prepare it for k-bit training, and wrap it with a fresh LoRA adapter (peft).
 
@@ -177,10 +202,15 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
     with warnings.catch_warnings():
         # peft still calls transformers' deprecated gradient_checkpointing_* names; not ours to fix.
         warnings.simplefilter("ignore", FutureWarning)
-        if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        kbit = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+        if kbit and not fast_path_ahead(model, config):
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
                                                     gradient_checkpointing_kwargs=ckpt_kwargs)
         else:
+            # The fast path computes in the compute dtype from embedding to loss and would cast
+            # back what prepare_model_for_kbit_training casts up to fp32; skipping that cast keeps
+            # its fp32 copies of the embeddings and head from setting the run's peak (Llama-3-8B,
+            # 128k vocabulary: 10.4 GiB before the first step, 7.1 in it; docs/memory.md).
             for param in model.parameters():
                 param.requires_grad_(False)
             if checkpointing:
