@@ -421,23 +421,25 @@ def speed_grid(micro_batches: tuple[int, ...] = (1, 4, 16),
                workloads: tuple[str, ...] = ()) -> list[tuple[str, Case]]:
     """Issue 13's table: Llama-2-7B shape, NF4, LoRA r16 on all 7 projections, seq 512,
     checkpointing, dropout 0, through Studio's Trainer, Unsloth and the HF loop; plus ``workloads``
-    written ``ARCH:SEQxMB[:DROPOUT]`` (e.g. ``llama3-8b:512x4``, ``llama2-7b:2048x1``,
-    ``llama2-7b:512x4:0.05``), named ``speed_ARCH_sSEQ_mbMB[_dropD]``. Unsloth runs dropout 0 only."""
+    written ``ARCH:SEQxMB[:DROPOUT[:LEVER]]`` (e.g. ``llama3-8b:512x4``, ``llama2-7b:2048x1``,
+    ``llama2-7b:512x4:0.05``, ``llama2-7b:512x16:0:no_offload``), named
+    ``speed_ARCH_sSEQ_mbMB[_dropD][_LEVER]``. Unsloth runs dropout 0 only; a lever row is Studio's only."""
     out = []
     for mb in micro_batches:
         for engine in engines:
             out.append((f"speed_mb{mb}", Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, mb, True, 0.0,
                                              expandable=True, engine=engine)))
     for spec in workloads:
-        arch, shape, *drop = spec.split(":")
+        arch, shape, *rest = spec.split(":")
         seq, mb = (int(x) for x in shape.split("x"))
-        dropout = float(drop[0]) if drop else 0.0
-        name = f"speed_{arch}_s{seq}_mb{mb}" + (f"_drop{dropout}" if dropout else "")
+        dropout = float(rest[0]) if rest else 0.0
+        lever = rest[1] if len(rest) > 1 else ""
+        name = f"speed_{arch}_s{seq}_mb{mb}" + (f"_drop{dropout}" if dropout else "") + (f"_{lever}" if lever else "")
         for engine in engines:
-            if engine == "unsloth" and dropout:
+            if (engine == "unsloth" and dropout) or (lever and engine != "trainer"):
                 continue
             out.append((name, Case(arch, "nf4", 16, ALL_LINEAR, seq, mb, True, dropout,
-                                   expandable=True, engine=engine)))
+                                   expandable=True, engine=engine, lever=lever)))
     return out
 
 
