@@ -22,7 +22,7 @@ DEFAULT_GPU_GB = 24.0
 def batch_line(config: RunConfig) -> str:
     """The effective batch, and on several GPUs that the memory above is each card's."""
     t, gpus = config.trainer, requested_gpus(config)
-    line = f"effective batch {effective_batch(config, gpus)} = micro-batch {t.micro_batch_size} x " \
+    line = f"effective batch {effective_batch(config, gpus)} = micro-batch {t.micro_batch()} x " \
            f"{t.accumulation_steps()} accumulation"
     if gpus > 1:
         line += (f" x {gpus} GPUs; the memory above is each GPU's (each holds the model, its LoRA and "

@@ -211,8 +211,8 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
     accumulation = config.trainer.accumulation_steps()
     return Plan(weights=weights, double_quant=q.double_quant, compute=compute, lora_r=config.lora.r,
                 lora_targets=names, lora_dropout=config.lora.dropout, dora=config.lora.use_dora,
-                micro_batch=micro_batch or config.trainer.micro_batch_size,
-                seq_len=config.data.max_seq_length, checkpointing=config.trainer.gradient_checkpointing,
+                micro_batch=micro_batch or config.trainer.micro_batch(),
+                seq_len=config.data.max_seq_length, checkpointing=config.trainer.checkpointing(),
                 optimizer=config.trainer.optimizer, accumulation=accumulation, attention=attention,
                 expandable_segments=(expandable_segments_from_env(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
                                      if expandable_segments is None else expandable_segments),

@@ -170,7 +170,7 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     model = base.model
-    checkpointing = config.trainer.gradient_checkpointing
+    checkpointing = config.trainer.checkpointing()
     # Non-reentrant checkpointing works with frozen inputs and does not need the input-grad hack.
     ckpt_kwargs = {"use_reentrant": False}
     with warnings.catch_warnings():

@@ -64,7 +64,7 @@ class Trainer:
         self.step = 0
         self.total_steps = 0
         self.cursor = Cursor()
-        self.micro_batch_size = self.config.trainer.micro_batch_size
+        self.micro_batch_size = self.config.trainer.micro_batch()
         # Units per optimizer step (over every rank) stay fixed; accumulation follows the micro-batch.
         self.units_per_step = self.micro_batch_size * self.config.trainer.accumulation_steps() * self.group.world
         self.best_eval_loss: float | None = None
