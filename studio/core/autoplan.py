@@ -196,6 +196,13 @@ def cpu_values(config: RunConfig) -> RunConfig:
     return with_values(config, t.micro_batch(), t.checkpointing(), effective_batch(config))
 
 
+def smallest(config: RunConfig, refused: AutoPlanError) -> RunConfig:
+    """``config`` with the candidate that needs the least memory, when none fits (what ``studio
+    estimate`` and the VRAM pane then show)."""
+    least = min(refused.rejected, key=lambda c: c.total)
+    return with_values(config, least.micro_batch, least.checkpointing, effective_batch(config))
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -5,6 +5,8 @@ It estimates from ``app.config`` (when mounted, when the config changes, and on
 (detected, or a known size); fills the measured grid from the worker's memory samples (nothing else
 happens per sample: they arrive every logged step); and tells the memory story step by step:
 full fp32 -> bf16 -> 8-bit -> LoRA -> NF4 QLoRA -> + checkpointing -> + paged 8-bit AdamW.
+With ``auto`` micro-batch or checkpointing (the defaults) the estimate is of the plan a run would
+choose on the card (core/autoplan.py), whose choice and rejected alternatives are listed under the gauge.
 
 A run on several GPUs samples every card (MemorySampled.rank): the big gauge shows rank 0's
 breakdown, and one line a card below it shows each card's memory in use against its capacity.
@@ -21,6 +23,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Select, Static
 
+from studio.core import autoplan
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.gpus import GB, Gpu, capacity_choices, gpu_for_size
@@ -70,6 +73,10 @@ class VramPane(Hosted, VerticalScroll):
         height: auto;
         padding: 0 1;
     }
+    VramPane #vram-plan {
+        height: auto;
+        padding: 0 1;
+    }
     VramPane #vram-notes {
         color: $foreground-muted;
         padding: 0 1;
@@ -94,8 +101,11 @@ class VramPane(Hosted, VerticalScroll):
         self.steps: list[WalkStep] = []
         self.step_index: int | None = None
         self.measured: dict[str, int] | None = None
-        self._estimates: dict[tuple[str, Gpu], tuple[Estimate | str, list[WalkStep]]] = {}
-        """(repr of the config, card) -> (estimate or why none, walkthrough), oldest first."""
+        self._estimates: dict[tuple[str, Gpu], tuple[Estimate | str, list[WalkStep], str]] = {}
+        """(repr of the config, card) -> (estimate or why none, walkthrough, automatic plan's text),
+        oldest first."""
+        self.plan_text = ""
+        """The automatic plan for the card (core/autoplan.py's lines), '' when the config sets both keys."""
         self.cards: dict[int, ev.MemorySampled] = {}
         """The latest sample of each card (rank) of the run."""
 
@@ -106,6 +116,7 @@ class VramPane(Hosted, VerticalScroll):
             yield Select(options, value=selected, allow_blank=False, id="vram-gpu")
             yield Static("", id="vram-summary")
         yield BlockGauge(id="vram-gauge")
+        yield Static("", id="vram-plan")
         yield Static("", id="vram-cards")
         yield Static("", id="vram-walk", classes="-off")
         yield Static("", id="vram-notes")
@@ -142,17 +153,20 @@ class VramPane(Hosted, VerticalScroll):
     @work(thread=True, exclusive=True, exit_on_error=False, group="vram-estimate", description="estimating memory")
     def _estimate(self, key: tuple[str, Gpu], config: RunConfig, gpu: Gpu) -> None:
         """Estimate in a thread (``config`` is a copy: the UI may edit the original meanwhile)."""
+        plan_text = ""
         try:
             info = load_model_info(config.model.base_model, config.model.revision)
+            config, plan_text = planned(config, info, gpu.capacity)
             result: Estimate | str = estimate(config, info, gpu.capacity)
             steps = walkthrough(config, info, gpu.capacity)
         except (ModelInfoError, ValueError) as exc:
             result, steps = f"Cannot estimate: {exc}", []
-        self.app.call_from_thread(self._estimated, key, result, steps)
+        self.app.call_from_thread(self._estimated, key, result, steps, plan_text)
 
-    def _estimated(self, key: tuple[str, Gpu], result: Estimate | str, steps: list[WalkStep]) -> None:
+    def _estimated(self, key: tuple[str, Gpu], result: Estimate | str, steps: list[WalkStep],
+                   plan_text: str = "") -> None:
         """Draw an estimate (or why there is none), unless the config or the card changed since."""
-        self._estimates[key] = (result, steps)
+        self._estimates[key] = (result, steps, plan_text)
         while len(self._estimates) > ESTIMATE_CACHE_SIZE:
             self._estimates.pop(next(iter(self._estimates)))
         found = self.query("#vram-summary")
@@ -160,6 +174,7 @@ class VramPane(Hosted, VerticalScroll):
             return  # torn down, or a newer estimate is on its way
         summary = found.first(Static)
         self.steps = steps
+        self.plan_text = plan_text
         if self.step_index is not None and self.step_index >= len(steps):
             self.step_index = None
         if isinstance(result, str):
@@ -186,6 +201,7 @@ class VramPane(Hosted, VerticalScroll):
         self._show_cards()
         walk = self.query_one("#vram-walk", Static)
         notes = self.query_one("#vram-notes", Static)
+        self.query_one("#vram-plan", Static).update(self.plan_text if self.step_index is None else "")
         if shown is None:
             walk.update("")
             notes.update("")
@@ -273,6 +289,18 @@ class VramPane(Hosted, VerticalScroll):
         if gpu != self.gpu:
             self.gpu = gpu
             self.refresh_estimate()
+
+
+def planned(config: RunConfig, info: object, capacity: int) -> tuple[RunConfig, str]:
+    """``config`` as a run would train it on a card of ``capacity`` bytes (``auto`` planned by
+    core/autoplan.py), and the plan's lines; with nothing fitting, the smallest plan and why."""
+    if not autoplan.is_auto(config):
+        return config, ""
+    try:
+        plan = autoplan.plan(config, info, capacity)
+    except autoplan.AutoPlanError as exc:
+        return autoplan.smallest(config, exc), f"automatic plan: {exc}"
+    return plan.apply(config), "\n".join(plan.lines())
 
 
 CARD_SQUARES = 40
