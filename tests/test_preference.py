@@ -284,7 +284,7 @@ def test_the_estimate_counts_two_sequences_a_pair(monkeypatch: pytest.MonkeyPatc
     assert estimate(dpo, llama, capacity).path == "plain" and estimate(sft, llama, capacity).path == "fast"
     monkeypatch.setenv("STUDIO_FAST_PATH", "0")
     a, b = estimate(sft, llama, capacity), estimate(dpo, llama, capacity)
-    doubled = estimate(sft, llama, capacity, micro_batch=2 * sft.trainer.micro_batch_size)
+    doubled = estimate(sft, llama, capacity, micro_batch=2 * sft.trainer.micro_batch())
     assert b.categories["activations"] == doubled.categories["activations"] > a.categories["activations"]
     assert b.max_micro_batch in (a.max_micro_batch // 2, a.max_micro_batch // 2 + 1)
     assert any("reference pass" in note for note in b.notes)

@@ -1,5 +1,9 @@
 """`studio estimate CONFIG [--gpu-gb 16] [--json] [--model M]`: predicted GPU memory by category.
 
+With ``trainer.micro_batch_size`` or ``gradient_checkpointing`` left ``auto`` (the default), the
+estimate is of the plan a run would choose on the card (core/autoplan.py), and the report shows that
+plan and the alternatives rejected, with why (``--json``: ``"auto_plan"``).
+
 Plain Python (no torch): it answers in a fraction of a second on a laptop with no GPU.
 """
 
@@ -9,6 +13,7 @@ import argparse
 import json
 import sys
 
+from studio.core import autoplan
 from studio.core.config import ConfigError, RunConfig, load_config
 from studio.core.gpus import GB, detect_gpus, gpu_for_size
 from studio.core.model_info import ModelInfoError, load_model_info
@@ -22,7 +27,7 @@ DEFAULT_GPU_GB = 24.0
 def batch_line(config: RunConfig) -> str:
     """The effective batch, and on several GPUs that the memory above is each card's."""
     t, gpus = config.trainer, requested_gpus(config)
-    line = f"effective batch {effective_batch(config, gpus)} = micro-batch {t.micro_batch_size} x " \
+    line = f"effective batch {effective_batch(config, gpus)} = micro-batch {t.micro_batch()} x " \
            f"{t.accumulation_steps()} accumulation"
     if gpus > 1:
         line += (f" x {gpus} GPUs; the memory above is each GPU's (each holds the model, its LoRA and "
@@ -70,6 +75,13 @@ def main(args: argparse.Namespace) -> int:
         else:
             detected = detect_gpus()
             gpu = detected[0] if detected else gpu_for_size(DEFAULT_GPU_GB)
+        plan, refused = None, None
+        if autoplan.is_auto(config):
+            try:
+                plan = autoplan.plan(config, info, gpu.capacity)
+                config = plan.apply(config)
+            except autoplan.AutoPlanError as exc:  # show the smallest plan's estimate, and why none fits
+                refused, config = exc, autoplan.smallest(config, exc)
         result = estimate(config, info, gpu.capacity)
     except (ConfigError, ModelInfoError) as exc:
         print(f"studio estimate: {exc}", file=sys.stderr)
@@ -78,7 +90,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"studio estimate: {args.config}: {exc}", file=sys.stderr)
         return 1
     if getattr(args, "json", False):
-        print(json.dumps(result.to_json_dict()))  # a documented shape: the batch line is the table's
+        data = result.to_json_dict()  # a documented shape: the batch line is the table's
+        data["auto_plan"] = plan.to_json_dict() if plan else (
+            {"error": str(refused), "rejected": [c.to_json_dict() for c in refused.rejected]} if refused else None)
+        print(json.dumps(data))
     else:
         print(format_table(result, model, gpu.name, config))
+        if plan is not None:
+            print("\n".join(plan.lines()))
+        elif refused is not None:
+            print(f"automatic plan: {refused}")
     return 0

@@ -31,6 +31,17 @@ from studio.core.ludwig import from_ludwig
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
+AUTO = "auto"
+"""The value of ``trainer.micro_batch_size`` / ``trainer.gradient_checkpointing`` that lets Studio
+plan them for the card at the start of a run (studio/core/autoplan.py)."""
+
+CPU_MICRO_BATCH_SIZE = 4
+"""What ``micro_batch_size: auto`` means without a CUDA card (and until a run has planned it): the
+default before ``auto`` existed, so CPU runs train as they always did."""
+
+CPU_GRADIENT_CHECKPOINTING = True
+"""What ``gradient_checkpointing: auto`` means without a CUDA card (and until a run has planned it)."""
+
 
 @dataclass
 class ModelConfig:
@@ -157,8 +168,10 @@ class TrainerConfig:
     max_steps: int | None = None
     """Stop after this many optimizer steps (overrides ``epochs``)."""
 
-    micro_batch_size: int = 4
-    """Examples per forward/backward pass: what must fit in GPU memory."""
+    micro_batch_size: int | str = AUTO
+    """Examples per forward/backward pass: what must fit in GPU memory. ``auto`` (the default): on a
+    CUDA card the run picks the fastest one that fits the card with headroom, keeping the effective
+    batch through accumulation (docs/memory.md, "automatic plan"); without one, 4."""
 
     effective_batch_size: int | None = 16
     """Examples per optimizer step on one GPU; gradient accumulation = effective / micro batch. On
@@ -183,8 +196,10 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     """Clip the gradient norm to this; 0 disables clipping."""
 
-    gradient_checkpointing: bool = True
-    """Recompute activations in the backward pass: far less memory for ~30% more compute."""
+    gradient_checkpointing: bool | str = AUTO
+    """Recompute activations in the backward pass: far less memory for ~30% more compute. ``auto``
+    (the default): on a CUDA card the run turns it off when the plan without it fits and is faster;
+    without one, on."""
 
     packing: bool = True
     """Pack several examples into one row without padding (each attends only to itself)."""
@@ -217,12 +232,24 @@ class TrainerConfig:
     """Preference strength. DPO: the temperature of the implicit reward (0.1-0.5 typical; lower
     strays further from the base). ORPO: the weight of the odds-ratio term (the paper's lambda)."""
 
+    def micro_batch(self) -> int:
+        """The micro-batch size as a number: the configured one, or for ``auto`` (not yet planned by
+        a run) :data:`CPU_MICRO_BATCH_SIZE`."""
+        return CPU_MICRO_BATCH_SIZE if self.micro_batch_size == AUTO else int(self.micro_batch_size)
+
+    def checkpointing(self) -> bool:
+        """Gradient checkpointing as a boolean: the configured one, or for ``auto`` (not yet planned
+        by a run) :data:`CPU_GRADIENT_CHECKPOINTING`."""
+        if self.gradient_checkpointing == AUTO:
+            return CPU_GRADIENT_CHECKPOINTING
+        return bool(self.gradient_checkpointing)
+
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step, from the explicit value or the effective batch."""
         if self.gradient_accumulation_steps:
             return max(1, int(self.gradient_accumulation_steps))
         if self.effective_batch_size:
-            return max(1, math.ceil(self.effective_batch_size / max(1, self.micro_batch_size)))
+            return max(1, math.ceil(self.effective_batch_size / max(1, self.micro_batch())))
         return 1
 
 
@@ -341,7 +368,8 @@ _RANGES: list[tuple[str, str, typing.Callable[[Any], bool], str]] = [
     ("trainer", "learning_rate", lambda v: 0 < v < 1, "in (0, 1) (typical: 1e-4 to 5e-4)"),
     ("trainer", "epochs", lambda v: v > 0, "greater than 0"),
     ("trainer", "max_steps", lambda v: v > 0, "greater than 0 (or null to train for trainer.epochs)"),
-    ("trainer", "micro_batch_size", lambda v: v > 0, "greater than 0"),
+    ("trainer", "micro_batch_size", lambda v: v == AUTO or (isinstance(v, int) and v > 0),
+     "greater than 0 (or auto)"),
     ("trainer", "effective_batch_size", lambda v: v > 0, "greater than 0 (or null)"),
     ("trainer", "gradient_accumulation_steps", lambda v: v > 0, "greater than 0 (or null)"),
     ("trainer", "warmup_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -364,6 +392,7 @@ def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines |
     """Check values a type cannot: choices, ranges, finite numbers and the template's syntax.
     Returns the config, or raises ConfigError naming the key (and its line when ``lines`` has it)."""
     reader = Reader(source, lines or {})
+    _check_auto(config, reader)
     for (section, key), allowed in _CHOICES.items():
         value = getattr(getattr(config, section), key)
         if value not in allowed:
@@ -436,6 +465,21 @@ def _check_full_finetune(config: RunConfig, reader: Reader) -> None:
 
 
 _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_auto(config: RunConfig, reader: Reader) -> None:
+    """``trainer.micro_batch_size`` is a number or ``auto``, ``trainer.gradient_checkpointing`` true,
+    false or ``auto`` (any case; a quoted number is read as the number)."""
+    t = config.trainer
+    if isinstance(t.micro_batch_size, str):
+        text = t.micro_batch_size.strip().lower()
+        t.micro_batch_size = int(text) if text.isdigit() else text
+    if isinstance(t.gradient_checkpointing, str):
+        text = t.gradient_checkpointing.strip().lower()
+        if text != AUTO:
+            raise reader.fail(("trainer", "gradient_checkpointing"), (
+                f"'trainer.gradient_checkpointing' is {t.gradient_checkpointing!r}; write true, false or auto"))
+        t.gradient_checkpointing = text
 
 
 def _check_template(config: RunConfig, reader: Reader) -> None:

@@ -215,6 +215,34 @@ class BatchSizeReduced(Event):
     micro_batch_size: int = 0
     gradient_accumulation_steps: int = 0
     message: str = ""
+    estimated_bytes: int = 0
+    """What core/vram.py estimated for the micro-batch that failed (0: no estimate, e.g. on a CPU)."""
+    capacity_bytes: int = 0
+    """The card's memory that estimate was held against (0: unknown)."""
+
+
+@dataclass(frozen=True)
+class AutoPlanChosen(Event):
+    """``trainer.micro_batch_size`` / ``gradient_checkpointing: auto`` resolved on a CUDA card at
+    the start of a run (core/autoplan.py): the plan chosen and the faster ones rejected, with why."""
+
+    micro_batch_size: int = 0
+    gradient_accumulation_steps: int = 0
+    gradient_checkpointing: bool = True
+    effective_batch_size: int = 0
+    path: str = ""
+    """The training path the estimates were for: ``fast`` or ``plain``."""
+    estimated_bytes: int = 0
+    """The chosen plan's estimated total (peak reserved plus the CUDA context)."""
+    capacity_bytes: int = 0
+    """The card's memory the plan was made for (free memory plus this process's context)."""
+    headroom_bytes: int = 0
+    rejected: list[str] = field(default_factory=list)
+    """The faster alternatives rejected, each ``micro-batch 32 x 1, checkpointing: needs ...``."""
+    recorded: bool = False
+    """True when the values are the run's own from its start (a resumed run), not planned now."""
+    message: str = ""
+    """Set when the plan could not be made and the CPU values were used: why."""
 
 
 @dataclass(frozen=True)

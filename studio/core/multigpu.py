@@ -100,4 +100,4 @@ def plan_devices(config: RunConfig, visible: list[str] | None = None) -> list[st
 def effective_batch(config: RunConfig, processes: int) -> int:
     """Rows (units) per optimizer step: micro-batch x accumulation x processes."""
     t = config.trainer
-    return t.micro_batch_size * t.accumulation_steps() * max(1, processes)
+    return t.micro_batch() * t.accumulation_steps() * max(1, processes)

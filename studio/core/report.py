@@ -106,7 +106,35 @@ def batch_reduced_line(event: ev.BatchSizeReduced) -> str:
     text = (f"step {event.step}: out of memory; micro-batch {event.old_micro_batch_size} -> "
             f"{event.micro_batch_size}, accumulation {event.gradient_accumulation_steps} "
             "(same effective batch), training continues")
-    return text + (f" ({event.message})" if event.message else "")
+    text += f" ({event.message})" if event.message else ""
+    return text + estimate_miss(event.estimated_bytes, event.capacity_bytes)
+
+
+def estimate_miss(estimated: int, capacity: int) -> str:
+    """How wrong the estimate was about a micro-batch that ran out of memory: ``; the estimate said
+    13.10 GB would fit in 15.00 GB: it did not, so it was at least 1.90 GB (15%) low``."""
+    if not estimated or not capacity:
+        return ""
+    if estimated > capacity:
+        return f"; the estimate said {format_bytes(estimated)}, more than the card's {format_bytes(capacity)}"
+    short = capacity - estimated
+    return (f"; the estimate said {format_bytes(estimated)} would fit in {format_bytes(capacity)}: it did not, "
+            f"so it was at least {format_bytes(short)} ({short / estimated:.0%}) low")
+
+
+def autoplan_line(event: ev.AutoPlanChosen) -> str:
+    """``automatic plan: micro-batch 8 x 2 accumulation, checkpointing, fast path: 9.25 GB estimated of
+    16.10 GB less 1.61 GB headroom; rejected micro-batch 16 x 1, checkpointing: needs ...``."""
+    what = (f"micro-batch {event.micro_batch_size} x {event.gradient_accumulation_steps} accumulation "
+            f"(effective batch {event.effective_batch_size}), "
+            + ("checkpointing" if event.gradient_checkpointing else "no checkpointing"))
+    if event.message:
+        return f"automatic plan: {what} ({event.message})"
+    if event.recorded:
+        return f"automatic plan: {what}, as planned at the start of this run"
+    text = (f"automatic plan: {what}, {event.path} path: {format_bytes(event.estimated_bytes)} estimated of "
+            f"{format_bytes(event.capacity_bytes)} less {format_bytes(event.headroom_bytes)} headroom")
+    return text + "".join(f"; rejected {why}" for why in event.rejected)
 
 
 def failure_line(event: ev.WorkerFailed) -> str:
@@ -176,6 +204,8 @@ def describe(event: ev.Event) -> str | None:
             return f"resumed at step {event.step}"
         case ev.BatchSizeReduced():
             return batch_reduced_line(event)
+        case ev.AutoPlanChosen():
+            return autoplan_line(event)
         case ev.TrainingFinished():
             return finished_line(event)
         case ev.WorkerFailed():

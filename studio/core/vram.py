@@ -214,8 +214,8 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
                 lora_r=lora.r if lora is not None else None, lora_targets=names,
                 lora_dropout=lora.dropout if lora is not None else 0.0,
                 dora=lora.use_dora if lora is not None else False,
-                micro_batch=micro_batch or config.trainer.micro_batch_size,
-                seq_len=config.data.max_seq_length, checkpointing=config.trainer.gradient_checkpointing,
+                micro_batch=micro_batch or config.trainer.micro_batch(),
+                seq_len=config.data.max_seq_length, checkpointing=config.trainer.checkpointing(),
                 optimizer=config.trainer.optimizer, accumulation=accumulation, attention=attention,
                 expandable_segments=(expandable_segments_from_env(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
                                      if expandable_segments is None else expandable_segments),

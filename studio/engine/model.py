@@ -196,7 +196,7 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     model = base.model
-    checkpointing = config.trainer.gradient_checkpointing
+    checkpointing = config.trainer.checkpointing()
     # Non-reentrant checkpointing works with frozen inputs and does not need the input-grad hack.
     ckpt_kwargs = {"use_reentrant": False}
     with warnings.catch_warnings():
@@ -250,7 +250,7 @@ def prepare_full_finetune(base: BaseModel, config: RunConfig) -> Any:
                           "set quantization.bits: null")
     for param in model.parameters():
         param.requires_grad_(True)
-    if config.trainer.gradient_checkpointing:
+    if config.trainer.checkpointing():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

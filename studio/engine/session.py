@@ -33,7 +33,7 @@ from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig
 from studio.core.preference import is_preference
 from studio.core.runs import RunDir
-from studio.engine import checkpoint, oom
+from studio.engine import checkpoint, oom, planning
 from studio.engine import distributed as dist
 from studio.engine import fast as fastpath
 from studio.engine import generate as gen
@@ -43,6 +43,7 @@ from studio.engine.model import (
     attach_lora,
     count_parameters,
     load_base,
+    pick_device,
     prepare_full_finetune,
 )
 from studio.engine.preference import PreferenceObjective, encode_pair
@@ -100,6 +101,8 @@ class Session:
         """A DPO / ORPO run's loss (studio/engine/preference.py); None for SFT."""
         self.trainer: Trainer | None = None
         """The Trainer of the latest :meth:`train`, or None before any."""
+        self.auto_plan: Any = None
+        """The plan that resolved ``auto`` in the config at load (core/autoplan.py's AutoPlan), or None."""
         self._sampler = torch.Generator()
         self._chat: Any = None
         """The chat template renderer for conversation rows, made on first use."""
@@ -131,6 +134,9 @@ class Session:
             self.emit(ev.ModelLoading(stage="reading the data", fraction=0.0))
             splits = load_splits(self.config)
             checkpoint.seed_everything(self.config.trainer.seed)
+            # auto micro-batch / checkpointing: numbers before the model is prepared (engine/planning.py)
+            self.config, self.auto_plan = planning.resolve(
+                self.config, self.run, self.device or pick_device(), self.emit, self.group.leader)
             self.base = load_base(self.config, progress=lambda stage, fraction: self.emit(
                 ev.ModelLoading(stage=stage, fraction=fraction)), device=self.device)
             for warning in self.base.warnings:
@@ -145,7 +151,7 @@ class Session:
             self.device = self.base.device
             self.emit(ev.ModelLoading(stage="encoding the data", fraction=0.9))
             self.data = self._encode_data(splits)
-        except (ModelLoadError, ConfigError) as exc:
+        except (ModelLoadError, ConfigError, planning.PlanRefused) as exc:
             self.fail("config", str(exc))
         except DataError as exc:
             self.fail("data", str(exc))

@@ -65,9 +65,7 @@ class Trainer:
         self.step = 0
         self.total_steps = 0
         self.cursor = Cursor()
-        self.micro_batch_size = self.config.trainer.micro_batch_size
-        # Units per optimizer step (over every rank) stay fixed; accumulation follows the micro-batch.
-        self.units_per_step = self.micro_batch_size * self.config.trainer.accumulation_steps() * self.group.world
+        self._size_batch()
         self.best_eval_loss: float | None = None
         self.tokens_seen = 0
         self.elapsed = 0.0
@@ -102,6 +100,12 @@ class Trainer:
         """Micro-batches per optimizer step (on each rank) at the current micro-batch size."""
         return math.ceil(math.ceil(self.units_per_step / self.group.world) / self.micro_batch_size)
 
+    def _size_batch(self) -> None:
+        self.config = self.session.config
+        self.micro_batch_size = self.config.trainer.micro_batch()
+        # Units per optimizer step (over every rank) stay fixed; accumulation follows the micro-batch.
+        self.units_per_step = self.micro_batch_size * self.config.trainer.accumulation_steps() * self.group.world
+
     def load(self) -> None:
         """Load the session if it is not yet, and set up the data stream. On a user error a
         WorkerFailed is emitted and :class:`TrainingError` raised."""
@@ -113,6 +117,7 @@ class Trainer:
                 self.state = "failed"
                 raise
             self.state = "idle"
+            self._size_batch()  # loading resolved trainer.micro_batch_size: auto (engine/planning.py)
         if self.stream is None:
             tc = self.config.trainer
             if self.session.preference is not None:
@@ -387,9 +392,11 @@ class Trainer:
                 "smaller model"))
         old = self.micro_batch_size
         self.micro_batch_size = max(1, old // 2)
+        plan = getattr(self.session, "auto_plan", None)
+        estimated, capacity = oom.estimate_for(self.config, old, self.device, plan.capacity if plan else 0)
         self.emit(ev.BatchSizeReduced(
             step=self.step + 1, old_micro_batch_size=old, micro_batch_size=self.micro_batch_size,
-            gradient_accumulation_steps=self.accumulation_steps,
+            gradient_accumulation_steps=self.accumulation_steps, estimated_bytes=estimated, capacity_bytes=capacity,
             message=(f"out of memory at step {self.step + 1}: micro-batch {old} -> {self.micro_batch_size}, "
                      f"gradient accumulation -> {self.accumulation_steps} (same effective batch); set "
                      f"trainer.micro_batch_size: {self.micro_batch_size} to start there next time")))

@@ -5,6 +5,8 @@ It estimates from ``app.config`` (when mounted, when the config changes, and on
 (detected, or a known size); fills the measured grid from the worker's memory samples (nothing else
 happens per sample: they arrive every logged step); and tells the memory story step by step:
 full fp32 -> bf16 -> 8-bit -> LoRA -> NF4 QLoRA -> + checkpointing -> + paged 8-bit AdamW.
+With ``auto`` micro-batch or checkpointing (the defaults) the estimate is of the plan a run would
+choose on the card (core/autoplan.py), whose choice and rejected alternatives are listed under the gauge.
 
 The model field sizes another model with the config's other settings, without touching the config
 (``u`` makes it the run's model): a hub id (its config.json fetched in a thread, cached; offline, a
@@ -25,6 +27,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Input, Select, Static
 
+from studio.core import autoplan
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.gpus import GB, Gpu, capacity_choices, gpu_for_size
@@ -87,6 +90,10 @@ class VramPane(Hosted, VerticalScroll):
         height: auto;
         padding: 0 1;
     }
+    VramPane #vram-plan {
+        height: auto;
+        padding: 0 1;
+    }
     VramPane #vram-notes {
         color: $foreground-muted;
         padding: 0 1;
@@ -115,9 +122,11 @@ class VramPane(Hosted, VerticalScroll):
         self.measured: dict[str, int] | None = None
         self.model_ref: str = ""
         """What the model field holds ('' for the run's own model.base_model)."""
-        self._estimates: dict[tuple[str, Gpu, str], tuple[Estimate | str, list[WalkStep], str]] = {}
+        self._estimates: dict[tuple[str, Gpu, str], tuple[Estimate | str, list[WalkStep], str, str]] = {}
         """(repr of the config, card, model field) -> (estimate or why none, walkthrough, which model
-        it is for), oldest first."""
+        it is for, the automatic plan's text), oldest first."""
+        self.plan_text = ""
+        """The automatic plan for the card (core/autoplan.py's lines), '' when the config sets both keys."""
         self.cards: dict[int, ev.MemorySampled] = {}
         """The latest sample of each card (rank) of the run."""
 
@@ -131,6 +140,7 @@ class VramPane(Hosted, VerticalScroll):
             yield Input(placeholder="model: hub id, folder or config.json (Enter)", id="vram-model")
             yield Static("", id="vram-model-line")
         yield BlockGauge(id="vram-gauge")
+        yield Static("", id="vram-plan")
         yield Static("", id="vram-cards")
         yield Static("", id="vram-walk", classes="-off")
         yield Static("", id="vram-notes")
@@ -171,19 +181,21 @@ class VramPane(Hosted, VerticalScroll):
         """Estimate in a thread (``config`` is a copy: the UI may edit the original meanwhile).
         With a model in the field, its config.json may come from the Hub: a network wait, here."""
         model_line = f"Model: {model_ref or config.model.base_model}"
+        plan_text = ""
         try:
             info, model_line = model_for_estimate(config, model_ref)
+            config, plan_text = planned(config, info, gpu.capacity)
             result: Estimate | str = estimate(config, info, gpu.capacity)
             steps = walkthrough(config, info, gpu.capacity)
         except (ModelInfoError, ValueError) as exc:
             result, steps = f"Cannot estimate: {exc}", []
-        self.app.call_from_thread(self._estimated, key, result, steps, model_line)
+        self.app.call_from_thread(self._estimated, key, result, steps, model_line, plan_text)
 
     def _estimated(self, key: tuple[str, Gpu, str], result: Estimate | str, steps: list[WalkStep],
-                   model_line: str = "") -> None:
+                   model_line: str = "", plan_text: str = "") -> None:
         """Draw an estimate (or why there is none), unless the config, the card or the model changed
         since."""
-        self._estimates[key] = (result, steps, model_line)
+        self._estimates[key] = (result, steps, model_line, plan_text)
         while len(self._estimates) > ESTIMATE_CACHE_SIZE:
             self._estimates.pop(next(iter(self._estimates)))
         found = self.query("#vram-summary")
@@ -192,6 +204,7 @@ class VramPane(Hosted, VerticalScroll):
         self._show_model(model_line)
         summary = found.first(Static)
         self.steps = steps
+        self.plan_text = plan_text
         if self.step_index is not None and self.step_index >= len(steps):
             self.step_index = None
         if isinstance(result, str):
@@ -218,6 +231,7 @@ class VramPane(Hosted, VerticalScroll):
         self._show_cards()
         walk = self.query_one("#vram-walk", Static)
         notes = self.query_one("#vram-notes", Static)
+        self.query_one("#vram-plan", Static).update(self.plan_text if self.step_index is None else "")
         if shown is None:
             walk.update("")
             notes.update("")
@@ -361,11 +375,23 @@ def model_for_estimate(config: RunConfig, model_ref: str) -> tuple[ModelInfo, st
                 raise
             info = find_model(run_model, config.model.revision).info  # Studio's cache, the Hub, bundled
         line = f"Model: {run_model} (the run's model.base_model)"
-    if info.fused:
+    if info.fused and config.lora is not None:
         targets = config.lora.target_modules
         names = tuple(info.linear_shapes()) if targets == "all-linear" else info.lora_modules(tuple(targets))
         config.lora.target_modules = list(names)
     return info, line
+
+
+def planned(config: RunConfig, info: object, capacity: int) -> tuple[RunConfig, str]:
+    """``config`` as a run would train it on a card of ``capacity`` bytes (``auto`` planned by
+    core/autoplan.py), and the plan's lines; with nothing fitting, the smallest plan and why."""
+    if not autoplan.is_auto(config):
+        return config, ""
+    try:
+        plan = autoplan.plan(config, info, capacity)
+    except autoplan.AutoPlanError as exc:
+        return autoplan.smallest(config, exc), f"automatic plan: {exc}"
+    return plan.apply(config), "\n".join(plan.lines())
 
 
 CARD_SQUARES = 40
