@@ -104,16 +104,22 @@ def test_plain_path_picks_the_fastest_fitting_plan_and_keeps_the_effective_batch
 def test_bigger_cards_get_bigger_micro_batches_on_the_fast_path():
     config = parse_config(LLAMA_YAML + "trainer: {effective_batch_size: 128}\ndata: {max_seq_length: 1024}\n")
     chosen = {gb: autoplan.plan(config, LLAMA, gpu_for_size(gb).capacity).chosen for gb in (16, 24, 80)}
-    assert [chosen[gb].micro_batch for gb in (16, 24, 80)] == [16, 32, 128]
+    sizes = [chosen[gb].micro_batch for gb in (16, 24, 80)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1] == 128
+    for gb, c in chosen.items():  # the largest that fits: twice as many rows would not
+        if c.micro_batch < 128:
+            assert not fits(config, 2 * c.micro_batch, True, gpu_for_size(gb).capacity), gb
     assert all(c.checkpointing and c.micro_batch * c.accumulation == 128 for c in chosen.values())
     plan = autoplan.plan(config, LLAMA, gpu_for_size(16).capacity)
     assert plan.path == "fast"
     assert len(plan.rejected) == 7  # the fast path checkpoints every layer: only the micro-batch varies
-    assert [r.micro_batch for r in plan.rejected if r.speed > plan.chosen.speed] == [128, 64, 32]
+    faster = [m for m in (128, 64, 32, 16, 8, 4, 2, 1) if m > plan.chosen.micro_batch]
+    assert [r.micro_batch for r in plan.rejected if r.speed > plan.chosen.speed] == faster
     lines = plan.lines()
-    assert lines[0].startswith("automatic plan: micro-batch 16 x 8, checkpointing (effective batch 128)")
+    mb, acc = plan.chosen.micro_batch, plan.chosen.accumulation
+    assert lines[0].startswith(f"automatic plan: micro-batch {mb} x {acc}, checkpointing (effective batch 128)")
     assert lines[1].startswith("  rejected micro-batch 128 x 1, checkpointing: needs ")
-    assert lines[-1] == "  and 4 slower plans"
+    assert lines[-1] == f"  and {7 - len(faster)} slower plans"
 
 
 def test_a_key_set_explicitly_is_not_varied(monkeypatch):
@@ -170,7 +176,12 @@ def test_estimate_json_and_text_show_the_plan(tmp_path, capsys):
     assert all(r["reason"] for r in auto["rejected"])
     text = _estimate_cli(tmp_path, LLAMA_YAML + "trainer: {effective_batch_size: 64}\n", capsys=capsys)
     assert f"automatic plan: micro-batch {chosen['micro_batch_size']} x " in text
-    assert "  rejected micro-batch 64 x 1, checkpointing: needs" in text
+    big = json.loads(_estimate_cli(tmp_path, LLAMA_YAML + "trainer: {effective_batch_size: 512}\n", "--json",
+                                   capsys=capsys))["auto_plan"]
+    too_big = [r for r in big["rejected"] if r["total"] > big["budget"]]
+    assert too_big and too_big[0]["micro_batch_size"] > big["chosen"]["micro_batch_size"]
+    text = _estimate_cli(tmp_path, LLAMA_YAML + "trainer: {effective_batch_size: 512}\n", capsys=capsys)
+    assert f"  rejected micro-batch {too_big[0]['micro_batch_size']} x " in text and ": needs " in text
     explicit = json.loads(_estimate_cli(tmp_path, LLAMA_YAML + "trainer: {micro_batch_size: 4, "
                                         "gradient_checkpointing: true}\n", "--json", capsys=capsys))
     assert explicit["auto_plan"] is None and explicit["plan"]["micro_batch"] == 4
@@ -194,18 +205,21 @@ def test_engine_resolves_on_a_card_records_the_plan_and_reuses_it(tmp_path, monk
     run = create_run(config)
     monkeypatch.setattr(planning, "card_capacity", lambda device: gpu_for_size(24).capacity)
     events: list[ev.Event] = []
+    expected = autoplan.plan(config, LLAMA, gpu_for_size(24).capacity).chosen  # the planner's own choice
+    mb, acc = expected.micro_batch, expected.accumulation
+    assert mb < 128  # the card does not hold the whole effective batch at once
     resolved, plan = planning.resolve(config, run, torch.device("cuda"), events.append)
-    assert plan is not None and (resolved.trainer.micro_batch_size, resolved.trainer.accumulation_steps()) == (32, 4)
+    assert plan is not None and (resolved.trainer.micro_batch_size, resolved.trainer.accumulation_steps()) == (mb, acc)
     [chosen] = events
     assert isinstance(chosen, ev.AutoPlanChosen) and not chosen.recorded
-    assert (chosen.micro_batch_size, chosen.gradient_accumulation_steps, chosen.effective_batch_size) == (32, 4, 128)
+    assert (chosen.micro_batch_size, chosen.gradient_accumulation_steps, chosen.effective_batch_size) == (mb, acc, 128)
     assert chosen.rejected[0].startswith("micro-batch 128 x 1, checkpointing: needs ")
-    assert json.loads((run.path / autoplan.PLAN_FILE).read_text())["micro_batch_size"] == 32
+    assert json.loads((run.path / autoplan.PLAN_FILE).read_text())["micro_batch_size"] == mb
     # resumed on a fuller card: the run's own values, not a new plan
     monkeypatch.setattr(planning, "card_capacity", lambda device: gpu_for_size(16).capacity)
     events.clear()
     again, plan = planning.resolve(config, run, torch.device("cuda"), events.append)
-    assert plan is None and again.trainer.micro_batch_size == 32 and events[0].recorded
+    assert plan is None and again.trainer.micro_batch_size == mb and events[0].recorded
 
 
 def test_engine_refuses_a_run_that_cannot_fit_the_card(tmp_path, monkeypatch):
@@ -284,6 +298,7 @@ def test_report_words_the_plan_and_the_miss():
 @pytest.mark.anyio
 async def test_the_vram_pane_shows_the_plan_and_what_it_rejected(tmp_path, monkeypatch):
     from studio.core.gpus import KNOWN_GPUS
+    from studio.core.model_info import load_model_info
     from studio.ui.app import StudioApp
     from studio.ui.panes import vram as vram_pane
     from studio.ui.panes.vram import VramPane
@@ -299,8 +314,10 @@ async def test_the_vram_pane_shows_the_plan_and_what_it_rejected(tmp_path, monke
         pane._use_card(gpu_for_size(16))
         await settle(pilot, rounds=1, panes=False)
         text = str(app.query_one("#vram-plan").render())
-        assert text.startswith("automatic plan: micro-batch 16 x 8, checkpointing (effective batch 128)")
-        assert "rejected micro-batch 32 x 4, checkpointing: needs " in text
-        assert pane.current is not None and pane.current.plan.micro_batch == 16
+        plan = autoplan.plan(config, load_model_info(config.model.base_model), gpu_for_size(16).capacity)
+        mb, acc = plan.chosen.micro_batch, plan.chosen.accumulation
+        assert text.startswith(f"automatic plan: micro-batch {mb} x {acc}, checkpointing (effective batch 128)")
+        assert f"rejected micro-batch {2 * mb} x {acc // 2}, checkpointing: needs " in text
+        assert pane.current is not None and pane.current.plan.micro_batch == mb
         await pilot.press("w")  # the walkthrough's steps are not the plan: its lines go
         assert str(app.query_one("#vram-plan").render()) == ""
