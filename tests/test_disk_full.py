@@ -232,3 +232,20 @@ def test_an_adapter_save_on_a_full_disk_keeps_the_previous_adapter(small_disk: P
     assert (adapter / "studio_step.json").read_text() == '{"step": 10}'
     assert (adapter / "adapter_model.safetensors").read_bytes()[:1] == b"a"
     assert sorted(p.name for p in adapter.parent.iterdir()) == ["adapter"]  # no temp folder left
+
+
+def test_replacing_a_folder_swaps_the_whole_folder_in_and_leaves_nothing_beside_it(tmp_path: Path) -> None:
+    from studio.core.storage import replace_folder, sync_tree
+
+    final = tmp_path / "step-5"
+    for version in ("first", "second"):  # the second lands on a folder already there (saved twice)
+        tmp = tmp_path / ".tmp-step-5"
+        tmp.mkdir()
+        (tmp / "state.json").write_text(version)
+        if version == "first":
+            (tmp / "only-in-first.pt").write_text("x")
+        sync_tree(tmp)
+        assert replace_folder(tmp, final) == final
+    assert sorted(p.name for p in final.iterdir()) == ["state.json"]  # nothing of the old folder mixed in
+    assert (final / "state.json").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-5"]  # no .tmp- or .old- folder left

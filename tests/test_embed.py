@@ -57,7 +57,14 @@ def tuned_run(make_tiny_config, tmp_path_factory: pytest.TempPathFactory) -> tup
     config = make_tiny_config(folder / "runs")
     config.data.path = str(train)
     config.data.val_fraction = 0.0
-    config.trainer.max_steps = 100
+    # The model has to learn the answers for its embeddings to part the two kinds. With the tiny config's
+    # 100 steps at lr 6e-3 it often had not (train loss ~0.35: ln 2 over the answer and EOS tokens, yes
+    # or no a coin flip), and the tuned separation was wherever the seed and the machine's rounding left
+    # an untaught LoRA: 1.38 / 0.54 / 0.24 with seeds 42 / 0 / 1 here, 0.31 on the GPU box, against the
+    # base's 0.50; lr 6e-3 stalled that way even after 600 steps in one seed of four, lr 1.5e-2 always.
+    # lr 2e-3 for 300 steps learned them (loss 0.003) in all 7 runs tried.
+    config.trainer.learning_rate = 2e-3
+    config.trainer.max_steps = 300
     config.trainer.eval_interval = 0
     run = create_run(config)
     with engine_on_cpu():
@@ -92,8 +99,10 @@ def test_tuned_embeddings_separate_the_two_kinds_of_rows_better(tuned_run, tmp_p
         separation[base] = _separation(vectors, labels)
     print(f"class separation (between-mean distance / within spread): base {separation[True]:.3f}, "
           f"tuned {separation[False]:.3f}")
-    # Measured: base 0.50, tuned 1.38 after 100 steps (last-token pooling, the state the answer comes from).
-    assert separation[False] > 2 * separation[True]
+    # Measured (last-token pooling, the state the answer comes from): base 0.50; tuned 8.7 / 10.5 / 14.7
+    # with seeds 42 / 0 / 1, and 8.7-15.3 (seeds 42, 1, 2, 3) from a base whose weights were nudged by 1e-4
+    # of their size, as another machine's pre-training rounding would leave them.
+    assert separation[False] > 10 * separation[True]
 
 
 def test_rows_without_the_template_fields_or_a_wrong_layer_are_clear_messages(tuned_run, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -131,3 +132,23 @@ def sync_dir(folder: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_folder(tmp: str | Path, final: str | Path) -> Path:
+    """Put the finished folder ``tmp`` (written and synced: :func:`sync_tree`) in ``final``'s place.
+
+    Without a ``final``, one rename publishes ``tmp``. With one (an adapter saved again, a step
+    checkpointed twice), the old folder is first renamed aside to ``.old-<name>`` and removed once
+    ``tmp`` is in place, so a crash in between leaves one whole folder, never a mixed one. The parent
+    is synced last: the rename survives a power cut. Returns ``final``."""
+    tmp, final = Path(tmp), Path(final)
+    if final.exists():
+        old = final.with_name(f".old-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    sync_dir(final.parent)
+    return final

@@ -13,7 +13,6 @@ never lists the temp folder, which a failed write removes).
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 
 from studio.core.runs import RunDir
-from studio.core.storage import sync_dir, sync_tree
+from studio.core.storage import replace_folder, sync_tree
 
 STATE_FILE = "trainer_state.json"
 
@@ -76,15 +75,8 @@ def save(run: RunDir, step: int, model: Any, optimizer: torch.optim.Optimizer,
         # checkpoints were never touched.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():  # the same step saved twice (a stop right after an interval checkpoint)
-        old = run.checkpoints_dir / f".old-step-{step}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    sync_dir(run.checkpoints_dir)
+    # The same step may be saved twice (a stop right after an interval checkpoint): replaced whole.
+    replace_folder(tmp, final)
     for old in run.checkpoints()[:-max(1, keep)]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -22,7 +22,7 @@ import torch
 
 from studio.core.config import ConfigError, RunConfig
 from studio.core.model_ref import local_problem
-from studio.core.storage import sync_dir, sync_tree
+from studio.core.storage import replace_folder, sync_tree
 
 Progress = Callable[[str, float], None]
 """progress(stage, fraction 0..1): what the loader is doing."""
@@ -296,7 +296,6 @@ def save_adapter(model: Any, directory: str | Path, config: RunConfig | None = N
 
     directory = Path(directory)
     tmp = directory.with_name(f".tmp-{directory.name}")
-    old = directory.with_name(f".old-{directory.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
@@ -311,15 +310,7 @@ def save_adapter(model: Any, directory: str | Path, config: RunConfig | None = N
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if directory.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, directory)
-    sync_dir(directory.parent)
-    return directory
+    return replace_folder(tmp, directory)
 
 
 def count_parameters(model: Any) -> tuple[int, int]:

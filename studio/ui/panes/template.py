@@ -358,8 +358,10 @@ class TemplatePane(Hosted, Vertical):
 
     def on_worker_events(self, message: WorkerEvents) -> None:
         """Model loading progress and the streamed answer to our zero-shot request."""
-        if message.run != self.host.current_run or not self.query("#template-zero-label"):
-            return  # another run's, or not composed yet: it has sent no request, so none of these are its answer
+        if self._request is None or message.run != self.host.current_run or not self.query("#template-zero-label"):
+            # No zero-shot request of ours is under way (the usual case while a run trains: checked
+            # first, before querying the DOM five times a second), another run's, or not composed yet.
+            return
         label = self.query_one("#template-zero-label", Static)
         bar = self.query_one("#template-zero-progress", ProgressBar)
         changed = False

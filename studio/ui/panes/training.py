@@ -66,7 +66,7 @@ class TrainingPane(Hosted, Vertical):
     TrainingPane #training-status { height: 1; color: $text-muted; }
     TrainingPane #training-progress-row { height: 1; }
     TrainingPane #training-progress { width: 40; }
-    TrainingPane #training-progress-line { width: 1fr; padding-left: 1; }
+    TrainingPane #training-progress-line { width: 1fr; height: 1; padding-left: 1; }
     TrainingPane .training-line { height: 1; }
     TrainingPane #training-alert { height: auto; max-height: 4; color: $warning; }
     TrainingPane #training-alert.failed { color: $error; text-style: bold; }
@@ -96,6 +96,8 @@ class TrainingPane(Hosted, Vertical):
         self._redraw_pending = False
         self._export_line = ""
         self._allowed: tuple[bool, ...] = ()
+        self._lines: dict[str, str] = {}
+        """The text each one-line Static shows (see :meth:`_set_line`)."""
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="training-controls"):
@@ -210,23 +212,22 @@ class TrainingPane(Hosted, Vertical):
             parts.append(f"{state.loading_stage} {state.loading_fraction:.0%}")
         if state.status == "no run":
             parts = ["no run yet: press s to create one from the current config and train"]
-        self.query_one("#training-status", Static).update(" · ".join(parts))
+        self._set_line("#training-status", " · ".join(parts))
         bar = self.query_one(ProgressBar)
         if state.total_steps:
             bar.update(total=state.total_steps, progress=state.step)
         line = state.progress_line() if state.total_steps else ""
         if state.status in ("finished", "stopped") and state.elapsed_s:
             line += f" · took {format_duration(state.elapsed_s)}"
-        self.query_one("#training-progress-line", Static).update(line)
-        self.query_one("#training-eval", Static).update(state.eval_line())
-        self.query_one("#training-memory", Static).update(state.memory_line())
-        alert = self.query_one("#training-alert", Static)
+        self._set_line("#training-progress-line", line)
+        self._set_line("#training-eval", state.eval_line())
+        self._set_line("#training-memory", state.memory_line())
         lines = [state.failure_line()] if state.failure is not None else []
         lines += state.notices[-2:]
         if self._export_line:
             lines.append(self._export_line)
-        alert.update("\n".join(line for line in lines if line))
-        alert.set_class(state.status == "failed", "failed")
+        self._set_line("#training-alert", "\n".join(line for line in lines if line))
+        self.query_one("#training-alert", Static).set_class(state.status == "failed", "failed")
         self.query_one(LossPlot).show(state)
         preference = state.preference.active
         lr_plot, pref_plots = self.query_one(LearningRatePlot), list(self.query(PreferencePlot))
@@ -239,6 +240,18 @@ class TrainingPane(Hosted, Vertical):
         self._sync_buttons()
         self.redraws += 1
         self.redraw_seconds += time.perf_counter() - started
+
+    def _set_line(self, selector: str, text: str) -> None:
+        """Show ``text`` in one of the pane's Statics, repainting it only when the text changed.
+
+        ``Static.update`` re-lays out the whole screen by default (15-20 ms on the event loop here, four
+        times a second in a running run, and a keypress waits behind it). The status, progress, eval
+        and memory lines are one row high whatever they say, so a repaint is enough; the alert's height
+        follows its (wrapped) lines, so it is laid out again, but only when it says something new."""
+        if self._lines.get(selector) == text:
+            return
+        self._lines[selector] = text
+        self.query_one(selector, Static).update(text, layout=selector == "#training-alert")
 
     def _sync_buttons(self) -> None:
         allowed = tuple(self.check_action(action, ()) is True for action, _ in _BUTTON_ACTIONS)
