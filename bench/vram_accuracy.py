@@ -473,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", choices=["v1", "v2"], default="v1",
                         help="with --engine trainer: v1, the first grid (before the shared workspace), or "
                         "v2, issue 18's grid and the memory levers")
+    parser.add_argument("--out-of-sample", action="store_true",
+                        help="run only the grid rows marked out of sample (v2)")
     parser.add_argument("--parallel", type=int, default=1,
                         help="grid rows run this many at a time (peaks are per process; never for --speed rows)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -491,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         grid = [replace(c, expandable=True, engine="trainer") for c in (grid if args.dry_run else chosen)]
     if args.only:
         grid = [c for c in grid if any(part in c.label for part in args.only.split(","))]
+    if args.out_of_sample:
+        grid = [c for c in grid if c.out_of_sample]
     speed = speed_grid(tuple(int(x) for x in args.speed.split(",") if x), tuple(args.speed_engines.split(",")),
                        tuple(w for w in args.speed_workloads.split(",") if w)) \
         if args.speed or args.speed_workloads else []
