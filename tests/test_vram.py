@@ -177,10 +177,11 @@ def test_cli_json_has_exactly_the_documented_keys(tmp_path, capsys):
     path.write_text("model: {base_model: meta-llama/Llama-2-7b-hf}\n")
     assert estimate_main(Namespace(config=str(path), gpu_gb=16.0, json=True, model=None)) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"categories", "total", "capacity", "fits", "max_micro_batch", "path", "plan"}
+    assert set(data) == {"categories", "total", "capacity", "fits", "max_micro_batch", "path", "plan", "auto_plan"}
     # a 4-bit Llama with LoRA on the seven projections takes the GPU fast path (core/plan.py decides)
     assert data["path"] == "fast" and data["plan"]["path"] == "fast" and data["plan"]["cuda_graphs"] is True
-    assert data["plan"]["micro_batch"] == 4 and data["plan"]["weights"] == "nf4" and data["plan"]["reason"]
+    assert data["plan"]["micro_batch"] == data["auto_plan"]["chosen"]["micro_batch_size"]  # auto: the planned one
+    assert data["plan"]["weights"] == "nf4" and data["plan"]["reason"]
     assert list(data["categories"]) == list(CATEGORIES)
     assert data["total"] == sum(data["categories"].values()) and data["fits"] is True
     assert estimate_main(Namespace(config=str(path), gpu_gb=4.0, json=False, model=None)) == 0
@@ -374,25 +375,48 @@ def test_the_estimate_follows_the_engines_path_decision(monkeypatch):
     assert fast.peak_allocated < as_plain.peak_allocated
 
 
-def test_fast_path_model_against_the_trainer_on_the_h100():
-    """Studio's Trainer on the H100 (Llama-2-7B NF4 r16 seq 512) against the fast-path model, on the
-    rows that ran as the engine runs now: micro-batch 1 and 4 with CUDA graphs, micro-batch 16
-    without (the row measured with graphs switched off, which is the engine's rule now). Peaks over
-    the training steps: within 4% allocated and 3% reserved. The other rows: docs/memory.md."""
+SEQUENTIAL_TRAINER_RESULTS = ("h100_speed_memory_v2.json", "h100_speed_memory_v2_fixed.json",
+                              "h100_vram_trainer_v2_oos_sequential.json")
+"""Studio's Trainer on the H100 with the shared dequantization buffer and host-held layer inputs,
+one row at a time (the v2 grid's parallel rows are not used for reserved memory: docs/memory.md)."""
+
+
+def _trainer_rows(names):
+    """(case, prediction, measurement) of each full-length Trainer row in ``names`` (padded short
+    rows aside: the estimate assumes full-length rows, docs/memory.md)."""
     import bench.vram_accuracy as bench
 
-    rows = []
-    for name in ("h100_speed_memory_studio_unsloth.json", "h100_vram_trainer.json"):
-        data = json.loads((REPO / "bench/results" / name).read_text())
-        rows += [r for r in data["rows"] if r["case"].get("engine") == "trainer"]
-    current = [r for r in rows if (r["case"]["micro_batch"] in (1, 4) and r["case"]["seq"] == 512
-                                   and not r["case"].get("lever")) or r["case"].get("lever") == "no_graphs"]
-    assert len(current) == 3
-    for row in current:
-        case = bench.Case(**{**row["case"], "targets": tuple(row["case"]["targets"]), "lever": ""})
-        info = from_config_dict(dict(bench.ARCHS[case.arch]), case.arch)
-        predicted = estimate_plan(info, case.plan())
-        assert predicted.path == row["measured"]["path"] == "fast"
-        measured = row["measured"]
-        assert abs(predicted.peak_allocated / measured["train_peak_allocated"] - 1) < 0.04, case.label
-        assert abs(predicted.peak_reserved / measured["train_peak_reserved"] - 1) < 0.03, case.label
+    out = []
+    for name in names:
+        for row in json.loads((REPO / "bench/results" / name).read_text())["rows"]:
+            c = row["case"]
+            if c.get("engine") != "trainer" or c.get("lever") not in ("", "all") \
+                    or "peak_reserved" not in row.get("measured", {}) or c.get("data", "long") != "long":
+                continue
+            case = bench.Case(**{**c, "targets": tuple(c["targets"]), "lever": ""})
+            info = from_config_dict(dict(bench.ARCHS[case.arch]), case.arch)
+            out.append((case, estimate_plan(info, case.plan()), row["measured"]))
+    return out
+
+
+def test_fast_path_model_against_the_trainer_on_the_h100():
+    """The fast path's model against Studio's Trainer on the H100 (Llama-2-7B and Llama-3-8B shapes,
+    512-8192 tokens a micro-batch, graphs and eager steps, dropout), the peak over the whole run
+    (training, final evaluation, adapter save). In sample: within 3% median and 5% worst, reserved
+    and allocated; the rows marked out of sample when the grid was committed: within 3%."""
+    import statistics
+
+    import bench.vram_accuracy as bench
+
+    rows = _trainer_rows(SEQUENTIAL_TRAINER_RESULTS)
+    assert len(rows) >= 12
+    errors: dict[bool, list[float]] = {True: [], False: []}
+    for case, predicted, measured in rows:
+        assert predicted.path == measured["path"] == "fast", case.label
+        in_sample = not case.out_of_sample or case.label in bench.FITTED
+        for key in ("peak_allocated", "peak_reserved"):
+            error = abs(predicted.__dict__[key] / measured[key] - 1)
+            errors[in_sample].append(error)
+            assert error < (0.05 if in_sample else 0.03), (case.label, key, error)
+    assert statistics.median(errors[True]) < 0.03
+    assert len(errors[False]) >= 6  # three out-of-sample configs, both peaks

@@ -39,13 +39,15 @@ _FIXED_SLACK = 32 * 2**20
 """Reserved beyond the allocated peak that no mechanism below explains: small-pool pages and 20 MiB
 mapping steps of the allocator (fitted)."""
 
-_GRAPH_POOL_LAYERS = 0
-"""A captured step's private pool kept about two decoder layers' weights, dequantized, beyond what
-it had allocated while each product allocated its own dequantized weight; with the shared
-workspace nothing is dequantized into the pool (to be refitted on the H100 grid)."""
+_GRAPH_POOL_PER_TOKEN = 1.5
+"""With CUDA graphs, the captured step's private pool keeps free blocks worth this many times one
+layer's forward outputs per token (fitted to the in-sample H100 rows of Llama-2-7B at 512, 2048 and
+4096 tokens: bench/results/h100_speed_memory_v2*.json)."""
 
-_GRAPH_POOL_PER_TOKEN = 0.4
-"""... and this fraction of one layer's forward outputs per token (fitted likewise)."""
+_OFFLOAD_PER_TOKEN = 4
+"""On eager steps with the layer inputs in host memory, the allocator keeps about this many
+hidden-state-sized blocks per token beyond the allocated peak (the prefetched inputs, freed on the
+copy stream's schedule; fitted to Llama-2-7B at 8192 tokens)."""
 
 
 def layer_outputs_per_token(info: ModelInfo, compute_bytes: int) -> float:
@@ -96,14 +98,17 @@ def step_activations(info: ModelInfo, tokens: int, compute_bytes: int, offloaded
     return saved + working + loss
 
 
-def allocator_slack(info: ModelInfo, tokens: int, compute_bytes: int, graphs: bool) -> float:
-    """Reserved beyond the allocated peak. With CUDA graphs, the captured step's private pool keeps
-    its own free blocks (one pool per batch layout: a second layout, e.g. packed rows of another
-    shape, adds a second pool, not modelled)."""
-    slack = _FIXED_SLACK
+def allocator_slack(info: ModelInfo, tokens: int, compute_bytes: int, graphs: bool,
+                    offloaded: bool = False) -> float:
+    """Reserved beyond the allocated peak: holes about two of the widest fused products' size that
+    later, smaller requests do not fill (measured on every eager 7B row: 0.33 GiB on Llama-2-7B);
+    with the layer inputs on the host, the prefetched inputs' blocks; with CUDA graphs, the captured
+    step's private pool keeps its own free blocks (one pool per batch layout: a second layout, e.g.
+    packed rows of another shape, adds a second pool, not modelled)."""
+    slack = _FIXED_SLACK + 2 * widest_fused_weight(info, compute_bytes)
+    if offloaded:
+        slack += _OFFLOAD_PER_TOKEN * tokens * info.hidden * compute_bytes
     if graphs:
-        layer_weights = sum(a * b for a, b in info.linear_shapes().values()) * compute_bytes
-        slack += _GRAPH_POOL_LAYERS * layer_weights
         slack += tokens * _GRAPH_POOL_PER_TOKEN * layer_outputs_per_token(info, compute_bytes)
     return slack
 
@@ -135,7 +140,7 @@ def estimate_fast(info: ModelInfo, plan, gpu_bytes: int | None = None):
     # optimizer's foreach temporary comes after the activations are gone: the backward is the peak.
     temp = n_train * 4 if plan.optimizer == "adamw" else 0
     peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations, temp))
-    slack = allocator_slack(info, tokens, c, graphs)
+    slack = allocator_slack(info, tokens, c, graphs, offloaded)
     page = 2 * 2**20
     peak_reserved = int(math.ceil((peak_allocated + slack) / page) * page)
     overhead = peak_reserved - peak_allocated + vram.CUDA_CONTEXT_BYTES
