@@ -26,6 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 def pytest_configure(config: pytest.Config) -> None:
     cache = os.environ.get("STUDIO_TEST_CACHE") or tempfile.mkdtemp(prefix="studio-test-cache-")
     os.environ["STUDIO_CACHE"] = cache
+    # Device locks live in the cache unless told otherwise; a cache shared between pytest-xdist
+    # workers (STUDIO_TEST_CACHE) must not make them one machine's workers queueing for one GPU.
+    os.environ.setdefault("STUDIO_LOCK_DIR", tempfile.mkdtemp(prefix="studio-test-locks-"))
     # The tiny model's matmuls are too small to gain from threads, and on a busy machine spinning
     # OpenMP threads cost several times the work; one thread also keeps the parent process and the
     # `studio` subprocesses numerically identical (resume tests compare their losses).

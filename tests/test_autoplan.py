@@ -232,7 +232,7 @@ def test_engine_refuses_a_run_that_cannot_fit_the_card(tmp_path, monkeypatch):
         planning.resolve(config, create_run(config), torch.device("cuda"), [].append)
 
 
-def test_auto_on_the_cpu_trains_with_todays_defaults(tiny_config):
+def test_auto_on_the_cpu_trains_with_todays_defaults(tiny_config, on_cpu):
     from studio.engine.session import Session
     from studio.engine.train import Trainer
 
