@@ -7,6 +7,8 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -254,8 +256,17 @@ def test_dpo_through_the_worker_learns_the_case_preference(tiny_model: Path, tmp
     assert [e.step for e in validation] == [0, 40, 80] and validation[-1].accuracy >= 0.9
 
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert studio_main(["eval", str(run.path), "--json", "--rows", "30"]) == 0
+    try:
+        with contextlib.redirect_stdout(out):
+            assert studio_main(["eval", str(run.path), "--json", "--rows", "30"]) == 0
+    finally:
+        # `studio eval` started a worker that lingers for its next client, holding the device's
+        # lock: later tests in this process would find the device busy.
+        if (pid := run.worker_pid()) is not None:
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while run.worker_pid() is not None and time.monotonic() < deadline:
+                time.sleep(0.2)
     report = json.loads(out.getvalue())
     print(f"preference: {report['preference']}, {time.monotonic() - start:.0f} s")
     assert 0.3 <= report["preference"]["base_accuracy"] <= 0.7
