@@ -181,6 +181,8 @@ class FastModel:
               offload: bool = False) -> torch.Tensor:
         """The decoder layers and the final norm; with ``offload``, each layer's saved input waits
         in host memory (:class:`HostInputs`) instead of on the device."""
+        if offload:
+            self._host.reset()
         for index, layer in enumerate(self.layers):
             # Built outside the checkpoint: the recomputation then reuses them (fewer small ops).
             adapters = layer.adapters() if self.options.hoist_adapters else None

@@ -30,6 +30,13 @@ class HostInputs:
         self._stored: dict[int, tuple[torch.Tensor, object]] = {}
         self._fetched: dict[int, tuple[torch.Tensor, object]] = {}
 
+    def reset(self) -> None:
+        """Forget the inputs of a step that never finished its backward (an out-of-memory error
+        mid-step, a forward without backward): each forward starts clean, or its backward could be
+        handed a previous step's prefetched input."""
+        self._stored.clear()
+        self._fetched.clear()
+
     def store(self, index: int, x: torch.Tensor) -> None:
         """Start copying layer ``index``'s input to the host."""
         key = (index, tuple(x.shape), x.dtype)
