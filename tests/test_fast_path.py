@@ -87,6 +87,7 @@ def test_layer_inputs_kept_on_the_host_give_the_same_loss_and_gradients(tiny_mod
     loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
     loss.backward()
     results.append((loss.detach(), _grads(model)))
+    assert len(host._host) == len(fast_model.layers)  # a smaller batch reuses each layer's buffer
     (loss0, grads0), (loss1, grads1), (loss2, grads2) = results
     torch.testing.assert_close(loss2, loss0, rtol=1e-6, atol=1e-6)
     for name, grad in grads0.items():

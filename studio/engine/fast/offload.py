@@ -20,15 +20,25 @@ import torch
 
 class HostInputs:
     """Pinned host buffers for the layer inputs of one step, filled in the forward and read back,
-    last layer first, in the backward. Buffers are kept between steps (one per layer and shape)."""
+    last layer first, in the backward. Buffers are kept between steps (one a layer)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._host: dict[tuple, torch.Tensor] = {}
+        self._host: dict[int, torch.Tensor] = {}
         self._stored: dict[int, tuple[torch.Tensor, object]] = {}
         self._fetched: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def _buffer(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``index``'s pinned buffer, viewed as ``x``: one a layer, grown to the largest input
+        seen (eager steps of packed data come in many token counts; a buffer per shape would pin
+        host memory without bound)."""
+        buffer = self._host.get(index)
+        if buffer is None or buffer.numel() < x.numel() or buffer.dtype != x.dtype:
+            buffer = torch.empty(x.numel(), dtype=x.dtype, pin_memory=self.cuda)
+            self._host[index] = buffer
+        return buffer[:x.numel()].view(x.shape)
 
     def reset(self) -> None:
         """Forget the inputs of a step that never finished its backward (an out-of-memory error
@@ -39,11 +49,7 @@ class HostInputs:
 
     def store(self, index: int, x: torch.Tensor) -> None:
         """Start copying layer ``index``'s input to the host."""
-        key = (index, tuple(x.shape), x.dtype)
-        host = self._host.get(key)
-        if host is None:
-            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)
-            self._host[key] = host
+        host = self._buffer(index, x)
         if not self.cuda:
             host.copy_(x)
             self._stored[index] = (host, None)
