@@ -38,10 +38,11 @@ from studio.core.gpus import GB, GIB
 from studio.core.model_info import ModelInfo
 
 HEADROOM_FRACTION = 0.10
-"""Part of the card the plan leaves free. The fast path's estimate of peak reserved memory is off
-by 8% at the median against Studio's own Trainer (docs/memory.md, 11 configs on an H100), so a
-tenth of the card covers a typical error; a worse one is what the out-of-memory halving is for
-(its event says by how much the estimate was wrong)."""
+"""Part of the card the plan leaves free. The fast path's estimate of peak reserved memory is within
+4.4% of Studio's own Trainer on the H100 rows run one at a time, and reserved memory moved by
+0.4-0.5 GiB when the card was shared (docs/memory.md), so a tenth of the card covers a typical
+error; a worse one is what the out-of-memory halving is for (its event says by how much the
+estimate was wrong)."""
 
 HEADROOM_MIN_BYTES = 1 * GIB
 """At least this much is left free: on small cards a tenth is less than what other processes and a
