@@ -10,6 +10,8 @@ cost (folding events into widgets; the plots' frames are built in a helper proce
 studio/ui/plot_process.py, and their CPU time is reported too).
 
     python bench/ui_events.py                 # 20 events/s for 60 s -> bench/ui_events.json
+    python bench/ui_events.py --runs 3        # three runs one after the other; each run's p50 / p95 in "runs"
+    python bench/ui_events.py --rate 50 --out bench/results/ui_events_rate50.json
     python bench/ui_events.py --seconds 10    # a quick look
     python bench/ui_events.py --plots thread --out /tmp/thread.json   # frames built in a thread instead
 """
@@ -240,22 +242,41 @@ def main() -> int:
     parser.add_argument("--size", default="120x40", help="terminal size, COLSxROWS")
     parser.add_argument("--plots", choices=("process", "thread"), default="process",
                         help="build plot frames in the helper process (default) or in a thread")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="measure this many times one after the other, each with a fresh app (default 1)")
     parser.add_argument("--out", default=str(OUT), help=f"where to write the JSON (default {OUT.name})")
     args = parser.parse_args()
     cols, rows = (int(x) for x in args.size.split("x"))
-    result = asyncio.run(measure(args.seconds, args.rate, args.key_every, (cols, rows), args.baseline,
-                                 args.plots))
+    runs: list[dict] = []
+    for n in range(1, args.runs + 1):
+        # Other jobs share the machine: the load average says how much (1, 5 and 15 minutes).
+        load_before = [round(x, 2) for x in os.getloadavg()]
+        result = asyncio.run(measure(args.seconds, args.rate, args.key_every, (cols, rows), args.baseline,
+                                     args.plots))
+        result["load_average_before"] = load_before
+        result["load_average"] = [round(x, 2) for x in os.getloadavg()]
+        result["date"] = time.strftime("%Y-%m-%d %H:%M")
+        runs.append(result)
+        print(f"run {n}/{args.runs}: keypress-to-paint p95 {result['keypress_to_paint_ms']} ms, "
+              f"median {result['keypress_to_paint_ms_p50']} ms at {result['events_per_s']} events/s "
+              f"(no events: p95 {result['keypress_to_paint_ms_no_events']} ms); "
+              f"load average {load_before} -> {result['load_average']}", flush=True)
+    result = dict(runs[-1])  # the last run in full, as a single run writes it
     result["command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     result["machine"] = {"platform": platform.platform(), "python": platform.python_version(),
                          "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()}
-    # Other jobs share the machine: the load average says how much (1, 5 and 15 minutes).
-    result["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    result["date"] = time.strftime("%Y-%m-%d %H:%M")
+    if args.runs > 1:
+        keys = ("date", "load_average_before", "load_average", "events_per_s", "keypresses",
+                "keypress_to_paint_ms_p50", "keypress_to_paint_ms", "keypress_to_paint_ms_no_events_p50",
+                "keypress_to_paint_ms_no_events")
+        result["runs"] = [{key: run[key] for key in keys} for run in runs]
+        result["runs_under_target"] = sum(run["keypress_to_paint_ms"] <= run["target_ms"] for run in runs)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    ok = result["keypress_to_paint_ms"] < result["target_ms"]
-    print(f"keypress-to-paint p95 {result['keypress_to_paint_ms']} ms: "
-          f"{'under' if ok else 'OVER'} the {result['target_ms']} ms target")
+    for n, run in enumerate(runs, start=1):
+        ok = run["keypress_to_paint_ms"] <= run["target_ms"]
+        print(f"run {n}: keypress-to-paint p95 {run['keypress_to_paint_ms']} ms: "
+              f"{'within' if ok else 'OVER'} the {run['target_ms']} ms target")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The UI's fast paths: the page table, the one-line footer and the plot helper process.
+"""The UI's fast paths: the page table, the one-line footer, the plot helper process, the plot's own
+lines and the screen's frame timer.
 
 Each replaces a slower Textual or plotext route (see bench/ui_latency.py and bench/ui_events.py for
 what they save); these tests pin down that they still do what the slow route did.
@@ -6,19 +7,27 @@ what they save); these tests pin down that they still do what the slow route did
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.style import Style
+from textual.visual import Visual, visualize
 from textual.widgets import Button
-from ui_helpers import make_config, settle, workdir
+from ui_helpers import make_config, panes_mounted, settle, workdir
 
+from studio.core import events as ev
 from studio.ui import plot_process
 from studio.ui.app import StudioApp
+from studio.ui.frame_timer import FrameTimer
+from studio.ui.metrics import TrainingState
 from studio.ui.panes.training import TrainingPane
+from studio.ui.theme import bundled_themes
 from studio.ui.widgets.footer import StudioFooter
+from studio.ui.widgets.loss_plot import LossPlot, frame_strips
 from studio.ui.widgets.page_table import PageTable
 
 pytestmark = pytest.mark.anyio
@@ -188,3 +197,97 @@ def test_a_bad_figure_fails_alone_and_a_dead_helper_is_replaced():
     assert "again" in plot_process.submit(plot_process.Figure(title="again"), 40, 10, "pro", None) \
         .result(timeout=60)[0].plain
     assert plot_process._helper is not helper
+
+
+# ------------------------------------------------------------------------------ plot lines
+
+
+class PlotApp(App[None]):
+    def compose(self) -> ComposeResult:
+        yield LossPlot(id="plot")
+
+
+def cells(strips) -> list[list[tuple[str, str]]]:
+    """Each line as (character, style) cells: what the terminal shows, whatever the segments."""
+    return [[(char, str(segment.style or "")) for segment in strip for char in segment.text] for strip in strips]
+
+
+@pytest.mark.parametrize("theme", ["studio-dark", "studio-light"])
+async def test_plot_lines_are_the_ones_textual_draws(theme):
+    """The plot paints its frame through the line API (frame_strips): every cell must show the
+    character and the colours Textual's own Text-to-Content path gives, at the widget's size."""
+    app = PlotApp()
+    for bundled in bundled_themes():
+        app.register_theme(bundled)
+    app.theme = theme
+    async with app.run_test(size=(90, 30)) as pilot:
+        plot = app.query_one(LossPlot)
+        state = TrainingState()
+        for step in range(1, 400):
+            state.apply(ev.StepLogged(step=step, total_steps=400, loss=3 / (1 + step / 40) + (step % 7) / 20,
+                                      learning_rate=2e-4))
+            if step % 50 == 0:
+                state.apply(ev.EvalLogged(step=step, loss=2 / (1 + step / 40)))
+        plot.show(state)
+        for _ in range(100):
+            await pilot.pause(0.1)
+            if plot._frame is not None and plot._frame[0] == plot._key():
+                break
+        text = plot._frame[1]
+        width, height = plot.size
+        textual_lines = Visual.to_strips(plot, visualize(plot, text), width, height, plot.visual_style)
+        ours = frame_strips(text, width, height, plot.visual_style, app.ansi_theme)
+        assert ours is not None and len(ours) == height
+        assert cells(ours) == cells(textual_lines)
+        assert [strip.cell_length for strip in ours] == [strip.cell_length for strip in textual_lines]
+        assert plot.render_line(0) is plot._strips[2][0]  # painted from the lines built once
+    # What the fast path does not cover is left to Textual's path.
+    assert frame_strips(Text("wide 字"), 20, 2, Style()) is None
+    assert frame_strips(Text("x" * 30), 20, 2, Style()) is None
+
+
+# ------------------------------------------------------------------------------ frame timer
+
+
+async def test_frame_timer_ticks_at_once_when_a_frame_is_due_and_keeps_the_cap():
+    """Resumed after a pause longer than its interval, the timer ticks at once (Textual's own timer
+    could wait up to two intervals); resumed within an interval of its last tick, it waits out the
+    rest of the interval, so frames stay capped."""
+    ticks: list[float] = []
+
+    class TimerApp(App[None]):
+        pass
+
+    app = TimerApp()
+    # A long interval, so that "at once" and "an interval later" stay far apart on a busy machine
+    # (a test worker beside this one): Textual's own timer would wait one to two intervals here.
+    interval = 0.25
+    async with app.run_test() as pilot:
+        timer = FrameTimer(app, interval, callback=lambda: (ticks.append(time.monotonic()), timer.pause()),
+                           pause=True)
+        timer._start()
+        try:
+            for _ in range(3):
+                await pilot.pause(1.6 * interval)  # longer than the interval: a frame is due
+                resumed = time.monotonic()
+                timer.resume()
+                while len(ticks) < 1 or ticks[-1] < resumed:
+                    await asyncio.sleep(0.001)
+                assert ticks[-1] - resumed < interval / 2
+            timer.resume()  # at once after a tick: waits for the interval
+            count = len(ticks)
+            while len(ticks) == count:
+                await asyncio.sleep(0.001)
+            assert ticks[-1] - ticks[-2] >= interval - 0.001
+        finally:
+            timer.stop()
+
+
+async def test_the_app_screen_paints_with_the_frame_timer(tmp_path, monkeypatch):
+    from studio.ui.app import StudioScreen
+
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await panes_mounted(pilot)
+        assert isinstance(app.screen, StudioScreen) and isinstance(app.screen._update_timer, FrameTimer)

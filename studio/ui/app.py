@@ -23,12 +23,14 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.css.query import NoMatches
 from textual.reactive import Reactive
-from textual.screen import Screen
+from textual.screen import UPDATE_PERIOD, Screen
+from textual.timer import Timer
 from textual.widget import Widget
 from textual.widgets import Header, TabbedContent, TabPane, Tabs
 
 from studio.core.config import RunConfig
 from studio.ui import theme as themes
+from studio.ui.frame_timer import FrameTimer
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged
 from studio.ui.pane_slot import PaneSlot
 from studio.ui.widgets.footer import StudioFooter
@@ -72,6 +74,19 @@ class StudioScreen(Screen[None]):
     and the footer repaints its keys, so nothing else needs drawing."""
 
     focused: Reactive[Widget | None] = Reactive(None, repaint=False)
+
+    _frame_timer: FrameTimer | None = None
+
+    @property
+    def _update_timer(self) -> Timer:
+        """The timer that paints the screen: a :class:`FrameTimer` (a key is painted in the next frame)."""
+        if self._frame_timer is None:
+            timer = FrameTimer(self, UPDATE_PERIOD, name="screen_update", callback=self._on_timer_update,
+                               pause=True)
+            timer._start()
+            self._timers.add(timer)
+            self._frame_timer = timer
+        return self._frame_timer
 
 
 class StudioApp(App[None]):

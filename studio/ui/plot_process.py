@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import pickle
 import queue
 import subprocess
@@ -35,6 +36,9 @@ MAX_POINTS = 600
 """Most points per curve handed to plotext; more are thinned evenly (the last point always kept)."""
 DOTS_PER_CELL = 2
 """Braille markers draw 2 dots across a terminal cell: more points than that per column cannot show."""
+
+HELPER_NICENESS = 10
+"""How much lower the helper's CPU priority is than the app's (``os.nice``)."""
 
 Curve = tuple[Sequence[float], Sequence[float], str, str, str]
 """(xs, ys, label, colour, marker) of one line or point series."""
@@ -104,6 +108,12 @@ def serve() -> None:
     stdin, answer (id, frame, CPU seconds) or (id, None, error text) pickled on stdout, until EOF."""
     source, sink = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but answers may reach the pipe
+    try:
+        # A frame is background work: on a busy machine the UI's event loop (a keypress) and the
+        # training worker come first, and a frame waits a little longer.
+        os.nice(HELPER_NICENESS)
+    except (AttributeError, OSError):
+        pass
     while True:
         try:
             request_id, *args = pickle.load(source)

@@ -113,13 +113,16 @@ class TemplatePane(Hosted, Vertical):
                 with Vertical(id="template-zero"):
                     with Horizontal(id="template-zero-head"):
                         yield Static("base model, zero-shot: press ctrl+g", id="template-zero-label")
-                        yield ProgressBar(total=100, show_eta=False, id="template-zero-progress")
+                        bar = ProgressBar(total=100, show_eta=False, id="template-zero-progress")
+                        bar.display = False  # shown while a zero-shot answer streams
+                        yield bar
                     with VerticalScroll(id="template-zero-scroll"):
                         yield Static("", id="template-zero-answer")
 
     def on_mount(self) -> None:
+        if not self.query("#template-editor"):
+            return  # the app quit while this pane was mounting: its children are already gone
         self._columns = list(self.host.dataset_columns) or None
-        self.query_one("#template-zero-progress").display = False
         self._load_template()
 
     # ----------------------------------------------------------------------- the template

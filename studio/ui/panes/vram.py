@@ -243,7 +243,8 @@ class VramPane(Hosted, VerticalScroll):
             f"{shown.total / GB:.1f} GB {verdict} on {self.gpu.name}; largest micro-batch "
             f"{shown.max_micro_batch}; {plan.weights}, "
             + (f"LoRA r{plan.lora_r}" if plan.lora_r else "full fine-tune")
-            + f", {plan.micro_batch} x {plan.seq_len} tokens; {plan.path} path")
+            + f", {plan.micro_batch} x {plan.seq_len} tokens; {plan.path} path"
+            + ("" if shown.peak_phase == "training step" else f"; peak in the {shown.peak_phase}"))
         summary.set_class(not shown.fits, "-does-not-fit")
         if self.step_index is None:
             walk.update("Walkthrough: press w to step from full fp32 fine-tuning to paged QLoRA "
@@ -376,9 +377,7 @@ def model_for_estimate(config: RunConfig, model_ref: str) -> tuple[ModelInfo, st
             info = find_model(run_model, config.model.revision).info  # Studio's cache, the Hub, bundled
         line = f"Model: {run_model} (the run's model.base_model)"
     if info.fused and config.lora is not None:
-        targets = config.lora.target_modules
-        names = tuple(info.linear_shapes()) if targets == "all-linear" else info.lora_modules(tuple(targets))
-        config.lora.target_modules = list(names)
+        config.lora.target_modules = list(info.lora_targets(config.lora.target_modules))
     return info, line
 
 

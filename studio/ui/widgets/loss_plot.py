@@ -16,9 +16,14 @@ import time
 from collections.abc import Sequence
 
 from plotext._dict import themes as plotext_themes
+from rich.cells import cell_len
+from rich.segment import Segment
+from rich.style import Style as RichStyle
 from rich.text import Text
 from textual import work
 from textual.color import Color
+from textual.strip import Strip
+from textual.style import Style
 from textual_plotext import PlotextPlot
 from textual_plotext.plot import _rgbify_theme, _sequence
 
@@ -36,7 +41,15 @@ class BackgroundPlot(PlotextPlot):
     Subclasses describe a figure as a function of the plotext object (:meth:`draw`); the frame is
     built in a thread and cached, and ``render`` returns the cached frame. A resize or a theme change
     (rare) builds one frame in place so the widget never shows a stale size.
+
+    The frame is painted through the line API (:meth:`render_line`): Textual's own path turns the
+    frame's Rich Text into Content and renders it span by span with a per-cell offset style for
+    mouse selection, 5-20 ms on the event loop for every new frame (a keypress landing then waits).
+    The same lines built straight from the text's spans, with one combined style a colour, take about
+    a millisecond. A plot has no text to select, so selection is off.
     """
+
+    ALLOW_SELECT = False
 
     min_interval_s = 1.0
     """Fewest seconds between two frame builds: plotext needs 30-90 ms of CPU for one, so a stream of
@@ -51,6 +64,8 @@ class BackgroundPlot(PlotextPlot):
         self._version = 0
         self._requested = 0
         self._frame: tuple[tuple[int, int, str, int], Text] | None = None
+        self._strips: tuple[Text, tuple[int, int], list[Strip]] | None = None
+        """The lines of the frame last painted, and the size they were cut to."""
         self.build_seconds: list[float] = []
         """CPU seconds of each frame built off the event loop (the events benchmark reads them)."""
 
@@ -135,6 +150,78 @@ class BackgroundPlot(PlotextPlot):
             return frame[1]
         self._frame = (key, self._frame_text(key, self._figure))
         return self._frame[1]
+
+    def notify_style_update(self) -> None:
+        """Theme or CSS changed: the lines are cut again in the new colours."""
+        self._strips = None
+        super().notify_style_update()
+
+    def render_line(self, y: int) -> Strip:
+        """Line ``y`` of the current frame (see the class docstring)."""
+        text = self.render()
+        width, height = self.size
+        cached = self._strips
+        if cached is None or cached[0] is not text or cached[1] != (width, height):
+            strips = frame_strips(text, width, height, self.visual_style, self.app.ansi_theme)
+            if strips is None:  # a frame this fast path does not cover: Textual's own path draws it
+                self._strips = None
+                return super().render_line(y)
+            cached = self._strips = (text, (width, height), strips)
+        lines = cached[2]
+        return lines[y] if y < len(lines) else Strip.blank(width, self.visual_style.rich_style)
+
+
+def frame_strips(text: Text, width: int, height: int, base: Style,
+                 ansi_theme: object = None) -> list[Strip] | None:
+    """The lines Textual draws for a plot frame ``text`` in a widget ``width`` x ``height`` cells
+    whose own style is ``base`` (the same colours and attributes, without the offsets used by mouse
+    selection), built from the text's spans directly. None for a frame this does not cover:
+    overlapping spans, a whole-text style, a character wider than a cell, or a line wider than
+    ``width`` (Textual would fold it onto the next line)."""
+    if text.style or not width:
+        return None
+    combined: dict[RichStyle | str, RichStyle] = {}
+    base_rich = base.rich_style
+
+    def style_of(span_style: RichStyle | str) -> RichStyle:
+        style = combined.get(span_style)
+        if style is None:
+            parsed = RichStyle.parse(span_style) if isinstance(span_style, str) else span_style
+            style = combined[span_style] = (base + Style.from_rich_style(parsed, ansi_theme)).rich_style
+        return style
+
+    plain = text.plain
+    if not plain.isascii() and any(cell_len(char) != 1 for char in set(plain) - {"\n"}):
+        return None
+    spans = sorted(text.spans, key=lambda span: span.start)
+    if any(a.end > b.start for a, b in zip(spans, spans[1:], strict=False)):
+        return None
+    strips: list[Strip] = []
+    index = 0  # the first span that may reach the current line
+    start = 0
+    for line in plain.split("\n")[:height]:
+        end = start + len(line)
+        if len(line) > width:
+            return None
+        segments: list[Segment] = []
+        x = start
+        while index < len(spans) and spans[index].end <= start:
+            index += 1
+        i = index
+        while i < len(spans) and spans[i].start < end:
+            span = spans[i]
+            left, right = max(span.start, start), min(span.end, end)
+            if left > x:
+                segments.append(Segment(plain[x:left], base_rich))
+            if right > left:
+                segments.append(Segment(plain[left:right], style_of(span.style)))
+            x = max(x, right)
+            i += 1
+        if x < end:
+            segments.append(Segment(plain[x:end], base_rich))
+        strips.append(Strip(segments, len(line)))
+        start = end + 1
+    return strips
 
 
 class LossPlot(BackgroundPlot):
