@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.vram_accuracy import ARCHS, Case, _rel, summarize  # noqa: E402
+from bench.vram_accuracy import ARCHS, Case, _rel, predicted_peaks, summarize  # noqa: E402
 from studio.core.model_info import from_config_dict  # noqa: E402
 from studio.core.vram import estimate_plan  # noqa: E402
 
@@ -37,22 +37,27 @@ def rescore(results: dict) -> dict:
         # the benchmark reads the saved model's config.json; the architecture dict is what it saved
         info = from_config_dict(dict(ARCHS[case.arch]), case.arch)
         predicted = estimate_plan(info, case.plan())
-        row = {"label": case.label, "case": old["case"], "path": predicted.plan.path,
-               "predicted": {"peak_allocated": predicted.peak_allocated,
-                             "peak_reserved": predicted.peak_reserved,
-                             "categories": predicted.categories}}
         measured = old.get("measured")
+        # the peak over the phases of a run the row measured (the HF loop: training steps only)
+        peaks = predicted_peaks(predicted, case.phases(measured or {}))
+        row = {"label": case.label, "case": old["case"], "path": predicted.plan.path,
+               "predicted": {**peaks, "categories": predicted.step_categories,
+                             "peak_phase": predicted.peak_phase}}
+        if predicted.plan.data_sized:
+            row["predicted"]["micro_batch_tokens"] = predicted.plan.real_tokens
         if measured is None or "peak_allocated" not in measured:
             row["measured"] = measured
             rows.append(row)
             continue
-        # Trainer rows: the peak over every phase of the run (training steps, evaluation, save)
+        # Trainer rows: the peak over every phase of the run (training steps, evaluation, save, generation)
         row["measured"] = {k: measured[k] for k in ("peak_allocated", "peak_reserved", "categories", "path",
-                                                    "train_peak_allocated", "train_peak_reserved") if k in measured}
+                                                    "train_peak_allocated", "train_peak_reserved",
+                                                    "generate_peak_allocated", "generate_peak_reserved")
+                           if k in measured}
         if "in_sample" in old:
             row["in_sample"] = old["in_sample"]
         for key in ("peak_allocated", "peak_reserved"):
-            row["error_" + key] = _rel(getattr(predicted, key), measured[key])
+            row["error_" + key] = _rel(peaks[key], measured[key])
         rows.append(row)
     return {"source": results.get("command"), "gpu": results.get("gpu"), "versions": results.get("versions"),
             "summary": summarize(rows), "rows": rows}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -18,6 +19,7 @@ from studio.core.cli_estimate import main as estimate_main
 from studio.core.config import RunConfig, parse_config
 from studio.core.gpus import GB, gpu_for_size
 from studio.core.model_info import KNOWN_MODELS, ModelInfoError, from_config_dict, load_model_info
+from studio.core.plan import graphs_for
 from studio.core.vram import (
     ALL_LINEAR,
     CATEGORIES,
@@ -73,9 +75,9 @@ def test_nf4_weights_are_packed_data_plus_constants_plus_fp32_rest():
 ])
 def test_peaks_match_the_h100_reference_runs(micro_batch, seq, checkpointing, allocated, reserved):
     plan = replace(QLORA7, micro_batch=micro_batch, seq_len=seq, checkpointing=checkpointing)
-    result = estimate_plan(LLAMA7, plan)
-    assert result.peak_allocated / GB == pytest.approx(allocated, rel=0.05)
-    assert result.peak_reserved / GB == pytest.approx(reserved, rel=0.05)
+    step = estimate_plan(LLAMA7, plan).phases["training step"]  # the loop measured training steps only
+    assert step.allocated / GB == pytest.approx(allocated, rel=0.05)
+    assert step.reserved / GB == pytest.approx(reserved, rel=0.05)
 
 
 def test_full_fp32_fine_tuning_is_16_bytes_a_parameter_plus_activations():
@@ -177,7 +179,8 @@ def test_cli_json_has_exactly_the_documented_keys(tmp_path, capsys):
     path.write_text("model: {base_model: meta-llama/Llama-2-7b-hf}\n")
     assert estimate_main(Namespace(config=str(path), gpu_gb=16.0, json=True, model=None)) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"categories", "total", "capacity", "fits", "max_micro_batch", "path", "plan", "auto_plan"}
+    assert set(data) == {"categories", "total", "capacity", "fits", "max_micro_batch", "path", "plan", "auto_plan",
+                         "peak_phase", "phases"}
     # a 4-bit Llama with LoRA on the seven projections takes the GPU fast path (core/plan.py decides)
     assert data["path"] == "fast" and data["plan"]["path"] == "fast" and data["plan"]["cuda_graphs"] is True
     assert data["plan"]["micro_batch"] == data["auto_plan"]["chosen"]["micro_batch_size"]  # auto: the planned one
@@ -381,6 +384,20 @@ SEQUENTIAL_TRAINER_RESULTS = ("h100_speed_memory_v2.json", "h100_speed_memory_v2
 one row at a time (the v2 grid's parallel rows are not used for reserved memory: docs/memory.md)."""
 
 
+@contextlib.contextmanager
+def _offload_rule(rule):
+    """The estimator with another engine's host-offload rule (core/plan.offload_for), for rows
+    measured on that engine."""
+    import studio.core.vram_fast as vram_fast
+
+    saved = vram_fast.offload_for
+    vram_fast.offload_for = rule
+    try:
+        yield
+    finally:
+        vram_fast.offload_for = saved
+
+
 def _trainer_rows(names):
     """(case, prediction, measurement) of each full-length Trainer row in ``names`` (padded short
     rows aside: the estimate assumes full-length rows, docs/memory.md)."""
@@ -394,8 +411,17 @@ def _trainer_rows(names):
                     or "peak_reserved" not in row.get("measured", {}) or c.get("data", "long") != "long":
                 continue
             case = bench.Case(**{**c, "targets": tuple(c["targets"]), "lever": ""})
+            if case.dropout and "CUDA graphs" not in row["measured"].get("fast_path", "CUDA graphs"):
+                continue  # measured before adapter dropout kept the graphs: another engine's step
             info = from_config_dict(dict(bench.ARCHS[case.arch]), case.arch)
-            out.append((case, estimate_plan(info, case.plan()), row["measured"]))
+            rule = contextlib.nullcontext()
+            if "on eager steps" in row["measured"].get("fast_path", ""):
+                # measured before the graphed steps kept their layer inputs on the host too: scored
+                # with the rule that engine followed
+                rule = _offload_rule(lambda tokens, dropout, cuda: cuda and not graphs_for(tokens, dropout, cuda))
+            with rule:
+                predicted = bench.predicted_peaks(estimate_plan(info, case.plan()), case.phases(row["measured"]))
+            out.append((case, predicted, row["measured"]))
     return out
 
 
@@ -412,10 +438,10 @@ def test_fast_path_model_against_the_trainer_on_the_h100():
     assert len(rows) >= 12
     errors: dict[bool, list[float]] = {True: [], False: []}
     for case, predicted, measured in rows:
-        assert predicted.path == measured["path"] == "fast", case.label
+        assert case.plan().path == measured["path"] == "fast", case.label
         in_sample = not case.out_of_sample or case.label in bench.FITTED
         for key in ("peak_allocated", "peak_reserved"):
-            error = abs(predicted.__dict__[key] / measured[key] - 1)
+            error = abs(predicted[key] / measured[key] - 1)
             errors[in_sample].append(error)
             assert error < (0.05 if in_sample else 0.03), (case.label, key, error)
     assert statistics.median(errors[True]) < 0.03

@@ -12,9 +12,9 @@ How it decides:
   the config sets explicitly is not varied.
 * **Memory.** Each candidate's estimated total (core/vram.py's ``estimate``: the peak reserved plus
   the CUDA context, on the path the engine will take) must be at most the card less
-  :func:`headroom_for`. The estimate is the peak of the training step, which is the peak of the run:
-  on the fast path evaluation goes through the vocabulary in chunks under the step's peak, on the
-  plain path the evaluation's logits are the training step's (docs/memory.md).
+  :func:`headroom_for`. The estimate is the peak over every phase of a run (training step,
+  evaluation, generation for chat, checkpoint save: core/vram_phases.py), so a plan whose chat
+  answer (its KV cache) would not fit is rejected too.
 * **Speed.** :func:`relative_speed`, a documented proxy, not a measurement: a fixed cost per
   micro-batch (kernel launches, the host's work) amortised over its tokens, and one more forward
   (4/3 of the compute) with checkpointing. The fastest candidate that fits wins.
@@ -208,10 +208,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan(config: RunConfig, info: ModelInfo, capacity: int, headroom: int | None = None) -> AutoPlan:
+def plan(config: RunConfig, info: ModelInfo, capacity: int, headroom: int | None = None,
+         lengths: tuple[int, ...] = ()) -> AutoPlan:
     """The fastest candidate whose estimate fits ``capacity`` less the headroom, with every
-    rejected one and why. Raises :class:`AutoPlanError` (naming the keys to change) when none fits,
-    and ValueError (as core/vram.py's estimate) for a LoRA target the model lacks."""
+    rejected one and why. ``lengths``: the training examples' token lengths when the data was read
+    (core/vram_lengths.py; unpacked runs are sized from them). Raises :class:`AutoPlanError`
+    (naming the keys to change) when none fits, and ValueError (as core/vram.py's estimate) for a
+    LoRA target the model lacks."""
     from studio.core.vram import estimate  # vram imports config; keep this module light to import
 
     headroom = headroom_for(capacity) if headroom is None else headroom
@@ -230,7 +233,7 @@ def plan(config: RunConfig, info: ModelInfo, capacity: int, headroom: int | None
     for micro in micros:
         for ckpt in ckpts:
             option = with_values(config, micro, ckpt, target)
-            total = estimate(option, info).total
+            total = estimate(option, info, lengths=lengths).total
             speed = relative_speed(micro * sequences * config.data.max_seq_length, ckpt or path == "fast")
             candidates.append(Candidate(micro, option.trainer.accumulation_steps(), ckpt, total, speed))
     candidates.sort(key=lambda c: (-c.speed, c.total))

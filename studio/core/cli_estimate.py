@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from studio.core import autoplan
 from studio.core.config import ConfigError, RunConfig, load_config
@@ -19,6 +20,7 @@ from studio.core.gpus import GB, detect_gpus, gpu_for_size
 from studio.core.model_info import ModelInfoError, load_model_info
 from studio.core.multigpu import effective_batch, requested_gpus
 from studio.core.vram import CATEGORIES, Estimate, estimate
+from studio.core.vram_lengths import data_lengths
 
 DEFAULT_GPU_GB = 24.0
 """Capacity assumed when no card is detected and none is given: the common 24 GB cards."""
@@ -52,6 +54,9 @@ def format_table(result: Estimate, model: str, gpu_name: str, config: RunConfig 
     lines.append(f"  (peak allocated {result.peak_allocated / GB:.2f} GB, reserved {result.peak_reserved / GB:.2f}"
                  " GB: what torch.cuda reports)")
     lines.append("")
+    lines.extend(phase_lines(result))
+    lines.append(length_line(result))
+    lines.append("")
     if result.capacity is not None:
         verdict = "fits" if result.fits else "does NOT fit"
         lines.append(f"{verdict} on {gpu_name} ({result.capacity / GB:.1f} GB); largest micro-batch that fits: "
@@ -60,6 +65,27 @@ def format_table(result: Estimate, model: str, gpu_name: str, config: RunConfig 
         lines.append(batch_line(config))
     lines.extend(f"note: {note}" for note in result.notes)
     return "\n".join(lines)
+
+
+def phase_lines(result: Estimate) -> list[str]:
+    """Each phase of a run with its peak reserved, and which one sets the peak (core/vram_phases.py)."""
+    out = [f"peak set by the {result.peak_phase} (the table is that moment's)"]
+    for name, peak in result.phases.items():
+        mark = "*" if name == result.peak_phase else " "
+        out.append(f" {mark}{name:<16} allocated {peak.allocated / GB:6.2f} GB, reserved {peak.reserved / GB:6.2f} GB"
+                   f"  ({peak.held})")
+    return out
+
+
+def length_line(result: Estimate) -> str:
+    """Whether the step was sized from the data's token lengths or from data.max_seq_length."""
+    plan = result.plan
+    if plan.data_sized:
+        return (f"token lengths: from the data ({len(plan.lengths)} examples, longest {plan.row_len} tokens): "
+                f"a micro-batch of {plan.micro_batch} holds at most {plan.real_tokens} real tokens")
+    why = ("packing fills every row" if plan.packing else "preference pairs" if plan.sequences_per_example > 1
+           else "the data or the model's tokenizer is not readable here")
+    return f"token lengths: every row data.max_seq_length ({plan.seq_len}) tokens long ({why})"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -75,14 +101,17 @@ def main(args: argparse.Namespace) -> int:
         else:
             detected = detect_gpus()
             gpu = detected[0] if detected else gpu_for_size(DEFAULT_GPU_GB)
+        # unpacked runs are sized from the data's token lengths when the data and tokenizer are here
+        lengths, _why = data_lengths(config, base_dir=Path(args.config).parent) if not config.trainer.packing \
+            else ((), "")
         plan, refused = None, None
         if autoplan.is_auto(config):
             try:
-                plan = autoplan.plan(config, info, gpu.capacity)
+                plan = autoplan.plan(config, info, gpu.capacity, lengths=lengths)
                 config = plan.apply(config)
             except autoplan.AutoPlanError as exc:  # show the smallest plan's estimate, and why none fits
                 refused, config = exc, autoplan.smallest(config, exc)
-        result = estimate(config, info, gpu.capacity)
+        result = estimate(config, info, gpu.capacity, lengths=lengths)
     except (ConfigError, ModelInfoError) as exc:
         print(f"studio estimate: {exc}", file=sys.stderr)
         return 1

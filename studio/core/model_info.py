@@ -114,6 +114,17 @@ class ModelInfo:
         names = (FUSED_INTO.get(t, t) for t in targets)
         return tuple(dict.fromkeys(names))
 
+    def lora_targets(self, targets: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+        """A config's ``lora.target_modules`` as this model's module names: ``all-linear`` is every
+        linear module of a decoder layer (lm_head excluded, as PEFT reads it), and Llama names map
+        onto Phi-3's fused modules (:meth:`lora_modules`). ``studio estimate`` and the VRAM pane
+        both go through this."""
+        if isinstance(targets, str):
+            targets = (targets,)
+        if tuple(targets) == ("all-linear",):
+            return tuple(self.linear_shapes())
+        return self.lora_modules(tuple(targets))
+
     def linear_params(self) -> int:
         """Parameters in all decoder layers' linear modules (what 4-bit / 8-bit quantize)."""
         return self.layers * sum(a * b for a, b in self.linear_shapes().values())

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from studio.core.config import RunConfig
 from studio.core.model_info import ModelInfo
-from studio.core.plan import FAST_PATH_ENV, PathChoice, PathFacts, choose_path
+from studio.core.plan import PathChoice, PathFacts, choose_path
 
 CATEGORIES = ("weights", "lora", "gradients", "optimizer", "activations", "overhead")
 """Category keys, in drawing order; engine/memory.py measures the same ones."""
@@ -113,6 +113,41 @@ class Plan:
     positions) are smaller than the loss moment's, which also holds the gradients of the fp32 logits:
     it costs time, not peak memory."""
 
+    packing: bool = True
+    """``trainer.packing``: rows packed into ``seq_len``-long streams (every micro-batch full), or
+    one example a row, padded to the micro-batch's longest."""
+
+    lengths: tuple[int, ...] = ()
+    """Token lengths of the training examples, longest first, each capped at ``seq_len``, when the
+    data was read (:mod:`studio.core.vram_lengths`); empty: every row is taken as ``seq_len`` long.
+    Only unpacked runs use it (packed micro-batches fill ``seq_len``)."""
+
+    generate_prompt_tokens: int | None = None
+    """The generation phase's prompt (chat), in tokens; None: as long as a training row (``seq_len``)."""
+
+    generate_new_tokens: int = 128
+    """The generation phase's answer length (``generation.max_new_tokens``)."""
+
+    @property
+    def data_sized(self) -> bool:
+        """Whether the step is sized from the data's token lengths (unpacked SFT with lengths known)
+        rather than taking every row as ``seq_len`` long."""
+        return bool(self.lengths) and not self.packing and self.sequences_per_example == 1
+
+    @property
+    def row_len(self) -> int:
+        """Width of a micro-batch's rows: ``seq_len``, or the data's longest example (capped)."""
+        return min(self.seq_len, self.lengths[0]) if self.data_sized else self.seq_len
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens of the largest micro-batch without its padding (what the fast path, which unpads,
+        computes on): the sum of the ``micro_batch`` longest examples when sized from the data (no
+        micro-batch can hold more), else :attr:`tokens`."""
+        if self.data_sized:
+            return sum(min(self.seq_len, n) for n in self.lengths[:self.micro_batch])
+        return self.tokens
+
     @property
     def quantized(self) -> bool:
         """True for 4-bit and 8-bit base weights (loaded through bitsandbytes)."""
@@ -120,8 +155,9 @@ class Plan:
 
     @property
     def tokens(self) -> int:
-        """Tokens in one micro-batch (a preference pair counts both of its sequences)."""
-        return self.micro_batch * self.sequences_per_example * self.seq_len
+        """Tokens in one micro-batch as the model sees it, padding included (a preference pair
+        counts both of its sequences): micro-batch x :attr:`row_len`."""
+        return self.micro_batch * self.sequences_per_example * self.row_len
 
 
 @dataclass
@@ -159,6 +195,18 @@ class Estimate:
     """The engine's path decision this estimate follows (core/plan.py), with its reason; None for
     estimates of a bare Plan (the walkthrough's steps, the benchmark's rows)."""
 
+    phases: dict = field(default_factory=dict)
+    """Each phase of a run (core/vram_phases.py's PHASES: training step, evaluation, generation,
+    checkpoint save) and its :class:`~studio.core.vram_phases.PhasePeak`; the peaks above are the
+    largest of them."""
+
+    peak_phase: str = "training step"
+    """The phase that sets the peak reserved memory (and the categories, which are that moment's)."""
+
+    step_categories: dict[str, int] = field(default_factory=dict)
+    """The training step's categories (what engine/memory.py measures during a step); the same as
+    ``categories`` when the step sets the peak."""
+
     @property
     def path(self) -> str:
         """``fast`` or ``plain``: the training path this estimate models."""
@@ -177,8 +225,13 @@ class Estimate:
             plan.update(self.choice.to_json_dict())
         else:
             plan["path"] = self.plan.path
+        plan["token_lengths"] = ({"source": "data", "longest": self.plan.row_len,
+                                  "micro_batch_tokens": self.plan.real_tokens, "examples": len(self.plan.lengths)}
+                                 if self.plan.data_sized else {"source": "max_seq_length"})
         return {"categories": dict(self.categories), "total": self.total, "capacity": self.capacity,
-                "fits": self.fits, "max_micro_batch": self.max_micro_batch, "path": self.plan.path, "plan": plan}
+                "fits": self.fits, "max_micro_batch": self.max_micro_batch, "path": self.plan.path, "plan": plan,
+                "peak_phase": self.peak_phase,
+                "phases": {name: peak.to_json_dict() for name, peak in self.phases.items()}}
 
 
 def expandable_segments_from_env(alloc_conf: str | None) -> bool:
@@ -197,18 +250,25 @@ def expandable_segments_from_env(alloc_conf: str | None) -> bool:
 
 
 def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str = "sdpa",
-             expandable_segments: bool | None = None) -> Plan:
+             expandable_segments: bool | None = None, lengths: tuple[int, ...] = (),
+             info: ModelInfo | None = None) -> Plan:
     """The Plan a RunConfig describes (4-bit NF4 QLoRA by default).
 
     ``expandable_segments`` None means what Studio's engine will use in this environment
-    (:func:`expandable_segments_from_env` of PYTORCH_CUDA_ALLOC_CONF).
+    (:func:`expandable_segments_from_env` of PYTORCH_CUDA_ALLOC_CONF). ``lengths``: the training
+    examples' token lengths when the data was read (core/vram_lengths.py), else every row is taken
+    as ``data.max_seq_length`` long. ``info``: the model, whose module names the LoRA targets take
+    (``ModelInfo.lora_targets``: all-linear, Phi-3's fused modules); without it, Llama's names.
     """
     q = config.quantization
     compute = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[q.compute_dtype]
     weights = {4: q.quant_type, 8: "int8"}.get(q.bits, compute) if q.bits else compute
     lora = config.lora
     targets = lora.target_modules if lora is not None else ()
-    names = ALL_LINEAR if targets == "all-linear" else tuple(t for t in targets)
+    if info is not None:
+        names = info.lora_targets(targets) if lora is not None else ()
+    else:
+        names = ALL_LINEAR if targets == "all-linear" else tuple(t for t in targets)
     accumulation = config.trainer.accumulation_steps()
     return Plan(weights=weights, double_quant=q.double_quant, compute=compute,
                 lora_r=lora.r if lora is not None else None, lora_targets=names,
@@ -220,7 +280,8 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
                 expandable_segments=(expandable_segments_from_env(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
                                      if expandable_segments is None else expandable_segments),
                 sequences_per_example=2 if config.trainer.method in ("dpo", "orpo") else 1,
-                reference_pass=config.trainer.method == "dpo")
+                reference_pass=config.trainer.method == "dpo", packing=config.trainer.packing,
+                lengths=tuple(lengths), generate_new_tokens=config.generation.max_new_tokens)
 
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -635,11 +696,38 @@ def _expandable_reserved(info: ModelInfo, plan: Plan, base: float, m: _Moments, 
 
 
 def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> Estimate:
-    """Predict the memory of ``plan`` on model ``info`` (see :func:`estimate`), on the plan's path."""
+    """Predict the memory of ``plan`` on model ``info`` (see :func:`estimate`), on the plan's path:
+    the peak over every phase of a run (core/vram_phases.py), the training step's modelled here
+    (plain path) or in core/vram_fast.py."""
+    from studio.core.vram_phases import peak_phase, phase_peaks
+
     if plan.path == "fast":
         from studio.core.vram_fast import estimate_fast  # it builds on this module's helpers
 
-        return estimate_fast(info, plan, gpu_bytes)
+        result = estimate_fast(info, plan)
+    else:
+        result = _plain_step(info, plan)
+    phases = phase_peaks(info, plan, result)
+    top = peak_phase(phases)
+    result.phases, result.peak_phase, result.step_categories = phases, top, dict(result.categories)
+    result.peak_allocated = max(p.allocated for p in phases.values())
+    if top != "training step":  # the categories of the moment that sets the peak: no gradients then
+        c, peak = result.categories, phases[top]
+        on_device_optimizer = 0 if plan.optimizer.startswith("paged") else c["optimizer"]
+        c["gradients"] = 0
+        c["activations"] = peak.allocated - c["weights"] - c["lora"] - on_device_optimizer
+        c["overhead"] = peak.reserved - peak.allocated + CUDA_CONTEXT_BYTES
+        result.peak_reserved = peak.reserved
+        result.total = sum(c.values())
+        result.notes.insert(0, f"the {top} sets the peak: {peak.held}")
+    if gpu_bytes is not None:
+        result.capacity, result.fits = gpu_bytes, result.total <= gpu_bytes
+        result.max_micro_batch = _max_micro_batch(info, plan, gpu_bytes)
+    return result
+
+
+def _plain_step(info: ModelInfo, plan: Plan) -> Estimate:
+    """The training step on the plain path (transformers + PEFT + bitsandbytes)."""
     weights = weight_bytes(info, plan)
     n_train = trainable_params(info, plan)
     lora = n_train * 4 if plan.lora_r is not None else 0
@@ -677,9 +765,7 @@ def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> 
     if plan.seq_len > info.max_positions:
         notes.append(f"sequence length {plan.seq_len} exceeds the model's {info.max_positions} positions")
     notes.append("overhead includes ~0.8 GB of CUDA context that only nvidia-smi shows")
-    fits = None if gpu_bytes is None else total <= gpu_bytes
-    max_mb = None if gpu_bytes is None else _max_micro_batch(info, plan, gpu_bytes)
-    return Estimate(categories, total, gpu_bytes, fits, max_mb, peak_allocated, peak_reserved, plan, notes)
+    return Estimate(categories, total, None, None, None, peak_allocated, peak_reserved, plan, notes)
 
 
 def _total(info: ModelInfo, plan: Plan) -> int:
@@ -706,11 +792,9 @@ def _max_micro_batch(info: ModelInfo, plan: Plan, capacity: int, limit: int = 40
 def path_choice(config: RunConfig, model_info: ModelInfo) -> PathChoice:
     """The training path Studio's engine will take for ``config`` on this model on a GPU, decided
     by the function the engine calls (core/plan.py's choose_path)."""
-    plan = plan_for(config)
-    facts = PathFacts(cuda=True, weights=plan.weights, lora_targets=plan.lora_targets,
-                      lora_dropout=plan.lora_dropout, model_blocker=model_info.fast_path_blocker,
-                      env=os.environ.get(FAST_PATH_ENV, ""), method=config.trainer.method,
-                      dora=plan.dora, full_finetune=config.full_finetune)
+    plan = plan_for(config, info=model_info)
+    facts = PathFacts.from_config(config, cuda=True, weights=plan.weights,
+                                  model_blocker=model_info.fast_path_blocker, targets=plan.lora_targets)
     choice = choose_path(facts)
     if choice.path == "plain":
         choice = replace(choice, checkpointing=plan.checkpointing)
@@ -718,15 +802,16 @@ def path_choice(config: RunConfig, model_info: ModelInfo) -> PathChoice:
 
 
 def estimate(config: RunConfig, model_info: ModelInfo, gpu_bytes: int | None = None,
-             micro_batch: int | None = None) -> Estimate:
+             micro_batch: int | None = None, lengths: tuple[int, ...] = ()) -> Estimate:
     """Predict the GPU memory of training ``config`` on the model ``model_info`` describes, on the
     path the engine will take (:func:`path_choice`).
 
     ``gpu_bytes`` is the card's capacity (for fits / max_micro_batch); ``micro_batch`` overrides the
-    config's. Raises ValueError naming ``lora.target_modules`` if a target is not in the model.
+    config's; ``lengths`` the training examples' token lengths when known (:func:`plan_for`).
+    Raises ValueError naming ``lora.target_modules`` if a target is not in the model.
     """
     choice = path_choice(config, model_info)
-    plan = replace(plan_for(config, micro_batch), path=choice.path)
+    plan = replace(plan_for(config, micro_batch, lengths=lengths, info=model_info), path=choice.path)
     result = replace(estimate_plan(model_info, plan, gpu_bytes), choice=choice)
     if plan.lora_r is None:  # the config's own full fine-tune (the walkthrough's steps tell their own story)
         result.notes.insert(0, f"full fine-tuning: every weight has a gradient in {plan.weights} and AdamW state ("
@@ -751,9 +836,9 @@ class WalkStep:
 def walkthrough(config: RunConfig, info: ModelInfo, gpu_bytes: int | None = None) -> list[WalkStep]:
     """The seed's story for this model: full fp32 -> bf16 -> 8-bit -> LoRA -> NF4 QLoRA ->
     + gradient checkpointing -> + paged 8-bit optimizer, each step changing one thing."""
-    base = plan_for(config)
+    base = plan_for(config, info=info)
     # a full fine-tune's config (lora: null) has no adapter of its own: its LoRA steps show the default one
-    lora = dict(lora_r=base.lora_r or 16, lora_targets=base.lora_targets or ALL_LINEAR,
+    lora = dict(lora_r=base.lora_r or 16, lora_targets=base.lora_targets or info.lora_targets("all-linear"),
                 lora_dropout=base.lora_dropout)
     full = replace(base, lora_r=None, checkpointing=False, optimizer="adamw", compute="fp32",
                    weights="fp32")

@@ -98,6 +98,17 @@ def step_activations(info: ModelInfo, tokens: int, compute_bytes: int, offloaded
     return saved + working + loss
 
 
+def dropout_bytes(info: ModelInfo, tokens: int, compute_bytes: int, rate: float, targets: tuple[str, ...]) -> int:
+    """Adapter dropout's working copies in a recomputed layer's backward (engine/fast/weights.py's
+    AdapterDropout): an adapter's masked input gradient and its regenerated masked input, each
+    ``tokens x fan_in``, the widest adapted input at a time. Counted from the code, not measured."""
+    if rate <= 0:
+        return 0
+    shapes = info.linear_shapes()
+    widest = max((shapes[name][0] for name in targets if name in shapes), default=0)
+    return 2 * tokens * widest * compute_bytes
+
+
 def allocator_slack(info: ModelInfo, tokens: int, compute_bytes: int, graphs: bool,
                     offloaded: bool = False) -> float:
     """Reserved beyond the allocated peak: holes about two of the widest fused products' size that
@@ -113,8 +124,9 @@ def allocator_slack(info: ModelInfo, tokens: int, compute_bytes: int, graphs: bo
     return slack
 
 
-def estimate_fast(info: ModelInfo, plan, gpu_bytes: int | None = None):
-    """The :class:`~studio.core.vram.Estimate` of ``plan`` (whose ``path`` is ``fast``) on ``info``."""
+def estimate_fast(info: ModelInfo, plan):
+    """The training step's :class:`~studio.core.vram.Estimate` of ``plan`` (whose ``path`` is
+    ``fast``) on ``info``; core/vram.py's ``estimate_plan`` adds the other phases and the card."""
     from studio.core import vram
 
     c = 2 if plan.compute in ("bf16", "fp16") else 4
@@ -129,18 +141,25 @@ def estimate_fast(info: ModelInfo, plan, gpu_bytes: int | None = None):
     lora = grads = n_train * 4
     optimizer = vram.optimizer_bytes(info, plan)
     on_device_optimizer = 0 if plan.optimizer.startswith("paged") else optimizer
-    tokens = plan.tokens
+    tokens = plan.real_tokens  # the fast path drops the padding before the model
     graphs = graphs_for(tokens, plan.lora_dropout, cuda=True)  # the engine's own rules (core/plan.py)
     offloaded = offload_for(tokens, plan.lora_dropout, cuda=True)
     activations = (step_activations(info, tokens, c, offloaded)
                    + hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c)
                    + widest_fused_weight(info, c)  # the shared dequantization buffer
-                   + vram.CUBLAS_WORKSPACE_BYTES)
+                   + vram.CUBLAS_WORKSPACE_BYTES
+                   + dropout_bytes(info, tokens, c, plan.lora_dropout, plan.lora_targets))
     # Gradients exist through the whole step (the graphs' backward adds into them in place) and the
     # optimizer's foreach temporary comes after the activations are gone: the backward is the peak.
     temp = n_train * 4 if plan.optimizer == "adamw" else 0
     peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations, temp))
     slack = allocator_slack(info, tokens, c, graphs, offloaded)
+    if graphs and plan.data_sized:
+        # Unpacked rows of varying lengths come in several layouts, and the engine captures one graph
+        # per layout up to FastOptions.max_graphs (2), each with its own private pool: a second copy
+        # of the graph's held activations and free blocks (the short-padded H100 row captured two).
+        slack += step_activations(info, tokens, c) + allocator_slack(info, tokens, c, True) - _FIXED_SLACK \
+            - 2 * widest_fused_weight(info, c)
     page = 2 * 2**20
     peak_reserved = int(math.ceil((peak_allocated + slack) / page) * page)
     overhead = peak_reserved - peak_allocated + vram.CUDA_CONTEXT_BYTES
@@ -149,14 +168,11 @@ def estimate_fast(info: ModelInfo, plan, gpu_bytes: int | None = None):
                   "overhead": int(overhead)}
     total = sum(categories.values())
     notes = ["fast path (studio/engine/fast): every layer checkpointed, fused cross-entropy, "
-             + ("CUDA graphs" if graphs else "no CUDA graphs (LoRA dropout > 0)" if plan.lora_dropout
-                else "eager steps with the layer inputs in host memory")]
+             + ("CUDA graphs" if graphs else "eager steps with the layer inputs in host memory")]
     if plan.optimizer.startswith("paged"):
         notes.append("paged optimizer state lives in unified memory: it spills to host RAM under "
                      "pressure and torch.cuda's counters do not see it")
     if plan.seq_len > info.max_positions:
         notes.append(f"sequence length {plan.seq_len} exceeds the model's {info.max_positions} positions")
     notes.append("overhead includes ~0.8 GB of CUDA context that only nvidia-smi shows")
-    fits = None if gpu_bytes is None else total <= gpu_bytes
-    max_mb = None if gpu_bytes is None else vram._max_micro_batch(info, plan, gpu_bytes)
-    return vram.Estimate(categories, total, gpu_bytes, fits, max_mb, peak_allocated, peak_reserved, plan, notes)
+    return vram.Estimate(categories, total, None, None, None, peak_allocated, peak_reserved, plan, notes)

@@ -1,0 +1,149 @@
+"""The phases of a run besides the training step: evaluation, generation for chat, checkpoint save.
+
+core/vram.py and core/vram_fast.py model the training step. A run does more with the same memory
+between steps, and its peak is the largest of them all (issue 18: the 7B run that trained at
+micro-batch 32 under a 15 GB cap and died in its final evaluation):
+
+- **evaluation** (``Trainer.evaluate``): no gradients, one micro-batch of validation rows at a time.
+  The fast path's ``FastModel.score`` runs at most ``SCORE_TOKENS`` (2048) tokens a forward pass (one
+  row when a row is longer) and goes through the vocabulary in chunks whose fp32 logits are no larger
+  than those tokens' hidden states in fp32 (engine/fast/loss.py); held: the pass's hidden states
+  and residual, one layer's no-gradient working set, one layer's hoisted adapters, the chunk's logits
+  (bf16 and fp32) and the gathered target rows. The plain path's evaluation is its model's forward
+  on the whole micro-batch with the logits (compute dtype, their fp32 copy and log-softmax);
+- **generation** (``Session.generate``, what chat and the held-out comparison call): a prompt of
+  :attr:`~studio.core.vram.Plan.generate_prompt_tokens` (a training row's length unless said) and
+  ``generation.max_new_tokens`` new ones, through the transformers modules on both paths: the KV cache
+  of every layer for prompt + answer, the prompt pass's working set of one layer, one weight
+  dequantized by bitsandbytes for its product, the last position's logits only (engine/generate.py
+  asks for ``logits_to_keep=1``) with their fp32 softmax, and on the plain k-bit path autocast's copy
+  of the fp32 output head;
+- **checkpoint save**: the adapter and the optimizer state are copied to the host tensor by tensor;
+  nothing beyond what persists on the card.
+
+What persists through all of them: the weights, the adapters, the optimizer state (gradients are
+freed after every optimizer step: ``zero_grad(set_to_none=True)``), on the fast path its shared
+dequantization buffer and, where the step ran as a CUDA graph, the graph's private pool, which
+nothing outside the graph can reuse. Reserved memory never shrinks during a run, so a phase's
+reserved peak is the training step's, or what the phase needs on top of what persists when that is
+more.
+
+Plain Python: it must never import torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from studio.core.model_info import ModelInfo
+
+PHASES = ("training step", "evaluation", "generation", "checkpoint save")
+"""The phases of a run, in the order a run meets them; the estimate's peak is the largest."""
+
+SCORE_TOKENS = 2048
+"""engine/fast/model.py's ``SCORE_TOKENS``: the fast path's evaluation runs at most this many tokens
+a forward pass (a longer row runs alone). Kept equal by tests/test_vram_phases.py."""
+
+_PAGE = 2 * 2**20
+
+
+@dataclass(frozen=True)
+class PhasePeak:
+    """One phase's predicted peaks, in bytes."""
+
+    allocated: int
+    """Predicted ``torch.cuda.max_memory_allocated()`` over the phase."""
+
+    reserved: int
+    """Predicted ``torch.cuda.max_memory_reserved()`` once the phase is over (never below the
+    training step's: reserved memory is not given back during a run)."""
+
+    held: str
+    """What the phase holds beyond what persists, in words (``studio estimate`` shows it)."""
+
+    def to_json_dict(self) -> dict:
+        return {"peak_allocated": self.allocated, "peak_reserved": self.reserved, "held": self.held}
+
+
+def eval_tokens(plan) -> int:
+    """Tokens of the evaluation's largest forward pass: the fast path scores ``SCORE_TOKENS // row``
+    rows at a time (at least one) of a micro-batch; the plain path runs the whole micro-batch."""
+    rows = plan.micro_batch * plan.sequences_per_example
+    if plan.path == "fast":
+        rows = min(rows, max(1, SCORE_TOKENS // plan.row_len))
+    return rows * plan.row_len
+
+
+def _layer_forward(info: ModelInfo, width: int) -> float:
+    """Bytes per token of one decoder layer's forward without gradients at its largest moment (the
+    MLP): the layer's input and its normed copy, the gate and up outputs and their SwiGLU product,
+    in a stream of ``width`` bytes; the attention half holds less."""
+    return width * (2 * info.hidden + 3 * info.intermediate)
+
+
+def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
+    """Every phase's :class:`PhasePeak` for ``plan`` on ``info``; ``step`` is the training step's
+    :class:`~studio.core.vram.Estimate` (its weights, adapters and optimizer state persist)."""
+    from studio.core import vram
+    from studio.core import vram_fast as fast
+    from studio.core.plan import graphs_for
+
+    c = 2 if plan.compute in ("bf16", "fp16") else 4
+    fast_path = plan.path == "fast"
+    kept = step.categories
+    optimizer = 0 if plan.optimizer.startswith("paged") else kept["optimizer"]  # paged state is not on the card
+    persistent = (kept["weights"] + kept["lora"] + optimizer
+                  + 2 * vram.CUBLAS_WORKSPACE_BYTES)  # the main thread's and the autograd thread's
+    pool = 0.0
+    if fast_path:
+        persistent += fast.widest_fused_weight(info, c)  # the shared dequantization buffer
+        tokens = plan.real_tokens
+        if graphs_for(tokens, plan.lora_dropout, cuda=True):
+            # the captured step's private pool: its layer inputs, working set and free blocks
+            pool = tokens * (info.layers * info.hidden * c + (fast._LAYER_WORKING_SET + fast._GRAPH_POOL_PER_TOKEN)
+                             * fast.layer_outputs_per_token(info, c))
+    # the residual stream's width: bf16 on the fast path (its prepare casts embeddings and norms down),
+    # fp32 after prepare_model_for_kbit_training on the plain one
+    stream = c if fast_path else vram._stream_bytes(plan)
+    head_copy = 0
+    if not fast_path and plan.quantized and plan.lora_r is not None and c < 4:
+        head_copy = c * info.head_params()  # autocast's bf16 copy of the fp32 output head, per call
+    dequant = max(a * b for a, b in info.linear_shapes().values()) * 2 if plan.quantized else 0
+
+    t = eval_tokens(plan)
+    if fast_path:
+        # a chunk's fp32 logits (at most the pass's hidden states in fp32) and their bf16 product
+        chunk = t * info.hidden * (4 + 2)
+        evaluation = (t * c * info.hidden * 3  # hidden states, residual, the gathered target rows
+                      + t * _layer_forward(info, c) + chunk
+                      + fast.hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c) / info.layers)
+        eval_held = f"{t} tokens a pass, vocabulary in chunks"
+    else:
+        evaluation = (t * stream * info.hidden * 2 + t * _layer_forward(info, stream)
+                      + t * info.vocab * (c + 8) + head_copy + dequant)
+        eval_held = f"{t} tokens, their logits and fp32 log-softmax"
+
+    prompt = plan.generate_prompt_tokens or plan.seq_len
+    context = prompt + plan.generate_new_tokens
+    kv = info.layers * 2 * info.kv_heads * info.head_width * context * stream
+    generation = (kv + prompt * stream * info.hidden * 2 + prompt * _layer_forward(info, stream)
+                  + dequant + head_copy + info.vocab * (c + 4 + 4))
+    gen_held = f"KV cache of {prompt} + {plan.generate_new_tokens} tokens ({kv / 1e9:.2f} GB), last logits only"
+
+    slack = vram._SLACK_FLOOR
+
+    def peak(work: float, held: str) -> PhasePeak:
+        allocated = int(persistent + work)
+        need = math.ceil((allocated + pool + slack) / _PAGE) * _PAGE
+        return PhasePeak(allocated, max(step.peak_reserved, need), held)
+
+    return {"training step": PhasePeak(step.peak_allocated, step.peak_reserved, "the step's activations"),
+            "evaluation": peak(evaluation, eval_held),
+            "generation": peak(generation, gen_held),
+            "checkpoint save": peak(0, "adapter and optimizer state copied to the host")}
+
+
+def peak_phase(phases: dict[str, PhasePeak]) -> str:
+    """The phase that sets the run's peak reserved memory (the training step on a tie)."""
+    return max(PHASES, key=lambda name: (phases[name].reserved, name == "training step"))
