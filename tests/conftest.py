@@ -28,11 +28,27 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["STUDIO_CACHE"] = cache
     # Device locks live in the cache unless told otherwise; a cache shared between pytest-xdist
     # workers (STUDIO_TEST_CACHE) must not make them one machine's workers queueing for one GPU.
-    os.environ.setdefault("STUDIO_LOCK_DIR", tempfile.mkdtemp(prefix="studio-test-locks-"))
+    # Each process its own folder: xdist workers inherit the controller's environment, so a folder
+    # the controller made is replaced in every worker (one the caller set is kept).
+    if "STUDIO_LOCK_DIR" not in os.environ or (os.environ.get("STUDIO_TEST_LOCKS_MADE")
+                                               and os.environ.get("PYTEST_XDIST_WORKER")):
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        os.environ["STUDIO_LOCK_DIR"] = tempfile.mkdtemp(prefix=f"studio-test-locks-{worker}-")
+        os.environ["STUDIO_TEST_LOCKS_MADE"] = "1"
     # The tiny model's matmuls are too small to gain from threads, and on a busy machine spinning
     # OpenMP threads cost several times the work; one thread also keeps the parent process and the
     # `studio` subprocesses numerically identical (resume tests compare their losses).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``STUDIO_TEST_FAILURE_LOG=FILE``, each failure's report is appended to FILE as it happens
+    (a run cut off by a time limit, as on the GPU box's lent machine, still says what failed)."""
+    path = os.environ.get("STUDIO_TEST_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(f"==== {report.nodeid} ({report.when}, {os.environ.get('PYTEST_XDIST_WORKER', '')})\n")
+            handle.write(str(report.longrepr)[-3000:] + "\n")
 
 
 @pytest.fixture(scope="session")
