@@ -11,8 +11,13 @@ Plain Python: core imports this; it must never import torch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from studio.core.config import RunConfig
 
 FAST_PATH_ENV = "STUDIO_FAST_PATH"
 """``1`` forces the fast path on (also on CPU, for tests), ``0`` forces the plain path."""
@@ -32,17 +37,18 @@ at 512 tokens they are what makes the step fast (the host's per-operation cost d
 
 
 def graphs_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
-    """Whether the fast path replays a micro-batch of ``tokens`` as a CUDA graph: CUDA only, no
-    adapter dropout (a graph would replay one mask), and only where the host's cost matters."""
-    return cuda and lora_dropout == 0 and tokens <= GRAPH_TOKEN_LIMIT
+    """Whether the fast path replays a micro-batch of ``tokens`` as a CUDA graph: CUDA only, and
+    only where the host's cost matters. Adapter dropout keeps them: its masks come from a seed the
+    graph reads on every replay (engine/fast/dropout.py); ``lora_dropout`` no longer matters."""
+    return cuda and tokens <= GRAPH_TOKEN_LIMIT
 
 
 def offload_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
     """Whether the fast path keeps each checkpointed layer's input in pinned host memory for a
-    micro-batch of ``tokens`` (engine/fast/offload.py): on the steps that run eagerly on CUDA
-    without adapter dropout. Measured on an H100 in bench/results/ (docs/memory.md); a captured
-    graph replays fixed addresses, so graphed steps keep their inputs on the device."""
-    return cuda and lora_dropout == 0 and not graphs_for(tokens, lora_dropout, cuda)
+    micro-batch of ``tokens`` (engine/fast/offload.py): on CUDA, on eager steps (a CUDA graph replays
+    fixed addresses), with or without adapter dropout (a recomputation regenerates its masks).
+    Measured on an H100 in bench/results/ (docs/memory.md)."""
+    return cuda and not graphs_for(tokens, lora_dropout, cuda)
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class PathFacts:
     """Module names that carry a LoRA adapter (all-linear spelled out)."""
 
     lora_dropout: float = 0.0
-    """Adapter dropout: above 0 the fast path keeps working but without CUDA graphs."""
+    """Adapter dropout (the fast path keeps its CUDA graphs with it: counter-based masks)."""
 
     model_blocker: str = ""
     """Why the architecture is not covered ('' when it is): :func:`model_blocker` of its config."""
@@ -78,6 +84,23 @@ class PathFacts:
     """``lora: null``: every weight trains and there is no adapter; the fast path fuses LoRA products
     over frozen weights, so a full fine-tune takes the plain path."""
 
+    @classmethod
+    def from_config(cls, config: RunConfig, *, cuda: bool, weights: str, model_blocker: str,
+                    targets: tuple[str, ...] | None = None) -> PathFacts:
+        """The facts a run config gives (its LoRA section, method, ``STUDIO_FAST_PATH``) with what
+        only the caller knows: the device, the base weights' format (from the quantization section,
+        or read off the loaded model) and the architecture's :func:`model_blocker`. ``targets``: the
+        LoRA targets as the model's module names when the caller has mapped them (default: the
+        config's, ``all-linear`` spelled out). The estimator (core/vram.py) and the engine's loader
+        (engine/model.py ``fast_path_ahead``) both build their facts here."""
+        lora = config.lora
+        if targets is None:
+            targets = lora_targets(lora.target_modules) if lora is not None else ()
+        return cls(cuda=cuda, weights=weights, lora_targets=tuple(targets),
+                   lora_dropout=float(lora.dropout) if lora is not None else 0.0, model_blocker=model_blocker,
+                   env=os.environ.get(FAST_PATH_ENV, ""), dora=bool(lora.use_dora) if lora is not None else False,
+                   method=config.trainer.method, full_finetune=lora is None)
+
 
 @dataclass(frozen=True)
 class PathChoice:
@@ -90,7 +113,7 @@ class PathChoice:
     """Why: for the plain path, what rules the fast one out; for the fast path, what it runs."""
 
     cuda_graphs: bool = False
-    """The decoder stack is replayed as CUDA graphs (fast path, CUDA, no adapter dropout), for
+    """The decoder stack is replayed as CUDA graphs (fast path, CUDA), for
     micro-batches of up to :data:`GRAPH_TOKEN_LIMIT` tokens (:func:`graphs_for`)."""
 
     checkpointing: bool = True
@@ -148,13 +171,11 @@ def choose_path(facts: PathFacts) -> PathChoice:
         return PathChoice("plain", f"LoRA on {', '.join(others)} (the fast path covers {', '.join(FAST_PROJECTIONS)})")
     if not facts.lora_targets:
         return PathChoice("plain", "no LoRA adapter on the decoder's projections")
-    graphs = facts.cuda and facts.lora_dropout == 0
+    graphs = facts.cuda
     what = "fused 4-bit LoRA products" if facts.weights in ("nf4", "fp4") else "fused LoRA products"
     if graphs:
         what += (f", CUDA graphs up to {GRAPH_TOKEN_LIMIT} tokens a micro-batch"
                  " (larger ones eager, their layer inputs in host memory)")
-    elif facts.cuda:
-        what += ", no CUDA graphs (LoRA dropout > 0)"
     return PathChoice("fast", what + ", per-layer checkpointing, fused cross-entropy", cuda_graphs=graphs)
 
 

@@ -167,11 +167,8 @@ def fast_path_ahead(model: Any, config: RunConfig) -> bool:
     """Whether the trainer will take the fast path for this freshly loaded base and config: the
     same decision (core/plan.py's choose_path) that engine/fast/build.enable takes on the model
     with its adapter, made from the config before the adapter is attached."""
-    from studio.core.plan import FAST_PATH_ENV, PathFacts, choose_path, lora_targets, model_blocker
+    from studio.core.plan import PathFacts, choose_path, model_blocker
 
-    lora = config.lora
-    if lora is None:
-        return False
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
     if getattr(model, "is_loaded_in_4bit", False):
         weights = str(getattr(quant, "bnb_4bit_quant_type", "nf4"))
@@ -181,10 +178,8 @@ def fast_path_ahead(model: Any, config: RunConfig) -> bool:
         weights = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(model.dtype, "?")
     device = next(model.parameters()).device
     config_dict = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
-    facts = PathFacts(cuda=device.type == "cuda", weights=weights, lora_targets=lora_targets(lora.target_modules),
-                      lora_dropout=float(lora.dropout), model_blocker=model_blocker(config_dict),
-                      env=os.environ.get(FAST_PATH_ENV, ""), dora=bool(lora.use_dora),
-                      method=config.trainer.method)
+    facts = PathFacts.from_config(config, cuda=device.type == "cuda", weights=weights,
+                                  model_blocker=model_blocker(config_dict))
     return choose_path(facts).path == "fast"
 
 

@@ -29,6 +29,15 @@ def free(device: torch.device | None) -> None:
         torch.cuda.empty_cache()
 
 
+def between_phases(device: torch.device | None) -> None:
+    """Give back the cached blocks one phase left before another phase with other shapes allocates
+    (the training step's activations before an evaluation or an answer, and theirs before the next
+    step): the reserved peak is then the larger phase's, not the training step's cache plus the new
+    phase's blocks on top (the VRAM estimate's phases, core/vram_phases.py, assume as much)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def warn(emit: Callable[[ev.Event], object], message: str) -> None:
     """Tell every front end what an out-of-memory changed; the run goes on."""
     emit(ev.WorkerFailed(kind="oom", fatal=False, message=message))

@@ -9,7 +9,7 @@ defaults had before it (config.py): nothing is planned and nothing is said.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ from studio.core.config import RunConfig
 from studio.core.model_info import ModelInfoError, load_model_info
 from studio.core.runs import RunDir
 from studio.core.vram import CUDA_CONTEXT_BYTES
+from studio.core.vram_lengths import data_lengths
 
 
 class PlanRefused(ValueError):
@@ -34,10 +35,11 @@ def card_capacity(device: torch.device) -> int:
 
 
 def resolve(config: RunConfig, run: RunDir, device: torch.device, emit: Callable[[ev.Event], object],
-            leader: bool = True) -> tuple[RunConfig, autoplan.AutoPlan | None]:
+            leader: bool = True, rows: Sequence[dict] | None = None) -> tuple[RunConfig, autoplan.AutoPlan | None]:
     """``config`` with ``auto`` replaced by numbers, and the plan made (None when none was: no
-    ``auto``, no CUDA, the run's recorded values, or a plan that could not be made). Raises
-    :class:`PlanRefused` when nothing fits the card."""
+    ``auto``, no CUDA, the run's recorded values, or a plan that could not be made). ``rows``: the
+    training split, already loaded; without packing the plan is sized from their token lengths
+    (core/vram_lengths.py). Raises :class:`PlanRefused` when nothing fits the card."""
     if not autoplan.is_auto(config):
         return config, None
     cuda = device.type == "cuda"
@@ -55,7 +57,8 @@ def resolve(config: RunConfig, run: RunDir, device: torch.device, emit: Callable
     capacity = card_capacity(device)
     try:
         info = load_model_info(config.model.base_model, config.model.revision)
-        plan = autoplan.plan(config, info, capacity)
+        lengths = () if config.trainer.packing else data_lengths(config, rows)[0]
+        plan = autoplan.plan(config, info, capacity, lengths=lengths)
     except autoplan.AutoPlanError as exc:
         least = min(exc.rejected, key=lambda c: c.total)
         if least.total > capacity:

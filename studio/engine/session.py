@@ -136,7 +136,8 @@ class Session:
             checkpoint.seed_everything(self.config.trainer.seed)
             # auto micro-batch / checkpointing: numbers before the model is prepared (engine/planning.py)
             self.config, self.auto_plan = planning.resolve(
-                self.config, self.run, self.device or pick_device(), self.emit, self.group.leader)
+                self.config, self.run, self.device or pick_device(), self.emit, self.group.leader,
+                rows=splits.train)
             self.base = load_base(self.config, progress=lambda stage, fraction: self.emit(
                 ev.ModelLoading(stage=stage, fraction=fraction)), device=self.device)
             for warning in self.base.warnings:
@@ -366,7 +367,6 @@ class Session:
         streaming pieces of text to ``on_text``. Safe between training steps."""
         if not self.loaded:
             self.load()
-        g = self.config.generation
         ids = gen.prompt_ids(self.tokenizer, self.render_prompt(prompt))
         streamed = False
 
@@ -379,6 +379,17 @@ class Session:
         model = self.model
         if not adapter and self.config.full_finetune:
             model, adapter = self.original_model(), True  # no adapter to switch off: the untouched base
+        oom.between_phases(self.device)  # (a training step's cached activations, if one ran)
+        try:
+            return self._generate(model, ids, adapter, max_new_tokens, temperature, top_p, stream, lambda: streamed)
+        finally:
+            oom.between_phases(self.device)
+
+    def _generate(self, model, ids: list[int], adapter: bool, max_new_tokens: int | None, temperature: float | None,
+                  top_p: float | None, stream: Callable[[str], None], streamed: Callable[[], bool]
+                  ) -> gen.GenerationResult:
+        """:meth:`generate`'s answer, tried again once after an out-of-memory error."""
+        g = self.config.generation
         for attempt in (1, 2):
             failed = False
             try:
@@ -392,7 +403,7 @@ class Session:
                 failed = True
             if failed:  # outside the except block: the traceback no longer pins the cache
                 oom.free(self.device)
-                if attempt == 1 and not streamed:
+                if attempt == 1 and not streamed():
                     oom.warn(self.emit, (f"out of memory answering a prompt of {len(ids)} tokens: freed "
                                          "memory and answering again"))
                     continue

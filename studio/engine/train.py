@@ -420,6 +420,25 @@ class Trainer:
             self.emit(metrics)
             return event
         size = min(self.micro_batch_size, self._eval_batch_cap or self.micro_batch_size)
+        oom.between_phases(self.device)
+        try:
+            result = self._evaluate_in_batches(examples, size)
+        finally:
+            oom.between_phases(self.device)
+        if result is None:
+            return ev.EvalLogged(step=self.step, loss=float("nan"), perplexity=float("nan"), rows=0)
+        loss_sum, correct, total = result
+        loss = loss_sum / max(1, total)
+        if record_best and (self.best_eval_loss is None or loss < self.best_eval_loss):
+            self.best_eval_loss = loss
+        event = ev.EvalLogged(step=self.step, loss=loss, perplexity=math.exp(min(loss, 50.0)),
+                              token_accuracy=correct / max(1, total), rows=len(examples))
+        self.emit(event)
+        return event
+
+    def _evaluate_in_batches(self, examples: list[Any], size: int) -> tuple[float, int, int] | None:
+        """:meth:`_eval_pass`, halving the batch on out-of-memory; None (and a warning) when even one
+        row at a time does not fit."""
         while True:
             result = None
             try:
@@ -433,19 +452,12 @@ class Trainer:
                 oom.warn(self.emit, (f"out of memory evaluating at step {self.step} even one row at a time: "
                                      "this evaluation is skipped, training goes on; lower "
                                      "data.max_seq_length or trainer.eval_max_rows"))
-                return ev.EvalLogged(step=self.step, loss=float("nan"), perplexity=float("nan"), rows=0)
+                return None
             old, size = size, max(1, size // 2)
             self._eval_batch_cap = size
             oom.warn(self.emit, (f"out of memory evaluating at step {self.step} in batches of {old} rows: "
                                  f"retrying in batches of {size}; training is not affected"))
-        loss_sum, correct, total = result
-        loss = loss_sum / max(1, total)
-        if record_best and (self.best_eval_loss is None or loss < self.best_eval_loss):
-            self.best_eval_loss = loss
-        event = ev.EvalLogged(step=self.step, loss=loss, perplexity=math.exp(min(loss, 50.0)),
-                              token_accuracy=correct / max(1, total), rows=len(examples))
-        self.emit(event)
-        return event
+        return result
 
     def _eval_pass(self, examples: list[Any], size: int) -> tuple[float, int, int]:
         """One pass over ``examples`` in batches of ``size``: (loss sum, argmax hits, label tokens)."""

@@ -20,6 +20,8 @@ one concern a module:
   (bf16) from embedding to loss, and each layer is checkpointed (non-reentrant);
 - ``loss``: the cross-entropy over the vocabulary without a ``tokens x vocab`` logits tensor, for
   training (fused) and for evaluation (chunked, with argmax hits);
+- ``dropout``: adapter dropout whose masks are a function of (micro-batch seed, adapter, element),
+  so graphs replay each step's masks and recomputed layers regenerate them (nothing saved);
 - ``graphs``: the decoder stack's forward and backward are replayed as CUDA graphs;
 - ``offload``: on the steps that run eagerly, each layer's checkpointed input waits in pinned host
   memory between the forward and the backward;

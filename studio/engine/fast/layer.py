@@ -46,10 +46,11 @@ class Layer:
             return self.kernels["rms_norm"].apply(x, w, self.eps, 0.0, "llama", True)
         return rms_norm_torch(x, w, self.eps)
 
-    def adapters(self) -> tuple | None:
+    def projections(self) -> tuple[Projection, Projection, Projection, Projection]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+    def adapters(self) -> tuple:
         """Each projection's adapters in fused form (see :meth:`Projection.adapters`)."""
-        if any(any(p.dropout) for p in (self.qkv, self.o, self.gate_up, self.down)):
-            return None
         return self.qkv.adapters(), self.o.adapters(), self.gate_up.adapters(), self.down.adapters()
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from studio.core.plan import graphs_for, offload_for
+from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import Graphs
 from studio.engine.fast.layer import Layer, Segments, padding_mask
 from studio.engine.fast.loss import IGNORE_INDEX, chunked_scores, cross_entropy
@@ -42,7 +43,7 @@ class FastOptions:
     """Cast and stack the adapters once per forward, outside the checkpointed layers."""
     cuda_graphs: bool = True
     """Replay the decoder stack's forward and backward as CUDA graphs (one per batch layout, at most
-    ``max_graphs``), so the host's per-operation cost leaves the step; CUDA only, no LoRA dropout."""
+    ``max_graphs``), so the host's per-operation cost leaves the step; CUDA only."""
     max_graphs: int = 2
     """Layouts beyond this many run without graphs (each graph keeps its own activation memory)."""
 
@@ -64,14 +65,19 @@ class FastModel:
         self.options = options
         self.kernels = kernels
         self.varlen = varlen
-        # The checkpoint must replay the RNG only when something in a layer draws from it.
-        self._dropout = any(any(p.dropout) for layer in layers for p in (layer.qkv, layer.o, layer.gate_up,
-                                                                          layer.down))
         device = backbone.embed_tokens.weight.device
-        use_graphs = options.cuda_graphs and not self._dropout and device.type == "cuda"
+        # Adapter dropout draws its masks from one seed tensor (engine/fast/dropout.py): graphs replay
+        # them, recomputation regenerates them, and no RNG state is saved around a layer.
+        dropping = any(any(p.dropout) for layer in layers for p in layer.projections())
+        self._seed = DropoutSeed(device) if dropping else None
+        if self._seed is not None:
+            for index, layer in enumerate(layers):
+                for k, proj in enumerate(layer.projections()):
+                    proj.use_dropout(self._seed.tensor, first_site=(index * 4 + k) * 8)
+        use_graphs = options.cuda_graphs and device.type == "cuda"
+        offloading = options.offload_inputs and options.checkpointing and device.type == "cuda"
         self._graphs = Graphs(self, options.max_graphs) if use_graphs else None
-        self._host = HostInputs(device) if options.offload_inputs and options.checkpointing \
-            and not self._dropout and device.type == "cuda" else None
+        self._host = HostInputs(device) if offloading else None
 
     def trainable(self) -> list[torch.Tensor]:
         """The adapter weights the stack trains, in a fixed order."""
@@ -90,6 +96,8 @@ class FastModel:
             parts.append("CUDA graphs")
         if self._host is not None:
             parts.append("layer inputs offloaded to the host on eager steps")
+        if self._seed is not None:
+            parts.append("adapter dropout from counter-based masks")
         parts.append("liger kernels" if self.kernels else "torch kernels")
         parts.append("varlen attention" if self.varlen else "SDPA attention")
         if self.options.checkpointing:
@@ -103,6 +111,8 @@ class FastModel:
         Targets are ``labels`` shifted left by one; a target whose token starts a new example (its
         position id is 0) is ignored, so no example is trained to predict the next one.
         """
+        if self._seed is not None and torch.is_grad_enabled():
+            self._seed.advance()  # this micro-batch's adapter-dropout masks
         h, targets = self._hidden(input_ids, labels, attention_mask, position_ids)
         return cross_entropy(h, self.head.weight, targets, reduction, self.kernels)
 
@@ -181,17 +191,18 @@ class FastModel:
               offload: bool = False) -> torch.Tensor:
         """The decoder layers and the final norm; with ``offload``, each layer's saved input waits
         in host memory (:class:`HostInputs`) instead of on the device."""
-        if offload:
-            self._host.reset()
+        host = self._host if offload else None
+        if host is not None:
+            host.reset()
         for index, layer in enumerate(self.layers):
             # Built outside the checkpoint: the recomputation then reuses them (fewer small ops).
             adapters = layer.adapters() if self.options.hoist_adapters else None
-            if offload:
+            if host is not None:
                 spec, tensors = flatten(adapters)
-                h = OffloadedLayer.apply(h, cos, sin, layer, seg, index, self._host, spec, *tensors)
+                h = OffloadedLayer.apply(h, cos, sin, layer, seg, index, host, spec, *tensors)
             elif self.options.checkpointing and torch.is_grad_enabled():
                 h = checkpoint(layer.forward, h, cos, sin, seg, adapters, use_reentrant=False,
-                               preserve_rng_state=self._dropout)
+                               preserve_rng_state=False)  # nothing in a layer draws from the RNG
             else:
                 h = layer.forward(h, cos, sin, seg, adapters)
         return self.layers[0].norm(h, self.backbone.norm.weight) if self.layers else h

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from studio.engine.fast.dropout import dropout
 
 
 class Workspace:
@@ -111,27 +112,61 @@ def _dequantize_into(base: nn.Module, absmax: torch.Tensor | None, out: torch.Te
         out.copy_(torch.ops.bitsandbytes.dequantize_4bit.default(*args))
 
 
+class AdapterDropout:
+    """Dropout on each adapter's input inside one fused product: the rate, mask site and rank of
+    each stacked adapter (in :class:`LoraProduct`'s A order) and the model's seed tensor. Masks
+    come from engine/fast/dropout.py: regenerated in the backward, never saved."""
+
+    def __init__(self, rates: Sequence[float], sites: Sequence[int], ranks: Sequence[int], seed: torch.Tensor):
+        self.rates, self.sites, self.ranks, self.seed = list(rates), list(sites), list(ranks), seed
+        self.slices = []
+        row = 0
+        for r in self.ranks:
+            self.slices.append(slice(row, row + r))
+            row += r
+
+    def project(self, x2: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """``[drop_j(x) A_j^T for each adapter j]`` side by side: ``[tokens, sum(r)]``."""
+        parts = [dropout(x2, p, self.seed, site) @ a[rows].t()
+                 for p, site, rows in zip(self.rates, self.sites, self.slices, strict=True)]
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def backward(self, x2: torch.Tensor, a: torch.Tensor, dyb: torch.Tensor, dx: torch.Tensor,
+                 want_da: bool) -> torch.Tensor | None:
+        """Add each adapter's input gradient (masked as its input was) into ``dx``; return dA."""
+        das = []
+        for p, site, rows in zip(self.rates, self.sites, self.slices, strict=True):
+            dyb_j = dyb[:, rows]
+            dropout(dyb_j @ a[rows], p, self.seed, site, out=dx, accumulate=True)
+            if want_da:
+                das.append(dyb_j.t() @ dropout(x2, p, self.seed, site))
+        if not want_da:
+            return None
+        return torch.cat(das) if len(das) > 1 else das[0]
+
+
 class LoraProduct(torch.autograd.Function):
     """``y = x W^T + s (x A^T) B^T`` for a frozen W that is rebuilt, never saved, in the backward.
 
     ``A`` stacks the adapters' A matrices ``[n*r, in]``; ``Bt`` holds their B matrices transposed on
     a block diagonal ``[n*r, sum(out)]``, so several adapters over one input cost two small products.
+    With ``drop`` (:class:`AdapterDropout`), each adapter reads its own masked copy of ``x``.
     """
 
     @staticmethod
-    def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float):
+    def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None = None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         w = weights.matrix()
         y = x2 @ w.t()
         del w
         if a is not None:
-            xa = x2 @ a.t()
+            xa = x2 @ a.t() if drop is None else drop.project(x2, a)
             y.addmm_(xa, bt, alpha=scale)
             ctx.save_for_backward(x2, a, bt, xa)
         else:
             ctx.save_for_backward(x2)
-        ctx.weights, ctx.scale, ctx.shape = weights, scale, shape
+        ctx.weights, ctx.scale, ctx.shape, ctx.drop = weights, scale, shape, drop
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -146,12 +181,15 @@ class LoraProduct(torch.autograd.Function):
         if len(saved) > 1:
             _, a, bt, xa = saved
             dyb = (dy2 @ bt.t()).mul_(ctx.scale)
-            dx.addmm_(dyb, a)
-            if ctx.needs_input_grad[2]:
-                da = dyb.t() @ x2
+            if ctx.drop is None:
+                dx.addmm_(dyb, a)
+                if ctx.needs_input_grad[2]:
+                    da = dyb.t() @ x2
+            else:
+                da = ctx.drop.backward(x2, a, dyb, dx, ctx.needs_input_grad[2])
             if ctx.needs_input_grad[3]:
                 dbt = (xa.t() @ dy2).mul_(ctx.scale)
-        return dx.view(ctx.shape), None, da, dbt, None
+        return dx.view(ctx.shape), None, da, dbt, None, None
 
 
 def has_adapter(module: nn.Module, adapter: str) -> bool:
@@ -174,16 +212,21 @@ class Projection:
         self.scales = [float(m.scaling[adapter]) for m in adapted]
         drop = [m.lora_dropout[adapter] for m in adapted]
         self.dropout = [d.p if isinstance(d, nn.Dropout) else 0.0 for d in drop]
+        self.ranks = [int(a.shape[0]) for a in self.a]
+        self.drop: AdapterDropout | None = None
 
-    def adapters(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float] | None:
+    def use_dropout(self, seed: torch.Tensor, first_site: int) -> None:
+        """Give the adapters with dropout their masks: from ``seed``, at sites ``first_site + j``."""
+        if any(self.dropout):
+            sites = [first_site + j for j in range(len(self.a))]
+            self.drop = AdapterDropout(self.dropout, sites, self.ranks, seed)
+
+    def adapters(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
         """The adapters as the fused product takes them: stacked A, block-diagonal B^T, scale.
 
         Built from the fp32 parameters through autograd, so their gradients flow back to each
-        adapter; a projection without an adapter gets an empty block. None when dropout is on
-        (each adapter then needs its own masked input).
+        adapter; a projection without an adapter gets an empty block.
         """
-        if any(self.dropout):
-            return None
         if not self.a:
             return None, None, 1.0
         a = torch.cat(self.a).to(self.dtype) if len(self.a) > 1 else self.a[0].to(self.dtype)
@@ -201,19 +244,6 @@ class Projection:
         return a, bt, self.scales[0] if same else 1.0
 
     def __call__(self, x: torch.Tensor, adapters: tuple | None = None) -> torch.Tensor:
-        if not any(self.dropout):
-            a, bt, scale = adapters if adapters is not None else self.adapters()
-            return LoraProduct.apply(x, self.weights, a, bt, scale)
-        # Dropout on the adapter input: the base product stays fused, each adapter gets its own mask
-        # (as in PEFT), through plain autograd.
-        y = LoraProduct.apply(x, self.weights, None, None, 1.0)
-        deltas = []
-        adapted = iter(zip(self.a, self.b, self.scales, self.dropout, strict=True))
-        for present, n in zip(self.present, self.weights.out_features, strict=True):
-            if present:
-                a, b, s, p = next(adapted)
-                xd = F.dropout(x, p, self.modules[0].training)
-                deltas.append((xd @ a.to(self.dtype).t()) @ b.to(self.dtype).t() * s)
-            else:
-                deltas.append(x.new_zeros(*x.shape[:-1], n))
-        return y + (torch.cat(deltas, dim=-1) if len(deltas) > 1 else deltas[0])
+        a, bt, scale = adapters if adapters is not None else self.adapters()
+        drop = self.drop if self.drop is not None and self.modules[0].training else None
+        return LoraProduct.apply(x, self.weights, a, bt, scale, drop)

@@ -1,0 +1,140 @@
+"""Which part of adapter dropout breaks CUDA graph capture (a diagnostic, one case a process: a failed
+capture leaves the process's CUDA generator unusable).
+
+    python3 bench/diag_capture.py            # runs every case in its own process, prints one line each
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+CASES = ("kernel_warm", "kernel_accumulate", "kernel_cold_shape", "kernel_first_use", "model_graphs",
+         "test_sequence_0.1", "test_sequence_0.0", "test_sequence_0.1_graphs_only",
+         "test_sequence_0.0_no_offload", "test_sequence_0.0_collect")
+
+
+def _capture(fn) -> str:
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - the diagnostic reports it
+        return f"FAILED {type(exc).__name__}: {str(exc).splitlines()[0]}"
+
+
+def run(case: str) -> str:
+    from studio.engine.fast import dropout as module
+
+    seed = torch.tensor([42], device="cuda", dtype=torch.int64)
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    if case == "kernel_first_use":  # the kernel built (and self-checked) inside the capture
+        return _capture(lambda: module.dropout(x, 0.1, seed, 5))
+    assert module._triton_kernel(), "the Triton kernel failed its self-check"
+    module.dropout(x, 0.1, seed, 5)
+    out = torch.zeros_like(x)
+    module.dropout(x, 0.1, seed, 5, out=out, accumulate=True)
+    if case == "kernel_warm":
+        return _capture(lambda: module.dropout(x, 0.1, seed, 5))
+    if case == "kernel_accumulate":
+        return _capture(lambda: module.dropout(x, 0.1, seed, 6, out=out, accumulate=True))
+    if case == "kernel_cold_shape":  # a size not seen before (Triton specializes on n % 16)
+        y = torch.randn(4097, 511, device="cuda", dtype=torch.bfloat16)
+        return _capture(lambda: module.dropout(y, 0.1, seed, 7))
+    if case.startswith("test_sequence"):  # tests/test_fast_dropout.py's CUDA test, step by step
+        return _sequence(float(case.split("_")[2]), eager_first=not case.endswith("graphs_only"),
+                         offload=not case.endswith("no_offload"), collect=case.endswith("collect"))
+    if case == "model_graphs":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from test_fast_dropout import _batch, _model  # noqa: PLC0415
+
+        from studio.engine import fast
+        from studio.engine.fast import graphs as graphs_module
+        from studio.engine.fast.model import FastOptions
+        from studio.engine.tiny import build_tiny_model
+
+        original = graphs_module.Graphs._capture
+        errors = []
+
+        def capture(self, *args, **kwargs):
+            try:
+                return original(self, *args, **kwargs)
+            except Exception:
+                errors.append(traceback.format_exc())
+                raise
+
+        graphs_module.Graphs._capture = capture
+        model = _model(build_tiny_model(), 0.1, "cuda", torch.bfloat16)
+        fast_model, why = fast.prepare(model, options=FastOptions())
+        batch = _batch("cuda")
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+        if errors:
+            return "FAILED\n" + errors[0][-3000:]
+        return f"ok ({len(fast_model._graphs.graphed)} layouts graphed)"
+    raise SystemExit(f"unknown case {case}")
+
+
+def _sequence(rate: float, eager_first: bool, offload: bool = True, collect: bool = False) -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_fast_dropout import _batch, _model  # noqa: PLC0415
+
+    from studio.engine import fast
+    from studio.engine.fast import graphs as graphs_module
+    from studio.engine.fast.model import FastOptions
+    from studio.engine.tiny import build_tiny_model
+
+    original = graphs_module.Graphs._capture
+    events = []
+
+    def capture(self, h, *args, **kwargs):
+        try:
+            result = original(self, h, *args, **kwargs)
+            events.append(f"captured {tuple(h.shape)}")
+            return result
+        except Exception:
+            events.append(f"capture of {tuple(h.shape)} failed:\n" + traceback.format_exc()[-2500:])
+            raise
+
+    graphs_module.Graphs._capture = capture
+    model = _model(build_tiny_model(), rate, "cuda", torch.bfloat16)
+    batches = [_batch("cuda", seed=s) for s in (0, 1)]
+    for graphs in ((False, True) if eager_first else (True,)):
+        if collect:  # the eager model and its host buffers gone before the capture
+            fast_model = None
+            import gc  # noqa: PLC0415
+            gc.collect()
+            torch.cuda.synchronize()
+        fast_model, why = fast.prepare(model, options=FastOptions(cuda_graphs=graphs, offload_inputs=offload))
+        torch.manual_seed(11)
+        for step in range(3):
+            model.zero_grad(set_to_none=True)
+            for index, batch in enumerate(batches):
+                loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+                loss.backward()
+                events.append(f"graphs={graphs} step {step} batch {index}: loss {loss.item():.5f}")
+    failed = [e for e in events if "failed" in e]
+    return ("FAILED: " + failed[0] if failed else "ok") + "\n  " + "\n  ".join(
+        e for e in events if "failed" not in e)
+
+
+def main() -> int:
+    if len(sys.argv) > 1:
+        print(f"{sys.argv[1]}: {run(sys.argv[1])}", flush=True)
+        return 0
+    for case in CASES:
+        done = subprocess.run([sys.executable, __file__, case], capture_output=True, text=True, timeout=300)
+        print(done.stdout.strip() or f"{case}: exit {done.returncode}\n{done.stderr[-2000:]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
