@@ -221,3 +221,35 @@ def test_readers_skip_or_repair_a_cut_off_line_and_writers_start_on_a_new_one(tm
     append_event(log, ev.with_seq(ev.StepLogged(step=5), 4))
     assert [e.step for e in iter_events(log)] == [1, 2, 3, 4, 5]
     assert log.read_text().endswith("\n") and log.read_text().count("\n") == 5
+
+
+def test_cached_memory_is_given_back_around_evaluations_and_answers(tiny_config, monkeypatch) -> None:
+    """The training step's cached blocks are given back before an evaluation or an answer, and
+    theirs before the next step (so the reserved peak is the larger phase's, as the estimate's
+    phases assume): every evaluation pass and every answer sits between two releases."""
+    from studio.engine import generate as gen
+    from studio.engine import oom
+    from studio.engine.session import Session
+    from studio.engine.train import Trainer
+
+    tiny_config.trainer.max_steps = 2
+    tiny_config.trainer.eval_interval = 2
+    calls: list[str] = []
+    monkeypatch.setattr(oom, "between_phases", lambda device: calls.append("release"))
+    session = Session(tiny_config, create_run(tiny_config), lambda event: None)
+    trainer = Trainer(session)
+    real_pass, real_generate = trainer._eval_pass, gen.generate
+
+    def eval_pass(*args, **kwargs):
+        calls.append("evaluation")
+        return real_pass(*args, **kwargs)
+
+    def generate(*args, **kwargs):
+        calls.append("answer")
+        return real_generate(*args, **kwargs)
+
+    trainer._eval_pass = eval_pass
+    monkeypatch.setattr(gen, "generate", generate)
+    trainer.train()
+    session.generate("reverse: cat")
+    assert calls == ["release", "evaluation", "release"] * 2 + ["release", "answer", "release"]
