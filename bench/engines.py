@@ -4,9 +4,11 @@ Each function runs in a fresh process (the driver starts one per row), trains a 
 full-length rows of random-ish text, and returns the peaks, the speed and what ran:
 
 - :func:`run_trainer` goes through ``studio.engine.train.Trainer``, the real engine (its path
-  decision, fast path, CUDA graphs, evaluation and adapter save included). Its peaks are read twice:
-  over the training steps only, and over the whole run (final evaluation and save too); the
-  Trainer's per-step peak reset is turned off so nothing is lost between the two.
+  decision, fast path, CUDA graphs, evaluation and adapter save included), then answers one
+  held-out prompt through the session's ``generate`` (what the worker's chat calls). Its peaks are
+  read three times: over the training steps only, over the training run (final evaluation and save
+  too), and over the generation alone; the row's peak is the largest. The Trainer's per-step peak
+  reset is turned off so nothing is lost between the first two.
 - :func:`run_unsloth` loads the same folder with Unsloth's FastLanguageModel (4-bit, its offloaded
   checkpointing, dropout 0) and trains with a plain loop (Unsloth patches transformers globally,
   which is why it never shares a process with the others).
@@ -23,6 +25,12 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+TRAINER_TEMPLATE = "{instruction}\n{output}"
+"""The prompt template of the Trainer rows (bench/vram_accuracy.py re-renders their short rows with it)."""
+
+GENERATE_NEW_TOKENS = 64
+"""New tokens of the generation phase: exactly this many (a random model's answer ignores EOS)."""
 
 
 def long_rows(path: Path, rows: int, seq: int, seed: int = 0) -> Path:
@@ -83,7 +91,7 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     config.quantization.compute_dtype = "bfloat16" if cuda else "float32"
     config.lora.r, config.lora.alpha, config.lora.dropout = case.r, 2 * case.r, case.dropout
     config.lora.target_modules = "all-linear" if len(case.targets) == 7 else list(case.targets)
-    config.prompt.template = "{instruction}\n{output}"
+    config.prompt.template = TRAINER_TEMPLATE
     config.data.path = str(data)
     config.data.max_seq_length = case.seq
     config.data.val_fraction = 0.05
@@ -126,19 +134,70 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     row = {"engine": "trainer", "lever": case.lever, "path": "fast" if fast is not None else "plain",
            "fast_path": fast.describe() if fast is not None else "", "notes": notes,
            "losses": [e.loss for e in steps_seen], "steps": finished.step, "wall_s": round(wall, 1)}
+    # what sized the steps, so that a row can be re-scored offline from the lengths it trained on
+    seen = [b.tokens_seen - a.tokens_seen for a, b in zip(steps_seen, steps_seen[1:], strict=False)]
+    row["max_step_tokens"] = max([steps_seen[0].tokens_seen, *seen]) if steps_seen else 0
+    row["longest_examples"] = sorted((len(e.input_ids) for e in trainer.session.data.train), reverse=True)[:32]
     if len(steps_seen) > warmup:
         a, b = steps_seen[warmup - 1], steps_seen[-1]
         row["tokens_per_s"] = (b.tokens_seen - a.tokens_seen) / max(b.elapsed_s - a.elapsed_s, 1e-9)
     if cuda:
         torch.cuda.synchronize()
-        row["peak_allocated"] = torch.cuda.max_memory_allocated()
-        row["peak_reserved"] = torch.cuda.max_memory_reserved()
+        row["run_peak_allocated"] = torch.cuda.max_memory_allocated()
+        row["run_peak_reserved"] = torch.cuda.max_memory_reserved()
         row["train_peak_allocated"] = train_peak.get("allocated", 0)
         row["train_peak_reserved"] = train_peak.get("reserved", 0)
+        torch.cuda.reset_peak_memory_stats()  # the generation's own peaks from here
+    row.update(generate_phase(trainer.session, case.seq, GENERATE_NEW_TOKENS))
+    if cuda:
+        row["peak_allocated"] = max(row["run_peak_allocated"], row["generate_peak_allocated"])
+        row["peak_reserved"] = max(row["run_peak_reserved"], row["generate_peak_reserved"])
         if fast is not None and getattr(fast, "_graphs", None) is not None:
             row["graphs"] = len(fast._graphs.graphed)
             row["graphs_failed"] = fast._graphs.failed
     return row
+
+
+def held_out_prompt(session, tokens: int) -> dict:
+    """An instruction of the session's validation rows (their text repeated as needed) whose
+    rendered prompt is about ``tokens`` tokens of the run's tokenizer: as long as a training row."""
+    data = session.data
+    rows = data.validation_rows or data.test_rows or []
+    text = "\n".join(str(v) for row in rows for v in row.values() if isinstance(v, str)) or "Explain."
+    tok = session.tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    while len(ids) < tokens:
+        ids = ids + ids
+    overhead = len(tok.encode(session.render_prompt({"instruction": ""}), add_special_tokens=False)) + 1
+    return {"instruction": tok.decode(ids[:max(1, tokens - overhead)], skip_special_tokens=True)}
+
+
+def generate_phase(session, prompt_tokens: int, new_tokens: int) -> dict:
+    """Chat's generation after training: one held-out prompt of about ``prompt_tokens`` tokens
+    answered with the adapter through ``session.generate`` (the worker's chat path), greedy, exactly
+    ``new_tokens`` new tokens (stop tokens are ignored: a random model may pick EOS at any point).
+    On CUDA, its own peaks (the caller resets them first)."""
+    import torch
+
+    import studio.engine.generate as gen
+
+    prompt = held_out_prompt(session, prompt_tokens)
+    n_prompt = len(gen.prompt_ids(session.tokenizer, session.render_prompt(prompt)))
+    stops = gen.stop_ids
+    gen.stop_ids = lambda model, tokenizer: set()
+    try:
+        t0 = time.perf_counter()
+        answer = session.generate(prompt, adapter=True, max_new_tokens=new_tokens, temperature=0.0)
+        seconds = time.perf_counter() - t0
+    finally:
+        gen.stop_ids = stops
+    out = {"generate_prompt_tokens": n_prompt, "generate_new_tokens": answer.new_tokens,
+           "generate_s": round(seconds, 2)}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        out["generate_peak_allocated"] = torch.cuda.max_memory_allocated()
+        out["generate_peak_reserved"] = torch.cuda.max_memory_reserved()
+    return out
 
 
 def run_unsloth(case, folder: Path, steps: int, warmup: int) -> dict:

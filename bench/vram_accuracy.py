@@ -26,6 +26,7 @@ bench/engines.py.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -49,6 +50,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", DEFAULT_ALLOC_CONF)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.engines import GENERATE_NEW_TOKENS  # noqa: E402
 from studio.core.model_info import load_model_info  # noqa: E402
 from studio.core.plan import PathFacts, choose_path  # noqa: E402
 from studio.core.vram import ALL_LINEAR, Plan, estimate_plan  # noqa: E402
@@ -104,15 +106,57 @@ class Case:
 
     def plan(self) -> Plan:
         """The estimator's Plan for this row; the path is the one Studio's engine picks for the
-        Trainer rows (through core/plan.py, as the engine does), the plain one for the HF loop."""
+        Trainer rows (through core/plan.py, as the engine does), the plain one for the HF loop.
+        Trainer rows on short rows, unpadded, are sized from those rows' token lengths
+        (:func:`short_lengths`), as ``studio estimate`` sizes a run whose data it can read."""
         path = "plain"
         if self.engine == "trainer":
             facts = PathFacts(cuda=True, weights=self.weights, lora_targets=self.targets, lora_dropout=self.dropout)
             path = choose_path(facts).path
+        lengths = short_lengths(self.seq) if self.engine == "trainer" and self.data == "short" else ()
         return Plan(weights=self.weights, double_quant=True, compute="bf16", lora_r=self.r,
                     lora_targets=self.targets, lora_dropout=self.dropout, micro_batch=self.micro_batch,
                     seq_len=self.seq, checkpointing=self.checkpointing, optimizer=self.optimizer,
-                    expandable_segments=self.expandable, path=path)
+                    expandable_segments=self.expandable, path=path, packing=self.packing, lengths=lengths,
+                    generate_new_tokens=GENERATE_NEW_TOKENS)
+
+    def phases(self, measured: dict) -> tuple[str, ...]:
+        """The phases of a run that ``measured`` covers: the HF loop runs training steps only; the
+        Trainer the whole run (steps, final evaluation, adapter save), and since the generation
+        phase was added (``generate_*`` in the row) one chat answer too."""
+        if self.engine != "trainer":
+            return ("training step",)
+        run = ("training step", "evaluation", "checkpoint save")
+        return (*run, "generation") if "generate_new_tokens" in measured else run
+
+
+def predicted_peaks(estimate, phases: tuple[str, ...]) -> dict[str, int]:
+    """The estimate's peak allocated and reserved over ``phases`` (what a row measured)."""
+    return {"peak_allocated": max(estimate.phases[p].allocated for p in phases),
+            "peak_reserved": max(estimate.phases[p].reserved for p in phases)}
+
+
+@functools.cache
+def short_lengths(seq: int) -> tuple[int, ...]:
+    """Token lengths (longest first, capped at ``seq``) of bench/engines.py's short rows as the
+    Trainer rows encode them (their template, BOS and EOS), with the tiny model's tokenizer, which
+    the random models are given (bench/make_random_model.py); () when it is not built here."""
+    from bench.engines import TRAINER_TEMPLATE, short_rows
+    from studio.core.config import RunConfig
+    from studio.core.paths import cache_dir
+    from studio.core.tokens import TokenizerNotFound, load_tokenizer_info
+    from studio.core.vram_lengths import row_lengths
+
+    try:
+        tok = load_tokenizer_info(cache_dir() / "tiny-llama")
+    except TokenizerNotFound:
+        return ()
+    config = RunConfig()
+    config.prompt.template, config.data.max_seq_length = TRAINER_TEMPLATE, seq
+    with tempfile.TemporaryDirectory() as folder:
+        path = short_rows(Path(folder) / "short.jsonl")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return row_lengths(rows, config, tok)
 
 
 # Most telling first: a run that hits the time budget drops the tail. The first two repeat the
@@ -333,6 +377,16 @@ def _write_trace(snapshot: dict, path: Path) -> None:
 
 def _child(args: argparse.Namespace) -> int:
     case = Case(**{**json.loads(args.case), "targets": tuple(json.loads(args.case)["targets"])})
+    attribution = bool(args.trace_file) and case.engine != "loop"
+    if attribution:
+        import torch
+
+        from bench import mem_attribution
+
+        if torch.cuda.is_available():
+            mem_attribution.record()
+        else:
+            attribution = False
     try:
         if case.engine == "trainer":
             from bench.engines import run_trainer
@@ -348,6 +402,8 @@ def _child(args: argparse.Namespace) -> int:
                            Path(args.trace_file) if args.trace_file else None)
     except Exception as exc:  # noqa: BLE001 - an OOM or a missing kernel is a result, not a crash
         row = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+    if attribution:  # the trainer's and Unsloth's rows: who holds the memory at the peak
+        row["attribution"] = mem_attribution.attribute()
     print("RESULT " + json.dumps(row), flush=True)
     return 0
 
@@ -406,8 +462,9 @@ def summarize(rows: list[dict]) -> dict:
         entry[f"{side}_tokens_per_s"] = round(measured["tokens_per_s"], 1)
         if "peak_reserved" in measured:  # CUDA only
             entry[f"{side}_peak_reserved_gib"] = round(measured["peak_reserved"] / 2**30, 3)
-        if side == "studio" and "train_peak_reserved" in measured:
-            entry["studio_train_peak_reserved_gib"] = round(measured["train_peak_reserved"] / 2**30, 3)
+        for phase in ("train", "generate"):
+            if side == "studio" and f"{phase}_peak_reserved" in measured:
+                entry[f"studio_{phase}_peak_reserved_gib"] = round(measured[f"{phase}_peak_reserved"] / 2**30, 3)
     for entry in workloads.values():
         if "studio_tokens_per_s" in entry and "unsloth_tokens_per_s" in entry:
             entry["studio_over_unsloth"] = round(entry["studio_tokens_per_s"] / entry["unsloth_tokens_per_s"], 3)
@@ -536,7 +593,9 @@ def main(argv: list[str] | None = None) -> int:
             predicted = estimate_plan(info, case.plan())
             row["path"] = predicted.plan.path
             row["predicted"] = {"peak_allocated": predicted.peak_allocated,
-                                "peak_reserved": predicted.peak_reserved, "categories": predicted.categories}
+                                "peak_reserved": predicted.peak_reserved, "categories": predicted.step_categories,
+                                "peak_phase": predicted.peak_phase,
+                                "phases": {k: v.to_json_dict() for k, v in predicted.phases.items()}}
         if time.perf_counter() - start > args.budget_s:
             row["skipped"] = "time budget"
             with lock:
@@ -558,17 +617,23 @@ def main(argv: list[str] | None = None) -> int:
         measured = json.loads(lines[-1][7:]) if lines else {"error": (done.stderr or "no output")[-300:]}
         row["measured"] = measured
         row["wall_s"] = round(time.perf_counter() - t0, 1)
-        for key in ("peak_allocated", "peak_reserved"):
-            if key in measured and predicted is not None:
-                row["error_" + key] = _rel(predicted.__dict__[key], measured[key])
+        if predicted is not None:  # over the phases the row measured
+            peaks = predicted_peaks(predicted, case.phases(measured))
+            for key in ("peak_allocated", "peak_reserved"):
+                if key in measured:
+                    row["error_" + key] = _rel(peaks[key], measured[key])
         if "categories" in measured and predicted is not None:
             row["error_categories"] = {
-                k: _rel(v, measured["categories"][k]) for k, v in predicted.categories.items()
+                k: _rel(v, measured["categories"][k]) for k, v in predicted.step_categories.items()
                 if measured["categories"].get(k)}
         shown = ", ".join(f"{k[5:]} {row[k]:+.1%}" for k in ("error_peak_allocated", "error_peak_reserved")
                           if k in row)
         speed_note = f", {measured['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in measured else ""
         peak_note = f", reserved {measured['peak_reserved'] / 2**30:.2f} GiB" if "peak_reserved" in measured else ""
+        if "generate_new_tokens" in measured:
+            peak_note += (f", generated {measured['generate_prompt_tokens']}+{measured['generate_new_tokens']} tokens"
+                          + (f" (reserved {measured['generate_peak_reserved'] / 2**30:.2f} GiB)"
+                             if "generate_peak_reserved" in measured else ""))
         with lock:
             rows.append(row)
             print(f"[{time.perf_counter() - start:5.0f} s] {case.label}: {shown or measured.get('error', 'ran')}"
