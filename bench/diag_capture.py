@@ -15,7 +15,7 @@ import torch
 
 CASES = ("kernel_warm", "kernel_accumulate", "kernel_cold_shape", "kernel_first_use", "model_graphs",
          "test_sequence_0.1", "test_sequence_0.0", "test_sequence_0.1_graphs_only",
-         "test_sequence_0.0_no_offload", "test_sequence_0.0_collect")
+         "test_sequence_0.0_no_offload", "test_sequence_0.0_collect", "test_sequence_0.0_released")
 
 
 def _capture(fn) -> str:
@@ -51,7 +51,8 @@ def run(case: str) -> str:
         return _capture(lambda: module.dropout(y, 0.1, seed, 7))
     if case.startswith("test_sequence"):  # tests/test_fast_dropout.py's CUDA test, step by step
         return _sequence(float(case.split("_")[2]), eager_first=not case.endswith("graphs_only"),
-                         offload=not case.endswith("no_offload"), collect=case.endswith("collect"))
+                         offload=not case.endswith("no_offload"), collect=case.endswith("collect"),
+                         release=case.endswith("released"))
     if case == "model_graphs":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from test_fast_dropout import _batch, _model  # noqa: PLC0415
@@ -83,7 +84,10 @@ def run(case: str) -> str:
     raise SystemExit(f"unknown case {case}")
 
 
-def _sequence(rate: float, eager_first: bool, offload: bool = True, collect: bool = False) -> str:
+def _sequence(rate: float, eager_first: bool, offload: bool = True, collect: bool = False,
+              release: bool = False) -> str:
+    """The eager steps, then the graphed ones, on one model; the last loss stays alive from one
+    micro-batch to the next (as a loop variable does) unless ``release``."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_fast_dropout import _batch, _model  # noqa: PLC0415
 
@@ -121,6 +125,8 @@ def _sequence(rate: float, eager_first: bool, offload: bool = True, collect: boo
                 loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
                 loss.backward()
                 events.append(f"graphs={graphs} step {step} batch {index}: loss {loss.item():.5f}")
+                if release:
+                    del loss
     failed = [e for e in events if "failed" in e]
     return ("FAILED: " + failed[0] if failed else "ok") + "\n  " + "\n  ".join(
         e for e in events if "failed" not in e)

@@ -289,6 +289,11 @@ class Trainer:
                 # same however the step is split into micro-batches.
                 (loss / label_tokens).backward()
                 loss_sum += loss.detach()
+                # The spent graph goes now, not when the next micro-batch's loss replaces it: alive,
+                # it keeps the adapters' gradient accumulators from this forward, and a CUDA graph
+                # captured in the next forward (a layout not seen before) would wait on their stream,
+                # the default one, and fail (docs/speed.md).
+                del loss
         except torch.cuda.OutOfMemoryError:
             out_of_memory = True
         if self.group.any(out_of_memory):  # every rank halves, and redoes the step, together

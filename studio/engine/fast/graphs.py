@@ -48,6 +48,10 @@ class Graphs:
         if module is None:
             if self.failed or len(self.graphed) >= self.limit:
                 return self.fast.stack(h, cos, sin, seg)
+            # The capture fails if an earlier forward's autograd graph is still alive (a loss not yet
+            # released): its gradient accumulators belong to the stream that forward ran on, the
+            # default one, and the captured backward would wait on it. The Trainer releases each
+            # micro-batch's loss after its backward (docs/speed.md).
             try:
                 module = torch.cuda.make_graphed_callables(_StackModule(self.fast, seg.max_len, flat),
                                                            (h, cos, sin, cu), num_warmup_iters=2)
