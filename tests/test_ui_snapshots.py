@@ -46,10 +46,17 @@ def studio(theme: str, pane: str, model: str = "tok") -> StudioApp:
 async def ready(pilot) -> None:
     """The data, its statistics and lint and the template render are all done."""
     app = pilot.app
+    # The tokenizer arrives in a thread after the first frame and starts the statistics and lint
+    # again: wait for it first, or the snapshot can catch that second pass half done.
+    while "tokenizer is loading" in app.counter.label:
+        await pilot.pause(0.05)
     # Hidden panes mount just after the first frame; wait for the dataset pane's lint.
     while not (app.query("#lint-summary") and app.query_one("#lint-summary").render().plain):
         await pilot.pause(0.05)
     await idle_workers(pilot)
+    while app.query("#dataset-busy") and app.query_one("#dataset-busy").display:
+        await pilot.pause(0.05)
+        await idle_workers(pilot)
     await pilot.pause(0.25)  # the debounced template render
     app.clear_notifications()
     no_blink(pilot.app)
