@@ -50,6 +50,9 @@ def load(text: str, source: str) -> tuple[Any, dict[tuple[str, ...], int]]:
             mark = getattr(exc, "problem_mark", None)
             where = f"{source}: line {mark.line + 1}" if mark else source
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            if "nesting depth" in problem:  # PyYAML 6.0.4's scanner refuses deep nesting before we count it
+                raise YamlError(f"{where}: the YAML nests more than {MAX_DEPTH} levels deep here; "
+                                "a config needs a few") from None
             raise YamlError(f"{where}: not valid YAML ({problem}); check the indentation") from None
         except RecursionError:
             raise YamlError(f"{source}: the YAML is nested too deeply to read; flatten it") from None

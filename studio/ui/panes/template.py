@@ -357,7 +357,8 @@ class TemplatePane(Hosted, Vertical):
 
     def reset_run(self, run: Any) -> None:
         """A new run has no answer to our request; keep waiting only if it was sent to this run."""
-        self.query_one("#template-zero-progress").display = False
+        for bar in self.query("#template-zero-progress"):  # (none yet while the pane is mounting)
+            bar.display = False
 
     def on_worker_events(self, message: WorkerEvents) -> None:
         """Model loading progress and the streamed answer to our zero-shot request."""
