@@ -379,39 +379,33 @@ class Session:
         model = self.model
         if not adapter and self.config.full_finetune:
             model, adapter = self.original_model(), True  # no adapter to switch off: the untouched base
+        g = self.config.generation
         oom.between_phases(self.device)  # (a training step's cached activations, if one ran)
         try:
-            return self._generate(model, ids, adapter, max_new_tokens, temperature, top_p, stream, lambda: streamed)
+            for attempt in (1, 2):
+                failed = False
+                try:
+                    return gen.generate(model, self.tokenizer, ids, adapter=adapter,
+                                        max_new_tokens=max_new_tokens or g.max_new_tokens,
+                                        temperature=g.temperature if temperature is None else temperature,
+                                        top_p=g.top_p if top_p is None else top_p, on_text=stream,
+                                        generator=self._sampler, device=self.device,
+                                        autocast_dtype=self.base.compute_dtype if self.base else None)
+                except oom.OutOfMemory:
+                    failed = True
+                if failed:  # outside the except block: the traceback no longer pins the cache
+                    oom.free(self.device)
+                    if attempt == 1 and not streamed:
+                        oom.warn(self.emit, (f"out of memory answering a prompt of {len(ids)} tokens: freed "
+                                             "memory and answering again"))
+                        continue
+                    message = (f"out of memory answering a prompt of {len(ids)} tokens"
+                               f"{', again after freeing memory' if attempt == 2 else ' part way'}: no answer; "
+                               "training goes on. Try a shorter prompt or a smaller max_new_tokens")
+                    oom.warn(self.emit, message)
+                    raise TrainingError("oom", message)
         finally:
-            oom.between_phases(self.device)
-
-    def _generate(self, model, ids: list[int], adapter: bool, max_new_tokens: int | None, temperature: float | None,
-                  top_p: float | None, stream: Callable[[str], None], streamed: Callable[[], bool]
-                  ) -> gen.GenerationResult:
-        """:meth:`generate`'s answer, tried again once after an out-of-memory error."""
-        g = self.config.generation
-        for attempt in (1, 2):
-            failed = False
-            try:
-                return gen.generate(model, self.tokenizer, ids, adapter=adapter,
-                                    max_new_tokens=max_new_tokens or g.max_new_tokens,
-                                    temperature=g.temperature if temperature is None else temperature,
-                                    top_p=g.top_p if top_p is None else top_p, on_text=stream,
-                                    generator=self._sampler, device=self.device,
-                                    autocast_dtype=self.base.compute_dtype if self.base else None)
-            except oom.OutOfMemory:
-                failed = True
-            if failed:  # outside the except block: the traceback no longer pins the cache
-                oom.free(self.device)
-                if attempt == 1 and not streamed():
-                    oom.warn(self.emit, (f"out of memory answering a prompt of {len(ids)} tokens: freed "
-                                         "memory and answering again"))
-                    continue
-                message = (f"out of memory answering a prompt of {len(ids)} tokens"
-                           f"{', again after freeing memory' if attempt == 2 else ' part way'}: no answer; "
-                           "training goes on. Try a shorter prompt or a smaller max_new_tokens")
-                oom.warn(self.emit, message)
-                raise TrainingError("oom", message)
+            oom.between_phases(self.device)  # the answer's blocks, before the next training step
         raise AssertionError("not reached")
 
 
