@@ -253,3 +253,24 @@ def test_cached_memory_is_given_back_around_evaluations_and_answers(tiny_config,
     trainer.train()
     session.generate("reverse: cat")
     assert calls == ["release", "evaluation", "release"] * 2 + ["release", "answer", "release"]
+
+
+def test_a_failed_graph_capture_is_reported_once_and_training_goes_on(tiny_config, monkeypatch) -> None:
+    """A CUDA graph capture that fails leaves every later step eager: correct but slower. The user
+    hears it once, as a non-fatal failure naming the cause, and the run still finishes."""
+    from studio.engine.fast.model import FastModel
+    from studio.engine.session import Session
+    from studio.engine.train import Trainer
+
+    monkeypatch.setenv("STUDIO_FAST_PATH", "1")  # the fast path on the CPU, standing in for CUDA
+    monkeypatch.setattr(FastModel, "graphs_failed",
+                        property(lambda self: "AcceleratorError: cudaErrorStreamCaptureInvalidated"))
+    tiny_config.trainer.max_steps = 3
+    events: list[ev.Event] = []
+    trainer = Trainer(Session(tiny_config, create_run(tiny_config), events.append))
+    trainer.train()
+    assert trainer.session.fast is not None
+    failures = [e for e in events if isinstance(e, ev.WorkerFailed)]
+    assert len(failures) == 1 and not failures[0].fatal, failures
+    assert "CUDA graph" in failures[0].message and "cudaErrorStreamCaptureInvalidated" in failures[0].detail
+    assert isinstance(events[-1], ev.TrainingFinished) and events[-1].step == 3

@@ -72,6 +72,7 @@ class Trainer:
         self.state = "idle"
         """idle, loading, training, finished, stopped or failed."""
         self._stop_requested = False
+        self._graph_failure_reported = False
         self._eval_batch_cap: int | None = None
         """Rows per evaluation batch after an out-of-memory there (None: the micro-batch size)."""
         self._flops_per_token = 0.0
@@ -201,6 +202,7 @@ class Trainer:
             if result is None:
                 continue  # out of memory: the micro-batch was halved, redo the same step
             loss, grad_norm, tokens = result
+            self._report_graph_failure()
             self.cursor = next_cursor
             self.step += 1
             self.tokens_seen += tokens
@@ -256,6 +258,17 @@ class Trainer:
                                        elapsed_s=round(self.elapsed, 2))
         self.emit(finished)
         return finished
+
+    def _report_graph_failure(self) -> None:
+        """Once: a failed CUDA graph capture leaves training correct but slower (every later step
+        eager), which the user should hear about rather than find in the tokens/s."""
+        fast = self.session.fast
+        why = fast.graphs_failed if fast is not None else ""
+        if why and not self._graph_failure_reported:
+            self._graph_failure_reported = True
+            self.emit(ev.WorkerFailed(kind="crash", fatal=False, detail=why, message=(
+                "a CUDA graph capture failed; training goes on without CUDA graphs (same results, "
+                "fewer tokens/s). Please report it with the detail below")))
 
     def _decide(self) -> int:
         """Rank 0's verdict after a step: the worker's hook (it serves commands, and blocks while

@@ -79,6 +79,11 @@ class FastModel:
         self._graphs = Graphs(self, options.max_graphs) if use_graphs else None
         self._host = HostInputs(device) if offloading else None
 
+    @property
+    def graphs_failed(self) -> str:
+        """Why CUDA graph capture failed ("" if it did not): steps run eagerly from then on."""
+        return self._graphs.failed if self._graphs is not None else ""
+
     def trainable(self) -> list[torch.Tensor]:
         """The adapter weights the stack trains, in a fixed order."""
         out = []
