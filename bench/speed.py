@@ -97,6 +97,7 @@ LEVERS = {
     "absmax_cache": {"cache_absmax": True},
     "no_workspace": {"shared_workspace": False},
     "no_offload": {"offload_inputs": False},
+    "fused_products": {"split_products": False},
     "no_hoist": {"hoist_adapters": False},
 }
 

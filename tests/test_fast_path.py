@@ -306,3 +306,29 @@ def test_the_loader_foresees_the_path_the_trainer_takes(tiny_config, monkeypatch
     taken = choose_path(path_facts(peft_model, torch.device("cpu"), tiny_config.trainer.method)).path
     assert ahead == fast_expected
     assert (taken == "fast") == ahead
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_split_products_equal_the_fused_matrix(tiny_model: Path, bits) -> None:
+    """gate/up (and q/k/v) multiplied one projection at a time, each into its own output columns,
+    give the fused matrix's product forward and backward; the shared dequantization buffer then
+    holds one projection, not the pair."""
+    from studio.engine.fast.weights import FrozenWeights, Workspace
+
+    model = _peft_model(tiny_model, bits, ALL)
+    mlp = model.base_model.model.model.layers[0].mlp
+    bases = [mlp.gate_proj.get_base_layer(), mlp.up_proj.get_base_layer()]
+    device = bases[0].weight.device
+    split_ws, fused_ws = Workspace(), Workspace()
+    split = FrozenWeights(bases, torch.float32, False, split_ws, split=True)
+    fused = FrozenWeights(bases, torch.float32, False, fused_ws, split=False)
+    if bits == 4:
+        assert split_ws.numel * 2 == fused_ws.numel == sum(split.out_features) * split.in_features
+    split_ws.allocate(torch.float32, device)
+    fused_ws.allocate(torch.float32, device)
+    x = torch.randn(7, split.in_features, device=device)
+    dy = torch.randn(7, sum(split.out_features), device=device)
+    w = fused.matrix().clone()
+    torch.testing.assert_close(split.forward_product(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused.forward_product(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split.backward_product(dy), dy @ w, rtol=1e-5, atol=1e-5)

@@ -398,6 +398,20 @@ def _offload_rule(rule):
         vram_fast.offload_for = saved
 
 
+@contextlib.contextmanager
+def _fused_buffer_rule():
+    """The estimator with the engine that dequantized a fused pair at once (gate and up into one
+    buffer), for rows measured before the products ran one projection at a time."""
+    import studio.core.vram_fast as vram_fast
+
+    saved = vram_fast.dequant_buffer_bytes
+    vram_fast.dequant_buffer_bytes = vram_fast.widest_fused_weight
+    try:
+        yield
+    finally:
+        vram_fast.dequant_buffer_bytes = saved
+
+
 def _trainer_rows(names):
     """(case, prediction, measurement) of each full-length Trainer row in ``names`` (padded short
     rows aside: the estimate assumes full-length rows, docs/memory.md)."""
@@ -419,7 +433,10 @@ def _trainer_rows(names):
                 # measured before the graphed steps kept their layer inputs on the host too: scored
                 # with the rule that engine followed
                 rule = _offload_rule(lambda tokens, dropout, cuda: cuda and not graphs_for(tokens, dropout, cuda))
-            with rule:
+            fused = contextlib.nullcontext()
+            if "one projection at a time" not in row["measured"].get("fast_path", ""):
+                fused = _fused_buffer_rule()
+            with rule, fused:
                 predicted = bench.predicted_peaks(estimate_plan(info, case.plan()), case.phases(row["measured"]))
             out.append((case, predicted, row["measured"]))
     return out

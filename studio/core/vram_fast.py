@@ -12,7 +12,7 @@ residual stream, no per-module saved inputs, no logits. What it holds, from what
   device), the stacked bf16 adapters of every layer (hoisted out of the checkpoints), one recomputed
   layer's working set in its backward, and the fused cross-entropy's gradient of the hidden states
   (the logits are never materialised); the shared buffer every 4-bit weight is dequantized into
-  (as large as the widest fused weight);
+  (as large as the widest single projection: fused products run one projection at a time);
 - overhead: the CUDA context; with CUDA graphs (micro-batches of up to core/plan.py's
   GRAPH_TOKEN_LIMIT tokens), the free blocks of the graph's private pool.
 
@@ -86,6 +86,13 @@ def widest_fused_weight(info: ModelInfo, compute_bytes: int) -> int:
     return max(gate_up * h, qkv * h, shapes["down_proj"][0] * h) * compute_bytes
 
 
+def dequant_buffer_bytes(info: ModelInfo, compute_bytes: int) -> int:
+    """Bytes of the shared buffer 4-bit weights are dequantized into: one projection at a time
+    (engine/fast/weights.py splits a fused product), so the widest single projection."""
+    shapes = info.linear_shapes()
+    return max(fan_in * fan_out for fan_in, fan_out in shapes.values()) * compute_bytes
+
+
 def step_activations(info: ModelInfo, tokens: int, compute_bytes: int, offloaded: bool = False) -> float:
     """Bytes a training step holds beyond the parameters, gradients and optimizer state at its peak
     (the start of a layer's backward), without the hoisted adapters and the dequantized weight.
@@ -146,7 +153,7 @@ def estimate_fast(info: ModelInfo, plan):
     offloaded = offload_for(tokens, plan.lora_dropout, cuda=True)
     activations = (step_activations(info, tokens, c, offloaded)
                    + hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c)
-                   + widest_fused_weight(info, c)  # the shared dequantization buffer
+                   + dequant_buffer_bytes(info, c)  # the shared dequantization buffer
                    + vram.CUBLAS_WORKSPACE_BYTES
                    + dropout_bytes(info, tokens, c, plan.lora_dropout, plan.lora_targets))
     # Gradients exist through the whole step (the graphs' backward adds into them in place) and the

@@ -97,7 +97,7 @@ def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
                   + 2 * vram.CUBLAS_WORKSPACE_BYTES)  # the main thread's and the autograd thread's
     pool = 0.0
     if fast_path:
-        persistent += fast.widest_fused_weight(info, c)  # the shared dequantization buffer
+        persistent += fast.dequant_buffer_bytes(info, c)  # the shared dequantization buffer
         tokens = plan.real_tokens
         if graphs_for(tokens, plan.lora_dropout, cuda=True):
             # the captured step's private pool: its layer inputs, working set and free blocks

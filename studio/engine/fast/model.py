@@ -34,6 +34,9 @@ class FastOptions:
     shared_workspace: bool = True
     """Dequantize every fused 4-bit weight into one shared buffer (weights.Workspace) instead of a
     fresh allocation per product."""
+    split_products: bool = True
+    """Run a fused projection's base product one projection at a time (weights.FrozenWeights): the
+    dequantization buffer holds one projection's weight instead of the fused pair's."""
     offload_inputs: bool = True
     """Keep the checkpointed layer inputs in pinned host memory when a step runs eagerly on CUDA
     (offload.py; core/plan.py's offload_for decides when)."""
@@ -97,6 +100,8 @@ class FastModel:
         """One line naming what is on, for logs and events."""
         quantized = bool(self.layers) and any(self.layers[0].qkv.weights.quantized)
         parts = ["fused 4-bit LoRA products" if quantized else "fused LoRA products"]
+        if self.options.split_products:
+            parts.append("base products one projection at a time")
         if self._graphs is not None:
             parts.append("CUDA graphs")
         if self._host is not None:
