@@ -98,6 +98,7 @@ LEVERS = {
     "no_workspace": {"shared_workspace": False},
     "no_offload": {"offload_inputs": False},
     "fused_products": {"split_products": False},
+    "graphs_keep_inputs": {"offload_graphed": False},
     "no_hoist": {"hoist_adapters": False},
 }
 

@@ -388,14 +388,15 @@ one row at a time (the v2 grid's parallel rows are not used for reserved memory:
 def _offload_rule(rule):
     """The estimator with another engine's host-offload rule (core/plan.offload_for), for rows
     measured on that engine."""
+    import studio.core.plan as core_plan
     import studio.core.vram_fast as vram_fast
 
-    saved = vram_fast.offload_for
-    vram_fast.offload_for = rule
+    saved = vram_fast.offload_for, core_plan.offload_for
+    vram_fast.offload_for = core_plan.offload_for = rule
     try:
         yield
     finally:
-        vram_fast.offload_for = saved
+        vram_fast.offload_for, core_plan.offload_for = saved
 
 
 @contextlib.contextmanager

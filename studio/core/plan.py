@@ -43,12 +43,17 @@ def graphs_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
     return cuda and tokens <= GRAPH_TOKEN_LIMIT
 
 
+OFFLOAD_IN_GRAPHS = True
+"""Graphed steps keep their layer inputs on the host too (each graphed layout copies to its own
+pinned buffers, engine/fast/offload.py); False keeps them in the graph's private pool."""
+
+
 def offload_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
     """Whether the fast path keeps each checkpointed layer's input in pinned host memory for a
-    micro-batch of ``tokens`` (engine/fast/offload.py): on CUDA, on eager steps (a CUDA graph replays
-    fixed addresses), with or without adapter dropout (a recomputation regenerates its masks).
-    Measured on an H100 in bench/results/ (docs/memory.md)."""
-    return cuda and not graphs_for(tokens, lora_dropout, cuda)
+    micro-batch of ``tokens`` (engine/fast/offload.py): on CUDA, on eager steps and (with
+    ``OFFLOAD_IN_GRAPHS``) graphed ones, with or without adapter dropout (a recomputation
+    regenerates its masks). Measured on an H100 in bench/results/ (docs/memory.md)."""
+    return cuda and (OFFLOAD_IN_GRAPHS or not graphs_for(tokens, lora_dropout, cuda))
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
     :class:`~studio.core.vram.Estimate` (its weights, adapters and optimizer state persist)."""
     from studio.core import vram
     from studio.core import vram_fast as fast
-    from studio.core.plan import graphs_for
+    from studio.core.plan import graphs_for, offload_for
 
     c = 2 if plan.compute in ("bf16", "fp16") else 4
     fast_path = plan.path == "fast"
@@ -101,7 +101,8 @@ def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
         tokens = plan.real_tokens
         if graphs_for(tokens, plan.lora_dropout, cuda=True):
             # the captured step's private pool: its layer inputs, working set and free blocks
-            pool = tokens * (info.layers * info.hidden * c + (fast._LAYER_WORKING_SET + fast._GRAPH_POOL_PER_TOKEN)
+            kept = 2 if offload_for(tokens, plan.lora_dropout, cuda=True) else info.layers
+            pool = tokens * (kept * info.hidden * c + (fast._LAYER_WORKING_SET + fast._GRAPH_POOL_PER_TOKEN)
                              * fast.layer_outputs_per_token(info, c))
     # the residual stream's width: bf16 on the fast path (its prepare casts embeddings and norms down),
     # fp32 after prepare_model_for_kbit_training on the plain one

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from studio.engine.fast.layer import Segments
+from studio.engine.fast.offload import HostInputs
 
 if TYPE_CHECKING:
     from studio.engine.fast.model import FastModel
@@ -20,23 +21,26 @@ class _StackModule(nn.Module):
     layout's example count and longest example are fixed in it, the boundaries come in as a tensor.
     """
 
-    def __init__(self, fast: FastModel, max_len: int, flat: bool):
+    def __init__(self, fast: FastModel, max_len: int, flat: bool, host: HostInputs | None):
         super().__init__()
         self.adapters = nn.ParameterList(fast.trainable())
         self._fast = [fast]  # a list: not a submodule, so its parameters are not counted twice
         self.max_len, self.flat = max_len, flat
+        self.host = host
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
         seg = Segments(cu=cu, max_len=self.max_len) if self.flat else Segments()
-        return self._fast[0].stack(h, cos, sin, seg)
+        return self._fast[0].stack(h, cos, sin, seg, self.host)
 
 
 class Graphs:
     """CUDA graphs of the decoder stack, one per batch layout, captured on first use."""
 
-    def __init__(self, fast: FastModel, limit: int):
+    def __init__(self, fast: FastModel, limit: int, offload: bool = False):
         self.fast = fast
         self.limit = limit
+        self.offload = offload
+        """Each layout's layer inputs wait in its own pinned host buffers (engine/fast/offload.py)."""
         self.graphed: dict[tuple, nn.Module] = {}
         self.failed = ""
 
@@ -53,7 +57,8 @@ class Graphs:
             # default one, and the captured backward would wait on it. The Trainer releases each
             # micro-batch's loss after its backward (docs/speed.md).
             try:
-                module = torch.cuda.make_graphed_callables(_StackModule(self.fast, seg.max_len, flat),
+                host = HostInputs(h.device) if self.offload else None
+                module = torch.cuda.make_graphed_callables(_StackModule(self.fast, seg.max_len, flat, host),
                                                            (h, cos, sin, cu), num_warmup_iters=2)
             except torch.cuda.OutOfMemoryError:
                 raise  # the trainer halves the micro-batch; the smaller layout gets its own graph

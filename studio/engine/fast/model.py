@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from studio.core.plan import graphs_for, offload_for
+from studio.core.plan import OFFLOAD_IN_GRAPHS, graphs_for, offload_for
 from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import Graphs
 from studio.engine.fast.layer import Layer, Segments, padding_mask
@@ -38,8 +38,10 @@ class FastOptions:
     """Run a fused projection's base product one projection at a time (weights.FrozenWeights): the
     dequantization buffer holds one projection's weight instead of the fused pair's."""
     offload_inputs: bool = True
-    """Keep the checkpointed layer inputs in pinned host memory when a step runs eagerly on CUDA
-    (offload.py; core/plan.py's offload_for decides when)."""
+    """Keep the checkpointed layer inputs in pinned host memory on CUDA (offload.py; core/plan.py's
+    offload_for decides when)."""
+    offload_graphed: bool = OFFLOAD_IN_GRAPHS
+    """... inside the CUDA graphs too (each graphed layout copies to its own host buffers)."""
     unpad: bool = True
     """Drop padding tokens before the model (padded batches become a flat stream of examples)."""
     hoist_adapters: bool = True
@@ -79,7 +81,7 @@ class FastModel:
                     proj.use_dropout(self._seed.tensor, first_site=(index * 4 + k) * 8)
         use_graphs = options.cuda_graphs and device.type == "cuda"
         offloading = options.offload_inputs and options.checkpointing and device.type == "cuda"
-        self._graphs = Graphs(self, options.max_graphs) if use_graphs else None
+        self._graphs = Graphs(self, options.max_graphs, offloading and options.offload_graphed) if use_graphs else None
         self._host = HostInputs(device) if offloading else None
 
     @property
@@ -105,7 +107,8 @@ class FastModel:
         if self._graphs is not None:
             parts.append("CUDA graphs")
         if self._host is not None:
-            parts.append("layer inputs offloaded to the host on eager steps")
+            graphed = self._graphs is not None and self._graphs.offload
+            parts.append("layer inputs offloaded to the host" + ("" if graphed else " on eager steps"))
         if self._seed is not None:
             parts.append("adapter dropout from counter-based masks")
         parts.append("liger kernels" if self.kernels else "torch kernels")
@@ -194,14 +197,13 @@ class FastModel:
         else:
             offload = (self._host is not None and torch.is_grad_enabled()
                        and offload_for(ids.numel(), 0.0, True))
-            h = self.stack(h, cos, sin, seg, offload)
+            h = self.stack(h, cos, sin, seg, self._host if offload else None)
         return h.reshape(-1, h.shape[-1]), targets.reshape(-1)
 
     def stack(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
-              offload: bool = False) -> torch.Tensor:
-        """The decoder layers and the final norm; with ``offload``, each layer's saved input waits
-        in host memory (:class:`HostInputs`) instead of on the device."""
-        host = self._host if offload else None
+              host: HostInputs | None = None) -> torch.Tensor:
+        """The decoder layers and the final norm; with ``host``, each layer's saved input waits
+        in that host memory (:class:`HostInputs`) instead of on the device."""
         if host is not None:
             host.reset()
         for index, layer in enumerate(self.layers):
@@ -215,6 +217,8 @@ class FastModel:
                                preserve_rng_state=False)  # nothing in a layer draws from the RNG
             else:
                 h = layer.forward(h, cos, sin, seg, adapters)
+        if host is not None:
+            host.finish()
         return self.layers[0].norm(h, self.backbone.norm.weight) if self.layers else h
 
     def _static_layout(self, ids, pos, targets, seg: Segments):

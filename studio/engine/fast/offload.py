@@ -9,8 +9,12 @@ one back while the current layer is recomputed, so the copies hide behind the co
 layer inputs are on the GPU at once. :class:`OffloadedLayer` is the recomputing layer (what
 ``torch.utils.checkpoint`` does, with the input saved on the host).
 
-Only for steps that run eagerly: a CUDA graph replays fixed addresses and side-stream copies are
-not part of the captured stack (core/plan.py's ``offload_for`` decides, and the estimator follows).
+Eager steps and CUDA-graphed ones alike (core/plan.py's ``offload_for`` decides, and the estimator
+follows). A graph replays the copies it captured, to and from the same host buffers: each graphed
+layout gets its own :class:`HostInputs`, whose buffers never move. No tensor is handed to the copy
+stream with ``record_stream`` (inside a capture that defers its memory's reuse to the capture's end,
+which would keep every layer input in the graph's pool): the input stays referenced until the main
+stream has waited for its copy, one layer later, and is freed after that.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ class HostInputs:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._host: dict[int, torch.Tensor] = {}
-        self._stored: dict[int, tuple[torch.Tensor, object]] = {}
+        self._stored: dict[int, torch.Tensor] = {}
         self._fetched: dict[int, tuple[torch.Tensor, object]] = {}
+        self._copying: tuple[torch.Tensor, object] | None = None
+        """The input whose copy to the host may still be running, and that copy's event."""
 
     def _buffer(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Layer ``index``'s pinned buffer, viewed as ``x``: one a layer, grown to the largest input
@@ -46,38 +52,52 @@ class HostInputs:
         handed a previous step's prefetched input."""
         self._stored.clear()
         self._fetched.clear()
+        self._copying = None
+
+    def _settle(self) -> None:
+        """The main stream waits for the copy in flight; its input may be freed from then on."""
+        if self._copying is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copying[1])
+            self._copying = None
 
     def store(self, index: int, x: torch.Tensor) -> None:
         """Start copying layer ``index``'s input to the host."""
         host = self._buffer(index, x)
+        self._stored[index] = host
         if not self.cuda:
             host.copy_(x)
-            self._stored[index] = (host, None)
             return
+        self._settle()  # the previous layer's copy has overlapped that layer's compute
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             host.copy_(x, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        x.record_stream(self.stream)  # its memory is not reused before the copy has read it
-        self._stored[index] = (host, done)
+        self._copying = (x, done)
+
+    def finish(self) -> None:
+        """End of the forward: the last copy joins the main stream (a CUDA graph's capture must
+        end with no side-stream work outstanding)."""
+        if self.cuda:
+            self._settle()
 
     def prefetch(self, index: int) -> None:
         """Start bringing layer ``index``'s input back to the device (no-op if absent or on CPU)."""
         if index < 0 or index in self._fetched or index not in self._stored:
             return
-        host, stored = self._stored[index]
+        host = self._stored[index]
         if not self.cuda:
             self._fetched[index] = (host.clone(), None)
             return
+        # Allocated on the main stream and used there only after waiting for ``done``: it is never
+        # freed while the copy may still write it.
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # out's memory is free to write
+        # The main stream is past the forward's last copy (finish) and done with out's memory.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(stored)
             out.copy_(host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        out.record_stream(self.stream)
         self._fetched[index] = (out, done)
 
     def load(self, index: int) -> torch.Tensor:
