@@ -166,17 +166,23 @@ def test_memory_samples_are_measured_by_category_over_one_step(tiny_config, monk
     tiny_config.trainer.max_steps = 4
     tiny_config.trainer.log_interval = tiny_config.trainer.eval_interval = 2
     tiny_config.trainer.checkpoint_interval = 2
-    trainer, _, events = _run(tiny_config)
+    measured_at: dict[int, dict] = {}
+
+    def between_steps(trainer):  # the optimizer is given back when training ends: measure in the run
+        measured_at[trainer.step] = memory.measure_memory(trainer.model, trainer.optimizer, trainer.device)
+
+    trainer, _, events = _run(tiny_config, between_steps)
     real_reset = memory.reset_peak
     monkeypatch.setattr(memory, "reset_peak",
                         lambda device: (events.append(("reset", trainer.step)), real_reset(device)))
     trainer.train()
+    assert trainer.optimizer is None  # released with the training's other state
     samples = [e for e in events if isinstance(e, ev.MemorySampled)]
     assert [e.step for e in samples] == [2, 4]
     for sample in samples:
         # Reset before the sampled step ran, with nothing (evaluation, checkpoint) in between.
         assert events[events.index(sample) - 1] == ("reset", sample.step - 1)
-    measured = memory.measure_memory(trainer.model, trainer.optimizer, trainer.device)
+    measured = measured_at[samples[-1].step]
     assert set(samples[-1].categories) == set(measured) == {
         "weights", "lora", "gradients", "optimizer", "activations", "overhead"}
     for key in ("weights", "lora", "optimizer"):

@@ -84,31 +84,47 @@ def test_a_capture_while_an_earlier_loss_is_alive() -> None:
     assert "test_sequence_0.0: ok" in out, out[-2000:]
 
 
+@pytest.mark.parametrize("offload", [True, False], ids=["inputs_on_host", "inputs_in_pool"])
 @pytest.mark.parametrize("packing", [False, True])
-def test_the_trainer_captures_its_graphs_and_keeps_them(tiny_config, packing: bool) -> None:
+def test_the_trainer_captures_its_graphs_and_keeps_them(tiny_config, packing: bool, offload: bool,
+                                                        monkeypatch) -> None:
     """Through the real Trainer (evaluation, checkpoint and accumulation between graphed steps):
     each layout is captured and replayed, no capture fails, and autograd never warns that a stale
     gradient accumulator crosses streams (what makes a capture fail, or a step synchronize)."""
     import warnings
+    from functools import partial
 
+    import studio.engine.fast.build as build
     from studio.core import events as ev
     from studio.core.runs import create_run
     from studio.engine.session import Session
     from studio.engine.train import Trainer
 
+    monkeypatch.setattr(build, "prepare", partial(build.prepare, options=FastOptions(offload_graphed=offload)))
     t = tiny_config.trainer
     t.max_steps, t.micro_batch_size, t.effective_batch_size = 6, 4, 8  # two micro-batches a step
     t.packing, t.eval_interval, t.checkpoint_interval = packing, 3, 3
     events: list[ev.Event] = []
-    trainer = Trainer(Session(tiny_config, create_run(tiny_config), events.append))
+    timeline: list[str] = []
+    graphed: list[int] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+
+        def between_steps(trainer):
+            fast = trainer.session.fast
+            crossed = sum("AccumulateGrad" in str(w.message) for w in caught)
+            graphed.append(len(fast._graphs.graphed))
+            timeline.append(f"step {trainer.step}: {len(fast._graphs.graphed)} graphed, {crossed} crossings")
+
+        trainer = Trainer(Session(tiny_config, create_run(tiny_config), events.append), between_steps)
         trainer.train()
     fast = trainer.session.fast
     assert fast is not None and fast._graphs is not None, "the fast path with CUDA graphs did not run"
     assert not fast.graphs_failed, fast.graphs_failed
-    assert fast._graphs.graphed, "no layout was captured"
+    assert max(graphed) >= 1, timeline  # (given back when training ends)
+    assert not fast._graphs.graphed
+    assert ("layer inputs offloaded to the host on eager steps" in fast.describe()) is not offload
     failures = [e.message for e in events if isinstance(e, ev.WorkerFailed)]
     assert not failures, failures
-    crossings = [str(w.message)[:200] for w in caught if "AccumulateGrad" in str(w.message)]
-    assert not crossings, crossings
+    crossings = [str(w.message)[:120] for w in caught if "AccumulateGrad" in str(w.message)]
+    assert not crossings, (timeline, crossings)

@@ -253,11 +253,21 @@ class Trainer:
                     raise DiskFull(adapter, self.run.id) from exc
                 raise
         self.state = "stopped" if stopped else "finished"
+        self._release_training_state()
         finished = ev.TrainingFinished(step=self.step, stopped=stopped, adapter_path=str(adapter),
                                        train_loss=last_loss, best_eval_loss=self.best_eval_loss,
                                        elapsed_s=round(self.elapsed, 2))
         self.emit(finished)
         return finished
+
+    def _release_training_state(self) -> None:
+        """Give back what only training needs once it has ended (saved in the last checkpoint, which a
+        resume reads): the optimizer's state, and the CUDA graphs with their private pools. What comes
+        next (answers, evaluation, export) then fits in less than the training step did."""
+        self.optimizer = self.scheduler = None
+        if self.session.fast is not None:
+            self.session.fast.release_graphs()
+        oom.between_phases(self.device)
 
     def _report_graph_failure(self) -> None:
         """Once: a failed CUDA graph capture leaves training correct but slower (every later step

@@ -84,6 +84,11 @@ class FastModel:
         self._graphs = Graphs(self, options.max_graphs, offloading and options.offload_graphed) if use_graphs else None
         self._host = HostInputs(device) if offloading else None
 
+    def release_graphs(self) -> None:
+        """Drop the captured graphs and their memory pools (a later training step captures anew)."""
+        if self._graphs is not None:
+            self._graphs.graphed.clear()
+
     @property
     def graphs_failed(self) -> str:
         """Why CUDA graph capture failed ("" if it did not): steps run eagerly from then on."""
