@@ -56,6 +56,13 @@ class Graphs:
             # released): its gradient accumulators belong to the stream that forward ran on, the
             # default one, and the captured backward would wait on it. The Trainer releases each
             # micro-batch's loss after its backward (docs/speed.md).
+            # make_graphed_callables creates the adapters' gradient accumulators inside its capture,
+            # on the capture stream, and keeps them; every replay's backward (on the training stream)
+            # then hands them gradients across streams, which autograd warns about once. Expected
+            # here: the capture and the replays are correct (tests/test_fast_graphs.py).
+            quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+            if quiet is not None:
+                quiet(False)
             try:
                 host = HostInputs(h.device) if self.offload else None
                 module = torch.cuda.make_graphed_callables(_StackModule(self.fast, seg.max_len, flat, host),
@@ -66,7 +73,16 @@ class Graphs:
                 self.failed = f"{type(exc).__name__}: {exc}"
                 return self.fast.stack(h, cos, sin, seg)
             self.graphed[key] = module
-            # The capture's warm-up ran on a side stream; its cached blocks serve nothing now.
+            # The capture's warm-up ran on a side stream that is gone now: its cached blocks, and the
+            # cuBLAS workspaces torch keeps for that stream (one per thread that ran products on it,
+            # 32 MiB each on a Hopper card, never freed otherwise), serve nothing. Clearing the
+            # workspace map frees those; the default stream's are allocated again at its next
+            # product, and the capture stream's stay inside the graph's private pool, which only
+            # that graph uses.
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                torch.cuda.synchronize(h.device)
+                clear()
             torch.cuda.empty_cache()
         # The captured backward hands back gradients that live in the graph's memory: gradients that
         # already exist make autograd add them in place instead of keeping (aliasing) that memory.
