@@ -93,15 +93,16 @@ def test_every_phase_has_a_peak_and_the_estimate_is_the_largest():
     assert all(p.reserved >= short.phases["training step"].reserved for p in short.phases.values())
 
 
-def test_evaluation_on_the_fast_path_scores_2048_tokens_a_pass():
-    """FastModel.score runs SCORE_TOKENS (2048) tokens a pass, a longer row alone; the plain path's
+def test_evaluation_on_the_fast_path_scores_512_tokens_a_pass():
+    """FastModel.score runs SCORE_TOKENS (512) tokens a pass, a longer row alone; the plain path's
     evaluation runs the whole micro-batch with its logits, under its training step's peak."""
     from studio.core.vram import Plan, estimate_plan
     from studio.core.vram_phases import SCORE_TOKENS, eval_tokens
     from studio.engine.fast.model import SCORE_TOKENS as ENGINE_SCORE_TOKENS
 
-    assert SCORE_TOKENS == ENGINE_SCORE_TOKENS
-    assert eval_tokens(Plan(micro_batch=16, seq_len=512, path="fast")) == 2048
+    assert SCORE_TOKENS is ENGINE_SCORE_TOKENS  # one home: the engine imports it
+    assert eval_tokens(Plan(micro_batch=16, seq_len=512, path="fast")) == 512
+    assert eval_tokens(Plan(micro_batch=16, seq_len=128, path="fast")) == 512
     assert eval_tokens(Plan(micro_batch=2, seq_len=4096, path="fast")) == 4096
     assert eval_tokens(Plan(micro_batch=16, seq_len=512, path="plain")) == 8192
     # issue 18: micro-batch 32 trained under 15 GB and died in the evaluation's fp32 logits; the

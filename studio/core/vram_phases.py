@@ -5,7 +5,7 @@ between steps, and its peak is the largest of them all (issue 18: the 7B run tha
 micro-batch 32 under a 15 GB cap and died in its final evaluation):
 
 - **evaluation** (``Trainer.evaluate``): no gradients, one micro-batch of validation rows at a time.
-  The fast path's ``FastModel.score`` runs at most ``SCORE_TOKENS`` (2048) tokens a forward pass (one
+  The fast path's ``FastModel.score`` runs at most ``SCORE_TOKENS`` (512) tokens a forward pass (one
   row when a row is longer) and goes through the vocabulary in chunks whose fp32 logits are no larger
   than those tokens' hidden states in fp32 (engine/fast/loss.py); held: the pass's hidden states
   and residual, one layer's no-gradient working set, one layer's hoisted adapters, the chunk's logits
@@ -41,9 +41,11 @@ from studio.core.model_info import ModelInfo
 PHASES = ("training step", "evaluation", "generation", "checkpoint save")
 """The phases of a run, in the order a run meets them; the estimate's peak is the largest."""
 
-SCORE_TOKENS = 2048
-"""engine/fast/model.py's ``SCORE_TOKENS``: the fast path's evaluation runs at most this many tokens
-a forward pass (a longer row runs alone). Kept equal by tests/test_vram_phases.py."""
+SCORE_TOKENS = 512
+"""The fast path's evaluation (engine/fast/model.py's ``FastModel.score``) runs at most this many
+tokens a forward pass (a longer row runs alone). Its working set comes on top of the CUDA graphs'
+private pool, which an eager pass cannot reuse: at 2048 tokens the final evaluation of a micro-batch
+of 4 x 512 reserved 0.11 GiB more than the training step on the H100 (docs/memory.md)."""
 
 _PAGE = 2 * 2**20
 

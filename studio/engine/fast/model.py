@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from studio.core.plan import OFFLOAD_IN_GRAPHS, graphs_for, offload_for
+from studio.core.vram_phases import SCORE_TOKENS
 from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import Graphs
 from studio.engine.fast.layer import Layer, Segments, padding_mask
@@ -53,8 +54,6 @@ class FastOptions:
     """Layouts beyond this many run without graphs (each graph keeps its own activation memory)."""
 
 
-SCORE_TOKENS = 2048
-"""Tokens per forward pass when scoring (evaluation): larger batches are scored a few rows at a time."""
 
 
 class FastModel:
