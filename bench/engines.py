@@ -105,6 +105,7 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     steps_seen: list = []
     notes: list[str] = []
     train_peak: dict[str, int] = {}
+    trainer_box: list = []
 
     def emit(event) -> None:
         if isinstance(event, ev.StepLogged):
@@ -112,6 +113,10 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
             if cuda:
                 train_peak["allocated"] = torch.cuda.max_memory_allocated()
                 train_peak["reserved"] = torch.cuda.max_memory_reserved()
+                graphs = getattr(getattr(trainer_box[0].session, "fast", None), "_graphs", None) \
+                    if trainer_box else None
+                if graphs is not None:  # counted while training: the graphs are given back at its end
+                    train_peak["graphs"] = max(train_peak.get("graphs", 0), len(graphs.graphed))
         elif isinstance(event, ev.WorkerFailed):
             notes.append(f"{event.kind}: {event.message}")
 
@@ -125,6 +130,7 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     # the whole run's peak must not lose the earlier steps'.
     memory.reset_peak = lambda device=None: None
     trainer = _trainer(config, create_run(config), emit)
+    trainer_box.append(trainer)
     t0 = time.perf_counter()
     finished = trainer.train()
     wall = time.perf_counter() - t0
@@ -153,7 +159,7 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
         row["peak_allocated"] = max(row["run_peak_allocated"], row["generate_peak_allocated"])
         row["peak_reserved"] = max(row["run_peak_reserved"], row["generate_peak_reserved"])
         if fast is not None and getattr(fast, "_graphs", None) is not None:
-            row["graphs"] = len(fast._graphs.graphed)
+            row["graphs"] = train_peak.get("graphs", 0)
             row["graphs_failed"] = fast._graphs.failed
     return row
 
