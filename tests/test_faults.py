@@ -276,3 +276,32 @@ def test_a_failed_graph_capture_is_reported_once_and_training_goes_on(tiny_confi
     assert len(failures) == 1 and not failures[0].fatal, failures
     assert "CUDA graph" in failures[0].message and "cudaErrorStreamCaptureInvalidated" in failures[0].detail
     assert isinstance(events[-1], ev.TrainingFinished) and events[-1].step == 3
+
+
+def test_the_graphs_are_given_back_before_the_final_evaluation(tiny_config, monkeypatch) -> None:
+    """No step follows the last one: the CUDA graphs' pools are released before the final evaluation
+    (its eager passes would sit on top of them), not only when training ends."""
+    from studio.engine.fast.model import FastModel
+    from studio.engine.session import Session
+    from studio.engine.train import Trainer
+
+    monkeypatch.setenv("STUDIO_FAST_PATH", "1")  # the fast path on the CPU, standing in for CUDA
+    calls: list[str] = []
+    real_release = FastModel.release_graphs
+    monkeypatch.setattr(FastModel, "release_graphs",
+                        lambda self: (calls.append("release graphs"), real_release(self)))
+    tiny_config.trainer.max_steps = 2
+    tiny_config.trainer.eval_interval = 1
+    trainer = Trainer(Session(tiny_config, create_run(tiny_config), lambda event: None))
+    real_pass = trainer._eval_pass
+
+    def eval_pass(*args, **kwargs):
+        calls.append(f"evaluation at step {trainer.step}")
+        return real_pass(*args, **kwargs)
+
+    trainer._eval_pass = eval_pass
+    trainer.train()
+    # step 0 (the base) and step 1 evaluate with the graphs kept; the last one after their release
+    # (and the end of training releases them again, a no-op by then)
+    assert calls == ["evaluation at step 0", "evaluation at step 1", "release graphs",
+                     "evaluation at step 2", "release graphs"], calls

@@ -225,6 +225,10 @@ class Trainer:
                 if self.session.preference is not None:
                     self.emit(self.session.preference.logged(self.step))
                 window_tokens, window_start = 0, now
+            if self.step == self.total_steps and self.session.fast is not None:
+                # No step follows: the graphs' pools go before the final evaluation, whose eager
+                # passes would otherwise sit on top of them (4096-token rows: 0.36 GiB over the step).
+                self.session.fast.release_graphs()
             if self.group.leader and (self.step == self.total_steps or
                                       (tc.eval_interval and self.step % tc.eval_interval == 0)):
                 self.evaluate()  # the other ranks wait for the verdict below meanwhile
