@@ -54,8 +54,6 @@ class FastOptions:
     """Layouts beyond this many run without graphs (each graph keeps its own activation memory)."""
 
 
-
-
 class FastModel:
     """A PEFT Llama-style model's loss, computed by the fast path. Build it with :func:`prepare`."""
 
