@@ -332,3 +332,55 @@ def test_split_products_equal_the_fused_matrix(tiny_model: Path, bits) -> None:
     torch.testing.assert_close(split.forward_product(x), x @ w.t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused.forward_product(x), x @ w.t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split.backward_product(dy), dy @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_gradient_sink_gives_the_gradients_autograd_would(tiny_model: Path) -> None:
+    """graphs.GradSink, run eagerly (on CUDA only the captured pass goes through it): the adapters'
+    gradients land in the sink's tensors, once, over micro-batches that accumulate; a new step
+    (``.grad`` set to None) starts them from zero, and a gradient an eager step made is kept."""
+    import functools
+
+    from studio.engine.fast.graphs import GradSink
+
+    model = _peft_model(tiny_model, None, ["q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"])
+    device = next(model.parameters()).device
+    batches = [collate([[e] for e in _examples(lengths, seed=s)], pad_id=0, packing=True).to(device)
+               for s, lengths in enumerate(([21, 14, 9], [30, 6, 8]))]
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+
+    def step(micro_batches) -> None:
+        for batch in micro_batches:
+            fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids).backward()
+
+    model.zero_grad(set_to_none=True)
+    step(batches)
+    reference = _grads(model)
+    model.zero_grad(set_to_none=True)
+    step(batches[:1])
+    first_only = _grads(model)
+
+    sink = GradSink(fast_model.trainable())
+    plain_stack = fast_model.stack
+    fast_model.stack = functools.partial(plain_stack, sink=sink)
+    for _ in range(2):  # the second step must not carry the first one's sums
+        model.zero_grad(set_to_none=True)
+        sink.bind()
+        step(batches)
+        got = _grads(model)
+        assert all(p.grad is g for p, g in zip(sink.params, sink.grads, strict=True))
+        for name, grad in reference.items():
+            assert grad.abs().sum() > 0, name
+            torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7)
+
+    # The first micro-batch eager (no sink), the second through it: the eager one's sum is kept.
+    model.zero_grad(set_to_none=True)
+    fast_model.stack = plain_stack
+    step(batches[:1])
+    torch.testing.assert_close(_grads(model), first_only)
+    fast_model.stack = functools.partial(plain_stack, sink=sink)
+    sink.bind()
+    step(batches[1:])
+    got = _grads(model)
+    for name, grad in reference.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7)

@@ -49,9 +49,9 @@ class Layer:
     def projections(self) -> tuple[Projection, Projection, Projection, Projection]:
         return self.qkv, self.o, self.gate_up, self.down
 
-    def adapters(self) -> tuple:
+    def adapters(self, sink=None) -> tuple:
         """Each projection's adapters in fused form (see :meth:`Projection.adapters`)."""
-        return self.qkv.adapters(), self.o.adapters(), self.gate_up.adapters(), self.down.adapters()
+        return tuple(p.adapters(sink) for p in (self.qkv, self.o, self.gate_up, self.down))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
                 adapters: tuple | None = None) -> torch.Tensor:

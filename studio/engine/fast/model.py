@@ -84,7 +84,7 @@ class FastModel:
     def release_graphs(self) -> None:
         """Drop the captured graphs and their memory pools (a later training step captures anew)."""
         if self._graphs is not None:
-            self._graphs.graphed.clear()
+            self._graphs.release()
 
     @property
     def graphs_failed(self) -> str:
@@ -203,14 +203,16 @@ class FastModel:
         return h.reshape(-1, h.shape[-1]), targets.reshape(-1)
 
     def stack(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
-              host: HostInputs | None = None) -> torch.Tensor:
+              host: HostInputs | None = None, sink=None) -> torch.Tensor:
         """The decoder layers and the final norm; with ``host``, each layer's saved input waits
-        in that host memory (:class:`HostInputs`) instead of on the device."""
+        in that host memory (:class:`HostInputs`) instead of on the device; with ``sink``, the
+        hoisted adapters are built from what it maps each parameter to (graphs.py's gradient
+        sink)."""
         if host is not None:
             host.reset()
         for index, layer in enumerate(self.layers):
             # Built outside the checkpoint: the recomputation then reuses them (fewer small ops).
-            adapters = layer.adapters() if self.options.hoist_adapters else None
+            adapters = layer.adapters(sink) if self.options.hoist_adapters else None
             if host is not None:
                 spec, tensors = flatten(adapters)
                 h = OffloadedLayer.apply(h, cos, sin, layer, seg, index, host, spec, *tensors)

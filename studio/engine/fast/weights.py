@@ -7,7 +7,7 @@ epilogue. The backward re-dequantizes instead of keeping the bf16 weights alive.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -263,18 +263,22 @@ class Projection:
             sites = [first_site + j for j in range(len(self.a))]
             self.drop = AdapterDropout(self.dropout, sites, self.ranks, seed)
 
-    def adapters(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    def adapters(self, sink: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
         """The adapters as the fused product takes them: stacked A, block-diagonal B^T, scale.
 
         Built from the fp32 parameters through autograd, so their gradients flow back to each
-        adapter; a projection without an adapter gets an empty block.
+        adapter; a projection without an adapter gets an empty block. ``sink`` maps each parameter
+        to the tensor the products use in its place (graphs.py routes the gradients through it).
         """
         if not self.a:
             return None, None, 1.0
-        a = torch.cat(self.a).to(self.dtype) if len(self.a) > 1 else self.a[0].to(self.dtype)
+        a_params = [sink(p) for p in self.a] if sink is not None else self.a
+        b_params = [sink(p) for p in self.b] if sink is not None else self.b
+        a = torch.cat(a_params).to(self.dtype) if len(a_params) > 1 else a_params[0].to(self.dtype)
         # Scales folded into B when they differ (rare: per-module alpha); else passed as alpha.
         same = all(s == self.scales[0] for s in self.scales)
-        adapted = iter(zip(self.b, self.scales, strict=True))
+        adapted = iter(zip(b_params, self.scales, strict=True))
         bts = []
         for present, n in zip(self.present, self.weights.out_features, strict=True):
             if present:
