@@ -500,6 +500,40 @@ def speed_grid(micro_batches: tuple[int, ...] = (1, 4, 16),
     return out
 
 
+def _predict_only(args, cases: list[Case]) -> int:
+    """The estimator's peaks for each Trainer row over every phase a Trainer row measures (steps,
+    final evaluation, adapter save, one chat answer), from the architectures' configs alone."""
+    from transformers import LlamaConfig
+
+    from studio.core.model_info import load_model_info
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for case in cases:
+            if case.engine == "unsloth" or case.lever:
+                continue
+            where = Path(folder) / case.arch
+            if not where.exists():
+                where.mkdir()
+                LlamaConfig(**ARCHS[case.arch], bos_token_id=1, eos_token_id=2).save_pretrained(where)
+            predicted = estimate_plan(load_model_info(str(where)), case.plan())
+            phases = case.phases({"generate_new_tokens": GENERATE_NEW_TOKENS})
+            rows.append({"label": case.label, "out_of_sample": case.out_of_sample, "path": predicted.plan.path,
+                         "predicted": predicted_peaks(predicted, phases), "peak_phase": predicted.peak_phase})
+    result = {"command": "python3 bench/vram_accuracy.py " + " ".join(sys.argv[1:]),
+              "git_commit": _git_commit(), "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    for row in rows:
+        print(f"{row['label']}: {row['predicted']['peak_reserved'] / 2**30:.2f} GiB reserved"
+              f"{' (out of sample)' if row['out_of_sample'] else ''}")
+    return 0
+
+
+def _git_commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return done.stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
@@ -534,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only the grid rows marked out of sample (v2)")
     parser.add_argument("--parallel", type=int, default=1,
                         help="grid rows run this many at a time (peaks are per process; never for --speed rows)")
+    parser.add_argument("--predict-only", action="store_true",
+                        help="write the estimator's predictions for the chosen rows and run nothing (to "
+                        "commit them before a GPU run: the out-of-sample rows are scored against these)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--trace-file", help=argparse.SUPPRESS)
@@ -558,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         speed = [(w, replace(c, arch="tiny", seq=64)) for w, c in speed if c.engine != "unsloth"]
     jobs = [*speed, *(("", c) for c in grid)]
+    if args.predict_only:
+        return _predict_only(args, [c for _, c in jobs])
     traced = [part for part in (args.trace or "").split(",") if part]
     trace_dir = Path(args.trace_dir or Path(args.out).parent)
     models_dir = Path(args.models_dir or tempfile.mkdtemp(prefix="vram_bench_"))
