@@ -100,6 +100,7 @@ LEVERS = {
     "fused_products": {"split_products": False},
     "graphs_keep_inputs": {"offload_graphed": False},
     "no_hoist": {"hoist_adapters": False},
+    "no_grad_sink": {"grad_sink": False},
 }
 
 

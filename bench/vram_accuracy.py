@@ -568,6 +568,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only the grid rows marked out of sample (v2)")
     parser.add_argument("--parallel", type=int, default=1,
                         help="grid rows run this many at a time (peaks are per process; never for --speed rows)")
+    parser.add_argument("--rows", default=None,
+                        help="START:END: only these rows of the chosen grid, counted after --only and "
+                        "--out-of-sample (to split one grid over several GPU calls)")
+    parser.add_argument("--no-lever-rows", action="store_true",
+                        help="leave out the grid's lever rows (the memory side of each trade)")
     parser.add_argument("--predict-only", action="store_true",
                         help="write the estimator's predictions for the chosen rows and run nothing (to "
                         "commit them before a GPU run: the out-of-sample rows are scored against these)")
@@ -589,6 +594,11 @@ def main(argv: list[str] | None = None) -> int:
         grid = [c for c in grid if any(part in c.label for part in args.only.split(","))]
     if args.out_of_sample:
         grid = [c for c in grid if c.out_of_sample]
+    if args.no_lever_rows:
+        grid = [c for c in grid if not c.lever]
+    if args.rows:
+        first, last = (int(x) if x else None for x in args.rows.split(":"))
+        grid = grid[first:last]
     speed = speed_grid(tuple(int(x) for x in args.speed.split(",") if x), tuple(args.speed_engines.split(",")),
                        tuple(w for w in args.speed_workloads.split(",") if w)) \
         if args.speed or args.speed_workloads else []

@@ -14,19 +14,23 @@ if TYPE_CHECKING:
     from studio.engine.fast.model import FastModel
 
 
-class _AddInto(torch.autograd.Function):
-    """Identity in the forward; the backward adds the incoming gradient into a fixed tensor and
-    hands none back to the parameter (captured in a CUDA graph, every replay adds there)."""
+class _Sink(torch.autograd.Function):
+    """The parameters in the forward, cut off from autograd; the backward adds each one's gradient
+    into its fixed tensor and hands the anchor (the one input autograd sees) a zero."""
 
     @staticmethod
-    def forward(ctx, param: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-        ctx.into = into
-        return param.view_as(param)
+    def forward(ctx, anchor: torch.Tensor, params: list[torch.Tensor], intos: list[torch.Tensor]):
+        ctx.intos = intos
+        return tuple(p.detach() for p in params)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.into.add_(grad)
-        return None, None
+    def backward(ctx, *grads: torch.Tensor):
+        pairs = [(into, g) for into, g in zip(ctx.intos, grads, strict=True) if g is not None]
+        if pairs:
+            torch._foreach_add_([into for into, _ in pairs], [g for _, g in pairs])
+        # A defined gradient for the anchor: with none, the captured backward ends on a stream
+        # dependency outside the capture (bench/diag_sink.py) and the capture fails.
+        return grads[0].new_zeros((), dtype=torch.float32), None, None
 
 
 class GradSink:
@@ -34,19 +38,26 @@ class GradSink:
 
     ``make_graphed_callables`` returns a parameter's gradient as a static output of the captured
     backward, which autograd then adds into ``.grad``: two copies of every adapter gradient (0.15
-    GiB for Llama-2-7B at r16 on all projections), one of them kept for good in the graph's pool.
-    Captured through the sink, each parameter is used through :class:`_AddInto`, whose backward
-    adds into one fixed tensor per parameter (``.grad`` of the steps that replay), and the graph
-    hands back no gradient for it: one copy, and no host-side accumulation after each replay.
+    GiB for Llama-2-7B at r16 on all projections), one of them kept for good in the graph's pool,
+    and one eager addition per adapter after every replay. Through the sink, the captured stack uses
+    the adapters through :class:`_Sink`, whose backward adds their gradients into fixed tensors
+    (``.grad`` of the steps that replay): one copy, added inside the graph. The graph's only
+    parameter is a scalar anchor, whose gradient is always zero.
     """
 
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
         self.grads = [torch.zeros_like(p) for p in params]
-        self._index = {id(p): i for i, p in enumerate(params)}
+        self._into = {id(p): g for p, g in zip(params, self.grads, strict=True)}
+        self.anchor = nn.Parameter(torch.zeros((), device=params[0].device))
 
-    def __call__(self, param: torch.Tensor) -> torch.Tensor:
-        return _AddInto.apply(param, self.grads[self._index[id(param)]])
+    def __call__(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``params`` as the products use them, their gradients going to this sink."""
+        return list(_Sink.apply(self.anchor, params, [self._into[id(p)] for p in params]))
+
+    def bound(self) -> bool:
+        """Whether the parameters' ``.grad`` are the sink's tensors now (an accumulation going on)."""
+        return any(p.grad is g for p, g in zip(self.params, self.grads, strict=True))
 
     def bind(self) -> None:
         """Make each parameter's ``.grad`` its fixed tensor before a replay. A new accumulation
@@ -65,14 +76,18 @@ class GradSink:
 class _StackModule(nn.Module):
     """The decoder stack for one batch layout, as the module that CUDA-graph capture takes.
 
-    Its parameters are the adapters (so the captured backward returns their gradients); the
-    layout's example count and longest example are fixed in it, the boundaries come in as a tensor.
+    Its parameters are the adapters (so the captured backward returns their gradients), or with a
+    :class:`GradSink` only the sink's anchor (the backward adds the gradients itself); the layout's
+    example count and longest example are fixed in it, the boundaries come in as a tensor.
     """
 
     def __init__(self, fast: FastModel, max_len: int, flat: bool, host: HostInputs | None,
                  sink: GradSink | None):
         super().__init__()
-        self.adapters = nn.ParameterList(fast.trainable())
+        if sink is None:
+            self.adapters = nn.ParameterList(fast.trainable())
+        else:
+            self.anchor = sink.anchor
         self._fast = [fast]  # a list: not a submodule, so its parameters are not counted twice
         self.max_len, self.flat = max_len, flat
         self.host = host
@@ -80,20 +95,19 @@ class _StackModule(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
         seg = Segments(cu=cu, max_len=self.max_len) if self.flat else Segments()
-        # Only the captured pass goes through the sink: the warm-up passes before it run for real,
-        # and their gradients (returned by make_graphed_callables' own autograd.grad) are dropped.
-        sink = self._sink[0] if torch.cuda.is_current_stream_capturing() else None
-        return self._fast[0].stack(h, cos, sin, seg, self.host, sink)
+        return self._fast[0].stack(h, cos, sin, seg, self.host, self._sink[0])
 
 
 class Graphs:
     """CUDA graphs of the decoder stack, one per batch layout, captured on first use."""
 
-    def __init__(self, fast: FastModel, limit: int, offload: bool = False):
+    def __init__(self, fast: FastModel, limit: int, offload: bool = False, grad_sink: bool = True):
         self.fast = fast
         self.limit = limit
         self.offload = offload
         """Each layout's layer inputs wait in its own pinned host buffers (engine/fast/offload.py)."""
+        self.grad_sink = grad_sink
+        """The captured backward adds the adapters' gradients into ``.grad`` itself (:class:`GradSink`)."""
         self.graphed: dict[tuple, nn.Module] = {}
         self.failed = ""
         self.sink: GradSink | None = None
@@ -124,20 +138,25 @@ class Graphs:
             quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
             if quiet is not None:
                 quiet(False)
+            if self.grad_sink and self.sink is None:
+                self.sink = GradSink(self.fast.trainable())
+            # The warm-up passes add into the sink's tensors too: keep what a step in progress
+            # has accumulated there (a new layout in the middle of an accumulation window).
+            kept = [g.clone() for g in self.sink.grads] if self.sink is not None and self.sink.bound() else None
             try:
                 host = HostInputs(h.device) if self.offload else None
-                if self.sink is None:
-                    self.sink = GradSink(self.fast.trainable())
-                # allow_unused_input: through the sink, the captured backward returns no gradient
-                # for the adapters (it adds them into the sink's tensors itself).
                 module = torch.cuda.make_graphed_callables(
                     _StackModule(self.fast, seg.max_len, flat, host, self.sink), (h, cos, sin, cu),
-                    num_warmup_iters=2, allow_unused_input=True)
+                    num_warmup_iters=2)
             except torch.cuda.OutOfMemoryError:
                 raise  # the trainer halves the micro-batch; the smaller layout gets its own graph
             except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
                 self.failed = f"{type(exc).__name__}: {exc}"
+                self._restore(kept)
                 return self.fast.stack(h, cos, sin, seg)
+            finally:
+                if kept is not None and not self.failed:
+                    self._restore(kept)
             self.graphed[key] = module
             # The capture's warm-up ran on a side stream that is gone now: its cached blocks, and the
             # cuBLAS workspaces torch keeps for that stream (one per thread that ran products on it,
@@ -150,6 +169,16 @@ class Graphs:
                 torch.cuda.synchronize(h.device)
                 clear()
             torch.cuda.empty_cache()
-        # The replayed backward adds into the sink's tensors: they must be the gradients now.
-        self.sink.bind()
+        if self.sink is not None:
+            self.sink.bind()  # the replayed backward adds into the sink's tensors: the gradients now
+        else:
+            # The captured backward hands back gradients that live in the graph's memory: gradients
+            # that already exist make autograd add them in place instead of keeping that memory.
+            for p in self.fast.trainable():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         return module(h, cos, sin, cu)
+
+    def _restore(self, kept: list[torch.Tensor] | None) -> None:
+        if kept is not None and self.sink is not None:
+            torch._foreach_copy_(self.sink.grads, kept)

@@ -52,6 +52,9 @@ class FastOptions:
     ``max_graphs``), so the host's per-operation cost leaves the step; CUDA only."""
     max_graphs: int = 2
     """Layouts beyond this many run without graphs (each graph keeps its own activation memory)."""
+    grad_sink: bool = True
+    """The captured backward adds the adapters' gradients into ``.grad`` itself (graphs.GradSink)
+    instead of returning a second copy that autograd then adds there after each replay."""
 
 
 class FastModel:
@@ -78,7 +81,8 @@ class FastModel:
                     proj.use_dropout(self._seed.tensor, first_site=(index * 4 + k) * 8)
         use_graphs = options.cuda_graphs and device.type == "cuda"
         offloading = options.offload_inputs and options.checkpointing and device.type == "cuda"
-        self._graphs = Graphs(self, options.max_graphs, offloading and options.offload_graphed) if use_graphs else None
+        self._graphs = Graphs(self, options.max_graphs, offloading and options.offload_graphed,
+                              options.grad_sink) if use_graphs else None
         self._host = HostInputs(device) if offloading else None
 
     def release_graphs(self) -> None:

@@ -263,18 +263,20 @@ class Projection:
             sites = [first_site + j for j in range(len(self.a))]
             self.drop = AdapterDropout(self.dropout, sites, self.ranks, seed)
 
-    def adapters(self, sink: Callable[[torch.Tensor], torch.Tensor] | None = None
+    def adapters(self, sink: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
         """The adapters as the fused product takes them: stacked A, block-diagonal B^T, scale.
 
         Built from the fp32 parameters through autograd, so their gradients flow back to each
-        adapter; a projection without an adapter gets an empty block. ``sink`` maps each parameter
-        to the tensor the products use in its place (graphs.py routes the gradients through it).
+        adapter; a projection without an adapter gets an empty block. ``sink`` maps the parameters
+        to the tensors the products use in their place (graphs.py routes the gradients through it).
         """
         if not self.a:
             return None, None, 1.0
-        a_params = [sink(p) for p in self.a] if sink is not None else self.a
-        b_params = [sink(p) for p in self.b] if sink is not None else self.b
+        a_params, b_params = self.a, self.b
+        if sink is not None:
+            used = sink([*self.a, *self.b])
+            a_params, b_params = used[:len(self.a)], used[len(self.a):]
         a = torch.cat(a_params).to(self.dtype) if len(a_params) > 1 else a_params[0].to(self.dtype)
         # Scales folded into B when they differ (rare: per-module alpha); else passed as alpha.
         same = all(s == self.scales[0] for s in self.scales)

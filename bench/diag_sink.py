@@ -1,0 +1,68 @@
+"""Why a CUDA graph capture through the gradient sink (engine/fast/graphs.py's GradSink) fails: one
+variant a process (a failed capture leaves the process's CUDA generator unusable), each printing the
+first error with its traceback.
+
+    python3 bench/diag_sink.py             # every variant, one line (or a traceback) each
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("no_sink", "sink", "sink_no_offload", "sink_mid_window")
+
+
+def run(variant: str) -> str:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_fast_dropout import _batch, _model  # noqa: PLC0415
+
+    from studio.engine import fast
+    from studio.engine.fast.model import FastOptions
+    from studio.engine.tiny import build_tiny_model
+
+    real = torch.cuda.make_graphed_callables
+    first: list[str] = []
+
+    def traced(*args, **kwargs):
+        try:
+            return real(*args, **kwargs)
+        except Exception:
+            first.append(traceback.format_exc()[-4000:])
+            raise
+    torch.cuda.make_graphed_callables = traced
+
+    model = _model(build_tiny_model(), 0.0, "cuda", torch.bfloat16)
+    options = FastOptions(offload_inputs=variant != "sink_no_offload", grad_sink=variant != "no_sink")
+    fast_model, why = fast.prepare(model, options=options)
+    assert fast_model is not None, why
+    # two layouts in one step: the second is captured while the first one's gradients accumulate
+    batches = [_batch("cuda")] + ([_batch("cuda", seed=1, lengths=(30, 6, 8))] if variant == "sink_mid_window" else [])
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        for batch in batches:
+            loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+            loss.backward()
+            del loss
+    if fast_model.graphs_failed:
+        return "FAILED\n" + (first[0] if first else fast_model.graphs_failed[:3000])
+    return f"ok ({len(fast_model._graphs.graphed)} layouts graphed)"
+
+
+def main() -> int:
+    if len(sys.argv) > 1:
+        print(f"{sys.argv[1]}: {run(sys.argv[1])}", flush=True)
+        return 0
+    for variant in VARIANTS:
+        done = subprocess.run([sys.executable, __file__, variant], capture_output=True, text=True, timeout=300)
+        print(done.stdout.strip() or f"{variant}: exit {done.returncode}\n{done.stderr[-3000:]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
