@@ -32,22 +32,24 @@ import math
 from studio.core.model_info import ModelInfo
 from studio.core.plan import graphs_for, offload_for
 
-_LAYER_WORKING_SET = 0.95
-"""One recomputed layer's backward holds about this many times its forward outputs (fitted)."""
+_LAYER_WORKING_SET = 1.0
+"""One recomputed layer's backward holds about this many times its forward outputs (refitted with the
+two constants below to the in-sample rows of bench/results/h100_vram_trainer_v3.json:
+bench/refit_vram_fast.py)."""
 
 _FIXED_SLACK = 32 * 2**20
 """Reserved beyond the allocated peak that no mechanism below explains: small-pool pages and 20 MiB
 mapping steps of the allocator (fitted)."""
 
-_GRAPH_POOL_PER_TOKEN = 1.5
+_GRAPH_POOL_PER_TOKEN = 1.0
 """With CUDA graphs, the captured step's private pool keeps free blocks worth this many times one
-layer's forward outputs per token (fitted to the in-sample H100 rows of Llama-2-7B at 512, 2048 and
-4096 tokens: bench/results/h100_speed_memory_v2*.json)."""
+layer's forward outputs per token (refitted to the in-sample rows of the v3 grid, with the layer inputs
+on the host inside the graphs and the adapters' gradients added in place: 1.5 before)."""
 
-_OFFLOAD_PER_TOKEN = 4
+_OFFLOAD_PER_TOKEN = 3
 """On eager steps with the layer inputs in host memory, the allocator keeps about this many
 hidden-state-sized blocks per token beyond the allocated peak (the prefetched inputs, freed on the
-copy stream's schedule; fitted to Llama-2-7B at 8192 tokens)."""
+copy stream's schedule; refitted to the v3 grid's in-sample rows: 4 before)."""
 
 
 def layer_outputs_per_token(info: ModelInfo, compute_bytes: int) -> float:
@@ -118,12 +120,12 @@ def dropout_bytes(info: ModelInfo, tokens: int, compute_bytes: int, rate: float,
 
 def allocator_slack(info: ModelInfo, tokens: int, compute_bytes: int, graphs: bool,
                     offloaded: bool = False) -> float:
-    """Reserved beyond the allocated peak: holes about two of the widest fused products' size that
-    later, smaller requests do not fill (measured on every eager 7B row: 0.33 GiB on Llama-2-7B);
+    """Reserved beyond the allocated peak: holes about two dequantized weights' size that later,
+    smaller requests do not fill (the fused products' pair before they ran one projection at a time);
     with the layer inputs on the host, the prefetched inputs' blocks; with CUDA graphs, the captured
     step's private pool keeps its own free blocks (one pool per batch layout: a second layout, e.g.
     packed rows of another shape, adds a second pool, not modelled)."""
-    slack = _FIXED_SLACK + 2 * widest_fused_weight(info, compute_bytes)
+    slack = _FIXED_SLACK + 2 * dequant_buffer_bytes(info, compute_bytes)
     if offloaded:
         slack += _OFFLOAD_PER_TOKEN * tokens * info.hidden * compute_bytes
     if graphs:
@@ -161,12 +163,16 @@ def estimate_fast(info: ModelInfo, plan):
     temp = n_train * 4 if plan.optimizer == "adamw" else 0
     peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations, temp))
     slack = allocator_slack(info, tokens, c, graphs, offloaded)
-    if graphs and plan.data_sized:
+    # Packed short examples come in several layouts too: the count of examples a pack holds decides
+    # its bucketed layout (FastModel._static_layout), and the packed H100 row captured two graphs.
+    packed_short = plan.packing and bool(plan.lengths) and plan.lengths[-1] < plan.seq_len
+    if graphs and (plan.data_sized or packed_short):
         # Unpacked rows of varying lengths come in several layouts, and the engine captures one graph
         # per layout up to FastOptions.max_graphs (2), each with its own private pool: a second copy
-        # of the graph's held activations and free blocks (the short-padded H100 row captured two).
-        slack += step_activations(info, tokens, c) + allocator_slack(info, tokens, c, True) - _FIXED_SLACK \
-            - 2 * widest_fused_weight(info, c)
+        # of the graph's held activations (its layer inputs on the host too) and free blocks (the
+        # short-padded H100 row captured two).
+        slack += step_activations(info, tokens, c, offloaded) + allocator_slack(info, tokens, c, True) \
+            - _FIXED_SLACK - 2 * dequant_buffer_bytes(info, c)
     page = 2 * 2**20
     peak_reserved = int(math.ceil((peak_allocated + slack) / page) * page)
     overhead = peak_reserved - peak_allocated + vram.CUDA_CONTEXT_BYTES
