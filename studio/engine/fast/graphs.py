@@ -127,14 +127,15 @@ class Graphs:
         if module is None:
             if self.failed or len(self.graphed) >= self.limit:
                 return self.fast.stack(h, cos, sin, seg)
-            # The capture fails if an earlier forward's autograd graph is still alive (a loss not yet
-            # released): its gradient accumulators belong to the stream that forward ran on, the
-            # default one, and the captured backward would wait on it. The Trainer releases each
-            # micro-batch's loss after its backward (docs/speed.md).
-            # make_graphed_callables creates the adapters' gradient accumulators inside its capture,
-            # on the capture stream, and keeps them; every replay's backward (on the training stream)
-            # then hands them gradients across streams, which autograd warns about once. Expected
-            # here: the capture and the replays are correct (tests/test_fast_graphs.py).
+            # Without the sink, the captured backward ends at the adapters' gradient accumulators:
+            # the capture fails if an earlier forward's autograd graph is still alive (a loss not
+            # yet released), since its accumulators belong to the stream that forward ran on and the
+            # captured backward would wait on it (the Trainer releases each micro-batch's loss after
+            # its backward: docs/speed.md); and make_graphed_callables creates the accumulators
+            # inside its capture and keeps them, so every replay's backward hands them gradients
+            # across streams, which autograd warns about once. Expected there: the capture and the
+            # replays are correct (tests/test_fast_graphs.py). Through the sink the backward ends at
+            # the anchor and neither happens (the test of a capture with a loss alive passes).
             quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
             if quiet is not None:
                 quiet(False)
