@@ -81,8 +81,9 @@ class FastModel:
                     proj.use_dropout(self._seed.tensor, first_site=(index * 4 + k) * 8)
         use_graphs = options.cuda_graphs and device.type == "cuda"
         offloading = options.offload_inputs and options.checkpointing and device.type == "cuda"
+        # The sink works on the hoisted adapters (built once per forward, outside the layers).
         self._graphs = Graphs(self, options.max_graphs, offloading and options.offload_graphed,
-                              options.grad_sink) if use_graphs else None
+                              options.grad_sink and options.hoist_adapters) if use_graphs else None
         self._host = HostInputs(device) if offloading else None
 
     def release_graphs(self) -> None:
