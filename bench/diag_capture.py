@@ -110,14 +110,20 @@ def _sequence(rate: float, eager_first: bool, offload: bool = True, collect: boo
     return "ok\n  " + "\n  ".join(events)
 
 
-def main() -> int:
+def each_in_its_own_process(script: str, cases, run_one) -> int:
+    """With a case on the command line, run it here and print its line; without, run every case in
+    a fresh process of ``script`` (a failed capture spoils its process's CUDA generator)."""
     if len(sys.argv) > 1:
-        print(f"{sys.argv[1]}: {run(sys.argv[1])}", flush=True)
+        print(f"{sys.argv[1]}: {run_one(sys.argv[1])}", flush=True)
         return 0
-    for case in CASES:
-        done = subprocess.run([sys.executable, __file__, case], capture_output=True, text=True, timeout=300)
-        print(done.stdout.strip() or f"{case}: exit {done.returncode}\n{done.stderr[-2000:]}", flush=True)
+    for case in cases:
+        done = subprocess.run([sys.executable, script, case], capture_output=True, text=True, timeout=300)
+        print(done.stdout.strip() or f"{case}: exit {done.returncode}\n{done.stderr[-3000:]}", flush=True)
     return 0
+
+
+def main() -> int:
+    return each_in_its_own_process(__file__, CASES, run)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ first error with its traceback.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -55,13 +54,10 @@ def run(variant: str) -> str:
 
 
 def main() -> int:
-    if len(sys.argv) > 1:
-        print(f"{sys.argv[1]}: {run(sys.argv[1])}", flush=True)
-        return 0
-    for variant in VARIANTS:
-        done = subprocess.run([sys.executable, __file__, variant], capture_output=True, text=True, timeout=300)
-        print(done.stdout.strip() or f"{variant}: exit {done.returncode}\n{done.stderr[-3000:]}", flush=True)
-    return 0
+    sys.path.insert(0, str(ROOT))
+    from bench.diag_capture import each_in_its_own_process  # noqa: PLC0415
+
+    return each_in_its_own_process(__file__, VARIANTS, run)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,8 @@
-"""Re-score a measured Trainer grid with the estimator as it stands, and search the fast path's fitted
-constants (core/vram_fast.py) on the in-sample rows only; the out-of-sample rows are scored, never fitted.
+"""Search the fast path's fitted constants (core/vram_fast.py) on a measured Trainer grid's in-sample
+rows only, scoring with bench/rescore_vram.py's ``rescore`` (the out-of-sample rows are scored, never
+fitted); without --search, the rows scored with the constants as they stand.
 
     python3 bench/refit_vram_fast.py bench/results/h100_vram_trainer_v3.json [--search]
-
-Short rows are sized from the token lengths the run recorded (``longest_examples``): the tokenizer
-the GPU run gave the random models, not the local one.
 """
 
 from __future__ import annotations
@@ -14,57 +12,32 @@ import itertools
 import json
 import statistics
 import sys
-import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.vram_accuracy import ARCHS, Case, predicted_peaks  # noqa: E402
+from bench.rescore_vram import rescore  # noqa: E402
 from studio.core import vram_fast  # noqa: E402
-from studio.core.vram import estimate_plan  # noqa: E402
 
-CONSTANTS = ("_GRAPH_POOL_PER_TOKEN", "_OFFLOAD_PER_TOKEN", "_LAYER_WORKING_SET")
-
-
-def _infos(rows: list[dict]) -> dict:
-    from transformers import LlamaConfig
-
-    from studio.core.model_info import load_model_info
-
-    out = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for arch in {r["case"]["arch"] for r in rows}:
-            where = Path(folder) / arch
-            LlamaConfig(**ARCHS[arch], bos_token_id=1, eos_token_id=2).save_pretrained(where)
-            out[arch] = load_model_info(str(where))
-    return out
+GRID = {"_GRAPH_POOL_PER_TOKEN": [x / 4 for x in range(0, 9)],
+        "_OFFLOAD_PER_TOKEN": [0, 1, 2, 3, 4],
+        "_LAYER_WORKING_SET": [0.85, 0.9, 0.95, 1.0]}
 
 
-def score(rows: list[dict], infos: dict) -> list[tuple[dict, float, float]]:
-    """(row, allocated error, reserved error) of each row, predicted now."""
-    out = []
-    for row in rows:
-        case = Case(**{**row["case"], "targets": tuple(row["case"]["targets"])})
-        plan = case.plan()
-        if case.data == "short" and row["measured"].get("longest_examples"):
-            plan = replace(plan, lengths=tuple(row["measured"]["longest_examples"]))
-        peaks = predicted_peaks(estimate_plan(infos[case.arch], plan), case.phases(row["measured"]))
-        m = row["measured"]
-        out.append((row, (peaks["peak_allocated"] - m["peak_allocated"]) / m["peak_allocated"],
-                    (peaks["peak_reserved"] - m["peak_reserved"]) / m["peak_reserved"]))
-    return out
+def scored_rows(results: dict) -> list[dict]:
+    """The measured rows of ``results``, re-scored with the estimator as it stands."""
+    return [r for r in rescore(results)["rows"] if "error_peak_reserved" in r]
 
 
-def summary(scored) -> str:
+def summary(rows: list[dict]) -> str:
     parts = []
     for name, pick in (("all", lambda r: True), ("in sample", lambda r: r["in_sample"]),
                        ("out of sample", lambda r: not r["in_sample"])):
-        chosen = [(a, b) for r, a, b in scored if pick(r)]
+        chosen = [r for r in rows if pick(r)]
         if chosen:
-            alloc = [abs(a) for a, _ in chosen]
-            res = [abs(b) for _, b in chosen]
+            alloc = [abs(r["error_peak_allocated"]) for r in chosen]
+            res = [abs(r["error_peak_reserved"]) for r in chosen]
             parts.append(f"{name} (n={len(chosen)}): allocated median {statistics.median(alloc):.1%} worst "
                          f"{max(alloc):.1%}, reserved median {statistics.median(res):.1%} worst {max(res):.1%}")
     return "\n".join(parts)
@@ -75,29 +48,26 @@ def main() -> int:
     parser.add_argument("results")
     parser.add_argument("--search", action="store_true", help="grid-search the constants on in-sample rows")
     args = parser.parse_args()
-    rows = [r for r in json.loads(Path(args.results).read_text())["rows"] if "peak_reserved" in r.get("measured", {})]
-    infos = _infos(rows)
-    scored = score(rows, infos)
-    for row, a, b in scored:
-        print(f"{'   ' if row['in_sample'] else 'OOS'} {row['label'][:80]:80} allocated {a:+6.1%} reserved {b:+6.1%}")
-    print(summary(scored))
+    results = json.loads(Path(args.results).read_text())
+    rows = scored_rows(results)
+    for row in rows:
+        print(f"{'   ' if row['in_sample'] else 'OOS'} {row['label'][:80]:80} allocated "
+              f"{row['error_peak_allocated']:+6.1%} reserved {row['error_peak_reserved']:+6.1%}")
+    print(summary(rows))
     if args.search:
-        fast = [r for r in rows if r["in_sample"] and r.get("path") == "fast"]
+        fitted = {"rows": [r for r in results["rows"] if r.get("in_sample") and r.get("path") == "fast"]}
         best = None
-        grid = {"_GRAPH_POOL_PER_TOKEN": [x / 4 for x in range(0, 9)],
-                "_OFFLOAD_PER_TOKEN": [0, 1, 2, 3, 4],
-                "_LAYER_WORKING_SET": [0.85, 0.9, 0.95, 1.0]}
-        for values in itertools.product(*grid.values()):
-            for name, value in zip(grid, values, strict=True):
+        for values in itertools.product(*GRID.values()):
+            for name, value in zip(GRID, values, strict=True):
                 setattr(vram_fast, name, value)
-            errors = [abs(b) for _, _, b in score(fast, infos)] + [abs(a) for _, a, _ in score(fast, infos)]
+            errors = [abs(r[k]) for r in scored_rows(fitted) for k in ("error_peak_allocated", "error_peak_reserved")]
             key = (statistics.fmean(errors), max(errors))  # the mean: one odd row must not steer it
             if best is None or key < best[0]:
-                best = (key, dict(zip(grid, values, strict=True)))
+                best = (key, dict(zip(GRID, values, strict=True)))
         print("best on the in-sample fast rows (mean, worst abs error; constants):", best)
         for name, value in best[1].items():
             setattr(vram_fast, name, value)
-        print(summary(score(rows, infos)))
+        print(summary(scored_rows(results)))
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,8 +37,12 @@ def rescore(results: dict) -> dict:
             continue
         # the benchmark reads the saved model's config.json; the architecture dict is what it saved
         info = from_config_dict(dict(ARCHS[case.arch]), case.arch)
-        predicted = estimate_plan(info, case.plan())
         measured = old.get("measured")
+        plan = case.plan()
+        if case.data == "short" and (measured or {}).get("longest_examples"):
+            # the lengths the run trained on (the GPU's tokenizer), not this machine's encoding
+            plan = replace(plan, lengths=tuple(measured["longest_examples"]))
+        predicted = estimate_plan(info, plan)
         # the peak over the phases of a run the row measured (the HF loop: training steps only)
         peaks = predicted_peaks(predicted, case.phases(measured or {}))
         row = {"label": case.label, "case": old["case"], "path": predicted.plan.path,
@@ -54,8 +59,9 @@ def rescore(results: dict) -> dict:
                                                     "train_peak_allocated", "train_peak_reserved",
                                                     "generate_peak_allocated", "generate_peak_reserved")
                            if k in measured}
-        if "in_sample" in old:
-            row["in_sample"] = old["in_sample"]
+        for key in ("in_sample", "out_of_sample"):
+            if key in old:
+                row[key] = old[key]
         for key in ("peak_allocated", "peak_reserved"):
             row["error_" + key] = _rel(peaks[key], measured[key])
         rows.append(row)

@@ -503,23 +503,16 @@ def speed_grid(micro_batches: tuple[int, ...] = (1, 4, 16),
 def _predict_only(args, cases: list[Case]) -> int:
     """The estimator's peaks for each Trainer row over every phase a Trainer row measures (steps,
     final evaluation, adapter save, one chat answer), from the architectures' configs alone."""
-    from transformers import LlamaConfig
-
-    from studio.core.model_info import load_model_info
+    from studio.core.model_info import from_config_dict
 
     rows = []
-    with tempfile.TemporaryDirectory() as folder:
-        for case in cases:
-            if case.engine == "unsloth" or case.lever:
-                continue
-            where = Path(folder) / case.arch
-            if not where.exists():
-                where.mkdir()
-                LlamaConfig(**ARCHS[case.arch], bos_token_id=1, eos_token_id=2).save_pretrained(where)
-            predicted = estimate_plan(load_model_info(str(where)), case.plan())
-            phases = case.phases({"generate_new_tokens": GENERATE_NEW_TOKENS})
-            rows.append({"label": case.label, "out_of_sample": case.out_of_sample, "path": predicted.plan.path,
-                         "predicted": predicted_peaks(predicted, phases), "peak_phase": predicted.peak_phase})
+    for case in cases:
+        if case.engine == "unsloth" or case.lever:
+            continue
+        predicted = estimate_plan(from_config_dict(dict(ARCHS[case.arch]), case.arch), case.plan())
+        phases = case.phases({"generate_new_tokens": GENERATE_NEW_TOKENS})
+        rows.append({"label": case.label, "out_of_sample": case.out_of_sample, "path": predicted.plan.path,
+                     "predicted": predicted_peaks(predicted, phases), "peak_phase": predicted.peak_phase})
     result = {"command": "python3 bench/vram_accuracy.py " + " ".join(sys.argv[1:]),
               "git_commit": _git_commit(), "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

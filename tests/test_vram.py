@@ -477,14 +477,13 @@ def test_the_estimator_against_the_v3_grid_one_row_at_a_time():
     are in docs/memory.md.)"""
     import statistics
 
-    from bench.refit_vram_fast import _infos, score
+    from bench.refit_vram_fast import scored_rows
 
-    rows = json.loads((REPO / "bench/results/h100_vram_trainer_v3.json").read_text())["rows"]
+    rows = scored_rows(json.loads((REPO / "bench/results/h100_vram_trainer_v3.json").read_text()))
     assert len(rows) >= 20 and sum(not r["in_sample"] for r in rows) >= len(rows) // 3
-    scored = score(rows, _infos(rows))
-    for chosen in (scored, [s for s in scored if not s[0]["in_sample"]]):
-        assert statistics.median(abs(a) for _, a, _ in chosen) <= 0.03
-        assert statistics.median(abs(b) for _, _, b in chosen) <= 0.03
-    for row, _, reserved in scored:
+    for chosen in (rows, [r for r in rows if not r["in_sample"]]):
+        for key in ("error_peak_allocated", "error_peak_reserved"):
+            assert statistics.median(abs(r[key]) for r in chosen) <= 0.03, key
+    for row in rows:
         if row["path"] == "fast" and row["case"]["arch"] != "smollm2-135m" and row["case"]["data"] == "long":
-            assert abs(reserved) <= 0.05, (row["label"], reserved)
+            assert abs(row["error_peak_reserved"]) <= 0.05, (row["label"], row["error_peak_reserved"])
