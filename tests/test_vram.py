@@ -42,8 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 LLAMA7 = KNOWN_MODELS["meta-llama/Llama-2-7b-hf"]
 SMOL = KNOWN_MODELS["HuggingFaceTB/SmolLM2-135M"]
 # The reference QLoRA loop on one H100 (docs: /work/shared/GPU.md): NF4 double quant, bf16 compute,
-# LoRA r16 on all 7 projections, AdamW; PyTorch's default allocator (fixed segments), as measured.
-QLORA7 = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.0, expandable_segments=False)
+# LoRA r16 on all 7 projections, AdamW; PyTorch's default allocator (fixed segments), as measured;
+# transformers' own loss from labels (the Trainer's keeps less: test_the_trainers_loss_...).
+QLORA7 = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.0, expandable_segments=False,
+              loss="hf")
 
 
 def test_lora_parameter_count_matches_peft_on_llama_2_7b():
@@ -256,7 +258,7 @@ def test_loss_blocks_are_reused_when_the_forward_leaves_a_block_for_the_workspac
     # outputs, the backward thread's 32 MiB cuBLAS workspace goes there, and the next step's loss gets
     # the cached logits blocks back: measured on the H100, 6.979 GB reserved, 6.574 GB allocated
     plan = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.05, micro_batch=8,
-                seq_len=1024, checkpointing=True, expandable_segments=False)
+                seq_len=1024, checkpointing=True, expandable_segments=False, loss="hf")
     result = estimate_plan(SMOL, plan)
     assert result.peak_reserved - result.peak_allocated < 4 * 8192 * 49152
     assert result.peak_reserved / GB == pytest.approx(6.979, rel=0.05)
@@ -297,7 +299,7 @@ def test_expandable_workspace_in_the_logits_range_shifts_the_next_loss():
     # settles right after the freed bf16 logits and every later loss starts one bf16 logits block
     # further on. H100 trace: step 1 reserved 6.635 GB, steps 2-3 7.474; 6.574 GB allocated.
     plan = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.05, micro_batch=8,
-                seq_len=1024, checkpointing=True, expandable_segments=True)
+                seq_len=1024, checkpointing=True, expandable_segments=True, loss="hf")
     assert _workspace_pins_loss_expandable(SMOL, plan)
     result = estimate_plan(SMOL, plan)
     assert result.peak_reserved - result.peak_allocated > 2 * 8192 * 49152

@@ -128,6 +128,22 @@ class Plan:
     generate_new_tokens: int = 128
     """The generation phase's answer length (``generation.max_new_tokens``)."""
 
+    loss: str = "trainer"
+    """How the plain path's loss is computed: ``trainer``, as Studio's Trainer does (an fp32 copy of
+    the response positions' logits only: engine/train.py), or ``hf``, transformers' own loss from
+    ``labels`` (every position's logits upcast, as the benchmark's reference loop runs it)."""
+
+    prefill_tokens: int | None = None
+    """Tokens of the generation prompt's pass at a time: None, as the engine runs it
+    (core/vram_phases.py's PREFILL_TOKENS); 0, the whole prompt in one pass (the engine before it
+    ran prompts in pieces; the benchmark's older measurements)."""
+
+    kv_cache: str = "auto"
+    """Where the generation phase keeps its KV cache: ``auto``, as the engine decides (on the host
+    when on the card it would need more than the training step: core/vram_phases.py), or ``card``,
+    always on the card (what the engine did before it could keep it on the host; the benchmark's
+    older measurements)."""
+
     @property
     def data_sized(self) -> bool:
         """Whether the step is sized from the data's token lengths (unpacked SFT with lengths known)
@@ -531,9 +547,17 @@ def layer_activation_bytes(info: ModelInfo, plan: Plan) -> float:
 
 
 def _loss_bytes_per_token(info: ModelInfo, plan: Plan) -> float:
-    """Peak of the loss: logits in the compute dtype, their fp32 copy's log-softmax, and in backward
-    the gradient of the log-probabilities and of the logits (fp32 each)."""
-    return (_bytes(plan.compute) + 12) * info.vocab + 4 * info.hidden  # + the final norm's input
+    """Peak of the loss, per token, as the Trainer computes it on the plain path
+    (engine/train.py's ``forward``): the logits in the compute dtype, then an fp32 copy of the
+    response positions' logits and its log-softmax (the compute-dtype logits die with the forward:
+    nothing saves them); in backward, the log-softmax's output, the gradient coming in and the one
+    going out, fp32 each: 12 bytes a vocabulary entry, more than the forward's compute dtype + 8.
+    Every token is taken as a response token (the estimate does not read the template's split).
+    transformers' own loss (``plan.loss == "hf"``) and a preference pair's (engine/preference.py)
+    keep the compute-dtype logits through it as well: compute dtype + 12."""
+    c = _bytes(plan.compute)
+    per_entry = c + 12 if plan.loss == "hf" or plan.sequences_per_example == 2 else max(c + 8, 12)
+    return per_entry * info.vocab + 4 * info.hidden  # + the final norm's input
 
 
 @dataclass(frozen=True)
