@@ -198,7 +198,7 @@ def generate_phase(session, prompt_tokens: int, new_tokens: int) -> dict:
     finally:
         gen.stop_ids = stops
     out = {"generate_prompt_tokens": n_prompt, "generate_new_tokens": answer.new_tokens,
-           "generate_s": round(seconds, 2)}
+           "generate_s": round(seconds, 2), "generate_kv_cache": "host" if answer.kv_on_host else "card"}
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         out["generate_peak_allocated"] = torch.cuda.max_memory_allocated()

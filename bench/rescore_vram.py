@@ -42,6 +42,9 @@ def rescore(results: dict) -> dict:
         if case.data == "short" and (measured or {}).get("longest_examples"):
             # the lengths the run trained on (the GPU's tokenizer), not this machine's encoding
             plan = replace(plan, lengths=tuple(measured["longest_examples"]))
+        if "generate_kv_cache" not in (measured or {}):
+            # measured before the engine ran a prompt in pieces and could keep its KV cache on the host
+            plan = replace(plan, kv_cache="card", prefill_tokens=0)
         predicted = estimate_plan(info, plan)
         # the peak over the phases of a run the row measured (the HF loop: training steps only)
         peaks = predicted_peaks(predicted, case.phases(measured or {}))

@@ -118,7 +118,7 @@ class Case:
                     lora_targets=self.targets, lora_dropout=self.dropout, micro_batch=self.micro_batch,
                     seq_len=self.seq, checkpointing=self.checkpointing, optimizer=self.optimizer,
                     expandable_segments=self.expandable, path=path, packing=self.packing, lengths=lengths,
-                    generate_new_tokens=GENERATE_NEW_TOKENS)
+                    generate_new_tokens=GENERATE_NEW_TOKENS, loss="trainer" if self.engine == "trainer" else "hf")
 
     def phases(self, measured: dict) -> tuple[str, ...]:
         """The phases of a run that ``measured`` covers: the HF loop runs training steps only; the
@@ -480,7 +480,9 @@ def speed_grid(micro_batches: tuple[int, ...] = (1, 4, 16),
     checkpointing, dropout 0, through Studio's Trainer, Unsloth and the HF loop; plus ``workloads``
     written ``ARCH:SEQxMB[:DROPOUT[:LEVER]]`` (e.g. ``llama3-8b:512x4``, ``llama2-7b:2048x1``,
     ``llama2-7b:512x4:0.05``, ``llama2-7b:512x16:0:no_offload``), named
-    ``speed_ARCH_sSEQ_mbMB[_dropD][_LEVER]``. Unsloth runs dropout 0 only; a lever row is Studio's only."""
+    ``speed_ARCH_sSEQ_mbMB[_dropD][_LEVER]``. Unsloth runs dropout 0 only; a lever row is Studio's only.
+    The lever ``short`` is no lever: Studio's defaults on the sample's short instruction rows, packed
+    into SEQ-long rows (issue 13's packed rate against the fixed-length one, same tokens per step)."""
     out = []
     for mb in micro_batches:
         for engine in engines:
@@ -495,8 +497,9 @@ def speed_grid(micro_batches: tuple[int, ...] = (1, 4, 16),
         for engine in engines:
             if (engine == "unsloth" and dropout) or (lever and engine != "trainer"):
                 continue
-            out.append((name, Case(arch, "nf4", 16, ALL_LINEAR, seq, mb, True, dropout,
-                                   expandable=True, engine=engine, lever=lever)))
+            data = "short" if lever == "short" else "long"
+            out.append((name, Case(arch, "nf4", 16, ALL_LINEAR, seq, mb, True, dropout, expandable=True,
+                                   engine=engine, lever="" if data == "short" else lever, data=data)))
     return out
 
 

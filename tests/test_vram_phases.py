@@ -61,6 +61,54 @@ def test_generation_computes_the_prompts_last_logits_only(tiny_model: Path, monk
     assert lean.token_ids == full.token_ids
 
 
+def test_a_long_prompt_goes_through_in_pieces_with_the_same_answer(tiny_model: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    """engine/generate.py runs a prompt PREFILL_TOKENS tokens at a time, each piece attending to the
+    cache of those before (the estimate's generation phase holds one piece's working set): pieces of
+    7 tokens give the greedy answer and the first new token's logits of a single pass."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import studio.engine.generate as gen
+    from studio.core import vram_phases
+
+    assert gen.PREFILL_TOKENS is vram_phases.PREFILL_TOKENS  # one home: the estimate's
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    pieces, firsts = [], []
+
+    def hook(module, args, kwargs, out):
+        pieces.append(kwargs["input_ids"].shape[1])
+        if len(pieces) == 1 or kwargs["input_ids"].shape[1] > 1:
+            firsts.append(out.logits[0, -1].detach().clone())
+
+    model.get_base_model().register_forward_hook(hook, with_kwargs=True)
+    prompt = gen.prompt_ids(tokenizer, "reverse the words of this fairly long sentence please " * 3)
+    whole = gen.generate(model, tokenizer, prompt, max_new_tokens=6, device="cpu")
+    assert pieces[0] == len(prompt) > 20
+    one_pass_logits = firsts[0]
+    pieces.clear(), firsts.clear()
+    monkeypatch.setattr(gen, "PREFILL_TOKENS", 7)
+    cut = gen.generate(model, tokenizer, prompt, max_new_tokens=6, device="cpu")
+    n = -(-len(prompt) // 7)
+    assert pieces[:n] == [7] * (n - 1) + [len(prompt) - 7 * (n - 1)] and set(pieces[n:]) == {1}
+    assert torch.allclose(firsts[-1], one_pass_logits, atol=1e-4)
+    assert cut.token_ids == whole.token_ids and not cut.kv_on_host
+
+
+def test_the_session_keeps_an_answers_cache_on_the_card_off_cuda(tiny_config):
+    """The host-resident KV cache is a CUDA measure: on the CPU the session never asks for it, and
+    generate ignores the flag there."""
+    import torch
+
+    from studio.engine.session import Session
+
+    session = Session(tiny_config, run=None, emit=lambda _event: None, device=torch.device("cpu"))  # type: ignore[arg-type]
+    assert session.answer_kv_on_host(4096, 128) is False
+
+
 # ---------------------------------------------------------------------------------- the estimate
 
 def _llama7():
@@ -72,14 +120,20 @@ def _llama7():
 def test_every_phase_has_a_peak_and_the_estimate_is_the_largest():
     """Llama-2-7B (32 key/value heads) on the fast path, one 4096-token row a micro-batch: a chat
     prompt as long as a training row keeps 32 x 2 x 4096 x (4096 + 128) bf16 values of KV cache
-    (2.2 GB), more than the training step's layer inputs: generation sets the peak; sixteen
-    512-token rows a micro-batch (an eager step), the training step does."""
-    from studio.core.vram import CUDA_CONTEXT_BYTES, Plan, estimate_plan
-    from studio.core.vram_phases import PHASES
+    (2.2 GB), more than the training step's layer inputs. Kept on the card (``kv_cache="card"``,
+    the engine before it could keep it on the host) generation sets the peak; as the engine decides
+    (``auto``) the cache goes to the host, three layers of it on the card, and the training step
+    sets the peak again. Sixteen 512-token rows a micro-batch (an eager step): the step does, and
+    the answer's cache stays on the card."""
+    from dataclasses import replace
 
-    long = estimate_plan(_llama7(), Plan(lora_dropout=0.0, micro_batch=1, seq_len=4096, path="fast"))
+    from studio.core.vram import CUDA_CONTEXT_BYTES, Plan, estimate_plan
+    from studio.core.vram_phases import KV_LAYERS_ON_CARD, PHASES
+
+    plan = Plan(lora_dropout=0.0, micro_batch=1, seq_len=4096, path="fast")
+    long = estimate_plan(_llama7(), replace(plan, kv_cache="card"))
     assert tuple(long.phases) == PHASES
-    assert long.peak_phase == "generation"
+    assert long.peak_phase == "generation" and not long.phases["generation"].host_kv
     assert long.peak_reserved == max(p.reserved for p in long.phases.values()) > long.phases["training step"].reserved
     assert long.peak_allocated == max(p.allocated for p in long.phases.values())
     kv = 32 * 2 * 4096 * (4096 + 128) * 2
@@ -88,9 +142,19 @@ def test_every_phase_has_a_peak_and_the_estimate_is_the_largest():
     assert long.categories["gradients"] == 0  # freed after every optimizer step
     assert long.total == sum(long.categories.values()) == long.peak_reserved + CUDA_CONTEXT_BYTES
     assert long.step_categories["gradients"] > 0
+
+    auto = estimate_plan(_llama7(), plan)
+    gen = auto.phases["generation"]
+    assert gen.host_kv and gen.to_json_dict()["kv_cache"] == "host" and "on the host" in gen.held
+    assert auto.peak_phase == "training step" and gen.reserved == auto.phases["training step"].reserved
+    on_card = kv * KV_LAYERS_ON_CARD / 32
+    assert on_card < gen.allocated - save.allocated < on_card + 0.6e9
+    assert gen.allocated < auto.phases["training step"].allocated
+
     short = estimate_plan(_llama7(), Plan(lora_dropout=0.0, micro_batch=16, seq_len=512, path="fast"))
     assert short.peak_phase == "training step" and short.categories == short.step_categories
     assert all(p.reserved >= short.phases["training step"].reserved for p in short.phases.values())
+    assert not short.phases["generation"].host_kv and "kv_cache" not in short.phases["generation"].to_json_dict()
 
 
 def test_evaluation_on_the_fast_path_scores_512_tokens_a_pass():
@@ -124,12 +188,16 @@ def test_studio_estimate_says_which_phase_sets_the_peak(tmp_path, capsys):
                     "trainer: {micro_batch_size: 1, gradient_accumulation_steps: 1}\n")
     assert main(Namespace(config=str(path), gpu_gb=24.0, json=True, model=None)) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["peak_phase"] == "generation" and set(data["phases"]) == {
+    # a chat prompt as long as a training row: its KV cache (2.2 GB) goes to the host, and the
+    # training step sets the peak (on the card the answer would: the test above)
+    assert data["peak_phase"] == "training step" and set(data["phases"]) == {
         "training step", "evaluation", "generation", "checkpoint save"}
+    assert data["phases"]["generation"]["kv_cache"] == "host"
     assert data["plan"]["token_lengths"] == {"source": "max_seq_length"}
     assert main(Namespace(config=str(path), gpu_gb=24.0, json=False, model=None)) == 0
     out = capsys.readouterr().out
-    assert "peak set by the generation" in out and "KV cache of 4096 + 128 tokens" in out
+    assert "peak set by the training step" in out
+    assert "KV cache of 4096 + 128 tokens (2.21 GB) on the host, 3 layers of it on the card" in out
 
 
 # ------------------------------------------------------------------------------- data lengths
@@ -248,3 +316,27 @@ def test_the_estimator_and_the_loader_build_path_facts_in_one_place(tiny_model, 
     assert ahead is (choice.path == "fast") is True
     config.lora = None  # a full fine-tune: the plain path for both
     assert not fast_path_ahead(model, config)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the host-resident KV cache is a CUDA measure")
+def test_an_answer_with_its_kv_cache_on_the_host_is_the_same_answer(tiny_model: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    """On a GPU, ``kv_on_host`` keeps every layer's cache in host memory (transformers'
+    ``DynamicCache(offloading=True)``); the greedy answer is token for token the on-card one, over
+    a prompt long enough to go through in pieces."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import studio.engine.generate as gen
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).cuda()
+    monkeypatch.setattr(gen, "PREFILL_TOKENS", 32)  # the tiny model has 512 positions
+    prompt = gen.prompt_ids(tokenizer, "reverse the words of this fairly long sentence please " * 8)
+    assert 2 * 32 < len(prompt) < 400
+    card = gen.generate(model, tokenizer, prompt, max_new_tokens=12, device="cuda")
+    host = gen.generate(model, tokenizer, prompt, max_new_tokens=12, device="cuda", kv_on_host=True)
+    assert host.kv_on_host and not card.kv_on_host
+    assert host.token_ids == card.token_ids and len(host.token_ids) > 0

@@ -14,10 +14,14 @@ micro-batch 32 under a 15 GB cap and died in its final evaluation):
 - **generation** (``Session.generate``, what chat and the held-out comparison call): a prompt of
   :attr:`~studio.core.vram.Plan.generate_prompt_tokens` (a training row's length unless said) and
   ``generation.max_new_tokens`` new ones, through the transformers modules on both paths: the KV cache
-  of every layer for prompt + answer, the prompt pass's working set of one layer, one weight
+  of every layer for prompt + answer, the prompt pass's working set of one layer (the prompt goes
+  through :data:`PREFILL_TOKENS` tokens at a time), one weight
   dequantized by bitsandbytes for its product, the last position's logits only (engine/generate.py
   asks for ``logits_to_keep=1``) with their fp32 softmax, and on the plain k-bit path autocast's copy
-  of the fp32 output head;
+  of the fp32 output head. When that could reserve more than the training step (a prompt as long
+  as a training row whose step keeps its layer inputs on the host), the KV cache lives on the host too
+  (:attr:`PhasePeak.host_kv`, which the engine reads: engine/session.py) and the card holds
+  :data:`KV_LAYERS_ON_CARD` layers of it at a time;
 - **checkpoint save**: the adapter and the optimizer state are copied to the host tensor by tensor;
   nothing beyond what persists on the card.
 
@@ -49,6 +53,15 @@ of 4 x 512 reserved 0.11 GiB more than the training step on the H100 (docs/memor
 
 _PAGE = 2 * 2**20
 
+PREFILL_TOKENS = 512
+"""engine/generate.py runs a prompt through the model this many tokens at a time (each piece
+attending to the KV cache of those before), so a long prompt's pass holds one piece's working set."""
+
+KV_LAYERS_ON_CARD = 3
+"""Layers of a host-resident KV cache on the card at the worst moment of a new token: the layer
+being extended (its copy brought back and the copy with the new token) and the next one, brought
+back ahead of time on a side stream (transformers' ``DynamicCache(offloading=True)``)."""
+
 
 @dataclass(frozen=True)
 class PhasePeak:
@@ -64,8 +77,15 @@ class PhasePeak:
     held: str
     """What the phase holds beyond what persists, in words (``studio estimate`` shows it)."""
 
+    host_kv: bool = False
+    """Generation only: the answer's KV cache is kept on the host, a few layers on the card at a
+    time, because on the card it would need more memory than the training step."""
+
     def to_json_dict(self) -> dict:
-        return {"peak_allocated": self.allocated, "peak_reserved": self.reserved, "held": self.held}
+        out = {"peak_allocated": self.allocated, "peak_reserved": self.reserved, "held": self.held}
+        if self.host_kv:
+            out["kv_cache"] = "host"
+        return out
 
 
 def eval_tokens(plan) -> int:
@@ -130,20 +150,33 @@ def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
     prompt = plan.generate_prompt_tokens or plan.seq_len
     context = prompt + plan.generate_new_tokens
     kv = info.layers * 2 * info.kv_heads * info.head_width * context * stream
-    generation = (kv + prompt * stream * info.hidden * 2 + prompt * _layer_forward(info, stream)
-                  + dequant + head_copy + info.vocab * (c + 4 + 4))
+    piece = min(prompt, PREFILL_TOKENS if plan.prefill_tokens is None else plan.prefill_tokens or prompt)
+    answer = (piece * stream * info.hidden * 2 + piece * _layer_forward(info, stream)
+              + dequant + head_copy + info.vocab * (c + 4 + 4))
     gen_held = f"KV cache of {prompt} + {plan.generate_new_tokens} tokens ({kv / 1e9:.2f} GB), last logits only"
 
     slack = vram._SLACK_FLOOR
 
-    def peak(work: float, held: str) -> PhasePeak:
+    def peak(work: float, held: str, host_kv: bool = False) -> PhasePeak:
         allocated = int(persistent + work)
         need = math.ceil((allocated + pool + slack) / _PAGE) * _PAGE
-        return PhasePeak(allocated, max(step.peak_reserved, need), held)
+        return PhasePeak(allocated, max(step.peak_reserved, need), held, host_kv)
 
+    generation = peak(answer + kv, gen_held)
+    # On the card only with a margin of one more KV cache under the step's allocated peak: a step run
+    # as a CUDA graph holds its activations in the graph's private pool, which an eager answer cannot
+    # reuse, so an answer that fits under the step's peak can still reserve more (on the v3 grid's
+    # H100 rows, 9 answers of 25 did, by 0.06-1.5 GiB; this rule sends all 9 to the host, and one
+    # more that had fitted).
+    if plan.kv_cache == "auto" and (generation.reserved > step.peak_reserved
+                                    or generation.allocated + kv > step.peak_allocated):
+        on_card = kv * min(1.0, KV_LAYERS_ON_CARD / info.layers)
+        generation = peak(answer + on_card, (f"KV cache of {prompt} + {plan.generate_new_tokens} tokens "
+                                             f"({kv / 1e9:.2f} GB) on the host, {KV_LAYERS_ON_CARD} layers "
+                                             "of it on the card; last logits only"), host_kv=True)
     return {"training step": PhasePeak(step.peak_allocated, step.peak_reserved, "the step's activations"),
             "evaluation": peak(evaluation, eval_held),
-            "generation": peak(generation, gen_held),
+            "generation": generation,
             "checkpoint save": peak(0, "adapter and optimizer state copied to the host")}
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from studio.core.vram_phases import PREFILL_TOKENS
+
 
 @dataclass(frozen=True)
 class GenerationResult:
@@ -26,6 +28,8 @@ class GenerationResult:
     tokens_per_s: float
     token_ids: tuple[int, ...] = ()
     adapter: bool = True
+    kv_on_host: bool = False
+    """Whether the KV cache lived on the host (a few layers on the card at a time)."""
 
 
 def bos_to_add(tokenizer: Any) -> int | None:
@@ -81,17 +85,31 @@ def _last_logits_only(model: Any) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
 
 
+def _cache(kv_on_host: bool) -> dict:
+    """The KV cache argument of the prompt's pass: transformers' own (None) on the card, or one that
+    keeps every layer on the host and brings it back a layer ahead on a side stream (CUDA only)."""
+    if not kv_on_host:
+        return {}
+    from transformers import DynamicCache
+
+    return {"past_key_values": DynamicCache(offloading=True)}
+
+
 def generate(model: Any, tokenizer: Any, input_ids: list[int], *, adapter: bool = True,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
              on_text: Callable[[str], None] | None = None, generator: torch.Generator | None = None,
              device: torch.device | str | None = None,
-             autocast_dtype: torch.dtype | None = None) -> GenerationResult:
+             autocast_dtype: torch.dtype | None = None, kv_on_host: bool = False) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after ``input_ids``, calling ``on_text`` with each new piece.
 
     Sampling draws from ``generator`` (not the global RNG), so answering during training leaves the
-    training run's random stream, and with it exact resume, untouched.
+    training run's random stream, and with it exact resume, untouched. ``kv_on_host`` (CUDA only,
+    ignored elsewhere): keep the KV cache in host memory, a few layers on the card at a time; slower
+    per token, for a prompt whose cache would need more memory than the training step
+    (core/vram_phases.py decides).
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    kv_on_host = kv_on_host and device.type == "cuda"
     stops = stop_ids(model, tokenizer)
     use_autocast = device.type == "cuda" and autocast_dtype not in (None, torch.float32)
     adapter_off = model.disable_adapter() if not adapter and hasattr(model, "disable_adapter") else nullcontext()
@@ -103,8 +121,13 @@ def generate(model: Any, tokenizer: Any, input_ids: list[int], *, adapter: bool 
     try:
         with torch.no_grad(), adapter_off, torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
                                                           enabled=use_autocast):
-            ids = torch.tensor([input_ids], device=device)
-            out = model(input_ids=ids, use_cache=True, **_last_logits_only(model))
+            # The prompt in pieces of PREFILL_TOKENS, each attending to the cache of those before: a
+            # long prompt's pass then holds one piece's working set, not the whole prompt's.
+            cache = _cache(kv_on_host)
+            for start in range(0, len(input_ids), PREFILL_TOKENS):
+                ids = torch.tensor([input_ids[start:start + PREFILL_TOKENS]], device=device)
+                out = model(input_ids=ids, use_cache=True, **_last_logits_only(model), **cache)
+                cache = {"past_key_values": out.past_key_values}
             for _ in range(max_new_tokens):
                 token = _pick(out.logits[0, -1], temperature, top_p, generator)
                 if token in stops:
@@ -126,4 +149,4 @@ def generate(model: Any, tokenizer: Any, input_ids: list[int], *, adapter: bool 
         on_text(text[len(shown):])
     seconds = max(time.time() - start, 1e-9)
     return GenerationResult(text=text, new_tokens=len(generated), tokens_per_s=len(generated) / seconds,
-                            token_ids=tuple(generated), adapter=adapter)
+                            token_ids=tuple(generated), adapter=adapter, kv_on_host=kv_on_host)

@@ -112,6 +112,9 @@ class Session:
         self._original: Any = None
         """A full fine-tune's untouched base, loaded on the first base answer (there is no adapter to
         switch off: the trained weights are the base's own)."""
+        self._shape: Any = None
+        """The base model's ModelInfo (core/model_info.py) for the answer's memory plan, read once;
+        False when it cannot be read."""
 
     # ------------------------------------------------------------------------------------ loading
 
@@ -380,6 +383,7 @@ class Session:
         if not adapter and self.config.full_finetune:
             model, adapter = self.original_model(), True  # no adapter to switch off: the untouched base
         g = self.config.generation
+        kv_on_host = self.answer_kv_on_host(len(ids), max_new_tokens or g.max_new_tokens)
         oom.between_phases(self.device)  # (a training step's cached activations, if one ran)
         try:
             for attempt in (1, 2):
@@ -390,7 +394,8 @@ class Session:
                                         temperature=g.temperature if temperature is None else temperature,
                                         top_p=g.top_p if top_p is None else top_p, on_text=stream,
                                         generator=self._sampler, device=self.device,
-                                        autocast_dtype=self.base.compute_dtype if self.base else None)
+                                        autocast_dtype=self.base.compute_dtype if self.base else None,
+                                        kv_on_host=kv_on_host)
                 except oom.OutOfMemory:
                     failed = True
                 if failed:  # outside the except block: the traceback no longer pins the cache
@@ -407,6 +412,33 @@ class Session:
         finally:
             oom.between_phases(self.device)  # the answer's blocks, before the next training step
         raise AssertionError("not reached")
+
+
+    def answer_kv_on_host(self, prompt_tokens: int, new_tokens: int) -> bool:
+        """Whether an answer of ``new_tokens`` after ``prompt_tokens`` keeps its KV cache on the host
+        (engine/generate.py): when on the card it would need more memory than this run's training
+        step, as the estimate's generation phase says (core/vram_phases.py) for the run's plan on the
+        path this session trains on. Only on CUDA; never when the model's shape cannot be read."""
+        from dataclasses import replace
+
+        from studio.core.model_info import ModelInfoError, load_model_info
+        from studio.core.vram import estimate_plan, plan_for
+
+        if self.device is None or self.device.type != "cuda":
+            return False
+        if self._shape is None:
+            try:
+                self._shape = load_model_info(self.config.model.base_model, self.config.model.revision)
+            except (ModelInfoError, ValueError):
+                self._shape = False
+        if self._shape is False:
+            return False
+        try:
+            plan = replace(plan_for(self.config, info=self._shape), path="fast" if self.fast is not None else "plain",
+                           generate_prompt_tokens=prompt_tokens, generate_new_tokens=new_tokens)
+            return estimate_plan(self._shape, plan).phases["generation"].host_kv
+        except ValueError:  # a LoRA target the shape does not know: the estimate cannot say
+            return False
 
 
 def follow(run: RunDir) -> None:
