@@ -553,10 +553,11 @@ def _loss_bytes_per_token(info: ModelInfo, plan: Plan) -> float:
     nothing saves them); in backward, the log-softmax's output, the gradient coming in and the one
     going out, fp32 each: 12 bytes a vocabulary entry, more than the forward's compute dtype + 8.
     Every token is taken as a response token (the estimate does not read the template's split).
-    transformers' own loss (``plan.loss == "hf"``) and a preference pair's (engine/preference.py)
-    keep the compute-dtype logits through it as well: compute dtype + 12."""
+    A preference pair's log-probabilities (engine/preference.py's ``sequence_logps``) are computed
+    the same way. transformers' own loss (``plan.loss == "hf"``) keeps the compute-dtype logits
+    through it as well: compute dtype + 12."""
     c = _bytes(plan.compute)
-    per_entry = c + 12 if plan.loss == "hf" or plan.sequences_per_example == 2 else max(c + 8, 12)
+    per_entry = c + 12 if plan.loss == "hf" else max(c + 8, 12)
     return per_entry * info.vocab + 4 * info.hidden  # + the final norm's input
 
 
