@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING
 
 import torch
@@ -115,9 +116,18 @@ class Graphs:
         and again once the graphs are released)."""
 
     def release(self) -> None:
-        """Drop the graphs, their pools and the sink's gradient tensors (a later step captures anew)."""
+        """Drop the graphs, their pools and the sink's gradient tensors (a later step captures anew).
+
+        make_graphed_callables wraps each graph in an autograd Function class made for it, and a
+        class sits in reference cycles: dropping the last reference leaves the graph, and with it
+        its private pool, alive until the cyclic garbage collector runs. Collected here, so that
+        the pool is free for what comes next (the final evaluation, an answer), which
+        ``torch.cuda.empty_cache`` can then give back."""
+        had = bool(self.graphed) or self.sink is not None
         self.graphed.clear()
         self.sink = None
+        if had:
+            gc.collect()
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
         flat = seg.cu is not None
