@@ -106,6 +106,7 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     notes: list[str] = []
     train_peak: dict[str, int] = {}
     trainer_box: list = []
+    captured: set = set()  # every layout seen captured at a step's end (a widened one replaces its own)
 
     def emit(event) -> None:
         if isinstance(event, ev.StepLogged):
@@ -117,6 +118,7 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
                     if trainer_box else None
                 if graphs is not None:  # counted while training: the graphs are given back at its end
                     train_peak["graphs"] = max(train_peak.get("graphs", 0), len(graphs.graphed))
+                    captured.update(graphs.graphed)
         elif isinstance(event, ev.WorkerFailed):
             notes.append(f"{event.kind}: {event.message}")
 
@@ -159,7 +161,9 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
         row["peak_allocated"] = max(row["run_peak_allocated"], row["generate_peak_allocated"])
         row["peak_reserved"] = max(row["run_peak_reserved"], row["generate_peak_reserved"])
         if fast is not None and getattr(fast, "_graphs", None) is not None:
-            row["graphs"] = train_peak.get("graphs", 0)
+            row["graphs"] = train_peak.get("graphs", 0)  # the most alive at once
+            row["captures"] = len(captured)
+            row["layouts"] = "widened"  # packed layouts widen in place (rescore_vram.py reads this)
             row["graphs_failed"] = fast._graphs.failed
     return row
 

@@ -45,6 +45,9 @@ def rescore(results: dict) -> dict:
         if "generate_kv_cache" not in (measured or {}):
             # measured before the engine ran a prompt in pieces and could keep its KV cache on the host
             plan = replace(plan, kv_cache="card", prefill_tokens=0)
+        if case.data == "short" and case.packing and "layouts" not in (measured or {}):
+            # measured before a packed run kept one CUDA-graph layout (widened, not one per bucket)
+            plan = replace(plan, packed_layouts=2)
         predicted = estimate_plan(info, plan)
         # the peak over the phases of a run the row measured (the HF loop: training steps only)
         peaks = predicted_peaks(predicted, case.phases(measured or {}))

@@ -76,6 +76,10 @@ def test_data_order_is_seeded_and_split_independent() -> None:
     rows = packed.units(0)
     assert sorted(i for row in rows for i in row) == list(range(50))
     assert all(sum(len(examples[i].input_ids) for i in row) <= 64 for row in rows if len(row) > 1)
+    # The most examples a micro-batch of 3 packed rows holds, each row's padding counted as one.
+    counts = [len(row) + 1 for row in rows]
+    assert packed.most_examples(3) == max(sum(counts[i:i + 3]) for i in range(0, len(rows), 3))
+    assert a.most_examples(4) == 4  # unpacked: one example a row, no padding example
 
 
 def _run(config, between_steps=None, inject_oom_at_step: str | None = None):

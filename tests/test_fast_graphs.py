@@ -44,12 +44,15 @@ def test_graphed_steps_equal_eager_ones(tiny_model: Path) -> None:
                         dtype=torch.bfloat16)
     device = next(p for p in model.parameters() if p.requires_grad).device
     model.to(device)
+    # The second micro-batch holds more examples than the first one's layout has slots (31 rows, 30
+    # of them with a padding example after theirs: 61): its layout replaces the first one, and the
+    # third fits in it (one graph for all three, empty slots in it).
     batches = [collate([[e] for e in _examples(lengths, seed=s)], pad_id=0, packing=True).to(device)
-               for s, lengths in enumerate(([21, 14, 9], [30, 6, 8]))]
+               for s, lengths in enumerate(([21, 14, 9], [6] + [5] * 30, [30, 6, 8]))]
     _, eager_losses, eager_grads = _run(model, batches, FastOptions(cuda_graphs=False))
     graphed, graph_losses, graph_grads = _run(model, batches, FastOptions())
     assert graphed._graphs is not None and not graphed._graphs.failed, graphed._graphs.failed
-    assert graphed._graphs.graphed, "no layout was captured"
+    assert [key[1] for key in graphed._graphs.graphed] == [65], graphed._graphs.graphed.keys()
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=1e-4, atol=1e-4)
     for step_eager, step_graph in zip(eager_grads, graph_grads, strict=True):
         for name, grad in step_eager.items():
@@ -110,12 +113,15 @@ def test_the_trainer_captures_its_graphs_and_keeps_them(tiny_config, packing: bo
     events: list[ev.Event] = []
     timeline: list[str] = []
     graphed: list[int] = []
+    layouts: list[bool] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
 
         def between_steps(trainer):
             fast = trainer.session.fast
             graphed.append(len(fast._graphs.graphed))
+            lengths = [key[0][1] for key in fast._graphs.graphed if key[1] > 1]
+            layouts.append(len(lengths) == len(set(lengths)))  # one flat layout a length (widened)
             timeline.append(f"step {trainer.step}: {len(fast._graphs.graphed)} graphed")
 
         trainer = Trainer(Session(tiny_config, create_run(tiny_config), events.append), between_steps)
@@ -124,6 +130,7 @@ def test_the_trainer_captures_its_graphs_and_keeps_them(tiny_config, packing: bo
     assert fast is not None and fast._graphs is not None, "the fast path with CUDA graphs did not run"
     assert not fast.graphs_failed, fast.graphs_failed
     assert max(graphed) >= 1, timeline  # (given back when training ends)
+    assert all(layouts), timeline
     assert not fast._graphs.graphed
     # and really gone, private pools with them: the graphs' autograd classes sit in reference cycles,
     # which release() collects (else the pool outlived the graphs into the final evaluation)

@@ -185,20 +185,40 @@ def test_packed_examples_never_see_each_other(tiny_model: Path) -> None:
 
 
 def test_packing_bucket_layout_keeps_examples_apart() -> None:
-    """The CUDA-graph layout pads the flat stream with one-token examples: boundaries are kept and
-    the padding takes no loss."""
+    """The CUDA-graph layout pads the flat stream to 256 tokens with padding examples no longer than
+    max_len and fills the remaining slots with empty examples: boundaries are kept, the padding
+    takes no loss, and the example count and longest example are powers of two."""
     model = fast.FastModel.__new__(fast.FastModel)
+    model._graphs = None
     ids = torch.arange(1, 11)[None]
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])
     targets = torch.arange(10)[None]
     seg = Segments(cu=torch.tensor([0, 3, 5, 10], dtype=torch.int32), max_len=5)
-    ids, pos, targets, seg = model._static_layout(ids, pos, targets, seg)
-    assert ids.shape[1] % 256 == 0 and seg.cu.numel() == 33
-    starts = torch.nonzero(pos[0] == 0).flatten()
-    assert torch.equal(torch.cat([starts, torch.tensor([ids.shape[1]])]).int(), seg.cu)
-    assert seg.cu[:4].tolist() == [0, 3, 5, 10]
+    ids, pos, targets, seg = model._static_layout(ids, pos, targets, seg, width=10)
+    assert ids.shape[1] == 256 and seg.cu.numel() == 33 and seg.max_len == 128
+    assert seg.cu.dtype == torch.int32  # what the flash-attention kernel takes
+    cu = seg.cu.tolist()
+    assert cu[:4] == [0, 3, 5, 10] and cu == sorted(cu) and cu[-1] == 256
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    assert max(lengths) <= seg.max_len and lengths[3:5] == [128, 118] and set(lengths[5:]) == {0}
+    starts = [a for a, b in zip(cu[:-1], cu[1:], strict=True) if b > a]  # the empty examples have no token
+    assert torch.nonzero(pos[0] == 0).flatten().tolist() == starts
     assert (targets[0, 10:] == -100).all() and targets[0, :10].tolist() == list(range(10))
-    assert seg.max_len >= int((seg.cu[1:] - seg.cu[:-1]).max())
+
+
+def test_a_wider_layout_replaces_the_narrower_one_of_the_same_length() -> None:
+    """A stream with more examples than the captured layout of its length has slots gets a layout
+    wide enough for both (its capture drops the narrower graph); a later narrower stream reuses it."""
+    from studio.engine.fast.graphs import Graphs
+
+    graphs = Graphs.__new__(Graphs)
+    graphs.graphed = {((1, 2048, 8), 33, 512, True): "A", ((2, 512, 8), 1, 0, True): "rows"}
+    assert graphs.fit(2048, 64, 256) == (64, 512)  # wider in slots, as long in max_len
+    assert graphs.fit(2048, 32, 128) == (32, 512)  # fits: A is reused
+    assert graphs.fit(4096, 32, 128) == (32, 128)  # another length: its own layout
+    assert graphs.fit(512, 8, 128) == (8, 128)  # rows without boundaries (cu of 1) are no flat layout
+    graphs._replace(((1, 2048, 8), 65, 512, True))
+    assert list(graphs.graphed.values()) == ["rows"]  # rows without boundaries are never replaced
 
 
 def test_unsupported_models_fall_back_with_a_reason(tiny_model: Path) -> None:

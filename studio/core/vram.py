@@ -144,6 +144,11 @@ class Plan:
     always on the card (what the engine did before it could keep it on the host; the benchmark's
     older measurements)."""
 
+    packed_layouts: int = 1
+    """CUDA-graph layouts alive at once in a packed run of short examples: 1, as the engine runs it
+    (a fuller micro-batch widens the one layout: engine/fast/model.py's _static_layout), or 2, what
+    the engine kept before (one layout per example count bucket; the benchmark's older measurements)."""
+
     @property
     def data_sized(self) -> bool:
         """Whether the step is sized from the data's token lengths (unpacked SFT with lengths known)

@@ -163,10 +163,10 @@ def estimate_fast(info: ModelInfo, plan):
     temp = n_train * 4 if plan.optimizer == "adamw" else 0
     peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations, temp))
     slack = allocator_slack(info, tokens, c, graphs, offloaded)
-    # Packed short examples come in several layouts too: the count of examples a pack holds decides
-    # its bucketed layout (FastModel._static_layout), and the packed H100 row captured two graphs.
+    # Packed short examples are one layout (a fuller micro-batch widens it: FastModel._static_layout);
+    # the engine used to keep one per example-count bucket, and the packed H100 row captured two.
     packed_short = plan.packing and bool(plan.lengths) and plan.lengths[-1] < plan.seq_len
-    if graphs and (plan.data_sized or packed_short):
+    if graphs and (plan.data_sized or (packed_short and plan.packed_layouts > 1)):
         # Unpacked rows of varying lengths come in several layouts, and the engine captures one graph
         # per layout up to FastOptions.max_graphs (2), each with its own private pool: a second copy
         # of the graph's held activations (its layer inputs on the host too) and free blocks (the

@@ -102,6 +102,12 @@ class DataStream:
             units.extend([i] for i in group)
         return units
 
+    def most_examples(self, rows: int, epoch: int = 0) -> int:
+        """The most examples one micro-batch of ``rows`` units of ``epoch`` holds, each packed row's
+        padding counted as one more (the fast path sizes its CUDA-graph layout by it)."""
+        plan = self.units(epoch)
+        return max(sum(len(unit) + self.packing for unit in plan[i:i + rows]) for i in range(0, len(plan), rows))
+
     def take(self, cursor: Cursor, n: int) -> tuple[list[list[int]], Cursor]:
         """The next ``n`` units from ``cursor`` (running into the next epoch if needed) and the cursor
         after them."""

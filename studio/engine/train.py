@@ -173,6 +173,8 @@ class Trainer:
         self.group.broadcast_parameters([p for p in self.model.parameters() if p.requires_grad])
         self.state = "training"
         self.model.train()
+        if self.session.fast is not None and self.stream.packing:
+            self.session.fast.expect_examples(self.stream.most_examples(self.micro_batch_size))
         self.emit(ev.RunStarted(run_id=self.run.id, base_model=self.config.model.base_model,
                                 total_steps=self.total_steps, train_rows=len(self.session.data.train),
                                 eval_rows=len(self.session.data.validation), micro_batch_size=self.micro_batch_size,

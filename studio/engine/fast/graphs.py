@@ -129,12 +129,36 @@ class Graphs:
         if had:
             gc.collect()
 
+    def fit(self, total: int, slots: int, max_len: int) -> tuple[int, int]:
+        """The example slots and longest example of the layout to use for a flat stream of ``total``
+        tokens that needs ``slots`` and ``max_len``: the captured layout of that length where it is
+        at least as wide (reused), else one as wide as both (:meth:`run` then replaces the old one)."""
+        for shape, cu_len, length, _ in self.graphed:
+            if shape[1] == total and cu_len > 1:  # 1: rows without boundaries
+                slots, max_len = max(slots, cu_len - 1), max(max_len, length)
+        return slots, max_len
+
+    def _replace(self, key: tuple) -> None:
+        """Drop the captured layouts of ``key``'s length that ``key`` now covers (see :meth:`fit`),
+        pools included, before ``key`` is captured: one graph's memory at a time."""
+        shape, cu_len, length, grad = key
+        if cu_len == 1:
+            return
+        narrower = [k for k in self.graphed
+                    if k[0] == shape and k[3] == grad and 1 < k[1] <= cu_len and k[2] <= length]
+        for k in narrower:
+            del self.graphed[k]
+        if narrower:
+            gc.collect()  # the graph's autograd class sits in reference cycles (see release)
+            torch.cuda.empty_cache()
+
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
         flat = seg.cu is not None
         cu = seg.cu if flat else torch.zeros(1, dtype=torch.int32, device=h.device)
         key = (tuple(h.shape), cu.numel(), seg.max_len, h.requires_grad)
         module = self.graphed.get(key)
         if module is None:
+            self._replace(key)
             if self.failed or len(self.graphed) >= self.limit:
                 return self.fast.stack(h, cos, sin, seg)
             # Without the sink, the captured backward ends at the adapters' gradient accumulators:

@@ -60,6 +60,9 @@ class FastOptions:
 class FastModel:
     """A PEFT Llama-style model's loss, computed by the fast path. Build it with :func:`prepare`."""
 
+    _slots_floor = 0
+    """The fewest example slots a CUDA-graph layout gets (:meth:`expect_examples`)."""
+
     def __init__(self, peft_model: nn.Module, layers: list[Layer], backbone: nn.Module, head: nn.Module,
                  dtype: torch.dtype, options: FastOptions, kernels: dict | None, varlen: tuple | None):
         self.peft_model = peft_model
@@ -85,6 +88,12 @@ class FastModel:
         self._graphs = Graphs(self, options.max_graphs, offloading and options.offload_graphed,
                               options.grad_sink and options.hoist_adapters) if use_graphs else None
         self._host = HostInputs(device) if offloading else None
+
+    def expect_examples(self, most: int) -> None:
+        """Size the CUDA-graph layouts for micro-batches of up to ``most`` examples from the start
+        (the Trainer knows it from its packed rows), so that a run captures its layout once
+        instead of widening it when a fuller micro-batch comes (:meth:`_static_layout`)."""
+        self._slots_floor = 1 << (most + 1).bit_length()  # > most + 1: room for two padding pieces
 
     def release_graphs(self) -> None:
         """Drop the captured graphs and their memory pools (a later training step captures anew)."""
@@ -195,7 +204,7 @@ class FastModel:
         graphed = (self._graphs is not None and torch.is_grad_enabled() and seg.mask is None
                    and graphs_for(ids.numel(), 0.0, True))
         if graphed:
-            ids, pos, targets, seg = self._static_layout(ids, pos, targets, seg)
+            ids, pos, targets, seg = self._static_layout(ids, pos, targets, seg, t)
         h = self.backbone.embed_tokens(ids).to(self.dtype)
         cos, sin = self.backbone.rotary_emb(h, pos)
         cos, sin = cos.to(self.dtype), sin.to(self.dtype)
@@ -230,27 +239,37 @@ class FastModel:
             host.finish()
         return self.layers[0].norm(h, self.backbone.norm.weight) if self.layers else h
 
-    def _static_layout(self, ids, pos, targets, seg: Segments):
-        """Pad a flat stream to a bucketed length with a bucketed number of examples, so that a
-        few CUDA graphs cover every batch. The padding is made of one-token examples (and one
-        longer one) that take no loss and that no real token attends to."""
+    def _static_layout(self, ids, pos, targets, seg: Segments, width: int):
+        """Pad a flat stream to a layout that few CUDA graphs cover: its length rounded up to 256
+        tokens, its example count (``cu``'s length) and longest example (``max_len``) bucketed to
+        powers of two, and widened to the layout already captured for that length when there is
+        one (graphs.py's ``fit``), so a stream of packed rows is one layout for the whole run.
+
+        The padding tokens form examples of at most ``max_len`` tokens that take no loss and that
+        no real token attends to; the remaining slots are empty examples (``cu`` repeats the
+        stream's end), which the flash-attention kernel skips, so they cost no tokens. ``width``
+        is the batch's row width: no example (a packed row's padding included) is longer."""
         if seg.cu is None:
             return ids, pos, targets, seg
         n_real = ids.shape[1]
         segs = seg.cu.numel() - 1
-        slots = max(32, 1 << segs.bit_length())  # > segs: room for at least one padding example
-        total = -(-(n_real + slots) // 256) * 256
+        total = -(-n_real // 256) * 256
+        max_len = 1 << (max(width, seg.max_len, 128) - 1).bit_length()
+        slots = max(32, 1 << (segs + -(-(total - n_real) // max_len)).bit_length())
+        slots = max(slots, self._slots_floor)
+        if self._graphs is not None:
+            slots, max_len = self._graphs.fit(total, slots, max_len)
         pad = total - n_real
-        dummies = slots - segs - 1
         device = ids.device
+        pieces = [max_len] * (pad // max_len) + ([pad % max_len] if pad % max_len else [])
+        ends = (n_real + torch.tensor(pieces).cumsum(0)).to(device=device, dtype=seg.cu.dtype)
+        empty = slots - segs - len(pieces)
+        cu = torch.cat([seg.cu, ends, torch.full((empty,), total, dtype=seg.cu.dtype, device=device)])
         ids = F.pad(ids, (0, pad))
         targets = F.pad(targets, (0, pad), value=IGNORE_INDEX)
-        tail = torch.arange(pad - dummies, device=device)
-        pos = torch.cat([pos, torch.zeros(1, dummies, dtype=pos.dtype, device=device), tail[None]], dim=1)
-        cu = torch.cat([seg.cu, n_real + torch.arange(1, dummies + 1, device=device, dtype=seg.cu.dtype),
-                        torch.tensor([total], device=device, dtype=seg.cu.dtype)])
-        max_len = max(seg.max_len, pad - dummies)
-        max_len = 1 << (max_len - 1).bit_length()
+        if pad:
+            tail = torch.cat([torch.arange(n, device=device, dtype=pos.dtype) for n in pieces])
+            pos = torch.cat([pos, tail[None]], dim=1)
         return ids, pos, targets, Segments(cu=cu, max_len=max_len)
 
     def _segments(self, pos: torch.Tensor) -> Segments:
