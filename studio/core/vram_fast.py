@@ -52,6 +52,15 @@ hidden-state-sized blocks per token beyond the allocated peak (the prefetched in
 copy stream's schedule; refitted to the v3 grid's in-sample rows: 4 before)."""
 
 
+CAPTURE_WORKSPACES = 5
+"""cuBLAS workspaces (core/vram.py's CUBLAS_WORKSPACE_BYTES each) alive when a CUDA graph is
+captured: torch keeps one per thread and stream that ran a product, and the capture's warm-up and
+capture streams, on the main and the autograd thread, add theirs to the default stream's. Counted in
+the allocator's history at the peak of two H100 Trainer rows (bench/results/h100_v7_attribution.json:
+five 32 MiB blocks, one from the first product of the run, four from the fused products' first calls
+on the capture's streams); graphs.py frees the capture's once it is done."""
+
+
 def layer_outputs_per_token(info: ModelInfo, compute_bytes: int) -> float:
     """Bytes per token of one decoder layer's forward outputs on the fast path: the two norms, the
     fused q/k/v product, the rotated q and k, attention, o_proj, the residual, the fused gate/up
@@ -161,12 +170,27 @@ def estimate_fast(info: ModelInfo, plan):
     # Gradients exist through the whole step (the graphs' backward adds into them in place) and the
     # optimizer's foreach temporary comes after the activations are gone: the backward is the peak.
     temp = n_train * 4 if plan.optimizer == "adamw" else 0
-    peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations, temp))
-    slack = allocator_slack(info, tokens, c, graphs, offloaded)
+    held = int(weights + lora + on_device_optimizer + grads + max(activations, temp))
     # Packed short examples are one layout (a fuller micro-batch widens it: FastModel._static_layout);
     # the engine used to keep one per example-count bucket, and the packed H100 row captured two.
     packed_short = plan.packing and bool(plan.lengths) and plan.lengths[-1] < plan.seq_len
-    if graphs and (plan.data_sized or (packed_short and plan.packed_layouts > 1)):
+    layouts = plan.data_sized or (packed_short and plan.packed_layouts > 1)
+    workspace = vram.CUBLAS_WORKSPACE_BYTES
+    if graphs:
+        # The graph is captured in the first step, before the optimizer has any state: that moment
+        # holds the capture's activations and its streams' cuBLAS workspaces, without the optimizer.
+        # Later steps replay inside the graph's private pool, whose blocks the allocator counts as
+        # free (reserved, not allocated); the optimizer's state and step come after (reserved keeps
+        # both: the pool stays mapped when the state arrives). A second layout's capture comes in a
+        # later step, with the state.
+        capture = activations + (CAPTURE_WORKSPACES - 1) * workspace
+        state = on_device_optimizer
+        peak_allocated = int(weights + lora + grads + max(capture + (state if layouts else 0), state + temp))
+    else:
+        # Eager steps: the autograd thread's backward products have a cuBLAS workspace of their own.
+        peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations + workspace, temp))
+    slack = allocator_slack(info, tokens, c, graphs, offloaded)
+    if graphs and layouts:
         # Unpacked rows of varying lengths come in several layouts, and the engine captures one graph
         # per layout up to FastOptions.max_graphs (2), each with its own private pool: a second copy
         # of the graph's held activations (its layer inputs on the host too) and free blocks (the
@@ -174,10 +198,10 @@ def estimate_fast(info: ModelInfo, plan):
         slack += step_activations(info, tokens, c, offloaded) + allocator_slack(info, tokens, c, True) \
             - _FIXED_SLACK - 2 * dequant_buffer_bytes(info, c)
     page = 2 * 2**20
-    peak_reserved = int(math.ceil((peak_allocated + slack) / page) * page)
-    overhead = peak_reserved - peak_allocated + vram.CUDA_CONTEXT_BYTES
+    peak_reserved = int(math.ceil(max(held + slack, peak_allocated) / page) * page)
+    overhead = peak_reserved - held + vram.CUDA_CONTEXT_BYTES
     categories = {"weights": weights, "lora": int(lora), "gradients": int(grads), "optimizer": int(optimizer),
-                  "activations": int(peak_allocated - weights - lora - on_device_optimizer - grads),
+                  "activations": int(held - weights - lora - on_device_optimizer - grads),
                   "overhead": int(overhead)}
     total = sum(categories.values())
     notes = ["fast path (studio/engine/fast): every layer checkpointed, fused cross-entropy, "
