@@ -198,7 +198,8 @@ def estimate_fast(info: ModelInfo, plan):
         slack += step_activations(info, tokens, c, offloaded) + allocator_slack(info, tokens, c, True) \
             - _FIXED_SLACK - 2 * dequant_buffer_bytes(info, c)
     page = 2 * 2**20
-    peak_reserved = int(math.ceil(max(held + slack, peak_allocated) / page) * page)
+    eager_workspace = 0 if graphs else workspace  # the autograd thread's, mapped too
+    peak_reserved = int(math.ceil(max(held + eager_workspace + slack, peak_allocated) / page) * page)
     overhead = peak_reserved - held + vram.CUDA_CONTEXT_BYTES
     categories = {"weights": weights, "lora": int(lora), "gradients": int(grads), "optimizer": int(optimizer),
                   "activations": int(held - weights - lora - on_device_optimizer - grads),
@@ -206,6 +207,9 @@ def estimate_fast(info: ModelInfo, plan):
     total = sum(categories.values())
     notes = ["fast path (studio/engine/fast): every layer checkpointed, fused cross-entropy, "
              + ("CUDA graphs" if graphs else "eager steps with the layer inputs in host memory")]
+    if graphs and peak_allocated < held:
+        notes.append("allocated peaks at the first step's CUDA-graph capture, before the optimizer has "
+                     "state (the categories are a later step's)")
     if plan.optimizer.startswith("paged"):
         notes.append("paged optimizer state lives in unified memory: it spills to host RAM under "
                      "pressure and torch.cuda's counters do not see it")
