@@ -41,6 +41,10 @@ bench/results/vram_overhead_check_h100.json. Other drivers and cards differ by s
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 """cuBLAS workspace, allocated through torch's caching allocator on the first matmul."""
 
+STEP_WORKSPACES = 2
+"""cuBLAS workspaces of an eager run: torch keeps one per thread and stream that ran a product, and
+products run on the default stream from the main thread (forward) and autograd's (backward)."""
+
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5, "fp4": 0.5}
 _QUANT_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax constant per 64 weights
 _NESTED_BLOCK = 256  # double quant: one fp32 constant per 256 absmax bytes

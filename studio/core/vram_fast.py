@@ -54,8 +54,8 @@ copy stream's schedule; refitted to the v3 grid's in-sample rows: 4 before)."""
 
 CAPTURE_WORKSPACES = 5
 """cuBLAS workspaces (core/vram.py's CUBLAS_WORKSPACE_BYTES each) alive when a CUDA graph is
-captured: torch keeps one per thread and stream that ran a product, and the capture's warm-up and
-capture streams, on the main and the autograd thread, add theirs to the default stream's. Counted in
+captured: beside the default stream's (core/vram.py's STEP_WORKSPACES), the capture's warm-up and
+capture streams, on the main and the autograd thread, have theirs. Counted in
 the allocator's history at the peak of two H100 Trainer rows (bench/results/h100_v7_attribution.json:
 five 32 MiB blocks, one from the first product of the run, four from the fused products' first calls
 on the capture's streams); graphs.py frees the capture's once it is done."""
@@ -187,8 +187,9 @@ def estimate_fast(info: ModelInfo, plan):
         state = on_device_optimizer
         peak_allocated = int(weights + lora + grads + max(capture + (state if layouts else 0), state + temp))
     else:
-        # Eager steps: the autograd thread's backward products have a cuBLAS workspace of their own.
-        peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations + workspace, temp))
+        # Eager steps: every product-running thread has its workspace (activations count one).
+        extra = (vram.STEP_WORKSPACES - 1) * workspace
+        peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations + extra, temp))
     slack = allocator_slack(info, tokens, c, graphs, offloaded)
     if graphs and layouts:
         # Unpacked rows of varying lengths come in several layouts, and the engine captures one graph
@@ -198,8 +199,8 @@ def estimate_fast(info: ModelInfo, plan):
         slack += step_activations(info, tokens, c, offloaded) + allocator_slack(info, tokens, c, True) \
             - _FIXED_SLACK - 2 * dequant_buffer_bytes(info, c)
     page = 2 * 2**20
-    eager_workspace = 0 if graphs else workspace  # the autograd thread's, mapped too
-    peak_reserved = int(math.ceil(max(held + eager_workspace + slack, peak_allocated) / page) * page)
+    eager_extra = 0 if graphs else (vram.STEP_WORKSPACES - 1) * workspace  # mapped too
+    peak_reserved = int(math.ceil(max(held + eager_extra + slack, peak_allocated) / page) * page)
     overhead = peak_reserved - held + vram.CUDA_CONTEXT_BYTES
     categories = {"weights": weights, "lora": int(lora), "gradients": int(grads), "optimizer": int(optimizer),
                   "activations": int(held - weights - lora - on_device_optimizer - grads),

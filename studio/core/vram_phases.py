@@ -116,7 +116,7 @@ def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
     kept = step.categories
     optimizer = 0 if plan.optimizer.startswith("paged") else kept["optimizer"]  # paged state is not on the card
     persistent = (kept["weights"] + kept["lora"] + optimizer
-                  + 2 * vram.CUBLAS_WORKSPACE_BYTES)  # the main thread's and the autograd thread's
+                  + vram.STEP_WORKSPACES * vram.CUBLAS_WORKSPACE_BYTES)
     pool = 0.0
     if fast_path:
         persistent += fast.dequant_buffer_bytes(info, c)  # the shared dequantization buffer

@@ -413,7 +413,6 @@ class Session:
             oom.between_phases(self.device)  # the answer's blocks, before the next training step
         raise AssertionError("not reached")
 
-
     def answer_kv_on_host(self, prompt_tokens: int, new_tokens: int) -> bool:
         """Whether an answer of ``new_tokens`` after ``prompt_tokens`` keeps its KV cache on the host
         (engine/generate.py): when on the card it would need more memory than this run's training
