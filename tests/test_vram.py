@@ -564,3 +564,21 @@ def test_a_graphed_step_peaks_at_its_capture_with_five_cublas_workspaces():
     for row in rows:
         assert abs(row["error_peak_allocated"]) <= 0.05, (row["label"], row["error_peak_allocated"])
         assert abs(row["error_peak_reserved"]) <= 0.08, (row["label"], row["error_peak_reserved"])
+
+
+def test_a_bf16_base_on_the_fast_path_has_no_dequantization_buffer():
+    """engine/fast/weights.py gives a product a shared dequantization buffer only when a base is 4-bit:
+    a bf16 base is read where it is, so neither the buffer nor the holes of its size are there (the
+    Llama-2-7B bf16 r16 q/v row through the Trainer on the H100, bench/results/h100_vram_trainer_v4_b.json:
+    13.235 GiB allocated, 13.322 reserved; with the buffer counted, 13.246 and 13.729)."""
+    from studio.core.vram_fast import dequant_buffer_bytes, dequantizes
+
+    assert dequantizes("nf4") and not dequantizes("bf16")
+    fast = Plan(weights="nf4", lora_r=16, lora_targets=("q_proj", "v_proj"), lora_dropout=0.0, micro_batch=2,
+                seq_len=1024, path="fast")
+    bf16 = replace(fast, weights="bf16")
+    nf4_step, bf16_step = estimate_plan(LLAMA7, fast).step_categories, estimate_plan(LLAMA7, bf16).step_categories
+    assert nf4_step["activations"] - bf16_step["activations"] == dequant_buffer_bytes(LLAMA7, 2)
+    result = estimate_plan(LLAMA7, bf16)
+    assert result.peak_allocated / 2**30 == pytest.approx(13.235, rel=0.02)
+    assert result.peak_reserved / 2**30 == pytest.approx(13.322, rel=0.02)

@@ -104,6 +104,14 @@ def dequant_buffer_bytes(info: ModelInfo, compute_bytes: int) -> int:
     return max(fan_in * fan_out for fan_in, fan_out in shapes.values()) * compute_bytes
 
 
+def dequantizes(weights: str) -> bool:
+    """Whether the fast path dequantizes its base weights for the products, so that it holds the
+    shared buffer of :func:`dequant_buffer_bytes` and leaves holes of its size: 4-bit bases only
+    (engine/fast/weights.py gives a product a Workspace only when one of its bases is 4-bit). A
+    base in the compute dtype (bf16) is read where it is: no buffer, no dequantized copies."""
+    return weights in ("nf4", "fp4")
+
+
 def step_activations(info: ModelInfo, tokens: int, compute_bytes: int, offloaded: bool = False) -> float:
     """Bytes a training step holds beyond the parameters, gradients and optimizer state at its peak
     (the start of a layer's backward), without the hoisted adapters and the dequantized weight.
@@ -128,13 +136,14 @@ def dropout_bytes(info: ModelInfo, tokens: int, compute_bytes: int, rate: float,
 
 
 def allocator_slack(info: ModelInfo, tokens: int, compute_bytes: int, graphs: bool,
-                    offloaded: bool = False) -> float:
+                    offloaded: bool = False, dequantized: bool = True) -> float:
     """Reserved beyond the allocated peak: holes about two dequantized weights' size that later,
-    smaller requests do not fill (the fused products' pair before they ran one projection at a time);
-    with the layer inputs on the host, the prefetched inputs' blocks; with CUDA graphs, the captured
-    step's private pool keeps its own free blocks (one pool per batch layout: a second layout, e.g.
-    packed rows of another shape, adds a second pool, not modelled)."""
-    slack = _FIXED_SLACK + 2 * dequant_buffer_bytes(info, compute_bytes)
+    smaller requests do not fill (the fused products' pair before they ran one projection at a time;
+    ``dequantized`` False, a base in the compute dtype: none); with the layer inputs on the host, the
+    prefetched inputs' blocks; with CUDA graphs, the captured step's private pool keeps its own free
+    blocks (one pool per batch layout: a second layout, e.g. packed rows of another shape, adds a
+    second pool, not modelled)."""
+    slack = _FIXED_SLACK + (2 * dequant_buffer_bytes(info, compute_bytes) if dequantized else 0)
     if offloaded:
         slack += _OFFLOAD_PER_TOKEN * tokens * info.hidden * compute_bytes
     if graphs:
@@ -162,9 +171,11 @@ def estimate_fast(info: ModelInfo, plan):
     tokens = plan.real_tokens  # the fast path drops the padding before the model
     graphs = graphs_for(tokens, plan.lora_dropout, cuda=True)  # the engine's own rules (core/plan.py)
     offloaded = offload_for(tokens, plan.lora_dropout, cuda=True)
+    dequantized = dequantizes(plan.weights)
+    dequant = dequant_buffer_bytes(info, c) if dequantized else 0  # the shared dequantization buffer
     activations = (step_activations(info, tokens, c, offloaded)
                    + hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c)
-                   + dequant_buffer_bytes(info, c)  # the shared dequantization buffer
+                   + dequant
                    + vram.CUBLAS_WORKSPACE_BYTES
                    + dropout_bytes(info, tokens, c, plan.lora_dropout, plan.lora_targets))
     # Gradients exist through the whole step (the graphs' backward adds into them in place) and the
@@ -190,7 +201,7 @@ def estimate_fast(info: ModelInfo, plan):
         # Eager steps: every product-running thread has its workspace (activations count one).
         extra = (vram.STEP_WORKSPACES - 1) * workspace
         peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations + extra, temp))
-    slack = allocator_slack(info, tokens, c, graphs, offloaded)
+    slack = allocator_slack(info, tokens, c, graphs, offloaded, dequantized)
     if graphs and layouts:
         # Unpacked rows of varying lengths come in several layouts, and the engine captures one graph
         # per layout up to FastOptions.max_graphs (2), each with its own private pool: a second copy

@@ -119,7 +119,8 @@ def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
                   + vram.STEP_WORKSPACES * vram.CUBLAS_WORKSPACE_BYTES)
     pool = 0.0
     if fast_path:
-        persistent += fast.dequant_buffer_bytes(info, c)  # the shared dequantization buffer
+        if fast.dequantizes(plan.weights):
+            persistent += fast.dequant_buffer_bytes(info, c)  # the shared dequantization buffer
         tokens = plan.real_tokens
         if graphs_for(tokens, plan.lora_dropout, cuda=True):
             # the captured step's private pool: its layer inputs, working set and free blocks
