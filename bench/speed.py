@@ -101,6 +101,9 @@ LEVERS = {
     "graphs_keep_inputs": {"offload_graphed": False},
     "no_hoist": {"hoist_adapters": False},
     "no_grad_sink": {"grad_sink": False},
+    "keep_last_product": {"skip_last_product": False},
+    "separate_epilogues": {"fused_epilogues": False},
+    "joined_qkv": {"separate_qkv": False},
 }
 
 

@@ -51,16 +51,19 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("bits", [None, 4])
-def test_layer_inputs_kept_on_the_host_give_the_same_loss_and_gradients(tiny_model: Path, bits,
+@pytest.mark.parametrize(("bits", "targets"), [(None, ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]),
+                                                (4, ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]),
+                                                (None, ["q_proj", "v_proj", "gate_proj"])])
+def test_layer_inputs_kept_on_the_host_give_the_same_loss_and_gradients(tiny_model: Path, bits, targets,
                                                                        monkeypatch) -> None:
     """The eager steps' offloaded recomputation (engine/fast/offload.py) against per-layer
     checkpointing: the same function, so the same loss and adapter gradients to rounding (on the
     CPU the host copies are plain copies; the stream handling runs on CUDA only). With a 4-bit base
-    the shared dequantization workspace is in use too; adapters on only some projections."""
+    the shared dequantization workspace is in use too; adapters on only some projections (the
+    last, down, with and without one: its recomputation skips the product's value)."""
     from studio.engine.fast.offload import HostInputs
 
-    model = _peft_model(tiny_model, bits, ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
+    model = _peft_model(tiny_model, bits, targets)
     device = next(model.parameters()).device
     batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
     fast_model, why = fast.prepare(model)
@@ -140,6 +143,37 @@ def test_fast_path_loss_and_lora_gradients_equal_the_plain_path(tiny_model: Path
 
     torch.testing.assert_close(loss, plain, rtol=1e-5, atol=1e-5)
     assert got.keys() == expected.keys() and len(got) == 2 * len(targets) * 2  # A and B, 2 layers
+    for name, grad in expected.items():
+        assert grad.abs().sum() > 0, name
+        rel = (got[name] - grad).norm() / grad.norm()
+        assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
+
+
+@pytest.mark.parametrize("separate", [True, False])
+def test_grouped_query_attention_on_the_fast_path_equals_the_plain_path(tmp_path: Path, separate) -> None:
+    """Two key/value heads for four query heads: q, k and v of different widths, from their own
+    products (weights.SeparateLoraProduct) or as column blocks of one, give the plain path's loss
+    and gradients."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = _peft_model(tmp_path, None, ALL)
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True)
+    plain = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                  position_ids=batch.position_ids, labels=batch.labels).loss
+    plain.backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+    fast_model, why = fast.prepare(model, fast.FastOptions(separate_qkv=separate))
+    assert fast_model is not None, why
+    assert fast_model.layers[0].qkv.separate is separate
+    loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+    loss.backward()
+    got = _grads(model)
+    torch.testing.assert_close(loss, plain, rtol=1e-5, atol=1e-5)
     for name, grad in expected.items():
         assert grad.abs().sum() > 0, name
         rel = (got[name] - grad).norm() / grad.norm()
@@ -352,6 +386,74 @@ def test_split_products_equal_the_fused_matrix(tiny_model: Path, bits) -> None:
     torch.testing.assert_close(split.forward_product(x), x @ w.t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused.forward_product(x), x @ w.t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split.backward_product(dy), dy @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("adapted", [True, False])
+def test_a_product_without_its_value_still_gives_its_backward(tiny_model: Path, adapted) -> None:
+    """A recomputed layer's last product (layer.py's ``recompute``): its value is never read, so
+    it is not computed (the output is a zero that owns one element), yet the gradients of its
+    input and adapters are those of the full product."""
+    from studio.engine.fast.weights import Projection
+
+    model = _peft_model(tiny_model, None, ALL if adapted else ["q_proj"])
+    proj = Projection([model.base_model.model.model.layers[0].mlp.down_proj], "default", torch.float32, False)
+    assert bool(proj.a) == adapted
+    x = torch.randn(2, 5, proj.weights.in_features, requires_grad=True)
+    dy = torch.randn(2, 5, proj.weights.out_features[0])
+    results = []
+    for value in (True, False):
+        x.grad = None
+        for p in proj.a + proj.b:
+            p.grad = None
+        y = proj(x, value=value)
+        assert y.shape == dy.shape
+        if not value:
+            assert y.untyped_storage().nbytes() == y.element_size() and not y.any()
+        y.backward(dy)
+        results.append([x.grad.clone(), *[p.grad.clone() for p in proj.a + proj.b]])
+    for full, skipped in zip(*results, strict=True):
+        assert full.abs().sum() > 0
+        torch.testing.assert_close(skipped, full)
+
+
+@pytest.mark.parametrize(("bits", "targets"), [(None, ALL), (4, ALL), (None, ["q_proj"])])
+def test_the_base_product_adds_itself_to_the_update_and_the_residual(tiny_model: Path, bits, targets) -> None:
+    """weights.LoraProduct's order (the LoRA update's product writes the output, with the residual,
+    and the base product adds itself in its epilogue) gives the value and gradients of the plain
+    order (base product, then the update, then the residual in a pass of its own), on split
+    products (gate/up) and single ones (down), with and without an adapter."""
+    from studio.engine.fast.weights import Projection, Workspace
+
+    if bits == 4 and not torch.cuda.is_available():
+        pytest.skip("4-bit products on the CPU dequantize in bf16 (see the plain-path test)")
+    model = _peft_model(tiny_model, bits, targets)
+    mlp = model.base_model.model.model.layers[0].mlp
+    device = next(model.parameters()).device
+    for modules in ([mlp.gate_proj, mlp.up_proj], [mlp.down_proj]):
+        workspace = Workspace()
+        proj = Projection(modules, "default", torch.float32, False, workspace)
+        workspace.allocate(torch.float32, device)
+        width = sum(proj.weights.out_features)
+        x = torch.randn(2, 5, proj.weights.in_features, device=device, requires_grad=True)
+        r = torch.randn(2, 5, width, device=device, requires_grad=True)
+        dy = torch.randn(2, 5, width, device=device)
+        results = []
+        for first, residual in ((True, True), (False, True), (True, False), (False, False)):
+            proj.update_first = first
+            for t in (x, r, *proj.a, *proj.b):
+                t.grad = None
+            y = proj(x, residual=r if residual else None)
+            y.backward(dy)
+            grads = [x.grad.clone(), *[p.grad.clone() for p in proj.a + proj.b]]
+            results.append((y.detach() - (r.detach() if residual else 0), grads, r.grad))
+        (y0, g0, r0), (y1, g1, r1), (y2, g2, r2), (y3, g3, r3) = results
+        torch.testing.assert_close(r0, dy)
+        torch.testing.assert_close(r1, dy)
+        assert r2 is None and r3 is None
+        for yk, gk in ((y1, g1), (y2, g2), (y3, g3)):
+            torch.testing.assert_close(yk, y0, rtol=1e-5, atol=1e-5)
+            for a, b in zip(gk, g0, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_the_gradient_sink_gives_the_gradients_autograd_would(tiny_model: Path) -> None:

@@ -39,6 +39,8 @@ class Layer:
     head_dim: int
     kernels: dict | None = field(default=None, repr=False)
     varlen: tuple | None = field(default=None, repr=False)
+    skip_last: bool = True
+    """A recomputation for the backward skips the last product's value (:meth:`forward`)."""
 
     def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.kernels:
@@ -54,12 +56,20 @@ class Layer:
         return tuple(p.adapters(sink) for p in (self.qkv, self.o, self.gate_up, self.down))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
-                adapters: tuple | None = None) -> torch.Tensor:
+                adapters: tuple | None = None, recompute: bool = False):
+        """The layer's output; with ``recompute`` (a checkpointed layer rebuilt for its backward)
+        the pair ``(h, down)`` whose sum the output is, where ``down`` only carries the backward:
+        nothing in the layer reads its last product's value, so the recomputation skips that
+        product (the down projection, 7% of a 7B step's products). The caller sends the output's
+        gradient into both."""
         b, t, _ = h.shape
         qkv_ad, o_ad, gu_ad, down_ad = adapters if adapters is not None else (None,) * 4
-        qkv = self.qkv(self.norm(h, self.ln1), qkv_ad)
-        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                             self.kv_heads * self.head_dim], dim=-1)
+        if self.qkv.separate and self.qkv.weights.split:
+            q, k, v = self.qkv(self.norm(h, self.ln1), qkv_ad)  # three contiguous outputs
+        else:
+            qkv = self.qkv(self.norm(h, self.ln1), qkv_ad)
+            q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                 self.kv_heads * self.head_dim], dim=-1)
         q = q.view(b, t, self.heads, self.head_dim)
         k = k.view(b, t, self.kv_heads, self.head_dim)
         v = v.view(b, t, self.kv_heads, self.head_dim)
@@ -70,7 +80,7 @@ class Layer:
         else:
             q, k = rope_torch(q, k, cos, sin)
         attn = self.attention(q, k, v, seg).reshape(b, t, self.heads * self.head_dim)
-        h = h + self.o(attn, o_ad)
+        h = self.o(attn, o_ad, residual=h)
         gu = self.gate_up(self.norm(h, self.ln2), gu_ad)
         if self.kernels:
             # liger returns the gradient flat: give it a flat input so the shapes agree.
@@ -78,7 +88,9 @@ class Layer:
         else:
             gate, up = gu.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return h + self.down(act, down_ad)
+        if recompute:
+            return h, self.down(act, down_ad, value=False)
+        return self.down(act, down_ad, residual=h)
 
     def attention(self, q, k, v, seg: Segments) -> torch.Tensor:
         """Causal attention inside each example; returns [B, T, H, D]."""

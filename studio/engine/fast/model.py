@@ -52,6 +52,16 @@ class FastOptions:
     ``max_graphs``), so the host's per-operation cost leaves the step; CUDA only."""
     max_graphs: int = 2
     """Layouts beyond this many run without graphs (each graph keeps its own activation memory)."""
+    skip_last_product: bool = True
+    """A layer recomputed for its backward skips its last product (the down projection), whose
+    value nothing reads (layer.py): 7% less work on a 7B model's step."""
+    fused_epilogues: bool = True
+    """The LoRA update's product writes each output (adding the residual stream for o and down)
+    and the base product adds itself in its epilogue (weights.LoraProduct), instead of the base
+    product first and the update and the residual in passes of their own."""
+    separate_qkv: bool = True
+    """q, k and v come out of their products as three tensors (weights.SeparateLoraProduct), not
+    column blocks of one that RoPE's kernel copies out and whose gradients are concatenated."""
     grad_sink: bool = True
     """The captured backward adds the adapters' gradients into ``.grad`` itself (graphs.GradSink)
     instead of returning a second copy that autograd then adds there after each replay."""
@@ -74,6 +84,11 @@ class FastModel:
         self.kernels = kernels
         self.varlen = varlen
         device = backbone.embed_tokens.weight.device
+        for layer in layers:
+            layer.skip_last = options.skip_last_product
+            for proj in layer.projections():
+                proj.update_first = options.fused_epilogues
+            layer.qkv.separate = options.separate_qkv and options.fused_epilogues
         # Adapter dropout draws its masks from one seed tensor (engine/fast/dropout.py): graphs replay
         # them, recomputation regenerates them, and no RNG state is saved around a layer.
         dropping = any(any(p.dropout) for layer in layers for p in layer.projections())
@@ -125,6 +140,8 @@ class FastModel:
         if self._host is not None:
             graphed = self._graphs is not None and self._graphs.offload
             parts.append("layer inputs offloaded to the host" + ("" if graphed else " on eager steps"))
+            if self.options.skip_last_product:
+                parts.append("recomputation without the last product")
         if self._seed is not None:
             parts.append("adapter dropout from counter-based masks")
         parts.append("liger kernels" if self.kernels else "torch kernels")

@@ -130,10 +130,15 @@ class OffloadedLayer(torch.autograd.Function):
         h = ctx.host.load(ctx.index).requires_grad_(True)
         ctx.host.prefetch(ctx.index - 1)  # the layer below's input, while this one recomputes
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        adapters = unflatten(ctx.spec, leaves)
         with torch.enable_grad():
-            out = ctx.layer.forward(h, cos, sin, ctx.seg, unflatten(ctx.spec, leaves))
+            if ctx.layer.skip_last:
+                # The output's two terms; the last product's value is never computed (layer.py).
+                outs, douts = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, recompute=True), (dout, dout)
+            else:
+                outs, douts = ctx.layer.forward(h, cos, sin, ctx.seg, adapters), dout
         wanted = [h, *[t for t in leaves if t.requires_grad]]
-        grads = iter(torch.autograd.grad(out, wanted, dout, allow_unused=True))
+        grads = iter(torch.autograd.grad(outs, wanted, douts, allow_unused=True))
         dh = next(grads)
         dtensors = [next(grads) if t.requires_grad else None for t in leaves]
         return (dh, None, None, None, None, None, None, None, *dtensors)

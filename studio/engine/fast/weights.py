@@ -108,27 +108,43 @@ class FrozenWeights:
             yield index, slice(row, row + n)
             row += n
 
-    def forward_product(self, x2: torch.Tensor) -> torch.Tensor:
-        """``x2 @ W^T``: ``[tokens, sum(out_features)]``."""
+    def forward_product(self, x2: torch.Tensor, into: torch.Tensor | None = None,
+                        base: torch.Tensor | None = None) -> torch.Tensor:
+        """``x2 @ W^T``: ``[tokens, sum(out_features)]``; added to ``into`` in place when given
+        (the product's epilogue reads it: no pass of its own), or written beside ``base`` (the
+        result is ``base + x2 @ W^T``, a new tensor)."""
         if not self.split:
-            return x2 @ self.matrix().t()
-        y = x2.new_empty(x2.shape[0], sum(self.out_features))
+            w = self.matrix().t()
+            if into is not None:
+                return into.addmm_(x2, w)
+            return x2 @ w if base is None else torch.addmm(base, x2, w)
+        y = into if into is not None else x2.new_empty(x2.shape[0], sum(self.out_features))
         for index, cols in self._columns():
             # A column block of a row-major output is a strided matrix cuBLAS writes in place.
-            torch.mm(x2, self._piece(index).t(), out=y[:, cols])
+            w = self._piece(index).t()
+            if into is not None:
+                y[:, cols].addmm_(x2, w)
+            elif base is not None:
+                torch.addmm(base[:, cols], x2, w, out=y[:, cols])
+            else:
+                torch.mm(x2, w, out=y[:, cols])
         return y
 
     def backward_product(self, dy2: torch.Tensor) -> torch.Tensor:
         """``dy2 @ W``: ``[tokens, in_features]``, summed over the projections."""
         if not self.split:
             return dy2 @ self.matrix()
+        return self.backward_blocks([dy2[:, cols] for _, cols in self._columns()])
+
+    def backward_blocks(self, blocks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``sum_j blocks[j] @ W_j``: the input gradient from each projection's output gradient."""
         dx = None
-        for index, cols in self._columns():
+        for index, block in enumerate(blocks):
             w = self._piece(index)
             if dx is None:
-                dx = dy2[:, cols] @ w
+                dx = block @ w
             else:
-                dx.addmm_(dy2[:, cols], w)
+                dx.addmm_(block, w)
         return dx
 
 
@@ -192,26 +208,56 @@ class AdapterDropout:
 
 
 class LoraProduct(torch.autograd.Function):
-    """``y = x W^T + s (x A^T) B^T`` for a frozen W that is rebuilt, never saved, in the backward.
+    """``y = r + x W^T + s (x A^T) B^T`` for a frozen W that is rebuilt, never saved, in the
+    backward, and an optional residual ``r`` (the stream the layer adds its output to).
 
     ``A`` stacks the adapters' A matrices ``[n*r, in]``; ``Bt`` holds their B matrices transposed on
     a block diagonal ``[n*r, sum(out)]``, so several adapters over one input cost two small products.
     With ``drop`` (:class:`AdapterDropout`), each adapter reads its own masked copy of ``x``.
+
+    The small terms come first: the LoRA update's product (inner size the rank) writes the output,
+    adding the residual as it goes, and the base product adds itself in its epilogue. The base
+    product is bound by its arithmetic, so reading the output there costs nothing, where the update
+    added after it would read and write the whole output once more, and the residual a third time.
     """
 
     @staticmethod
-    def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None = None):
+    def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None = None,
+                value: bool = True, residual: torch.Tensor | None = None, update_first: bool = True):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        y = weights.forward_product(x2)
+        width = sum(weights.out_features)
+        r2 = residual.reshape(-1, width) if residual is not None else None
+        xa = None
         if a is not None:
             xa = x2 @ a.t() if drop is None else drop.project(x2, a)
+        if not value:
+            # Only the backward is wanted (a recomputation whose output nothing reads): no base
+            # product, no LoRA update; a zero of the output's shape that owns no memory.
+            y = x2.new_zeros(()).expand(x2.shape[0], width)
+            if r2 is not None:
+                y = y + r2
+        elif xa is not None and not update_first:  # the order before (bench/speed.py's lever)
+            y = weights.forward_product(x2)
             y.addmm_(xa, bt, alpha=scale)
+            if r2 is not None:
+                y += r2
+        elif xa is not None:
+            if r2 is not None:
+                y = torch.addmm(r2, xa, bt, alpha=scale)
+            else:
+                y = x2.new_empty(x2.shape[0], width)
+                y.addmm_(xa, bt, beta=0, alpha=scale)  # beta 0: y's contents are never read
+            weights.forward_product(x2, into=y)
+        else:
+            y = weights.forward_product(x2, base=r2)
+        if xa is not None:
             ctx.save_for_backward(x2, a, bt, xa)
         else:
             ctx.save_for_backward(x2)
         ctx.weights, ctx.scale, ctx.shape, ctx.drop = weights, scale, shape, drop
-        return y.view(*shape[:-1], y.shape[-1])
+        ctx.residual = residual is not None
+        return y.view(*shape[:-1], width)
 
     @staticmethod
     def backward(ctx, dy):
@@ -231,6 +277,70 @@ class LoraProduct(torch.autograd.Function):
                 da = ctx.drop.backward(x2, a, dyb, dx, ctx.needs_input_grad[2])
             if ctx.needs_input_grad[3]:
                 dbt = (xa.t() @ dy2).mul_(ctx.scale)
+        dres = dy if ctx.residual else None  # the residual passes straight through
+        return dx.view(ctx.shape), None, da, dbt, None, None, None, dres, None
+
+
+class SeparateLoraProduct(torch.autograd.Function):
+    """:class:`LoraProduct` for projections whose outputs are read apart (q, k and v), one product
+    a projection: each output is a tensor of its own, so what reads one (RoPE's kernel, the
+    attention) gets it contiguous instead of copying a column block out of the fused output, and
+    the backward takes their gradients as they come instead of concatenating them first. Same
+    order as :class:`LoraProduct`: each output is written by its LoRA update's product and the
+    base product adds itself in its epilogue."""
+
+    @staticmethod
+    def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None = None):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xa = None
+        if a is not None:
+            xa = x2 @ a.t() if drop is None else drop.project(x2, a)
+        outs = []
+        for index, cols in weights._columns():
+            w = weights._piece(index).t()
+            if xa is not None:
+                y = x2.new_empty(x2.shape[0], cols.stop - cols.start)
+                y.addmm_(xa, bt[:, cols], beta=0, alpha=scale)  # beta 0: y's contents are never read
+                y.addmm_(x2, w)
+            else:
+                y = x2 @ w
+            outs.append(y.view(*shape[:-1], y.shape[-1]))
+        if xa is not None:
+            ctx.save_for_backward(x2, a, bt, xa)
+        else:
+            ctx.save_for_backward(x2)
+        ctx.weights, ctx.scale, ctx.shape, ctx.drop = weights, scale, shape, drop
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        saved = ctx.saved_tensors
+        x2 = saved[0]
+        blocks = [d.reshape(-1, d.shape[-1]) for d in dys]
+        dx = ctx.weights.backward_blocks(blocks)
+        da = dbt = None
+        if len(saved) > 1:
+            _, a, bt, xa = saved
+            columns = [cols for _, cols in ctx.weights._columns()]
+            dyb = None
+            for cols, block in zip(columns, blocks, strict=True):
+                if dyb is None:
+                    dyb = block @ bt[:, cols].t()
+                else:
+                    dyb.addmm_(block, bt[:, cols].t())
+            dyb.mul_(ctx.scale)
+            if ctx.drop is None:
+                dx.addmm_(dyb, a)
+                if ctx.needs_input_grad[2]:
+                    da = dyb.t() @ x2
+            else:
+                da = ctx.drop.backward(x2, a, dyb, dx, ctx.needs_input_grad[2])
+            if ctx.needs_input_grad[3]:
+                dbt = bt.new_empty(bt.shape)
+                for cols, block in zip(columns, blocks, strict=True):
+                    torch.mm(xa.t(), block, out=dbt[:, cols])
+                dbt.mul_(ctx.scale)
         return dx.view(ctx.shape), None, da, dbt, None, None
 
 
@@ -256,6 +366,12 @@ class Projection:
         self.dropout = [d.p if isinstance(d, nn.Dropout) else 0.0 for d in drop]
         self.ranks = [int(a.shape[0]) for a in self.a]
         self.drop: AdapterDropout | None = None
+        self.separate = False
+        """Each projection's output a tensor of its own (:class:`SeparateLoraProduct`; split
+        products only): :meth:`__call__` returns a tuple."""
+        self.update_first = True
+        """The LoRA update's product writes the output and the base product adds itself to it
+        (:class:`LoraProduct`); False: the base product first (the order before, for benchmarks)."""
 
     def use_dropout(self, seed: torch.Tensor, first_site: int) -> None:
         """Give the adapters with dropout their masks: from ``seed``, at sites ``first_site + j``."""
@@ -291,7 +407,16 @@ class Projection:
         bt = (torch.block_diag(*bts) if len(bts) > 1 else bts[0]).to(self.dtype)
         return a, bt, self.scales[0] if same else 1.0
 
-    def __call__(self, x: torch.Tensor, adapters: tuple | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, adapters: tuple | None = None, value: bool = True,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The product, plus ``residual`` when given (added inside the products: no pass of its
+        own). With ``value=False`` only its backward is real (see :class:`LoraProduct`): the
+        output is a zero that owns no memory, and the base product is skipped."""
         a, bt, scale = adapters if adapters is not None else self.adapters()
         drop = self.drop if self.drop is not None and self.modules[0].training else None
-        return LoraProduct.apply(x, self.weights, a, bt, scale, drop)
+        if self.separate and self.weights.split:
+            assert value and residual is None, "separate outputs take no residual"
+            return SeparateLoraProduct.apply(x, self.weights, a, bt, scale, drop)
+        if residual is not None and not self.update_first:
+            return residual + LoraProduct.apply(x, self.weights, a, bt, scale, drop, value, None, False)
+        return LoraProduct.apply(x, self.weights, a, bt, scale, drop, value, residual, self.update_first)
