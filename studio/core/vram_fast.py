@@ -147,8 +147,13 @@ def allocator_slack(info: ModelInfo, tokens: int, compute_bytes: int, graphs: bo
     if offloaded:
         slack += _OFFLOAD_PER_TOKEN * tokens * info.hidden * compute_bytes
     if graphs:
-        slack += tokens * _GRAPH_POOL_PER_TOKEN * layer_outputs_per_token(info, compute_bytes)
+        slack += graph_pool_free_bytes(info, tokens, compute_bytes)
     return slack
+
+
+def graph_pool_free_bytes(info: ModelInfo, tokens: int, compute_bytes: int) -> float:
+    """Free blocks a captured step's private pool keeps beside the blocks of its activations."""
+    return tokens * _GRAPH_POOL_PER_TOKEN * layer_outputs_per_token(info, compute_bytes)
 
 
 def estimate_fast(info: ModelInfo, plan):
@@ -196,22 +201,33 @@ def estimate_fast(info: ModelInfo, plan):
         # later step, with the state.
         capture = activations + (CAPTURE_WORKSPACES - 1) * workspace
         state = on_device_optimizer
-        peak_allocated = int(weights + lora + grads + max(capture + (state if layouts else 0), state + temp))
+        at_capture = weights + lora + grads + capture + (state if layouts else 0)
+        peak_allocated = int(max(at_capture, weights + lora + grads + state + temp))
     else:
         # Eager steps: every product-running thread has its workspace (activations count one).
         extra = (vram.STEP_WORKSPACES - 1) * workspace
         peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations + extra, temp))
     slack = allocator_slack(info, tokens, c, graphs, offloaded, dequantized)
+    second_pool = 0.0
     if graphs and layouts:
         # Unpacked rows of varying lengths come in several layouts, and the engine captures one graph
         # per layout up to FastOptions.max_graphs (2), each with its own private pool: a second copy
         # of the graph's held activations (its layer inputs on the host too) and free blocks (the
         # short-padded H100 row captured two).
-        slack += step_activations(info, tokens, c, offloaded) + allocator_slack(info, tokens, c, True) \
-            - _FIXED_SLACK - 2 * dequant_buffer_bytes(info, c)
+        second_pool = step_activations(info, tokens, c, offloaded) + graph_pool_free_bytes(info, tokens, c)
+        slack += second_pool
     page = 2 * 2**20
     eager_extra = 0 if graphs else (vram.STEP_WORKSPACES - 1) * workspace  # mapped too
-    peak_reserved = int(math.ceil(max(held + eager_extra + slack, peak_allocated) / page) * page)
+    need = max(held + eager_extra + slack, peak_allocated)
+    if graphs:
+        # The capture's own moment reserves its allocated peak, the free blocks its private pool has
+        # by then and the allocator's fixed slack (a later step's other holes, the dequantized weights'
+        # and the prefetched inputs', are not there yet: torch.cuda.graph empties the cache before it
+        # captures). It is the peak where the optimizer's state is smaller than the capture's four
+        # extra cuBLAS workspaces: SmolLM2-135M r8 on q and v keeps 3.5 MB of state, and its H100 row
+        # reserved 109 MB beyond allocated at the capture (bench/results/h100_v7_attribution.json).
+        need = max(need, at_capture + _FIXED_SLACK + graph_pool_free_bytes(info, tokens, c) + second_pool)
+    peak_reserved = int(math.ceil(need / page) * page)
     overhead = peak_reserved - held + vram.CUDA_CONTEXT_BYTES
     categories = {"weights": weights, "lora": int(lora), "gradients": int(grads), "optimizer": int(optimizer),
                   "activations": int(held - weights - lora - on_device_optimizer - grads),
