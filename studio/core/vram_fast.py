@@ -154,6 +154,17 @@ def allocator_slack(info: ModelInfo, tokens: int, compute_bytes: int, graphs: bo
     return slack
 
 
+def graph_tensor_bytes(info: ModelInfo, tokens: int, compute_bytes: int) -> int:
+    """The tensors a captured graph keeps for its replays as long as it lives (torch's
+    ``make_graphed_callables``): its sample input (the stack's input hidden states, the first step's),
+    cos and sin, its static output, the static gradient of that output and the static gradient of
+    its input. In a graph's own capture they are that step's own tensors, inside the activations the
+    model fits to graphed and eager rows alike; a second layout's capture has the first graph's on
+    top (the packed Llama-2-7B row of the v3 grid, whose engine captured two layouts: -7.0% -> -4.8%
+    allocated; still under, as a second layout's run is: bench/results/h100_v7_speed_c.json)."""
+    return tokens * (4 * info.hidden + 2 * info.head_width) * compute_bytes
+
+
 def graph_pool_free_bytes(info: ModelInfo, tokens: int, compute_bytes: int) -> float:
     """Free blocks a captured step's private pool keeps beside the blocks of its activations."""
     return tokens * _GRAPH_POOL_PER_TOKEN * layer_outputs_per_token(info, compute_bytes)
@@ -201,10 +212,10 @@ def estimate_fast(info: ModelInfo, plan):
         # Later steps replay inside the graph's private pool, whose blocks the allocator counts as
         # free (reserved, not allocated); the optimizer's state and step come after (reserved keeps
         # both: the pool stays mapped when the state arrives). A second layout's capture comes in a
-        # later step, with the state.
+        # later step, with the state and the first graph's fixed tensors (graph_tensor_bytes).
         capture = activations + (CAPTURE_WORKSPACES - 1) * workspace
         state = on_device_optimizer
-        at_capture = weights + lora + grads + capture + (state if layouts else 0)
+        at_capture = weights + lora + grads + capture + (state + graph_tensor_bytes(info, tokens, c) if layouts else 0)
         peak_allocated = int(max(at_capture, weights + lora + grads + state + temp))
     else:
         # Eager steps: every product-running thread has its workspace (activations count one).
