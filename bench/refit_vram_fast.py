@@ -1,8 +1,10 @@
-"""Search the fast path's fitted constants (core/vram_fast.py) on a measured Trainer grid's in-sample
+"""Search the fast path's fitted constants (core/vram_fast.py) on measured Trainer grids' in-sample
 rows only, scoring with bench/rescore_vram.py's ``rescore`` (the out-of-sample rows are scored, never
-fitted); without --search, the rows scored with the constants as they stand.
+fitted); without --search, the rows scored with the constants as they stand. Several results files:
+each one's rows and summary, then the summary over all of them (the search fits all their in-sample
+fast rows).
 
-    python3 bench/refit_vram_fast.py bench/results/h100_vram_trainer_v3.json [--search]
+    python3 bench/refit_vram_fast.py bench/results/h100_vram_trainer_v3.json [more.json ...] [--search]
 """
 
 from __future__ import annotations
@@ -45,29 +47,41 @@ def summary(rows: list[dict]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results")
+    parser.add_argument("results", nargs="+")
     parser.add_argument("--search", action="store_true", help="grid-search the constants on in-sample rows")
     args = parser.parse_args()
-    results = json.loads(Path(args.results).read_text())
-    rows = scored_rows(results)
-    for row in rows:
-        print(f"{'   ' if row['in_sample'] else 'OOS'} {row['label'][:80]:80} allocated "
-              f"{row['error_peak_allocated']:+6.1%} reserved {row['error_peak_reserved']:+6.1%}")
-    print(summary(rows))
+    results = {name: json.loads(Path(name).read_text()) for name in args.results}
+
+    def every_row() -> list[dict]:
+        return [row for one in results.values() for row in scored_rows(one)]
+
+    for name, one in results.items():
+        if len(results) > 1:
+            print(f"== {name}")
+        rows = scored_rows(one)
+        for row in rows:
+            print(f"{'   ' if row['in_sample'] else 'OOS'} {row['label'][:80]:80} allocated "
+                  f"{row['error_peak_allocated']:+6.1%} reserved {row['error_peak_reserved']:+6.1%}")
+        print(summary(rows))
+    if len(results) > 1:
+        print("== every file above")
+        print(summary(every_row()))
     if args.search:
-        fitted = {"rows": [r for r in results["rows"] if r.get("in_sample") and r.get("path") == "fast"]}
+        fitted = [{"rows": [r for r in one["rows"] if r.get("in_sample") and r.get("path") == "fast"]}
+                  for one in results.values()]
         best = None
         for values in itertools.product(*GRID.values()):
             for name, value in zip(GRID, values, strict=True):
                 setattr(vram_fast, name, value)
-            errors = [abs(r[k]) for r in scored_rows(fitted) for k in ("error_peak_allocated", "error_peak_reserved")]
+            errors = [abs(r[k]) for one in fitted for r in scored_rows(one)
+                      for k in ("error_peak_allocated", "error_peak_reserved")]
             key = (statistics.fmean(errors), max(errors))  # the mean: one odd row must not steer it
             if best is None or key < best[0]:
                 best = (key, dict(zip(GRID, values, strict=True)))
         print("best on the in-sample fast rows (mean, worst abs error; constants):", best)
         for name, value in best[1].items():
             setattr(vram_fast, name, value)
-        print(summary(scored_rows(results)))
+        print(summary(every_row()))
     return 0
 
 

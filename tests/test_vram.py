@@ -492,22 +492,33 @@ def test_the_estimator_against_the_v3_grid_one_row_at_a_time():
     micro-batch 1-16, checkpointing on and off, r8-64 on q/v and all projections, NF4 / 8-bit / bf16,
     long, packed and padded short rows) through Studio's Trainer on the H100, one row at a time, the
     peak over the whole run; scored with the estimator as it stands (bench/refit_vram_fast.py, short
-    rows sized from the lengths they recorded). Medians within 3%, over all rows and over the rows
-    marked out of sample when the grid was committed; every long-row fast-path row of the 7B and 8B
-    shapes within 5% reserved. (The worst rows, 8-bit SmolLM2 on the plain path at +14-16% reserved,
-    are in docs/memory.md.)"""
+    rows sized from the lengths they recorded). Issue 18's bar: medians within 3%, over all rows and
+    over the rows marked out of sample when the grid was committed, and every row within 7%, peak
+    allocated and peak reserved alike; every long-row fast-path row of the 7B and 8B shapes within 5%
+    reserved. The ten rows run again after the chat answer's fixes (h100_vram_trainer_v4_*.json, the
+    training step now the peak of most) meet the same bar."""
     import statistics
 
     from bench.refit_vram_fast import scored_rows
 
+    def meets_the_bar(rows):
+        for chosen in (rows, [r for r in rows if not r["in_sample"]]):
+            for key in ("error_peak_allocated", "error_peak_reserved"):
+                assert statistics.median(abs(r[key]) for r in chosen) <= 0.03, key
+        for row in rows:
+            for key in ("error_peak_allocated", "error_peak_reserved"):
+                assert abs(row[key]) <= 0.07, (row["label"], key, row[key])
+
     rows = scored_rows(json.loads((REPO / "bench/results/h100_vram_trainer_v3.json").read_text()))
     assert len(rows) >= 20 and sum(not r["in_sample"] for r in rows) >= len(rows) // 3
-    for chosen in (rows, [r for r in rows if not r["in_sample"]]):
-        for key in ("error_peak_allocated", "error_peak_reserved"):
-            assert statistics.median(abs(r[key]) for r in chosen) <= 0.03, key
+    meets_the_bar(rows)
     for row in rows:
         if row["path"] == "fast" and row["case"]["arch"] != "smollm2-135m" and row["case"]["data"] == "long":
             assert abs(row["error_peak_reserved"]) <= 0.05, (row["label"], row["error_peak_reserved"])
+    again = [r for name in ("h100_vram_trainer_v4_a.json", "h100_vram_trainer_v4_b.json")
+             for r in scored_rows(json.loads((REPO / "bench/results" / name).read_text()))]
+    assert len(again) == 10
+    meets_the_bar(again)
 
 
 def test_no_phase_reserves_more_than_the_training_step_on_the_h100():
