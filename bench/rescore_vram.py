@@ -48,6 +48,10 @@ def rescore(results: dict) -> dict:
         if case.data == "short" and case.packing and "layouts" not in (measured or {}):
             # measured before a packed run kept one CUDA-graph layout (widened, not one per bucket)
             plan = replace(plan, packed_layouts=2)
+        if measured and "recomputation without the last product" not in measured.get("fast_path", ""):
+            # measured on the engine before 09fac3a (fused q/k/v output, separate residual sums, down
+            # recomputed): its layer and the constants fitted to it (core/vram_fast.py's UNFUSED)
+            plan = replace(plan, fused_layer=False)
         predicted = estimate_plan(info, plan)
         # the peak over the phases of a run the row measured (the HF loop: training steps only)
         peaks = predicted_peaks(predicted, case.phases(measured or {}))

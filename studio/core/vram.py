@@ -153,6 +153,14 @@ class Plan:
     (a fuller micro-batch widens the one layout: engine/fast/model.py's _static_layout), or 2, what
     the engine kept before (one layout per example count bucket; the benchmark's older measurements)."""
 
+    fused_layer: bool = True
+    """The fast path's decoder layer as the engine runs it since 09fac3a (engine/fast/layer.py,
+    weights.py): q, k and v from their own products (RoPE rotates them where they are, and their
+    gradients are not concatenated), each LoRA'd product writing its output onto the residual stream
+    (no separate sums), and the recomputation for the backward skipping the down projection. False:
+    the layer before (a fused q/k/v output that RoPE copied q and k out of, separate residual sums,
+    down recomputed), for the benchmark's older measurements (core/vram_fast.py's ``UNFUSED``)."""
+
     @property
     def data_sized(self) -> bool:
         """Whether the step is sized from the data's token lengths (unpacked SFT with lengths known)

@@ -16,11 +16,12 @@ residual stream, no per-module saved inputs, no logits. What it holds, from what
 - overhead: the CUDA context; with CUDA graphs (micro-batches of up to core/plan.py's
   GRAPH_TOKEN_LIMIT tokens), the free blocks of the graph's private pool.
 
-``_LAYER_WORKING_SET`` was fitted to three H100 rows of Studio's Trainer (Llama-2-7B NF4 r16 seq 512,
-micro-batch 1, 4, 16: bench/results/h100_speed_memory_studio_unsloth.json). The rows of
-bench/results/h100_vram_trainer.json were chosen and predicted before that fit (their ``predicted``
-fields); the slack constants below were then refitted to them, so for reserved memory those rows
-are in sample now (docs/memory.md keeps both scores).
+``_LAYER_WORKING_SET`` was first fitted to three H100 rows of Studio's Trainer (Llama-2-7B NF4 r16
+seq 512, micro-batch 1, 4, 16: bench/results/h100_speed_memory_studio_unsloth.json), then with the
+slack constants to the in-sample rows of each accuracy grid. The engine of 09fac3a changed the
+recomputed layer (``Plan.fused_layer``): the constants below are refitted to the in-sample rows of
+the grid measured on it (bench/results/h100_vram_trainer_v5_*.json), and ``UNFUSED`` keeps the
+ones fitted to the engine before, for the rows measured on that one (docs/memory.md keeps the scores).
 
 Plain Python, like core/vram.py: it must never import torch.
 """
@@ -32,24 +33,49 @@ import math
 from studio.core.model_info import ModelInfo
 from studio.core.plan import graphs_for, offload_for
 
-_LAYER_WORKING_SET = 1.0
-"""One recomputed layer's backward holds about this many times its forward outputs (refitted with the
-two constants below to the in-sample rows of bench/results/h100_vram_trainer_v3.json:
-bench/refit_vram_fast.py)."""
+_LAYER_WORKING_SET = 1.2
+"""One recomputed layer's backward holds about this many times its forward outputs (the layer's
+outputs are those of the engine since 09fac3a, :func:`layer_outputs_per_token`: with fewer of them,
+the gradients beside them are a larger share). Refitted with ``_GRAPH_POOL_PER_TOKEN`` to the 17
+in-sample rows of bench/results/h100_vram_trainer_v5_*.json (bench/refit_vram_fast.py --search: 1.0
+on the v3 grid's, with the layer's outputs of the engine before)."""
 
 _FIXED_SLACK = 32 * 2**20
 """Reserved beyond the allocated peak that no mechanism below explains: small-pool pages and 20 MiB
 mapping steps of the allocator (fitted)."""
 
-_GRAPH_POOL_PER_TOKEN = 1.0
+_GRAPH_POOL_PER_TOKEN = 0.5
 """With CUDA graphs, the captured step's private pool keeps free blocks worth this many times one
-layer's forward outputs per token (refitted to the in-sample rows of the v3 grid, with the layer inputs
-on the host inside the graphs and the adapters' gradients added in place: 1.5 before)."""
+layer's forward outputs per token: the layer's transients the capture freed, which the pool cannot
+hand to anything outside the graph. Refitted to the in-sample rows of the v5 grid (engine of
+09fac3a), where the transients of odd sizes left the layer (the q/k/v gradients' concatenation,
+RoPE's q and k copies, the residual sums): graphed 7B and 8B rows with LoRA on every projection
+reserved 0.03-0.09 GiB less beyond allocated than the same rows on the engine before (v3 grid; the
+q/v rows the same), and the fit halves the factor (1.0 on the v3 grid; 1.5 before the layer inputs
+went to the host inside the graphs)."""
 
-_OFFLOAD_PER_TOKEN = 3
-"""On eager steps with the layer inputs in host memory, the allocator keeps about this many
-hidden-state-sized blocks per token beyond the allocated peak (the prefetched inputs, freed on the
-copy stream's schedule; refitted to the v3 grid's in-sample rows: 4 before)."""
+_OFFLOAD_PER_TOKEN = 0
+"""Hidden-state-sized free blocks per token that eager steps with the layer inputs in host memory
+keep beyond the allocated peak: none on the engine since 09fac3a. On the engine before, 3 (fitted to
+the v3 grid): every projection wrote a hidden-sized output of its own that a separate residual sum
+then read, so such blocks were freed between the layer inputs that wait one layer for their copy to
+the host (engine/fast/offload.py), and smaller requests left holes there. Each projection now writes
+onto the residual stream (``torch.addmm(residual, ...)``, the base product adding itself in place):
+the same eager rows on the v5 grid reserve 1 to 4 hidden states a token less beyond allocated than on
+v3 (Llama-2-7B at 8192 tokens 0.218 -> 0.152 GiB, Llama-3-8B 0.426 -> 0.156, SmolLM2-135M 0.055 ->
+0.027) and the search on the v5 grid's in-sample rows picks 0."""
+
+UNFUSED = {"_LAYER_WORKING_SET": 1.0, "_GRAPH_POOL_PER_TOKEN": 1.0, "_OFFLOAD_PER_TOKEN": 3}
+"""The three constants above as fitted to the engine before 09fac3a (the v3 grid's in-sample rows),
+for rows measured on that engine (``Plan.fused_layer`` False: bench/rescore_vram.py sets it where a
+row's engine did not say "recomputation without the last product")."""
+
+
+def constants(fused: bool = True) -> tuple[float, float, float]:
+    """(working set, graph pool, offload slack) of the engine since 09fac3a, or of the one before."""
+    if fused:
+        return _LAYER_WORKING_SET, _GRAPH_POOL_PER_TOKEN, _OFFLOAD_PER_TOKEN
+    return UNFUSED["_LAYER_WORKING_SET"], UNFUSED["_GRAPH_POOL_PER_TOKEN"], UNFUSED["_OFFLOAD_PER_TOKEN"]
 
 
 CAPTURE_WORKSPACES = 5
@@ -61,14 +87,21 @@ five 32 MiB blocks, one from the first product of the run, four from the fused p
 on the capture's streams); graphs.py frees the capture's once it is done."""
 
 
-def layer_outputs_per_token(info: ModelInfo, compute_bytes: int) -> float:
-    """Bytes per token of one decoder layer's forward outputs on the fast path: the two norms, the
-    fused q/k/v product, the rotated q and k, attention, o_proj, the residual, the fused gate/up
-    product, SwiGLU and down_proj."""
+def layer_outputs_per_token(info: ModelInfo, compute_bytes: int, fused: bool = True) -> float:
+    """Bytes per token of one recomputed decoder layer's forward outputs on the fast path (engine of
+    09fac3a, engine/fast/layer.py): the two norms, q, k and v from their own products (liger's RoPE
+    rotates them where they are: no copies), attention, o_proj's output written onto the residual
+    stream (one tensor: the LoRA update's product adds the residual, the base product adds itself in
+    place), the gate/up product and SwiGLU; the recomputation skips down_proj, whose value nothing
+    reads. ``fused`` False, the engine before: a fused q/k/v output, the rotated q and k copied out
+    of it, o_proj and the residual sum apart, and down_proj."""
     h, i = info.hidden, info.intermediate
     q = info.heads * info.head_width
     kv = info.kv_heads * info.head_width
-    widths = 2 * h + (q + 2 * kv) + (q + kv) + q + h + h + 2 * i + i + h
+    if fused:
+        widths = 2 * h + (q + 2 * kv) + q + h + 2 * i + i
+    else:
+        widths = 2 * h + (q + 2 * kv) + (q + kv) + q + h + h + 2 * i + i + h
     return compute_bytes * widths
 
 
@@ -112,14 +145,15 @@ def dequantizes(weights: str) -> bool:
     return weights in ("nf4", "fp4")
 
 
-def step_activations(info: ModelInfo, tokens: int, compute_bytes: int, offloaded: bool = False) -> float:
+def step_activations(info: ModelInfo, tokens: int, compute_bytes: int, offloaded: bool = False,
+                     fused: bool = True) -> float:
     """Bytes a training step holds beyond the parameters, gradients and optimizer state at its peak
     (the start of a layer's backward), without the hoisted adapters and the dequantized weight.
     ``offloaded``: the layer inputs wait on the host; two are on the device (the one being
-    recomputed and the next, prefetched)."""
+    recomputed and the next, prefetched). ``fused``: ``Plan.fused_layer``."""
     kept = 2 if offloaded else info.layers
     saved = tokens * kept * info.hidden * compute_bytes  # each layer's input
-    working = tokens * _LAYER_WORKING_SET * layer_outputs_per_token(info, compute_bytes)
+    working = tokens * constants(fused)[0] * layer_outputs_per_token(info, compute_bytes, fused)
     loss = tokens * 2 * info.hidden * compute_bytes  # the fused loss's gradient of the last hidden states
     return saved + working + loss
 
@@ -139,18 +173,18 @@ def dropout_bytes(info: ModelInfo, tokens: int, compute_bytes: int, rate: float,
 
 
 def allocator_slack(info: ModelInfo, tokens: int, compute_bytes: int, graphs: bool,
-                    offloaded: bool = False, dequantized: bool = True) -> float:
+                    offloaded: bool = False, dequantized: bool = True, fused: bool = True) -> float:
     """Reserved beyond the allocated peak: holes about two dequantized weights' size that later,
     smaller requests do not fill (the fused products' pair before they ran one projection at a time;
-    ``dequantized`` False, a base in the compute dtype: none); with the layer inputs on the host, the
-    prefetched inputs' blocks; with CUDA graphs, the captured step's private pool keeps its own free
-    blocks (one pool per batch layout: a second layout, e.g. packed rows of another shape, adds a
-    second pool, not modelled)."""
+    ``dequantized`` False, a base in the compute dtype: none); with the layer inputs on the host, on
+    the engine before 09fac3a, hidden-sized holes between them (``_OFFLOAD_PER_TOKEN``); with CUDA
+    graphs, the captured step's private pool keeps its own free blocks (one pool per batch layout: a
+    second layout, e.g. packed rows of another shape, adds a second pool, not modelled)."""
     slack = _FIXED_SLACK + (2 * dequant_buffer_bytes(info, compute_bytes) if dequantized else 0)
     if offloaded:
-        slack += _OFFLOAD_PER_TOKEN * tokens * info.hidden * compute_bytes
+        slack += constants(fused)[2] * tokens * info.hidden * compute_bytes
     if graphs:
-        slack += graph_pool_free_bytes(info, tokens, compute_bytes)
+        slack += graph_pool_free_bytes(info, tokens, compute_bytes, fused)
     return slack
 
 
@@ -165,9 +199,9 @@ def graph_tensor_bytes(info: ModelInfo, tokens: int, compute_bytes: int) -> int:
     return tokens * (4 * info.hidden + 2 * info.head_width) * compute_bytes
 
 
-def graph_pool_free_bytes(info: ModelInfo, tokens: int, compute_bytes: int) -> float:
+def graph_pool_free_bytes(info: ModelInfo, tokens: int, compute_bytes: int, fused: bool = True) -> float:
     """Free blocks a captured step's private pool keeps beside the blocks of its activations."""
-    return tokens * _GRAPH_POOL_PER_TOKEN * layer_outputs_per_token(info, compute_bytes)
+    return tokens * constants(fused)[1] * layer_outputs_per_token(info, compute_bytes, fused)
 
 
 def estimate_fast(info: ModelInfo, plan):
@@ -192,7 +226,8 @@ def estimate_fast(info: ModelInfo, plan):
     offloaded = offload_for(tokens, plan.lora_dropout, cuda=True)
     dequantized = dequantizes(plan.weights)
     dequant = dequant_buffer_bytes(info, c) if dequantized else 0  # the shared dequantization buffer
-    activations = (step_activations(info, tokens, c, offloaded)
+    fused = plan.fused_layer
+    activations = (step_activations(info, tokens, c, offloaded, fused)
                    + hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c)
                    + dequant
                    + vram.CUBLAS_WORKSPACE_BYTES
@@ -221,14 +256,15 @@ def estimate_fast(info: ModelInfo, plan):
         # Eager steps: every product-running thread has its workspace (activations count one).
         extra = (vram.STEP_WORKSPACES - 1) * workspace
         peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations + extra, temp))
-    slack = allocator_slack(info, tokens, c, graphs, offloaded, dequantized)
+    slack = allocator_slack(info, tokens, c, graphs, offloaded, dequantized, fused)
     second_pool = 0.0
     if graphs and layouts:
         # Unpacked rows of varying lengths come in several layouts, and the engine captures one graph
         # per layout up to FastOptions.max_graphs (2), each with its own private pool: a second copy
         # of the graph's held activations (its layer inputs on the host too) and free blocks (the
         # short-padded H100 row captured two).
-        second_pool = step_activations(info, tokens, c, offloaded) + graph_pool_free_bytes(info, tokens, c)
+        second_pool = (step_activations(info, tokens, c, offloaded, fused)
+                       + graph_pool_free_bytes(info, tokens, c, fused))
         slack += second_pool
     page = 2 * 2**20
     eager_extra = 0 if graphs else (vram.STEP_WORKSPACES - 1) * workspace  # mapped too
@@ -240,7 +276,7 @@ def estimate_fast(info: ModelInfo, plan):
         # captures). It is the peak where the optimizer's state is smaller than the capture's four
         # extra cuBLAS workspaces: SmolLM2-135M r8 on q and v keeps 3.5 MB of state, and its H100 row
         # reserved 109 MB beyond allocated at the capture (bench/results/h100_v7_attribution.json).
-        need = max(need, at_capture + _FIXED_SLACK + graph_pool_free_bytes(info, tokens, c) + second_pool)
+        need = max(need, at_capture + _FIXED_SLACK + graph_pool_free_bytes(info, tokens, c, fused) + second_pool)
     peak_reserved = int(math.ceil(need / page) * page)
     overhead = peak_reserved - held + vram.CUDA_CONTEXT_BYTES
     categories = {"weights": weights, "lora": int(lora), "gradients": int(grads), "optimizer": int(optimizer),

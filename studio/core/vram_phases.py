@@ -125,8 +125,9 @@ def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
         if graphs_for(tokens, plan.lora_dropout, cuda=True):
             # the captured step's private pool: its layer inputs, working set and free blocks
             kept = 2 if offload_for(tokens, plan.lora_dropout, cuda=True) else info.layers
-            pool = tokens * (kept * info.hidden * c + (fast._LAYER_WORKING_SET + fast._GRAPH_POOL_PER_TOKEN)
-                             * fast.layer_outputs_per_token(info, c))
+            working, free, _ = fast.constants(plan.fused_layer)
+            pool = tokens * (kept * info.hidden * c
+                             + (working + free) * fast.layer_outputs_per_token(info, c, plan.fused_layer))
     # the residual stream's width: bf16 on the fast path (its prepare casts embeddings and norms down),
     # fp32 after prepare_model_for_kbit_training on the plain one
     stream = c if fast_path else vram._stream_bytes(plan)
