@@ -458,8 +458,11 @@ def _trainer_rows(names):
             fused = contextlib.nullcontext()
             if "one projection at a time" not in row["measured"].get("fast_path", ""):
                 fused = _fused_buffer_rule()
+            plan = case.plan()
+            if "recomputation without the last product" not in row["measured"].get("fast_path", ""):
+                plan = replace(plan, fused_layer=False)  # the layer of the engine before 09fac3a
             with rule, fused:
-                predicted = bench.predicted_peaks(estimate_plan(info, case.plan()), case.phases(row["measured"]))
+                predicted = bench.predicted_peaks(estimate_plan(info, plan), case.phases(row["measured"]))
             out.append((case, predicted, row["measured"]))
     return out
 
@@ -487,38 +490,90 @@ def test_fast_path_model_against_the_trainer_on_the_h100():
     assert len(errors[False]) >= 6  # three out-of-sample configs, both peaks
 
 
-def test_the_estimator_against_the_v3_grid_one_row_at_a_time():
-    """Issue 18's grid (25 rows: SmolLM2-135M, Llama-2-7B and Llama-3-8B shapes, seq 256-4096,
-    micro-batch 1-16, checkpointing on and off, r8-64 on q/v and all projections, NF4 / 8-bit / bf16,
-    long, packed and padded short rows) through Studio's Trainer on the H100, one row at a time, the
-    peak over the whole run; scored with the estimator as it stands (bench/refit_vram_fast.py, short
-    rows sized from the lengths they recorded). Issue 18's bar: medians within 3%, over all rows and
-    over the rows marked out of sample when the grid was committed, and every row within 7%, peak
-    allocated and peak reserved alike; every long-row fast-path row of the 7B and 8B shapes within 5%
-    reserved. The ten rows run again after the chat answer's fixes (h100_vram_trainer_v4_*.json, the
-    training step now the peak of most) meet the same bar."""
+def _meets_the_bar(rows, worst=0.07):
+    """Issue 18's bar: medians within 3%, over all rows and over the rows marked out of sample when
+    the grid was committed, and every row within ``worst``, peak allocated and peak reserved alike."""
     import statistics
 
+    for chosen in (rows, [r for r in rows if not r["in_sample"]]):
+        for key in ("error_peak_allocated", "error_peak_reserved"):
+            assert statistics.median(abs(r[key]) for r in chosen) <= 0.03, key
+    for row in rows:
+        for key in ("error_peak_allocated", "error_peak_reserved"):
+            assert abs(row[key]) <= worst, (row["label"], key, row[key])
+
+
+def test_the_estimator_against_the_v5_grid_the_engine_that_runs_now():
+    """Issue 18's grid (25 rows: SmolLM2-135M, Llama-2-7B and Llama-3-8B shapes, seq 256-4096,
+    micro-batch 1-16, checkpointing on and off, r8-64 on q/v and all projections, NF4 / 8-bit / bf16,
+    long, packed and padded short rows) through Studio's Trainer on the H100 on the engine of 09fac3a
+    (bench/results/h100_vram_trainer_v5_*.json: the recomputation without down, the products writing
+    onto the residual stream, q/k/v apart), the peak over the whole run, scored with the estimator as
+    it stands (bench/refit_vram_fast.py). Issue 18's bar over all rows and the 8 out of sample; every
+    long-row fast-path row of the 7B and 8B shapes within 5% reserved. Before the layer of that engine
+    went into the model, reserved was 4.9% median and 10.3% worst, over-predicted on every fast row."""
     from bench.refit_vram_fast import scored_rows
 
-    def meets_the_bar(rows):
-        for chosen in (rows, [r for r in rows if not r["in_sample"]]):
-            for key in ("error_peak_allocated", "error_peak_reserved"):
-                assert statistics.median(abs(r[key]) for r in chosen) <= 0.03, key
-        for row in rows:
-            for key in ("error_peak_allocated", "error_peak_reserved"):
-                assert abs(row[key]) <= 0.07, (row["label"], key, row[key])
-
-    rows = scored_rows(json.loads((REPO / "bench/results/h100_vram_trainer_v3.json").read_text()))
-    assert len(rows) >= 20 and sum(not r["in_sample"] for r in rows) >= len(rows) // 3
-    meets_the_bar(rows)
+    rows = [r for name in ("h100_vram_trainer_v5_a.json", "h100_vram_trainer_v5_b.json")
+            for r in scored_rows(json.loads((REPO / "bench/results" / name).read_text()))]
+    assert len(rows) == 25 and sum(not r["in_sample"] for r in rows) == 8
+    _meets_the_bar(rows)
     for row in rows:
         if row["path"] == "fast" and row["case"]["arch"] != "smollm2-135m" and row["case"]["data"] == "long":
             assert abs(row["error_peak_reserved"]) <= 0.05, (row["label"], row["error_peak_reserved"])
+
+
+def test_the_v5_rows_were_scored_with_the_new_engines_layer_and_v3_with_the_old():
+    """The rescoring tells the engines apart by what the run said it did ("recomputation without the
+    last product"): the v5 rows get the current layer and constants, the v3 and v4 rows (history: the
+    engine before 09fac3a) the layer and constants fitted to that one (core/vram_fast.py's UNFUSED),
+    under which they still score as they did (medians within 3%, every row within 7%). The current
+    layer's outputs are smaller by RoPE's q and k copies, one residual-sized tensor and the skipped
+    down projection's output; eager steps keep no offload holes on it."""
+    from bench.refit_vram_fast import scored_rows
+    from studio.core import vram_fast
+
+    h, i = 4096, 11008
+    assert vram_fast.layer_outputs_per_token(LLAMA7, 2, fused=False) \
+        - vram_fast.layer_outputs_per_token(LLAMA7, 2) == 2 * (2 * h + h + h)
+    assert vram_fast.layer_outputs_per_token(LLAMA7, 2) == 2 * (2 * h + 3 * h + h + h + 3 * i)
+    assert vram_fast.constants(True)[2] == 0 and vram_fast.constants(False) == (1.0, 1.0, 3)
+    eager = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.0, micro_batch=16, seq_len=512,
+                 path="fast")
+    new, old = estimate_plan(LLAMA7, eager), estimate_plan(LLAMA7, replace(eager, fused_layer=False))
+    assert new.peak_reserved < old.peak_reserved and new.peak_allocated < old.peak_allocated
+    history = scored_rows(json.loads((REPO / "bench/results/h100_vram_trainer_v3.json").read_text()))
+    assert len(history) == 25
+    _meets_the_bar(history)
     again = [r for name in ("h100_vram_trainer_v4_a.json", "h100_vram_trainer_v4_b.json")
              for r in scored_rows(json.loads((REPO / "bench/results" / name).read_text()))]
     assert len(again) == 10
-    meets_the_bar(again)
+    _meets_the_bar(again)
+
+
+def test_the_kv_cache_decision_matches_where_every_v5_row_kept_it():
+    """core/vram_phases.py decides where the answer's KV cache lives, and the session asks it: on the
+    v5 grid (H100, engine of 09fac3a) every row kept it where the estimate, with the refitted step,
+    says (11 of 25 on the host), and no phase after training reserved more than the step."""
+    from bench.vram_accuracy import ARCHS, Case
+
+    rows = [r for name in ("h100_vram_trainer_v5_a.json", "h100_vram_trainer_v5_b.json")
+            for r in json.loads((REPO / "bench/results" / name).read_text())["rows"]]
+    host = 0
+    for row in rows:
+        m = row["measured"]
+        assert m["run_peak_reserved"] <= m["train_peak_reserved"], row["label"]
+        assert m["generate_peak_reserved"] <= m["train_peak_reserved"], row["label"]
+        case = Case(**{**row["case"], "targets": tuple(row["case"]["targets"])})
+        info = from_config_dict(dict(ARCHS[case.arch]), case.arch)
+        plan = case.plan()
+        if case.data == "short" and m.get("longest_examples"):
+            plan = replace(plan, lengths=tuple(m["longest_examples"]))
+        plan = replace(plan, generate_prompt_tokens=m["generate_prompt_tokens"])
+        on_host = estimate_plan(info, plan).phases["generation"].host_kv
+        assert on_host is (m["generate_kv_cache"] == "host"), row["label"]
+        host += on_host
+    assert host == 11
 
 
 def test_no_phase_reserves_more_than_the_training_step_on_the_h100():
@@ -582,7 +637,8 @@ def test_a_bf16_base_on_the_fast_path_has_no_dequantization_buffer():
     """engine/fast/weights.py gives a product a shared dequantization buffer only when a base is 4-bit:
     a bf16 base is read where it is, so neither the buffer nor the holes of its size are there (the
     Llama-2-7B bf16 r16 q/v row through the Trainer on the H100, bench/results/h100_vram_trainer_v4_b.json:
-    13.235 GiB allocated, 13.322 reserved; with the buffer counted, 13.246 and 13.729)."""
+    13.235 GiB allocated, 13.322 reserved; with the buffer counted, 13.246 and 13.729; on the engine
+    of 09fac3a, bench/results/h100_vram_trainer_v5_a.json: 13.188 and 13.283)."""
     from studio.core.vram_fast import dequant_buffer_bytes, dequantizes
 
     assert dequantizes("nf4") and not dequantizes("bf16")
@@ -592,8 +648,11 @@ def test_a_bf16_base_on_the_fast_path_has_no_dequantization_buffer():
     nf4_step, bf16_step = estimate_plan(LLAMA7, fast).step_categories, estimate_plan(LLAMA7, bf16).step_categories
     assert nf4_step["activations"] - bf16_step["activations"] == dequant_buffer_bytes(LLAMA7, 2)
     result = estimate_plan(LLAMA7, bf16)
-    assert result.peak_allocated / 2**30 == pytest.approx(13.235, rel=0.02)
-    assert result.peak_reserved / 2**30 == pytest.approx(13.322, rel=0.02)
+    assert result.peak_allocated / 2**30 == pytest.approx(13.188, rel=0.02)
+    assert result.peak_reserved / 2**30 == pytest.approx(13.283, rel=0.02)
+    before = estimate_plan(LLAMA7, replace(bf16, fused_layer=False))
+    assert before.peak_allocated / 2**30 == pytest.approx(13.235, rel=0.02)
+    assert before.peak_reserved / 2**30 == pytest.approx(13.322, rel=0.02)
 
 
 def test_a_graphed_steps_capture_reserves_its_pools_free_blocks_too():
@@ -609,7 +668,7 @@ def test_a_graphed_steps_capture_reserves_its_pools_free_blocks_too():
     row = next(r for r in results["rows"] if r["label"].startswith("smollm2"))
     case = Case(**{**row["case"], "targets": tuple(row["case"]["targets"])})
     info = from_config_dict(dict(ARCHS[case.arch]), case.arch)
-    plan = case.plan()
+    plan = replace(case.plan(), fused_layer=False)  # traced on the engine before 09fac3a
     assert graphs_for(plan.real_tokens, plan.lora_dropout, cuda=True)
     step = estimate_plan(info, plan).phases["training step"]
     beyond = row["measured"]["attribution"]["reserved_minus_allocated_at_reserved_peak"]
