@@ -53,10 +53,30 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(parts)
 
 
+def write_scored(path: str, results: dict[str, dict], rows: list[dict]) -> None:
+    """One JSON of the rows as the estimator scores them now, with each source file's command,
+    GPU and versions: ``summary.peak_reserved.median_abs_error`` and the rest over every row, and
+    ``summary.out_of_sample`` over the rows never tuned on."""
+    from bench.vram_accuracy import summarize
+
+    first = next(iter(results.values()))
+    out = {"what": "issue 18's grid re-scored with the estimator as committed (bench/refit_vram_fast.py --write)",
+           "command": "python3 bench/refit_vram_fast.py " + " ".join(sys.argv[1:]),
+           "sources": {name: {k: one.get(k) for k in ("command", "code", "gpu", "versions")}
+                       for name, one in results.items()},
+           "gpu": first.get("gpu"), "versions": first.get("versions"),
+           "summary": {**summarize(rows), "out_of_sample": summarize([r for r in rows if not r["in_sample"]]),
+                       "rows": len(rows), "out_of_sample_rows": sum(not r["in_sample"] for r in rows)},
+           "rows": rows}
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+")
     parser.add_argument("--search", action="store_true", help="grid-search the constants on in-sample rows")
+    parser.add_argument("--write", default="", help="also write the files' rows, re-scored, as one JSON "
+                                                     "(bench/vram_accuracy.py's summary keys, out of sample apart)")
     args = parser.parse_args()
     results = {name: json.loads(Path(name).read_text()) for name in args.results}
 
@@ -74,6 +94,8 @@ def main() -> int:
     if len(results) > 1:
         print("== every file above")
         print(summary(every_row()))
+    if args.write:
+        write_scored(args.write, results, every_row())
     if args.search:
         fitted = [{"rows": [r for r in one["rows"] if r.get("in_sample") and r.get("path") == "fast"]}
                   for one in results.values()]
