@@ -196,6 +196,15 @@ def ceiling(tokens: int, seq: int, mb: int, layers: int = 32, hidden: int = 4096
             "ceiling_skip_last_tokens_per_s": round(tokens / ((skipped + head_ms + attn_ms) / 1e3))}
 
 
+def _version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name.replace("_", "-"))
+    except PackageNotFoundError:
+        return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -218,7 +227,8 @@ def main() -> int:
     model = studio_load(str(folder), 0.0, 42)
     params = [p for p in model.parameters() if p.requires_grad]
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-              "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                           **{name: _version(name) for name in ("peft", "bitsandbytes", "liger_kernel")}},
               "load_s": round(time.perf_counter() - t0, 1), "workloads": {}}
     out_path = Path(args.out)
     for spec in args.workloads.split(","):
