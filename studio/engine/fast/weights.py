@@ -207,6 +207,17 @@ class AdapterDropout:
         return torch.cat(das) if len(das) > 1 else das[0]
 
 
+def _adapter_input_gradients(ctx, x2: torch.Tensor, a: torch.Tensor, dyb: torch.Tensor,
+                             dx: torch.Tensor) -> torch.Tensor | None:
+    """The LoRA term's share of a fused product's backward, given ``dyb`` (the output gradient
+    through the B matrices, scaled): its input gradient added into ``dx`` (masked as each adapter's
+    input was, with dropout) and A's gradient when autograd wants it (input 2 of the products)."""
+    if ctx.drop is not None:
+        return ctx.drop.backward(x2, a, dyb, dx, ctx.needs_input_grad[2])
+    dx.addmm_(dyb, a)
+    return dyb.t() @ x2 if ctx.needs_input_grad[2] else None
+
+
 class LoraProduct(torch.autograd.Function):
     """``y = r + x W^T + s (x A^T) B^T`` for a frozen W that is rebuilt, never saved, in the
     backward, and an optional residual ``r`` (the stream the layer adds its output to).
@@ -269,12 +280,7 @@ class LoraProduct(torch.autograd.Function):
         if len(saved) > 1:
             _, a, bt, xa = saved
             dyb = (dy2 @ bt.t()).mul_(ctx.scale)
-            if ctx.drop is None:
-                dx.addmm_(dyb, a)
-                if ctx.needs_input_grad[2]:
-                    da = dyb.t() @ x2
-            else:
-                da = ctx.drop.backward(x2, a, dyb, dx, ctx.needs_input_grad[2])
+            da = _adapter_input_gradients(ctx, x2, a, dyb, dx)
             if ctx.needs_input_grad[3]:
                 dbt = (xa.t() @ dy2).mul_(ctx.scale)
         dres = dy if ctx.residual else None  # the residual passes straight through
@@ -330,12 +336,7 @@ class SeparateLoraProduct(torch.autograd.Function):
                 else:
                     dyb.addmm_(block, bt[:, cols].t())
             dyb.mul_(ctx.scale)
-            if ctx.drop is None:
-                dx.addmm_(dyb, a)
-                if ctx.needs_input_grad[2]:
-                    da = dyb.t() @ x2
-            else:
-                da = ctx.drop.backward(x2, a, dyb, dx, ctx.needs_input_grad[2])
+            da = _adapter_input_gradients(ctx, x2, a, dyb, dx)
             if ctx.needs_input_grad[3]:
                 dbt = bt.new_empty(bt.shape)
                 for cols, block in zip(columns, blocks, strict=True):
