@@ -64,7 +64,7 @@ class Layer:
         gradient into both."""
         b, t, _ = h.shape
         qkv_ad, o_ad, gu_ad, down_ad = adapters if adapters is not None else (None,) * 4
-        if self.qkv.separate and self.qkv.weights.split:
+        if self.qkv.separated:
             q, k, v = self.qkv(self.norm(h, self.ln1), qkv_ad)  # three contiguous outputs
         else:
             qkv = self.qkv(self.norm(h, self.ln1), qkv_ad)

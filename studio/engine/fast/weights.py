@@ -415,9 +415,12 @@ class Projection:
         output is a zero that owns no memory, and the base product is skipped."""
         a, bt, scale = adapters if adapters is not None else self.adapters()
         drop = self.drop if self.drop is not None and self.modules[0].training else None
-        if self.separate and self.weights.split:
+        if self.separated:
             assert value and residual is None, "separate outputs take no residual"
             return SeparateLoraProduct.apply(x, self.weights, a, bt, scale, drop)
-        if residual is not None and not self.update_first:
-            return residual + LoraProduct.apply(x, self.weights, a, bt, scale, drop, value, None, False)
         return LoraProduct.apply(x, self.weights, a, bt, scale, drop, value, residual, self.update_first)
+
+    @property
+    def separated(self) -> bool:
+        """Whether :meth:`__call__` returns each projection's output apart (a tuple)."""
+        return self.separate and self.weights.split
