@@ -121,6 +121,44 @@ def test_oom_halves_micro_batch_and_keeps_the_same_steps(tiny_config) -> None:
         assert ours[step] == pytest.approx(theirs[step], rel=rel)
 
 
+def test_next_steps_batches_are_collated_while_the_last_step_runs(tiny_config) -> None:
+    """The host's share of a step (taking and collating its units) is done after the previous
+    step's work is queued and before its figures are read (on a GPU, a wait for the device), and
+    every step still trains on exactly the units the seeded stream gives, in order."""
+    tiny_config.trainer.max_steps = 4
+    tiny_config.trainer.eval_interval = tiny_config.trainer.checkpoint_interval = 0
+    tiny_config.trainer.micro_batch_size, tiny_config.trainer.effective_batch_size = 2, 4
+    trainer, _, events = _run(tiny_config)
+    trainer.load()
+    collated: list[list[list[int]]] = []
+    real_collate, real_update = trainer.stream.collate, trainer.update
+
+    def collate(units, pad_id):
+        collated.append([list(u) for u in units])
+        events.append(("collate", trainer.step))
+        return real_collate(units, pad_id)
+
+    def update(params):
+        events.append(("update", trainer.step))
+        return real_update(params)
+
+    trainer.stream.collate, trainer.update = collate, update
+    trainer.train()
+    order = [e if isinstance(e, tuple) else ("logged", e.step) for e in events
+             if isinstance(e, tuple) or isinstance(e, ev.StepLogged)]
+    # Two micro-batches a step; step k+1's are collated between step k's update and its log line.
+    assert order == [("collate", 0), ("collate", 0),
+                     ("update", 0), ("collate", 0), ("collate", 0), ("logged", 1),
+                     ("update", 1), ("collate", 1), ("collate", 1), ("logged", 2),
+                     ("update", 2), ("collate", 2), ("collate", 2), ("logged", 3),
+                     ("update", 3), ("logged", 4)]
+    expected, cursor = [], Cursor()
+    for _ in range(4):
+        units, cursor = trainer.stream.take(cursor, 4)
+        expected += [units[:2], units[2:]]
+    assert collated == expected
+
+
 def test_oom_at_micro_batch_one_fails_with_advice(tiny_config) -> None:
     tiny_config.trainer.micro_batch_size = 2
     tiny_config.trainer.effective_batch_size = 2

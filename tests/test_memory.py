@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from types import SimpleNamespace
@@ -129,3 +130,42 @@ def test_no_driver_means_no_context_and_no_retry(monkeypatch):
     assert memory.process_gpu_bytes() is None
     assert memory.process_gpu_bytes() is None
     assert Broken.tries == 1
+
+
+def test_sampler_walks_the_model_once_and_asks_the_driver_at_most_every_few_seconds(monkeypatch):
+    """MemorySampler is sample() at a cost a step does not notice: the parameters' bytes are
+    measured once (they do not change while training) and the NVML query is throttled; the
+    allocator's counters, and so activations and peaks, are read at every call."""
+    from studio.engine import memory
+
+    model = torch.nn.Linear(8, 4)
+    walks, asks, sampled = [], [], []
+    real_walk = memory.parameter_bytes
+    monkeypatch.setattr(memory, "parameter_bytes", lambda m: (walks.append(m), real_walk(m))[1])
+    monkeypatch.setattr(memory, "context_bytes", lambda device: (asks.append(device), 100 + len(asks))[1])
+    monkeypatch.setattr(memory, "sample", lambda *args: (sampled.append(args), args)[1])
+    now = [0.0]
+    sampler = memory.MemorySampler(model, torch.device("cuda"), rank=1, context_every_s=5.0,
+                                   clock=lambda: now[0])
+    for step, t in enumerate([0.0, 1.0, 4.9, 5.0, 6.0, 10.5], start=1):
+        now[0] = t
+        sampler("optimizer", step)
+    assert walks == [model]
+    assert len(asks) == 3  # at 0, 5.0 and 10.5 seconds
+    assert [args[6] for args in sampled] == [101, 101, 101, 102, 102, 103]  # the context passed on
+    assert all(args[5] == real_walk(model) and args[4] == 1 for args in sampled)
+    assert [args[3] for args in sampled] == [1, 2, 3, 4, 5, 6]
+
+
+def test_sampler_gives_what_sample_gives(tmp_path):
+    from studio.engine import memory
+
+    model, opt, _ = _trained(tmp_path, None, ("q_proj", "v_proj"))
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        pytest.skip("the CPU model: on a GPU the driver's figure moves between two calls")
+    sampler = memory.MemorySampler(model, device)
+    for step in (3, 4):
+        ours, theirs = sampler(opt, step), memory.sample(model, opt, device, step)
+        assert dataclasses.replace(ours, time=theirs.time) == theirs  # all but the event's timestamp
+        assert ours.categories and ours.categories["lora"] > 0

@@ -57,10 +57,21 @@ class MicroBatch:
     label_tokens: int
     """Tokens that take loss (response tokens after the shift): the loss is averaged over these."""
 
-    def to(self, device: torch.device | str) -> MicroBatch:
-        """The same batch on ``device``."""
-        mask = self.attention_mask.to(device) if self.attention_mask is not None else None
-        return MicroBatch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
+        """The same batch on ``device`` (``non_blocking``: without waiting for the device, which
+        needs a :meth:`pin`-ned batch to be truly asynchronous)."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        mask = move(self.attention_mask) if self.attention_mask is not None else None
+        return MicroBatch(move(self.input_ids), move(self.labels), move(self.position_ids), mask,
+                          self.tokens, self.label_tokens)
+
+    def pin(self) -> MicroBatch:
+        """The same batch in page-locked host memory, which a CUDA copy reads without the host
+        waiting for it."""
+        mask = self.attention_mask.pin_memory() if self.attention_mask is not None else None
+        return MicroBatch(self.input_ids.pin_memory(), self.labels.pin_memory(), self.position_ids.pin_memory(),
                           mask, self.tokens, self.label_tokens)
 
 

@@ -16,6 +16,7 @@ list the process (some containers) that part is left out. On CPU both are 0.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -155,15 +156,17 @@ def context_bytes(device: torch.device) -> int:
     return max(0, used - torch.cuda.memory_reserved(device))
 
 
-def measure_memory(model: Any, optimizer: Any, device: torch.device | str | None) -> dict[str, int]:
+def measure_memory(model: Any, optimizer: Any, device: torch.device | str | None,
+                   params: dict[str, int] | None = None, context: int | None = None) -> dict[str, int]:
     """Bytes by category on the live model: weights, lora, gradients, optimizer, activations,
     overhead (the keys of :data:`studio.core.vram.CATEGORIES`).
 
     Call it after a training step; ``reset_peak(device)`` before the step makes activations that
-    step's peak rather than the run's.
+    step's peak rather than the run's. ``params`` (:func:`parameter_bytes`) and ``context``
+    (:func:`context_bytes`) may come from an earlier call: both are the same step after step.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
-    params = parameter_bytes(model)
+    params = parameter_bytes(model) if params is None else params
     optim, paged = optimizer_bytes(optimizer, device)
     activations = overhead = 0
     if device.type == "cuda" and torch.cuda.is_available():
@@ -174,7 +177,8 @@ def measure_memory(model: Any, optimizer: Any, device: torch.device | str | None
         activations = max(0, peak_allocated - resident)
         # the driver also charges the process for paged (unified-memory) state living on the card,
         # which the optimizer category already holds
-        overhead = max(0, peak_reserved - peak_allocated) + max(0, context_bytes(device) - paged)
+        context = context_bytes(device) if context is None else context
+        overhead = max(0, peak_reserved - peak_allocated) + max(0, context - paged)
     return {"weights": params["weights"], "lora": params["lora"], "gradients": params["gradients"],
             "optimizer": optim, "activations": activations, "overhead": overhead}
 
@@ -198,13 +202,15 @@ def reset_peak(device: torch.device | str | None) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def sample(model: Any, optimizer: Any, device: torch.device | None, step: int, rank: int = 0) -> Any:
+def sample(model: Any, optimizer: Any, device: torch.device | None, step: int, rank: int = 0,
+           params: dict[str, int] | None = None, context: int | None = None) -> Any:
     """A MemorySampled event for ``device`` now: the categories of :func:`measure_memory` and the
     allocator's totals (on the CPU, which has no allocator counters, what the model and optimizer
-    hold stands for every total). ``rank``: which process of a data-parallel run it comes from."""
+    hold stands for every total). ``rank``: which process of a data-parallel run it comes from;
+    ``params`` and ``context``: as :func:`measure_memory` takes them."""
     from studio.core import events as ev
 
-    categories = measure_memory(model, optimizer, device)
+    categories = measure_memory(model, optimizer, device, params, context)
     if device is not None and device.type == "cuda":
         totals = device_totals(device)
         name = torch.cuda.get_device_name(device)
@@ -214,3 +220,34 @@ def sample(model: Any, optimizer: Any, device: torch.device | None, step: int, r
                   "capacity": 0}
         name = "cpu"
     return ev.MemorySampled(step=step, device=name, categories=categories, rank=rank, **totals)
+
+
+class MemorySampler:
+    """:func:`sample` for every step of one training run, at a cost the step does not notice.
+
+    The host's work between two steps is time the GPU waits (the step's figures are read at its
+    end). Walking a 7B model's parameters takes milliseconds and gives the same bytes every step,
+    so it is done once; the driver's count of the process's memory (an NVML query) is asked at most
+    every ``context_every_s`` seconds, since the context and library handles it adds to torch's
+    reserved memory change rarely. The allocator's counters are read every time.
+    """
+
+    def __init__(self, model: Any, device: torch.device | None, rank: int = 0, context_every_s: float = 5.0,
+                 clock: Any = time.monotonic):
+        self.model, self.device, self.rank = model, device, rank
+        self.context_every_s = context_every_s
+        self.clock = clock
+        self._params: dict[str, int] | None = None
+        self._context: tuple[float, int] | None = None
+        """(when it was asked, bytes)"""
+
+    def __call__(self, optimizer: Any, step: int) -> Any:
+        if self._params is None:
+            self._params = parameter_bytes(self.model)
+        context = None
+        if self.device is not None and self.device.type == "cuda":
+            now = self.clock()
+            if self._context is None or now - self._context[0] >= self.context_every_s:
+                self._context = (now, context_bytes(self.device))
+            context = self._context[1]
+        return sample(self.model, optimizer, self.device, step, self.rank, self._params, context)

@@ -43,6 +43,7 @@ from studio.engine import checkpoint, oom
 from studio.engine import distributed as dist
 from studio.engine import fast as fastpath
 from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream, MicroBatch, eval_batches
+from studio.engine.memory import MemorySampler
 from studio.engine.optim import build_optimizer, build_scheduler
 from studio.engine.preference import PairStream
 from studio.engine.session import BetweenSteps, Session, TrainingError
@@ -78,6 +79,10 @@ class Trainer:
         self._flops_per_token = 0.0
         self._peak_flops = 0.0
         self._saved_step: int | None = None
+        self._sampler: MemorySampler | None = None
+        self._prepared: tuple[tuple[Cursor, int], list[MicroBatch], Cursor] | None = None
+        """The next step's batches, collated while the GPU ran the last one: ((cursor, micro-batch
+        size) they are for, batches, cursor after them)."""
 
     # ------------------------------------------------------------------------------------ set-up
 
@@ -190,8 +195,10 @@ class Trainer:
         session_start, elapsed_before = time.time(), self.elapsed
         last_loss = 0.0
         stopped = False
+        self._sampler = MemorySampler(self.model, self.device, self.group.rank)
+        self._prepared = None
         while self.step < self.total_steps:
-            units, next_cursor = self.stream.take(self.cursor, self.units_per_step)
+            batches, next_cursor = self._batches(self.cursor)
             lr = self.optimizer.param_groups[0]["lr"]
             logged = (self.step + 1) % max(1, tc.log_interval) == 0 or self.step + 1 == self.total_steps
             if logged:
@@ -200,7 +207,9 @@ class Trainer:
                 reset_peak(self.device)
             if self.session.preference is not None:
                 self.session.preference.start_step()
-            result = self._optimizer_step(self.group.shard(units))
+            # The next step's batches are collated while the GPU still runs this one.
+            ahead = next_cursor if self.step + 1 < self.total_steps else None
+            result = self._optimizer_step(batches, prepare=ahead)
             if result is None:
                 continue  # out of memory: the micro-batch was halved, redo the same step
             loss, grad_norm, tokens = result
@@ -297,13 +306,31 @@ class Trainer:
         """Called by the worker while training is paused: the other ranks keep waiting."""
         self.group.still_paused()
 
-    def _optimizer_step(self, units: list[list[int]]) -> tuple[float, float, int] | None:
-        """One optimizer step over ``units`` (this rank's share): (loss, grad norm, tokens) of the
-        whole step over every rank, or None after an OOM."""
-        assert self.stream is not None and self.optimizer is not None and self.scheduler is not None
+    def _batches(self, cursor: Cursor) -> tuple[list[MicroBatch], Cursor]:
+        """This rank's micro-batches of the optimizer step that starts at ``cursor``, on the host
+        (pinned on CUDA), and the cursor after the step: the ones collated ahead when they are for
+        this cursor and micro-batch size (an out-of-memory error halves it; a resume moves the
+        cursor)."""
+        assert self.stream is not None
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] == (cursor, self.micro_batch_size):
+            return prepared[1], prepared[2]
+        units, next_cursor = self.stream.take(cursor, self.units_per_step)
+        units = self.group.shard(units)
         pad = self.tokenizer.pad_token_id
         batches = [self.stream.collate(units[i:i + self.micro_batch_size], pad)
                    for i in range(0, len(units), self.micro_batch_size)]
+        if self.device is not None and self.device.type == "cuda":
+            batches = [b.pin() for b in batches]
+        return batches, next_cursor
+
+    def _optimizer_step(self, batches: list[MicroBatch], prepare: Cursor | None = None
+                        ) -> tuple[float, float, int] | None:
+        """One optimizer step over ``batches`` (this rank's share): (loss, grad norm, tokens) of the
+        whole step over every rank, or None after an OOM. With ``prepare``, the step's work is
+        queued on the GPU, then the batches of the step at that cursor are collated (the host's
+        share of a step, done while the GPU computes this one), then the step's figures are read."""
+        assert self.stream is not None and self.optimizer is not None and self.scheduler is not None
         # Every rank divides by the whole step's count, so the summed gradients are one process's.
         label_tokens, step_tokens = self.group.sum_counts(sum(b.label_tokens for b in batches),
                                                           sum(b.tokens for b in batches))
@@ -313,7 +340,7 @@ class Trainer:
         out_of_memory = False
         try:
             for batch in batches:
-                loss, _correct = self.forward(batch.to(self.device))
+                loss, _correct = self.forward(batch.to(self.device, non_blocking=True))
                 # Dividing by the step's token count (not the micro-batch's) makes the gradient the
                 # same however the step is split into micro-batches.
                 (loss / label_tokens).backward()
@@ -334,6 +361,9 @@ class Trainer:
         loss_sum = self.group.reduce_gradients(params, loss_sum)
         grad_norm = self._update_or_retry(params)
         self.optimizer.zero_grad(set_to_none=True)
+        if prepare is not None:
+            batches_ahead, cursor_after = self._batches(prepare)
+            self._prepared = ((prepare, self.micro_batch_size), batches_ahead, cursor_after)
         # .item() is a device sync point: once per optimizer step, not per micro-batch.
         return float(loss_sum.item()) / label_tokens, float(grad_norm.item()), step_tokens
 
@@ -605,6 +635,6 @@ class Trainer:
     def memory_event(self) -> ev.MemorySampled:
         """This rank's device memory now (studio/engine/memory.py:sample); activations and the peaks
         are those since the last ``reset_peak`` (the loop resets it before each logged step)."""
-        from studio.engine.memory import sample
-
-        return sample(self.model, self.optimizer, self.device, self.step, self.group.rank)
+        if self._sampler is None:
+            self._sampler = MemorySampler(self.model, self.device, self.group.rank)
+        return self._sampler(self.optimizer, self.step)
