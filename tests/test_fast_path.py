@@ -149,11 +149,12 @@ def test_fast_path_loss_and_lora_gradients_equal_the_plain_path(tiny_model: Path
         assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
 
 
-@pytest.mark.parametrize("separate", [True, False])
-def test_grouped_query_attention_on_the_fast_path_equals_the_plain_path(tmp_path: Path, separate) -> None:
+@pytest.mark.parametrize("separate,backward_first", [(True, True), (False, True), (True, False)])
+def test_grouped_query_attention_on_the_fast_path_equals_the_plain_path(tmp_path: Path, separate,
+                                                                         backward_first) -> None:
     """Two key/value heads for four query heads: q, k and v of different widths, from their own
     products (weights.SeparateLoraProduct) or as column blocks of one, give the plain path's loss
-    and gradients."""
+    and gradients, with the input gradient's LoRA term first (the default) or last."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -167,7 +168,7 @@ def test_grouped_query_attention_on_the_fast_path_equals_the_plain_path(tmp_path
     plain.backward()
     expected = _grads(model)
     model.zero_grad(set_to_none=True)
-    fast_model, why = fast.prepare(model, fast.FastOptions(separate_qkv=separate))
+    fast_model, why = fast.prepare(model, fast.FastOptions(separate_qkv=separate, fused_backward=backward_first))
     assert fast_model is not None, why
     assert fast_model.layers[0].qkv.separate is separate
     loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
@@ -421,7 +422,9 @@ def test_the_base_product_adds_itself_to_the_update_and_the_residual(tiny_model:
     """weights.LoraProduct's order (the LoRA update's product writes the output, with the residual,
     and the base product adds itself in its epilogue) gives the value and gradients of the plain
     order (base product, then the update, then the residual in a pass of its own), on split
-    products (gate/up) and single ones (down), with and without an adapter."""
+    products (gate/up) and single ones (down), with and without an adapter; so does the same
+    order in the backward (the LoRA term writes the input gradient, the base products add
+    themselves), in every combination with the forward's."""
     from studio.engine.fast.weights import Projection, Workspace
 
     if bits == 4 and not torch.cuda.is_available():
@@ -438,19 +441,21 @@ def test_the_base_product_adds_itself_to_the_update_and_the_residual(tiny_model:
         r = torch.randn(2, 5, width, device=device, requires_grad=True)
         dy = torch.randn(2, 5, width, device=device)
         results = []
-        for first, residual in ((True, True), (False, True), (True, False), (False, False)):
-            proj.update_first = first
+        orders = ((True, True, True), (False, True, True), (True, False, False), (False, False, False),
+                  (True, True, False), (False, False, True))
+        for first, backward_first, residual in orders:
+            proj.update_first, proj.backward_first = first, backward_first
             for t in (x, r, *proj.a, *proj.b):
                 t.grad = None
             y = proj(x, residual=r if residual else None)
             y.backward(dy)
             grads = [x.grad.clone(), *[p.grad.clone() for p in proj.a + proj.b]]
             results.append((y.detach() - (r.detach() if residual else 0), grads, r.grad))
-        (y0, g0, r0), (y1, g1, r1), (y2, g2, r2), (y3, g3, r3) = results
-        torch.testing.assert_close(r0, dy)
-        torch.testing.assert_close(r1, dy)
-        assert r2 is None and r3 is None
-        for yk, gk in ((y1, g1), (y2, g2), (y3, g3)):
+        (y0, g0, r0), (y1, g1, r1), (y2, g2, r2), (y3, g3, r3), (y4, g4, r4), (y5, g5, r5) = results
+        for rk in (r0, r1, r5):
+            torch.testing.assert_close(rk, dy)
+        assert r2 is None and r3 is None and r4 is None
+        for yk, gk in ((y1, g1), (y2, g2), (y3, g3), (y4, g4), (y5, g5)):
             torch.testing.assert_close(yk, y0, rtol=1e-5, atol=1e-5)
             for a, b in zip(gk, g0, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

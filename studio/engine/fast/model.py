@@ -59,6 +59,9 @@ class FastOptions:
     """The LoRA update's product writes each output (adding the residual stream for o and down)
     and the base product adds itself in its epilogue (weights.LoraProduct), instead of the base
     product first and the update and the residual in passes of their own."""
+    fused_backward: bool = True
+    """The same order in the backward: the LoRA term's product writes each input gradient and the
+    base products add themselves in their epilogues (weights._input_gradient; without dropout)."""
     separate_qkv: bool = True
     """q, k and v come out of their products as three tensors (weights.SeparateLoraProduct), not
     column blocks of one that RoPE's kernel copies out and whose gradients are concatenated."""
@@ -88,6 +91,7 @@ class FastModel:
             layer.skip_last = options.skip_last_product
             for proj in layer.projections():
                 proj.update_first = options.fused_epilogues
+                proj.backward_first = options.fused_backward
             layer.qkv.separate = options.separate_qkv and options.fused_epilogues
         # Adapter dropout draws its masks from one seed tensor (engine/fast/dropout.py): graphs replay
         # them, recomputation regenerates them, and no RNG state is saved around a layer.

@@ -130,15 +130,18 @@ class FrozenWeights:
                 torch.mm(x2, w, out=y[:, cols])
         return y
 
-    def backward_product(self, dy2: torch.Tensor) -> torch.Tensor:
-        """``dy2 @ W``: ``[tokens, in_features]``, summed over the projections."""
+    def backward_product(self, dy2: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """``dy2 @ W``: ``[tokens, in_features]``, summed over the projections; added to ``into``
+        in place when given (in the products' epilogues)."""
         if not self.split:
-            return dy2 @ self.matrix()
-        return self.backward_blocks([dy2[:, cols] for _, cols in self._columns()])
+            w = self.matrix()
+            return dy2 @ w if into is None else into.addmm_(dy2, w)
+        return self.backward_blocks([dy2[:, cols] for _, cols in self._columns()], into)
 
-    def backward_blocks(self, blocks: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``sum_j blocks[j] @ W_j``: the input gradient from each projection's output gradient."""
-        dx = None
+    def backward_blocks(self, blocks: Sequence[torch.Tensor], into: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_j blocks[j] @ W_j``: the input gradient from each projection's output gradient
+        (added to ``into`` in place when given)."""
+        dx = into
         for index, block in enumerate(blocks):
             w = self._piece(index)
             if dx is None:
@@ -207,15 +210,27 @@ class AdapterDropout:
         return torch.cat(das) if len(das) > 1 else das[0]
 
 
-def _adapter_input_gradients(ctx, x2: torch.Tensor, a: torch.Tensor, dyb: torch.Tensor,
-                             dx: torch.Tensor) -> torch.Tensor | None:
-    """The LoRA term's share of a fused product's backward, given ``dyb`` (the output gradient
-    through the B matrices, scaled): its input gradient added into ``dx`` (masked as each adapter's
-    input was, with dropout) and A's gradient when autograd wants it (input 2 of the products)."""
-    if ctx.drop is not None:
-        return ctx.drop.backward(x2, a, dyb, dx, ctx.needs_input_grad[2])
-    dx.addmm_(dyb, a)
-    return dyb.t() @ x2 if ctx.needs_input_grad[2] else None
+def _input_gradient(ctx, x2: torch.Tensor, dyb: torch.Tensor | None, a: torch.Tensor | None,
+                    base: Callable[[torch.Tensor | None], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A fused product's input gradient and A's gradient (None unless autograd wants it: input 2
+    of the products). ``base(into)`` is the frozen products' share (added into ``into`` when
+    given); ``dyb`` the output gradient through the B matrices, scaled (None without adapters).
+
+    Without dropout the LoRA term comes first: its product (inner size the rank) writes the input
+    gradient and the base products add themselves in their epilogues, where the other order reads
+    and writes the whole gradient once more (``ctx.backward_first``; False: the order before, for
+    benchmarks). With dropout each adapter's term is masked as its input was, after the base."""
+    if dyb is None:
+        return base(None), None
+    want_da = ctx.needs_input_grad[2]
+    if ctx.drop is None and ctx.backward_first:
+        dx = base(dyb @ a)
+    else:
+        dx = base(None)
+        if ctx.drop is not None:
+            return dx, ctx.drop.backward(x2, a, dyb, dx, want_da)
+        dx.addmm_(dyb, a)
+    return dx, (dyb.t() @ x2 if want_da else None)
 
 
 class LoraProduct(torch.autograd.Function):
@@ -234,7 +249,8 @@ class LoraProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None = None,
-                value: bool = True, residual: torch.Tensor | None = None, update_first: bool = True):
+                value: bool = True, residual: torch.Tensor | None = None, update_first: bool = True,
+                backward_first: bool = True):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         width = sum(weights.out_features)
@@ -267,7 +283,7 @@ class LoraProduct(torch.autograd.Function):
         else:
             ctx.save_for_backward(x2)
         ctx.weights, ctx.scale, ctx.shape, ctx.drop = weights, scale, shape, drop
-        ctx.residual = residual is not None
+        ctx.residual, ctx.backward_first = residual is not None, backward_first
         return y.view(*shape[:-1], width)
 
     @staticmethod
@@ -275,16 +291,15 @@ class LoraProduct(torch.autograd.Function):
         saved = ctx.saved_tensors
         x2 = saved[0]
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = ctx.weights.backward_product(dy2)
-        da = dbt = None
+        a = bt = xa = dyb = dbt = None
         if len(saved) > 1:
             _, a, bt, xa = saved
             dyb = (dy2 @ bt.t()).mul_(ctx.scale)
-            da = _adapter_input_gradients(ctx, x2, a, dyb, dx)
-            if ctx.needs_input_grad[3]:
-                dbt = (xa.t() @ dy2).mul_(ctx.scale)
+        dx, da = _input_gradient(ctx, x2, dyb, a, lambda into: ctx.weights.backward_product(dy2, into))
+        if xa is not None and ctx.needs_input_grad[3]:
+            dbt = (xa.t() @ dy2).mul_(ctx.scale)
         dres = dy if ctx.residual else None  # the residual passes straight through
-        return dx.view(ctx.shape), None, da, dbt, None, None, None, dres, None
+        return dx.view(ctx.shape), None, da, dbt, None, None, None, dres, None, None
 
 
 class SeparateLoraProduct(torch.autograd.Function):
@@ -296,7 +311,8 @@ class SeparateLoraProduct(torch.autograd.Function):
     base product adds itself in its epilogue."""
 
     @staticmethod
-    def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None = None):
+    def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None = None,
+                backward_first: bool = True):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xa = None
@@ -317,6 +333,7 @@ class SeparateLoraProduct(torch.autograd.Function):
         else:
             ctx.save_for_backward(x2)
         ctx.weights, ctx.scale, ctx.shape, ctx.drop = weights, scale, shape, drop
+        ctx.backward_first = backward_first  # the forward's order is always the update first
         return tuple(outs)
 
     @staticmethod
@@ -324,25 +341,23 @@ class SeparateLoraProduct(torch.autograd.Function):
         saved = ctx.saved_tensors
         x2 = saved[0]
         blocks = [d.reshape(-1, d.shape[-1]) for d in dys]
-        dx = ctx.weights.backward_blocks(blocks)
-        da = dbt = None
+        columns = [cols for _, cols in ctx.weights._columns()]
+        a = bt = xa = dyb = dbt = None
         if len(saved) > 1:
             _, a, bt, xa = saved
-            columns = [cols for _, cols in ctx.weights._columns()]
-            dyb = None
             for cols, block in zip(columns, blocks, strict=True):
                 if dyb is None:
                     dyb = block @ bt[:, cols].t()
                 else:
                     dyb.addmm_(block, bt[:, cols].t())
             dyb.mul_(ctx.scale)
-            da = _adapter_input_gradients(ctx, x2, a, dyb, dx)
-            if ctx.needs_input_grad[3]:
-                dbt = bt.new_empty(bt.shape)
-                for cols, block in zip(columns, blocks, strict=True):
-                    torch.mm(xa.t(), block, out=dbt[:, cols])
-                dbt.mul_(ctx.scale)
-        return dx.view(ctx.shape), None, da, dbt, None, None
+        dx, da = _input_gradient(ctx, x2, dyb, a, lambda into: ctx.weights.backward_blocks(blocks, into))
+        if xa is not None and ctx.needs_input_grad[3]:
+            dbt = bt.new_empty(bt.shape)
+            for cols, block in zip(columns, blocks, strict=True):
+                torch.mm(xa.t(), block, out=dbt[:, cols])
+            dbt.mul_(ctx.scale)
+        return dx.view(ctx.shape), None, da, dbt, None, None, None
 
 
 def has_adapter(module: nn.Module, adapter: str) -> bool:
@@ -373,6 +388,8 @@ class Projection:
         self.update_first = True
         """The LoRA update's product writes the output and the base product adds itself to it
         (:class:`LoraProduct`); False: the base product first (the order before, for benchmarks)."""
+        self.backward_first = True
+        """The same order for the input gradient (:func:`_input_gradient`)."""
 
     def use_dropout(self, seed: torch.Tensor, first_site: int) -> None:
         """Give the adapters with dropout their masks: from ``seed``, at sites ``first_site + j``."""
@@ -417,8 +434,9 @@ class Projection:
         drop = self.drop if self.drop is not None and self.modules[0].training else None
         if self.separated:
             assert value and residual is None, "separate outputs take no residual"
-            return SeparateLoraProduct.apply(x, self.weights, a, bt, scale, drop)
-        return LoraProduct.apply(x, self.weights, a, bt, scale, drop, value, residual, self.update_first)
+            return SeparateLoraProduct.apply(x, self.weights, a, bt, scale, drop, self.backward_first)
+        return LoraProduct.apply(x, self.weights, a, bt, scale, drop, value, residual, self.update_first,
+                                 self.backward_first)
 
     @property
     def separated(self) -> bool:
