@@ -107,6 +107,41 @@ def kernel_table(trace_path: Path, wall_s: float) -> dict:
             "top_kernels": [{"name": k, "count": n, "ms": round(t, 2)} for k, (n, t) in top]}
 
 
+def idle_by_phase(trace_path: Path, steps: int) -> dict:
+    """The GPU's idle time between its first and last kernel (no kernel, copy or memset on any
+    stream), per step, put under the host's ``studio.*`` ranges (engine/train.py's ``phase``)
+    running meanwhile; what no range covers is "unlabelled"."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    labels = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]) for e in events
+              if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("studio.")]
+    gaps, end = [], None
+    for a, b in spans:
+        if end is not None and a > end:
+            gaps.append((end, a))
+        end = b if end is None else max(end, b)
+    by_phase: dict[str, float] = {}
+    largest = []
+    for a, b in gaps:
+        covered = 0.0
+        for la, lb, name in labels:
+            overlap = min(b, lb) - max(a, la)
+            if overlap > 0:
+                by_phase[name] = by_phase.get(name, 0.0) + overlap
+                covered += overlap
+        if b - a > covered:
+            by_phase["unlabelled"] = by_phase.get("unlabelled", 0.0) + (b - a - covered)
+        under = [(min(b, lb) - max(a, la), n) for la, lb, n in labels if min(b, lb) > max(a, la)]
+        largest.append((b - a, max(under)[1] if under else "unlabelled"))
+    largest.sort(reverse=True)
+    total = sum(b - a for a, b in gaps)
+    return {"idle_ms_per_step": round(total / 1e3 / steps, 2),
+            "idle_by_phase_ms_per_step": {k: round(v / 1e3 / steps, 2)
+                                          for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])},
+            "largest_gaps_ms": [(round(d / 1e3, 2), n) for d, n in largest[:8]]}
+
+
 def ceiling(tokens: int, seq: int, mb: int, layers: int = 32, hidden: int = 4096, inter: int = 11008,
             vocab: int = 32000, heads: int = 32, repeats: int = 3) -> dict:
     """The step's products and attention alone (bf16 weights resident), timed on the GPU."""

@@ -295,10 +295,13 @@ def trainer_worker(args) -> int:
     steps: list = []
     notes: list[str] = []
     peak = {}
+    profiled: dict = {}
 
     def emit(event) -> None:
         if isinstance(event, ev.StepLogged):
             steps.append(event)
+            if args.trainer_profile:
+                profile_steps(event.step, profiled)
             # Read here: the final evaluation (not part of training speed) runs after the last step.
             cuda = torch.cuda.is_available()
             peak["allocated"] = torch.cuda.max_memory_allocated() if cuda else 0
@@ -330,7 +333,9 @@ def trainer_worker(args) -> int:
     timed = steps[warm:]
     tokens = timed[-1].tokens_seen - steps[warm - 1].tokens_seen
     seconds = timed[-1].elapsed_s - steps[warm - 1].elapsed_s
-    result = {"impl": "studio-trainer", "load_s": load_s, "fast_path": trainer.session.fast.describe() if trainer.session.fast
+    if "gaps" in profiled:
+        print(f"studio {name}: GPU idle {json.dumps(profiled['gaps'])}", flush=True)
+    result = {"impl": "studio-trainer", "load_s": load_s, "profile": profiled.get("gaps"), "fast_path": trainer.session.fast.describe() if trainer.session.fast
               else "plain path", "notes": notes, "losses": [e.loss for e in steps],
               "step_tokens_per_s": [e.tokens_per_s for e in steps], "mfu_events": [e.mfu for e in steps],
               "tokens_per_s": tokens / seconds, "peak_allocated": peak["allocated"],
@@ -354,6 +359,75 @@ def trainer_worker(args) -> int:
     print(f"studio {name}: {result['tokens_per_s']:.0f} tokens/s, peak {peak['allocated'] / 2**30:.2f} / "
           f"{peak['reserved'] / 2**30:.2f} GiB, loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f} "
           f"[{result['fast_path']}] {result['graphs_failed']}", flush=True)
+    return 0
+
+
+def profile_steps(step: int, state: dict) -> None:
+    """From inside the Trainer (its StepLogged): profile the two steps after warm-up (3) and put
+    the GPU's idle time under the Trainer's labelled phases (``state["gaps"]``)."""
+    import torch
+
+    from bench.profile_gpu_bound import idle_by_phase, kernel_table
+
+    if step == 3:
+        torch.cuda.synchronize()
+        state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                           torch.profiler.ProfilerActivity.CUDA])
+        state["prof"].__enter__()
+        state["t0"] = time.perf_counter()
+    elif step == 5 and "prof" in state:
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - state["t0"]
+        prof = state.pop("prof")
+        prof.__exit__(None, None, None)
+        trace = Path(f"/tmp/trainer_trace_{os.getpid()}.json")
+        prof.export_chrome_trace(str(trace))
+        table = kernel_table(trace, wall)
+        state["gaps"] = {**idle_by_phase(trace, steps=2), "wall_ms_per_step": round(wall * 500, 2),
+                         "gpu_busy_ms_per_step": round(table["gpu_busy_ms"] / 2, 2),
+                         "by_category_ms_per_step": {k: round(v / 2, 2) for k, v in table["by_category_ms"].items()}}
+        trace.unlink()
+
+
+def gaps_driver(args) -> int:
+    """Studio's Trainer and bench/speed.py's loop on the same recorded batches, in one call, per
+    micro-batch of ``--gaps``: tokens/s of each, and where the Trainer's GPU waits (its profiled
+    steps' idle time by phase). The loop times only from a batch's upload to its step's end."""
+    import torch
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"what": "Trainer against the direct loop, same batches, same call", "code": args.code,
+              "command": " ".join(shlex.quote(a) for a in sys.argv), "gpu": torch.cuda.get_device_name(),
+              "versions": versions(), "steps": args.steps, "workloads": {}}
+    model = Path(args.model)
+    if not (model / "config.json").exists():
+        tokenizer = ["--tokenizer", args.tokenizer] if args.tokenizer else []
+        subprocess.run([sys.executable, str(ROOT / "bench/make_random_model.py"), "--out", str(model), *tokenizer],
+                       check=True)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    common = ["--model", str(model), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+              "--lr", str(args.lr), "--lora-dropout", str(args.lora_dropout), "--seed", str(args.seed),
+              "--work", str(work)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    long_data = long_rows(work / "long.jsonl", 16 * args.steps + 40, args.seed)
+    for mb in (int(x) for x in args.gaps.split(",")):
+        name = f"fixed_mb{mb}"
+        trainer_json, loop_json = work / f"trainer_{name}.json", work / f"loop_{name}.json"
+        subprocess.run([sys.executable, str(ROOT / "bench/speed.py"), "--worker", "trainer", *common,
+                        "--json", str(trainer_json), "--workload", f"{name}:{long_data}:{mb}:{{instruction}}\n{{output}}",
+                        "--trainer-profile", "1"], check=True, env=env)
+        subprocess.run([sys.executable, str(ROOT / "bench/speed.py"), "--worker", "direct", *common,
+                        "--json", str(loop_json), "--batches", str(work / f"{name}.pt")], check=True, env=env)
+        trainer, loop = json.loads(trainer_json.read_text()), json.loads(loop_json.read_text())["workloads"][name]
+        report["workloads"][name] = {
+            "trainer_tokens_per_s": round(trainer["tokens_per_s"]), "loop_tokens_per_s": round(loop["tokens_per_s"]),
+            "trainer_over_loop": round(trainer["tokens_per_s"] / loop["tokens_per_s"], 4),
+            "trainer_losses": trainer["losses"], "loop_losses": loop["losses"],
+            "trainer_profile": trainer.get("profile"), "fast_path": trainer["fast_path"]}
+        print(json.dumps({k: v for k, v in report["workloads"][name].items() if "losses" not in k}), flush=True)
+        out.write_text(json.dumps(report, indent=1))
     return 0
 
 
@@ -522,7 +596,12 @@ def main() -> int:
     parser.add_argument("--lever-names", default=",".join(LEVERS), help="which levers to switch off, one by one")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--profile", default="", help="folder for torch.profiler tables of Studio's fixed runs")
+    parser.add_argument("--trainer-profile", default="", help="trainer worker: profile steps 4-5, GPU idle by phase")
+    parser.add_argument("--gaps", default="", help="micro-batches: the Trainer against the loop (gaps_driver)")
+    parser.add_argument("--code", default="", help="what code ran (the device's git metadata is stale)")
     args = parser.parse_args()
+    if args.gaps and not args.worker:
+        return gaps_driver(args)
     if args.worker == "trainer":
         return trainer_worker(args)
     return studio_worker(args) if args.worker == "direct" else driver(args)

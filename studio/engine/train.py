@@ -48,6 +48,10 @@ from studio.engine.optim import build_optimizer, build_scheduler
 from studio.engine.preference import PairStream
 from studio.engine.session import BetweenSteps, Session, TrainingError
 
+phase = torch.profiler.record_function
+"""A labelled range of the step for torch's profiler (bench/speed.py's ``--trainer-profile`` puts the
+GPU's idle time between kernels under them); next to nothing when no profiler runs."""
+
 
 class Trainer:
     """Fine-tunes the LoRA of ``session``'s model, writing into its run; ``between_steps`` (default:
@@ -245,7 +249,8 @@ class Trainer:
                 self.evaluate()  # the other ranks wait for the verdict below meanwhile
             if tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0:
                 self.save_checkpoint()
-            self._stop_requested = self.group.verdict(self._decide) == dist.STOP
+            with phase("studio.between_steps"):
+                self._stop_requested = self.group.verdict(self._decide) == dist.STOP
             if self._stop_requested and self.step < self.total_steps:
                 stopped = True
                 break
@@ -315,13 +320,14 @@ class Trainer:
         prepared, self._prepared = self._prepared, None
         if prepared is not None and prepared[0] == (cursor, self.micro_batch_size):
             return prepared[1], prepared[2]
-        units, next_cursor = self.stream.take(cursor, self.units_per_step)
-        units = self.group.shard(units)
-        pad = self.tokenizer.pad_token_id
-        batches = [self.stream.collate(units[i:i + self.micro_batch_size], pad)
-                   for i in range(0, len(units), self.micro_batch_size)]
-        if self.device is not None and self.device.type == "cuda":
-            batches = [b.pin() for b in batches]
+        with phase("studio.collate"):
+            units, next_cursor = self.stream.take(cursor, self.units_per_step)
+            units = self.group.shard(units)
+            pad = self.tokenizer.pad_token_id
+            batches = [self.stream.collate(units[i:i + self.micro_batch_size], pad)
+                       for i in range(0, len(units), self.micro_batch_size)]
+            if self.device is not None and self.device.type == "cuda":
+                batches = [b.pin() for b in batches]
         return batches, next_cursor
 
     def _optimizer_step(self, batches: list[MicroBatch], prepare: Cursor | None = None
@@ -340,11 +346,12 @@ class Trainer:
         out_of_memory = False
         try:
             for batch in batches:
-                loss, _correct = self.forward(batch.to(self.device, non_blocking=True))
-                # Dividing by the step's token count (not the micro-batch's) makes the gradient the
-                # same however the step is split into micro-batches.
-                (loss / label_tokens).backward()
-                loss_sum += loss.detach()
+                with phase("studio.forward_backward"):
+                    loss, _correct = self.forward(batch.to(self.device, non_blocking=True))
+                    # Dividing by the step's token count (not the micro-batch's) makes the gradient
+                    # the same however the step is split into micro-batches.
+                    (loss / label_tokens).backward()
+                    loss_sum += loss.detach()
                 # The spent graph goes now, not when the next micro-batch's loss replaces it: alive,
                 # it keeps the adapters' gradient accumulators from this forward, and a CUDA graph
                 # captured in the next forward (a layout not seen before) would wait on their stream,
@@ -359,13 +366,15 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         # Outside the fast path's CUDA graphs: they wrote the gradients; this sums them over ranks.
         loss_sum = self.group.reduce_gradients(params, loss_sum)
-        grad_norm = self._update_or_retry(params)
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("studio.update"):
+            grad_norm = self._update_or_retry(params)
+            self.optimizer.zero_grad(set_to_none=True)
         if prepare is not None:
             batches_ahead, cursor_after = self._batches(prepare)
             self._prepared = ((prepare, self.micro_batch_size), batches_ahead, cursor_after)
         # .item() is a device sync point: once per optimizer step, not per micro-batch.
-        return float(loss_sum.item()) / label_tokens, float(grad_norm.item()), step_tokens
+        with phase("studio.read_figures"):
+            return float(loss_sum.item()) / label_tokens, float(grad_norm.item()), step_tokens
 
     def update(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         """Clip the gradients, step the optimizer and the schedule; returns the gradient norm. Every
@@ -637,4 +646,5 @@ class Trainer:
         are those since the last ``reset_peak`` (the loop resets it before each logged step)."""
         if self._sampler is None:
             self._sampler = MemorySampler(self.model, self.device, self.group.rank)
-        return self._sampler(self.optimizer, self.step)
+        with phase("studio.memory_sample"):
+            return self._sampler(self.optimizer, self.step)
