@@ -300,8 +300,8 @@ def trainer_worker(args) -> int:
     def emit(event) -> None:
         if isinstance(event, ev.StepLogged):
             steps.append(event)
-            if args.trainer_profile:
-                profile_steps(event.step, profiled)
+            if args.trainer_profile:  # the last two steps but one: outside the timed window below
+                profile_steps(event.step, args.steps - 3, profiled)
             # Read here: the final evaluation (not part of training speed) runs after the last step.
             cuda = torch.cuda.is_available()
             peak["allocated"] = torch.cuda.max_memory_allocated() if cuda else 0
@@ -330,7 +330,9 @@ def trainer_worker(args) -> int:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     warm = args.warmup_steps
-    timed = steps[warm:]
+    # Profiling (its start and the trace's export) happens in StepLogged of steps - 3 and - 1: those
+    # steps' successors carry its time, so the window ends at step - 3.
+    timed = steps[warm:len(steps) - 3] if args.trainer_profile else steps[warm:]
     tokens = timed[-1].tokens_seen - steps[warm - 1].tokens_seen
     seconds = timed[-1].elapsed_s - steps[warm - 1].elapsed_s
     if "gaps" in profiled:
@@ -362,20 +364,20 @@ def trainer_worker(args) -> int:
     return 0
 
 
-def profile_steps(step: int, state: dict) -> None:
-    """From inside the Trainer (its StepLogged): profile the two steps after warm-up (3) and put
+def profile_steps(step: int, start: int, state: dict) -> None:
+    """From inside the Trainer (its StepLogged): profile the two steps after step ``start`` and put
     the GPU's idle time under the Trainer's labelled phases (``state["gaps"]``)."""
     import torch
 
     from bench.profile_gpu_bound import idle_by_phase, kernel_table
 
-    if step == 3:
+    if step == start:
         torch.cuda.synchronize()
         state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                            torch.profiler.ProfilerActivity.CUDA])
         state["prof"].__enter__()
         state["t0"] = time.perf_counter()
-    elif step == 5 and "prof" in state:
+    elif step == start + 2 and "prof" in state:
         torch.cuda.synchronize()
         wall = time.perf_counter() - state["t0"]
         prof = state.pop("prof")
@@ -596,7 +598,7 @@ def main() -> int:
     parser.add_argument("--lever-names", default=",".join(LEVERS), help="which levers to switch off, one by one")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--profile", default="", help="folder for torch.profiler tables of Studio's fixed runs")
-    parser.add_argument("--trainer-profile", default="", help="trainer worker: profile steps 4-5, GPU idle by phase")
+    parser.add_argument("--trainer-profile", default="", help="trainer worker: profile two late steps, GPU idle by phase")
     parser.add_argument("--gaps", default="", help="micro-batches: the Trainer against the loop (gaps_driver)")
     parser.add_argument("--code", default="", help="what code ran (the device's git metadata is stale)")
     args = parser.parse_args()
