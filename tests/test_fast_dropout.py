@@ -82,13 +82,15 @@ def test_masks_keep_the_rate_and_differ_between_sites_and_seeds() -> None:
     assert abs(kept.float().mean().item() - 0.75) < 0.01
 
 
-def test_fused_dropout_equals_peft_modules_with_the_same_masks(tiny_model: Path) -> None:
+@pytest.mark.parametrize("backward_first", [True, False])
+def test_fused_dropout_equals_peft_modules_with_the_same_masks(tiny_model: Path, backward_first) -> None:
     """The fast path's loss and all 28 adapter gradients equal PEFT's forward and autograd when
     PEFT's dropout modules apply the same masks: the fused product's masked forward and its
-    hand-written backward (input and adapter gradients) are right."""
+    hand-written backward (input and adapter gradients) are right, with the masked LoRA terms
+    writing the input gradient before the base products add themselves (the default) or after."""
     model = _model(tiny_model, 0.2)
     batch = _batch("cpu")
-    fast_model, why = fast.prepare(model, options=FastOptions(cuda_graphs=False))
+    fast_model, why = fast.prepare(model, options=FastOptions(cuda_graphs=False, fused_backward=backward_first))
     assert fast_model is not None, why
     assert fast_model._seed is not None and "dropout" in fast_model.describe()
     torch.manual_seed(7)

@@ -197,12 +197,13 @@ class AdapterDropout:
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def backward(self, x2: torch.Tensor, a: torch.Tensor, dyb: torch.Tensor, dx: torch.Tensor,
-                 want_da: bool) -> torch.Tensor | None:
-        """Add each adapter's input gradient (masked as its input was) into ``dx``; return dA."""
+                 want_da: bool, fresh: bool = False) -> torch.Tensor | None:
+        """Add each adapter's input gradient (masked as its input was) into ``dx`` (with ``fresh``,
+        the first one overwrites it: ``dx``'s contents are never read); return dA."""
         das = []
-        for p, site, rows in zip(self.rates, self.sites, self.slices, strict=True):
+        for j, (p, site, rows) in enumerate(zip(self.rates, self.sites, self.slices, strict=True)):
             dyb_j = dyb[:, rows]
-            dropout(dyb_j @ a[rows], p, self.seed, site, out=dx, accumulate=True)
+            dropout(dyb_j @ a[rows], p, self.seed, site, out=dx, accumulate=not (fresh and j == 0))
             if want_da:
                 das.append(dyb_j.t() @ dropout(x2, p, self.seed, site))
         if not want_da:
@@ -216,14 +217,18 @@ def _input_gradient(ctx, x2: torch.Tensor, dyb: torch.Tensor | None, a: torch.Te
     of the products). ``base(into)`` is the frozen products' share (added into ``into`` when
     given); ``dyb`` the output gradient through the B matrices, scaled (None without adapters).
 
-    Without dropout the LoRA term comes first: its product (inner size the rank) writes the input
-    gradient and the base products add themselves in their epilogues, where the other order reads
-    and writes the whole gradient once more (``ctx.backward_first``; False: the order before, for
-    benchmarks). With dropout each adapter's term is masked as its input was, after the base."""
+    The LoRA term comes first: its product (inner size the rank) writes the input gradient and
+    the base products add themselves in their epilogues, where the other order reads and writes
+    the whole gradient once more (``ctx.backward_first``; False: the order before, for
+    benchmarks). With dropout, each adapter's term is masked as its input was."""
     if dyb is None:
         return base(None), None
     want_da = ctx.needs_input_grad[2]
-    if ctx.drop is None and ctx.backward_first:
+    if ctx.backward_first and ctx.drop is not None:
+        dx = x2.new_empty(x2.shape)
+        da = ctx.drop.backward(x2, a, dyb, dx, want_da, fresh=True)
+        return base(dx), da
+    if ctx.backward_first:
         dx = base(dyb @ a)
     else:
         dx = base(None)
