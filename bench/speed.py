@@ -310,6 +310,13 @@ def trainer_worker(args) -> int:
             notes.append(event.message)
             print(f"studio {name}: {event.message}", flush=True)
 
+    if args.fast_options:  # some levers of the fast path switched off (the engine's own choice otherwise)
+        from functools import partial
+
+        import studio.engine.fast.build as build
+        from studio.engine.fast.model import FastOptions
+
+        build.prepare = partial(build.prepare, options=FastOptions(**json.loads(args.fast_options)))
     trainer = Trainer(Session(config, create_run(config), emit))
     t0 = time.perf_counter()
     trainer.load()
@@ -601,6 +608,7 @@ def main() -> int:
     parser.add_argument("--trainer-profile", default="", help="trainer worker: profile two late steps, GPU idle by phase")
     parser.add_argument("--gaps", default="", help="micro-batches: the Trainer against the loop (gaps_driver)")
     parser.add_argument("--code", default="", help="what code ran (the device's git metadata is stale)")
+    parser.add_argument("--fast-options", default="", help="trainer worker: FastOptions fields as JSON")
     args = parser.parse_args()
     if args.gaps and not args.worker:
         return gaps_driver(args)
