@@ -398,6 +398,22 @@ def profile_steps(step: int, start: int, state: dict) -> None:
         trace.unlink()
 
 
+def _workers_setup(args) -> tuple[Path, Path, list[str], dict]:
+    """What both drivers start with: the random model (built if missing), the work folder, the
+    arguments every worker shares, and the workers' environment."""
+    model = Path(args.model)
+    if not (model / "config.json").exists():
+        tokenizer = ["--tokenizer", args.tokenizer] if args.tokenizer else []
+        subprocess.run([sys.executable, str(ROOT / "bench/make_random_model.py"), "--out", str(model), *tokenizer],
+                       check=True)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    common = ["--model", str(model), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+              "--lr", str(args.lr), "--lora-dropout", str(args.lora_dropout), "--seed", str(args.seed),
+              "--work", str(work)]
+    return model, work, common, dict(os.environ, PYTHONUNBUFFERED="1")
+
+
 def gaps_driver(args) -> int:
     """Studio's Trainer and bench/speed.py's loop on the same recorded batches, in one call, per
     micro-batch of ``--gaps``: tokens/s of each, and where the Trainer's GPU waits (its profiled
@@ -409,17 +425,7 @@ def gaps_driver(args) -> int:
     report = {"what": "Trainer against the direct loop, same batches, same call", "code": args.code,
               "command": " ".join(shlex.quote(a) for a in sys.argv), "gpu": torch.cuda.get_device_name(),
               "versions": versions(), "steps": args.steps, "workloads": {}}
-    model = Path(args.model)
-    if not (model / "config.json").exists():
-        tokenizer = ["--tokenizer", args.tokenizer] if args.tokenizer else []
-        subprocess.run([sys.executable, str(ROOT / "bench/make_random_model.py"), "--out", str(model), *tokenizer],
-                       check=True)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    common = ["--model", str(model), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
-              "--lr", str(args.lr), "--lora-dropout", str(args.lora_dropout), "--seed", str(args.seed),
-              "--work", str(work)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    model, work, common, env = _workers_setup(args)
     long_data = long_rows(work / "long.jsonl", 16 * args.steps + 40, args.seed)
     for mb in (int(x) for x in args.gaps.split(",")):
         name = f"fixed_mb{mb}"
@@ -486,17 +492,7 @@ def driver(args) -> int:
     report["matmul_tflops"] = matmul_tflops()
     print(f"{report['gpu']}: bf16 matmul {report['matmul_tflops']:.0f} TFLOP/s; {report['versions']}", flush=True)
     torch.cuda.empty_cache()
-    model = Path(args.model)
-    if not (model / "config.json").exists():
-        tokenizer = ["--tokenizer", args.tokenizer] if args.tokenizer else []
-        subprocess.run([sys.executable, str(ROOT / "bench/make_random_model.py"), "--out", str(model), *tokenizer],
-                       check=True)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    common = ["--model", str(model), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
-              "--lr", str(args.lr), "--lora-dropout", str(args.lora_dropout), "--seed", str(args.seed),
-              "--work", str(work)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    model, work, common, env = _workers_setup(args)
     runs = {"studio": {"impl": "studio-trainer", "workloads": {}}}
     # Studio first: its trainer records the batches the baseline then trains on.
     long_data = long_rows(work / "long.jsonl", 4 * args.steps + 40, args.seed)
