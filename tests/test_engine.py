@@ -159,6 +159,44 @@ def test_next_steps_batches_are_collated_while_the_last_step_runs(tiny_config) -
     assert collated == expected
 
 
+def test_tokens_per_s_counts_the_steps_and_the_eta_leaves_pauses_out(tiny_config, monkeypatch) -> None:
+    """On a clock that only the test moves: each step takes 2 s, the evaluation after step 2 takes
+    100 s and a pause after step 3 lasts 1000 s. tokens/s is every step's tokens over its 2 s
+    (neither the evaluation nor the pause dilutes the step after them); the ETA is the time per
+    step so far, evaluations included (they come again), the pause not."""
+    import studio.engine.train as train_module
+
+    clock = [0.0]
+    monkeypatch.setattr(train_module, "time", SimpleNamespace(time=lambda: clock[0]))
+    tiny_config.trainer.max_steps = 5
+    tiny_config.trainer.eval_interval, tiny_config.trainer.checkpoint_interval = 2, 0
+
+    def between_steps(trainer):
+        if trainer.step == 3:
+            clock[0] += 1000.0  # paused
+
+    trainer, _, events = _run(tiny_config, between_steps)
+    real_update, real_evaluate = trainer.update, trainer.evaluate
+
+    def update(params):
+        clock[0] += 2.0
+        return real_update(params)
+
+    def evaluate(record_best=True):
+        clock[0] += 100.0
+        return real_evaluate(record_best)
+
+    trainer.update, trainer.evaluate = update, evaluate
+    trainer.train()
+    logged = [e for e in events if isinstance(e, ev.StepLogged)]
+    assert [e.step for e in logged] == [1, 2, 3, 4, 5]
+    tokens = [b.tokens_seen - a.tokens_seen for a, b in zip([SimpleNamespace(tokens_seen=0), *logged], logged)]
+    assert [e.tokens_per_s for e in logged] == [round(t / 2.0, 1) for t in tokens]
+    # step 2: 4 s over 2 steps; step 3: (6 + 100 s of evaluation) / 3; step 4: the pause left out
+    assert [e.eta_s for e in logged[:4]] == [8.0, 6.0, round(106 / 3 * 2, 1), round(108 / 4, 1)]
+    assert logged[3].elapsed_s == 1108.0  # the run's own clock keeps the wall time
+
+
 def test_oom_at_micro_batch_one_fails_with_advice(tiny_config) -> None:
     tiny_config.trainer.micro_batch_size = 2
     tiny_config.trainer.effective_batch_size = 2

@@ -195,13 +195,17 @@ class Trainer:
             self.evaluate(record_best=False)
         from studio.engine.memory import reset_peak
 
-        window_tokens, window_start = 0, time.time()
+        # tokens/s counts the steps' own time: not the evaluations, checkpoints and pauses between
+        # them. The ETA counts evaluations and checkpoints (they come again), not pauses or the
+        # commands the worker served between steps.
+        window_tokens, window_time, held = 0, 0.0, 0.0
         session_start, elapsed_before = time.time(), self.elapsed
         last_loss = 0.0
         stopped = False
         self._sampler = MemorySampler(self.model, self.device, self.group.rank)
         self._prepared = None
         while self.step < self.total_steps:
+            step_start = time.time()
             batches, next_cursor = self._batches(self.cursor)
             lr = self.optimizer.param_groups[0]["lr"]
             logged = (self.step + 1) % max(1, tc.log_interval) == 0 or self.step + 1 == self.total_steps
@@ -223,11 +227,12 @@ class Trainer:
             self.tokens_seen += tokens
             window_tokens += tokens
             last_loss = loss
-            self.elapsed = elapsed_before + time.time() - session_start
+            now = time.time()
+            window_time += now - step_start
+            self.elapsed = elapsed_before + now - session_start
             if logged:
-                now = time.time()
-                rate = window_tokens / max(now - window_start, 1e-9)
-                per_step = (now - session_start) / max(1, self.step - resumed_from)
+                rate = window_tokens / max(window_time, 1e-9)
+                per_step = (now - session_start - held) / max(1, self.step - resumed_from)
                 for sample in self.group.gather(self.memory_event()) or []:
                     self.emit(sample)
                 self.emit(ev.StepLogged(step=self.step, total_steps=self.total_steps,
@@ -239,7 +244,7 @@ class Trainer:
                                         if self._peak_flops else 0.0))
                 if self.session.preference is not None:
                     self.emit(self.session.preference.logged(self.step))
-                window_tokens, window_start = 0, now
+                window_tokens, window_time = 0, 0.0
             if self.step == self.total_steps and self.session.fast is not None:
                 # No step follows: the graphs' pools go before the final evaluation, whose eager
                 # passes would otherwise sit on top of them (4096-token rows: 0.36 GiB over the step).
@@ -250,7 +255,9 @@ class Trainer:
             if tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0:
                 self.save_checkpoint()
             with phase("studio.between_steps"):
+                waited = time.time()
                 self._stop_requested = self.group.verdict(self._decide) == dist.STOP
+                held += time.time() - waited
             if self._stop_requested and self.step < self.total_steps:
                 stopped = True
                 break
