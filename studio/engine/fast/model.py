@@ -60,8 +60,9 @@ class FastOptions:
     and the base product adds itself in its epilogue (weights.LoraProduct), instead of the base
     product first and the update and the residual in passes of their own."""
     fused_backward: bool = True
-    """The same order in the backward: the LoRA term's product writes each input gradient and the
-    base products add themselves in their epilogues (weights._input_gradient; without dropout)."""
+    """The same order in the backward: the LoRA term's product (with dropout, each adapter's masked
+    term) writes each input gradient and the base products add themselves in their epilogues
+    (weights._input_gradient)."""
     separate_qkv: bool = True
     """q, k and v come out of their products as three tensors (weights.SeparateLoraProduct), not
     column blocks of one that RoPE's kernel copies out and whose gradients are concatenated."""
