@@ -190,7 +190,7 @@ def test_tokens_per_s_counts_the_steps_and_the_eta_leaves_pauses_out(tiny_config
     trainer.train()
     logged = [e for e in events if isinstance(e, ev.StepLogged)]
     assert [e.step for e in logged] == [1, 2, 3, 4, 5]
-    tokens = [b.tokens_seen - a.tokens_seen for a, b in zip([SimpleNamespace(tokens_seen=0), *logged], logged)]
+    tokens = [b.tokens_seen - a.tokens_seen for a, b in zip([SimpleNamespace(tokens_seen=0), *logged], logged, strict=False)]
     assert [e.tokens_per_s for e in logged] == [round(t / 2.0, 1) for t in tokens]
     # step 2: 4 s over 2 steps; step 3: (6 + 100 s of evaluation) / 3; step 4: the pause left out
     assert [e.eta_s for e in logged[:4]] == [8.0, 6.0, round(106 / 3 * 2, 1), round(108 / 4, 1)]

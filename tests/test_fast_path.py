@@ -461,6 +461,41 @@ def test_the_base_product_adds_itself_to_the_update_and_the_residual(tiny_model:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_a_small_update_survives_meeting_the_residual_stream_in_bf16(tiny_model: Path) -> None:
+    """In bf16, an update under half the stream's last digit rounds away if it meets the residual
+    stream first (the eighth session's order: the losses lagged the HF loop's by 3.3%). It has to
+    meet the base product first, as in the plain order: the base product's varied values then
+    carry it through the stream's rounding, so the output moves by the update on average."""
+    from studio.engine.fast.weights import Projection, Workspace
+
+    model = _peft_model(tiny_model, None, ["down_proj"], dtype=torch.bfloat16)
+    module = model.base_model.model.model.layers[0].mlp.down_proj
+    workspace = Workspace()
+    proj = Projection([module], "default", torch.bfloat16, False, workspace)
+    workspace.allocate(torch.bfloat16, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 512, proj.weights.in_features, generator=gen).bfloat16()
+    stream = (8 + 8 * torch.rand(1, 512, sum(proj.weights.out_features), generator=gen)).bfloat16()
+    with torch.no_grad():
+        a, bt, scale = proj.adapters()
+        update = scale * (x.float() @ a.float().t()) @ bt.float()
+        # The update's spread: a sixteenth of the stream's last digit (1/16 in [8, 16)).
+        proj.b[0].mul_(1 / 256 / update.std().item())
+        update = scale * (x.float() @ a.float().t()) @ proj.adapters()[1].float()
+    # Under half a digit: added to the stream alone, (almost) all of it would vanish.
+    assert (update.abs() < 1 / 32).float().mean() > 0.999
+    slopes = {}
+    for first in (True, False):
+        proj.update_first = first
+        with torch.no_grad():
+            moved = (proj(x, residual=stream).float() - proj(x, residual=stream, adapters=(None, None, 1.0))
+                     .float())
+        # How much of the update reaches the output (1: all of it, on average over the elements).
+        slopes[first] = float((moved * update).sum() / (update * update).sum())
+    assert slopes[False] > 0.8  # the plain order: base product, update, then the stream
+    assert abs(slopes[True] - slopes[False]) < 0.2, slopes
+
+
 def test_the_gradient_sink_gives_the_gradients_autograd_would(tiny_model: Path) -> None:
     """graphs.GradSink, run eagerly (on CUDA only the captured pass goes through it): the adapters'
     gradients land in the sink's tensors, once, over micro-batches that accumulate; a new step

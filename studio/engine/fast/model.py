@@ -56,9 +56,9 @@ class FastOptions:
     """A layer recomputed for its backward skips its last product (the down projection), whose
     value nothing reads (layer.py): 7% less work on a 7B model's step."""
     fused_epilogues: bool = True
-    """The LoRA update's product writes each output (adding the residual stream for o and down)
-    and the base product adds itself in its epilogue (weights.LoraProduct), instead of the base
-    product first and the update and the residual in passes of their own."""
+    """The LoRA update's product writes each output and the base product adds itself in its
+    epilogue (weights.LoraProduct), instead of the base product first and the update in a pass of
+    its own. The residual stream (o and down) is added after both either way."""
     fused_backward: bool = True
     """The same order in the backward: the LoRA term's product (with dropout, each adapter's masked
     term) writes each input gradient and the base products add themselves in their epilogues

@@ -246,10 +246,13 @@ class LoraProduct(torch.autograd.Function):
     a block diagonal ``[n*r, sum(out)]``, so several adapters over one input cost two small products.
     With ``drop`` (:class:`AdapterDropout`), each adapter reads its own masked copy of ``x``.
 
-    The small terms come first: the LoRA update's product (inner size the rank) writes the output,
-    adding the residual as it goes, and the base product adds itself in its epilogue. The base
-    product is bound by its arithmetic, so reading the output there costs nothing, where the update
-    added after it would read and write the whole output once more, and the residual a third time.
+    The small term comes first: the LoRA update's product (inner size the rank) writes the output,
+    and the base product adds itself in its epilogue. The base product is bound by its arithmetic,
+    so reading the output there costs nothing, where the update added after it would read and
+    write the whole output once more. The residual is added last, in a pass of its own: folded into
+    the update's product (the eighth session's order) it met the update before the base product
+    did, and in bf16 a small update added to the large stream rounds away (the per-step losses
+    lagged the HF loop's by up to 3.3%; bench/results/h100_v10_loss_bisect.json).
     """
 
     @staticmethod
@@ -275,12 +278,14 @@ class LoraProduct(torch.autograd.Function):
             if r2 is not None:
                 y += r2
         elif xa is not None:
-            if r2 is not None:
-                y = torch.addmm(r2, xa, bt, alpha=scale)
-            else:
-                y = x2.new_empty(x2.shape[0], width)
-                y.addmm_(xa, bt, beta=0, alpha=scale)  # beta 0: y's contents are never read
+            y = x2.new_empty(x2.shape[0], width)
+            y.addmm_(xa, bt, beta=0, alpha=scale)  # beta 0: y's contents are never read
             weights.forward_product(x2, into=y)
+            if r2 is not None:
+                # The stream comes last, as in the plain order: added to it directly, an update
+                # under half the stream's last bf16 digit (early in training, most of them) would
+                # round away to nothing, and the model would not see what it has learned.
+                y.add_(r2)
         else:
             y = weights.forward_product(x2, base=r2)
         if xa is not None:
