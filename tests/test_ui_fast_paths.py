@@ -179,6 +179,19 @@ def test_plot_helper_builds_the_same_frame_as_plotext_here():
     assert text.spans == here.spans  # the colours came across too
 
 
+def test_evaluations_are_drawn_as_points_not_joined_by_a_line():
+    """Three evaluations are three marks: a line between them would claim losses at steps where no
+    evaluation ran."""
+    from plotext._figure import _figure_class
+
+    xs = list(range(101))
+    train = (xs, [2.0 - x / 100 for x in xs], "train", "cyan", "braille")
+    evals = ([20, 50, 100], [1.6, 1.4, 1.2], "eval", "orange", plot_process.POINTS)
+    text = plot_process.render_figure(_figure_class(), plot_process.Figure((train, evals), "loss"), 80, 24, "pro")
+    body = [line for line in text.plain.splitlines() if "eval" not in line]  # the legend's marks aside
+    assert sum(line.count("•") for line in body) == 3
+
+
 def test_a_bad_figure_fails_alone_and_a_dead_helper_is_replaced():
     bad = plot_process.Figure(((["not a number"], [1.0, 2.0], "x", "cyan", "braille"),))
     with pytest.raises(RuntimeError, match="plot helper"):

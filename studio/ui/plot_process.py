@@ -43,6 +43,10 @@ HELPER_NICENESS = 10
 Curve = tuple[Sequence[float], Sequence[float], str, str, str]
 """(xs, ys, label, colour, marker) of one line or point series."""
 
+POINTS = "dot"
+"""The marker of a series drawn as separate points, not joined by a line: an evaluation every few
+steps is a measurement at those steps, and a line between them would claim values in between."""
+
 
 def thin(xs: Sequence[float], ys: Sequence[float], limit: int = MAX_POINTS) -> tuple[list[float], list[float]]:
     """At most ``limit`` evenly spaced points of a curve, keeping the first and the last."""
@@ -69,7 +73,8 @@ class Figure:
         limit = max(32, min(MAX_POINTS, DOTS_PER_CELL * width))
         for xs, ys, label, color, marker in self.curves:
             xs, ys = thin(xs, ys, limit)
-            plt.plot(xs, ys, label=label or None, color=color, marker=marker)
+            draw = plt.scatter if marker == POINTS else plt.plot
+            draw(xs, ys, label=label or None, color=color, marker=marker)
         plt.title(self.title)
         plt.xlabel(self.xlabel)
 

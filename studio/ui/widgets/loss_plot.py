@@ -29,7 +29,7 @@ from textual_plotext.plot import _rgbify_theme, _sequence
 
 from studio.ui import plot_process
 from studio.ui.metrics import TrainingState, ema
-from studio.ui.plot_process import Curve, Figure, render_figure, thin
+from studio.ui.plot_process import POINTS, Curve, Figure, render_figure, thin
 
 COMPARE_COLORS = (("cyan", "blue"), ("orange", "red"), ("green", "magenta"))
 """(smoothed train, eval) colours per compared run."""
@@ -259,7 +259,7 @@ class LossPlot(BackgroundPlot):
             curves.append((xs, smooth, "train (smoothed)", "cyan", "braille"))
         if len(state.eval_loss):
             xs, ys = thin(state.eval_loss.steps, state.eval_loss.values)
-            curves.append((xs, ys, "eval", "orange", "dot"))
+            curves.append((xs, ys, "eval", "orange", POINTS))
         last = state.loss.last()
         title = self.title + (f" · last {last:.4f}" if last is not None else "")
         self.points_drawn = sum(len(c[0]) for c in curves)
@@ -275,7 +275,7 @@ class LossPlot(BackgroundPlot):
                 curves.append((xs, ys, f"{label} train", train_color, "braille"))
             if len(state.eval_loss):
                 xs, ys = thin(state.eval_loss.steps, state.eval_loss.values)
-                curves.append((xs, ys, f"{label} eval", eval_color, "dot"))
+                curves.append((xs, ys, f"{label} eval", eval_color, POINTS))
         if not curves:
             self._empty("the runs have no steps yet")
             return
