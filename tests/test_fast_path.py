@@ -103,6 +103,33 @@ def test_layer_inputs_kept_on_the_host_give_the_same_loss_and_gradients(tiny_mod
         torch.testing.assert_close(grads1[name], grad, rtol=1e-5, atol=1e-7)
 
 
+def test_layers_on_the_host_train_their_adapters_even_when_not_hoisting(tiny_model: Path, monkeypatch) -> None:
+    """FastOptions(hoist_adapters=False) with the layer inputs on the host: the adapters still get
+    their gradients (OffloadedLayer takes them as inputs; bench/speed.py's no_hoist lever used to
+    end in "element 0 of tensors does not require grad")."""
+    from studio.engine.fast.model import FastOptions
+    from studio.engine.fast.offload import HostInputs
+
+    model = _peft_model(tiny_model, None, ALL)
+    device = next(model.parameters()).device
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
+    monkeypatch.setattr("studio.engine.fast.model.offload_for", lambda tokens, dropout, cuda: True)
+    results = []
+    for hoist, host in ((True, False), (False, True)):
+        fast_model, why = fast.prepare(model, FastOptions(hoist_adapters=hoist))
+        assert fast_model is not None, why
+        fast_model._host = HostInputs(device) if host else None
+        model.zero_grad(set_to_none=True)
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+        results.append((loss.detach(), _grads(model)))
+    (loss0, grads0), (loss1, grads1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
+    for name, grad in grads0.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(grads1[name], grad, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize(("bits", "targets"), [(None, ALL), (4, ALL), (None, ["q_proj", "v_proj", "down_proj"])])
 def test_fast_path_loss_and_lora_gradients_equal_the_plain_path(tiny_model: Path, bits, targets,
                                                                monkeypatch) -> None:

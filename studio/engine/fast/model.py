@@ -46,7 +46,8 @@ class FastOptions:
     unpad: bool = True
     """Drop padding tokens before the model (padded batches become a flat stream of examples)."""
     hoist_adapters: bool = True
-    """Cast and stack the adapters once per forward, outside the checkpointed layers."""
+    """Cast and stack the adapters once per forward, outside the checkpointed layers (always, for
+    layers whose inputs wait on the host: ``offload_inputs``)."""
     cuda_graphs: bool = True
     """Replay the decoder stack's forward and backward as CUDA graphs (one per batch layout, at most
     ``max_graphs``), so the host's per-operation cost leaves the step; CUDA only."""
@@ -247,8 +248,10 @@ class FastModel:
         if host is not None:
             host.reset()
         for index, layer in enumerate(self.layers):
-            # Built outside the checkpoint: the recomputation then reuses them (fewer small ops).
-            adapters = layer.adapters(sink) if self.options.hoist_adapters else None
+            # Built outside the checkpoint: the recomputation then reuses them (fewer small ops). A
+            # layer whose input waits on the host takes them hoisted either way: they are the
+            # inputs through which OffloadedLayer hands the adapters their gradients.
+            adapters = layer.adapters(sink) if self.options.hoist_adapters or host is not None else None
             if host is not None:
                 spec, tensors = flatten(adapters)
                 h = OffloadedLayer.apply(h, cos, sin, layer, seg, index, host, spec, *tensors)
