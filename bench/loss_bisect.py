@@ -23,30 +23,15 @@ from pathlib import Path
 TEMPLATE = "{instruction}\n{output}"
 
 
-def rel_diffs(losses: list[float], baseline: list[float]) -> list[float]:
-    """Per-step relative difference of ``losses`` from ``baseline`` over the steps both have."""
-    return [abs(a - b) / abs(b) for a, b in zip(losses, baseline, strict=False)]
-
-
-def summarize(losses: list[float], baseline: list[float]) -> dict:
-    diffs = rel_diffs(losses, baseline)
-    # Signed mean: positive when Studio's loss sits above the loop's (it learns more slowly).
-    signed = [(a - b) / abs(b) for a, b in zip(losses, baseline, strict=False)]
-    return {"loss_max_rel_diff": max(diffs), "loss_mean_rel_diff": sum(diffs) / len(diffs),
-            "loss_mean_signed_rel_diff": sum(signed) / len(signed),
-            "loss_rel_diff_per_step": [round(d, 4) for d in diffs]}
-
-
-def run_variant(args, name: str, spec: str, data: Path) -> dict:
+def run_variant(args, common: list[str], name: str, spec: str, data: Path) -> dict:
     code = Path(spec[1:]) if spec.startswith("@") else Path(__file__).resolve().parent.parent
     out = Path(args.work) / f"variant_{name}.json"
-    cmd = [sys.executable, str(code / "bench" / "speed.py"), "--worker", "trainer", "--model", args.model,
-           "--steps", str(args.steps), "--warmup-steps", "3", "--lr", "2e-4", "--lora-dropout", "0.0",
-           "--seed", "42", "--work", str(Path(args.work) / name), "--json", str(out),
-           "--workload", f"{args.workload}:{data}:{args.micro_batch}:{TEMPLATE}"]
+    work = Path(args.work) / name
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(code / "bench" / "speed.py"), "--worker", "trainer", *common, "--work", str(work),
+           "--json", str(out), "--workload", f"{args.workload}:{data}:{args.micro_batch}:{TEMPLATE}"]
     if not spec.startswith("@") and spec not in ("", "{}"):
         cmd += ["--fast-options", spec]
-    Path(args.work, name).mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code)] + [p for p in os.environ.get("PYTHONPATH", "")
                                                                      .split(os.pathsep) if p]))
     t0 = time.perf_counter()
@@ -67,6 +52,12 @@ def main() -> int:
     parser.add_argument("--workload", default="fixed_mb4")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=16)
+    # speed.py's recipe (its defaults): the recorded batches and the baseline's losses depend on them
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--lora-dropout", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--tokenizer", default="", help="for the model when it has to be built")
     parser.add_argument("--variant", action="append", default=[], help="name=FastOptions JSON, or name=@folder")
     parser.add_argument("--work", default="/tmp/loss-bisect")
     parser.add_argument("--out", required=True)
@@ -76,12 +67,11 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import torch
 
-    from bench.speed import long_rows, versions
+    from bench.speed import _workers_setup, long_rows, loss_agreement, versions
 
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    _, work, common, _ = _workers_setup(args)  # builds the random model when it is missing
     data = work / "long.jsonl"
-    long_rows(data, 104, 42)  # speed.py's own rows and seed: the recorded batches are the same
+    long_rows(data, 104, args.seed)  # speed.py's own rows and seed: the recorded batches are the same
     baseline = json.loads(Path(args.baseline).read_text())["runs"]["baseline"]["workloads"][args.workload]["losses"]
     results: dict = {"what": "per-step losses of Studio's Trainer per variant against the HF loop's "
                              f"(from {args.baseline}) on the same batches",
@@ -91,9 +81,9 @@ def main() -> int:
                      "baseline_losses": baseline, "variants": {}}
     for item in args.variant:
         name, _, spec = item.partition("=")
-        out = run_variant(args, name, spec, data)
+        out = run_variant(args, common, name, spec, data)
         if "losses" in out:
-            out.update(summarize(out["losses"], baseline))
+            out.update(loss_agreement(out["losses"], baseline))
             print(f"{name}: max {out['loss_max_rel_diff']:.4f} mean {out['loss_mean_rel_diff']:.4f} "
                   f"signed {out['loss_mean_signed_rel_diff']:+.4f} ({out['tokens_per_s']:.0f} tok/s)", flush=True)
         results["variants"][name] = out

@@ -398,6 +398,17 @@ def profile_steps(step: int, start: int, state: dict) -> None:
         trace.unlink()
 
 
+def loss_agreement(losses: list[float], baseline: list[float]) -> dict:
+    """How far per-step ``losses`` are from ``baseline``'s, over the steps both have: the worst and
+    mean relative difference, each step's, and the signed mean (positive: above the baseline on
+    average, i.e. learning more slowly)."""
+    pairs = list(zip(losses, baseline, strict=False))
+    rel = [abs(x - y) / abs(y) for x, y in pairs]
+    return {"loss_max_rel_diff": max(rel), "loss_mean_rel_diff": sum(rel) / len(rel),
+            "loss_mean_signed_rel_diff": sum((x - y) / abs(y) for x, y in pairs) / len(pairs),
+            "loss_rel_diff_per_step": [round(r, 4) for r in rel]}
+
+
 def _workers_setup(args) -> tuple[Path, Path, list[str], dict]:
     """What both drivers start with: the random model (built if missing), the work folder, the
     arguments every worker shares, and the workers' environment."""
@@ -558,10 +569,7 @@ def summarize(runs: dict, peak_tflops: float) -> dict:
             row["ratio"] = row["studio_tokens_per_s"] / row["baseline_tokens_per_s"]
             row["reserved_le_baseline"] = studio[s]["peak_reserved"] <= base[b]["peak_reserved"]
             if b == s:
-                rel = [abs(x - y) / abs(y) for x, y in zip(studio[s]["losses"], base[b]["losses"], strict=False)]
-                row["loss_max_rel_diff"] = max(rel)
-                row["loss_mean_rel_diff"] = sum(rel) / len(rel)
-                row["loss_rel_diff_per_step"] = [round(r, 4) for r in rel]
+                row.update(loss_agreement(studio[s]["losses"], base[b]["losses"]))
         summary[label] = row
     for key, value in runs.get("levers", {}).get("workloads", {}).items():
         summary.setdefault("levers", {})[key] = {"tokens_per_s": value["tokens_per_s"],
