@@ -104,6 +104,7 @@ LEVERS = {
     "keep_last_product": {"skip_last_product": False},
     "separate_epilogues": {"fused_epilogues": False},
     "joined_qkv": {"separate_qkv": False},
+    "bnb_dequant": {"triton_dequant": False},
     "separate_backward": {"fused_backward": False},
 }
 

@@ -113,7 +113,8 @@ def prepare(model: nn.Module, options: FastOptions | None = None) -> tuple[FastM
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         proj = partial(Projection, adapter=adapter, dtype=dtype, cache_absmax=options.cache_absmax,
-                       workspace=workspace, split=options.split_products)
+                       workspace=workspace, split=options.split_products,
+                       triton_dequant=options.triton_dequant)
         built.append(Layer(
             qkv=proj([attn.q_proj, attn.k_proj, attn.v_proj]),
             o=proj([attn.o_proj]),

@@ -35,6 +35,9 @@ class FastOptions:
     shared_workspace: bool = True
     """Dequantize every fused 4-bit weight into one shared buffer (weights.Workspace) instead of a
     fresh allocation per product."""
+    triton_dequant: bool = True
+    """Dequantize NF4 weights in one Triton kernel, double-quantized scales included (dequant.py),
+    instead of bitsandbytes' three: the same values to the bit. CUDA with Triton only."""
     split_products: bool = True
     """Run a fused projection's base product one projection at a time (weights.FrozenWeights): the
     dequantization buffer holds one projection's weight instead of the fused pair's."""

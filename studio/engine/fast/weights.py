@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from studio.engine.fast import dequant
 from studio.engine.fast.dropout import dropout
 
 
@@ -55,7 +56,7 @@ class FrozenWeights:
     """
 
     def __init__(self, bases: Sequence[nn.Module], dtype: torch.dtype, cache_absmax: bool,
-                 workspace: Workspace | None = None, split: bool = True):
+                 workspace: Workspace | None = None, split: bool = True, triton_dequant: bool = True):
         self.bases = list(bases)
         self.dtype = dtype
         self.out_features = [int(b.out_features) for b in self.bases]
@@ -67,11 +68,17 @@ class FrozenWeights:
             widest = max(self.out_features) if self.split else sum(self.out_features)
             self.workspace.reserve(widest * self.in_features)
         self._absmax: list[torch.Tensor | None] = []
+        self._kernels: list[dequant.NF4Weight | None] = []
+        """Each 4-bit weight's one-kernel dequantization (dequant.py), where it covers the weight."""
         for base, q in zip(self.bases, self.quantized, strict=True):
-            if q and cache_absmax:
-                self._absmax.append(expanded_absmax(base.weight.quant_state))
+            absmax = expanded_absmax(base.weight.quant_state) if q and cache_absmax else None
+            self._absmax.append(absmax)
+            device = base.weight.device
+            if q and triton_dequant and dequant.supports(base.weight.quant_state, dtype) \
+                    and dequant.available(device):
+                self._kernels.append(dequant.NF4Weight(base.weight.quant_state, device, absmax))
             else:
-                self._absmax.append(None)
+                self._kernels.append(None)
 
     def matrix(self) -> torch.Tensor:
         """The bf16 (compute dtype) weight ``[sum(out_features), in_features]``."""
@@ -82,8 +89,9 @@ class FrozenWeights:
         rows = sum(self.out_features)
         out = self._buffer(rows)
         row = 0
-        for base, absmax, n in zip(self.bases, self._absmax, self.out_features, strict=True):
-            _dequantize_into(base, absmax, out[row:row + n])
+        for base, absmax, kernel, n in zip(self.bases, self._absmax, self._kernels, self.out_features,
+                                           strict=True):
+            _dequantize_into(base, absmax, out[row:row + n], kernel)
             row += n
         return out
 
@@ -99,7 +107,7 @@ class FrozenWeights:
         if not self.quantized[index]:
             return base.weight.to(self.dtype)
         out = self._buffer(self.out_features[index])
-        _dequantize_into(base, self._absmax[index], out)
+        _dequantize_into(base, self._absmax[index], out, self._kernels[index])
         return out
 
     def _columns(self):
@@ -166,7 +174,11 @@ def expanded_absmax(state) -> torch.Tensor:
     return state.absmax.float()
 
 
-def _dequantize_into(base: nn.Module, absmax: torch.Tensor | None, out: torch.Tensor) -> None:
+def _dequantize_into(base: nn.Module, absmax: torch.Tensor | None, out: torch.Tensor,
+                     kernel: dequant.NF4Weight | None = None) -> None:
+    if kernel is not None:  # one kernel, the double-quantized scales included (dequant.py)
+        kernel(base.weight.data, out)
+        return
     state = base.weight.quant_state
     if absmax is None:
         absmax = expanded_absmax(state)
@@ -378,10 +390,10 @@ class Projection:
     """Linears reading the same input (with or without a LoRA adapter each), as one product."""
 
     def __init__(self, modules: Sequence[nn.Module], adapter: str, dtype: torch.dtype, cache_absmax: bool,
-                 workspace: Workspace | None = None, split: bool = True):
+                 workspace: Workspace | None = None, split: bool = True, triton_dequant: bool = True):
         self.modules = list(modules)
         bases = [m.get_base_layer() if hasattr(m, "get_base_layer") else m for m in modules]
-        self.weights = FrozenWeights(bases, dtype, cache_absmax, workspace, split)
+        self.weights = FrozenWeights(bases, dtype, cache_absmax, workspace, split, triton_dequant)
         self.dtype = dtype
         adapted = [m for m in modules if has_adapter(m, adapter)]
         self.present = [has_adapter(m, adapter) for m in modules]

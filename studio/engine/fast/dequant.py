@@ -1,0 +1,144 @@
+"""NF4 dequantization in one Triton kernel, double-quantized scales included.
+
+bitsandbytes dequantizes a double-quantized NF4 weight in three kernels: the 8-bit scales to fp32
+(``dequantize_blockwise``), the offset added to them, and the 4-bit values times their block's
+scale. The last one ran at about 58% of an H100's memory bandwidth in the fast path's profiles
+(bench/results/h100_v8_profile_c.json: 23-26 ms of a step's dequantizations, every step, whatever
+the batch). This kernel does all three in one pass: each program reads a run of 4-bit blocks and
+their 8-bit scales, and writes the compute-dtype weight.
+
+The values are bitsandbytes' to the bit: the same fp32 table lookups, the same products, the same
+order (a scale is ``code2[q] * absmax2`` then ``+ offset``, with no fused multiply-add that would
+round once instead of twice), one rounding to bf16/fp16 at the end. tests/test_dequant.py checks
+this against bitsandbytes itself, in Triton's interpreter on the CPU and compiled on the GPU.
+
+Used by :func:`studio.engine.fast.weights._dequantize_into` for NF4 weights on CUDA when Triton is
+there (``FastOptions.triton_dequant``); anything else (FP4, odd block sizes, the CPU) goes through
+bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BLOCKS_PER_PROGRAM = 32
+"""4-bit blocks (of ``blocksize`` values each) one program dequantizes: 2,048 values at the usual
+block size of 64."""
+NUM_WARPS = 4
+"""Warps a program runs on (bench/dequant_speed.py --sweep times the choices)."""
+
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - any import failure (no Triton, a broken one) means "not here"
+    triton = None
+
+    class tl:  # noqa: N801 - only the kernel's annotations read it when Triton is missing
+        constexpr = None
+
+
+def _nf4_dequantize(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, out_ptr, numel,
+                    blocks, NESTED: tl.constexpr, HALF: tl.constexpr, BLOCKSIZE2: tl.constexpr,
+                    ROWS: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    # One row per 4-bit block: HALF packed bytes, 2 * HALF values, one scale.
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    in_range = row < blocks
+    if NESTED:
+        q = tl.load(absmax_ptr + row, mask=in_range, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + row // BLOCKSIZE2, mask=in_range, other=0.0)
+        scale = scale + tl.load(offset_ptr)
+    else:
+        scale = tl.load(absmax_ptr + row, mask=in_range, other=0.0)
+    byte_at = row[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    byte = tl.load(packed_ptr + byte_at, mask=byte_at * 2 < numel, other=0).to(tl.int32)
+    # The first value of each byte is its high nibble (bitsandbytes' packing).
+    high = tl.load(code_ptr + (byte >> 4)) * scale[:, None]
+    low = tl.load(code_ptr + (byte & 15)) * scale[:, None]
+    values = tl.reshape(tl.join(high, low), (ROWS, 2 * HALF))  # high, low, high, low, ...
+    out_at = row[:, None] * (2 * HALF) + tl.arange(0, 2 * HALF)[None, :]
+    if ROUND_BY_HAND:
+        # Triton's interpreter truncates fp32 to bf16 where the compiled kernel (and bitsandbytes)
+        # rounds to nearest even: round the bits here, for the CPU tests.
+        bits = values.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        values = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    tl.store(out_ptr + out_at, values.to(out_ptr.dtype.element_ty), mask=out_at < numel)
+
+
+@functools.cache
+def _kernel():
+    """The kernel, jitted on first use (the interpreter's or the compiler's, as the environment says
+    then), or None without Triton."""
+    if triton is None:
+        return None
+    return triton.jit(_nf4_dequantize)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available(device: torch.device) -> bool:
+    """Whether :class:`NF4Weight` can run on ``device``: CUDA with Triton, or anywhere under
+    Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests)."""
+    if device.type != "cuda" and not _interpreted():
+        return False
+    return _kernel() is not None
+
+
+def supports(state, dtype: torch.dtype) -> bool:
+    """Whether the kernel covers this bitsandbytes ``QuantState`` dequantized to ``dtype``."""
+    if str(state.quant_type) != "nf4" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    blocksize = int(state.blocksize)
+    if blocksize < 2 or blocksize & (blocksize - 1):
+        return False
+    if state.nested:
+        inner = int(state.state2.blocksize)
+        if inner < 1 or state.absmax.dtype != torch.uint8:
+            return False
+    return True
+
+
+class NF4Weight:
+    """One NF4 weight's kernel arguments, on its device, gathered once (a CUDA graph's capture must
+    not copy them there, and a product should not pay for it every call). ``absmax``: the block
+    scales already expanded to fp32 (``FastOptions.cache_absmax``); else the kernel expands
+    double-quantized ones itself."""
+
+    def __init__(self, state, device: torch.device, absmax: torch.Tensor | None = None):
+        self.blocksize = int(state.blocksize)
+        self.nested = absmax is None and bool(state.nested)
+        self.code = state.code.to(device=device, dtype=torch.float32)
+        if self.nested:
+            self.scales = state.absmax.to(device)
+            self.code2 = state.state2.code.to(device=device, dtype=torch.float32)
+            self.absmax2 = state.state2.absmax.to(device=device, dtype=torch.float32)
+            offset = state.offset if torch.is_tensor(state.offset) else torch.tensor(float(state.offset))
+            self.offset = offset.to(device=device, dtype=torch.float32).reshape(1)
+            self.inner = int(state.state2.blocksize)
+        else:
+            scales = absmax if absmax is not None else state.absmax
+            self.scales = scales.to(device=device, dtype=torch.float32)
+            # Unread when not nested (the kernel's NESTED is False): any pointer will do.
+            self.code2 = self.absmax2 = self.offset = self.scales
+            self.inner = 1
+
+    def __call__(self, packed: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the weight (``packed``: bitsandbytes' uint8 storage, two values a byte) into
+        ``out``, in ``out``'s dtype."""
+        kernel = _kernel()
+        assert kernel is not None, "Triton is not installed"
+        numel = out.numel()
+        blocks = -(-numel // self.blocksize)
+        grid = (-(-blocks // BLOCKS_PER_PROGRAM),)
+        # enable_fp_fusion=False: bitsandbytes rounds code2[q] * absmax2 before adding the offset;
+        # a fused multiply-add would round once and differ in the last bit.
+        kernel[grid](packed, self.scales, self.code2, self.absmax2, self.offset, self.code, out, numel,
+                     blocks, NESTED=self.nested, HALF=self.blocksize // 2, BLOCKSIZE2=self.inner,
+                     ROWS=BLOCKS_PER_PROGRAM, num_warps=NUM_WARPS, enable_fp_fusion=False,
+                     ROUND_BY_HAND=out.dtype == torch.bfloat16 and _interpreted())

@@ -1,0 +1,115 @@
+"""The one-kernel NF4 dequantization (studio/engine/fast/dequant.py) gives bitsandbytes' values to
+the bit: in Triton's interpreter on the CPU, compiled on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+bnb_functional = pytest.importorskip("bitsandbytes.functional")
+pytest.importorskip("triton")
+
+from studio.engine.fast import dequant  # noqa: E402
+
+CASES = [
+    # (rows, cols, blocksize, double-quantized scales, compute dtype)
+    (96, 200, 64, True, torch.bfloat16),    # 300 blocks: the last program runs part-full
+    (64, 64, 64, False, torch.bfloat16),    # plain fp32 scales
+    (40, 100, 128, True, torch.float16),     # another block size, fp16 out
+    (33, 34, 64, True, torch.bfloat16),     # 1,122 values: the last block is part-full
+    (520, 256, 64, True, torch.bfloat16),   # 2,080 blocks: more than one block of nested scales' 256
+]
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """Triton's interpreter (numpy on the CPU) for kernels built in this test; compiled again after."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dequant._kernel.cache_clear()
+    yield
+    dequant._kernel.cache_clear()
+
+
+def _quantized(rows, cols, blocksize, nested, device):
+    torch.manual_seed(rows * cols + blocksize)
+    # Values over several orders of magnitude, as in a real weight's rows.
+    w = (torch.randn(rows, cols) * torch.logspace(-3, 1, cols)).to(device=device, dtype=torch.bfloat16)
+    return bnb_functional.quantize_4bit(w, blocksize=blocksize, quant_type="nf4", compress_statistics=nested)
+
+
+def _check(rows, cols, blocksize, nested, dtype, device, cached=False):
+    packed, state = _quantized(rows, cols, blocksize, nested, device)
+    reference = bnb_functional.dequantize_4bit(packed, state).to(dtype)
+    if dtype != state.dtype:  # bitsandbytes dequantizes to the dtype it quantized from
+        state.dtype = dtype
+        reference = bnb_functional.dequantize_4bit(packed, state)
+    assert dequant.supports(state, dtype)
+    absmax = None
+    if cached:
+        from studio.engine.fast.weights import expanded_absmax
+
+        absmax = expanded_absmax(state)
+    out = torch.full((rows, cols), float("nan"), dtype=dtype, device=device)
+    dequant.NF4Weight(state, torch.device(device), absmax)(packed, out)
+    assert not torch.isnan(out).any(), "a value was never written"
+    mismatch = (out != reference).sum().item()
+    assert mismatch == 0, f"{mismatch} of {out.numel()} values differ from bitsandbytes'"
+
+
+@pytest.mark.parametrize("rows,cols,blocksize,nested,dtype", CASES)
+def test_the_kernel_gives_bitsandbytes_values_to_the_bit(interpreted, rows, cols, blocksize, nested, dtype):
+    _check(rows, cols, blocksize, nested, dtype, "cpu")
+
+
+def test_scales_expanded_once_give_the_same_values(interpreted):
+    _check(96, 200, 64, True, torch.bfloat16, "cpu", cached=True)
+
+
+def test_what_the_kernel_does_not_cover_goes_to_bitsandbytes(monkeypatch):
+    packed, state = _quantized(8, 64, 64, True, "cpu")
+    assert dequant.supports(state, torch.bfloat16)
+    assert not dequant.supports(state, torch.float32)
+    _, fp4 = bnb_functional.quantize_4bit(torch.randn(8, 64, dtype=torch.bfloat16), quant_type="fp4")
+    assert not dequant.supports(fp4, torch.bfloat16)
+    # Compiled Triton needs a GPU: on the CPU only the interpreter runs it.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not dequant.available(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dequant.available(torch.device("cpu"))
+
+
+class Params4bit:
+    """Stands in for bitsandbytes' 4-bit parameter (what weights.is_4bit recognises: the type's name
+    and a quant_state)."""
+
+    def __init__(self, packed, state):
+        self.data, self.quant_state, self.device = packed, state, packed.device
+
+
+def test_the_fast_path_dequantizes_nf4_through_the_kernel(interpreted):
+    """FrozenWeights picks the kernel for NF4 weights (and bitsandbytes when told not to): the
+    fused matrix is bitsandbytes' either way."""
+    from types import SimpleNamespace
+
+    from studio.engine.fast.weights import FrozenWeights
+
+    bases, references = [], []
+    for rows in (64, 96):
+        packed, state = _quantized(rows, 128, 64, True, "cpu")
+        bases.append(SimpleNamespace(weight=Params4bit(packed, state), in_features=128, out_features=rows))
+        references.append(bnb_functional.dequantize_4bit(packed, state))
+    fast = FrozenWeights(bases, torch.bfloat16, cache_absmax=False, split=False)
+    assert all(k is not None for k in fast._kernels)
+    assert torch.equal(fast.matrix(), torch.cat(references))
+    plain = FrozenWeights(bases, torch.bfloat16, cache_absmax=False, split=False, triton_dequant=False)
+    assert all(k is None for k in plain._kernels)
+    assert torch.equal(plain.matrix(), torch.cat(references))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows,cols,blocksize,nested,dtype", [*CASES, (4096, 4096, 64, True, torch.bfloat16),
+                                                              (11008, 4096, 64, True, torch.bfloat16)])
+def test_compiled_on_the_gpu_the_kernel_gives_bitsandbytes_values_to_the_bit(rows, cols, blocksize, nested, dtype):
+    _check(rows, cols, blocksize, nested, dtype, "cuda")
+    _check(rows, cols, blocksize, nested, dtype, "cuda", cached=True)
