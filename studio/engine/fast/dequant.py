@@ -24,11 +24,12 @@ import os
 
 import torch
 
-BLOCKS_PER_PROGRAM = 32
-"""4-bit blocks (of ``blocksize`` values each) one program dequantizes: 2,048 values at the usual
+BLOCKS_PER_PROGRAM = 64
+"""4-bit blocks (of ``blocksize`` values each) one program dequantizes: 4,096 values at the usual
 block size of 64."""
-NUM_WARPS = 4
-"""Warps a program runs on (bench/dequant_speed.py --sweep times the choices)."""
+NUM_WARPS = 2
+"""Warps a program runs on. With the blocks above, the fastest of 20 choices over a 7B layer's seven
+weights on an H100 (bench/dequant_speed.py --sweep, bench/results/h100_v11_dequant_sweep.json)."""
 
 
 try:
