@@ -113,3 +113,31 @@ def test_the_fast_path_dequantizes_nf4_through_the_kernel(interpreted):
 def test_compiled_on_the_gpu_the_kernel_gives_bitsandbytes_values_to_the_bit(rows, cols, blocksize, nested, dtype):
     _check(rows, cols, blocksize, nested, dtype, "cuda")
     _check(rows, cols, blocksize, nested, dtype, "cuda", cached=True)
+
+
+def test_a_kernel_that_fails_to_build_leaves_bitsandbytes_doing_the_work(interpreted, monkeypatch):
+    """A Triton that cannot compile the kernel for this GPU must not stop training: the weight comes
+    from bitsandbytes, with a warning that says why, and later weights skip the kernel."""
+    from types import SimpleNamespace
+
+    from studio.engine.fast.weights import FrozenWeights
+
+    packed, state = _quantized(64, 128, 64, True, "cpu")
+    base = SimpleNamespace(weight=Params4bit(packed, state), in_features=128, out_features=64)
+    fast = FrozenWeights([base], torch.bfloat16, cache_absmax=False)
+    assert fast._kernels[0] is not None
+
+    class Unbuildable:
+        def __getitem__(self, grid):
+            raise RuntimeError("PassManager::run failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dequant, "_kernel", lambda: Unbuildable())
+        patch.setattr(dequant, "_broken", "")
+        with pytest.warns(RuntimeWarning, match="PassManager::run failed"):
+            matrix = fast.matrix()
+        assert torch.equal(matrix, bnb_functional.dequantize_4bit(packed, state))
+        assert "PassManager" in dequant.broken()
+        assert not dequant.available(torch.device("cpu"))
+        assert FrozenWeights([base], torch.bfloat16, cache_absmax=False)._kernels == [None]
+    assert dequant.broken() == ""

@@ -10,6 +10,8 @@ one concern a module:
   frozen 4-bit weights are dequantized straight into the fused matrix, and the LoRA update is added
   by the same product's epilogue (``addmm``), with a hand-written backward that re-dequantizes
   instead of keeping the bf16 weights; every 4-bit weight is dequantized into one shared buffer;
+- ``dequant``: an NF4 weight dequantized by one Triton kernel, its double-quantized scales
+  expanded in the same pass (bitsandbytes' values to the bit, in one kernel instead of three);
 - ``ops``: RMSNorm, RoPE, SwiGLU and the cross-entropy come from liger-kernel's Triton kernels when
   it is installed on a CUDA machine (the cross-entropy is fused with the output projection, so the
   logits are never materialised), with plain torch code as the fallback;

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -79,6 +80,25 @@ def _kernel():
     return triton.jit(_nf4_dequantize)
 
 
+_broken = ""
+"""Why the kernel failed to build or run on this machine ('' while it works): from then on every
+weight goes through bitsandbytes (weights._dequantize_into)."""
+
+
+def broken() -> str:
+    return _broken
+
+
+def mark_broken(exc: BaseException) -> None:
+    """Give up on the kernel for this process after ``exc`` (a Triton that cannot compile it for
+    this GPU, say): training goes on through bitsandbytes, with a warning saying why."""
+    global _broken
+    if not _broken:
+        _broken = f"{type(exc).__name__}: {exc}"[:500]
+        warnings.warn(f"Studio's NF4 dequantization kernel failed ({_broken}); using bitsandbytes' instead",
+                      RuntimeWarning, stacklevel=3)
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -86,7 +106,7 @@ def _interpreted() -> bool:
 def available(device: torch.device) -> bool:
     """Whether :class:`NF4Weight` can run on ``device``: CUDA with Triton, or anywhere under
     Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests)."""
-    if device.type != "cuda" and not _interpreted():
+    if _broken or (device.type != "cuda" and not _interpreted()):
         return False
     return _kernel() is not None
 
