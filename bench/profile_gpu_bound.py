@@ -107,6 +107,56 @@ def kernel_table(trace_path: Path, wall_s: float) -> dict:
             "top_kernels": [{"name": k, "count": n, "ms": round(t, 2)} for k, (n, t) in top]}
 
 
+def compute_stream_gaps(trace_path: Path, steps: int) -> dict:
+    """Where the compute stream (the one with the most kernel time) waits, per step: its gaps between
+    consecutive kernels, copies on other streams or not, by size, and by the operator that launched
+    the kernel after each gap (what the stream was waiting to start)."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    origin = launching_ops(events)
+    by_stream: dict[object, list[dict]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"):
+            by_stream.setdefault((e.get("args") or {}).get("stream", e.get("tid")), []).append(e)
+    if not by_stream:
+        return {}
+    stream = max(by_stream, key=lambda k: sum(float(e.get("dur", 0)) for e in by_stream[k] if e["cat"] == "kernel"))
+    items = sorted(by_stream[stream], key=lambda e: float(e["ts"]))
+    # When the host asked for each kernel: a gap the launch call ended after is the host's (the GPU
+    # had nothing queued); one it ended before is the device's (the kernel waited on an event: a
+    # copy, another stream).
+    launched = {(e.get("args") or {}).get("correlation"): float(e["ts"]) + float(e.get("dur", 0))
+                for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"}
+    sizes = {"under 10 us": 0.0, "10-100 us": 0.0, "0.1-1 ms": 0.0, "over 1 ms": 0.0}
+    counts = dict.fromkeys(sizes, 0)
+    by_next: dict[str, list[float]] = {}
+    whose = {"host (launched late)": 0.0, "device (queued, waiting)": 0.0, "unknown": 0.0}
+    end, previous = None, ""
+    for e in items:
+        ts = float(e["ts"])
+        if end is not None and ts > end:
+            gap = ts - end
+            key = "under 10 us" if gap < 10 else "10-100 us" if gap < 100 else "0.1-1 ms" if gap < 1000 else "over 1 ms"
+            sizes[key] += gap
+            counts[key] += 1
+            if gap >= 10:
+                corr = (e.get("args") or {}).get("correlation")
+                name = e.get("name", "")[:40] + " @ " + origin.get(corr, "?") + " | after " + previous[:40]
+                by_next.setdefault(name, []).append(gap)
+                at = launched.get(corr)
+                whose["unknown" if at is None else "host (launched late)" if at > end else "device (queued, waiting)"] += gap
+        end = max(end or 0.0, ts + float(e.get("dur", 0)))
+        previous = e.get("name", "")
+    busy = sum(float(e.get("dur", 0)) for e in items)
+    top = sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:25]
+    return {"stream": str(stream), "busy_ms_per_step": round(busy / 1e3 / steps, 2),
+            "idle_ms_per_step": round(sum(sizes.values()) / 1e3 / steps, 2),
+            "idle_by_size_ms_per_step": {k: round(v / 1e3 / steps, 2) for k, v in sizes.items()},
+            "gaps_by_size_per_step": {k: round(v / steps, 1) for k, v in counts.items()},
+            "idle_10us_up_by_cause_ms_per_step": {k: round(v / 1e3 / steps, 2) for k, v in whose.items()},
+            "idle_before_ms_per_step": [{"next": k, "gaps": len(v) // steps, "ms": round(sum(v) / 1e3 / steps, 2)}
+                                        for k, v in top]}
+
+
 def idle_by_phase(trace_path: Path, steps: int) -> dict:
     """The GPU's idle time between its first and last kernel (no kernel, copy or memset on any
     stream), per step, put under the host's ``studio.*`` ranges (engine/train.py's ``phase``)
@@ -297,6 +347,8 @@ def main() -> int:
                 wall = time.perf_counter() - w0
                 prof.export_chrome_trace(str(trace))
                 row["profile_2_steps"] = kernel_table(trace, wall)
+                row["profile_2_steps"]["compute_stream"] = compute_stream_gaps(trace, 2)
+                print(json.dumps(row["profile_2_steps"]["compute_stream"]), flush=True)
                 trace.unlink()
                 print(json.dumps(row["profile_2_steps"]["by_category_ms"]), flush=True)
             fm.release_graphs()
