@@ -37,13 +37,11 @@ def main() -> int:
     import torch
     import transformers
 
-    from bench.speed import LEVERS, studio_load
-    from bench.vram_accuracy import build_model
+    from bench.speed import LEVERS, random_7b
     from studio.engine import fast
 
     t0 = time.perf_counter()
-    folder = build_model("llama2-7b", Path(args.models_dir) / "llama2-7b")
-    model = studio_load(str(folder), 0.0, 42)
+    model = random_7b(args.models_dir)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     g = torch.Generator(device="cpu").manual_seed(1)
     with torch.no_grad():

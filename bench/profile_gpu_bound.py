@@ -303,13 +303,11 @@ def main() -> int:
     import torch
     import transformers
 
-    from bench.speed import LEVERS, studio_load, studio_train
-    from bench.vram_accuracy import build_model
+    from bench.speed import LEVERS, random_7b, studio_train
     from studio.engine import fast
 
     t0 = time.perf_counter()
-    folder = build_model("llama2-7b", Path(args.models_dir) / "llama2-7b")
-    model = studio_load(str(folder), 0.0, 42)
+    model = random_7b(args.models_dir)
     params = [p for p in model.parameters() if p.requires_grad]
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,

@@ -129,6 +129,15 @@ def studio_load(model_path: str, lora_dropout: float, seed: int):
     return get_peft_model(model, lora)
 
 
+def random_7b(models_dir: str, lora_dropout: float = 0.0, seed: int = 42):
+    """The random-weight Llama-2-7B (built under ``models_dir`` on first use) with LoRA attached, as
+    :func:`studio_load` loads it: the model the GPU-bound scripts share."""
+    from bench.vram_accuracy import build_model
+
+    folder = build_model("llama2-7b", Path(models_dir) / "llama2-7b")
+    return studio_load(str(folder), lora_dropout, seed)
+
+
 def studio_train(fast_model, params, batches, steps: int, lr: float, warmup_steps: int, seed: int,
                  profile: Path | None = None) -> dict:
     """Same loop as the baseline's, with the fast path's loss and a fused AdamW."""
