@@ -99,7 +99,7 @@ def test_the_fast_path_dequantizes_nf4_through_the_kernel(interpreted):
         bases.append(SimpleNamespace(weight=Params4bit(packed, state), in_features=128, out_features=rows))
         references.append(bnb_functional.dequantize_4bit(packed, state))
     fast = FrozenWeights(bases, torch.bfloat16, cache_absmax=False, split=False)
-    assert all(k is not None for k in fast._kernels)
+    assert all(k is not None for k in fast._kernels) and fast.one_kernel
     assert torch.equal(fast.matrix(), torch.cat(references))
     plain = FrozenWeights(bases, torch.bfloat16, cache_absmax=False, split=False, triton_dequant=False)
     assert all(k is None for k in plain._kernels)
@@ -138,6 +138,7 @@ def test_a_kernel_that_fails_to_build_leaves_bitsandbytes_doing_the_work(interpr
             matrix = fast.matrix()
         assert torch.equal(matrix, bnb_functional.dequantize_4bit(packed, state))
         assert "PassManager" in dequant.broken()
+        assert not fast.one_kernel  # what FastModel.describe() names follows
         assert not dequant.available(torch.device("cpu"))
         assert FrozenWeights([base], torch.bfloat16, cache_absmax=False)._kernels == [None]
     assert dequant.broken() == ""

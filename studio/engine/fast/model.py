@@ -12,7 +12,6 @@ from torch.utils.checkpoint import checkpoint
 
 from studio.core.plan import OFFLOAD_IN_GRAPHS, graphs_for, offload_for
 from studio.core.vram_phases import SCORE_TOKENS
-from studio.engine.fast import dequant
 from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import Graphs
 from studio.engine.fast.layer import Layer, Segments, padding_mask
@@ -143,8 +142,7 @@ class FastModel:
         """One line naming what is on, for logs and events."""
         quantized = bool(self.layers) and any(self.layers[0].qkv.weights.quantized)
         parts = ["fused 4-bit LoRA products" if quantized else "fused LoRA products"]
-        if quantized and any(k is not None for k in self.layers[0].qkv.weights._kernels) \
-                and not dequant.broken():
+        if quantized and self.layers[0].qkv.weights.one_kernel:
             parts.append("NF4 dequantized in one Triton kernel")
         if self.options.split_products:
             parts.append("base products one projection at a time")

@@ -80,6 +80,11 @@ class FrozenWeights:
             else:
                 self._kernels.append(None)
 
+    @property
+    def one_kernel(self) -> bool:
+        """Whether its 4-bit weights are dequantized by Studio's kernel (dequant.py) right now."""
+        return any(k is not None for k in self._kernels) and not dequant.broken()
+
     def matrix(self) -> torch.Tensor:
         """The bf16 (compute dtype) weight ``[sum(out_features), in_features]``."""
         if not any(self.quantized):
