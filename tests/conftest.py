@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,8 +24,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 
+# Folders this process made for itself, removed when it ends (a cache holds a converted 0.5 GB
+# model; left behind, every run of the suite would cost the disk that much again).
+_MADE: list[str] = []
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    cache = os.environ.get("STUDIO_TEST_CACHE") or tempfile.mkdtemp(prefix="studio-test-cache-")
+    cache = os.environ.get("STUDIO_TEST_CACHE")
+    if not cache:
+        cache = tempfile.mkdtemp(prefix="studio-test-cache-")
+        _MADE.append(cache)
     os.environ["STUDIO_CACHE"] = cache
     # Device locks live in the cache unless told otherwise; a cache shared between pytest-xdist
     # workers (STUDIO_TEST_CACHE) must not make them one machine's workers queueing for one GPU.
@@ -35,10 +44,16 @@ def pytest_configure(config: pytest.Config) -> None:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         os.environ["STUDIO_LOCK_DIR"] = tempfile.mkdtemp(prefix=f"studio-test-locks-{worker}-")
         os.environ["STUDIO_TEST_LOCKS_MADE"] = "1"
+        _MADE.append(os.environ["STUDIO_LOCK_DIR"])
     # The tiny model's matmuls are too small to gain from threads, and on a busy machine spinning
     # OpenMP threads cost several times the work; one thread also keeps the parent process and the
     # `studio` subprocesses numerically identical (resume tests compare their losses).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for folder in _MADE:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
