@@ -52,6 +52,9 @@ def rescore(results: dict) -> dict:
             # measured on the engine before 09fac3a (fused q/k/v output, separate residual sums, down
             # recomputed): its layer and the constants fitted to it (core/vram_fast.py's UNFUSED)
             plan = replace(plan, fused_layer=False)
+        if measured and "q/k/v kept on the host" not in measured.get("fast_path", ""):
+            # measured before the recomputation took q, k and v back from the host
+            plan = replace(plan, kept_qkv=False)
         predicted = estimate_plan(info, plan)
         # the peak over the phases of a run the row measured (the HF loop: training steps only)
         peaks = predicted_peaks(predicted, case.phases(measured or {}))

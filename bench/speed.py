@@ -106,6 +106,7 @@ LEVERS = {
     "joined_qkv": {"separate_qkv": False},
     "bnb_dequant": {"triton_dequant": False},
     "separate_backward": {"fused_backward": False},
+    "recompute_qkv": {"keep_qkv": False},
 }
 
 

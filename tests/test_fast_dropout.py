@@ -136,10 +136,12 @@ def test_dropout_changes_with_each_micro_batch_and_not_in_evaluation(tiny_model:
     assert a == b
 
 
-@pytest.mark.parametrize("recompute", ["checkpointing", "host"])
+@pytest.mark.parametrize("recompute", ["checkpointing", "host", "host_qkv"])
 def test_recomputed_layers_regenerate_the_forward_masks(tiny_model: Path, recompute, monkeypatch) -> None:
-    """Per-layer checkpointing and host-held inputs recompute each layer in the backward: with the
-    masks regenerated from the seed, loss and gradients equal a step that keeps every activation."""
+    """Per-layer checkpointing and host-held inputs (with the q, k and v kept beside them too:
+    the recomputation's q/k/v adapters then mask their input in weights.KeptQKV) recompute each
+    layer in the backward: with the masks regenerated from the seed, loss and gradients equal a
+    step that keeps every activation."""
     from studio.engine.fast.offload import HostInputs
 
     model = _model(tiny_model, 0.2)
@@ -148,9 +150,9 @@ def test_recomputed_layers_regenerate_the_forward_masks(tiny_model: Path, recomp
     results = []
     for checkpointing in (False, True):
         fast_model, _ = fast.prepare(model, options=FastOptions(cuda_graphs=False, checkpointing=checkpointing))
-        if checkpointing and recompute == "host":
+        if checkpointing and recompute.startswith("host"):
             monkeypatch.setattr("studio.engine.fast.model.offload_for", lambda tokens, dropout, cuda: True)
-            fast_model._host = HostInputs(torch.device("cpu"))
+            fast_model._host = HostInputs(torch.device("cpu"), keep_qkv=recompute == "host_qkv")
         model.zero_grad(set_to_none=True)
         torch.manual_seed(3)
         loss = fast_model.loss(*args)
@@ -160,6 +162,8 @@ def test_recomputed_layers_regenerate_the_forward_masks(tiny_model: Path, recomp
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
     for name, grad in grads0.items():
         torch.testing.assert_close(grads1[name], grad, rtol=1e-5, atol=1e-7)
+    if recompute == "host_qkv":
+        assert any(isinstance(key, tuple) for key in fast_model._host._host)  # q, k and v were kept
 
 
 @pytest.mark.gpu

@@ -103,6 +103,85 @@ def test_layer_inputs_kept_on_the_host_give_the_same_loss_and_gradients(tiny_mod
         torch.testing.assert_close(grads1[name], grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize(("bits", "targets", "kv_heads", "separate"), [
+    (None, ALL, 4, True), (None, ALL, 2, True), (None, ALL, 2, False),
+    (4, ["q_proj", "v_proj", "down_proj"], 4, True), (None, ["o_proj", "gate_proj"], 4, False)])
+def test_q_k_v_kept_on_the_host_give_the_recomputation_the_same_gradients(tmp_path: Path, bits, targets,
+                                                                          kv_heads, separate, monkeypatch) -> None:
+    """With ``keep_qkv`` each offloaded layer's rotated q, k and v wait on the host beside its input
+    and its recomputation takes them instead of running the q/k/v product and RoPE
+    (weights.KeptQKV, whose backward is RoPE's inverse rotation and the product's own): the loss and
+    every adapter gradient equal the recomputing run's, with grouped-query attention, q/k/v as
+    three products or one, a 4-bit base, and adapters on q/k/v or on none of them. A budget that
+    fits one layer's kept tensors keeps that layer's only; the other layers recompute as before."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from studio.engine.fast.offload import QKV, HostInputs
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=kv_heads, vocab_size=300, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = _peft_model(tmp_path, bits, targets)
+    device = next(model.parameters()).device
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
+    fast_model, why = fast.prepare(model, fast.FastOptions(separate_qkv=separate))
+    assert fast_model is not None, why
+    assert fast_model.layers[0].qkv.separated is separate
+    monkeypatch.setattr("studio.engine.fast.model.offload_for", lambda tokens, dropout, cuda: True)
+    tokens = batch.input_ids.numel()
+    one_layer = tokens * (4 + 2 * kv_heads) * 16 * 4  # q, k and v of one layer, fp32
+    calls = []
+    real = fast_model.layers[0].qkv.from_kept.__func__
+
+    def counting(self, *args, **kwargs):
+        calls.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(fast_model.layers[0].qkv), "from_kept", counting)
+    results = []
+    for host in (HostInputs(device), HostInputs(device, keep_qkv=True),
+                 HostInputs(device, keep_qkv=True, keep_budget=one_layer)):
+        fast_model._host = host
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+        results.append((loss.detach(), _grads(model)))
+        assert not host._stored and not host._fetched  # everything kept came back once
+        kept_layers = {key[0] for key in host._host if isinstance(key, tuple)}
+        expected = {0: set(), 1: set(range(3)), 2: {0}}[len(results) - 1]
+        assert kept_layers == expected
+        assert all((i, name) in host._host for i in kept_layers for name in QKV)
+        assert len(calls) == len(expected)  # the recomputations that took the kept tensors
+    loss0, grads0 = results[0]
+    assert grads0
+    for loss, grads in results[1:]:
+        torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=1e-6)
+        assert grads.keys() == grads0.keys()
+        for name, grad in grads0.items():
+            assert grad.abs().sum() > 0, name
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7)
+
+
+def test_rope_unrotation_is_the_rotation_s_backward() -> None:
+    """ops.unrotate_torch (what KeptQKV's backward applies on the CPU) equals autograd's gradient
+    through rope_torch."""
+    from studio.engine.fast.ops import rope_torch, unrotate_torch
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 5, 4, 8, requires_grad=True)
+    k = torch.randn(2, 5, 2, 8, requires_grad=True)
+    angles = torch.randn(2, 5, 8)
+    cos, sin = angles.cos(), angles.sin()
+    dq, dk = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
+    rq, rk = rope_torch(q, k, cos, sin)
+    gq, gk = torch.autograd.grad((rq, rk), (q, k), (dq, dk))
+    uq, uk = unrotate_torch(dq, dk, cos, sin)
+    torch.testing.assert_close(uq, gq, rtol=0, atol=1e-6)
+    torch.testing.assert_close(uk, gk, rtol=0, atol=1e-6)
+
+
 def test_layers_on_the_host_train_their_adapters_even_when_not_hoisting(tiny_model: Path, monkeypatch) -> None:
     """FastOptions(hoist_adapters=False) with the layer inputs on the host: the adapters still get
     their gradients (OffloadedLayer takes them as inputs; bench/speed.py's no_hoist lever used to

@@ -48,6 +48,12 @@ OFFLOAD_IN_GRAPHS = True
 pinned buffers, engine/fast/offload.py); False keeps them in the graph's private pool."""
 
 
+KEEP_QKV = True
+"""With the layer inputs on the host, each layer's rotated q, k and v wait there too and the
+recomputation skips the q/k/v product and RoPE (engine/fast/offload.py; ``FastOptions.keep_qkv``).
+On the device this holds one more layer's q, k and v: the one brought back ahead of its backward."""
+
+
 def offload_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
     """Whether the fast path keeps each checkpointed layer's input in pinned host memory for a
     micro-batch of ``tokens`` (engine/fast/offload.py): on CUDA, on eager steps and (with

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from studio.core.config import RunConfig
 from studio.core.model_info import ModelInfo
-from studio.core.plan import PathChoice, PathFacts, choose_path
+from studio.core.plan import KEEP_QKV, PathChoice, PathFacts, choose_path
 
 CATEGORIES = ("weights", "lora", "gradients", "optimizer", "activations", "overhead")
 """Category keys, in drawing order; engine/memory.py measures the same ones."""
@@ -160,6 +160,12 @@ class Plan:
     (no separate sums), and the recomputation for the backward skipping the down projection. False:
     the layer before (a fused q/k/v output that RoPE copied q and k out of, separate residual sums,
     down recomputed), for the benchmark's older measurements (core/vram_fast.py's ``UNFUSED``)."""
+
+    kept_qkv: bool = KEEP_QKV
+    """The fast path keeps each offloaded layer's rotated q, k and v on the host for its
+    recomputation (core/plan.py's ``KEEP_QKV``; one more layer's q, k and v on the device, brought
+    back ahead of its backward). False: the engine before, which recomputed them (the benchmark's
+    older measurements: their engine's description lacks "q/k/v kept on the host")."""
 
     @property
     def data_sized(self) -> bool:

@@ -124,9 +124,9 @@ def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
         tokens = plan.real_tokens
         if graphs_for(tokens, plan.lora_dropout, cuda=True):
             # the captured step's private pool: its layer inputs, working set and free blocks
-            kept = 2 if offload_for(tokens, plan.lora_dropout, cuda=True) else info.layers
+            offloaded = offload_for(tokens, plan.lora_dropout, cuda=True)
             working, free, _ = fast.constants(plan.fused_layer)
-            pool = tokens * (kept * info.hidden * c
+            pool = tokens * (fast.saved_per_token(info, c, offloaded, plan.kept_qkv)
                              + (working + free) * fast.layer_outputs_per_token(info, c, plan.fused_layer))
     # the residual stream's width: bf16 on the fast path (its prepare casts embeddings and norms down),
     # fp32 after prepare_model_for_kbit_training on the plain one

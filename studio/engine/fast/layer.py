@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from studio.engine.fast.ops import rms_norm_torch, rope_torch
+from studio.engine.fast.ops import rms_norm_torch, rope_torch, unrotate_liger, unrotate_torch
 from studio.engine.fast.weights import Projection
 
 
@@ -56,14 +56,41 @@ class Layer:
         return tuple(p.adapters(sink) for p in (self.qkv, self.o, self.gate_up, self.down))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
-                adapters: tuple | None = None, recompute: bool = False):
+                adapters: tuple | None = None, recompute: bool = False, keep=None, kept: tuple | None = None):
         """The layer's output; with ``recompute`` (a checkpointed layer rebuilt for its backward)
         the pair ``(h, down)`` whose sum the output is, where ``down`` only carries the backward:
         nothing in the layer reads its last product's value, so the recomputation skips that
         product (the down projection, 7% of a 7B step's products). The caller sends the output's
-        gradient into both."""
+        gradient into both.
+
+        ``keep(q, k, v)``: called with the rotated q, k and v as soon as they exist (a forward whose
+        layer is recomputed later keeps them: engine/fast/offload.py). ``kept``: those three, given
+        back to the recomputation, which then runs neither the q/k/v product nor RoPE
+        (:meth:`Projection.from_kept`)."""
         b, t, _ = h.shape
         qkv_ad, o_ad, gu_ad, down_ad = adapters if adapters is not None else (None,) * 4
+        if kept is not None:
+            q, k, v = self.qkv.from_kept(self.norm(h, self.ln1), kept, cos, sin, self.unrotate(), qkv_ad)
+        else:
+            q, k, v = self.qkv_rotated(h, cos, sin, qkv_ad)
+            if keep is not None:
+                keep(q, k, v)
+        attn = self.attention(q, k, v, seg).reshape(b, t, self.heads * self.head_dim)
+        h = self.o(attn, o_ad, residual=h)
+        gu = self.gate_up(self.norm(h, self.ln2), gu_ad)
+        if self.kernels:
+            # liger returns the gradient flat: give it a flat input so the shapes agree.
+            act = self.kernels["swiglu"].apply(gu.view(-1, gu.shape[-1]), True).view(*gu.shape[:-1], -1)
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        if recompute:
+            return h, self.down(act, down_ad, value=False)
+        return self.down(act, down_ad, residual=h)
+
+    def qkv_rotated(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv_ad) -> tuple:
+        """q, k and v ``[B, T, heads, head_dim]`` of the layer input ``h``, q and k rotated."""
+        b, t, _ = h.shape
         if self.qkv.separated:
             q, k, v = self.qkv(self.norm(h, self.ln1), qkv_ad)  # three contiguous outputs
         else:
@@ -79,18 +106,13 @@ class Layer:
             q, k = qt.transpose(1, 2), kt.transpose(1, 2)
         else:
             q, k = rope_torch(q, k, cos, sin)
-        attn = self.attention(q, k, v, seg).reshape(b, t, self.heads * self.head_dim)
-        h = self.o(attn, o_ad, residual=h)
-        gu = self.gate_up(self.norm(h, self.ln2), gu_ad)
+        return q, k, v
+
+    def unrotate(self):
+        """RoPE's backward as :class:`~studio.engine.fast.weights.KeptQKV` calls it."""
         if self.kernels:
-            # liger returns the gradient flat: give it a flat input so the shapes agree.
-            act = self.kernels["swiglu"].apply(gu.view(-1, gu.shape[-1]), True).view(*gu.shape[:-1], -1)
-        else:
-            gate, up = gu.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-        if recompute:
-            return h, self.down(act, down_ad, value=False)
-        return self.down(act, down_ad, residual=h)
+            return unrotate_liger(self.kernels["rope_backward"])
+        return unrotate_torch
 
     def attention(self, q, k, v, seg: Segments) -> torch.Tensor:
         """Causal attention inside each example; returns [B, T, H, D]."""

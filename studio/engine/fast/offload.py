@@ -19,24 +19,36 @@ stream has waited for its copy, one layer later, and is freed after that.
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+QKV = ("q", "k", "v")
 
 
 class HostInputs:
     """Pinned host buffers for the layer inputs of one step, filled in the forward and read back,
     last layer first, in the backward. Buffers are kept between steps (one a layer)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, keep_qkv: bool = False, keep_budget: int | None = None):
         self.device = device
+        self.keep_qkv = keep_qkv
+        """Each layer's rotated q, k and v wait on the host beside its input, so that its
+        recomputation skips the q/k/v product and RoPE (layer.py's ``keep`` and ``kept``)."""
+        self.keep_budget = keep_budget
+        """Most bytes of pinned host memory the kept tensors may take (None: a quarter of the
+        host memory available when the first is kept); layers past it keep nothing and recompute
+        their q, k and v as before."""
+        self._kept_bytes = 0
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._host: dict[int, torch.Tensor] = {}
-        self._stored: dict[int, torch.Tensor] = {}
-        self._fetched: dict[int, tuple[torch.Tensor, object]] = {}
-        self._copying: tuple[torch.Tensor, object] | None = None
-        """The input whose copy to the host may still be running, and that copy's event."""
+        self._host: dict[object, torch.Tensor] = {}
+        self._stored: dict[object, torch.Tensor] = {}
+        self._fetched: dict[object, tuple[torch.Tensor, object]] = {}
+        self._copying: list[tuple[torch.Tensor, object]] = []
+        """The tensors whose copies to the host may still be running, and those copies' events."""
 
-    def _buffer(self, index: int, x: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, index, x: torch.Tensor) -> torch.Tensor:
         """Layer ``index``'s pinned buffer, viewed as ``x``: one a layer, grown to the largest input
         seen (eager steps of packed data come in many token counts; a buffer per shape would pin
         host memory without bound)."""
@@ -52,28 +64,33 @@ class HostInputs:
         handed a previous step's prefetched input."""
         self._stored.clear()
         self._fetched.clear()
-        self._copying = None
+        self._copying = []
 
     def _settle(self) -> None:
-        """The main stream waits for the copy in flight; its input may be freed from then on."""
-        if self._copying is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._copying[1])
-            self._copying = None
+        """The main stream waits for the copies in flight; their tensors may be freed from then on."""
+        if self._copying:
+            torch.cuda.current_stream(self.device).wait_event(self._copying[-1][1])  # copies run in order
+            self._copying = []
 
-    def store(self, index: int, x: torch.Tensor) -> None:
-        """Start copying layer ``index``'s input to the host."""
+    def store(self, index, x: torch.Tensor, settle: bool = True) -> None:
+        """Start copying ``x`` to the host under the key ``index`` (a layer's index for its input;
+        ``(index, name)`` for a tensor kept beside it). ``settle``: the main stream first waits for
+        the copies still in flight (a layer's input does: the previous layer's copies have
+        overlapped that layer's compute, and their tensors are freed from here on); with False,
+        this copy queues behind them and the tensors stay referenced until the next settling."""
         host = self._buffer(index, x)
         self._stored[index] = host
         if not self.cuda:
             host.copy_(x)
             return
-        self._settle()  # the previous layer's copy has overlapped that layer's compute
+        if settle:
+            self._settle()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             host.copy_(x, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._copying = (x, done)
+        self._copying.append((x, done))
 
     def finish(self) -> None:
         """End of the forward: the last copy joins the main stream (a CUDA graph's capture must
@@ -81,9 +98,9 @@ class HostInputs:
         if self.cuda:
             self._settle()
 
-    def prefetch(self, index: int) -> None:
-        """Start bringing layer ``index``'s input back to the device (no-op if absent or on CPU)."""
-        if index < 0 or index in self._fetched or index not in self._stored:
+    def prefetch(self, index) -> None:
+        """Start bringing the tensor stored under ``index`` back to the device (no-op if absent)."""
+        if index in self._fetched or index not in self._stored:
             return
         host = self._stored[index]
         if not self.cuda:
@@ -100,8 +117,38 @@ class HostInputs:
             done.record(self.stream)
         self._fetched[index] = (out, done)
 
-    def load(self, index: int) -> torch.Tensor:
-        """Layer ``index``'s input on the device, once its copy has arrived."""
+    def may_keep(self, index: int, tensors) -> bool:
+        """Whether layer ``index`` keeps ``tensors`` on the host: it already has buffers for them
+        (a graph's replay, a later step), or they fit in what is left of :attr:`keep_budget`."""
+        grow = 0
+        for name, t in zip(QKV, tensors, strict=True):
+            buffer = self._host.get((index, name))
+            if buffer is None or buffer.numel() < t.numel() or buffer.dtype != t.dtype:
+                had = buffer.numel() * buffer.element_size() if buffer is not None else 0
+                grow += t.numel() * t.element_size() - had
+        if grow <= 0:
+            return True
+        if self.keep_budget is None:
+            self.keep_budget = available_host_memory() // 4
+        if self._kept_bytes + grow > self.keep_budget:
+            return False
+        self._kept_bytes += grow
+        return True
+
+    def prefetch_layer(self, index: int) -> None:
+        """Start bringing layer ``index``'s input back, and its kept q, k and v."""
+        self.prefetch(index)
+        for name in QKV:
+            self.prefetch((index, name))
+
+    def load_kept(self, index: int) -> tuple | None:
+        """Layer ``index``'s kept q, k and v on the device, or None if it kept none."""
+        if (index, QKV[0]) not in self._stored and (index, QKV[0]) not in self._fetched:
+            return None
+        return tuple(self.load((index, name)) for name in QKV)
+
+    def load(self, index) -> torch.Tensor:
+        """The tensor stored under ``index`` on the device, once its copy has arrived."""
         self.prefetch(index)
         out, done = self._fetched.pop(index)
         self._stored.pop(index, None)
@@ -121,27 +168,52 @@ class OffloadedLayer(torch.autograd.Function):
         host.store(index, h)
         ctx.layer, ctx.seg, ctx.index, ctx.host, ctx.spec = layer, seg, index, host, spec
         ctx.save_for_backward(cos, sin, *tensors)
+        keep = None
+        if host.keep_qkv:
+            def keep(*qkv):
+                if not host.may_keep(index, qkv):
+                    return
+                # Queued behind the input's copy; the next layer's input settles them all.
+                for name, t in zip(QKV, qkv, strict=True):
+                    host.store((index, name), t, settle=False)
         with torch.no_grad():
-            return layer.forward(h, cos, sin, seg, unflatten(spec, tensors))
+            return layer.forward(h, cos, sin, seg, unflatten(spec, tensors), keep=keep)
 
     @staticmethod
     def backward(ctx, dout):
         cos, sin, *tensors = ctx.saved_tensors
         h = ctx.host.load(ctx.index).requires_grad_(True)
-        ctx.host.prefetch(ctx.index - 1)  # the layer below's input, while this one recomputes
+        kept = ctx.host.load_kept(ctx.index)
+        ctx.host.prefetch_layer(ctx.index - 1)  # the layer below's, while this one recomputes
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
         adapters = unflatten(ctx.spec, leaves)
         with torch.enable_grad():
             if ctx.layer.skip_last:
                 # The output's two terms; the last product's value is never computed (layer.py).
-                outs, douts = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, recompute=True), (dout, dout)
+                outs = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, recompute=True, kept=kept)
+                douts = (dout, dout)
             else:
-                outs, douts = ctx.layer.forward(h, cos, sin, ctx.seg, adapters), dout
+                outs, douts = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, kept=kept), dout
         wanted = [h, *[t for t in leaves if t.requires_grad]]
         grads = iter(torch.autograd.grad(outs, wanted, douts, allow_unused=True))
         dh = next(grads)
         dtensors = [next(grads) if t.requires_grad else None for t in leaves]
         return (dh, None, None, None, None, None, None, None, *dtensors)
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available now (Linux's MemAvailable; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def flatten(adapters: tuple | None) -> tuple[object, list[torch.Tensor]]:

@@ -15,11 +15,11 @@ def liger_kernels():
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-        from liger_kernel.ops.rope import LigerRopeFunction
+        from liger_kernel.ops.rope import LigerRopeFunction, rope_backward
         from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
     except Exception:  # noqa: BLE001 - any import failure (no triton, old version) means "not here"
         return None
-    return {"rms_norm": LigerRMSNormFunction, "rope": LigerRopeFunction,
+    return {"rms_norm": LigerRMSNormFunction, "rope": LigerRopeFunction, "rope_backward": rope_backward,
             "swiglu": LigerFusedGateUpSiLUMulFunction, "flce": LigerFusedLinearCrossEntropyFunction}
 
 
@@ -39,6 +39,27 @@ def rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     # q, k: [B, T, H, D]; cos, sin: [B, T, D]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half_back(g: torch.Tensor) -> torch.Tensor:
+    """The transpose of :func:`_rotate_half` (its inverse too): what its backward does to a gradient."""
+    half = g.shape[-1] // 2
+    return torch.cat((g[..., half:], -g[..., :half]), dim=-1)
+
+
+def unrotate_torch(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """:func:`rope_torch`'s backward: the gradients of q and k before the rotation, from theirs after."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return dq * cos + _rotate_half_back(dq * sin), dk * cos + _rotate_half_back(dk * sin)
+
+
+def unrotate_liger(rope_backward):
+    """liger's RoPE backward on q/k gradients laid out [B, T, H, D] (it takes [B, H, T, D] views of
+    that memory, like its forward; the gradients are rotated in place where contiguous)."""
+    def unrotate(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        dqt, dkt = rope_backward(dq.transpose(1, 2), dk.transpose(1, 2), cos, sin)
+        return dqt.transpose(1, 2), dkt.transpose(1, 2)
+    return unrotate
 
 
 def varlen_attention():

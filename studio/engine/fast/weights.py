@@ -320,18 +320,46 @@ class LoraProduct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        saved = ctx.saved_tensors
-        x2 = saved[0]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        a = bt = xa = dyb = dbt = None
-        if len(saved) > 1:
-            _, a, bt, xa = saved
-            dyb = (dy2 @ bt.t()).mul_(ctx.scale)
-        dx, da = _input_gradient(ctx, x2, dyb, a, lambda into: ctx.weights.backward_product(dy2, into))
-        if xa is not None and ctx.needs_input_grad[3]:
-            dbt = (xa.t() @ dy2).mul_(ctx.scale)
+        dx, da, dbt = _fused_backward(ctx, ctx.saved_tensors, dy.reshape(-1, dy.shape[-1]))
         dres = dy if ctx.residual else None  # the residual passes straight through
         return dx.view(ctx.shape), None, da, dbt, None, None, None, dres, None, None
+
+
+def _fused_backward(ctx, saved, dy2: torch.Tensor):
+    """(input gradient, A's, B^T's) of a fused product from its whole output's gradient; ``saved``
+    is ``(x2,)`` or ``(x2, a, bt, xa)``."""
+    x2 = saved[0]
+    a = bt = xa = dyb = dbt = None
+    if len(saved) > 1:
+        _, a, bt, xa = saved
+        dyb = (dy2 @ bt.t()).mul_(ctx.scale)
+    dx, da = _input_gradient(ctx, x2, dyb, a, lambda into: ctx.weights.backward_product(dy2, into))
+    if xa is not None and ctx.needs_input_grad[3]:
+        dbt = (xa.t() @ dy2).mul_(ctx.scale)
+    return dx, da, dbt
+
+
+def _blocks_backward(ctx, saved, blocks: Sequence[torch.Tensor]):
+    """:func:`_fused_backward` from each projection's output gradient apart
+    (:class:`SeparateLoraProduct`)."""
+    x2 = saved[0]
+    columns = [cols for _, cols in ctx.weights._columns()]
+    a = bt = xa = dyb = dbt = None
+    if len(saved) > 1:
+        _, a, bt, xa = saved
+        for cols, block in zip(columns, blocks, strict=True):
+            if dyb is None:
+                dyb = block @ bt[:, cols].t()
+            else:
+                dyb.addmm_(block, bt[:, cols].t())
+        dyb.mul_(ctx.scale)
+    dx, da = _input_gradient(ctx, x2, dyb, a, lambda into: ctx.weights.backward_blocks(blocks, into))
+    if xa is not None and ctx.needs_input_grad[3]:
+        dbt = bt.new_empty(bt.shape)
+        for cols, block in zip(columns, blocks, strict=True):
+            torch.mm(xa.t(), block, out=dbt[:, cols])
+        dbt.mul_(ctx.scale)
+    return dx, da, dbt
 
 
 class SeparateLoraProduct(torch.autograd.Function):
@@ -370,26 +398,44 @@ class SeparateLoraProduct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *dys):
-        saved = ctx.saved_tensors
-        x2 = saved[0]
         blocks = [d.reshape(-1, d.shape[-1]) for d in dys]
-        columns = [cols for _, cols in ctx.weights._columns()]
-        a = bt = xa = dyb = dbt = None
-        if len(saved) > 1:
-            _, a, bt, xa = saved
-            for cols, block in zip(columns, blocks, strict=True):
-                if dyb is None:
-                    dyb = block @ bt[:, cols].t()
-                else:
-                    dyb.addmm_(block, bt[:, cols].t())
-            dyb.mul_(ctx.scale)
-        dx, da = _input_gradient(ctx, x2, dyb, a, lambda into: ctx.weights.backward_blocks(blocks, into))
-        if xa is not None and ctx.needs_input_grad[3]:
-            dbt = bt.new_empty(bt.shape)
-            for cols, block in zip(columns, blocks, strict=True):
-                torch.mm(xa.t(), block, out=dbt[:, cols])
-            dbt.mul_(ctx.scale)
+        dx, da, dbt = _blocks_backward(ctx, ctx.saved_tensors, blocks)
         return dx.view(ctx.shape), None, da, dbt, None, None, None
+
+
+class KeptQKV(torch.autograd.Function):
+    """The q/k/v product and RoPE of a recomputed layer whose rotated q, k and v were kept from
+    its forward (engine/fast/offload.py brings them back from the host): the values are the kept
+    ones, so the recomputation runs neither the product (a quarter of its products on a 7B model)
+    nor RoPE, and the backward is theirs: RoPE's inverse rotation of the q and k gradients, then the
+    product's backward exactly as :class:`SeparateLoraProduct` (``separate``) or
+    :class:`LoraProduct` (one fused output) computes it. ``kept`` is the tuple ``(q, k, v)``,
+    ``[B, T, heads, head_dim]``; ``unrotate(dq, dk, cos, sin)`` is RoPE's backward."""
+
+    @staticmethod
+    def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None,
+                backward_first: bool, separate: bool, kept: tuple, cos, sin, unrotate):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if a is not None:
+            xa = x2 @ a.t() if drop is None else drop.project(x2, a)  # B's gradient reads it
+            ctx.save_for_backward(x2, a, bt, xa)
+        else:
+            ctx.save_for_backward(x2)
+        ctx.weights, ctx.scale, ctx.shape, ctx.drop = weights, scale, shape, drop
+        ctx.backward_first, ctx.separate = backward_first, separate
+        ctx.cos, ctx.sin, ctx.unrotate = cos, sin, unrotate
+        return kept
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        dq, dk = ctx.unrotate(dq, dk, ctx.cos, ctx.sin)
+        blocks = [d.reshape(-1, d.shape[-2] * d.shape[-1]) for d in (dq, dk, dv)]
+        if ctx.separate:
+            dx, da, dbt = _blocks_backward(ctx, ctx.saved_tensors, blocks)
+        else:  # what autograd hands a fused output split three ways: the blocks side by side
+            dx, da, dbt = _fused_backward(ctx, ctx.saved_tensors, torch.cat(blocks, dim=1))
+        return dx.view(ctx.shape), None, da, dbt, None, None, None, None, None, None, None, None
 
 
 def has_adapter(module: nn.Module, adapter: str) -> bool:
@@ -469,6 +515,15 @@ class Projection:
             return SeparateLoraProduct.apply(x, self.weights, a, bt, scale, drop, self.backward_first)
         return LoraProduct.apply(x, self.weights, a, bt, scale, drop, value, residual, self.update_first,
                                  self.backward_first)
+
+    def from_kept(self, x: torch.Tensor, kept: tuple, cos: torch.Tensor, sin: torch.Tensor, unrotate,
+                  adapters: tuple | None = None) -> tuple:
+        """A recomputation's q, k and v, rotated, from the forward's kept copies (:class:`KeptQKV`):
+        the values are ``kept``, the backward is the product's and RoPE's."""
+        a, bt, scale = adapters if adapters is not None else self.adapters()
+        drop = self.drop if self.drop is not None and self.modules[0].training else None
+        return KeptQKV.apply(x, self.weights, a, bt, scale, drop, self.backward_first, self.separated,
+                             tuple(kept), cos, sin, unrotate)
 
     @property
     def separated(self) -> bool:
