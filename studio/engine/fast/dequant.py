@@ -33,11 +33,17 @@ NUM_WARPS = 2
 weights on an H100 (bench/dequant_speed.py --sweep, bench/results/h100_v11_dequant_sweep.json)."""
 
 
-@functools.cache
 def _kernel():
-    """The kernel, jitted on first use (the interpreter's or the compiler's, as the environment says
-    then), or None without Triton. Triton is imported here, not with the engine: a CPU worker never
-    pays for it."""
+    """The kernel, jitted on first use, or None without Triton: the interpreter's under
+    ``TRITON_INTERPRET=1`` and the compiler's otherwise, each as the environment says at the call
+    (Triton decides when it wraps the function; one kept from the other setting would run the
+    interpreter, which truncates to bf16, on GPU tensors). Triton is imported here, not with the
+    engine: a CPU worker never pays for it."""
+    return _kernel_for(_interpreted())
+
+
+@functools.cache
+def _kernel_for(interpreted: bool):
     try:
         import triton
 
