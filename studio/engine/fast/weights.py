@@ -406,7 +406,7 @@ class SeparateLoraProduct(torch.autograd.Function):
 class KeptQKV(torch.autograd.Function):
     """The q/k/v product and RoPE of a recomputed layer whose rotated q, k and v were kept from
     its forward (engine/fast/offload.py brings them back from the host): the values are the kept
-    ones, so the recomputation runs neither the product (a quarter of its products on a 7B model)
+    ones, so the recomputation runs neither the product (a third of its products on a 7B model)
     nor RoPE, and the backward is theirs: RoPE's inverse rotation of the q and k gradients, then the
     product's backward exactly as :class:`SeparateLoraProduct` (``separate``) or
     :class:`LoraProduct` (one fused output) computes it. ``kept`` is the tuple ``(q, k, v)``,
