@@ -92,32 +92,52 @@ def build_tiny_model(dir: str | Path | None = None, progress: Callable[[str], No
     ``AutoTokenizer.from_pretrained``; ``tokenizer.json`` loads with ``tokenizers`` alone.
     """
     target = Path(dir) if dir is not None else cache_dir() / TINY_NAME
-    marker = target / "studio_tiny.json"
-    if marker.exists():
-        try:
-            if json.loads(marker.read_text()).get("version") == TINY_VERSION:
-                return target
-        except ValueError:
-            pass
-    say = progress or (lambda _msg: None)
-    tmp = target.with_name(target.name + ".building")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    say("training the tiny tokenizer")
-    tokenizer = build_tokenizer()
-    say("building the tiny model")
-    model = _random_model(tokenizer)
-    if pretrain_steps:
-        say(f"teaching it to copy words ({pretrain_steps} steps)")
-        _pretrain(model, tokenizer, pretrain_steps, batch_size, learning_rate)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "studio_tiny.json").write_text(json.dumps({"version": TINY_VERSION}))
-    # Rename into place so a concurrent reader never sees half a model.
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    if _complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes may ask at once (pytest-xdist workers sharing STUDIO_TEST_CACHE, two
+    # `studio demo`s): one builds while the others wait on the lock, then find the build complete.
+    # The kernel drops the lock if its holder dies, so an interrupted build never blocks the next.
+    with open(target.with_name(target.name + ".lock"), "a+b") as lock:
+        _flock(lock)
+        if _complete(target):
+            return target
+        say = progress or (lambda _msg: None)
+        tmp = target.with_name(target.name + ".building")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        say("training the tiny tokenizer")
+        tokenizer = build_tokenizer()
+        say("building the tiny model")
+        model = _random_model(tokenizer)
+        if pretrain_steps:
+            say(f"teaching it to copy words ({pretrain_steps} steps)")
+            _pretrain(model, tokenizer, pretrain_steps, batch_size, learning_rate)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "studio_tiny.json").write_text(json.dumps({"version": TINY_VERSION}))
+        # Renamed into place: a reader that checks the marker never sees half a model.
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
     say(f"tiny model ready in {target}")
     return target
+
+
+def _complete(target: Path) -> bool:
+    """Whether ``target`` holds a finished build of this recipe (its marker is written last)."""
+    try:
+        return json.loads((target / "studio_tiny.json").read_text()).get("version") == TINY_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def _flock(handle) -> None:
+    """Block until this process holds an exclusive lock on ``handle`` (no-op where there is no fcntl)."""
+    try:
+        import fcntl
+    except ImportError:  # not on Linux or macOS: builds are not guarded against each other there
+        return
+    fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
 
 
 def build_tokenizer():  # -> PreTrainedTokenizerFast
