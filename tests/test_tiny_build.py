@@ -30,7 +30,11 @@ def test_builders_at_once_build_once_and_each_gets_a_whole_model(tmp_path: Path)
     # Every process got a folder with the model in it when build_tiny_model returned.
     assert [out.strip() for out, _err in results] == ["True"] * 3
     # One of them built it; the others waited on the lock and found it finished.
-    assert log.read_text().count("building the tiny model") == 1
+    said = log.read_text().splitlines()
+    assert said.count("building the tiny model") == 1
+    # A process that found the lock taken said it was waiting; one that asked after the build had
+    # finished found it complete without waiting. Either way, at most the two that did not build.
+    assert sum("waiting for it" in line for line in said) <= 2
     assert json.loads((target / "studio_tiny.json").read_text())["version"] >= 1
     assert not target.with_name("tiny-llama.building").exists()
 

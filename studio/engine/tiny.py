@@ -98,11 +98,11 @@ def build_tiny_model(dir: str | Path | None = None, progress: Callable[[str], No
     # Several processes may ask at once (pytest-xdist workers sharing STUDIO_TEST_CACHE, two
     # `studio demo`s): one builds while the others wait on the lock, then find the build complete.
     # The kernel drops the lock if its holder dies, so an interrupted build never blocks the next.
+    say = progress or (lambda _msg: None)
     with open(target.with_name(target.name + ".lock"), "a+b") as lock:
-        _flock(lock)
+        _flock(lock, lambda: say("another process is building the tiny model; waiting for it"))
         if _complete(target):
             return target
-        say = progress or (lambda _msg: None)
         tmp = target.with_name(target.name + ".building")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -131,13 +131,18 @@ def _complete(target: Path) -> bool:
         return False
 
 
-def _flock(handle) -> None:
-    """Block until this process holds an exclusive lock on ``handle`` (no-op where there is no fcntl)."""
+def _flock(handle, waiting: Callable[[], None]) -> None:
+    """Block until this process holds an exclusive lock on ``handle``, calling ``waiting`` first if
+    another holds it (no-op where there is no fcntl)."""
     try:
         import fcntl
     except ImportError:  # not on Linux or macOS: builds are not guarded against each other there
         return
-    fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        waiting()
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
 
 
 def build_tokenizer():  # -> PreTrainedTokenizerFast
