@@ -96,7 +96,7 @@ def build_tiny_model(dir: str | Path | None = None, progress: Callable[[str], No
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Several processes may ask at once (pytest-xdist workers sharing STUDIO_TEST_CACHE, two
-    # `studio demo`s): one builds while the others wait on the lock, then find the build complete.
+    # `studio pull --tiny`): one builds while the others wait on the lock, then find it complete.
     # The kernel drops the lock if its holder dies, so an interrupted build never blocks the next.
     say = progress or (lambda _msg: None)
     with open(target.with_name(target.name + ".lock"), "a+b") as lock:
