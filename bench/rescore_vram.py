@@ -55,6 +55,9 @@ def rescore(results: dict) -> dict:
         if measured and "q/k/v kept on the host" not in measured.get("fast_path", ""):
             # measured before the recomputation took q, k and v back from the host
             plan = replace(plan, kept_qkv=False)
+        if measured and "attention kept on the host" not in measured.get("fast_path", ""):
+            # measured before the recomputation took the attention's output back from the host
+            plan = replace(plan, keep_attention_from=None)
         predicted = estimate_plan(info, plan)
         # the peak over the phases of a run the row measured (the HF loop: training steps only)
         peaks = predicted_peaks(predicted, case.phases(measured or {}))

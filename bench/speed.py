@@ -107,6 +107,8 @@ LEVERS = {
     "bnb_dequant": {"triton_dequant": False},
     "separate_backward": {"fused_backward": False},
     "recompute_qkv": {"keep_qkv": False},
+    "recompute_attention": {"keep_attention_from": None},
+    "keep_attention_always": {"keep_attention_from": 0},  # an "on" lever: the default keeps it from 2048 tokens
 }
 
 

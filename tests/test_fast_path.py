@@ -652,3 +652,131 @@ def test_the_gradient_sink_gives_the_gradients_autograd_would(tiny_model: Path) 
     got = _grads(model)
     for name, grad in reference.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(("packing", "kv_heads", "bits"), [(False, 4, None), (True, 4, None), (False, 2, None),
+                                                          (True, 2, 4)])
+def test_attention_kept_on_the_host_gives_the_recomputation_the_same_gradients(tmp_path: Path, packing, kv_heads,
+                                                                               bits, monkeypatch) -> None:
+    """With the attention kept (``keep_attention_from``), each offloaded layer's attention output and
+    log-sum-exp wait on the host beside its q, k and v, and the recomputation runs no attention:
+    attention.KeptAttention returns the kept output and its backward is the kernel's own on the
+    kept tensors. Loss and every adapter gradient equal the run that recomputes the attention:
+    rows of one example (the kernel SDPA picks) and packed examples (varlen on CUDA, a
+    block-diagonal mask on the CPU), grouped-query attention, a 4-bit base. On CUDA the model is
+    bf16, so that the kernels are cuDNN's or flash-attention's as in training. A threshold above
+    the longest example keeps no attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from studio.engine.fast import attention
+    from studio.engine.fast.offload import ATTENTION, HostInputs
+
+    cuda = torch.cuda.is_available()
+    if bits == 4 and not cuda:
+        pytest.skip("bitsandbytes' 4-bit layers need CUDA here")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = LlamaConfig(hidden_size=128, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=kv_heads, vocab_size=300, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = _peft_model(tmp_path, bits, ALL, dtype=dtype)
+    device = next(model.parameters()).device
+    lengths = [21, 14, 9] if packing else [24, 24]
+    batch = collate([[e] for e in _examples(lengths)], pad_id=0, packing=packing).to(device)
+    fast_model, why = fast.prepare(model, fast.FastOptions(cuda_graphs=False))
+    assert fast_model is not None, why
+    monkeypatch.setattr("studio.engine.fast.model.offload_for", lambda tokens, dropout, cuda: True)
+    calls = []
+    real = attention.KeptAttention.apply
+
+    def counting(*args):
+        calls.append(args[3].kind)
+        return real(*args)
+
+    monkeypatch.setattr(attention.KeptAttention, "apply", counting)
+    results = []
+    for host in (HostInputs(device, keep_qkv=True), HostInputs(device, keep_qkv=True, keep_attention_from=0),
+                 HostInputs(device, keep_qkv=True, keep_attention_from=100)):
+        fast_model._host = host
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+        results.append((loss.detach().float(), _grads(model)))
+        assert not host._stored and not host._fetched and not host._extra  # all came back once
+        kept = {key[0] for key in host._host if isinstance(key, tuple) and key[1] in ATTENTION}
+        if len(results) == 2:
+            assert kept == {0, 1, 2} and len(calls) == 3, calls
+            expected = ("varlen" if packing else ("cudnn", "flash")) if cuda else ("cpu_flash",)
+            assert set(calls) <= set(expected if isinstance(expected, tuple) else (expected,)), calls
+        else:
+            assert not kept and not calls
+    loss0, grads0 = results[0]
+    rtol, atol = (2e-2, 1e-3) if cuda else (1e-5, 1e-7)
+    for loss, grads in results[1:]:
+        torch.testing.assert_close(loss, loss0, rtol=1e-6 if not cuda else 1e-3, atol=1e-6)
+        assert grads.keys() == grads0.keys() and grads0
+        for name, grad in grads0.items():
+            assert grad.abs().sum() > 0, name
+            torch.testing.assert_close(grads[name], grad, rtol=rtol, atol=atol)
+
+
+def test_a_kept_tensor_comes_back_with_its_layout() -> None:
+    """offload._dense / _undense: a transposed view (an attention kernel's output) is copied as
+    one block and given back with its original shape and strides."""
+    from studio.engine.fast.offload import _dense, _undense
+
+    base = torch.randn(1, 7, 4, 16)  # [B, T, H, D] memory
+    view = base.transpose(1, 2)  # [B, H, T, D], as the kernels hand it out
+    dense, order = _dense(view)
+    assert dense.is_contiguous() and order is not None
+    back = _undense(dense.clone(), order)
+    assert back.shape == view.shape and back.stride() == view.stride()
+    torch.testing.assert_close(back, view)
+    plain = torch.randn(3, 5)
+    assert _dense(plain) == (plain, None)
+
+
+def test_a_kept_attention_whose_backward_fails_recomputes_and_keeps_no_more(tmp_path: Path, monkeypatch) -> None:
+    """Should the kernel's backward operator fail on some torch, attention.KeptAttention's backward
+    recomputes the attention through the layer's own call instead: the gradients are still the
+    recomputing run's, and no later micro-batch keeps the attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from studio.engine.fast import attention
+    from studio.engine.fast.offload import ATTENTION, HostInputs
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = _peft_model(tmp_path, None, ALL)
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        pytest.skip("the CPU's kernels: on CUDA the operators are the real ones")
+    batch = collate([[e] for e in _examples([20, 20])], pad_id=0, packing=False).to(device)
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    monkeypatch.setattr("studio.engine.fast.model.offload_for", lambda tokens, dropout, cuda: True)
+    monkeypatch.setattr(attention, "_BROKEN", [])
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("no such operator here")
+
+    results = []
+    for host, patch in ((HostInputs(device, keep_qkv=True), False),
+                        (HostInputs(device, keep_qkv=True, keep_attention_from=0), True)):
+        if patch:
+            monkeypatch.setattr(attention, "backward", failing)
+        fast_model._host = host
+        model.zero_grad(set_to_none=True)
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+        results.append(_grads(model))
+    assert attention.broken() == "RuntimeError: no such operator here"
+    for name, grad in results[0].items():
+        torch.testing.assert_close(results[1][name], grad, rtol=1e-5, atol=1e-7)
+    host = fast_model._host
+    host._host.clear()
+    fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids).backward()
+    assert not any(isinstance(key, tuple) and key[1] in ATTENTION for key in host._host)

@@ -463,6 +463,8 @@ def _trainer_rows(names):
                 plan = replace(plan, fused_layer=False)  # the layer of the engine before 09fac3a
             if "q/k/v kept on the host" not in row["measured"].get("fast_path", ""):
                 plan = replace(plan, kept_qkv=False)  # measured before q, k and v waited on the host
+            if "attention kept on the host" not in row["measured"].get("fast_path", ""):
+                plan = replace(plan, keep_attention_from=None)  # measured before the attention waited there
             with rule, fused:
                 predicted = bench.predicted_peaks(estimate_plan(info, plan), case.phases(row["measured"]))
             out.append((case, predicted, row["measured"]))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from studio.core.config import RunConfig
 from studio.core.model_info import ModelInfo
-from studio.core.plan import KEEP_QKV, PathChoice, PathFacts, choose_path
+from studio.core.plan import KEEP_ATTENTION_FROM, KEEP_QKV, PathChoice, PathFacts, choose_path
 
 CATEGORIES = ("weights", "lora", "gradients", "optimizer", "activations", "overhead")
 """Category keys, in drawing order; engine/memory.py measures the same ones."""
@@ -166,6 +166,18 @@ class Plan:
     recomputation (core/plan.py's ``KEEP_QKV``; one more layer's q, k and v on the device, brought
     back ahead of its backward). False: the engine before, which recomputed them (the benchmark's
     older measurements: their engine's description lacks "q/k/v kept on the host")."""
+
+    keep_attention_from: int | None = KEEP_ATTENTION_FROM
+    """With ``kept_qkv``, micro-batches whose longest example has at least this many tokens keep
+    each layer's attention output on the host too (core/plan.py's ``KEEP_ATTENTION_FROM``; one
+    more layer's output on the device). None: the engine before, which recomputed the attention
+    (the benchmark's older measurements: their engine's description lacks "attention kept")."""
+
+    @property
+    def kept_attention(self) -> bool:
+        """Whether the fast path keeps the attention for this plan's rows (:attr:`keep_attention_from`)."""
+        return (self.kept_qkv and self.keep_attention_from is not None
+                and self.row_len >= self.keep_attention_from)
 
     @property
     def data_sized(self) -> bool:

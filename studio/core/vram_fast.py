@@ -145,25 +145,30 @@ def dequantizes(weights: str) -> bool:
     return weights in ("nf4", "fp4")
 
 
-def saved_per_token(info: ModelInfo, compute_bytes: int, offloaded: bool, kept_qkv: bool = False) -> int:
+def saved_per_token(info: ModelInfo, compute_bytes: int, offloaded: bool, kept_qkv: bool = False,
+                    kept_attention: bool = False) -> int:
     """Bytes per token that the checkpointed layers keep on the device at a backward's start: every
     layer's input, or with the inputs on the host two of them (the one being recomputed and the
     next, prefetched) and, with ``kept_qkv`` (``Plan.kept_qkv``), the next one's q, k and v (the
-    recomputed layer's own replace its q/k/v product's outputs in the working set)."""
+    recomputed layer's own replace its q/k/v product's outputs in the working set); with
+    ``kept_attention`` (``Plan.kept_attention``) also the next one's attention output and its fp32
+    log-sum-exp per head."""
     if not offloaded:
         return info.layers * info.hidden * compute_bytes
     qkv = (info.heads + 2 * info.kv_heads) * info.head_width if kept_qkv else 0
-    return (2 * info.hidden + qkv) * compute_bytes
+    attention = (info.heads * info.head_width * compute_bytes + 4 * info.heads) if kept_qkv and kept_attention else 0
+    return (2 * info.hidden + qkv) * compute_bytes + attention
 
 
 def step_activations(info: ModelInfo, tokens: int, compute_bytes: int, offloaded: bool = False,
-                     fused: bool = True, kept_qkv: bool = False) -> float:
+                     fused: bool = True, kept_qkv: bool = False, kept_attention: bool = False) -> float:
     """Bytes a training step holds beyond the parameters, gradients and optimizer state at its peak
     (the start of a layer's backward), without the hoisted adapters and the dequantized weight.
     ``offloaded``: the layer inputs wait on the host; two are on the device (the one being
     recomputed and the next, prefetched), and with core/plan.py's ``KEEP_QKV`` the next one's
-    q, k and v (``kept_qkv``: ``Plan.kept_qkv``). ``fused``: ``Plan.fused_layer``."""
-    saved = tokens * saved_per_token(info, compute_bytes, offloaded, kept_qkv)
+    q, k and v (``kept_qkv``: ``Plan.kept_qkv``) and attention output (``Plan.kept_attention``).
+    ``fused``: ``Plan.fused_layer``."""
+    saved = tokens * saved_per_token(info, compute_bytes, offloaded, kept_qkv, kept_attention)
     working = tokens * constants(fused)[0] * layer_outputs_per_token(info, compute_bytes, fused)
     loss = tokens * 2 * info.hidden * compute_bytes  # the fused loss's gradient of the last hidden states
     return saved + working + loss
@@ -238,7 +243,7 @@ def estimate_fast(info: ModelInfo, plan):
     dequantized = dequantizes(plan.weights)
     dequant = dequant_buffer_bytes(info, c) if dequantized else 0  # the shared dequantization buffer
     fused = plan.fused_layer
-    activations = (step_activations(info, tokens, c, offloaded, fused, plan.kept_qkv)
+    activations = (step_activations(info, tokens, c, offloaded, fused, plan.kept_qkv, plan.kept_attention)
                    + hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c)
                    + dequant
                    + vram.CUBLAS_WORKSPACE_BYTES
@@ -274,7 +279,7 @@ def estimate_fast(info: ModelInfo, plan):
         # per layout up to FastOptions.max_graphs (2), each with its own private pool: a second copy
         # of the graph's held activations (its layer inputs on the host too) and free blocks (the
         # short-padded H100 row captured two).
-        second_pool = (step_activations(info, tokens, c, offloaded, fused, plan.kept_qkv)
+        second_pool = (step_activations(info, tokens, c, offloaded, fused, plan.kept_qkv, plan.kept_attention)
                        + graph_pool_free_bytes(info, tokens, c, fused))
         slack += second_pool
     page = 2 * 2**20

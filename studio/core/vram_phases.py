@@ -126,7 +126,7 @@ def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
             # the captured step's private pool: its layer inputs, working set and free blocks
             offloaded = offload_for(tokens, plan.lora_dropout, cuda=True)
             working, free, _ = fast.constants(plan.fused_layer)
-            pool = tokens * (fast.saved_per_token(info, c, offloaded, plan.kept_qkv)
+            pool = tokens * (fast.saved_per_token(info, c, offloaded, plan.kept_qkv, plan.kept_attention)
                              + (working + free) * fast.layer_outputs_per_token(info, c, plan.fused_layer))
     # the residual stream's width: bf16 on the fast path (its prepare casts embeddings and norms down),
     # fp32 after prepare_model_for_kbit_training on the plain one

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from studio.engine.fast.attention import KeptAttention, Saved, with_stats
 from studio.engine.fast.ops import rms_norm_torch, rope_torch, unrotate_liger, unrotate_torch
 from studio.engine.fast.weights import Projection
 
@@ -56,7 +57,8 @@ class Layer:
         return tuple(p.adapters(sink) for p in (self.qkv, self.o, self.gate_up, self.down))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
-                adapters: tuple | None = None, recompute: bool = False, keep=None, kept: tuple | None = None):
+                adapters: tuple | None = None, recompute: bool = False, keep=None, kept: tuple | None = None,
+                kept_attention: Saved | None = None):
         """The layer's output; with ``recompute`` (a checkpointed layer rebuilt for its backward)
         the pair ``(h, down)`` whose sum the output is, where ``down`` only carries the backward:
         nothing in the layer reads its last product's value, so the recomputation skips that
@@ -66,7 +68,9 @@ class Layer:
         ``keep(q, k, v)``: called with the rotated q, k and v as soon as they exist (a forward whose
         layer is recomputed later keeps them: engine/fast/offload.py). ``kept``: those three, given
         back to the recomputation, which then runs neither the q/k/v product nor RoPE
-        (:meth:`Projection.from_kept`)."""
+        (:meth:`Projection.from_kept`). A ``keep`` with an ``attention`` method is also handed the
+        attention's output and log-sum-exp (engine/fast/attention.py's ``Saved``), and
+        ``kept_attention`` gives them back: the recomputation then runs no attention."""
         b, t, _ = h.shape
         qkv_ad, o_ad, gu_ad, down_ad = adapters if adapters is not None else (None,) * 4
         if kept is not None:
@@ -75,7 +79,8 @@ class Layer:
             q, k, v = self.qkv_rotated(h, cos, sin, qkv_ad)
             if keep is not None:
                 keep(q, k, v)
-        attn = self.attention(q, k, v, seg).reshape(b, t, self.heads * self.head_dim)
+        attn = self.attention(q, k, v, seg, getattr(keep, "attention", None), kept_attention)
+        attn = attn.reshape(b, t, self.heads * self.head_dim)
         h = self.o(attn, o_ad, residual=h)
         gu = self.gate_up(self.norm(h, self.ln2), gu_ad)
         if self.kernels:
@@ -114,9 +119,12 @@ class Layer:
             return unrotate_liger(self.kernels["rope_backward"])
         return unrotate_torch
 
-    def attention(self, q, k, v, seg: Segments) -> torch.Tensor:
-        """Causal attention inside each example; returns [B, T, H, D]."""
-        if seg.cu is not None and self.varlen is not None:
+    def attention(self, q, k, v, seg: Segments, keep=None, kept: Saved | None = None) -> torch.Tensor:
+        """Causal attention inside each example; returns [B, T, H, D]. ``keep(saved)``: handed the
+        output and log-sum-exp where the kernel gives them (engine/fast/attention.py); ``kept``:
+        those of this layer's forward, whose output is returned without running the kernel."""
+        varlen = seg.cu is not None and self.varlen is not None
+        if varlen:
             fn, causal, gqa = self.varlen
             kw = dict(causal)
             if self.kv_heads != self.heads:
@@ -125,18 +133,31 @@ class Layer:
                 else:
                     rep = self.heads // self.kv_heads
                     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-            out = fn(q[0], k[0], v[0], seg.cu, seg.cu, seg.max_len, seg.max_len, **kw)
-            return out.unsqueeze(0)
-        gqa = self.kv_heads != self.heads
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if gqa:
-            rep = self.heads // self.kv_heads
-            kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
-        if seg.mask is not None:
-            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=seg.mask)
+            q, k, v = q[0], k[0], v[0]
         else:
-            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-        return out.transpose(1, 2)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if self.kv_heads != self.heads:
+                rep = self.heads // self.kv_heads
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+        def run(q, k, v):
+            if varlen:
+                return fn(q, k, v, seg.cu, seg.cu, seg.max_len, seg.max_len, **kw)
+            if seg.mask is not None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        out = None
+        if kept is not None:
+            out = KeptAttention.apply(q, k, v, kept, run)
+        elif keep is not None:
+            saved = with_stats(q, k, v, seg.cu, seg.max_len, seg.mask, varlen)
+            if saved is not None:
+                keep(saved)
+                out = saved.out
+        if out is None:
+            out = run(q, k, v)
+        return out.unsqueeze(0) if varlen else out.transpose(1, 2)
 
 
 def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from studio.core.plan import KEEP_QKV, OFFLOAD_IN_GRAPHS, graphs_for, offload_for
+from studio.core.plan import KEEP_ATTENTION_FROM, KEEP_QKV, OFFLOAD_IN_GRAPHS, graphs_for, offload_for
 from studio.core.vram_phases import SCORE_TOKENS
 from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import Graphs
@@ -47,6 +47,10 @@ class FastOptions:
     keep_qkv: bool = KEEP_QKV
     """With the layer inputs on the host, each layer's rotated q, k and v wait there too, so that
     the recomputation skips the q/k/v product and RoPE (offload.py's ``HostInputs.keep_qkv``)."""
+    keep_attention_from: int | None = KEEP_ATTENTION_FROM
+    """With ``keep_qkv``, micro-batches whose longest example has at least this many tokens keep
+    each layer's attention output and log-sum-exp on the host too, and the recomputation runs no
+    attention (engine/fast/attention.py); None: never."""
     offload_graphed: bool = OFFLOAD_IN_GRAPHS
     """... inside the CUDA graphs too (each graphed layout copies to its own host buffers)."""
     unpad: bool = True
@@ -114,7 +118,8 @@ class FastModel:
         # The sink works on the hoisted adapters (built once per forward, outside the layers).
         self._graphs = Graphs(self, options.max_graphs, offloading and options.offload_graphed,
                               options.grad_sink and options.hoist_adapters) if use_graphs else None
-        self._host = HostInputs(device, options.keep_qkv) if offloading else None
+        self._host = HostInputs(device, options.keep_qkv, keep_attention_from=options.keep_attention_from) \
+            if offloading else None
 
     def expect_examples(self, most: int) -> None:
         """Size the CUDA-graph layouts for micro-batches of up to ``most`` examples from the start
@@ -158,6 +163,8 @@ class FastModel:
                 parts.append("recomputation without the last product")
             if self._host.keep_qkv:
                 parts.append("q/k/v kept on the host for the recomputation")
+            if self._host.keep_attention_from is not None:
+                parts.append(f"attention kept on the host from {self._host.keep_attention_from} tokens")
         if self._seed is not None:
             parts.append("adapter dropout from counter-based masks")
         parts.append("liger kernels" if self.kernels else "torch kernels")

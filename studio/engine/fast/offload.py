@@ -23,18 +23,30 @@ import os
 
 import torch
 
+from studio.engine.fast.attention import Saved
+
 QKV = ("q", "k", "v")
+ATTENTION = ("o", "lse")
 
 
 class HostInputs:
     """Pinned host buffers for the layer inputs of one step, filled in the forward and read back,
     last layer first, in the backward. Buffers are kept between steps (one a layer)."""
 
-    def __init__(self, device: torch.device, keep_qkv: bool = False, keep_budget: int | None = None):
+    def __init__(self, device: torch.device, keep_qkv: bool = False, keep_budget: int | None = None,
+                 keep_attention_from: int | None = None):
         self.device = device
         self.keep_qkv = keep_qkv
         """Each layer's rotated q, k and v wait on the host beside its input, so that its
         recomputation skips the q/k/v product and RoPE (layer.py's ``keep`` and ``kept``)."""
+        self.keep_attention_from = keep_attention_from if keep_qkv else None
+        """With ``keep_qkv``, a micro-batch whose longest example has at least this many tokens
+        also keeps each layer's attention output and log-sum-exp there, so that its recomputation
+        runs no attention (engine/fast/attention.py); None: never (core/plan.py's
+        ``KEEP_ATTENTION_FROM``)."""
+        self._extra: dict[int, tuple] = {}
+        """Per layer whose attention is kept: the kernel, the output's layout and the small values
+        the attention's backward takes beside the output (they stay on the device)."""
         self.keep_budget = keep_budget
         """Most bytes of pinned host memory the kept tensors may take (None: a quarter of the
         host memory available when the first is kept); layers past it keep nothing and recompute
@@ -64,6 +76,7 @@ class HostInputs:
         handed a previous step's prefetched input."""
         self._stored.clear()
         self._fetched.clear()
+        self._extra.clear()
         self._copying = []
 
     def _settle(self) -> None:
@@ -117,11 +130,12 @@ class HostInputs:
             done.record(self.stream)
         self._fetched[index] = (out, done)
 
-    def may_keep(self, index: int, tensors) -> bool:
-        """Whether layer ``index`` keeps ``tensors`` on the host: it already has buffers for them
-        (a graph's replay, a later step), or they fit in what is left of :attr:`keep_budget`."""
+    def may_keep(self, index: int, tensors, names=QKV) -> bool:
+        """Whether layer ``index`` keeps ``tensors`` (under ``names``) on the host: it already has
+        buffers for them (a graph's replay, a later step), or they fit in what is left of
+        :attr:`keep_budget`."""
         grow = 0
-        for name, t in zip(QKV, tensors, strict=True):
+        for name, t in zip(names, tensors, strict=True):
             buffer = self._host.get((index, name))
             if buffer is None or buffer.numel() < t.numel() or buffer.dtype != t.dtype:
                 had = buffer.numel() * buffer.element_size() if buffer is not None else 0
@@ -136,10 +150,35 @@ class HostInputs:
         return True
 
     def prefetch_layer(self, index: int) -> None:
-        """Start bringing layer ``index``'s input back, and its kept q, k and v."""
+        """Start bringing layer ``index``'s input back, and its kept q, k and v and attention."""
         self.prefetch(index)
-        for name in QKV:
+        for name in (*QKV, *ATTENTION):
             self.prefetch((index, name))
+
+    def keeps_attention(self, longest: int) -> bool:
+        """Whether a micro-batch whose longest example has ``longest`` tokens keeps the attention."""
+        return self.keep_attention_from is not None and longest >= self.keep_attention_from
+
+    def keep_attention(self, index: int, saved: Saved) -> None:
+        """Start copying layer ``index``'s attention output and log-sum-exp to the host (queued
+        behind its q, k and v), if they fit the budget; the small values stay here."""
+        out, order = _dense(saved.out)
+        lse, lse_order = _dense(saved.lse)
+        if not self.may_keep(index, (out, lse), ATTENTION):
+            return
+        self.store((index, ATTENTION[0]), out, settle=False)
+        self.store((index, ATTENTION[1]), lse, settle=False)
+        self._extra[index] = (saved.kind, order, lse_order, saved.extra)
+
+    def load_attention(self, index: int) -> Saved | None:
+        """Layer ``index``'s kept attention on the device, or None if it kept none."""
+        extra = self._extra.pop(index, None)
+        if extra is None:
+            return None
+        kind, order, lse_order, rest = extra
+        out = _undense(self.load((index, ATTENTION[0])), order)
+        lse = _undense(self.load((index, ATTENTION[1])), lse_order)
+        return Saved(kind, out, lse, rest)
 
     def load_kept(self, index: int) -> tuple | None:
         """Layer ``index``'s kept q, k and v on the device, or None if it kept none."""
@@ -170,12 +209,8 @@ class OffloadedLayer(torch.autograd.Function):
         ctx.save_for_backward(cos, sin, *tensors)
         keep = None
         if host.keep_qkv:
-            def keep(*qkv):
-                if not host.may_keep(index, qkv):
-                    return
-                # Queued behind the input's copy; the next layer's input settles them all.
-                for name, t in zip(QKV, qkv, strict=True):
-                    host.store((index, name), t, settle=False)
+            longest = seg.max_len if seg.cu is not None else h.shape[1]
+            keep = Keeper(host, index, host.keeps_attention(longest))
         with torch.no_grad():
             return layer.forward(h, cos, sin, seg, unflatten(spec, tensors), keep=keep)
 
@@ -184,21 +219,69 @@ class OffloadedLayer(torch.autograd.Function):
         cos, sin, *tensors = ctx.saved_tensors
         h = ctx.host.load(ctx.index).requires_grad_(True)
         kept = ctx.host.load_kept(ctx.index)
+        kept_attention = ctx.host.load_attention(ctx.index)
         ctx.host.prefetch_layer(ctx.index - 1)  # the layer below's, while this one recomputes
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
         adapters = unflatten(ctx.spec, leaves)
         with torch.enable_grad():
             if ctx.layer.skip_last:
                 # The output's two terms; the last product's value is never computed (layer.py).
-                outs = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, recompute=True, kept=kept)
+                outs = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, recompute=True, kept=kept,
+                                        kept_attention=kept_attention)
                 douts = (dout, dout)
             else:
-                outs, douts = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, kept=kept), dout
+                outs = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, kept=kept, kept_attention=kept_attention)
+                douts = dout
         wanted = [h, *[t for t in leaves if t.requires_grad]]
         grads = iter(torch.autograd.grad(outs, wanted, douts, allow_unused=True))
         dh = next(grads)
         dtensors = [next(grads) if t.requires_grad else None for t in leaves]
         return (dh, None, None, None, None, None, None, None, *dtensors)
+
+
+class Keeper:
+    """What a layer's forward hands over for the host (layer.py's ``keep``): called with its
+    rotated q, k and v; with ``attention``, also its attention's output and log-sum-exp."""
+
+    def __init__(self, host: HostInputs, index: int, attention: bool):
+        self.host, self.index = host, index
+        if not attention:
+            self.attention = None
+
+    def __call__(self, *qkv) -> None:
+        if not self.host.may_keep(self.index, qkv):
+            return
+        # Queued behind the input's copy; the next layer's input settles them all.
+        for name, t in zip(QKV, qkv, strict=True):
+            self.host.store((self.index, name), t, settle=False)
+
+    def attention(self, saved: Saved) -> None:
+        # Only beside kept q, k and v: the recomputation's attention backward reads them, and the
+        # kept output must be the one those q, k and v give.
+        if (self.index, QKV[0]) in self.host._stored:
+            self.host.keep_attention(self.index, saved)
+
+
+def _dense(t: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+    """``t`` as a contiguous tensor to copy as one block: permuted to its memory order where that
+    is dense (a kernel's output is often a transposed view), else copied; and the permutation."""
+    if t.is_contiguous():
+        return t, None
+    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    dense = t.permute(order)
+    if dense.is_contiguous():
+        return dense, order
+    return t.contiguous(), None
+
+
+def _undense(t: torch.Tensor, order: tuple | None) -> torch.Tensor:
+    """:func:`_dense`'s inverse: the tensor with its original dimensions and strides."""
+    if order is None:
+        return t
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return t.permute(inverse)
 
 
 def available_host_memory() -> int:
