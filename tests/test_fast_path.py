@@ -80,7 +80,9 @@ def test_layer_inputs_kept_on_the_host_give_the_same_loss_and_gradients(tiny_mod
         results.append((loss.detach(), _grads(model)))
         if host is not None:
             assert not host._stored and not host._fetched  # every input came back once
-            assert len(host._host) == len(fast_model.layers)  # one host buffer per layer
+            # one host buffer per layer but the last, whose input stays on the device (its copies
+            # could hide behind no compute: HostInputs.last_on_device)
+            assert len(host._host) == len(fast_model.layers) - 1
     # A step abandoned after its forward and part of its backward's prefetches (an out-of-memory
     # error there, and the trainer retries smaller): the next step must not read its inputs.
     other = collate([[e] for e in _examples([17, 12], seed=1)], pad_id=0, packing=True).to(device)
@@ -91,7 +93,7 @@ def test_layer_inputs_kept_on_the_host_give_the_same_loss_and_gradients(tiny_mod
     loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
     loss.backward()
     results.append((loss.detach(), _grads(model)))
-    assert len(host._host) == len(fast_model.layers)  # a smaller batch reuses each layer's buffer
+    assert len(host._host) == len(fast_model.layers) - 1  # a smaller batch reuses each layer's buffer
     (loss0, grads0), (loss1, grads1), (loss2, grads2) = results
     torch.testing.assert_close(loss2, loss0, rtol=1e-6, atol=1e-6)
     for name, grad in grads0.items():
@@ -150,10 +152,11 @@ def test_q_k_v_kept_on_the_host_give_the_recomputation_the_same_gradients(tmp_pa
         results.append((loss.detach(), _grads(model)))
         assert not host._stored and not host._fetched  # everything kept came back once
         kept_layers = {key[0] for key in host._host if isinstance(key, tuple)}
-        expected = {0: set(), 1: set(range(3)), 2: {0}}[len(results) - 1]
+        # the last layer (2) keeps its q, k and v on the device, beyond the budget
+        expected = {0: set(), 1: {0, 1}, 2: {0}}[len(results) - 1]
         assert kept_layers == expected
         assert all((i, name) in host._host for i in kept_layers for name in QKV)
-        assert len(calls) == len(expected)  # the recomputations that took the kept tensors
+        assert len(calls) == len(expected) + (len(results) > 1)  # the recomputations that took them
     loss0, grads0 = results[0]
     assert grads0
     for loss, grads in results[1:]:
@@ -659,7 +662,7 @@ def test_the_gradient_sink_gives_the_gradients_autograd_would(tiny_model: Path) 
 def test_attention_kept_on_the_host_gives_the_recomputation_the_same_gradients(tmp_path: Path, packing, kv_heads,
                                                                                bits, monkeypatch) -> None:
     """With the attention kept (``keep_attention_from``), each offloaded layer's attention output and
-    log-sum-exp wait on the host beside its q, k and v, and the recomputation runs no attention:
+    log-sum-exp wait on the host beside its q, k and v (the last layer's on the device), and the recomputation runs no attention:
     attention.KeptAttention returns the kept output and its backward is the kernel's own on the
     kept tensors. Loss and every adapter gradient equal the run that recomputes the attention:
     rows of one example (the kernel SDPA picks) and packed examples (varlen on CUDA, a
@@ -680,6 +683,8 @@ def test_attention_kept_on_the_host_gives_the_recomputation_the_same_gradients(t
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     model = _peft_model(tmp_path, bits, ALL, dtype=dtype)
+    if cuda and bits is None:
+        model.to("cuda")  # a 4-bit model is loaded there
     device = next(model.parameters()).device
     lengths = [21, 14, 9] if packing else [24, 24]
     batch = collate([[e] for e in _examples(lengths)], pad_id=0, packing=packing).to(device)
@@ -706,7 +711,7 @@ def test_attention_kept_on_the_host_gives_the_recomputation_the_same_gradients(t
         assert not host._stored and not host._fetched and not host._extra  # all came back once
         kept = {key[0] for key in host._host if isinstance(key, tuple) and key[1] in ATTENTION}
         if len(results) == 2:
-            assert kept == {0, 1, 2} and len(calls) == 3, calls
+            assert kept == {0, 1} and len(calls) == 3, calls  # the last layer's stay on the device
             expected = ("varlen" if packing else ("cudnn", "flash")) if cuda else ("cpu_flash",)
             assert set(calls) <= set(expected if isinstance(expected, tuple) else (expected,)), calls
         else:
@@ -780,3 +785,40 @@ def test_a_kept_attention_whose_backward_fails_recomputes_and_keeps_no_more(tmp_
     host._host.clear()
     fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids).backward()
     assert not any(isinstance(key, tuple) and key[1] in ATTENTION for key in host._host)
+
+
+@pytest.mark.parametrize("keep_qkv", [False, True])
+def test_the_last_layer_s_tensors_stay_on_the_device(tmp_path: Path, keep_qkv, monkeypatch) -> None:
+    """HostInputs.last_on_device: the last layer's input (and kept q, k, v and attention) are never
+    copied to the host and back: the same loss and gradients as copying them, and no host buffer
+    for that layer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from studio.engine.fast.offload import HostInputs
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = _peft_model(tmp_path, None, ALL)
+    device = next(model.parameters()).device
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    monkeypatch.setattr("studio.engine.fast.model.offload_for", lambda tokens, dropout, cuda: True)
+    results = []
+    for last_on_device in (False, True):
+        host = HostInputs(device, keep_qkv=keep_qkv, keep_attention_from=0, last_on_device=last_on_device)
+        fast_model._host = host
+        model.zero_grad(set_to_none=True)
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+        results.append((loss.detach(), _grads(model)))
+        layers = {key[0] if isinstance(key, tuple) else key for key in host._host}
+        assert layers == ({0, 1} if last_on_device else {0, 1, 2})
+        assert not host._stored and not host._fetched and not host._extra
+    (loss0, grads0), (loss1, grads1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
+    assert grads0.keys() == grads1.keys() and grads0
+    for name, grad in grads0.items():
+        torch.testing.assert_close(grads1[name], grad, rtol=1e-5, atol=1e-7)

@@ -54,7 +54,7 @@ recomputation skips the q/k/v product and RoPE (engine/fast/offload.py; ``FastOp
 On the device this holds one more layer's q, k and v: the one brought back ahead of its backward."""
 
 
-KEEP_ATTENTION_FROM = 2048
+KEEP_ATTENTION_FROM = 4096
 """With q, k and v kept, a micro-batch whose longest example has at least this many tokens also
 keeps each layer's attention output and log-sum-exp on the host, and the recomputation runs no
 attention (engine/fast/attention.py; ``FastOptions.keep_attention_from``). Below it the attention

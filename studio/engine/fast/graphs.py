@@ -180,8 +180,8 @@ class Graphs:
             kept = [g.clone() for g in self.sink.grads] if self.sink is not None and self.sink.bound() else None
             try:
                 options = self.fast.options
-                host = HostInputs(h.device, options.keep_qkv, keep_attention_from=options.keep_attention_from) \
-                    if self.offload else None
+                host = HostInputs(h.device, options.keep_qkv, keep_attention_from=options.keep_attention_from,
+                                  last_on_device=options.last_layer_on_device) if self.offload else None
                 module = torch.cuda.make_graphed_callables(
                     _StackModule(self.fast, seg.max_len, flat, host, self.sink), (h, cos, sin, cu),
                     num_warmup_iters=2)

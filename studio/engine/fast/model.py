@@ -47,6 +47,9 @@ class FastOptions:
     keep_qkv: bool = KEEP_QKV
     """With the layer inputs on the host, each layer's rotated q, k and v wait there too, so that
     the recomputation skips the q/k/v product and RoPE (offload.py's ``HostInputs.keep_qkv``)."""
+    last_layer_on_device: bool = True
+    """With the layer inputs on the host, the last layer's stay on the device (offload.py's
+    ``HostInputs.last_on_device``): its copies could hide behind no compute."""
     keep_attention_from: int | None = KEEP_ATTENTION_FROM
     """With ``keep_qkv``, micro-batches whose longest example has at least this many tokens keep
     each layer's attention output and log-sum-exp on the host too, and the recomputation runs no
@@ -118,8 +121,8 @@ class FastModel:
         # The sink works on the hoisted adapters (built once per forward, outside the layers).
         self._graphs = Graphs(self, options.max_graphs, offloading and options.offload_graphed,
                               options.grad_sink and options.hoist_adapters) if use_graphs else None
-        self._host = HostInputs(device, options.keep_qkv, keep_attention_from=options.keep_attention_from) \
-            if offloading else None
+        self._host = HostInputs(device, options.keep_qkv, keep_attention_from=options.keep_attention_from,
+                                last_on_device=options.last_layer_on_device) if offloading else None
 
     def expect_examples(self, most: int) -> None:
         """Size the CUDA-graph layouts for micro-batches of up to ``most`` examples from the start
@@ -263,7 +266,7 @@ class FastModel:
         hoisted adapters are built from what it maps each parameter to (graphs.py's gradient
         sink)."""
         if host is not None:
-            host.reset()
+            host.reset(len(self.layers))
         for index, layer in enumerate(self.layers):
             # Built outside the checkpoint: the recomputation then reuses them (fewer small ops). A
             # layer whose input waits on the host takes them hoisted either way: they are the

@@ -34,8 +34,15 @@ class HostInputs:
     last layer first, in the backward. Buffers are kept between steps (one a layer)."""
 
     def __init__(self, device: torch.device, keep_qkv: bool = False, keep_budget: int | None = None,
-                 keep_attention_from: int | None = None):
+                 keep_attention_from: int | None = None, last_on_device: bool = True):
         self.device = device
+        self.last_on_device = last_on_device
+        """The last layer's tensors stay where they are instead of crossing to the host and back:
+        its backward comes first, right after the loss, so their copies could not hide behind any
+        compute (the forward's end would wait for the way out, the backward's start for the way
+        back). They are on the device at the backward's start either way."""
+        self.last: int | None = None
+        """The last layer's index (:meth:`reset` takes it from the stack)."""
         self.keep_qkv = keep_qkv
         """Each layer's rotated q, k and v wait on the host beside its input, so that its
         recomputation skips the q/k/v product and RoPE (layer.py's ``keep`` and ``kept``)."""
@@ -70,10 +77,12 @@ class HostInputs:
             self._host[index] = buffer
         return buffer[:x.numel()].view(x.shape)
 
-    def reset(self) -> None:
+    def reset(self, layers: int | None = None) -> None:
         """Forget the inputs of a step that never finished its backward (an out-of-memory error
         mid-step, a forward without backward): each forward starts clean, or its backward could be
-        handed a previous step's prefetched input."""
+        handed a previous step's prefetched input. ``layers``: how many the stack has."""
+        if layers is not None:
+            self.last = layers - 1
         self._stored.clear()
         self._fetched.clear()
         self._extra.clear()
@@ -91,6 +100,11 @@ class HostInputs:
         the copies still in flight (a layer's input does: the previous layer's copies have
         overlapped that layer's compute, and their tensors are freed from here on); with False,
         this copy queues behind them and the tensors stay referenced until the next settling."""
+        if self._stays(index):
+            if settle and self.cuda:
+                self._settle()
+            self._fetched[index] = (x.detach(), None)  # never copied: load hands it back as it is
+            return
         host = self._buffer(index, x)
         self._stored[index] = host
         if not self.cuda:
@@ -104,6 +118,15 @@ class HostInputs:
             done = torch.cuda.Event()
             done.record(self.stream)
         self._copying.append((x, done))
+
+    def _stays(self, index) -> bool:
+        """Whether the tensor stored under ``index`` stays on the device (:attr:`last_on_device`)."""
+        layer = index[0] if isinstance(index, tuple) else index
+        return self.last_on_device and layer == self.last
+
+    def holds(self, index) -> bool:
+        """Whether a tensor is stored under ``index`` (on the host or staying on the device)."""
+        return index in self._stored or index in self._fetched
 
     def finish(self) -> None:
         """End of the forward: the last copy joins the main stream (a CUDA graph's capture must
@@ -140,7 +163,7 @@ class HostInputs:
             if buffer is None or buffer.numel() < t.numel() or buffer.dtype != t.dtype:
                 had = buffer.numel() * buffer.element_size() if buffer is not None else 0
                 grow += t.numel() * t.element_size() - had
-        if grow <= 0:
+        if grow <= 0 or self._stays(index):
             return True
         if self.keep_budget is None:
             self.keep_budget = available_host_memory() // 4
@@ -182,7 +205,7 @@ class HostInputs:
 
     def load_kept(self, index: int) -> tuple | None:
         """Layer ``index``'s kept q, k and v on the device, or None if it kept none."""
-        if (index, QKV[0]) not in self._stored and (index, QKV[0]) not in self._fetched:
+        if not self.holds((index, QKV[0])):
             return None
         return tuple(self.load((index, name)) for name in QKV)
 
@@ -258,7 +281,7 @@ class Keeper:
     def attention(self, saved: Saved) -> None:
         # Only beside kept q, k and v: the recomputation's attention backward reads them, and the
         # kept output must be the one those q, k and v give.
-        if (self.index, QKV[0]) in self.host._stored:
+        if self.host.holds((self.index, QKV[0])):
             self.host.keep_attention(self.index, saved)
 
 
