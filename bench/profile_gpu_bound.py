@@ -298,6 +298,9 @@ def main() -> int:
     parser.add_argument("--levers", default="keep_last_product", help="bench/speed.py levers to time too")
     parser.add_argument("--models-dir", default="/tmp/models")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the variants this many times, interleaved (all, lever, all, lever, ...): "
+                             "each variant's rates and their median, for levers of about the run-to-run spread")
     args = parser.parse_args()
 
     import torch
@@ -323,18 +326,25 @@ def main() -> int:
             batches.append({"input_ids": ids, "labels": ids.clone(), "attention_mask": None,
                             "position_ids": torch.arange(seq).expand(mb, seq).contiguous(), "tokens": mb * seq})
         row = {"variants": {}}
-        for lever in ["all", *[x for x in args.levers.split(",") if x]]:
+        levers = ["all", *[x for x in args.levers.split(",") if x]]
+        for repeat, lever in [(r, x) for r in range(args.repeats) for x in levers]:
             fm, why = fast.prepare(model, fast.FastOptions(**LEVERS[lever]))
             if fm is None:
                 row["variants"][lever] = {"error": why}
                 continue
             torch.cuda.reset_peak_memory_stats()
             res = studio_train(fm, params, batches, args.steps, 2e-4, 3, 42)
-            row["variants"][lever] = {"tokens_per_s": round(res["tokens_per_s"]), "losses": res["losses"][:6],
-                                      "peak_reserved_gib": round(res["peak_reserved"] / 2**30, 3),
-                                      "fast_path": fm.describe()}
-            print(f"{spec} {lever}: {res['tokens_per_s']:.0f} tokens/s", flush=True)
-            if lever == "all" and not args.no_profile:
+            if repeat == 0:
+                row["variants"][lever] = {"tokens_per_s": round(res["tokens_per_s"]), "losses": res["losses"][:6],
+                                          "peak_reserved_gib": round(res["peak_reserved"] / 2**30, 3),
+                                          "fast_path": fm.describe()}
+            if args.repeats > 1:
+                variant = row["variants"][lever]
+                variant.setdefault("repeats_tokens_per_s", []).append(round(res["tokens_per_s"]))
+                variant["median_tokens_per_s"] = sorted(variant["repeats_tokens_per_s"])[
+                    (len(variant["repeats_tokens_per_s"]) - 1) // 2]
+            print(f"{spec} {lever} (run {repeat + 1}): {res['tokens_per_s']:.0f} tokens/s", flush=True)
+            if lever == "all" and repeat == 0 and not args.no_profile:
                 trace = out_path.with_name(out_path.stem + f"_trace_{spec}.json")
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                           torch.profiler.ProfilerActivity.CUDA])
