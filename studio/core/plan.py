@@ -54,17 +54,14 @@ recomputation skips the q/k/v product and RoPE (engine/fast/offload.py; ``FastOp
 On the device this holds one more layer's q, k and v: the one brought back ahead of its backward."""
 
 
-KEEP_ATTENTION_FROM = 4096
+KEEP_ATTENTION_FROM: int | None = None
 """With q, k and v kept, a micro-batch whose longest example has at least this many tokens also
 keeps each layer's attention output and log-sum-exp on the host, and the recomputation runs no
-attention (engine/fast/attention.py; ``FastOptions.keep_attention_from``). Below it the attention
-is a small share of the step and the host link is already busy with the inputs and q, k and v
-(bench/results, docs/speed.md). On the device: one more layer's output, the one brought back."""
-
-
-def keeps_attention(longest: int, kept_qkv: bool = KEEP_QKV) -> bool:
-    """Whether the fast path keeps the attention for examples of up to ``longest`` tokens."""
-    return kept_qkv and KEEP_ATTENTION_FROM is not None and longest >= KEEP_ATTENTION_FROM
+attention (engine/fast/attention.py; ``FastOptions.keep_attention_from``). None: off. On an H100
+over PCIe 5 it did not pay: interleaved runs in one call measured -0.2% at seq 4096 and -1.3% at
+512x16 (the host link already carries each layer's input and q, k and v in about the time of its
+forward; bench/results/h100_v15_*.json, docs/speed.md). A host with a faster link to the GPU is
+where it can. On the device: one more layer's output, the one brought back."""
 
 
 def offload_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
