@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -55,9 +56,9 @@ def rescore(results: dict) -> dict:
         if measured and "q/k/v kept on the host" not in measured.get("fast_path", ""):
             # measured before the recomputation took q, k and v back from the host
             plan = replace(plan, kept_qkv=False)
-        if measured and "attention kept on the host" not in measured.get("fast_path", ""):
-            # measured before the recomputation took the attention's output back from the host
-            plan = replace(plan, keep_attention_from=None)
+        kept_from = re.search(r"attention kept on the host from (\d+) tokens", (measured or {}).get("fast_path", ""))
+        # the threshold the measuring engine kept the attention from (None: it recomputed it)
+        plan = replace(plan, keep_attention_from=int(kept_from.group(1)) if kept_from else None)
         predicted = estimate_plan(info, plan)
         # the peak over the phases of a run the row measured (the HF loop: training steps only)
         peaks = predicted_peaks(predicted, case.phases(measured or {}))

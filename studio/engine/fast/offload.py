@@ -6,7 +6,8 @@ input: ``tokens x hidden`` in the compute dtype per layer (2.1 GB at 8192 tokens
 more than the rest of the activations together). :class:`HostInputs` copies each input to a
 pinned host buffer on a side stream while the layer computes, and in the backward brings the next
 one back while the current layer is recomputed, so the copies hide behind the compute; at most two
-layer inputs are on the GPU at once. :class:`OffloadedLayer` is the recomputing layer (what
+layer inputs are on the GPU at once. The last layer's stays on the GPU: its backward comes right
+after the loss, so its copies could hide behind nothing. :class:`OffloadedLayer` is the recomputing layer (what
 ``torch.utils.checkpoint`` does, with the input saved on the host).
 
 Eager steps and CUDA-graphed ones alike (core/plan.py's ``offload_for`` decides, and the estimator
