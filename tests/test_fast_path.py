@@ -51,6 +51,16 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def _save_llama(path: Path, layers: int, kv_heads: int, hidden: int = 64) -> None:
+    """A small random Llama (4 heads, 300-token vocabulary) saved at ``path``, seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=kv_heads, vocab_size=300, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
 @pytest.mark.parametrize(("bits", "targets"), [(None, ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]),
                                                 (4, ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]),
                                                 (None, ["q_proj", "v_proj", "gate_proj"])])
@@ -116,14 +126,10 @@ def test_q_k_v_kept_on_the_host_give_the_recomputation_the_same_gradients(tmp_pa
     every adapter gradient equal the recomputing run's, with grouped-query attention, q/k/v as
     three products or one, a 4-bit base, and adapters on q/k/v or on none of them. A budget that
     fits one layer's kept tensors keeps that layer's only; the other layers recompute as before."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from studio.engine.fast.offload import QKV, HostInputs
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=kv_heads, vocab_size=300, max_position_embeddings=128)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    _save_llama(tmp_path, 3, kv_heads)
     model = _peft_model(tmp_path, bits, targets)
     device = next(model.parameters()).device
     batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
@@ -264,12 +270,8 @@ def test_grouped_query_attention_on_the_fast_path_equals_the_plain_path(tmp_path
     """Two key/value heads for four query heads: q, k and v of different widths, from their own
     products (weights.SeparateLoraProduct) or as column blocks of one, give the plain path's loss
     and gradients, with the input gradient's LoRA term first (the default) or last."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    _save_llama(tmp_path, 2, 2)
     model = _peft_model(tmp_path, None, ALL)
     batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True)
     plain = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
@@ -669,7 +671,6 @@ def test_attention_kept_on_the_host_gives_the_recomputation_the_same_gradients(t
     block-diagonal mask on the CPU), grouped-query attention, a 4-bit base. On CUDA the model is
     bf16, so that the kernels are cuDNN's or flash-attention's as in training. A threshold above
     the longest example keeps no attention."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from studio.engine.fast import attention
     from studio.engine.fast.offload import ATTENTION, HostInputs
@@ -678,10 +679,7 @@ def test_attention_kept_on_the_host_gives_the_recomputation_the_same_gradients(t
     if bits == 4 and not cuda:
         pytest.skip("bitsandbytes' 4-bit layers need CUDA here")
     dtype = torch.bfloat16 if cuda else torch.float32
-    config = LlamaConfig(hidden_size=128, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=kv_heads, vocab_size=300, max_position_embeddings=128)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    _save_llama(tmp_path, 3, kv_heads, hidden=128)
     model = _peft_model(tmp_path, bits, ALL, dtype=dtype)
     if cuda and bits is None:
         model.to("cuda")  # a 4-bit model is loaded there
@@ -746,15 +744,11 @@ def test_a_kept_attention_whose_backward_fails_recomputes_and_keeps_no_more(tmp_
     """Should the kernel's backward operator fail on some torch, attention.KeptAttention's backward
     recomputes the attention through the layer's own call instead: the gradients are still the
     recomputing run's, and no later micro-batch keeps the attention."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from studio.engine.fast import attention
     from studio.engine.fast.offload import ATTENTION, HostInputs
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    _save_llama(tmp_path, 2, 4)
     model = _peft_model(tmp_path, None, ALL)
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -792,14 +786,10 @@ def test_the_last_layer_s_tensors_stay_on_the_device(tmp_path: Path, keep_qkv, m
     """HostInputs.last_on_device: the last layer's input (and kept q, k, v and attention) are never
     copied to the host and back: the same loss and gradients as copying them, and no host buffer
     for that layer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from studio.engine.fast.offload import HostInputs
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    _save_llama(tmp_path, 3, 2)
     model = _peft_model(tmp_path, None, ALL)
     device = next(model.parameters()).device
     batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
