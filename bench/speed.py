@@ -109,7 +109,7 @@ LEVERS = {
     "recompute_qkv": {"keep_qkv": False},
     "recompute_attention": {"keep_attention_from": None},
     "copy_last_layer": {"last_layer_on_device": False},
-    "keep_attention_always": {"keep_attention_from": 0},  # an "on" lever: the default keeps it from 2048 tokens
+    "keep_attention_always": {"keep_attention_from": 0},  # an "on" lever: the default keeps no attention
 }
 
 

@@ -4,8 +4,11 @@ A checkpointed layer's recomputation runs the attention's forward again only for
 sake: the flash-style backward reads q, k, v, the output and the softmax's log-sum-exp. When the
 first forward keeps the output and the log-sum-exp (engine/fast/offload.py takes them to the host
 with the layer's input and its q, k and v), the recomputation runs no attention at all: :class:`KeptAttention`
-returns the kept output and its backward is the kernel's own backward on the kept tensors. At
-sequence 4096 that is about a fifth of a 7B step's attention work (bench/results, docs/speed.md).
+returns the kept output and its backward is the kernel's own backward on the kept tensors.
+
+Off by default (core/plan.py's ``KEEP_ATTENTION_FROM``): on an H100 over PCIe 5 the host link is
+already full with the inputs and q, k and v, and interleaved runs measured no gain at sequence 4096
+(bench/results/h100_v15_ab_interleaved.json, docs/speed.md). It is for hosts with a faster link.
 
 The kernel is the one ``scaled_dot_product_attention`` (rows of one example each) or torch's
 varlen entry point (a flat stream of examples) would run: cuDNN's or flash-attention's on CUDA, the

@@ -179,9 +179,7 @@ class Graphs:
             # has accumulated there (a new layout in the middle of an accumulation window).
             kept = [g.clone() for g in self.sink.grads] if self.sink is not None and self.sink.bound() else None
             try:
-                options = self.fast.options
-                host = HostInputs(h.device, options.keep_qkv, keep_attention_from=options.keep_attention_from,
-                                  last_on_device=options.last_layer_on_device) if self.offload else None
+                host = self.fast.host_inputs(h.device) if self.offload else None
                 module = torch.cuda.make_graphed_callables(
                     _StackModule(self.fast, seg.max_len, flat, host, self.sink), (h, cos, sin, cu),
                     num_warmup_iters=2)

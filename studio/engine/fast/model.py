@@ -121,8 +121,14 @@ class FastModel:
         # The sink works on the hoisted adapters (built once per forward, outside the layers).
         self._graphs = Graphs(self, options.max_graphs, offloading and options.offload_graphed,
                               options.grad_sink and options.hoist_adapters) if use_graphs else None
-        self._host = HostInputs(device, options.keep_qkv, keep_attention_from=options.keep_attention_from,
-                                last_on_device=options.last_layer_on_device) if offloading else None
+        self._host = self.host_inputs(device) if offloading else None
+
+    def host_inputs(self, device: torch.device) -> HostInputs:
+        """Host buffers for the layer inputs, set up as :attr:`options` say (one for the eager
+        steps, one per graphed layout: graphs.py)."""
+        options = self.options
+        return HostInputs(device, options.keep_qkv, keep_attention_from=options.keep_attention_from,
+                          last_on_device=options.last_layer_on_device)
 
     def expect_examples(self, most: int) -> None:
         """Size the CUDA-graph layouts for micro-batches of up to ``most`` examples from the start
@@ -166,6 +172,8 @@ class FastModel:
                 parts.append("recomputation without the last product")
             if self._host.keep_qkv:
                 parts.append("q/k/v kept on the host for the recomputation")
+            if self._host.last_on_device:
+                parts.append("the last layer's kept on the device")
             if self._host.keep_attention_from is not None:
                 parts.append(f"attention kept on the host from {self._host.keep_attention_from} tokens")
         if self._seed is not None:
