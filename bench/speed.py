@@ -110,6 +110,7 @@ LEVERS = {
     "recompute_attention": {"keep_attention_from": None},
     "copy_last_layer": {"last_layer_on_device": False},
     "keep_attention_always": {"keep_attention_from": 0},  # an "on" lever: the default keeps no attention
+    "update_in_products": {"update_in_kernel": False},
 }
 
 

@@ -82,11 +82,16 @@ class Layer:
         attn = self.attention(q, k, v, seg, getattr(keep, "attention", None), kept_attention)
         attn = attn.reshape(b, t, self.heads * self.head_dim)
         h = self.o(attn, o_ad, residual=h)
-        gu = self.gate_up(self.norm(h, self.ln2), gu_ad)
-        if self.kernels:
+        x = self.norm(h, self.ln2)
+        act = self.gate_up.swiglu(x, gu_ad)  # the update added inside SwiGLU's kernel, where it can be
+        if act is not None:
+            pass
+        elif self.kernels:
+            gu = self.gate_up(x, gu_ad)
             # liger returns the gradient flat: give it a flat input so the shapes agree.
             act = self.kernels["swiglu"].apply(gu.view(-1, gu.shape[-1]), True).view(*gu.shape[:-1], -1)
         else:
+            gu = self.gate_up(x, gu_ad)
             gate, up = gu.chunk(2, dim=-1)
             act = F.silu(gate) * up
         if recompute:

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from studio.core.plan import KEEP_ATTENTION_FROM, KEEP_QKV, OFFLOAD_IN_GRAPHS, graphs_for, offload_for
 from studio.core.vram_phases import SCORE_TOKENS
+from studio.engine.fast import update
 from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import Graphs
 from studio.engine.fast.layer import Layer, Segments, padding_mask
@@ -80,6 +81,11 @@ class FastOptions:
     separate_qkv: bool = True
     """q, k and v come out of their products as three tensors (weights.SeparateLoraProduct), not
     column blocks of one that RoPE's kernel copies out and whose gradients are concatenated."""
+    update_in_kernel: bool = True
+    """Where a kernel reads a fused product's output next (SwiGLU for gate/up, the residual's add
+    for o and down), it adds the LoRA update itself from ``x A^T`` and ``B^T`` (engine/fast/update.py),
+    and the base product writes the output alone: the update's product no longer writes it first.
+    Triton only (CUDA, or its interpreter)."""
     grad_sink: bool = True
     """The captured backward adds the adapters' gradients into ``.grad`` itself (graphs.GradSink)
     instead of returning a second copy that autograd then adds there after each replay."""
@@ -102,11 +108,13 @@ class FastModel:
         self.kernels = kernels
         self.varlen = varlen
         device = backbone.embed_tokens.weight.device
+        in_kernel = options.update_in_kernel and options.fused_epilogues and update.available(device, dtype)
         for layer in layers:
             layer.skip_last = options.skip_last_product
             for proj in layer.projections():
                 proj.update_first = options.fused_epilogues
                 proj.backward_first = options.fused_backward
+                proj.in_kernel = in_kernel
             layer.qkv.separate = options.separate_qkv and options.fused_epilogues
         # Adapter dropout draws its masks from one seed tensor (engine/fast/dropout.py): graphs replay
         # them, recomputation regenerates them, and no RNG state is saved around a layer.
@@ -176,6 +184,8 @@ class FastModel:
                 parts.append("the last layer's kept on the device")
             if self._host.keep_attention_from is not None:
                 parts.append(f"attention kept on the host from {self._host.keep_attention_from} tokens")
+        if self.layers and self.layers[0].o.in_kernel and not update.broken():
+            parts.append("LoRA updates added in the SwiGLU and residual kernels")
         if self._seed is not None:
             parts.append("adapter dropout from counter-based masks")
         parts.append("liger kernels" if self.kernels else "torch kernels")

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from studio.engine.fast import dequant
+from studio.engine.fast import dequant, update
 from studio.engine.fast.dropout import dropout
 
 
@@ -280,7 +280,7 @@ class LoraProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None = None,
                 value: bool = True, residual: torch.Tensor | None = None, update_first: bool = True,
-                backward_first: bool = True):
+                backward_first: bool = True, in_kernel: bool = False):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         width = sum(weights.out_features)
@@ -288,7 +288,16 @@ class LoraProduct(torch.autograd.Function):
         xa = None
         if a is not None:
             xa = x2 @ a.t() if drop is None else drop.project(x2, a)
-        if not value:
+        y = None
+        if value and in_kernel and xa is not None and r2 is not None and update_first and not update.broken():
+            # The base product writes the output alone; one kernel adds the update and then the
+            # stream (engine/fast/update.py), where the update's product would write it first.
+            y = weights.forward_product(x2)
+            if not _in_kernel(lambda: update.add_update_and_residual_(y, xa, bt, scale, r2))[0]:
+                y = None
+        if y is not None:
+            pass
+        elif not value:
             # Only the backward is wanted (a recomputation whose output nothing reads): no base
             # product, no LoRA update; a zero of the output's shape that owns no memory.
             y = x2.new_zeros(()).expand(x2.shape[0], width)
@@ -322,7 +331,22 @@ class LoraProduct(torch.autograd.Function):
     def backward(ctx, dy):
         dx, da, dbt = _fused_backward(ctx, ctx.saved_tensors, dy.reshape(-1, dy.shape[-1]))
         dres = dy if ctx.residual else None  # the residual passes straight through
-        return dx.view(ctx.shape), None, da, dbt, None, None, None, dres, None, None
+        return dx.view(ctx.shape), None, da, dbt, None, None, None, dres, None, None, None
+
+
+def _in_kernel(run: Callable[[], torch.Tensor]) -> tuple[bool, torch.Tensor | None]:
+    """Run one of engine/fast/update.py's kernels: (True, its result), or (False, None) when it
+    cannot build here (the kernels are then given up on for this process, and the caller takes its
+    usual order)."""
+    if update.broken():
+        return False, None
+    try:
+        return True, run()
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot build here: the products' order then
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise  # inside a CUDA graph's capture: the capture fails and the step runs eagerly
+        update.mark_broken(exc)
+        return False, None
 
 
 def _fused_backward(ctx, saved, dy2: torch.Tensor):
@@ -360,6 +384,31 @@ def _blocks_backward(ctx, saved, blocks: Sequence[torch.Tensor]):
             torch.mm(xa.t(), block, out=dbt[:, cols])
         dbt.mul_(ctx.scale)
     return dx, da, dbt
+
+
+class DeferredLoraProduct(torch.autograd.Function):
+    """:class:`LoraProduct` whose update is left to the reader: returns the base product ``x W^T``
+    standing for the whole output, and ``x A^T`` (no gradient) for the reader to add
+    ``scale * (x A^T) B^T`` tile by tile (update.LoraSwiGLU). The backward takes the whole output's
+    gradient, exactly as :class:`LoraProduct`'s does."""
+
+    @staticmethod
+    def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None = None,
+                backward_first: bool = True):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xa = x2 @ a.t() if drop is None else drop.project(x2, a)
+        y = weights.forward_product(x2)
+        ctx.save_for_backward(x2, a, bt, xa)
+        ctx.weights, ctx.scale, ctx.shape, ctx.drop = weights, scale, shape, drop
+        ctx.residual, ctx.backward_first = False, backward_first
+        ctx.mark_non_differentiable(xa)
+        return y.view(*shape[:-1], y.shape[-1]), xa
+
+    @staticmethod
+    def backward(ctx, dy, _dxa):
+        dx, da, dbt = _fused_backward(ctx, ctx.saved_tensors, dy.reshape(-1, dy.shape[-1]))
+        return dx.view(ctx.shape), None, da, dbt, None, None, None
 
 
 class SeparateLoraProduct(torch.autograd.Function):
@@ -468,6 +517,9 @@ class Projection:
         (:class:`LoraProduct`); False: the base product first (the order before, for benchmarks)."""
         self.backward_first = True
         """The same order for the input gradient (:func:`_input_gradient`)."""
+        self.in_kernel = False
+        """The update is added by the kernel that reads the base product's output (update.py): the
+        residual's add for o and down (:class:`LoraProduct`), SwiGLU for gate/up (:meth:`swiglu`)."""
 
     def use_dropout(self, seed: torch.Tensor, first_site: int) -> None:
         """Give the adapters with dropout their masks: from ``seed``, at sites ``first_site + j``."""
@@ -514,7 +566,20 @@ class Projection:
             assert value and residual is None, "separate outputs take no residual"
             return SeparateLoraProduct.apply(x, self.weights, a, bt, scale, drop, self.backward_first)
         return LoraProduct.apply(x, self.weights, a, bt, scale, drop, value, residual, self.update_first,
-                                 self.backward_first)
+                                 self.backward_first, self.in_kernel)
+
+    def swiglu(self, x: torch.Tensor, adapters: tuple | None = None) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this gate/up projection's output, the update added inside SwiGLU's
+        kernel (update.LoraSwiGLU); None where that is off or cannot run (the caller then runs the
+        product and its own SwiGLU)."""
+        a, bt, scale = adapters if adapters is not None else self.adapters()
+        if not self.in_kernel or a is None or update.broken():
+            return None
+        drop = self.drop if self.drop is not None and self.modules[0].training else None
+        gu, xa = DeferredLoraProduct.apply(x, self.weights, a, bt, scale, drop, self.backward_first)
+        # bt without its autograd history: the product's backward gives the adapters their gradients.
+        done, act = _in_kernel(lambda: update.LoraSwiGLU.apply(gu, xa, bt.detach(), scale))
+        return act if done else None
 
     def from_kept(self, x: torch.Tensor, kept: tuple, cos: torch.Tensor, sin: torch.Tensor, unrotate,
                   adapters: tuple | None = None) -> tuple:

@@ -1,0 +1,103 @@
+"""How fast each of a 7B step's matrix products runs on this GPU, shape by shape and layout by layout.
+
+The fast path's products run at ~90% of a square 8192^3 product's rate (bench/NOTES.md, the
+ceiling). This times each product of a Llama-2-7B layer as the engine calls it (forward ``x @ W^T``
+with the LoRA update already in the output, so the base product adds itself: ``addmm_``; backward
+``dy @ W``), beside alternatives: the projections that share an input fused into one product
+(q/k/v, gate/up), an inner size widened by the rank (the LoRA update folded into the base product),
+and cuBLASLt instead of cuBLAS. Each case is the best of several timed repeats of a loop of 20
+products; TFLOP/s counts the product's multiply-adds only.
+
+    python3 bench/product_shapes.py --out bench/results/x.json [--tokens 8192,4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tokens", default="8192,4096")
+    parser.add_argument("--loops", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    import torch
+
+    dev = torch.device("cuda")
+    bf = torch.bfloat16
+    hidden, inter, rank = 4096, 11008, 16
+
+    def timed(fn) -> float:
+        best = float("inf")
+        fn()
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.loops):
+                fn()
+            stop.record()
+            torch.cuda.synchronize()
+            best = min(best, start.elapsed_time(stop) / args.loops)
+        return best
+
+    result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+              "versions": {"torch": torch.__version__, "cuda": torch.version.cuda}, "cases": {}}
+    t0 = time.perf_counter()
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=bf)
+    ms = timed(lambda: torch.mm(a, a))
+    result["cases"]["square_8192"] = {"ms": round(ms, 4), "tflops": round(2 * n ** 3 / ms / 1e9, 1)}
+    del a
+
+    for backend in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(backend)
+        for m in (int(t) for t in args.tokens.split(",")):
+            # (name, out features N, inner K): forward x[M,K] @ W[N,K]^T; backward dy[M,N] @ W[N,K]
+            shapes = [("q_or_k_or_v_or_o", hidden, hidden), ("qkv_fused", 3 * hidden, hidden),
+                      ("gate_or_up", inter, hidden), ("gate_up_fused", 2 * inter, hidden),
+                      ("down", hidden, inter), ("q_folded_k4112", hidden, hidden + rank),
+                      ("gate_folded_k4112", inter, hidden + rank)]
+            for name, out_f, in_f in shapes:
+                w = torch.randn(out_f, in_f, device=dev, dtype=bf) * 0.02
+                x = torch.randn(m, in_f, device=dev, dtype=bf)
+                y = torch.randn(m, out_f, device=dev, dtype=bf)
+                dy = torch.randn(m, out_f, device=dev, dtype=bf)
+                dx = torch.randn(m, in_f, device=dev, dtype=bf)
+                flops = 2 * m * out_f * in_f
+                cases = {
+                    "fwd_mm": lambda: torch.mm(x, w.t(), out=y),
+                    "fwd_addmm_into": lambda: y.addmm_(x, w.t()),
+                    "bwd_mm": lambda: torch.mm(dy, w, out=dx),
+                    "bwd_addmm_into": lambda: dx.addmm_(dy, w),
+                }
+                for case, fn in cases.items():
+                    ms = timed(fn)
+                    key = f"{backend}/{m}/{name}/{case}"
+                    result["cases"][key] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
+                    print(key, result["cases"][key], flush=True)
+                del w, x, y, dy, dx
+            # the LoRA update's own products at this size (inner size the rank)
+            xa = torch.randn(m, rank, device=dev, dtype=bf)
+            bt = torch.randn(rank, inter, device=dev, dtype=bf)
+            y = torch.empty(m, inter, device=dev, dtype=bf)
+            ms = timed(lambda: y.addmm_(xa, bt, beta=0, alpha=2.0))
+            key = f"{backend}/{m}/lora_update_gate_bz"
+            result["cases"][key] = {"ms": round(ms, 4), "gb_per_s": round(m * inter * 2 / ms / 1e6, 1)}
+            print(key, result["cases"][key], flush=True)
+            del xa, bt, y
+    torch.backends.cuda.preferred_blas_library("cublas")
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

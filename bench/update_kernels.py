@@ -1,0 +1,107 @@
+"""engine/fast/update.py's kernels against what they replace, on a 7B layer's shapes.
+
+Times, at micro-batch 16 x seq 512 (8192 tokens) and 4096 tokens, rank 16:
+- gate/up: the LoRA update's own product writing the 2 x 11008-wide output (``addmm_`` with beta 0,
+  as weights.LoraProduct runs it) plus liger's SwiGLU, against Studio's SwiGLU adding the update
+  inside (forward), and liger's SwiGLU backward against Studio's (which adds the update again);
+- o/down: the update's product plus the residual's add against the one kernel;
+- a sweep of the kernels' tile shapes and warps (``--sweep``).
+The base products are left out: both orders run them, with or without reading the output.
+
+    python3 bench/update_kernels.py --out bench/results/x.json [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tokens", default="8192,4096")
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+    from liger_kernel.ops.swiglu import swiglu_fused_gate_up_backward, swiglu_fused_gate_up_forward
+
+    from studio.engine.fast import update
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    hidden, ffn, rank, scale = 4096, 11008, 16, 2.0
+
+    def timed(fn, loops: int = 20, repeats: int = 5) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(loops):
+                fn()
+            stop.record()
+            torch.cuda.synchronize()
+            best = min(best, start.elapsed_time(stop) / loops)
+        return round(best * 1000, 1)  # microseconds
+
+    result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+              "versions": {"torch": torch.__version__}, "us": {}}
+    t0 = time.perf_counter()
+    for m in (int(t) for t in args.tokens.split(",")):
+        gu = torch.randn(m, 2 * ffn, device=dev, dtype=bf)
+        xa = torch.randn(m, 2 * rank, device=dev, dtype=bf)
+        bt = torch.zeros(2 * rank, 2 * ffn, device=dev, dtype=bf)
+        bt[:rank, :ffn] = 0.01 * torch.randn(rank, ffn, device=dev)
+        bt[rank:, ffn:] = 0.01 * torch.randn(rank, ffn, device=dev)
+        dout = torch.randn(m, ffn, device=dev, dtype=bf)
+        y = torch.empty_like(gu)
+        r = {
+            "gate_up/update_product_bz": timed(lambda: y.addmm_(xa, bt, beta=0, alpha=scale)),
+            "gate_up/liger_swiglu_forward": timed(lambda: swiglu_fused_gate_up_forward(gu)),
+            "gate_up/studio_swiglu_forward_with_update": timed(lambda: update.swiglu(gu, xa, bt, scale)),
+            "gate_up/studio_swiglu_forward_no_update": timed(lambda: update.swiglu(gu, None, None, 1.0)),
+            "gate_up/liger_swiglu_backward_in_place": timed(lambda: swiglu_fused_gate_up_backward(gu, dout, True)),
+            "gate_up/studio_swiglu_backward_with_update": timed(
+                lambda: update.swiglu_backward_(gu, xa, bt, scale, dout)),
+        }
+        ys = torch.randn(m, hidden, device=dev, dtype=bf)
+        res = torch.randn(m, hidden, device=dev, dtype=bf)
+        xa1 = torch.randn(m, rank, device=dev, dtype=bf)
+        bt1 = 0.01 * torch.randn(rank, hidden, device=dev, dtype=bf)
+
+        def old_residual():
+            ys.addmm_(xa1, bt1, beta=0, alpha=scale)  # the update's product (the base adds itself after)
+            ys.add_(res)
+
+        r["o_down/update_product_bz_plus_add"] = timed(old_residual)
+        r["o_down/studio_update_and_residual"] = timed(
+            lambda: update.add_update_and_residual_(ys, xa1, bt1, scale, res))
+        for key, us in r.items():
+            result["us"][f"{m}/{key}"] = us
+            print(f"{m}/{key}: {us} us", flush=True)
+        old = r["gate_up/update_product_bz"] + r["gate_up/liger_swiglu_forward"]
+        result["us"][f"{m}/gate_up/forward_saved"] = round(old - r["gate_up/studio_swiglu_forward_with_update"], 1)
+        if args.sweep:
+            for bm, bn, warps in ((32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (16, 256, 4),
+                                  (32, 256, 8), (128, 64, 8), (128, 128, 8)):
+                update.BLOCK_M, update.BLOCK_N, update.NUM_WARPS = bm, bn, warps
+                fwd = timed(lambda: update.swiglu(gu, xa, bt, scale))
+                bwd = timed(lambda: update.swiglu_backward_(gu, xa, bt, scale, dout))
+                resid = timed(lambda: update.add_update_and_residual_(ys, xa1, bt1, scale, res))
+                key = f"{m}/sweep/{bm}x{bn}_w{warps}"
+                result["us"][key] = {"swiglu_forward": fwd, "swiglu_backward": bwd, "residual": resid}
+                print(key, result["us"][key], flush=True)
+            update.BLOCK_M, update.BLOCK_N, update.NUM_WARPS = 32, 128, 4
+        del gu, xa, bt, dout, y, ys, res
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

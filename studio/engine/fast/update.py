@@ -1,0 +1,159 @@
+"""The LoRA update added where a product's output is read, instead of written out on its own.
+
+A fused LoRA product (weights.LoraProduct) writes its output twice: the update's product
+``scale * (x A^T) B^T`` (inner size the rank) writes all of it, and the base product then adds
+itself in its epilogue. On a 7B step at micro-batch 16 the update's writes are about 20 ms
+(bench/results/h100_v16_profile.json), most of them gate/up's two 11008-wide outputs. Here the
+base product writes the output alone, and the kernel that reads it next adds the update tile by
+tile from ``x A^T`` (``[tokens, rank]``) and ``B^T`` (``[rank, columns]``):
+
+- :class:`LoraSwiGLU`: SwiGLU over gate/up's base output plus the update; its backward computes the
+  update again the same way and writes the gradients of gate and up (with their updates) in place
+  of the base output. Those gradients are the product's output gradient, so the product's backward
+  (the adapters' gradients, the input's) is unchanged.
+- :func:`add_update_and_residual`: o's and down's ``residual + (base + update)``, the update meeting
+  the base output first and the residual stream last, as in weights.LoraProduct.
+
+Numerics: gate and up keep their update in fp32 up to SwiGLU (one rounding fewer than the output
+written in bf16 and read back); o's and down's sum is rounded to bf16 before the stream as before.
+CUDA with Triton only (or Triton's interpreter, for the CPU tests); elsewhere the fused products
+keep their own order.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+BLOCK_M = 32
+BLOCK_N = 128
+NUM_WARPS = 4
+
+
+@functools.cache
+def _kernels_for(interpreted: bool):
+    try:
+        import triton
+
+        from studio.engine.fast import update_kernels as k
+    except Exception:  # noqa: BLE001 - any import failure (no Triton, a broken one) means "not here"
+        return None
+    return {name: triton.jit(getattr(k, name)) for name in ("swiglu_forward", "swiglu_backward",
+                                                            "residual_update")}
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernels():
+    """The kernels, jitted on first use for the interpreter or the compiler as the environment says
+    now (dequant.py's reasons), or None without Triton."""
+    return _kernels_for(_interpreted())
+
+
+_broken = ""
+
+
+def broken() -> str:
+    """Why the kernels failed on this machine ('' while they work): the products then keep their
+    own order (weights.LoraProduct)."""
+    return _broken
+
+
+def mark_broken(exc: BaseException) -> None:
+    global _broken
+    if not _broken:
+        _broken = f"{type(exc).__name__}: {exc}"[:500]
+        warnings.warn(f"Studio's LoRA update kernels failed ({_broken}); adding the updates in their own "
+                      "products instead", RuntimeWarning, stacklevel=3)
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels can run on ``device`` for outputs in ``dtype``."""
+    if _broken or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if device.type != "cuda" and not _interpreted():
+        return False
+    return _kernels() is not None
+
+
+def _rank_block(rank: int) -> int:
+    """The rank rounded up to a power of two of at least 16 (the tensor cores' smallest inner size)."""
+    return max(16, 1 << max(0, rank - 1).bit_length())
+
+
+def _grid(rows: int, cols: int) -> tuple[int, int]:
+    return (-(-rows // BLOCK_M), -(-cols // BLOCK_N))
+
+
+def _update_args(xa: torch.Tensor | None, bt: torch.Tensor | None, scale: float, like: torch.Tensor) -> tuple:
+    """The kernels' update arguments: ``xa``, ``bt``, the rank, the scale, the strides of ``xa``
+    (row, rank) and ``bt`` (rank, column) and the rank's block (any strides: B^T is often a view)."""
+    if xa is None:
+        return like, like, 0, 0.0, 0, 0, 0, 0, 16
+    rank = int(xa.shape[1])
+    return (xa, bt, rank, float(scale), xa.stride(0), xa.stride(1), bt.stride(0), bt.stride(1),
+            _rank_block(rank))
+
+
+def swiglu(gu: torch.Tensor, xa: torch.Tensor | None, bt: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gu + scale * xa @ bt`` (``gu``: ``[rows, 2 * ffn]``, gate first)."""
+    rows, width = gu.shape
+    ffn = width // 2
+    out = gu.new_empty(rows, ffn)
+    xa_, bt_, rank, s, sxa, sxk, sbt, sbn, block = _update_args(xa, bt, scale, gu)
+    _kernels()["swiglu_forward"][_grid(rows, ffn)](
+        gu, xa_, bt_, out, rows, ffn, rank, s, gu.stride(0), sxa, sxk, sbt, sbn, out.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, RANK=block, UPDATE=xa is not None, num_warps=NUM_WARPS)
+    return out
+
+
+def swiglu_backward_(gu: torch.Tensor, xa: torch.Tensor | None, bt: torch.Tensor | None, scale: float,
+                     dout: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`swiglu`'s ``gu + update`` from its output's, written over ``gu``."""
+    rows, width = gu.shape
+    ffn = width // 2
+    xa_, bt_, rank, s, sxa, sxk, sbt, sbn, block = _update_args(xa, bt, scale, gu)
+    _kernels()["swiglu_backward"][_grid(rows, ffn)](
+        gu, xa_, bt_, dout, gu, rows, ffn, rank, s, gu.stride(0), sxa, sxk, sbt, sbn, dout.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, RANK=block, UPDATE=xa is not None, num_warps=NUM_WARPS)
+    return gu
+
+
+def add_update_and_residual_(y: torch.Tensor, xa: torch.Tensor, bt: torch.Tensor, scale: float,
+                             residual: torch.Tensor) -> torch.Tensor:
+    """``y = residual + round(y + scale * xa @ bt)``, in place (``y``: the base product's output)."""
+    rows, cols = y.shape
+    assert y.stride(1) == 1 and residual.stride(1) == 1
+    xa_, bt_, rank, s, sxa, sxk, sbt, sbn, block = _update_args(xa, bt, scale, y)
+    _kernels()["residual_update"][_grid(rows, cols)](
+        y, xa_, bt_, residual, rows, cols, rank, s, y.stride(0), sxa, sxk, sbt, sbn, residual.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, RANK=block, num_warps=NUM_WARPS)
+    return y
+
+
+class LoraSwiGLU(torch.autograd.Function):
+    """SwiGLU of gate/up's base output ``gu`` plus its LoRA update ``scale * xa @ bt``, where
+    ``gu`` stands for the whole output (weights.DeferredLoraProduct returns it so): the gradient
+    returned for ``gu`` is the whole output's, written over ``gu`` (nothing else reads it), and
+    ``xa`` and ``bt`` get none here (the product's backward gives the adapters theirs)."""
+
+    @staticmethod
+    def forward(ctx, gu, xa, bt, scale: float):
+        gu2 = gu.reshape(-1, gu.shape[-1])
+        out = swiglu(gu2, xa, bt, scale)
+        ctx.save_for_backward(gu2, xa, bt)
+        ctx.scale, ctx.shape = scale, gu.shape
+        return out.view(*gu.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gu2, xa, bt = ctx.saved_tensors
+        dout2 = dout.reshape(-1, dout.shape[-1])
+        if dout2.stride(1) != 1:
+            dout2 = dout2.contiguous()
+        return swiglu_backward_(gu2, xa, bt, ctx.scale, dout2).view(ctx.shape), None, None, None

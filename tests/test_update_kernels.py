@@ -1,0 +1,205 @@
+"""engine/fast/update.py: the LoRA update added by the kernel that reads a product's output (SwiGLU
+for gate/up, the residual's add for o and down) instead of written by a product of its own.
+
+On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``); on a GPU compiled. Each
+is checked against the plain formula in fp32, and the fast path's products with the kernels against
+the same products without them: the same values and gradients to the rounding of half precision.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from studio.engine import fast  # noqa: E402
+from studio.engine.batching import collate  # noqa: E402
+from studio.engine.fast import update  # noqa: E402
+from tests.test_fast_path import _examples, _grads, _peft_model  # noqa: E402
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture
+def device(monkeypatch) -> torch.device:
+    """CUDA where there is one (compiled kernels), else the CPU under Triton's interpreter."""
+    if torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        return torch.device("cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return torch.device("cpu")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Within a few roundings of ``dtype`` of the largest value (the interpreter truncates to bf16
+    where the compiled kernel rounds)."""
+    eps = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= 4 * eps * max(want.abs().max().item(), 1.0), (err, want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "ffn", "rank"), [(70, 200, 8), (33, 130, 16), (16, 128, 24)])
+def test_swiglu_adds_the_update_and_gives_the_gradient_of_gate_and_up(device, dtype, rows, ffn, rank) -> None:
+    """Forward ``silu(g) * u`` of ``gu + s * xa @ bt`` and its backward (written over ``gu``) equal
+    the plain formula's in fp32; edge tiles (rows and columns that are not multiples of the block)
+    and ranks that are not a power of two (padded with zeros inside) included; ``bt`` a transposed
+    view as the adapters give it."""
+    gen = torch.Generator().manual_seed(rank)
+    gu = torch.randn(rows, 2 * ffn, generator=gen).to(device, dtype)
+    xa = torch.randn(rows, 2 * rank, generator=gen).to(device, dtype)
+    bt = (0.2 * torch.randn(2 * ffn, 2 * rank, generator=gen)).to(device, dtype).t()  # a view, like b.t()
+    dout = torch.randn(rows, ffn, generator=gen).to(device, dtype)
+    scale = 2.0
+    whole = (gu.float() + scale * (xa.float() @ bt.float())).requires_grad_()
+    gate, up = whole.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    (want * dout.float()).sum().backward()
+
+    got = update.swiglu(gu, xa, bt, scale)
+    _close(got, want.detach(), dtype)
+    dgu = update.swiglu_backward_(gu, xa, bt, scale, dout)
+    assert dgu.data_ptr() == gu.data_ptr()  # in place
+    _close(dgu, whole.grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swiglu_without_an_update(device, dtype) -> None:
+    gu = torch.randn(40, 2 * 150).to(device, dtype)
+    gate, up = gu.float().chunk(2, dim=-1)
+    _close(update.swiglu(gu, None, None, 1.0), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_update_meets_the_base_output_before_the_residual(device, dtype) -> None:
+    """``residual + round(y + update)``: the update is added to the base output and rounded as the
+    product's output would be, then the stream is added (weights.LoraProduct's order)."""
+    gen = torch.Generator().manual_seed(1)
+    y = torch.randn(50, 140, generator=gen).to(device, dtype)
+    xa = torch.randn(50, 16, generator=gen).to(device, dtype)
+    bt = torch.randn(16, 140, generator=gen).to(device, dtype)
+    residual = (20 * torch.randn(50, 140, generator=gen)).to(device, dtype)
+    want = residual.float() + (y.float() + 0.5 * (xa.float() @ bt.float())).to(dtype).float()
+    got = update.add_update_and_residual_(y.clone(), xa, bt, 0.5, residual)
+    _close(got, want, dtype)
+
+
+def _proj(model, names: list[str], dtype: torch.dtype, device: torch.device):
+    from studio.engine.fast.weights import Projection, Workspace
+
+    layer = model.base_model.model.model.layers[0]
+    parent = layer.mlp if names[0] in ("gate_proj", "up_proj", "down_proj") else layer.self_attn
+    workspace = Workspace()
+    proj = Projection([getattr(parent, n) for n in names], "default", dtype, False, workspace)
+    workspace.allocate(dtype, device)
+    return proj
+
+
+def test_the_products_with_the_kernels_give_the_same_values_and_gradients(tiny_model: Path, device) -> None:
+    """Projection.swiglu (gate/up's update added inside SwiGLU) against the product then SwiGLU, and
+    o's product with its residual against the update's own product: the same outputs and the same
+    gradients of the input, the residual and each adapter, in bf16."""
+    dtype = torch.bfloat16
+    model = _peft_model(tiny_model, None, ALL, dtype=dtype).to(device)
+    gen = torch.Generator().manual_seed(0)
+
+    gate_up = _proj(model, ["gate_proj", "up_proj"], dtype, device)
+    x = torch.randn(2, 7, gate_up.weights.in_features, generator=gen).to(device, dtype).requires_grad_()
+    dout = torch.randn(2, 7, gate_up.weights.out_features[0], generator=gen).to(device, dtype)
+    results = []
+    for in_kernel in (True, False):
+        gate_up.in_kernel = in_kernel
+        for t in (x, *gate_up.a, *gate_up.b):
+            t.grad = None
+        act = gate_up.swiglu(x)
+        if in_kernel:
+            assert act is not None
+        else:
+            assert act is None
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            act = F.silu(gate.float()) * up.float()
+        (act.float() * dout.float()).sum().backward()
+        results.append((act.detach().float(), [t.grad.float() for t in (x, *gate_up.a, *gate_up.b)]))
+    (act0, g0), (act1, g1) = results
+    _close(act0, act1, dtype)
+    for a, b in zip(g0, g1, strict=True):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
+
+    o = _proj(model, ["o_proj"], dtype, device)
+    x = torch.randn(2, 7, o.weights.in_features, generator=gen).to(device, dtype).requires_grad_()
+    r = (4 * torch.randn(2, 7, o.weights.out_features[0], generator=gen)).to(device, dtype).requires_grad_()
+    dy = torch.randn(2, 7, o.weights.out_features[0], generator=gen).to(device, dtype)
+    results = []
+    for in_kernel in (True, False):
+        o.in_kernel = in_kernel
+        for t in (x, r, *o.a, *o.b):
+            t.grad = None
+        y = o(x, residual=r)
+        y.backward(dy)
+        results.append((y.detach(), [t.grad.float() for t in (x, r, *o.a, *o.b)]))
+    (y0, g0), (y1, g1) = results
+    _close(y0, y1, dtype)
+    for a, b in zip(g0, g1, strict=True):
+        torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_fast_path_with_the_kernels_trains_as_without_them(tiny_model: Path, device, dropout) -> None:
+    """The whole fast path (all seven projections adapted, packed examples, checkpointing), in bf16
+    with the update kernels on and off, against the same model in fp32: the kernels' loss and
+    adapter gradients are as close to fp32's as the products' own order is (bf16 alone moves these
+    gradients by 2-3%), with adapter dropout too (the kernels read the masked ``x A^T``)."""
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
+    runs = {}
+    for dtype, on in ((torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)):
+        model = _peft_model(tiny_model, None, ALL, dtype=dtype, dropout=dropout).to(device)
+        model.train()
+        fm, why = fast.prepare(model, fast.FastOptions(update_in_kernel=on, cuda_graphs=False))
+        assert fm is not None, why
+        assert fm.layers[0].o.in_kernel is on
+        assert ("LoRA updates added in the SwiGLU and residual kernels" in fm.describe()) is on
+        loss = fm.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+        runs[dtype, on] = (loss.item(), _grads(model))
+    ref_loss, ref = runs[torch.float32, False]
+    errors = {}
+    for on in (True, False):
+        loss, grads = runs[torch.bfloat16, on]
+        assert abs(loss - ref_loss) < 0.005 * abs(ref_loss)
+        errors[on] = [((grads[n].float() - g).norm() / g.norm()).item() for n, g in ref.items()]
+    assert len(errors[True]) == 2 * 7 * 2  # A and B of every adapter of both layers
+    mean_on, mean_off = (sum(e) / len(e) for e in (errors[True], errors[False]))
+    assert mean_on < 1.5 * mean_off + 0.005, (mean_on, mean_off)
+    assert max(errors[True]) < 0.08, max(errors[True])
+
+
+def test_a_kernel_that_cannot_build_leaves_the_products_their_own_order(tiny_model: Path, device,
+                                                                        monkeypatch) -> None:
+    """If the kernels fail (a Triton that cannot compile them here), the step still runs, with the
+    update written by its own product, and the engine says so: a warning, and the description no
+    longer names the kernels."""
+    model = _peft_model(tiny_model, None, ALL, dtype=torch.bfloat16).to(device)
+    batch = collate([[e] for e in _examples([12, 9])], pad_id=0, packing=True).to(device)
+    fm, why = fast.prepare(model, fast.FastOptions(cuda_graphs=False))
+    assert fm is not None, why
+    assert fm.layers[0].gate_up.in_kernel
+
+    def fail():
+        raise RuntimeError("no compiler for this GPU")
+
+    monkeypatch.setattr(update, "_kernels", fail)
+    monkeypatch.setattr(update, "_broken", "")
+    with pytest.warns(RuntimeWarning, match="LoRA update kernels failed"):
+        loss = fm.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert update.broken()
+    assert "SwiGLU and residual kernels" not in fm.describe()
+    expected, _ = fast.prepare(model, fast.FastOptions(update_in_kernel=False, cuda_graphs=False))
+    with torch.no_grad():
+        want = expected.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+    assert abs(loss.item() - want.item()) < 1e-3 * abs(want.item())
