@@ -96,6 +96,12 @@ def _update_args(xa: torch.Tensor | None, bt: torch.Tensor | None, scale: float,
     if xa is None:
         return like, like, 0, 0.0, 0, 0, 0, 0, 16
     rank = int(xa.shape[1])
+    if bt.stride(1) != 1:
+        # B^T as a view of B (a single adapter's): its columns one rank apart, read by every tile
+        # of rows. A row-major copy (rank x columns, a few hundred KB) lets them load as vectors.
+        bt = bt.contiguous()
+    if xa.stride(1) != 1:
+        xa = xa.contiguous()
     return (xa, bt, rank, float(scale), xa.stride(0), xa.stride(1), bt.stride(0), bt.stride(1),
             _rank_block(rank))
 

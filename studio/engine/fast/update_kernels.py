@@ -19,13 +19,9 @@ def swiglu_forward(gu_ptr, xa_ptr, bt_ptr, out_ptr, n_rows, ffn, rank, scale, st
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     keep = (rows < n_rows)[:, None] & (cols < ffn)[None, :]
-    # The edge tiles read the last row and column again in place of the missing ones; what they
-    # compute from them is never stored.
-    rows = tl.minimum(rows, n_rows - 1)
-    cols = tl.minimum(cols, ffn - 1)
     at = rows[:, None].to(tl.int64) * stride_gu + cols[None, :]
-    gate = tl.load(gu_ptr + at).to(tl.float32)
-    up = tl.load(gu_ptr + at + ffn).to(tl.float32)
+    gate = tl.load(gu_ptr + at, mask=keep, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + at + ffn, mask=keep, other=0.0).to(tl.float32)
     if UPDATE:
         k = tl.arange(0, RANK)
         xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * stride_xa + k[None, :] * stride_xa_k,
@@ -46,16 +42,15 @@ def swiglu_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, n_rows, ffn, rank
                     BLOCK_N: tl.constexpr, RANK: tl.constexpr, UPDATE: tl.constexpr):
     """The gradients of gate and up (with their updates) from the output's, written into ``dgu``
     (``[rows, 2 * ffn]``, the stride of ``gu``; it may be ``gu`` itself: each program reads its
-    tiles before it writes them)."""
+    tiles before it writes them, and no other program's)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     keep = (rows < n_rows)[:, None] & (cols < ffn)[None, :]
-    rows = tl.minimum(rows, n_rows - 1)
-    cols = tl.minimum(cols, ffn - 1)
     at = rows[:, None].to(tl.int64) * stride_gu + cols[None, :]
-    gate = tl.load(gu_ptr + at).to(tl.float32)
-    up = tl.load(gu_ptr + at + ffn).to(tl.float32)
-    dout = tl.load(dout_ptr + rows[:, None].to(tl.int64) * stride_dout + cols[None, :]).to(tl.float32)
+    gate = tl.load(gu_ptr + at, mask=keep, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + at + ffn, mask=keep, other=0.0).to(tl.float32)
+    dout = tl.load(dout_ptr + rows[:, None].to(tl.int64) * stride_dout + cols[None, :], mask=keep,
+                   other=0.0).to(tl.float32)
     if UPDATE:
         k = tl.arange(0, RANK)
         xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * stride_xa + k[None, :] * stride_xa_k,
@@ -81,10 +76,8 @@ def residual_update(y_ptr, xa_ptr, bt_ptr, res_ptr, n_rows, n_cols, rank, scale,
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     keep = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    rows = tl.minimum(rows, n_rows - 1)
-    cols = tl.minimum(cols, n_cols - 1)
     at = rows[:, None].to(tl.int64) * stride_y + cols[None, :]
-    y = tl.load(y_ptr + at).to(tl.float32)
+    y = tl.load(y_ptr + at, mask=keep, other=0.0).to(tl.float32)
     k = tl.arange(0, RANK)
     xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * stride_xa + k[None, :] * stride_xa_k,
                  mask=k[None, :] < rank, other=0.0).to(tl.float32)
@@ -92,6 +85,7 @@ def residual_update(y_ptr, xa_ptr, bt_ptr, res_ptr, n_rows, n_cols, rank, scale,
                  other=0.0)
     y += tl.dot(xa, bt.to(tl.float32)) * scale
     y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-    res = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_res + cols[None, :]).to(tl.float32)
+    res = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_res + cols[None, :], mask=keep,
+                  other=0.0).to(tl.float32)
     out = y + res
     tl.store(y_ptr + at, out.to(y_ptr.dtype.element_ty), mask=keep)
