@@ -59,15 +59,16 @@ def main() -> int:
         bt[:rank, :ffn] = 0.01 * torch.randn(rank, ffn, device=dev)
         bt[rank:, ffn:] = 0.01 * torch.randn(rank, ffn, device=dev)
         dout = torch.randn(m, ffn, device=dev, dtype=bf)
+        split = (0, rank, rank, rank)  # gate's rows of B^T's block diagonal, then up's
         y = torch.empty_like(gu)
         r = {
             "gate_up/update_product_bz": timed(lambda: y.addmm_(xa, bt, beta=0, alpha=scale)),
             "gate_up/liger_swiglu_forward": timed(lambda: swiglu_fused_gate_up_forward(gu)),
-            "gate_up/studio_swiglu_forward_with_update": timed(lambda: update.swiglu(gu, xa, bt, scale)),
+            "gate_up/studio_swiglu_forward_with_update": timed(lambda: update.swiglu(gu, xa, bt, scale, split)),
             "gate_up/studio_swiglu_forward_no_update": timed(lambda: update.swiglu(gu, None, None, 1.0)),
             "gate_up/liger_swiglu_backward_in_place": timed(lambda: swiglu_fused_gate_up_backward(gu, dout, True)),
             "gate_up/studio_swiglu_backward_with_update": timed(
-                lambda: update.swiglu_backward_(gu, xa, bt, scale, dout)),
+                lambda: update.swiglu_backward_(gu, xa, bt, scale, dout, split)),
         }
         ys = torch.randn(m, hidden, device=dev, dtype=bf)
         res = torch.randn(m, hidden, device=dev, dtype=bf)
@@ -90,8 +91,8 @@ def main() -> int:
             for bm, bn, warps in ((32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (16, 256, 4),
                                   (32, 256, 8), (128, 64, 8), (128, 128, 8)):
                 update.BLOCK_M, update.BLOCK_N, update.NUM_WARPS = bm, bn, warps
-                fwd = timed(lambda: update.swiglu(gu, xa, bt, scale))
-                bwd = timed(lambda: update.swiglu_backward_(gu, xa, bt, scale, dout))
+                fwd = timed(lambda: update.swiglu(gu, xa, bt, scale, split))
+                bwd = timed(lambda: update.swiglu_backward_(gu, xa, bt, scale, dout, split))
                 resid = timed(lambda: update.add_update_and_residual_(ys, xa1, bt1, scale, res))
                 key = f"{m}/sweep/{bm}x{bn}_w{warps}"
                 result["us"][key] = {"swiglu_forward": fwd, "swiglu_backward": bwd, "residual": resid}

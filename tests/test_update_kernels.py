@@ -62,9 +62,21 @@ def test_swiglu_adds_the_update_and_gives_the_gradient_of_gate_and_up(device, dt
 
     got = update.swiglu(gu, xa, bt, scale)
     _close(got, want.detach(), dtype)
-    dgu = update.swiglu_backward_(gu, xa, bt, scale, dout)
-    assert dgu.data_ptr() == gu.data_ptr()  # in place
+    dgu = update.swiglu_backward_(gu.clone(), xa, bt, scale, dout)
     _close(dgu, whole.grad, dtype)
+
+    # B^T block-diagonal, as the adapters make it: gate's columns read only gate's rows, up's only
+    # up's (``split``); the same values as the whole inner product over the zeros.
+    diag = bt.clone()
+    diag[:rank, ffn:] = 0
+    diag[rank:, :ffn] = 0
+    want = update.swiglu(gu, xa, diag, scale)
+    want_grad = update.swiglu_backward_(gu.clone(), xa, diag, scale, dout)
+    split = (0, rank, rank, rank)
+    _close(update.swiglu(gu, xa, diag, scale, split), want, dtype)
+    dgu = update.swiglu_backward_(gu, xa, diag, scale, dout, split)
+    assert dgu.data_ptr() == gu.data_ptr()  # in place
+    _close(dgu, want_grad, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -99,12 +111,15 @@ def _proj(model, names: list[str], dtype: torch.dtype, device: torch.device):
     return proj
 
 
-def test_the_products_with_the_kernels_give_the_same_values_and_gradients(tiny_model: Path, device) -> None:
+@pytest.mark.parametrize("targets", [ALL, ["up_proj", "o_proj"], ["gate_proj", "o_proj"]])
+def test_the_products_with_the_kernels_give_the_same_values_and_gradients(tiny_model: Path, device,
+                                                                          targets) -> None:
     """Projection.swiglu (gate/up's update added inside SwiGLU) against the product then SwiGLU, and
     o's product with its residual against the update's own product: the same outputs and the same
-    gradients of the input, the residual and each adapter, in bf16."""
+    gradients of the input, the residual and each adapter, in bf16; with both gate and up adapted
+    and with one of them (B^T's block diagonal then has one block)."""
     dtype = torch.bfloat16
-    model = _peft_model(tiny_model, None, ALL, dtype=dtype).to(device)
+    model = _peft_model(tiny_model, None, targets, dtype=dtype).to(device)
     gen = torch.Generator().manual_seed(0)
 
     gate_up = _proj(model, ["gate_proj", "up_proj"], dtype, device)

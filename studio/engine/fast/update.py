@@ -90,43 +90,56 @@ def _grid(rows: int, cols: int) -> tuple[int, int]:
     return (-(-rows // BLOCK_M), -(-cols // BLOCK_N))
 
 
-def _update_args(xa: torch.Tensor | None, bt: torch.Tensor | None, scale: float, like: torch.Tensor) -> tuple:
-    """The kernels' update arguments: ``xa``, ``bt``, the rank, the scale, the strides of ``xa``
-    (row, rank) and ``bt`` (rank, column) and the rank's block (any strides: B^T is often a view)."""
+def _rows_major(t: torch.Tensor) -> torch.Tensor:
+    # B^T is often a view of B (a single adapter's): its columns one rank apart, read by every tile
+    # of rows. A row-major copy (rank x columns, a few hundred KB) lets them load as vectors.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _dot_f32() -> bool:
+    return _interpreted()
+
+
+def _split(xa: torch.Tensor | None, split: tuple[int, int, int, int] | None) -> tuple[int, int, int, int]:
+    """Gate's and up's rows of ``xa`` and ``bt``: (first, count) each; all of them for both when the
+    caller does not say (right for any ``bt``, block-diagonal or not)."""
     if xa is None:
-        return like, like, 0, 0.0, 0, 0, 0, 0, 16
-    rank = int(xa.shape[1])
-    if bt.stride(1) != 1:
-        # B^T as a view of B (a single adapter's): its columns one rank apart, read by every tile
-        # of rows. A row-major copy (rank x columns, a few hundred KB) lets them load as vectors.
-        bt = bt.contiguous()
-    if xa.stride(1) != 1:
-        xa = xa.contiguous()
-    return (xa, bt, rank, float(scale), xa.stride(0), xa.stride(1), bt.stride(0), bt.stride(1),
-            _rank_block(rank))
+        return 0, 0, 0, 0
+    if split is None:
+        rank = int(xa.shape[1])
+        return 0, rank, 0, rank
+    return split
 
 
-def swiglu(gu: torch.Tensor, xa: torch.Tensor | None, bt: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gu + scale * xa @ bt`` (``gu``: ``[rows, 2 * ffn]``, gate first)."""
+def swiglu(gu: torch.Tensor, xa: torch.Tensor | None, bt: torch.Tensor | None, scale: float,
+           split: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gu + scale * xa @ bt`` (``gu``: ``[rows, 2 * ffn]``, gate first;
+    ``split``: see :func:`_split`)."""
     rows, width = gu.shape
     ffn = width // 2
     out = gu.new_empty(rows, ffn)
-    xa_, bt_, rank, s, sxa, sxk, sbt, sbn, block = _update_args(xa, bt, scale, gu)
+    k_gate, r_gate, k_up, r_up = _split(xa, split)
+    xa_, bt_ = (_rows_major(xa), _rows_major(bt)) if xa is not None else (gu, gu)
     _kernels()["swiglu_forward"][_grid(rows, ffn)](
-        gu, xa_, bt_, out, rows, ffn, rank, s, gu.stride(0), sxa, sxk, sbt, sbn, out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, RANK=block, UPDATE=xa is not None, num_warps=NUM_WARPS)
+        gu, xa_, bt_, out, rows, ffn, k_gate, r_gate, k_up, r_up, float(scale), gu.stride(0), xa_.stride(0),
+        bt_.stride(0), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, RANK=_rank_block(max(r_gate, r_up)),
+        GATE=r_gate > 0, UP=r_up > 0, DOT_F32=_dot_f32(), num_warps=NUM_WARPS)
     return out
 
 
 def swiglu_backward_(gu: torch.Tensor, xa: torch.Tensor | None, bt: torch.Tensor | None, scale: float,
-                     dout: torch.Tensor) -> torch.Tensor:
+                     dout: torch.Tensor, split: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The gradient of :func:`swiglu`'s ``gu + update`` from its output's, written over ``gu``."""
     rows, width = gu.shape
     ffn = width // 2
-    xa_, bt_, rank, s, sxa, sxk, sbt, sbn, block = _update_args(xa, bt, scale, gu)
+    k_gate, r_gate, k_up, r_up = _split(xa, split)
+    xa_, bt_ = (_rows_major(xa), _rows_major(bt)) if xa is not None else (gu, gu)
+    dout = _rows_major(dout)
     _kernels()["swiglu_backward"][_grid(rows, ffn)](
-        gu, xa_, bt_, dout, gu, rows, ffn, rank, s, gu.stride(0), sxa, sxk, sbt, sbn, dout.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, RANK=block, UPDATE=xa is not None, num_warps=NUM_WARPS)
+        gu, xa_, bt_, dout, gu, rows, ffn, k_gate, r_gate, k_up, r_up, float(scale), gu.stride(0),
+        xa_.stride(0), bt_.stride(0), dout.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        RANK=_rank_block(max(r_gate, r_up)), GATE=r_gate > 0, UP=r_up > 0, DOT_F32=_dot_f32(),
+        num_warps=NUM_WARPS)
     return gu
 
 
@@ -135,10 +148,12 @@ def add_update_and_residual_(y: torch.Tensor, xa: torch.Tensor, bt: torch.Tensor
     """``y = residual + round(y + scale * xa @ bt)``, in place (``y``: the base product's output)."""
     rows, cols = y.shape
     assert y.stride(1) == 1 and residual.stride(1) == 1
-    xa_, bt_, rank, s, sxa, sxk, sbt, sbn, block = _update_args(xa, bt, scale, y)
+    xa, bt = _rows_major(xa), _rows_major(bt)
+    rank = int(xa.shape[1])
     _kernels()["residual_update"][_grid(rows, cols)](
-        y, xa_, bt_, residual, rows, cols, rank, s, y.stride(0), sxa, sxk, sbt, sbn, residual.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, RANK=block, num_warps=NUM_WARPS)
+        y, xa, bt, residual, rows, cols, rank, float(scale), y.stride(0), xa.stride(0), bt.stride(0),
+        residual.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, RANK=_rank_block(rank), DOT_F32=_dot_f32(),
+        num_warps=NUM_WARPS)
     return y
 
 
@@ -149,17 +164,15 @@ class LoraSwiGLU(torch.autograd.Function):
     ``xa`` and ``bt`` get none here (the product's backward gives the adapters theirs)."""
 
     @staticmethod
-    def forward(ctx, gu, xa, bt, scale: float):
+    def forward(ctx, gu, xa, bt, scale: float, split: tuple[int, int, int, int] | None = None):
         gu2 = gu.reshape(-1, gu.shape[-1])
-        out = swiglu(gu2, xa, bt, scale)
+        out = swiglu(gu2, xa, bt, scale, split)
         ctx.save_for_backward(gu2, xa, bt)
-        ctx.scale, ctx.shape = scale, gu.shape
+        ctx.scale, ctx.shape, ctx.split = scale, gu.shape, split
         return out.view(*gu.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dout):
         gu2, xa, bt = ctx.saved_tensors
-        dout2 = dout.reshape(-1, dout.shape[-1])
-        if dout2.stride(1) != 1:
-            dout2 = dout2.contiguous()
-        return swiglu_backward_(gu2, xa, bt, ctx.scale, dout2).view(ctx.shape), None, None, None
+        dgu = swiglu_backward_(gu2, xa, bt, ctx.scale, dout.reshape(-1, dout.shape[-1]), ctx.split)
+        return dgu.view(ctx.shape), None, None, None, None

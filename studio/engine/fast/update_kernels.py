@@ -2,64 +2,94 @@
 imports Triton, so nothing imports it until a kernel runs).
 
 Each works on a tile of rows x columns of a product's output and adds the LoRA update
-``scale * xa @ bt`` to it on the fly: ``xa`` is the tile's rows of ``x @ A^T`` (``[rows, rank]``),
-``bt`` the tile's columns of B^T (``[rank, columns]``), and the rank-sized inner product runs on
-the tensor cores in tf32, from bf16 or fp16 values (which tf32 holds exactly, so the products are
-exact and the sums fp32). The update is never written out as a tensor of its own.
+``scale * xa @ bt`` to it on the fly: ``xa`` holds the tile's rows of ``x @ A^T``
+(``[rows, rank]``), ``bt`` the tile's columns of B^T (``[rank, columns]``), and the rank-sized
+inner product runs on the tensor cores from the bf16 or fp16 values with fp32 sums (exact
+products). The update is never written out as a tensor of its own.
+
+Gate/up's B^T is block-diagonal (weights.Projection.adapters): gate's columns read only gate's
+rows of ``xa`` and ``bt`` (``k_gate``, ``r_gate``), up's only up's, so each inner product is one
+adapter's rank long, not both.
+
+Loads are masked (never clamped to the edge): Triton then still sees each row of a tile as
+contiguous and loads it in 16-byte vectors (clamped indices made them scalar, 10x slower).
+``DOT_F32``: multiply in fp32 (Triton's interpreter, on the CPU, mishandles bf16 products).
 """
 
 import triton.language as tl
 
 
-def swiglu_forward(gu_ptr, xa_ptr, bt_ptr, out_ptr, n_rows, ffn, rank, scale, stride_gu, stride_xa,
-                   stride_xa_k, stride_bt, stride_bt_n, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   RANK: tl.constexpr, UPDATE: tl.constexpr):
+def swiglu_forward(gu_ptr, xa_ptr, bt_ptr, out_ptr, n_rows, ffn, k_gate, r_gate, k_up, r_up, scale, stride_gu,
+                   stride_xa, stride_bt, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   RANK: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, DOT_F32: tl.constexpr):
     """``out = silu(gate) * up`` where ``gate | up`` is the gate/up product's output plus its update
-    (``gu``: ``[rows, 2 * ffn]``, gate in the first ``ffn`` columns)."""
+    (``gu``: ``[rows, 2 * ffn]``, gate in the first ``ffn`` columns; ``GATE``/``UP``: whether that
+    half has an adapter)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = (rows < n_rows)[:, None] & (cols < ffn)[None, :]
-    at = rows[:, None].to(tl.int64) * stride_gu + cols[None, :]
+    row_in = rows < n_rows
+    col_in = cols < ffn
+    keep = row_in[:, None] & col_in[None, :]
+    rows64 = rows.to(tl.int64)
+    at = rows64[:, None] * stride_gu + cols[None, :]
     gate = tl.load(gu_ptr + at, mask=keep, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + at + ffn, mask=keep, other=0.0).to(tl.float32)
-    if UPDATE:
-        k = tl.arange(0, RANK)
-        xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * stride_xa + k[None, :] * stride_xa_k,
-                     mask=k[None, :] < rank, other=0.0).to(tl.float32)
-        bt_at = bt_ptr + k[:, None] * stride_bt + cols[None, :] * stride_bt_n
-        bt_gate = tl.load(bt_at, mask=k[:, None] < rank, other=0.0).to(tl.float32)
-        bt_up = tl.load(bt_at + ffn * stride_bt_n, mask=k[:, None] < rank, other=0.0).to(tl.float32)
-        gate += tl.dot(xa, bt_gate) * scale
-        up += tl.dot(xa, bt_up) * scale
-    out = gate / (1.0 + tl.exp(-gate)) * up  # silu; not tl.sigmoid (a jitted helper the interpreter
-    # cannot call when Triton was imported before TRITON_INTERPRET was set, as in the tests)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=keep)
+    k = tl.arange(0, RANK)
+    if GATE:
+        xa = tl.load(xa_ptr + rows64[:, None] * stride_xa + (k_gate + k)[None, :],
+                     mask=row_in[:, None] & (k < r_gate)[None, :], other=0.0)
+        bt = tl.load(bt_ptr + (k_gate + k)[:, None] * stride_bt + cols[None, :],
+                     mask=(k < r_gate)[:, None] & col_in[None, :], other=0.0)
+        if DOT_F32:
+            xa, bt = xa.to(tl.float32), bt.to(tl.float32)
+        gate += tl.dot(xa, bt) * scale
+    if UP:
+        xa = tl.load(xa_ptr + rows64[:, None] * stride_xa + (k_up + k)[None, :],
+                     mask=row_in[:, None] & (k < r_up)[None, :], other=0.0)
+        bt = tl.load(bt_ptr + (k_up + k)[:, None] * stride_bt + ffn + cols[None, :],
+                     mask=(k < r_up)[:, None] & col_in[None, :], other=0.0)
+        if DOT_F32:
+            xa, bt = xa.to(tl.float32), bt.to(tl.float32)
+        up += tl.dot(xa, bt) * scale
+    # silu by hand: tl.sigmoid is a jitted helper that the interpreter cannot call when Triton was
+    # imported before TRITON_INTERPRET was set (the tests)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
 
 
-def swiglu_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, n_rows, ffn, rank, scale, stride_gu,
-                    stride_xa, stride_xa_k, stride_bt, stride_bt_n, stride_dout, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, RANK: tl.constexpr, UPDATE: tl.constexpr):
+def swiglu_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, n_rows, ffn, k_gate, r_gate, k_up, r_up, scale,
+                    stride_gu, stride_xa, stride_bt, stride_dout, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    RANK: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, DOT_F32: tl.constexpr):
     """The gradients of gate and up (with their updates) from the output's, written into ``dgu``
     (``[rows, 2 * ffn]``, the stride of ``gu``; it may be ``gu`` itself: each program reads its
     tiles before it writes them, and no other program's)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = (rows < n_rows)[:, None] & (cols < ffn)[None, :]
-    at = rows[:, None].to(tl.int64) * stride_gu + cols[None, :]
+    row_in = rows < n_rows
+    col_in = cols < ffn
+    keep = row_in[:, None] & col_in[None, :]
+    rows64 = rows.to(tl.int64)
+    at = rows64[:, None] * stride_gu + cols[None, :]
     gate = tl.load(gu_ptr + at, mask=keep, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + at + ffn, mask=keep, other=0.0).to(tl.float32)
-    dout = tl.load(dout_ptr + rows[:, None].to(tl.int64) * stride_dout + cols[None, :], mask=keep,
-                   other=0.0).to(tl.float32)
-    if UPDATE:
-        k = tl.arange(0, RANK)
-        xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * stride_xa + k[None, :] * stride_xa_k,
-                     mask=k[None, :] < rank, other=0.0).to(tl.float32)
-        bt_at = bt_ptr + k[:, None] * stride_bt + cols[None, :] * stride_bt_n
-        bt_gate = tl.load(bt_at, mask=k[:, None] < rank, other=0.0).to(tl.float32)
-        bt_up = tl.load(bt_at + ffn * stride_bt_n, mask=k[:, None] < rank, other=0.0).to(tl.float32)
-        gate += tl.dot(xa, bt_gate) * scale
-        up += tl.dot(xa, bt_up) * scale
+    dout = tl.load(dout_ptr + rows64[:, None] * stride_dout + cols[None, :], mask=keep, other=0.0).to(tl.float32)
+    k = tl.arange(0, RANK)
+    if GATE:
+        xa = tl.load(xa_ptr + rows64[:, None] * stride_xa + (k_gate + k)[None, :],
+                     mask=row_in[:, None] & (k < r_gate)[None, :], other=0.0)
+        bt = tl.load(bt_ptr + (k_gate + k)[:, None] * stride_bt + cols[None, :],
+                     mask=(k < r_gate)[:, None] & col_in[None, :], other=0.0)
+        if DOT_F32:
+            xa, bt = xa.to(tl.float32), bt.to(tl.float32)
+        gate += tl.dot(xa, bt) * scale
+    if UP:
+        xa = tl.load(xa_ptr + rows64[:, None] * stride_xa + (k_up + k)[None, :],
+                     mask=row_in[:, None] & (k < r_up)[None, :], other=0.0)
+        bt = tl.load(bt_ptr + (k_up + k)[:, None] * stride_bt + ffn + cols[None, :],
+                     mask=(k < r_up)[:, None] & col_in[None, :], other=0.0)
+        if DOT_F32:
+            xa, bt = xa.to(tl.float32), bt.to(tl.float32)
+        up += tl.dot(xa, bt) * scale
     sig = 1.0 / (1.0 + tl.exp(-gate))
     silu = gate * sig
     dgate = dout * up * (sig + silu * (1.0 - sig))
@@ -69,23 +99,26 @@ def swiglu_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, n_rows, ffn, rank
 
 
 def residual_update(y_ptr, xa_ptr, bt_ptr, res_ptr, n_rows, n_cols, rank, scale, stride_y, stride_xa,
-                    stride_xa_k, stride_bt, stride_bt_n, stride_res, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, RANK: tl.constexpr):
+                    stride_bt, stride_res, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    RANK: tl.constexpr, DOT_F32: tl.constexpr):
     """``y = res + round(y + update)`` in place: the base product's output meets its update first,
     rounded to the output's dtype as a product's output would be, and the residual stream last."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    at = rows[:, None].to(tl.int64) * stride_y + cols[None, :]
+    row_in = rows < n_rows
+    col_in = cols < n_cols
+    keep = row_in[:, None] & col_in[None, :]
+    rows64 = rows.to(tl.int64)
+    at = rows64[:, None] * stride_y + cols[None, :]
     y = tl.load(y_ptr + at, mask=keep, other=0.0).to(tl.float32)
     k = tl.arange(0, RANK)
-    xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * stride_xa + k[None, :] * stride_xa_k,
-                 mask=k[None, :] < rank, other=0.0).to(tl.float32)
-    bt = tl.load(bt_ptr + k[:, None] * stride_bt + cols[None, :] * stride_bt_n, mask=k[:, None] < rank,
+    xa = tl.load(xa_ptr + rows64[:, None] * stride_xa + k[None, :], mask=row_in[:, None] & (k < rank)[None, :],
                  other=0.0)
-    y += tl.dot(xa, bt.to(tl.float32)) * scale
+    bt = tl.load(bt_ptr + k[:, None] * stride_bt + cols[None, :], mask=(k < rank)[:, None] & col_in[None, :],
+                 other=0.0)
+    if DOT_F32:
+        xa, bt = xa.to(tl.float32), bt.to(tl.float32)
+    y += tl.dot(xa, bt) * scale
     y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-    res = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_res + cols[None, :], mask=keep,
-                  other=0.0).to(tl.float32)
-    out = y + res
-    tl.store(y_ptr + at, out.to(y_ptr.dtype.element_ty), mask=keep)
+    res = tl.load(res_ptr + rows64[:, None] * stride_res + cols[None, :], mask=keep, other=0.0).to(tl.float32)
+    tl.store(y_ptr + at, (y + res).to(y_ptr.dtype.element_ty), mask=keep)

@@ -577,8 +577,14 @@ class Projection:
             return None
         drop = self.drop if self.drop is not None and self.modules[0].training else None
         gu, xa = DeferredLoraProduct.apply(x, self.weights, a, bt, scale, drop, self.backward_first)
+        split = None
+        if len(self.present) == 2:  # gate's rows of the block-diagonal B^T first, then up's
+            ranks = iter(self.ranks)
+            r_gate = next(ranks) if self.present[0] else 0
+            r_up = next(ranks) if self.present[1] else 0
+            split = (0, r_gate, r_gate, r_up)
         # bt without its autograd history: the product's backward gives the adapters their gradients.
-        done, act = _in_kernel(lambda: update.LoraSwiGLU.apply(gu, xa, bt.detach(), scale))
+        done, act = _in_kernel(lambda: update.LoraSwiGLU.apply(gu, xa, bt.detach(), scale, split))
         return act if done else None
 
     def from_kept(self, x: torch.Tensor, kept: tuple, cos: torch.Tensor, sin: torch.Tensor, unrotate,
