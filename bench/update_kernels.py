@@ -69,6 +69,8 @@ def main() -> int:
             "gate_up/liger_swiglu_backward_in_place": timed(lambda: swiglu_fused_gate_up_backward(gu, dout, True)),
             "gate_up/studio_swiglu_backward_with_update": timed(
                 lambda: update.swiglu_backward_(gu, xa, bt, scale, dout, split)),
+            "gate_up/studio_swiglu_backward_no_update": timed(
+                lambda: update.swiglu_backward_(gu, None, None, 1.0, dout)),
         }
         ys = torch.randn(m, hidden, device=dev, dtype=bf)
         res = torch.randn(m, hidden, device=dev, dtype=bf)
