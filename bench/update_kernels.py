@@ -93,6 +93,7 @@ def main() -> int:
             for bm, bn, warps in ((32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (16, 256, 4),
                                   (32, 256, 8), (128, 64, 8), (128, 128, 8)):
                 update.BLOCK_M, update.BLOCK_N, update.NUM_WARPS = bm, bn, warps
+                update.BACKWARD_BLOCK = (bm, bn)
                 fwd = timed(lambda: update.swiglu(gu, xa, bt, scale, split))
                 bwd = timed(lambda: update.swiglu_backward_(gu, xa, bt, scale, dout, split))
                 resid = timed(lambda: update.add_update_and_residual_(ys, xa1, bt1, scale, res))
@@ -100,6 +101,7 @@ def main() -> int:
                 result["us"][key] = {"swiglu_forward": fwd, "swiglu_backward": bwd, "residual": resid}
                 print(key, result["us"][key], flush=True)
             update.BLOCK_M, update.BLOCK_N, update.NUM_WARPS = 32, 128, 4
+            update.BACKWARD_BLOCK = (16, 256)
         del gu, xa, bt, dout, y, ys, res
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     Path(args.out).write_text(json.dumps(result, indent=1))
