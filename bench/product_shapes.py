@@ -55,7 +55,6 @@ def main() -> int:
     a = torch.randn(n, n, device=dev, dtype=bf)
     ms = timed(lambda: torch.mm(a, a))
     result["cases"]["square_8192"] = {"ms": round(ms, 4), "tflops": round(2 * n ** 3 / ms / 1e9, 1)}
-    del a
 
     for backend in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(backend)
@@ -83,7 +82,6 @@ def main() -> int:
                     key = f"{backend}/{m}/{name}/{case}"
                     result["cases"][key] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
                     print(key, result["cases"][key], flush=True)
-                del w, x, y, dy, dx
             # the LoRA update's own products at this size (inner size the rank)
             xa = torch.randn(m, rank, device=dev, dtype=bf)
             bt = torch.randn(rank, inter, device=dev, dtype=bf)
@@ -92,7 +90,6 @@ def main() -> int:
             key = f"{backend}/{m}/lora_update_gate_bz"
             result["cases"][key] = {"ms": round(ms, 4), "gb_per_s": round(m * inter * 2 / ms / 1e6, 1)}
             print(key, result["cases"][key], flush=True)
-            del xa, bt, y
     torch.backends.cuda.preferred_blas_library("cublas")
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     Path(args.out).write_text(json.dumps(result, indent=1))

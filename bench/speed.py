@@ -111,6 +111,7 @@ LEVERS = {
     "copy_last_layer": {"last_layer_on_device": False},
     "keep_attention_always": {"keep_attention_from": 0},  # an "on" lever: the default keeps no attention
     "update_in_products": {"update_in_kernel": False},
+    "down_gradient_in_product": {"hand_off_down_gradient": False},
 }
 
 

@@ -102,7 +102,6 @@ def main() -> int:
                 print(key, result["us"][key], flush=True)
             update.BLOCK_M, update.BLOCK_N, update.NUM_WARPS = 32, 128, 4
             update.BACKWARD_BLOCK = (16, 256)
-        del gu, xa, bt, dout, y, ys, res
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

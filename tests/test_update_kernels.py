@@ -218,3 +218,45 @@ def test_a_kernel_that_cannot_build_leaves_the_products_their_own_order(tiny_mod
     with torch.no_grad():
         want = expected.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
     assert abs(loss.item() - want.item()) < 1e-3 * abs(want.item())
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_down_hands_its_lora_input_gradient_to_swiglus_backward(tiny_model: Path, device, recompute) -> None:
+    """gate/up -> SwiGLU -> down, with down's LoRA input-gradient term handed to SwiGLU's backward
+    (update.Handoff) against the same chain with every update in its own product: the same output
+    and the same gradients of the input and of all three adapters; the recomputation's down (no
+    value, only a backward) too. The handoff is spent: a second backward would find it empty."""
+    dtype = torch.bfloat16
+    model = _peft_model(tiny_model, None, ["gate_proj", "up_proj", "down_proj"], dtype=dtype).to(device)
+    gate_up = _proj(model, ["gate_proj", "up_proj"], dtype, device)
+    down = _proj(model, ["down_proj"], dtype, device)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, gate_up.weights.in_features, generator=gen).to(device, dtype).requires_grad_()
+    r = (4 * torch.randn(2, 9, down.weights.out_features[0], generator=gen)).to(device, dtype)
+    dy = torch.randn(2, 9, down.weights.out_features[0], generator=gen).to(device, dtype)
+    params = (x, *gate_up.a, *gate_up.b, *down.a, *down.b)
+    results = []
+    for on in (True, False):
+        gate_up.in_kernel = down.in_kernel = down.hand_off = on
+        for t in params:
+            t.grad = None
+        handoff = down.handoff()
+        assert (handoff is not None) is on
+        if on:
+            act = gate_up.swiglu(x, handoff=handoff)
+        else:
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        if recompute:
+            y = down(act, value=False, handoff=handoff)
+        else:
+            y = down(act, residual=r, handoff=handoff)
+        y.backward(dy)
+        if on:
+            assert handoff.take() is None  # SwiGLU's backward took the term
+        results.append((y.detach().float(), [t.grad.float() for t in params]))
+    (y0, g0), (y1, g1) = results
+    if not recompute:
+        _close(y0, y1, dtype)
+    for a, b in zip(g0, g1, strict=True):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())

@@ -83,20 +83,25 @@ class Layer:
         attn = attn.reshape(b, t, self.heads * self.head_dim)
         h = self.o(attn, o_ad, residual=h)
         x = self.norm(h, self.ln2)
-        act = self.gate_up.swiglu(x, gu_ad)  # the update added inside SwiGLU's kernel, where it can be
+        # The update added inside SwiGLU's kernel where it can be (engine/fast/update.py), and down's
+        # LoRA input-gradient term handed to SwiGLU's backward.
+        handoff = self.down.handoff()
+        act = self.gate_up.swiglu(x, gu_ad, handoff)
         if act is not None:
             pass
         elif self.kernels:
+            handoff = None
             gu = self.gate_up(x, gu_ad)
             # liger returns the gradient flat: give it a flat input so the shapes agree.
             act = self.kernels["swiglu"].apply(gu.view(-1, gu.shape[-1]), True).view(*gu.shape[:-1], -1)
         else:
+            handoff = None
             gu = self.gate_up(x, gu_ad)
             gate, up = gu.chunk(2, dim=-1)
             act = F.silu(gate) * up
         if recompute:
-            return h, self.down(act, down_ad, value=False)
-        return self.down(act, down_ad, residual=h)
+            return h, self.down(act, down_ad, value=False, handoff=handoff)
+        return self.down(act, down_ad, residual=h, handoff=handoff)
 
     def qkv_rotated(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv_ad) -> tuple:
         """q, k and v ``[B, T, heads, head_dim]`` of the layer input ``h``, q and k rotated."""

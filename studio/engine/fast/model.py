@@ -86,6 +86,10 @@ class FastOptions:
     for o and down), it adds the LoRA update itself from ``x A^T`` and ``B^T`` (engine/fast/update.py),
     and the base product writes the output alone: the update's product no longer writes it first.
     Triton only (CUDA, or its interpreter)."""
+    hand_off_down_gradient: bool = True
+    """With ``update_in_kernel``, the down product's LoRA input-gradient term goes to SwiGLU's
+    backward, which adds it as it reads the gradient (update.Handoff), instead of being written by a
+    product of its own."""
     grad_sink: bool = True
     """The captured backward adds the adapters' gradients into ``.grad`` itself (graphs.GradSink)
     instead of returning a second copy that autograd then adds there after each replay."""
@@ -115,6 +119,7 @@ class FastModel:
                 proj.update_first = options.fused_epilogues
                 proj.backward_first = options.fused_backward
                 proj.in_kernel = in_kernel
+                proj.hand_off = in_kernel and options.hand_off_down_gradient
             layer.qkv.separate = options.separate_qkv and options.fused_epilogues
         # Adapter dropout draws its masks from one seed tensor (engine/fast/dropout.py): graphs replay
         # them, recomputation regenerates them, and no RNG state is saved around a layer.
@@ -185,7 +190,8 @@ class FastModel:
             if self._host.keep_attention_from is not None:
                 parts.append(f"attention kept on the host from {self._host.keep_attention_from} tokens")
         if self.layers and self.layers[0].o.in_kernel and not update.broken():
-            parts.append("LoRA updates added in the SwiGLU and residual kernels")
+            parts.append("LoRA updates added in the SwiGLU and residual kernels"
+                         + (", down's LoRA gradient in SwiGLU's backward" if self.layers[0].down.hand_off else ""))
         if self._seed is not None:
             parts.append("adapter dropout from counter-based masks")
         parts.append("liger kernels" if self.kernels else "torch kernels")

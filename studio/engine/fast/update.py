@@ -11,8 +11,11 @@ tile from ``x A^T`` (``[tokens, rank]``) and ``B^T`` (``[rank, columns]``):
   update again the same way and writes the gradients of gate and up (with their updates) in place
   of the base output. Those gradients are the product's output gradient, so the product's backward
   (the adapters' gradients, the input's) is unchanged.
-- :func:`add_update_and_residual`: o's and down's ``residual + (base + update)``, the update meeting
-  the base output first and the residual stream last, as in weights.LoraProduct.
+- :func:`add_update_and_residual_`: o's and down's ``residual + (base + update)``, the update
+  meeting the base output first and the residual stream last, as in weights.LoraProduct.
+- :class:`Handoff`: the backward's counterpart for down. Its input gradient is
+  ``dy W + (s dy B) A``; the second term (inner size the rank) is handed to SwiGLU's backward,
+  which adds it to the gradient it reads, instead of being written out first.
 
 Numerics: gate and up keep their update in fp32 up to SwiGLU (one rounding fewer than the output
 written in bf16 and read back); o's and down's sum is rounded to bf16 before the stream as before.
@@ -132,20 +135,42 @@ def swiglu(gu: torch.Tensor, xa: torch.Tensor | None, bt: torch.Tensor | None, s
 
 
 def swiglu_backward_(gu: torch.Tensor, xa: torch.Tensor | None, bt: torch.Tensor | None, scale: float,
-                     dout: torch.Tensor, split: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """The gradient of :func:`swiglu`'s ``gu + update`` from its output's, written over ``gu``."""
+                     dout: torch.Tensor, split: tuple[int, int, int, int] | None = None,
+                     extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The gradient of :func:`swiglu`'s ``gu + update`` from its output's, written over ``gu``;
+    ``extra`` ``(dyb, a)``: the output's gradient is ``dout + dyb @ a`` (:class:`Handoff`)."""
     rows, width = gu.shape
     ffn = width // 2
     k_gate, r_gate, k_up, r_up = _split(xa, split)
     xa_, bt_ = (_rows_major(xa), _rows_major(bt)) if xa is not None else (gu, gu)
     dout = _rows_major(dout)
+    dyb, a = (_rows_major(extra[0]), _rows_major(extra[1])) if extra is not None else (gu, gu)
+    r_extra = int(dyb.shape[1]) if extra is not None else 0
     block_m, block_n = BACKWARD_BLOCK
     _kernels()["swiglu_backward"][(-(-rows // block_m), -(-ffn // block_n))](
-        gu, xa_, bt_, dout, gu, rows, ffn, k_gate, r_gate, k_up, r_up, float(scale), gu.stride(0),
-        xa_.stride(0), bt_.stride(0), dout.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-        RANK=_rank_block(max(r_gate, r_up)), GATE=r_gate > 0, UP=r_up > 0, DOT_F32=_dot_f32(),
-        num_warps=NUM_WARPS)
+        gu, xa_, bt_, dout, gu, dyb, a, rows, ffn, k_gate, r_gate, k_up, r_up, r_extra, float(scale),
+        gu.stride(0), xa_.stride(0), bt_.stride(0), dout.stride(0), dyb.stride(0), a.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, RANK=_rank_block(max(r_gate, r_up)), GATE=r_gate > 0, UP=r_up > 0,
+        EXTRA=extra is not None, RANK_EXTRA=_rank_block(r_extra), DOT_F32=_dot_f32(), num_warps=NUM_WARPS)
     return gu
+
+
+class Handoff:
+    """The down product's LoRA input-gradient term ``dyb @ A``, handed to SwiGLU's backward instead
+    of written: that backward adds it tile by tile to the gradient it reads (the down product's
+    backward writes only its base product's share). One per layer pass: the down product's
+    backward puts the term here (:meth:`give`), and SwiGLU's, which autograd runs right after it
+    (SwiGLU's output is the down product's input), takes it (:meth:`take`)."""
+
+    def __init__(self) -> None:
+        self._term: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def give(self, dyb: torch.Tensor, a: torch.Tensor) -> None:
+        self._term = (dyb, a)
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        term, self._term = self._term, None
+        return term
 
 
 def add_update_and_residual_(y: torch.Tensor, xa: torch.Tensor, bt: torch.Tensor, scale: float,
@@ -169,15 +194,17 @@ class LoraSwiGLU(torch.autograd.Function):
     ``xa`` and ``bt`` get none here (the product's backward gives the adapters theirs)."""
 
     @staticmethod
-    def forward(ctx, gu, xa, bt, scale: float, split: tuple[int, int, int, int] | None = None):
+    def forward(ctx, gu, xa, bt, scale: float, split: tuple[int, int, int, int] | None = None,
+                handoff: Handoff | None = None):
         gu2 = gu.reshape(-1, gu.shape[-1])
         out = swiglu(gu2, xa, bt, scale, split)
         ctx.save_for_backward(gu2, xa, bt)
-        ctx.scale, ctx.shape, ctx.split = scale, gu.shape, split
+        ctx.scale, ctx.shape, ctx.split, ctx.handoff = scale, gu.shape, split, handoff
         return out.view(*gu.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dout):
         gu2, xa, bt = ctx.saved_tensors
-        dgu = swiglu_backward_(gu2, xa, bt, ctx.scale, dout.reshape(-1, dout.shape[-1]), ctx.split)
-        return dgu.view(ctx.shape), None, None, None, None
+        extra = ctx.handoff.take() if ctx.handoff is not None else None
+        dgu = swiglu_backward_(gu2, xa, bt, ctx.scale, dout.reshape(-1, dout.shape[-1]), ctx.split, extra)
+        return dgu.view(ctx.shape), None, None, None, None, None

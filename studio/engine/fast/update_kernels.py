@@ -57,12 +57,15 @@ def swiglu_forward(gu_ptr, xa_ptr, bt_ptr, out_ptr, n_rows, ffn, k_gate, r_gate,
     tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
 
 
-def swiglu_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, n_rows, ffn, k_gate, r_gate, k_up, r_up, scale,
-                    stride_gu, stride_xa, stride_bt, stride_dout, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    RANK: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, DOT_F32: tl.constexpr):
+def swiglu_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, dyb_ptr, a_ptr, n_rows, ffn, k_gate, r_gate,
+                    k_up, r_up, r_extra, scale, stride_gu, stride_xa, stride_bt, stride_dout, stride_dyb, stride_a,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr, GATE: tl.constexpr,
+                    UP: tl.constexpr, EXTRA: tl.constexpr, RANK_EXTRA: tl.constexpr, DOT_F32: tl.constexpr):
     """The gradients of gate and up (with their updates) from the output's, written into ``dgu``
     (``[rows, 2 * ffn]``, the stride of ``gu``; it may be ``gu`` itself: each program reads its
-    tiles before it writes them, and no other program's)."""
+    tiles before it writes them, and no other program's). ``EXTRA``: the output's gradient is
+    ``dout + dyb @ a``, the rest of it handed over by the next product's backward (its LoRA term:
+    ``dyb`` ``[rows, r_extra]``, already scaled, and A ``[r_extra, ffn]``)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_in = rows < n_rows
@@ -73,6 +76,15 @@ def swiglu_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, n_rows, ffn, k_ga
     gate = tl.load(gu_ptr + at, mask=keep, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + at + ffn, mask=keep, other=0.0).to(tl.float32)
     dout = tl.load(dout_ptr + rows64[:, None] * stride_dout + cols[None, :], mask=keep, other=0.0).to(tl.float32)
+    if EXTRA:
+        ke = tl.arange(0, RANK_EXTRA)
+        dyb = tl.load(dyb_ptr + rows64[:, None] * stride_dyb + ke[None, :],
+                      mask=row_in[:, None] & (ke < r_extra)[None, :], other=0.0)
+        a = tl.load(a_ptr + ke[:, None] * stride_a + cols[None, :], mask=(ke < r_extra)[:, None] & col_in[None, :],
+                    other=0.0)
+        if DOT_F32:
+            dyb, a = dyb.to(tl.float32), a.to(tl.float32)
+        dout += tl.dot(dyb, a)
     k = tl.arange(0, RANK)
     if GATE:
         xa = tl.load(xa_ptr + rows64[:, None] * stride_xa + (k_gate + k)[None, :],

@@ -280,7 +280,7 @@ class LoraProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None = None,
                 value: bool = True, residual: torch.Tensor | None = None, update_first: bool = True,
-                backward_first: bool = True, in_kernel: bool = False):
+                backward_first: bool = True, in_kernel: bool = False, handoff: update.Handoff | None = None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         width = sum(weights.out_features)
@@ -325,13 +325,14 @@ class LoraProduct(torch.autograd.Function):
             ctx.save_for_backward(x2)
         ctx.weights, ctx.scale, ctx.shape, ctx.drop = weights, scale, shape, drop
         ctx.residual, ctx.backward_first = residual is not None, backward_first
+        ctx.handoff = handoff if drop is None and backward_first else None
         return y.view(*shape[:-1], width)
 
     @staticmethod
     def backward(ctx, dy):
         dx, da, dbt = _fused_backward(ctx, ctx.saved_tensors, dy.reshape(-1, dy.shape[-1]))
         dres = dy if ctx.residual else None  # the residual passes straight through
-        return dx.view(ctx.shape), None, da, dbt, None, None, None, dres, None, None, None
+        return dx.view(ctx.shape), None, da, dbt, None, None, None, dres, None, None, None, None
 
 
 def _in_kernel(run: Callable[[], torch.Tensor]) -> tuple[bool, torch.Tensor | None]:
@@ -357,7 +358,15 @@ def _fused_backward(ctx, saved, dy2: torch.Tensor):
     if len(saved) > 1:
         _, a, bt, xa = saved
         dyb = (dy2 @ bt.t()).mul_(ctx.scale)
-    dx, da = _input_gradient(ctx, x2, dyb, a, lambda into: ctx.weights.backward_product(dy2, into))
+    handoff = getattr(ctx, "handoff", None)
+    if handoff is not None and dyb is not None:
+        # The LoRA term dyb @ A goes to the next kernel back (update.Handoff), which adds it to the
+        # gradient as it reads it: the base product writes the input gradient alone.
+        dx = ctx.weights.backward_product(dy2)
+        handoff.give(dyb, a)
+        da = dyb.t() @ x2 if ctx.needs_input_grad[2] else None
+    else:
+        dx, da = _input_gradient(ctx, x2, dyb, a, lambda into: ctx.weights.backward_product(dy2, into))
     if xa is not None and ctx.needs_input_grad[3]:
         dbt = (xa.t() @ dy2).mul_(ctx.scale)
     return dx, da, dbt
@@ -517,6 +526,8 @@ class Projection:
         (:class:`LoraProduct`); False: the base product first (the order before, for benchmarks)."""
         self.backward_first = True
         """The same order for the input gradient (:func:`_input_gradient`)."""
+        self.hand_off = False
+        """:meth:`handoff` gives a Handoff (where the rest allows)."""
         self.in_kernel = False
         """The update is added by the kernel that reads the base product's output (update.py): the
         residual's add for o and down (:class:`LoraProduct`), SwiGLU for gate/up (:meth:`swiglu`)."""
@@ -556,7 +567,7 @@ class Projection:
         return a, bt, self.scales[0] if same else 1.0
 
     def __call__(self, x: torch.Tensor, adapters: tuple | None = None, value: bool = True,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, handoff: update.Handoff | None = None) -> torch.Tensor:
         """The product, plus ``residual`` when given (added inside the products: no pass of its
         own). With ``value=False`` only its backward is real (see :class:`LoraProduct`): the
         output is a zero that owns no memory, and the base product is skipped."""
@@ -566,12 +577,25 @@ class Projection:
             assert value and residual is None, "separate outputs take no residual"
             return SeparateLoraProduct.apply(x, self.weights, a, bt, scale, drop, self.backward_first)
         return LoraProduct.apply(x, self.weights, a, bt, scale, drop, value, residual, self.update_first,
-                                 self.backward_first, self.in_kernel)
+                                 self.backward_first, self.in_kernel, handoff)
 
-    def swiglu(self, x: torch.Tensor, adapters: tuple | None = None) -> torch.Tensor | None:
+    def handoff(self) -> update.Handoff | None:
+        """A :class:`~studio.engine.fast.update.Handoff` for this product's LoRA input-gradient term,
+        where the kernel that made its input can take it (the SwiGLU before the down product): the
+        update kernels on, no adapter dropout (its mask would have to go along), the LoRA term's
+        order in the backward. None otherwise."""
+        dropping = self.drop is not None and self.modules[0].training
+        if not (self.in_kernel and self.hand_off) or not self.a or dropping or not self.backward_first \
+                or update.broken():
+            return None
+        return update.Handoff()
+
+    def swiglu(self, x: torch.Tensor, adapters: tuple | None = None,
+               handoff: update.Handoff | None = None) -> torch.Tensor | None:
         """``silu(gate) * up`` of this gate/up projection's output, the update added inside SwiGLU's
         kernel (update.LoraSwiGLU); None where that is off or cannot run (the caller then runs the
-        product and its own SwiGLU)."""
+        product and its own SwiGLU). ``handoff``: the next product's (:meth:`handoff`), whose LoRA
+        input-gradient term SwiGLU's backward then adds."""
         a, bt, scale = adapters if adapters is not None else self.adapters()
         if not self.in_kernel or a is None or update.broken():
             return None
@@ -584,7 +608,7 @@ class Projection:
             r_up = next(ranks) if self.present[1] else 0
             split = (0, r_gate, r_gate, r_up)
         # bt without its autograd history: the product's backward gives the adapters their gradients.
-        done, act = _in_kernel(lambda: update.LoraSwiGLU.apply(gu, xa, bt.detach(), scale, split))
+        done, act = _in_kernel(lambda: update.LoraSwiGLU.apply(gu, xa, bt.detach(), scale, split, handoff))
         return act if done else None
 
     def from_kept(self, x: torch.Tensor, kept: tuple, cos: torch.Tensor, sin: torch.Tensor, unrotate,
