@@ -260,3 +260,26 @@ def test_down_hands_its_lora_input_gradient_to_swiglus_backward(tiny_model: Path
         _close(y0, y1, dtype)
     for a, b in zip(g0, g1, strict=True):
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
+
+
+def test_a_small_update_survives_the_residual_kernel_in_bf16(tiny_model: Path, device) -> None:
+    """The residual kernel keeps the plain order's rounding (weights.LoraProduct): an update under
+    half the stream's last bf16 digit meets the base output first, so it reaches the output on
+    average instead of rounding away against the stream (test_fast_path's test of the same name
+    for the products' own order)."""
+    dtype = torch.bfloat16
+    model = _peft_model(tiny_model, None, ["down_proj"], dtype=dtype).to(device)
+    proj = _proj(model, ["down_proj"], dtype, device)
+    proj.in_kernel = True
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 512, proj.weights.in_features, generator=gen).to(device, dtype)
+    stream = (8 + 8 * torch.rand(1, 512, sum(proj.weights.out_features), generator=gen)).to(device, dtype)
+    with torch.no_grad():
+        a, bt, scale = proj.adapters()
+        upd = scale * (x.float() @ a.float().t()) @ bt.float()
+        proj.b[0].mul_(1 / 256 / upd.std().item())  # a sixteenth of the stream's last digit
+        upd = scale * (x.float() @ a.float().t()) @ proj.adapters()[1].float()
+        assert (upd.abs() < 1 / 32).float().mean() > 0.999
+        moved = proj(x, residual=stream).float() - proj(x, residual=stream, adapters=(None, None, 1.0)).float()
+    slope = float((moved * upd).sum() / (upd * upd).sum())
+    assert slope > 0.7, slope
