@@ -29,6 +29,14 @@ class PaneApp(App):
         yield VramPane(id="pane-vram")
 
 
+async def estimated(app: App, pilot) -> None:
+    """Wait for the pane's estimate: it runs in a thread (VramPane._estimate), which a loaded machine
+    (the GPU box's 14 test workers) may not have finished when the app has started."""
+    await pilot.pause()  # messages first: one may start an estimate (a sampled card does)
+    await app.workers.wait_for_complete()
+    await pilot.pause()
+
+
 def sample(pane: VramPane, event: ev.MemorySampled) -> None:
     """Deliver ``event`` to the pane as the app does: a MemorySample message for the followed run."""
     pane.post_message(MemorySample(None, event))
@@ -47,6 +55,7 @@ async def test_a_detected_card_is_the_default_and_wins_over_the_events_figure(mo
     monkeypatch.setattr(vram_pane, "capacity_choices", lambda: [card, *KNOWN_GPUS])
     app = PaneApp(parse_config(LLAMA_CONFIG))
     async with app.run_test(size=SIZE) as pilot:
+        await estimated(app, pilot)
         pane = app.query_one(VramPane)
         assert pane.gpu == card
         sample(pane, ev.MemorySampled(step=1, device="another card", capacity=16 * 2**30,
@@ -71,6 +80,7 @@ def test_each_square_takes_the_category_that_owns_its_middle():
 async def test_pane_estimates_the_app_config_and_steps_through_the_walkthrough():
     app = PaneApp(parse_config(LLAMA_CONFIG))
     async with app.run_test(size=SIZE) as pilot:
+        await estimated(app, pilot)
         pane = app.query_one(VramPane)
         gauge = app.query_one(BlockGauge)
         assert pane.current is not None and gauge.predicted == pane.current.categories
@@ -89,12 +99,13 @@ async def test_pane_estimates_the_app_config_and_steps_through_the_walkthrough()
 async def test_measured_squares_fill_in_from_memory_events():
     app = PaneApp(parse_config(LLAMA_CONFIG))
     async with app.run_test(size=SIZE) as pilot:
+        await estimated(app, pilot)
         pane = app.query_one(VramPane)
         measured = {"weights": 4_401_000_000, "lora": 160_000_000, "gradients": 160_000_000,
                     "optimizer": 320_000_000, "activations": 2_200_000_000, "overhead": 1_280_000_000}
         sample(pane, ev.MemorySampled(step=3, device="NVIDIA H100 80GB HBM3", capacity=80 * 2**30,
                                       categories=measured))
-        await pilot.pause()
+        await estimated(app, pilot)  # a sampled card re-estimates (in the thread again)
         gauge = app.query_one(BlockGauge)
         assert gauge.measured == measured
         assert gauge.capacity == 80 * 2**30
@@ -107,7 +118,8 @@ async def test_a_config_that_does_not_fit_says_so(monkeypatch):
     config = parse_config(LLAMA_CONFIG + "quantization: {bits: null}\ntrainer: {micro_batch_size: 16, "
                           "gradient_checkpointing: false}\n")
     app = PaneApp(config)
-    async with app.run_test(size=SIZE):
+    async with app.run_test(size=SIZE) as pilot:
+        await estimated(app, pilot)
         pane = app.query_one(VramPane)
         assert pane.current is not None and pane.current.fits is False
         assert "does NOT fit" in str(app.query_one("#vram-summary").render())
@@ -139,7 +151,8 @@ def test_snapshot_walkthrough_first_and_qlora_steps(snap_compare):
 async def test_a_full_fine_tune_config_shows_its_own_estimate_in_the_predicted_column():
     config = parse_config(LLAMA_CONFIG + "lora: null\n")
     app = PaneApp(config)
-    async with app.run_test(size=SIZE):
+    async with app.run_test(size=SIZE) as pilot:
+        await estimated(app, pilot)
         pane = app.query_one(VramPane)
         gauge = app.query_one(BlockGauge)
         assert pane.current is not None and gauge.predicted == pane.current.categories
