@@ -242,6 +242,9 @@ async def test_live_train_pause_resume_reopen_stop_chat_heldout(tmp_path, monkey
     monkeypatch.setenv("STUDIO_LOCK_DIR", str(tmp_path / "locks"))
     monkeypatch.setenv("STUDIO_CONFIG_DIR", str(tmp_path / "settings"))
     config = tiny_config(tmp_path)
+    # The stop has to come before the run's end: on a fast card (an H200) the tiny model's 300 steps
+    # were over before the re-opened UI pressed it. The same 6 warmup steps, a longer run.
+    config.trainer.max_steps, config.trainer.warmup_fraction = 20_000, 6 / 20_000
     run = None
     try:
         # 1. Start from the pane's key; watch the steps and the plot advance; pause and resume.
