@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.profile_gpu_bound import idle_by_phase  # noqa: E402
+from bench.profile_gpu_bound import idle_by_phase, schedule  # noqa: E402
 
 
 def _x(cat: str, name: str, ts: float, dur: float) -> dict:
@@ -38,3 +38,9 @@ def test_idle_time_between_kernels_goes_to_the_host_phase_running_meanwhile(tmp_
     assert got["largest_gaps_ms"] == [(2.0, "studio.memory_sample"), (0.5, "unlabelled")]
     halved = idle_by_phase(trace, steps=2)
     assert halved["idle_ms_per_step"] == 1.25
+
+
+def test_repeated_levers_run_interleaved_after_one_warm_up_run_that_is_not_kept() -> None:
+    assert schedule(["all", "a", "b"], 2) == [(-1, "all"), (0, "all"), (0, "a"), (0, "b"),
+                                              (1, "all"), (1, "a"), (1, "b")]
+    assert schedule(["all", "a"], 1) == [(0, "all"), (0, "a")]  # one run each: nothing to warm up for
