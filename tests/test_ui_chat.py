@@ -142,7 +142,7 @@ async def test_heldout_table_scores_both_models_and_saves(tmp_path):
         scoring = HeldOutScoring(run, requests[0], generate, lambda e: worker.feed([e]))
         while not scoring.next_row():
             await pilot.pause(0.02)
-        await pilot.pause(0.3)
+        await events_drawn(pilot)  # every row's event handled (a fixed 0.3 s was short on a loaded CI machine)
         pane = app.query_one(ChatPane)
         totals = pane.totals()
         assert totals["tuned"].rows == totals["base"].rows == 4
