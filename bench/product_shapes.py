@@ -19,6 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gpu_timing import best_ms  # noqa: E402
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,18 +39,7 @@ def main() -> int:
     hidden, inter, rank = 4096, 11008, 16
 
     def timed(fn) -> float:
-        best = float("inf")
-        fn()
-        for _ in range(args.repeats):
-            torch.cuda.synchronize()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.loops):
-                fn()
-            stop.record()
-            torch.cuda.synchronize()
-            best = min(best, start.elapsed_time(stop) / args.loops)
-        return best
+        return best_ms(fn, args.loops, args.repeats)
 
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "versions": {"torch": torch.__version__, "cuda": torch.version.cuda}, "cases": {}}

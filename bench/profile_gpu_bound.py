@@ -198,6 +198,8 @@ def ceiling(tokens: int, seq: int, mb: int, layers: int = 32, hidden: int = 4096
     import torch
     import torch.nn.functional as F
 
+    from bench.gpu_timing import best_ms
+
     dev = torch.device("cuda")
     bf = torch.bfloat16
     # one layer's weights (out, in), reused by every layer: the products' shapes are what matter
@@ -230,16 +232,7 @@ def ceiling(tokens: int, seq: int, mb: int, layers: int = 32, hidden: int = 4096
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def timed(fn) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            best = min(best, start.elapsed_time(stop))
-        return best
+        return best_ms(fn, loops=1, repeats=repeats, warm=False)  # the caller warms up where it matters
 
     def layers_products(skip_down: bool) -> None:
         for _ in range(layers):

@@ -19,6 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gpu_timing import best_ms  # noqa: E402
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,19 +39,8 @@ def main() -> int:
     dev, bf = torch.device("cuda"), torch.bfloat16
     hidden, ffn, rank, scale = 4096, 11008, 16, 2.0
 
-    def timed(fn, loops: int = 20, repeats: int = 5) -> float:
-        fn()
-        best = float("inf")
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(loops):
-                fn()
-            stop.record()
-            torch.cuda.synchronize()
-            best = min(best, start.elapsed_time(stop) / loops)
-        return round(best * 1000, 1)  # microseconds
+    def timed(fn) -> float:
+        return round(best_ms(fn, loops=20, repeats=5) * 1000, 1)  # microseconds
 
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "versions": {"torch": torch.__version__}, "us": {}}

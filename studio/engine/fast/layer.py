@@ -87,18 +87,15 @@ class Layer:
         # LoRA input-gradient term handed to SwiGLU's backward.
         handoff = self.down.handoff()
         act = self.gate_up.swiglu(x, gu_ad, handoff)
-        if act is not None:
-            pass
-        elif self.kernels:
+        if act is None:  # the product, then a SwiGLU of its own; down's backward keeps its term
             handoff = None
             gu = self.gate_up(x, gu_ad)
-            # liger returns the gradient flat: give it a flat input so the shapes agree.
-            act = self.kernels["swiglu"].apply(gu.view(-1, gu.shape[-1]), True).view(*gu.shape[:-1], -1)
-        else:
-            handoff = None
-            gu = self.gate_up(x, gu_ad)
-            gate, up = gu.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            if self.kernels:
+                # liger returns the gradient flat: give it a flat input so the shapes agree.
+                act = self.kernels["swiglu"].apply(gu.view(-1, gu.shape[-1]), True).view(*gu.shape[:-1], -1)
+            else:
+                gate, up = gu.chunk(2, dim=-1)
+                act = F.silu(gate) * up
         if recompute:
             return h, self.down(act, down_ad, value=False, handoff=handoff)
         return self.down(act, down_ad, residual=h, handoff=handoff)

@@ -289,36 +289,31 @@ class LoraProduct(torch.autograd.Function):
         if a is not None:
             xa = x2 @ a.t() if drop is None else drop.project(x2, a)
         y = None
-        if value and in_kernel and xa is not None and r2 is not None and update_first and not update.broken():
-            # The base product writes the output alone; one kernel adds the update and then the
-            # stream (engine/fast/update.py), where the update's product would write it first.
-            y = weights.forward_product(x2)
-            if not _in_kernel(lambda: update.add_update_and_residual_(y, xa, bt, scale, r2))[0]:
-                y = None
-        if y is not None:
-            pass
-        elif not value:
-            # Only the backward is wanted (a recomputation whose output nothing reads): no base
-            # product, no LoRA update; a zero of the output's shape that owns no memory.
-            y = x2.new_zeros(()).expand(x2.shape[0], width)
-            if r2 is not None:
-                y = y + r2
-        elif xa is not None and not update_first:  # the order before (bench/speed.py's lever)
-            y = weights.forward_product(x2)
-            y.addmm_(xa, bt, alpha=scale)
-            if r2 is not None:
-                y += r2
-        elif xa is not None:
-            y = x2.new_empty(x2.shape[0], width)
-            y.addmm_(xa, bt, beta=0, alpha=scale)  # beta 0: y's contents are never read
-            weights.forward_product(x2, into=y)
-            if r2 is not None:
-                # The stream comes last, as in the plain order: added to it directly, an update
-                # under half the stream's last bf16 digit (early in training, most of them) would
-                # round away to nothing, and the model would not see what it has learned.
-                y.add_(r2)
-        else:
-            y = weights.forward_product(x2, base=r2)
+        if value and xa is not None and update_first and in_kernel and r2 is not None:
+            y = _update_then_residual(weights, x2, xa, bt, scale, r2)
+        if y is None:
+            if not value:
+                # Only the backward is wanted (a recomputation whose output nothing reads): no base
+                # product, no LoRA update; a zero of the output's shape that owns no memory.
+                y = x2.new_zeros(()).expand(x2.shape[0], width)
+                if r2 is not None:
+                    y = y + r2
+            elif xa is not None and not update_first:  # the order before (bench/speed.py's lever)
+                y = weights.forward_product(x2)
+                y.addmm_(xa, bt, alpha=scale)
+                if r2 is not None:
+                    y += r2
+            elif xa is not None:
+                y = x2.new_empty(x2.shape[0], width)
+                y.addmm_(xa, bt, beta=0, alpha=scale)  # beta 0: y's contents are never read
+                weights.forward_product(x2, into=y)
+                if r2 is not None:
+                    # The stream comes last, as in the plain order: added to it directly, an update
+                    # under half the stream's last bf16 digit (early in training, most of them) would
+                    # round away to nothing, and the model would not see what it has learned.
+                    y.add_(r2)
+            else:
+                y = weights.forward_product(x2, base=r2)
         if xa is not None:
             ctx.save_for_backward(x2, a, bt, xa)
         else:
@@ -333,6 +328,18 @@ class LoraProduct(torch.autograd.Function):
         dx, da, dbt = _fused_backward(ctx, ctx.saved_tensors, dy.reshape(-1, dy.shape[-1]))
         dres = dy if ctx.residual else None  # the residual passes straight through
         return dx.view(ctx.shape), None, da, dbt, None, None, None, dres, None, None, None, None
+
+
+def _update_then_residual(weights: FrozenWeights, x2: torch.Tensor, xa: torch.Tensor, bt: torch.Tensor,
+                          scale: float, r2: torch.Tensor) -> torch.Tensor | None:
+    """``r2 + (x2 W^T + scale xa bt)`` with the base product writing the output alone and one kernel
+    adding the update, then the stream (engine/fast/update.py), where the update's product would
+    write it first; None where the kernels cannot run here."""
+    if update.broken():
+        return None
+    y = weights.forward_product(x2)
+    done, _ = _in_kernel(lambda: update.add_update_and_residual_(y, xa, bt, scale, r2))
+    return y if done else None
 
 
 def _in_kernel(run: Callable[[], torch.Tensor]) -> tuple[bool, torch.Tensor | None]:
