@@ -264,6 +264,57 @@ def test_fast_path_loss_and_lora_gradients_equal_the_plain_path(tiny_model: Path
         assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
 
 
+@pytest.mark.parametrize(("mode", "targets"), [("host", ALL), ("checkpoint", ALL), ("eager", ALL),
+                                                ("host", ["o_proj", "gate_proj", "down_proj"])])
+def test_the_first_layer_runs_no_input_gradient_product(tiny_model: Path, mode, targets, monkeypatch) -> None:
+    """The first layer's input is the frozen embeddings' output: nothing wants its gradient, so its
+    q/k/v products run no backward product (nor the LoRA term's), recomputed on the host's inputs,
+    checkpointed by torch or not checkpointed at all. Without adapters on q/k/v, the attention's
+    output wants none either, and o's backward product goes too. Every other layer's products still
+    run theirs, and the adapters' gradients equal those of a run that computes every input gradient."""
+    from studio.engine.fast.offload import HostInputs
+    from studio.engine.fast.weights import FrozenWeights
+
+    model = _peft_model(tiny_model, None, targets)
+    device = next(model.parameters()).device
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
+    fast_model, why = fast.prepare(model, fast.FastOptions(checkpointing=mode != "eager"))
+    assert fast_model is not None, why
+    host = mode == "host"
+    monkeypatch.setattr("studio.engine.fast.model.offload_for", lambda tokens, dropout, cuda: host)
+    fast_model._host = HostInputs(device, keep_qkv=True) if host else None
+    ran = []
+
+    def counting(real):
+        def run(self, *args, **kwargs):
+            ran.append(self)
+            return real(self, *args, **kwargs)
+        return run
+
+    for name in ("backward_product", "backward_blocks"):  # a fused matrix's, each projection's
+        monkeypatch.setattr(FrozenWeights, name, counting(getattr(FrozenWeights, name)))
+    model.zero_grad(set_to_none=True)
+    fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids).backward()
+    got = _grads(model)
+    first = fast_model.layers[0]
+    skipped = [first.qkv] + ([] if "q_proj" in targets else [first.o])
+    for index, layer in enumerate(fast_model.layers):
+        for proj in layer.projections():
+            assert (proj.weights in ran) is not (index == 0 and proj in skipped), (index, proj.modules[0])
+
+    # The reference: every input gradient computed (the benchmarks' lever for it).
+    fast_model.options.input_gradient_of_first_layer = True
+    ran.clear()
+    model.zero_grad(set_to_none=True)
+    fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids).backward()
+    assert all(layer.qkv.weights in ran for layer in fast_model.layers)
+    expected = _grads(model)
+    assert got.keys() == expected.keys() and got
+    for name, grad in expected.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("separate,backward_first", [(True, True), (False, True), (True, False)])
 def test_grouped_query_attention_on_the_fast_path_equals_the_plain_path(tmp_path: Path, separate,
                                                                          backward_first) -> None:

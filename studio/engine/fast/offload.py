@@ -241,7 +241,10 @@ class OffloadedLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         cos, sin, *tensors = ctx.saved_tensors
-        h = ctx.host.load(ctx.index).requires_grad_(True)
+        # The first layer's input (the frozen embeddings' output) wants no gradient: its products
+        # then run no input-gradient product (weights._input_gradient).
+        want_dh = ctx.needs_input_grad[0]
+        h = ctx.host.load(ctx.index).requires_grad_(want_dh)
         kept = ctx.host.load_kept(ctx.index)
         kept_attention = ctx.host.load_attention(ctx.index)
         ctx.host.prefetch_layer(ctx.index - 1)  # the layer below's, while this one recomputes
@@ -256,9 +259,9 @@ class OffloadedLayer(torch.autograd.Function):
             else:
                 outs = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, kept=kept, kept_attention=kept_attention)
                 douts = dout
-        wanted = [h, *[t for t in leaves if t.requires_grad]]
+        wanted = [*([h] if want_dh else []), *[t for t in leaves if t.requires_grad]]
         grads = iter(torch.autograd.grad(outs, wanted, douts, allow_unused=True))
-        dh = next(grads)
+        dh = next(grads) if want_dh else None
         dtensors = [next(grads) if t.requires_grad else None for t in leaves]
         return (dh, None, None, None, None, None, None, None, *dtensors)
 

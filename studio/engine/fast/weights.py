@@ -218,14 +218,16 @@ class AdapterDropout:
                  for p, site, rows in zip(self.rates, self.sites, self.slices, strict=True)]
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
-    def backward(self, x2: torch.Tensor, a: torch.Tensor, dyb: torch.Tensor, dx: torch.Tensor,
+    def backward(self, x2: torch.Tensor, a: torch.Tensor, dyb: torch.Tensor, dx: torch.Tensor | None,
                  want_da: bool, fresh: bool = False) -> torch.Tensor | None:
         """Add each adapter's input gradient (masked as its input was) into ``dx`` (with ``fresh``,
-        the first one overwrites it: ``dx``'s contents are never read); return dA."""
+        the first one overwrites it: ``dx``'s contents are never read; None: no input gradient is
+        wanted); return dA."""
         das = []
         for j, (p, site, rows) in enumerate(zip(self.rates, self.sites, self.slices, strict=True)):
             dyb_j = dyb[:, rows]
-            dropout(dyb_j @ a[rows], p, self.seed, site, out=dx, accumulate=not (fresh and j == 0))
+            if dx is not None:
+                dropout(dyb_j @ a[rows], p, self.seed, site, out=dx, accumulate=not (fresh and j == 0))
             if want_da:
                 das.append(dyb_j.t() @ dropout(x2, p, self.seed, site))
         if not want_da:
@@ -234,18 +236,27 @@ class AdapterDropout:
 
 
 def _input_gradient(ctx, x2: torch.Tensor, dyb: torch.Tensor | None, a: torch.Tensor | None,
-                    base: Callable[[torch.Tensor | None], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A fused product's input gradient and A's gradient (None unless autograd wants it: input 2
-    of the products). ``base(into)`` is the frozen products' share (added into ``into`` when
-    given); ``dyb`` the output gradient through the B matrices, scaled (None without adapters).
+                    base: Callable[[torch.Tensor | None], torch.Tensor]
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A fused product's input gradient and A's gradient (each None unless autograd wants it:
+    inputs 0 and 2 of the products; the first layer's input, the frozen embeddings' output, wants
+    none, and its products then run no backward product at all). ``base(into)`` is the frozen
+    products' share (added into ``into`` when given); ``dyb`` the output gradient through the B
+    matrices, scaled (None without adapters).
 
     The LoRA term comes first: its product (inner size the rank) writes the input gradient and
     the base products add themselves in their epilogues, where the other order reads and writes
     the whole gradient once more (``ctx.backward_first``; False: the order before, for
     benchmarks). With dropout, each adapter's term is masked as its input was."""
+    want_da = ctx.needs_input_grad[2]
+    if not ctx.needs_input_grad[0]:
+        if dyb is None or not want_da:
+            return None, None
+        if ctx.drop is not None:
+            return None, ctx.drop.backward(x2, a, dyb, None, want_da)
+        return None, dyb.t() @ x2
     if dyb is None:
         return base(None), None
-    want_da = ctx.needs_input_grad[2]
     if ctx.backward_first and ctx.drop is not None:
         dx = x2.new_empty(x2.shape)
         da = ctx.drop.backward(x2, a, dyb, dx, want_da, fresh=True)
@@ -327,7 +338,11 @@ class LoraProduct(torch.autograd.Function):
     def backward(ctx, dy):
         dx, da, dbt = _fused_backward(ctx, ctx.saved_tensors, dy.reshape(-1, dy.shape[-1]))
         dres = dy if ctx.residual else None  # the residual passes straight through
-        return dx.view(ctx.shape), None, da, dbt, None, None, None, dres, None, None, None, None
+        return _shaped(dx, ctx.shape), None, da, dbt, None, None, None, dres, None, None, None, None
+
+
+def _shaped(dx: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    return None if dx is None else dx.view(shape)
 
 
 def _update_then_residual(weights: FrozenWeights, x2: torch.Tensor, xa: torch.Tensor, bt: torch.Tensor,
@@ -366,7 +381,7 @@ def _fused_backward(ctx, saved, dy2: torch.Tensor):
         _, a, bt, xa = saved
         dyb = (dy2 @ bt.t()).mul_(ctx.scale)
     handoff = getattr(ctx, "handoff", None)
-    if handoff is not None and dyb is not None:
+    if handoff is not None and dyb is not None and ctx.needs_input_grad[0]:
         # The LoRA term dyb @ A goes to the next kernel back (update.Handoff), which adds it to the
         # gradient as it reads it: the base product writes the input gradient alone.
         dx = ctx.weights.backward_product(dy2)
@@ -424,7 +439,7 @@ class DeferredLoraProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _dxa):
         dx, da, dbt = _fused_backward(ctx, ctx.saved_tensors, dy.reshape(-1, dy.shape[-1]))
-        return dx.view(ctx.shape), None, da, dbt, None, None, None
+        return _shaped(dx, ctx.shape), None, da, dbt, None, None, None
 
 
 class SeparateLoraProduct(torch.autograd.Function):
@@ -465,7 +480,7 @@ class SeparateLoraProduct(torch.autograd.Function):
     def backward(ctx, *dys):
         blocks = [d.reshape(-1, d.shape[-1]) for d in dys]
         dx, da, dbt = _blocks_backward(ctx, ctx.saved_tensors, blocks)
-        return dx.view(ctx.shape), None, da, dbt, None, None, None
+        return _shaped(dx, ctx.shape), None, da, dbt, None, None, None
 
 
 class KeptQKV(torch.autograd.Function):
@@ -500,7 +515,7 @@ class KeptQKV(torch.autograd.Function):
             dx, da, dbt = _blocks_backward(ctx, ctx.saved_tensors, blocks)
         else:  # what autograd hands a fused output split three ways: the blocks side by side
             dx, da, dbt = _fused_backward(ctx, ctx.saved_tensors, torch.cat(blocks, dim=1))
-        return dx.view(ctx.shape), None, da, dbt, None, None, None, None, None, None, None, None
+        return _shaped(dx, ctx.shape), None, da, dbt, None, None, None, None, None, None, None, None
 
 
 def has_adapter(module: nn.Module, adapter: str) -> bool:
