@@ -112,6 +112,8 @@ LEVERS = {
     "keep_attention_always": {"keep_attention_from": 0},  # an "on" lever: the default keeps no attention
     "update_in_products": {"update_in_kernel": False},
     "down_gradient_in_product": {"hand_off_down_gradient": False},
+    "norm_in_liger": {"norm_with_stream": False},
+    "first_layer_gradient": {"input_gradient_of_first_layer": True},
 }
 
 

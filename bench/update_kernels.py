@@ -5,6 +5,8 @@ Times, at micro-batch 16 x seq 512 (8192 tokens) and 4096 tokens, rank 16:
   as weights.LoraProduct runs it) plus liger's SwiGLU, against Studio's SwiGLU adding the update
   inside (forward), and liger's SwiGLU backward against Studio's (which adds the update again);
 - o/down: the update's product plus the residual's add against the one kernel;
+- the layer's norms (engine/fast/norm.py): liger's RMSNorm forward against Studio's, and liger's
+  backward plus autograd's add of the stream's gradient against Studio's one backward pass;
 - a sweep of the kernels' tile shapes and warps (``--sweep``).
 The base products are left out: both orders run them, with or without reading the output.
 
@@ -32,9 +34,10 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.swiglu import swiglu_fused_gate_up_backward, swiglu_fused_gate_up_forward
 
-    from studio.engine.fast import update
+    from studio.engine.fast import norm, update
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     hidden, ffn, rank, scale = 4096, 11008, 16, 2.0
@@ -77,6 +80,24 @@ def main() -> int:
         r["o_down/update_product_bz_plus_add"] = timed(old_residual)
         r["o_down/studio_update_and_residual"] = timed(
             lambda: update.add_update_and_residual_(ys, xa1, bt1, scale, res))
+        w = 1 + 0.1 * torch.randn(hidden, device=dev, dtype=bf)
+        h = torch.randn(m, hidden, device=dev, dtype=bf, requires_grad=True)
+        dx_in = torch.randn(m, hidden, device=dev, dtype=bf)
+        liger_out = LigerRMSNormFunction.apply(h, w, 1e-5, 0.0, "llama", True)
+        _, rstd = norm.rms_norm(h.detach(), w, 1e-5)
+
+        def liger_backward_and_add():
+            # liger's backward (in place over a fresh copy of the incoming gradient, as the engine
+            # called it), then the add autograd ran for the stream's share
+            grad = torch.autograd.grad(liger_out, h, dx_in.clone(), retain_graph=True)[0]
+            return grad + res
+
+        r["norm/liger_forward"] = timed(lambda: LigerRMSNormFunction.apply(h.detach(), w, 1e-5, 0.0, "llama", True))
+        r["norm/studio_forward"] = timed(lambda: norm.rms_norm(h.detach(), w, 1e-5))
+        r["norm/liger_backward_plus_add"] = timed(liger_backward_and_add)
+        r["norm/studio_backward_with_stream"] = timed(
+            lambda: norm.rms_norm_backward_(dx_in.clone(), h.detach(), w, rstd, res))
+        r["norm/copy_of_the_gradient"] = timed(lambda: dx_in.clone())  # in both of the above
         for key, us in r.items():
             result["us"][f"{m}/{key}"] = us
             print(f"{m}/{key}: {us} us", flush=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from studio.engine.fast import norm
 from studio.engine.fast.attention import KeptAttention, Saved, with_stats
 from studio.engine.fast.ops import rms_norm_torch, rope_torch, unrotate_liger, unrotate_torch
 from studio.engine.fast.weights import Projection
@@ -42,12 +43,28 @@ class Layer:
     varlen: tuple | None = field(default=None, repr=False)
     skip_last: bool = True
     """A recomputation for the backward skips the last product's value (:meth:`forward`)."""
+    norm_with_stream: bool = False
+    """The norms before q/k/v and gate/up run as :class:`~studio.engine.fast.norm.NormBranch`: their
+    backward adds the residual stream's gradient of the same input in the same pass (:meth:`branch`)."""
 
     def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.kernels:
             # in_place: the incoming gradient (used by nothing else) is overwritten with the result.
             return self.kernels["rms_norm"].apply(x, w, self.eps, 0.0, "llama", True)
         return rms_norm_torch(x, w, self.eps)
+
+    def branch(self, h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normed ``h`` and ``h`` to carry on as the residual stream: through
+        :class:`~studio.engine.fast.norm.NormBranch` where it can run (one backward pass for both of
+        ``h``'s gradients), else the norm and ``h`` as they are (autograd sums the gradients)."""
+        if self.norm_with_stream and not norm.broken():
+            try:
+                return norm.NormBranch.apply(h, w, self.eps)
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot build here: liger's norm then
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise  # inside a CUDA graph's capture: the capture fails and the step runs eagerly
+                norm.mark_broken(exc)
+        return self.norm(h, w), h
 
     def projections(self) -> tuple[Projection, Projection, Projection, Projection]:
         return self.qkv, self.o, self.gate_up, self.down
@@ -73,16 +90,17 @@ class Layer:
         ``kept_attention`` gives them back: the recomputation then runs no attention."""
         b, t, _ = h.shape
         qkv_ad, o_ad, gu_ad, down_ad = adapters if adapters is not None else (None,) * 4
+        x, h = self.branch(h, self.ln1)
         if kept is not None:
-            q, k, v = self.qkv.from_kept(self.norm(h, self.ln1), kept, cos, sin, self.unrotate(), qkv_ad)
+            q, k, v = self.qkv.from_kept(x, kept, cos, sin, self.unrotate(), qkv_ad)
         else:
-            q, k, v = self.qkv_rotated(h, cos, sin, qkv_ad)
+            q, k, v = self.qkv_rotated(x, cos, sin, qkv_ad)
             if keep is not None:
                 keep(q, k, v)
         attn = self.attention(q, k, v, seg, getattr(keep, "attention", None), kept_attention)
         attn = attn.reshape(b, t, self.heads * self.head_dim)
         h = self.o(attn, o_ad, residual=h)
-        x = self.norm(h, self.ln2)
+        x, h = self.branch(h, self.ln2)
         # The update added inside SwiGLU's kernel where it can be (engine/fast/update.py), and down's
         # LoRA input-gradient term handed to SwiGLU's backward.
         handoff = self.down.handoff()
@@ -100,13 +118,13 @@ class Layer:
             return h, self.down(act, down_ad, value=False, handoff=handoff)
         return self.down(act, down_ad, residual=h, handoff=handoff)
 
-    def qkv_rotated(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv_ad) -> tuple:
-        """q, k and v ``[B, T, heads, head_dim]`` of the layer input ``h``, q and k rotated."""
-        b, t, _ = h.shape
+    def qkv_rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv_ad) -> tuple:
+        """q, k and v ``[B, T, heads, head_dim]`` of the normed layer input ``x``, q and k rotated."""
+        b, t, _ = x.shape
         if self.qkv.separated:
-            q, k, v = self.qkv(self.norm(h, self.ln1), qkv_ad)  # three contiguous outputs
+            q, k, v = self.qkv(x, qkv_ad)  # three contiguous outputs
         else:
-            qkv = self.qkv(self.norm(h, self.ln1), qkv_ad)
+            qkv = self.qkv(x, qkv_ad)
             q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
                                  self.kv_heads * self.head_dim], dim=-1)
         q = q.view(b, t, self.heads, self.head_dim)

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from studio.core.plan import KEEP_ATTENTION_FROM, KEEP_QKV, OFFLOAD_IN_GRAPHS, graphs_for, offload_for
 from studio.core.vram_phases import SCORE_TOKENS
-from studio.engine.fast import update
+from studio.engine.fast import norm, update
 from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import Graphs
 from studio.engine.fast.layer import Layer, Segments, padding_mask
@@ -90,6 +90,13 @@ class FastOptions:
     """With ``update_in_kernel``, the down product's LoRA input-gradient term goes to SwiGLU's
     backward, which adds it as it reads the gradient (update.Handoff), instead of being written by a
     product of its own."""
+    norm_with_stream: bool = True
+    """The norms before q/k/v and gate/up are Studio's own (engine/fast/norm.py): their backward adds
+    the residual stream's gradient of the same input in the same pass, where liger's norm wrote its
+    share and autograd added the two in a pass of their own. Triton only (CUDA, or its interpreter)."""
+    input_gradient_of_first_layer: bool = False
+    """Compute the first layer's input gradient anyway (for benchmarks): the frozen embeddings' output
+    wants none, so by default the first layer's q/k/v products run no input-gradient product."""
     grad_sink: bool = True
     """The captured backward adds the adapters' gradients into ``.grad`` itself (graphs.GradSink)
     instead of returning a second copy that autograd then adds there after each replay."""
@@ -113,8 +120,10 @@ class FastModel:
         self.varlen = varlen
         device = backbone.embed_tokens.weight.device
         in_kernel = options.update_in_kernel and options.fused_epilogues and update.available(device, dtype)
+        stream_norm = options.norm_with_stream and norm.available(device, dtype)
         for layer in layers:
             layer.skip_last = options.skip_last_product
+            layer.norm_with_stream = stream_norm
             for proj in layer.projections():
                 proj.update_first = options.fused_epilogues
                 proj.backward_first = options.fused_backward
@@ -192,6 +201,8 @@ class FastModel:
         if self.layers and self.layers[0].o.in_kernel and not update.broken():
             parts.append("LoRA updates added in the SwiGLU and residual kernels"
                          + (", down's LoRA gradient in SwiGLU's backward" if self.layers[0].down.hand_off else ""))
+        if self.layers and self.layers[0].norm_with_stream and not norm.broken():
+            parts.append("the residual stream's gradient added in the norms' backward")
         if self._seed is not None:
             parts.append("adapter dropout from counter-based masks")
         parts.append("liger kernels" if self.kernels else "torch kernels")
@@ -273,6 +284,8 @@ class FastModel:
         if graphed:
             ids, pos, targets, seg = self._static_layout(ids, pos, targets, seg, t)
         h = self.backbone.embed_tokens(ids).to(self.dtype)
+        if self.options.input_gradient_of_first_layer and torch.is_grad_enabled():
+            h.requires_grad_(True)
         cos, sin = self.backbone.rotary_emb(h, pos)
         cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         if graphed:
