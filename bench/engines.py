@@ -111,9 +111,10 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     def emit(event) -> None:
         if isinstance(event, ev.StepLogged):
             steps_seen.append(event)
-            if cuda:
-                train_peak["allocated"] = torch.cuda.max_memory_allocated()
-                train_peak["reserved"] = torch.cuda.max_memory_reserved()
+            if cuda:  # one reading of the allocator's counters: this runs between two timed steps
+                counters = memory.allocator_counters(torch.device("cuda"))
+                train_peak["allocated"] = counters["peak_allocated"]
+                train_peak["reserved"] = counters["peak_reserved"]
                 graphs = getattr(getattr(trainer_box[0].session, "fast", None), "_graphs", None) \
                     if trainer_box else None
                 if graphs is not None:  # counted while training: the graphs are given back at its end

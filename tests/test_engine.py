@@ -255,10 +255,22 @@ def test_memory_samples_are_measured_by_category_over_one_step(tiny_config, monk
     real_reset = memory.reset_peak
     monkeypatch.setattr(memory, "reset_peak",
                         lambda device: (events.append(("reset", trainer.step)), real_reset(device)))
+    taken = []
+    real_event = trainer.memory_event
+
+    def memory_event(step=None):
+        sample = real_event(step)
+        taken.append((trainer.step, sample.step))
+        return sample
+
+    trainer.memory_event = memory_event
     trainer.train()
     assert trainer.optimizer is None  # released with the training's other state
     samples = [e for e in events if isinstance(e, ev.MemorySampled)]
     assert [e.step for e in samples] == [2, 4]
+    # Each taken inside its step, once the step's work was queued and before its figures were read
+    # (the loop has not counted the step yet): the host's sampling overlaps the GPU's work.
+    assert taken == [(1, 2), (3, 4)]
     for sample in samples:
         # Reset before the sampled step ran, with nothing (evaluation, checkpoint) in between.
         assert events[events.index(sample) - 1] == ("reset", sample.step - 1)

@@ -134,23 +134,33 @@ def test_no_driver_means_no_context_and_no_retry(monkeypatch):
 
 def test_sampler_walks_the_model_once_and_asks_the_driver_at_most_every_few_seconds(monkeypatch):
     """MemorySampler is sample() at a cost a step does not notice: the parameters' bytes are
-    measured once (they do not change while training) and the NVML query is throttled; the
-    allocator's counters, and so activations and peaks, are read at every call."""
+    measured once (they do not change while training), the optimizer's state again only when it
+    holds another number of parameters' state (AdamW makes it at the first step), and the NVML
+    query is throttled; the allocator's counters, and so activations and peaks, are read at every call."""
+    from types import SimpleNamespace
+
     from studio.engine import memory
 
     model = torch.nn.Linear(8, 4)
-    walks, asks, sampled = [], [], []
+    walks, optim_walks, asks, sampled = [], [], [], []
     real_walk = memory.parameter_bytes
     monkeypatch.setattr(memory, "parameter_bytes", lambda m: (walks.append(m), real_walk(m))[1])
+    monkeypatch.setattr(memory, "optimizer_bytes",
+                        lambda opt, device: (optim_walks.append(len(opt.state)), (len(opt.state) * 10, 0))[1])
     monkeypatch.setattr(memory, "context_bytes", lambda device: (asks.append(device), 100 + len(asks))[1])
     monkeypatch.setattr(memory, "sample", lambda *args: (sampled.append(args), args)[1])
     now = [0.0]
     sampler = memory.MemorySampler(model, torch.device("cuda"), rank=1, context_every_s=5.0,
                                    clock=lambda: now[0])
+    optimizer = SimpleNamespace(state={})
     for step, t in enumerate([0.0, 1.0, 4.9, 5.0, 6.0, 10.5], start=1):
         now[0] = t
-        sampler("optimizer", step)
+        if step == 2:  # the first step made the state of both parameters
+            optimizer.state = {"weight": {}, "bias": {}}
+        sampler(optimizer, step)
     assert walks == [model]
+    assert optim_walks == [0, 2]
+    assert [args[7] for args in sampled] == [(0, 0)] + [(20, 0)] * 5  # the optimizer's bytes passed on
     assert len(asks) == 3  # at 0, 5.0 and 10.5 seconds
     assert [args[6] for args in sampled] == [101, 101, 101, 102, 102, 103]  # the context passed on
     assert all(args[5] == real_walk(model) and args[4] == 1 for args in sampled)

@@ -156,22 +156,36 @@ def context_bytes(device: torch.device) -> int:
     return max(0, used - torch.cuda.memory_reserved(device))
 
 
+def allocator_counters(device: torch.device) -> dict[str, int]:
+    """torch's allocated and reserved bytes on ``device`` and their peaks, from one reading of the
+    allocator's statistics (each of ``torch.cuda.memory_allocated`` and its kin builds the whole
+    statistics table again: a sample taken between two steps is time the GPU waits)."""
+    stats = torch.cuda.memory_stats(device)
+    return {"allocated": stats.get("allocated_bytes.all.current", 0),
+            "reserved": stats.get("reserved_bytes.all.current", 0),
+            "peak_allocated": stats.get("allocated_bytes.all.peak", 0),
+            "peak_reserved": stats.get("reserved_bytes.all.peak", 0)}
+
+
 def measure_memory(model: Any, optimizer: Any, device: torch.device | str | None,
-                   params: dict[str, int] | None = None, context: int | None = None) -> dict[str, int]:
+                   params: dict[str, int] | None = None, context: int | None = None,
+                   counters: dict[str, int] | None = None,
+                   optim: tuple[int, int] | None = None) -> dict[str, int]:
     """Bytes by category on the live model: weights, lora, gradients, optimizer, activations,
     overhead (the keys of :data:`studio.core.vram.CATEGORIES`).
 
     Call it after a training step; ``reset_peak(device)`` before the step makes activations that
-    step's peak rather than the run's. ``params`` (:func:`parameter_bytes`) and ``context``
-    (:func:`context_bytes`) may come from an earlier call: both are the same step after step.
+    step's peak rather than the run's. ``params`` (:func:`parameter_bytes`), ``context``
+    (:func:`context_bytes`) and ``optim`` (:func:`optimizer_bytes`) may come from an earlier call:
+    they are the same step after step. ``counters``: :func:`allocator_counters`, read now if not given.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     params = parameter_bytes(model) if params is None else params
-    optim, paged = optimizer_bytes(optimizer, device)
+    optim, paged = optimizer_bytes(optimizer, device) if optim is None else optim
     activations = overhead = 0
     if device.type == "cuda" and torch.cuda.is_available():
-        peak_allocated = torch.cuda.max_memory_allocated(device)
-        peak_reserved = torch.cuda.max_memory_reserved(device)
+        counters = allocator_counters(device) if counters is None else counters
+        peak_allocated, peak_reserved = counters["peak_allocated"], counters["peak_reserved"]
         # paged optimizer state is not in torch's counters, so it is not subtracted from them
         resident = params["weights"] + params["lora"] + params["gradients"] + optim - paged
         activations = max(0, peak_allocated - resident)
@@ -183,16 +197,14 @@ def measure_memory(model: Any, optimizer: Any, device: torch.device | str | None
             "optimizer": optim, "activations": activations, "overhead": overhead}
 
 
-def device_totals(device: torch.device | str | None) -> dict[str, int]:
-    """Allocator totals for MemorySampled: allocated, reserved, their peaks, and the card's capacity
-    (all 0 off CUDA)."""
+def device_totals(device: torch.device | str | None, counters: dict[str, int] | None = None) -> dict[str, int]:
+    """Allocator totals for MemorySampled: allocated, reserved, their peaks (``counters``, read now
+    if not given), and the card's capacity (all 0 off CUDA)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type != "cuda" or not torch.cuda.is_available():
         return {"allocated": 0, "reserved": 0, "peak_allocated": 0, "peak_reserved": 0, "capacity": 0}
-    return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
-            "peak_allocated": torch.cuda.max_memory_allocated(device),
-            "peak_reserved": torch.cuda.max_memory_reserved(device),
-            "capacity": torch.cuda.get_device_properties(device).total_memory}
+    counters = allocator_counters(device) if counters is None else counters
+    return {**counters, "capacity": torch.cuda.get_device_properties(device).total_memory}
 
 
 def reset_peak(device: torch.device | str | None) -> None:
@@ -203,16 +215,20 @@ def reset_peak(device: torch.device | str | None) -> None:
 
 
 def sample(model: Any, optimizer: Any, device: torch.device | None, step: int, rank: int = 0,
-           params: dict[str, int] | None = None, context: int | None = None) -> Any:
+           params: dict[str, int] | None = None, context: int | None = None,
+           optim: tuple[int, int] | None = None) -> Any:
     """A MemorySampled event for ``device`` now: the categories of :func:`measure_memory` and the
-    allocator's totals (on the CPU, which has no allocator counters, what the model and optimizer
-    hold stands for every total). ``rank``: which process of a data-parallel run it comes from;
-    ``params`` and ``context``: as :func:`measure_memory` takes them."""
+    allocator's totals, from one reading of its counters (on the CPU, which has no allocator
+    counters, what the model and optimizer hold stands for every total). ``rank``: which process
+    of a data-parallel run it comes from; ``params``, ``context`` and ``optim``: as
+    :func:`measure_memory` takes them."""
     from studio.core import events as ev
 
-    categories = measure_memory(model, optimizer, device, params, context)
-    if device is not None and device.type == "cuda":
-        totals = device_totals(device)
+    cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
+    counters = allocator_counters(device) if cuda else None
+    categories = measure_memory(model, optimizer, device, params, context, counters, optim)
+    if cuda:
+        totals = device_totals(device, counters)
         name = torch.cuda.get_device_name(device)
     else:
         held = sum(categories.values())
@@ -227,9 +243,11 @@ class MemorySampler:
 
     The host's work between two steps is time the GPU waits (the step's figures are read at its
     end). Walking a 7B model's parameters takes milliseconds and gives the same bytes every step,
-    so it is done once; the driver's count of the process's memory (an NVML query) is asked at most
-    every ``context_every_s`` seconds, since the context and library handles it adds to torch's
-    reserved memory change rarely. The allocator's counters are read every time.
+    so it is done once; the optimizer's state is walked again only when it holds another number of
+    parameters' state (it is made at the first step and keeps its sizes); the driver's count of the
+    process's memory (an NVML query) is asked at most every ``context_every_s`` seconds, since the
+    context and library handles it adds to torch's reserved memory change rarely. The allocator's
+    counters are read every time, once.
     """
 
     def __init__(self, model: Any, device: torch.device | None, rank: int = 0, context_every_s: float = 5.0,
@@ -240,14 +258,19 @@ class MemorySampler:
         self._params: dict[str, int] | None = None
         self._context: tuple[float, int] | None = None
         """(when it was asked, bytes)"""
+        self._optim: tuple[tuple[int, int], tuple[int, int]] | None = None
+        """((id of the optimizer, parameters with state), its :func:`optimizer_bytes`)"""
 
     def __call__(self, optimizer: Any, step: int) -> Any:
         if self._params is None:
             self._params = parameter_bytes(self.model)
+        key = (id(optimizer), len(optimizer.state) if optimizer is not None else 0)
+        if self._optim is None or self._optim[0] != key:
+            self._optim = (key, optimizer_bytes(optimizer, self.device))
         context = None
         if self.device is not None and self.device.type == "cuda":
             now = self.clock()
             if self._context is None or now - self._context[0] >= self.context_every_s:
                 self._context = (now, context_bytes(self.device))
             context = self._context[1]
-        return sample(self.model, optimizer, self.device, step, self.rank, self._params, context)
+        return sample(self.model, optimizer, self.device, step, self.rank, self._params, context, self._optim[1])

@@ -84,6 +84,8 @@ class Trainer:
         self._peak_flops = 0.0
         self._saved_step: int | None = None
         self._sampler: MemorySampler | None = None
+        self._step_sample: ev.MemorySampled | None = None
+        """The last step's memory sample, taken before its figures were read (_optimizer_step)."""
         self._prepared: tuple[tuple[Cursor, int], list[MicroBatch], Cursor] | None = None
         """The next step's batches, collated while the GPU ran the last one: ((cursor, micro-batch
         size) they are for, batches, cursor after them)."""
@@ -217,7 +219,7 @@ class Trainer:
                 self.session.preference.start_step()
             # The next step's batches are collated while the GPU still runs this one.
             ahead = next_cursor if self.step + 1 < self.total_steps else None
-            result = self._optimizer_step(batches, prepare=ahead)
+            result = self._optimizer_step(batches, prepare=ahead, sample=logged)
             if result is None:
                 continue  # out of memory: the micro-batch was halved, redo the same step
             loss, grad_norm, tokens = result
@@ -233,7 +235,8 @@ class Trainer:
             if logged:
                 rate = window_tokens / max(window_time, 1e-9)
                 per_step = (now - session_start - held) / max(1, self.step - resumed_from)
-                for sample in self.group.gather(self.memory_event()) or []:
+                sampled, self._step_sample = self._step_sample, None
+                for sample in self.group.gather(sampled if sampled is not None else self.memory_event()) or []:
                     self.emit(sample)
                 self.emit(ev.StepLogged(step=self.step, total_steps=self.total_steps,
                                         epoch=round(self.stream.epoch_progress(self.cursor), 4), loss=loss,
@@ -337,12 +340,16 @@ class Trainer:
                 batches = [b.pin() for b in batches]
         return batches, next_cursor
 
-    def _optimizer_step(self, batches: list[MicroBatch], prepare: Cursor | None = None
+    def _optimizer_step(self, batches: list[MicroBatch], prepare: Cursor | None = None, sample: bool = False
                         ) -> tuple[float, float, int] | None:
         """One optimizer step over ``batches`` (this rank's share): (loss, grad norm, tokens) of the
         whole step over every rank, or None after an OOM. With ``prepare``, the step's work is
         queued on the GPU, then the batches of the step at that cursor are collated (the host's
-        share of a step, done while the GPU computes this one), then the step's figures are read."""
+        share of a step, done while the GPU computes this one), then the step's figures are read.
+        With ``sample``, the step's memory sample is taken there too (``_step_sample``): the
+        allocator counted the step's allocations as its work was queued, so its peaks are final
+        before the GPU has run it, and the sampling overlaps the GPU's work instead of following it
+        while the GPU waits for the next step."""
         assert self.stream is not None and self.optimizer is not None and self.scheduler is not None
         # Every rank divides by the whole step's count, so the summed gradients are one process's.
         label_tokens, step_tokens = self.group.sum_counts(sum(b.label_tokens for b in batches),
@@ -379,6 +386,8 @@ class Trainer:
         if prepare is not None:
             batches_ahead, cursor_after = self._batches(prepare)
             self._prepared = ((prepare, self.micro_batch_size), batches_ahead, cursor_after)
+        if sample:
+            self._step_sample = self.memory_event(step=self.step + 1)
         # .item() is a device sync point: once per optimizer step, not per micro-batch.
         with phase("studio.read_figures"):
             return float(loss_sum.item()) / label_tokens, float(grad_norm.item()), step_tokens
@@ -648,10 +657,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ memory
 
-    def memory_event(self) -> ev.MemorySampled:
-        """This rank's device memory now (studio/engine/memory.py:sample); activations and the peaks
-        are those since the last ``reset_peak`` (the loop resets it before each logged step)."""
+    def memory_event(self, step: int | None = None) -> ev.MemorySampled:
+        """This rank's device memory now (studio/engine/memory.py:sample), as of ``step`` (the current
+        one by default); activations and the peaks are those since the last ``reset_peak`` (the loop
+        resets it before each logged step)."""
         if self._sampler is None:
             self._sampler = MemorySampler(self.model, self.device, self.group.rank)
         with phase("studio.memory_sample"):
-            return self._sampler(self.optimizer, self.step)
+            return self._sampler(self.optimizer, self.step if step is None else step)
