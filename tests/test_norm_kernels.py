@@ -49,6 +49,24 @@ def test_the_norm_is_transformers_llama_rmsnorm(device, dtype, width) -> None:
     torch.testing.assert_close(rstd, torch.rsqrt(h.float().pow(2).mean(-1) + 1e-5).reshape(-1))
 
 
+def test_an_fp32_weight_multiplies_in_fp32_and_rounds_once(device) -> None:
+    """A norm weight the engine kept in fp32 (not exact in bf16: build.py) meets the rounded normed
+    row in fp32, and the product is rounded to bf16 once (liger's order, and transformers' but for
+    its fp32 output), not the weight rounded to bf16 first."""
+    gen = torch.Generator().manual_seed(3)
+    width = 128
+    h = torch.randn(6, width, generator=gen).to(device, torch.bfloat16)
+    w = (1 + 0.01 * torch.randn(width, generator=gen)).to(device)  # fp32, most not exact in bf16
+    y, _ = norm.rms_norm(h, w, 1e-5)
+    hf = h.float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    want = (w * normed.float()).to(torch.bfloat16)
+    twice = (w.to(torch.bfloat16) * normed).float()
+    assert (y.float() != twice).any()  # the two orders differ on this weight
+    assert (y.float() - want.float()).abs().max().item() <= 2 ** -8 * want.float().abs().max().item()
+    assert (y.float() == want.float()).float().mean().item() > 0.95
+
+
 @pytest.mark.parametrize("used", ["both", "norm", "stream"])
 def test_the_backward_writes_both_gradients_of_the_input_summed(device, used) -> None:
     """``x, h2 = NormBranch(h)``: ``h``'s gradient is the norm's backward of ``x``'s plus ``h2``'s,

@@ -30,7 +30,8 @@ def round_bf16(x):
 def rms_norm_forward(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, stride_x, stride_y, BLOCK: tl.constexpr,
                      INTERPRETED: tl.constexpr, ADD: tl.constexpr, ROUND: tl.constexpr):
     """``y = w * (x / rms(x))`` for one row, and the row's ``1 / rms`` (fp32) for the backward. The
-    product of two half-precision values is exact in fp32, so it is taken there and rounded once."""
+    product is taken in fp32 and rounded once: for a half-precision weight it is exact there (the
+    half-precision product's rounding), for an fp32 one it is liger's and transformers' order."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     keep = cols < n_cols
@@ -41,7 +42,8 @@ def rms_norm_forward(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, stride_x, strid
         squares = tl.sum(x * x, axis=0)
     rstd = 1.0 / tl.sqrt(squares / n_cols + eps)
     tl.store(rstd_ptr + row, rstd)
-    w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
+    # The weight as it is (half precision, or fp32 where the engine kept it so: build.py), in fp32
+    w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
     if INTERPRETED and y_ptr.dtype.element_ty == tl.bfloat16:
         y = ROUND(ROUND(x * rstd) * w)
     else:
