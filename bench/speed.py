@@ -113,7 +113,6 @@ LEVERS = {
     "update_in_products": {"update_in_kernel": False},
     "down_gradient_in_product": {"hand_off_down_gradient": False},
     "norm_in_liger": {"norm_with_stream": False},
-    "gate_up_gradient_in_product": {"gate_up_gradient_in_swiglu": False},
     "first_layer_gradient": {"input_gradient_of_first_layer": True},
 }
 

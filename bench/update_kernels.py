@@ -3,8 +3,7 @@
 Times, at micro-batch 16 x seq 512 (8192 tokens) and 4096 tokens, rank 16:
 - gate/up: the LoRA update's own product writing the 2 x 11008-wide output (``addmm_`` with beta 0,
   as weights.LoraProduct runs it) plus liger's SwiGLU, against Studio's SwiGLU adding the update
-  inside (forward), and liger's SwiGLU backward against Studio's (which adds the update again), with
-  and without the product's ``dy B`` computed inside (against that product reading the gradient);
+  inside (forward), and liger's SwiGLU backward against Studio's (which adds the update again);
 - o/down: the update's product plus the residual's add against the one kernel;
 - the layer's norms (engine/fast/norm.py): liger's RMSNorm forward against Studio's, and liger's
   backward plus autograd's add of the stream's gradient against Studio's one backward pass;
@@ -68,11 +67,6 @@ def main() -> int:
                 lambda: update.swiglu_backward_(gu, xa, bt, scale, dout, split)),
             "gate_up/studio_swiglu_backward_no_update": timed(
                 lambda: update.swiglu_backward_(gu, None, None, 1.0, dout)),
-            # the product's dy B: read from the whole gradient by its own product, or from the
-            # kernel's tiles (update.LoraGradient)
-            "gate_up/dyb_product": timed(lambda: (gu @ bt.t()).mul_(scale)),
-            "gate_up/studio_swiglu_backward_with_update_and_dyb": timed(
-                lambda: update.swiglu_backward_(gu, xa, bt, scale, dout, split, want_dyb=True)),
         }
         ys = torch.randn(m, hidden, device=dev, dtype=bf)
         res = torch.randn(m, hidden, device=dev, dtype=bf)

@@ -90,10 +90,6 @@ class FastOptions:
     """With ``update_in_kernel``, the down product's LoRA input-gradient term goes to SwiGLU's
     backward, which adds it as it reads the gradient (update.Handoff), instead of being written by a
     product of its own."""
-    gate_up_gradient_in_swiglu: bool = True
-    """With ``update_in_kernel``, SwiGLU's backward also computes gate/up's ``dy B`` (the LoRA
-    gradient's first product) from the gradients it writes, tile by tile (update.LoraGradient),
-    instead of the product's backward reading those 2 x 11008-wide gradients once more for it."""
     norm_with_stream: bool = True
     """The norms before q/k/v and gate/up are Studio's own (engine/fast/norm.py): their backward adds
     the residual stream's gradient of the same input in the same pass, where liger's norm wrote its
@@ -133,7 +129,6 @@ class FastModel:
                 proj.backward_first = options.fused_backward
                 proj.in_kernel = in_kernel
                 proj.hand_off = in_kernel and options.hand_off_down_gradient
-                proj.gradient_in_swiglu = in_kernel and options.gate_up_gradient_in_swiglu
             layer.qkv.separate = options.separate_qkv and options.fused_epilogues
         # Adapter dropout draws its masks from one seed tensor (engine/fast/dropout.py): graphs replay
         # them, recomputation regenerates them, and no RNG state is saved around a layer.

@@ -136,13 +136,9 @@ def swiglu(gu: torch.Tensor, xa: torch.Tensor | None, bt: torch.Tensor | None, s
 
 def swiglu_backward_(gu: torch.Tensor, xa: torch.Tensor | None, bt: torch.Tensor | None, scale: float,
                      dout: torch.Tensor, split: tuple[int, int, int, int] | None = None,
-                     extra: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     want_dyb: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The gradient of :func:`swiglu`'s ``gu + update`` from its output's, written over ``gu``;
-    ``extra`` ``(dyb, a)``: the output's gradient is ``dout + dyb @ a`` (:class:`Handoff`). With
-    ``want_dyb`` (and ``split``, whose gate and up ranks must not overlap), also that gradient
-    times B, scaled: ``scale * dgu @ bt^T``, what the gate/up product's backward would compute by
-    reading the whole gradient again (:class:`LoraGradient`); else None."""
+    ``extra`` ``(dyb, a)``: the output's gradient is ``dout + dyb @ a`` (:class:`Handoff`)."""
     rows, width = gu.shape
     ffn = width // 2
     k_gate, r_gate, k_up, r_up = _split(xa, split)
@@ -151,21 +147,12 @@ def swiglu_backward_(gu: torch.Tensor, xa: torch.Tensor | None, bt: torch.Tensor
     dyb, a = (_rows_major(extra[0]), _rows_major(extra[1])) if extra is not None else (gu, gu)
     r_extra = int(dyb.shape[1]) if extra is not None else 0
     block_m, block_n = BACKWARD_BLOCK
-    grid = (-(-rows // block_m), -(-ffn // block_n))
-    want_dyb = want_dyb and xa is not None and split is not None
-    # One row of [rows, rank] fp32 per column tile, summed below: no two programs add into the same
-    # place, so the sum is the same every run.
-    part = gu.new_empty(grid[1], rows, int(xa.shape[1]), dtype=torch.float32) if want_dyb else gu
-    _kernels()["swiglu_backward"][grid](
-        gu, xa_, bt_, dout, gu, dyb, a, part, rows, ffn, k_gate, r_gate, k_up, r_up, r_extra, float(scale),
+    _kernels()["swiglu_backward"][(-(-rows // block_m), -(-ffn // block_n))](
+        gu, xa_, bt_, dout, gu, dyb, a, rows, ffn, k_gate, r_gate, k_up, r_up, r_extra, float(scale),
         gu.stride(0), xa_.stride(0), bt_.stride(0), dout.stride(0), dyb.stride(0), a.stride(0),
-        part.stride(0) if want_dyb else 0, part.stride(1) if want_dyb else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, RANK=_rank_block(max(r_gate, r_up)), GATE=r_gate > 0, UP=r_up > 0,
-        EXTRA=extra is not None, RANK_EXTRA=_rank_block(r_extra), DOT_F32=_dot_f32(), DYB_OUT=want_dyb,
-        num_warps=NUM_WARPS)
-    if not want_dyb:
-        return gu, None
-    return gu, part.sum(0).mul_(scale).to(gu.dtype)
+        EXTRA=extra is not None, RANK_EXTRA=_rank_block(r_extra), DOT_F32=_dot_f32(), num_warps=NUM_WARPS)
+    return gu
 
 
 class Handoff:
@@ -184,23 +171,6 @@ class Handoff:
     def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         term, self._term = self._term, None
         return term
-
-
-class LoraGradient:
-    """Gate/up's ``scale * dgu @ B`` (``dyb``), computed by SwiGLU's backward from the gradients it
-    writes and taken by the product's backward, which autograd runs right after it (the product's
-    output is SwiGLU's input), instead of reading the whole gradient once more for it. One per
-    layer pass; empty when SwiGLU's backward did not compute it (the product then does)."""
-
-    def __init__(self) -> None:
-        self._dyb: torch.Tensor | None = None
-
-    def give(self, dyb: torch.Tensor | None) -> None:
-        self._dyb = dyb
-
-    def take(self) -> torch.Tensor | None:
-        dyb, self._dyb = self._dyb, None
-        return dyb
 
 
 def add_update_and_residual_(y: torch.Tensor, xa: torch.Tensor, bt: torch.Tensor, scale: float,
@@ -225,19 +195,16 @@ class LoraSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gu, xa, bt, scale: float, split: tuple[int, int, int, int] | None = None,
-                handoff: Handoff | None = None, gradient: LoraGradient | None = None):
+                handoff: Handoff | None = None):
         gu2 = gu.reshape(-1, gu.shape[-1])
         out = swiglu(gu2, xa, bt, scale, split)
         ctx.save_for_backward(gu2, xa, bt)
-        ctx.scale, ctx.shape, ctx.split, ctx.handoff, ctx.gradient = scale, gu.shape, split, handoff, gradient
+        ctx.scale, ctx.shape, ctx.split, ctx.handoff = scale, gu.shape, split, handoff
         return out.view(*gu.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dout):
         gu2, xa, bt = ctx.saved_tensors
         extra = ctx.handoff.take() if ctx.handoff is not None else None
-        dgu, dyb = swiglu_backward_(gu2, xa, bt, ctx.scale, dout.reshape(-1, dout.shape[-1]), ctx.split, extra,
-                                    want_dyb=ctx.gradient is not None)
-        if ctx.gradient is not None:
-            ctx.gradient.give(dyb)
-        return dgu.view(ctx.shape), None, None, None, None, None, None
+        dgu = swiglu_backward_(gu2, xa, bt, ctx.scale, dout.reshape(-1, dout.shape[-1]), ctx.split, extra)
+        return dgu.view(ctx.shape), None, None, None, None, None

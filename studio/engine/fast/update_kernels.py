@@ -57,18 +57,15 @@ def swiglu_forward(gu_ptr, xa_ptr, bt_ptr, out_ptr, n_rows, ffn, k_gate, r_gate,
     tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
 
 
-def swiglu_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, dyb_ptr, a_ptr, part_ptr, n_rows, ffn, k_gate,
-                    r_gate, k_up, r_up, r_extra, scale, stride_gu, stride_xa, stride_bt, stride_dout, stride_dyb,
-                    stride_a, stride_part_tile, stride_part_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    RANK: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, EXTRA: tl.constexpr,
-                    RANK_EXTRA: tl.constexpr, DOT_F32: tl.constexpr, DYB_OUT: tl.constexpr):
+def swiglu_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, dyb_ptr, a_ptr, n_rows, ffn, k_gate, r_gate,
+                    k_up, r_up, r_extra, scale, stride_gu, stride_xa, stride_bt, stride_dout, stride_dyb, stride_a,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr, GATE: tl.constexpr,
+                    UP: tl.constexpr, EXTRA: tl.constexpr, RANK_EXTRA: tl.constexpr, DOT_F32: tl.constexpr):
     """The gradients of gate and up (with their updates) from the output's, written into ``dgu``
     (``[rows, 2 * ffn]``, the stride of ``gu``; it may be ``gu`` itself: each program reads its
     tiles before it writes them, and no other program's). ``EXTRA``: the output's gradient is
     ``dout + dyb @ a``, the rest of it handed over by the next product's backward (its LoRA term:
-    ``dyb`` ``[rows, r_extra]``, already scaled, and A ``[r_extra, ffn]``). ``DYB_OUT``: the tile's
-    share of the gate/up product's ``dgu @ B`` (unscaled, from the gradients as written) goes to
-    ``part[column tile, rows, rank]`` (fp32): gate's columns into gate's ranks, up's into up's."""
+    ``dyb`` ``[rows, r_extra]``, already scaled, and A ``[r_extra, ffn]``)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_in = rows < n_rows
@@ -107,30 +104,10 @@ def swiglu_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, dyb_ptr, a_ptr, p
         up += tl.dot(xa, bt) * scale
     sig = 1.0 / (1.0 + tl.exp(-gate))
     silu = gate * sig
-    dgate = (dout * up * (sig + silu * (1.0 - sig))).to(dgu_ptr.dtype.element_ty)
-    dup = (dout * silu).to(dgu_ptr.dtype.element_ty)
-    tl.store(dgu_ptr + at, dgate, mask=keep)
-    tl.store(dgu_ptr + at + ffn, dup, mask=keep)
-    if DYB_OUT:
-        # B's rows of this tile's columns, transposed: the rounded gradients as the product would
-        # read them, times B, summed over the tile's columns (the masked columns are zeros)
-        part = part_ptr + tl.program_id(1).to(tl.int64) * stride_part_tile + rows64[:, None] * stride_part_row
-        if GATE:
-            bt = tl.load(bt_ptr + (k_gate + k)[:, None] * stride_bt + cols[None, :],
-                         mask=(k < r_gate)[:, None] & col_in[None, :], other=0.0)
-            grad = dgate
-            if DOT_F32:
-                bt, grad = bt.to(tl.float32), grad.to(tl.float32)
-            tl.store(part + (k_gate + k)[None, :], tl.dot(grad, tl.trans(bt)),
-                     mask=row_in[:, None] & (k < r_gate)[None, :])
-        if UP:
-            bt = tl.load(bt_ptr + (k_up + k)[:, None] * stride_bt + ffn + cols[None, :],
-                         mask=(k < r_up)[:, None] & col_in[None, :], other=0.0)
-            grad = dup
-            if DOT_F32:
-                bt, grad = bt.to(tl.float32), grad.to(tl.float32)
-            tl.store(part + (k_up + k)[None, :], tl.dot(grad, tl.trans(bt)),
-                     mask=row_in[:, None] & (k < r_up)[None, :])
+    dgate = dout * up * (sig + silu * (1.0 - sig))
+    dup = dout * silu
+    tl.store(dgu_ptr + at, dgate.to(dgu_ptr.dtype.element_ty), mask=keep)
+    tl.store(dgu_ptr + at + ffn, dup.to(dgu_ptr.dtype.element_ty), mask=keep)
 
 
 def residual_update(y_ptr, xa_ptr, bt_ptr, res_ptr, n_rows, n_cols, rank, scale, stride_y, stride_xa,

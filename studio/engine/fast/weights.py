@@ -379,10 +379,7 @@ def _fused_backward(ctx, saved, dy2: torch.Tensor):
     a = bt = xa = dyb = dbt = None
     if len(saved) > 1:
         _, a, bt, xa = saved
-        gradient = getattr(ctx, "gradient", None)
-        dyb = gradient.take() if gradient is not None else None  # SwiGLU's backward's (update.LoraGradient)
-        if dyb is None:
-            dyb = (dy2 @ bt.t()).mul_(ctx.scale)
+        dyb = (dy2 @ bt.t()).mul_(ctx.scale)
     handoff = getattr(ctx, "handoff", None)
     if handoff is not None and dyb is not None and ctx.needs_input_grad[0]:
         # The LoRA term dyb @ A goes to the next kernel back (update.Handoff), which adds it to the
@@ -428,21 +425,21 @@ class DeferredLoraProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None = None,
-                backward_first: bool = True, gradient: update.LoraGradient | None = None):
+                backward_first: bool = True):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xa = x2 @ a.t() if drop is None else drop.project(x2, a)
         y = weights.forward_product(x2)
         ctx.save_for_backward(x2, a, bt, xa)
         ctx.weights, ctx.scale, ctx.shape, ctx.drop = weights, scale, shape, drop
-        ctx.residual, ctx.backward_first, ctx.gradient = False, backward_first, gradient
+        ctx.residual, ctx.backward_first = False, backward_first
         ctx.mark_non_differentiable(xa)
         return y.view(*shape[:-1], y.shape[-1]), xa
 
     @staticmethod
     def backward(ctx, dy, _dxa):
         dx, da, dbt = _fused_backward(ctx, ctx.saved_tensors, dy.reshape(-1, dy.shape[-1]))
-        return _shaped(dx, ctx.shape), None, da, dbt, None, None, None, None
+        return _shaped(dx, ctx.shape), None, da, dbt, None, None, None
 
 
 class SeparateLoraProduct(torch.autograd.Function):
@@ -556,9 +553,6 @@ class Projection:
         self.in_kernel = False
         """The update is added by the kernel that reads the base product's output (update.py): the
         residual's add for o and down (:class:`LoraProduct`), SwiGLU for gate/up (:meth:`swiglu`)."""
-        self.gradient_in_swiglu = False
-        """With :meth:`swiglu`, its backward also computes the product's ``dy B`` from the gradient
-        it writes (update.LoraGradient), and the product's backward does not read it again for it."""
 
     def use_dropout(self, seed: torch.Tensor, first_site: int) -> None:
         """Give the adapters with dropout their masks: from ``seed``, at sites ``first_site + j``."""
@@ -628,18 +622,15 @@ class Projection:
         if not self.in_kernel or a is None or update.broken():
             return None
         drop = self.drop if self.drop is not None and self.modules[0].training else None
+        gu, xa = DeferredLoraProduct.apply(x, self.weights, a, bt, scale, drop, self.backward_first)
         split = None
         if len(self.present) == 2:  # gate's rows of the block-diagonal B^T first, then up's
             ranks = iter(self.ranks)
             r_gate = next(ranks) if self.present[0] else 0
             r_up = next(ranks) if self.present[1] else 0
             split = (0, r_gate, r_gate, r_up)
-        # SwiGLU's backward hands the product's backward its dy B (update.LoraGradient)
-        gradient = update.LoraGradient() if self.gradient_in_swiglu and split is not None else None
-        gu, xa = DeferredLoraProduct.apply(x, self.weights, a, bt, scale, drop, self.backward_first, gradient)
         # bt without its autograd history: the product's backward gives the adapters their gradients.
-        done, act = _in_kernel(lambda: update.LoraSwiGLU.apply(gu, xa, bt.detach(), scale, split, handoff,
-                                                               gradient))
+        done, act = _in_kernel(lambda: update.LoraSwiGLU.apply(gu, xa, bt.detach(), scale, split, handoff))
         return act if done else None
 
     def from_kept(self, x: torch.Tensor, kept: tuple, cos: torch.Tensor, sin: torch.Tensor, unrotate,
