@@ -169,3 +169,15 @@ def on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     memory and benchmark tests check."""
     monkeypatch.setenv("STUDIO_DEVICE", "cpu")
 
+
+@pytest.fixture
+def kernel_device(monkeypatch):
+    """Where Studio's own Triton kernels run in a test: CUDA where there is one (compiled), else the
+    CPU under Triton's interpreter (engine/fast/update.py, norm.py)."""
+    import torch
+
+    if torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        return torch.device("cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return torch.device("cpu")

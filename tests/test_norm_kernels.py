@@ -22,25 +22,15 @@ from studio.engine.fast.ops import rms_norm_torch  # noqa: E402
 from tests.test_fast_path import ALL, _examples, _grads, _peft_model  # noqa: E402
 
 
-@pytest.fixture
-def device(monkeypatch) -> torch.device:
-    """CUDA where there is one (compiled kernels), else the CPU under Triton's interpreter."""
-    if torch.cuda.is_available():
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        return torch.device("cuda")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return torch.device("cpu")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("width", [64, 200])
-def test_the_norm_is_transformers_llama_rmsnorm(device, dtype, width) -> None:
+def test_the_norm_is_transformers_llama_rmsnorm(kernel_device, dtype, width) -> None:
     """Statistics in fp32, the normed row rounded to the input's dtype, then times the weight: the
     same values as transformers' order (to the last bit but for the square root's rounding), on a
     width that is not a power of two too."""
     gen = torch.Generator().manual_seed(width)
-    h = (3 * torch.randn(2, 9, width, generator=gen)).to(device, dtype)
-    w = (1 + 0.1 * torch.randn(width, generator=gen)).to(device, dtype)
+    h = (3 * torch.randn(2, 9, width, generator=gen)).to(kernel_device, dtype)
+    w = (1 + 0.1 * torch.randn(width, generator=gen)).to(kernel_device, dtype)
     y, rstd = norm.rms_norm(h.reshape(-1, width), w, 1e-5)
     want = rms_norm_torch(h, w, 1e-5).reshape(-1, width)
     assert y.dtype == dtype
@@ -49,14 +39,14 @@ def test_the_norm_is_transformers_llama_rmsnorm(device, dtype, width) -> None:
     torch.testing.assert_close(rstd, torch.rsqrt(h.float().pow(2).mean(-1) + 1e-5).reshape(-1))
 
 
-def test_an_fp32_weight_multiplies_in_fp32_and_rounds_once(device) -> None:
+def test_an_fp32_weight_multiplies_in_fp32_and_rounds_once(kernel_device) -> None:
     """A norm weight the engine kept in fp32 (not exact in bf16: build.py) meets the rounded normed
     row in fp32, and the product is rounded to bf16 once (liger's order, and transformers' but for
     its fp32 output), not the weight rounded to bf16 first."""
     gen = torch.Generator().manual_seed(3)
     width = 128
-    h = torch.randn(6, width, generator=gen).to(device, torch.bfloat16)
-    w = (1 + 0.01 * torch.randn(width, generator=gen)).to(device)  # fp32, most not exact in bf16
+    h = torch.randn(6, width, generator=gen).to(kernel_device, torch.bfloat16)
+    w = (1 + 0.01 * torch.randn(width, generator=gen)).to(kernel_device)  # fp32, most not exact in bf16
     y, _ = norm.rms_norm(h, w, 1e-5)
     hf = h.float()
     normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
@@ -68,15 +58,15 @@ def test_an_fp32_weight_multiplies_in_fp32_and_rounds_once(device) -> None:
 
 
 @pytest.mark.parametrize("used", ["both", "norm", "stream"])
-def test_the_backward_writes_both_gradients_of_the_input_summed(device, used) -> None:
+def test_the_backward_writes_both_gradients_of_the_input_summed(kernel_device, used) -> None:
     """``x, h2 = NormBranch(h)``: ``h``'s gradient is the norm's backward of ``x``'s plus ``h2``'s,
     as autograd computes it through the plain formula (fp32); with only one of the two read, the
     other adds nothing."""
     gen = torch.Generator().manual_seed(1)
     width = 96
-    h = (2 * torch.randn(3, 5, width, generator=gen)).to(device).requires_grad_()
-    w = (1 + 0.1 * torch.randn(width, generator=gen)).to(device)
-    gx, gh = (torch.randn(3, 5, width, generator=gen).to(device) for _ in range(2))
+    h = (2 * torch.randn(3, 5, width, generator=gen)).to(kernel_device).requires_grad_()
+    w = (1 + 0.1 * torch.randn(width, generator=gen)).to(kernel_device)
+    gx, gh = (torch.randn(3, 5, width, generator=gen).to(kernel_device) for _ in range(2))
 
     def loss(x, stream):
         total = 0
@@ -94,11 +84,11 @@ def test_the_backward_writes_both_gradients_of_the_input_summed(device, used) ->
     torch.testing.assert_close(got, h.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_the_fast_path_with_the_norm_kernels_equals_it_without_them(tiny_model: Path, device, monkeypatch) -> None:
+def test_the_fast_path_with_the_norm_kernels_equals_it_without_them(tiny_model: Path, kernel_device, monkeypatch) -> None:
     """The whole fast path (packed examples, checkpointing, every projection adapted) in fp32 with
     NormBranch and without it: the same loss and adapter gradients, every layer's two norms through
     it, and the engine says so."""
-    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(kernel_device)
     ran = []
     real = norm.NormBranch.backward
 
@@ -109,7 +99,7 @@ def test_the_fast_path_with_the_norm_kernels_equals_it_without_them(tiny_model: 
     monkeypatch.setattr(norm.NormBranch, "backward", staticmethod(counting))
     runs = {}
     for on in (True, False):
-        model = _peft_model(tiny_model, None, ALL).to(device)
+        model = _peft_model(tiny_model, None, ALL).to(kernel_device)
         fm, why = fast.prepare(model, fast.FastOptions(norm_with_stream=on, cuda_graphs=False))
         assert fm is not None, why
         assert all(layer.norm_with_stream is on for layer in fm.layers)
@@ -129,16 +119,16 @@ def test_the_fast_path_with_the_norm_kernels_equals_it_without_them(tiny_model: 
         torch.testing.assert_close(grads_on[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
 
 
-def test_a_norm_kernel_that_cannot_build_leaves_liger_s_norm(tiny_model: Path, device, monkeypatch) -> None:
+def test_a_norm_kernel_that_cannot_build_leaves_liger_s_norm(tiny_model: Path, kernel_device, monkeypatch) -> None:
     """If the kernels fail (a Triton that cannot compile them here), the step still runs with the
     norm and autograd's sum, the engine warns once and no longer names the kernels."""
-    monkeypatch.setattr(norm, "_broken", "")
+    monkeypatch.setattr(norm.KERNELS, "broken", "")
 
     def failing():
         raise RuntimeError("no such GPU")
 
-    model = _peft_model(tiny_model, None, ALL).to(device)
-    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
+    model = _peft_model(tiny_model, None, ALL).to(kernel_device)
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(kernel_device)
     fm, why = fast.prepare(model, fast.FastOptions(cuda_graphs=False))
     assert fm is not None, why
     assert fm.layers[0].norm_with_stream

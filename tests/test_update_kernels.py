@@ -24,16 +24,6 @@ from tests.test_fast_path import _examples, _grads, _peft_model  # noqa: E402
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.fixture
-def device(monkeypatch) -> torch.device:
-    """CUDA where there is one (compiled kernels), else the CPU under Triton's interpreter."""
-    if torch.cuda.is_available():
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        return torch.device("cuda")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return torch.device("cpu")
-
-
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     """Within a few roundings of ``dtype`` of the largest value (the interpreter truncates to bf16
     where the compiled kernel rounds)."""
@@ -44,16 +34,16 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("rows", "ffn", "rank"), [(70, 200, 8), (33, 130, 16), (16, 128, 24)])
-def test_swiglu_adds_the_update_and_gives_the_gradient_of_gate_and_up(device, dtype, rows, ffn, rank) -> None:
+def test_swiglu_adds_the_update_and_gives_the_gradient_of_gate_and_up(kernel_device, dtype, rows, ffn, rank) -> None:
     """Forward ``silu(g) * u`` of ``gu + s * xa @ bt`` and its backward (written over ``gu``) equal
     the plain formula's in fp32; edge tiles (rows and columns that are not multiples of the block)
     and ranks that are not a power of two (padded with zeros inside) included; ``bt`` a transposed
     view as the adapters give it."""
     gen = torch.Generator().manual_seed(rank)
-    gu = torch.randn(rows, 2 * ffn, generator=gen).to(device, dtype)
-    xa = torch.randn(rows, 2 * rank, generator=gen).to(device, dtype)
-    bt = (0.2 * torch.randn(2 * ffn, 2 * rank, generator=gen)).to(device, dtype).t()  # a view, like b.t()
-    dout = torch.randn(rows, ffn, generator=gen).to(device, dtype)
+    gu = torch.randn(rows, 2 * ffn, generator=gen).to(kernel_device, dtype)
+    xa = torch.randn(rows, 2 * rank, generator=gen).to(kernel_device, dtype)
+    bt = (0.2 * torch.randn(2 * ffn, 2 * rank, generator=gen)).to(kernel_device, dtype).t()  # a view, like b.t()
+    dout = torch.randn(rows, ffn, generator=gen).to(kernel_device, dtype)
     scale = 2.0
     whole = (gu.float() + scale * (xa.float() @ bt.float())).requires_grad_()
     gate, up = whole.chunk(2, dim=-1)
@@ -80,21 +70,21 @@ def test_swiglu_adds_the_update_and_gives_the_gradient_of_gate_and_up(device, dt
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_swiglu_without_an_update(device, dtype) -> None:
-    gu = torch.randn(40, 2 * 150).to(device, dtype)
+def test_swiglu_without_an_update(kernel_device, dtype) -> None:
+    gu = torch.randn(40, 2 * 150).to(kernel_device, dtype)
     gate, up = gu.float().chunk(2, dim=-1)
     _close(update.swiglu(gu, None, None, 1.0), F.silu(gate) * up, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_update_meets_the_base_output_before_the_residual(device, dtype) -> None:
+def test_the_update_meets_the_base_output_before_the_residual(kernel_device, dtype) -> None:
     """``residual + round(y + update)``: the update is added to the base output and rounded as the
     product's output would be, then the stream is added (weights.LoraProduct's order)."""
     gen = torch.Generator().manual_seed(1)
-    y = torch.randn(50, 140, generator=gen).to(device, dtype)
-    xa = torch.randn(50, 16, generator=gen).to(device, dtype)
-    bt = torch.randn(16, 140, generator=gen).to(device, dtype)
-    residual = (20 * torch.randn(50, 140, generator=gen)).to(device, dtype)
+    y = torch.randn(50, 140, generator=gen).to(kernel_device, dtype)
+    xa = torch.randn(50, 16, generator=gen).to(kernel_device, dtype)
+    bt = torch.randn(16, 140, generator=gen).to(kernel_device, dtype)
+    residual = (20 * torch.randn(50, 140, generator=gen)).to(kernel_device, dtype)
     want = residual.float() + (y.float() + 0.5 * (xa.float() @ bt.float())).to(dtype).float()
     got = update.add_update_and_residual_(y.clone(), xa, bt, 0.5, residual)
     _close(got, want, dtype)
@@ -112,19 +102,19 @@ def _proj(model, names: list[str], dtype: torch.dtype, device: torch.device):
 
 
 @pytest.mark.parametrize("targets", [ALL, ["up_proj", "o_proj"], ["gate_proj", "o_proj"]])
-def test_the_products_with_the_kernels_give_the_same_values_and_gradients(tiny_model: Path, device,
+def test_the_products_with_the_kernels_give_the_same_values_and_gradients(tiny_model: Path, kernel_device,
                                                                           targets) -> None:
     """Projection.swiglu (gate/up's update added inside SwiGLU) against the product then SwiGLU, and
     o's product with its residual against the update's own product: the same outputs and the same
     gradients of the input, the residual and each adapter, in bf16; with both gate and up adapted
     and with one of them (B^T's block diagonal then has one block)."""
     dtype = torch.bfloat16
-    model = _peft_model(tiny_model, None, targets, dtype=dtype).to(device)
+    model = _peft_model(tiny_model, None, targets, dtype=dtype).to(kernel_device)
     gen = torch.Generator().manual_seed(0)
 
-    gate_up = _proj(model, ["gate_proj", "up_proj"], dtype, device)
-    x = torch.randn(2, 7, gate_up.weights.in_features, generator=gen).to(device, dtype).requires_grad_()
-    dout = torch.randn(2, 7, gate_up.weights.out_features[0], generator=gen).to(device, dtype)
+    gate_up = _proj(model, ["gate_proj", "up_proj"], dtype, kernel_device)
+    x = torch.randn(2, 7, gate_up.weights.in_features, generator=gen).to(kernel_device, dtype).requires_grad_()
+    dout = torch.randn(2, 7, gate_up.weights.out_features[0], generator=gen).to(kernel_device, dtype)
     results = []
     for in_kernel in (True, False):
         gate_up.in_kernel = in_kernel
@@ -144,10 +134,10 @@ def test_the_products_with_the_kernels_give_the_same_values_and_gradients(tiny_m
     for a, b in zip(g0, g1, strict=True):
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
 
-    o = _proj(model, ["o_proj"], dtype, device)
-    x = torch.randn(2, 7, o.weights.in_features, generator=gen).to(device, dtype).requires_grad_()
-    r = (4 * torch.randn(2, 7, o.weights.out_features[0], generator=gen)).to(device, dtype).requires_grad_()
-    dy = torch.randn(2, 7, o.weights.out_features[0], generator=gen).to(device, dtype)
+    o = _proj(model, ["o_proj"], dtype, kernel_device)
+    x = torch.randn(2, 7, o.weights.in_features, generator=gen).to(kernel_device, dtype).requires_grad_()
+    r = (4 * torch.randn(2, 7, o.weights.out_features[0], generator=gen)).to(kernel_device, dtype).requires_grad_()
+    dy = torch.randn(2, 7, o.weights.out_features[0], generator=gen).to(kernel_device, dtype)
     results = []
     for in_kernel in (True, False):
         o.in_kernel = in_kernel
@@ -163,15 +153,15 @@ def test_the_products_with_the_kernels_give_the_same_values_and_gradients(tiny_m
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_the_fast_path_with_the_kernels_trains_as_without_them(tiny_model: Path, device, dropout) -> None:
+def test_the_fast_path_with_the_kernels_trains_as_without_them(tiny_model: Path, kernel_device, dropout) -> None:
     """The whole fast path (all seven projections adapted, packed examples, checkpointing), in bf16
     with the update kernels on and off, against the same model in fp32: the kernels' loss and
     adapter gradients are as close to fp32's as the products' own order is (bf16 alone moves these
     gradients by 2-3%), with adapter dropout too (the kernels read the masked ``x A^T``)."""
-    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(kernel_device)
     runs = {}
     for dtype, on in ((torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)):
-        model = _peft_model(tiny_model, None, ALL, dtype=dtype, dropout=dropout).to(device)
+        model = _peft_model(tiny_model, None, ALL, dtype=dtype, dropout=dropout).to(kernel_device)
         model.train()
         fm, why = fast.prepare(model, fast.FastOptions(update_in_kernel=on, cuda_graphs=False))
         assert fm is not None, why
@@ -192,13 +182,13 @@ def test_the_fast_path_with_the_kernels_trains_as_without_them(tiny_model: Path,
     assert max(errors[True]) < 0.08, max(errors[True])
 
 
-def test_a_kernel_that_cannot_build_leaves_the_products_their_own_order(tiny_model: Path, device,
+def test_a_kernel_that_cannot_build_leaves_the_products_their_own_order(tiny_model: Path, kernel_device,
                                                                         monkeypatch) -> None:
     """If the kernels fail (a Triton that cannot compile them here), the step still runs, with the
     update written by its own product, and the engine says so: a warning, and the description no
     longer names the kernels."""
-    model = _peft_model(tiny_model, None, ALL, dtype=torch.bfloat16).to(device)
-    batch = collate([[e] for e in _examples([12, 9])], pad_id=0, packing=True).to(device)
+    model = _peft_model(tiny_model, None, ALL, dtype=torch.bfloat16).to(kernel_device)
+    batch = collate([[e] for e in _examples([12, 9])], pad_id=0, packing=True).to(kernel_device)
     fm, why = fast.prepare(model, fast.FastOptions(cuda_graphs=False))
     assert fm is not None, why
     assert fm.layers[0].gate_up.in_kernel
@@ -207,7 +197,7 @@ def test_a_kernel_that_cannot_build_leaves_the_products_their_own_order(tiny_mod
         raise RuntimeError("no compiler for this GPU")
 
     monkeypatch.setattr(update, "_kernels", fail)
-    monkeypatch.setattr(update, "_broken", "")
+    monkeypatch.setattr(update.KERNELS, "broken", "")
     with pytest.warns(RuntimeWarning, match="LoRA update kernels failed"):
         loss = fm.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
     loss.backward()
@@ -221,19 +211,19 @@ def test_a_kernel_that_cannot_build_leaves_the_products_their_own_order(tiny_mod
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_down_hands_its_lora_input_gradient_to_swiglus_backward(tiny_model: Path, device, recompute) -> None:
+def test_down_hands_its_lora_input_gradient_to_swiglus_backward(tiny_model: Path, kernel_device, recompute) -> None:
     """gate/up -> SwiGLU -> down, with down's LoRA input-gradient term handed to SwiGLU's backward
     (update.Handoff) against the same chain with every update in its own product: the same output
     and the same gradients of the input and of all three adapters; the recomputation's down (no
     value, only a backward) too. The handoff is spent: a second backward would find it empty."""
     dtype = torch.bfloat16
-    model = _peft_model(tiny_model, None, ["gate_proj", "up_proj", "down_proj"], dtype=dtype).to(device)
-    gate_up = _proj(model, ["gate_proj", "up_proj"], dtype, device)
-    down = _proj(model, ["down_proj"], dtype, device)
+    model = _peft_model(tiny_model, None, ["gate_proj", "up_proj", "down_proj"], dtype=dtype).to(kernel_device)
+    gate_up = _proj(model, ["gate_proj", "up_proj"], dtype, kernel_device)
+    down = _proj(model, ["down_proj"], dtype, kernel_device)
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 9, gate_up.weights.in_features, generator=gen).to(device, dtype).requires_grad_()
-    r = (4 * torch.randn(2, 9, down.weights.out_features[0], generator=gen)).to(device, dtype)
-    dy = torch.randn(2, 9, down.weights.out_features[0], generator=gen).to(device, dtype)
+    x = torch.randn(2, 9, gate_up.weights.in_features, generator=gen).to(kernel_device, dtype).requires_grad_()
+    r = (4 * torch.randn(2, 9, down.weights.out_features[0], generator=gen)).to(kernel_device, dtype)
+    dy = torch.randn(2, 9, down.weights.out_features[0], generator=gen).to(kernel_device, dtype)
     params = (x, *gate_up.a, *gate_up.b, *down.a, *down.b)
     results = []
     for on in (True, False):
@@ -262,18 +252,18 @@ def test_down_hands_its_lora_input_gradient_to_swiglus_backward(tiny_model: Path
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
 
 
-def test_a_small_update_survives_the_residual_kernel_in_bf16(tiny_model: Path, device) -> None:
+def test_a_small_update_survives_the_residual_kernel_in_bf16(tiny_model: Path, kernel_device) -> None:
     """The residual kernel keeps the plain order's rounding (weights.LoraProduct): an update under
     half the stream's last bf16 digit meets the base output first, so it reaches the output on
     average instead of rounding away against the stream (test_fast_path's test of the same name
     for the products' own order)."""
     dtype = torch.bfloat16
-    model = _peft_model(tiny_model, None, ["down_proj"], dtype=dtype).to(device)
-    proj = _proj(model, ["down_proj"], dtype, device)
+    model = _peft_model(tiny_model, None, ["down_proj"], dtype=dtype).to(kernel_device)
+    proj = _proj(model, ["down_proj"], dtype, kernel_device)
     proj.in_kernel = True
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 512, proj.weights.in_features, generator=gen).to(device, dtype)
-    stream = (8 + 8 * torch.rand(1, 512, sum(proj.weights.out_features), generator=gen)).to(device, dtype)
+    x = torch.randn(1, 512, proj.weights.in_features, generator=gen).to(kernel_device, dtype)
+    stream = (8 + 8 * torch.rand(1, 512, sum(proj.weights.out_features), generator=gen)).to(kernel_device, dtype)
     with torch.no_grad():
         a, bt, scale = proj.adapters()
         upd = scale * (x.float() @ a.float().t()) @ bt.float()

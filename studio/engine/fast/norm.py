@@ -15,57 +15,30 @@ interpreter, for the CPU tests); elsewhere the layer keeps liger's norm and auto
 
 from __future__ import annotations
 
-import functools
-import os
-import warnings
-
 import torch
 
-_broken = ""
+from studio.engine.fast.kernels import OwnKernels, interpreted
 
-
-@functools.cache
-def _kernels_for(interpreted: bool):
-    try:
-        import triton
-
-        from studio.engine.fast import norm_kernels as k
-    except Exception:  # noqa: BLE001 - any import failure (no Triton, a broken one) means "not here"
-        return None
-    return {name: triton.jit(getattr(k, name)) for name in ("rms_norm_forward", "rms_norm_backward", "add",
-                                                            "round_bf16")}
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+KERNELS = OwnKernels("norm_kernels", ("rms_norm_forward", "rms_norm_backward", "add", "round_bf16"),
+                     "RMSNorm kernels", "using liger's norm and autograd's sum instead")
 
 
 def _kernels():
-    """The kernels, jitted for the interpreter or the compiler as the environment says now
-    (dequant.py's reasons), or None without Triton."""
-    return _kernels_for(_interpreted())
+    return KERNELS.get()
 
 
 def broken() -> str:
     """Why the kernels failed on this machine ('' while they work)."""
-    return _broken
+    return KERNELS.broken
 
 
 def mark_broken(exc: BaseException) -> None:
-    global _broken
-    if not _broken:
-        _broken = f"{type(exc).__name__}: {exc}"[:500]
-        warnings.warn(f"Studio's RMSNorm kernels failed ({_broken}); using liger's norm and autograd's sum "
-                      "instead", RuntimeWarning, stacklevel=3)
+    KERNELS.mark_broken(exc)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`NormBranch` can run on ``device`` for activations in ``dtype``."""
-    if _broken or dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    if device.type != "cuda" and not _interpreted():
-        return False
-    return _kernels() is not None
+    return dtype in (torch.bfloat16, torch.float16, torch.float32) and KERNELS.usable(device)
 
 
 def _settings(width: int) -> tuple[int, int]:
@@ -75,8 +48,8 @@ def _settings(width: int) -> tuple[int, int]:
 
 def _helpers() -> dict:
     """The interpreter's reduction (norm_kernels' docstring); compiled, the kernels use ``tl.sum``."""
-    interpreted = _interpreted()
-    return {"INTERPRETED": interpreted, "ADD": _kernels()["add"] if interpreted else None}
+    here = interpreted()
+    return {"INTERPRETED": here, "ADD": _kernels()["add"] if here else None}
 
 
 def rms_norm(x2: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +60,7 @@ def rms_norm(x2: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tenso
     block, warps = _settings(width)
     _kernels()["rms_norm_forward"][(rows,)](
         x2, w, y, rstd, width, float(eps), x2.stride(0), y.stride(0), BLOCK=block,
-        **_helpers(), ROUND=_kernels()["round_bf16"] if _interpreted() else None, num_warps=warps)
+        **_helpers(), ROUND=_kernels()["round_bf16"] if interpreted() else None, num_warps=warps)
     return y, rstd
 
 

@@ -25,11 +25,9 @@ keep their own order.
 
 from __future__ import annotations
 
-import functools
-import os
-import warnings
-
 import torch
+
+from studio.engine.fast.kernels import OwnKernels, interpreted
 
 BLOCK_M = 32
 BLOCK_N = 128
@@ -40,52 +38,27 @@ BACKWARD_BLOCK = (16, 256)
 """The SwiGLU backward's tile (rows, columns): its fastest there (4% ahead of 32 x 128)."""
 
 
-@functools.cache
-def _kernels_for(interpreted: bool):
-    try:
-        import triton
-
-        from studio.engine.fast import update_kernels as k
-    except Exception:  # noqa: BLE001 - any import failure (no Triton, a broken one) means "not here"
-        return None
-    return {name: triton.jit(getattr(k, name)) for name in ("swiglu_forward", "swiglu_backward",
-                                                            "residual_update")}
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+KERNELS = OwnKernels("update_kernels", ("swiglu_forward", "swiglu_backward", "residual_update"),
+                     "LoRA update kernels", "adding the updates in their own products instead")
 
 
 def _kernels():
-    """The kernels, jitted on first use for the interpreter or the compiler as the environment says
-    now (dequant.py's reasons), or None without Triton."""
-    return _kernels_for(_interpreted())
-
-
-_broken = ""
+    return KERNELS.get()
 
 
 def broken() -> str:
     """Why the kernels failed on this machine ('' while they work): the products then keep their
     own order (weights.LoraProduct)."""
-    return _broken
+    return KERNELS.broken
 
 
 def mark_broken(exc: BaseException) -> None:
-    global _broken
-    if not _broken:
-        _broken = f"{type(exc).__name__}: {exc}"[:500]
-        warnings.warn(f"Studio's LoRA update kernels failed ({_broken}); adding the updates in their own "
-                      "products instead", RuntimeWarning, stacklevel=3)
+    KERNELS.mark_broken(exc)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernels can run on ``device`` for outputs in ``dtype``."""
-    if _broken or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if device.type != "cuda" and not _interpreted():
-        return False
-    return _kernels() is not None
+    return dtype in (torch.bfloat16, torch.float16) and KERNELS.usable(device)
 
 
 def _rank_block(rank: int) -> int:
@@ -104,7 +77,7 @@ def _rows_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dot_f32() -> bool:
-    return _interpreted()
+    return interpreted()
 
 
 def _split(xa: torch.Tensor | None, split: tuple[int, int, int, int] | None) -> tuple[int, int, int, int]:

@@ -1,0 +1,59 @@
+"""What Studio's own Triton kernel modules (update.py, norm.py) share: the kernels jitted on first use,
+for Triton's interpreter or its compiler, and given up on for the process once they fail."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+
+import torch
+
+
+def interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``: the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class OwnKernels:
+    """The Triton kernels ``names`` of ``studio.engine.fast.<module>`` (a module that imports Triton,
+    so nothing imports it until a kernel runs), and whether they work on this machine."""
+
+    def __init__(self, module: str, names: tuple[str, ...], what: str, fallback: str):
+        self.module, self.names = module, names
+        self.what, self.fallback = what, fallback
+        self.broken = ""
+        """Why the kernels failed here ('' while they work): the engine then takes ``fallback``."""
+        self._jitted: dict[bool, dict | None] = {}
+
+    def get(self) -> dict | None:
+        """The kernels by name, jitted for the interpreter or the compiler as the environment says
+        now (Triton decides when it wraps a function: one jitted under the other setting would run
+        the interpreter, which truncates to bf16, on GPU tensors), or None without Triton."""
+        key = interpreted()
+        if key not in self._jitted:
+            self._jitted[key] = self._jit()
+        return self._jitted[key]
+
+    def _jit(self) -> dict | None:
+        try:
+            import triton
+
+            module = importlib.import_module(f"studio.engine.fast.{self.module}")
+        except Exception:  # noqa: BLE001 - any import failure (no Triton, a broken one) means "not here"
+            return None
+        return {name: triton.jit(getattr(module, name)) for name in self.names}
+
+    def mark_broken(self, exc: BaseException) -> None:
+        """Give up on the kernels for this process after ``exc`` (a Triton that cannot compile them
+        for this GPU, say), with one warning saying why and what the engine does instead."""
+        if not self.broken:
+            self.broken = f"{type(exc).__name__}: {exc}"[:500]
+            warnings.warn(f"Studio's {self.what} failed ({self.broken}); {self.fallback}", RuntimeWarning,
+                          stacklevel=4)
+
+    def usable(self, device: torch.device) -> bool:
+        """Whether the kernels can run on ``device``: CUDA with Triton, or anywhere under the interpreter."""
+        if self.broken or (device.type != "cuda" and not interpreted()):
+            return False
+        return self.get() is not None
