@@ -58,10 +58,18 @@ def test_an_fp32_weight_multiplies_in_fp32_and_rounds_once(kernel_device) -> Non
 
 
 @pytest.mark.parametrize("used", ["both", "norm", "stream"])
-def test_the_backward_writes_both_gradients_of_the_input_summed(kernel_device, used) -> None:
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_backward_writes_both_gradients_of_the_input_summed(kernel_device, used, kernel, monkeypatch) -> None:
     """``x, h2 = NormBranch(h)``: ``h``'s gradient is the norm's backward of ``x``'s plus ``h2``'s,
     as autograd computes it through the plain formula (fp32); with only one of the two read, the
-    other adds nothing."""
+    other adds nothing. Without the kernel (one that fails to build at the first backward), torch
+    computes the same, and the engine warns once."""
+    monkeypatch.setattr(norm.KERNELS, "broken", "")
+    if not kernel:
+        def failing(*args):
+            raise RuntimeError("no compiler for this GPU")
+
+        monkeypatch.setattr(norm, "rms_norm_backward_", failing)
     gen = torch.Generator().manual_seed(1)
     width = 96
     h = (2 * torch.randn(3, 5, width, generator=gen)).to(kernel_device).requires_grad_()
@@ -78,7 +86,12 @@ def test_the_backward_writes_both_gradients_of_the_input_summed(kernel_device, u
 
     x, stream = norm.NormBranch.apply(h, w, 1e-6)
     torch.testing.assert_close(stream, h)
-    loss(x, stream).backward()
+    if kernel or used == "stream":  # only the stream's gradient: the norm's backward never runs
+        loss(x, stream).backward()
+    else:
+        with pytest.warns(RuntimeWarning, match="RMSNorm kernels failed"):
+            loss(x, stream).backward()
+        assert norm.broken()
     got, h.grad = h.grad, None
     loss(rms_norm_torch(h, w, 1e-6), h).backward()
     torch.testing.assert_close(got, h.grad, rtol=1e-5, atol=1e-6)

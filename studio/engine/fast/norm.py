@@ -102,5 +102,23 @@ class NormBranch(torch.autograd.Function):
             return dh, None, None
         h2, w, rstd = ctx.saved_tensors
         dres = _rows(dh) if dh is not None else None
-        dx = rms_norm_backward_(_rows(dy).contiguous(), h2, w, rstd, dres)
-        return dx.view(ctx.shape), None, None
+        dy2 = _rows(dy).contiguous()
+        if not broken():
+            try:
+                return rms_norm_backward_(dy2, h2, w, rstd, dres).view(ctx.shape), None, None
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot build here: the same sum in torch
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise  # inside a CUDA graph's capture: the capture fails and the step runs eagerly
+                mark_broken(exc)
+        return _backward_torch(dy2, h2, w, rstd, dres).view(ctx.shape), None, None
+
+
+def _backward_torch(dy2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
+                    dres2: torch.Tensor | None) -> torch.Tensor:
+    """:func:`rms_norm_backward_`'s values computed by torch (when the kernel cannot run)."""
+    g = dy2.float() * w.float()
+    xhat = x2.float() * rstd[:, None]
+    dx = rstd[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    if dres2 is not None:
+        dx += dres2.float()
+    return dx.to(dy2.dtype)
