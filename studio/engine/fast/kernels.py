@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -50,7 +52,22 @@ class OwnKernels:
         if not self.broken:
             self.broken = f"{type(exc).__name__}: {exc}"[:500]
             warnings.warn(f"Studio's {self.what} failed ({self.broken}); {self.fallback}", RuntimeWarning,
-                          stacklevel=4)
+                          stacklevel=3)
+
+    def attempt(self, run: Callable[[], Any]) -> tuple[bool, Any]:
+        """``run()`` (which calls these kernels): (True, its result), or (False, None) when the
+        kernels failed here, now or before; a failure gives them up for this process
+        (:meth:`mark_broken`) and the caller takes its other way. Inside a CUDA graph's capture a
+        failure is raised: the capture fails and the step runs eagerly, where this is asked again."""
+        if self.broken:
+            return False, None
+        try:
+            return True, run()
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot build here: the caller's other way
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            self.mark_broken(exc)
+            return False, None
 
     def usable(self, device: torch.device) -> bool:
         """Whether the kernels can run on ``device``: CUDA with Triton, or anywhere under the interpreter."""

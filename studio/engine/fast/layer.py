@@ -57,13 +57,10 @@ class Layer:
         """The normed ``h`` and ``h`` to carry on as the residual stream: through
         :class:`~studio.engine.fast.norm.NormBranch` where it can run (one backward pass for both of
         ``h``'s gradients), else the norm and ``h`` as they are (autograd sums the gradients)."""
-        if self.norm_with_stream and not norm.broken():
-            try:
-                return norm.NormBranch.apply(h, w, self.eps)
-            except Exception as exc:  # noqa: BLE001 - a kernel that cannot build here: liger's norm then
-                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                    raise  # inside a CUDA graph's capture: the capture fails and the step runs eagerly
-                norm.mark_broken(exc)
+        if self.norm_with_stream:
+            done, both = norm.KERNELS.attempt(lambda: norm.NormBranch.apply(h, w, self.eps))
+            if done:
+                return both
         return self.norm(h, w), h
 
     def projections(self) -> tuple[Projection, Projection, Projection, Projection]:

@@ -32,10 +32,6 @@ def broken() -> str:
     return KERNELS.broken
 
 
-def mark_broken(exc: BaseException) -> None:
-    KERNELS.mark_broken(exc)
-
-
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`NormBranch` can run on ``device`` for activations in ``dtype``."""
     return dtype in (torch.bfloat16, torch.float16, torch.float32) and KERNELS.usable(device)
@@ -103,14 +99,11 @@ class NormBranch(torch.autograd.Function):
         h2, w, rstd = ctx.saved_tensors
         dres = _rows(dh) if dh is not None else None
         dy2 = _rows(dy).contiguous()
-        if not broken():
-            try:
-                return rms_norm_backward_(dy2, h2, w, rstd, dres).view(ctx.shape), None, None
-            except Exception as exc:  # noqa: BLE001 - a kernel that cannot build here: the same sum in torch
-                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                    raise  # inside a CUDA graph's capture: the capture fails and the step runs eagerly
-                mark_broken(exc)
-        return _backward_torch(dy2, h2, w, rstd, dres).view(ctx.shape), None, None
+        # a kernel that cannot build here: the same sum in torch
+        done, dx = KERNELS.attempt(lambda: rms_norm_backward_(dy2, h2, w, rstd, dres))
+        if not done:
+            dx = _backward_torch(dy2, h2, w, rstd, dres)
+        return dx.view(ctx.shape), None, None
 
 
 def _backward_torch(dy2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,

@@ -52,10 +52,6 @@ def broken() -> str:
     return KERNELS.broken
 
 
-def mark_broken(exc: BaseException) -> None:
-    KERNELS.mark_broken(exc)
-
-
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernels can run on ``device`` for outputs in ``dtype``."""
     return dtype in (torch.bfloat16, torch.float16) and KERNELS.usable(device)

@@ -361,15 +361,7 @@ def _in_kernel(run: Callable[[], torch.Tensor]) -> tuple[bool, torch.Tensor | No
     """Run one of engine/fast/update.py's kernels: (True, its result), or (False, None) when it
     cannot build here (the kernels are then given up on for this process, and the caller takes its
     usual order)."""
-    if update.broken():
-        return False, None
-    try:
-        return True, run()
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot build here: the products' order then
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise  # inside a CUDA graph's capture: the capture fails and the step runs eagerly
-        update.mark_broken(exc)
-        return False, None
+    return update.KERNELS.attempt(run)
 
 
 def _fused_backward(ctx, saved, dy2: torch.Tensor):
