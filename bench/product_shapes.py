@@ -5,8 +5,10 @@ ceiling). This times each product of a Llama-2-7B layer as the engine calls it (
 with the LoRA update already in the output, so the base product adds itself: ``addmm_``; backward
 ``dy @ W``), beside alternatives: the projections that share an input fused into one product
 (q/k/v, gate/up), an inner size widened by the rank (the LoRA update folded into the base product),
-and cuBLASLt instead of cuBLAS. Each case is the best of several timed repeats of a loop of 20
-products; TFLOP/s counts the product's multiply-adds only.
+and cuBLASLt instead of cuBLAS. The projections that run split (one at a time, each writing its column
+block of the fused output, reading its block of the output's gradient) are also timed that way
+(``*_columns``). Each case is the best of several timed repeats of a loop of 20 products; TFLOP/s
+counts the product's multiply-adds only. ``--sustained N`` also times N square products in one loop.
 
     python3 bench/product_shapes.py --out bench/results/x.json [--tokens 8192,4096]
 """
@@ -30,6 +32,8 @@ def main() -> int:
     parser.add_argument("--tokens", default="8192,4096")
     parser.add_argument("--loops", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sustained", type=int, default=0,
+                        help="also time this many square products in one loop (0: not)")
     args = parser.parse_args()
 
     import torch
@@ -48,6 +52,12 @@ def main() -> int:
     a = torch.randn(n, n, device=dev, dtype=bf)
     ms = timed(lambda: torch.mm(a, a))
     result["cases"]["square_8192"] = {"ms": round(ms, 4), "tflops": round(2 * n ** 3 / ms / 1e9, 1)}
+    if args.sustained:
+        # The same product for about as long as a few training steps: a card that lowers its clock
+        # under sustained load shows it here, where the short loops above see the boost clock.
+        ms = best_ms(lambda: torch.mm(a, a), args.sustained, 1)
+        result["cases"]["square_8192_sustained"] = {"ms": round(ms, 4), "loops": args.sustained,
+                                                    "tflops": round(2 * n ** 3 / ms / 1e9, 1)}
 
     for backend in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(backend)
@@ -70,6 +80,16 @@ def main() -> int:
                     "bwd_mm": lambda: torch.mm(dy, w, out=dx),
                     "bwd_addmm_into": lambda: dx.addmm_(dy, w),
                 }
+                wide = {"q_or_k_or_v_or_o": 3 * hidden, "gate_or_up": 2 * inter}.get(name)
+                if wide:
+                    # The split products as the engine runs them (weights.FrozenWeights): each
+                    # projection writes its own column block of the fused output, and its backward
+                    # reads its column block of the fused output's gradient.
+                    yw = torch.randn(m, wide, device=dev, dtype=bf)
+                    dyw = torch.randn(m, wide, device=dev, dtype=bf)
+                    cases["fwd_mm_columns"] = lambda: torch.mm(x, w.t(), out=yw[:, :out_f])
+                    cases["bwd_mm_columns"] = lambda: torch.mm(dyw[:, :out_f], w, out=dx)
+                    cases["bwd_addmm_columns"] = lambda: dx.addmm_(dyw[:, :out_f], w)
                 for case, fn in cases.items():
                     ms = timed(fn)
                     key = f"{backend}/{m}/{name}/{case}"

@@ -114,6 +114,10 @@ LEVERS = {
     "down_gradient_in_product": {"hand_off_down_gradient": False},
     "norm_in_liger": {"norm_with_stream": False},
     "first_layer_gradient": {"input_gradient_of_first_layer": True},
+    # "on" levers: the base products through cuBLASLt (all, or one direction)
+    "lt_products": {"product_library": {"*": "cublaslt"}},
+    "lt_forward": {"product_library": {"*.forward": "cublaslt"}},
+    "lt_backward": {"product_library": {"*.backward": "cublaslt"}},
 }
 
 

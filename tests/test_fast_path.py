@@ -863,3 +863,53 @@ def test_the_last_layer_s_tensors_stay_on_the_device(tmp_path: Path, keep_qkv, m
     assert grads0.keys() == grads1.keys() and grads0
     for name, grad in grads0.items():
         torch.testing.assert_close(grads1[name], grad, rtol=1e-5, atol=1e-7)
+
+
+def test_product_library_choices_resolve_most_specific_first() -> None:
+    from studio.engine.fast.model import libraries_for
+
+    choice = {"*": "cublas", "*.backward": "cublaslt", "gate_up.forward": "cublaslt", "down": "cublaslt"}
+    assert libraries_for(choice, "qkv") == {"forward": "cublas", "backward": "cublaslt"}
+    assert libraries_for(choice, "gate_up") == {"forward": "cublaslt", "backward": "cublaslt"}
+    assert libraries_for(choice, "down") == {"forward": "cublaslt", "backward": "cublaslt"}
+    assert libraries_for(None, "o") == {} and libraries_for({"o.backward": "cublaslt"}, "o") == {"backward": "cublaslt"}
+    with pytest.raises(ValueError, match="gate_up.fwd"):
+        libraries_for({"gate_up.fwd": "cublaslt"}, "gate_up")
+    with pytest.raises(ValueError, match="'cutlass' is not"):
+        libraries_for({"*": "cutlass"}, "qkv")
+
+
+def test_a_product_library_is_asked_for_around_the_products_and_put_back(tiny_model: Path, monkeypatch) -> None:
+    """FastOptions.product_library: each base product runs with its library asked of torch, the
+    process-wide choice is put back afterwards, and the loss and gradients are the default's."""
+    from studio.engine.fast import weights
+
+    model = _peft_model(tiny_model, None, ALL)
+    device = next(model.parameters()).device
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=False).to(device)
+    results = []
+    real = weights.blas_library
+    for choice in (None, {"gate_up.forward": "cublaslt", "*.backward": "cublaslt"}):
+        asked: list[str | None] = []
+
+        def spy(name, real=real, asked=asked):
+            asked.append(name)
+            return real(name)
+
+        monkeypatch.setattr(weights, "blas_library", spy)
+        before = torch.backends.cuda.preferred_blas_library()
+        fast_model, why = fast.prepare(model, fast.FastOptions(product_library=choice, cuda_graphs=False))
+        assert fast_model is not None, why
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+        assert torch.backends.cuda.preferred_blas_library() == before
+        results.append((loss.detach(), _grads(model), asked))
+        model.zero_grad(set_to_none=True)
+    (plain_loss, plain_grads, plain_asked), (loss, grads, asked) = results
+    assert set(plain_asked) == {None}
+    # Per layer: gate/up's forward (and its recomputation's) and the four backwards (the first
+    # layer's q/k/v run none: its input wants no gradient); the other forwards ask for nothing.
+    assert asked.count("cublaslt") >= 2 * (1 + 4) - 1 and None in asked
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)

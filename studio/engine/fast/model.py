@@ -97,9 +97,34 @@ class FastOptions:
     input_gradient_of_first_layer: bool = False
     """Compute the first layer's input gradient anyway (for benchmarks): the frozen embeddings' output
     wants none, so by default the first layer's q/k/v products run no input-gradient product."""
+    product_library: dict[str, str] | None = None
+    """The BLAS library each base product asks torch for (``"cublas"`` or ``"cublaslt"``), by
+    projection and direction: keys ``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"``, each alone or with
+    ``".forward"`` / ``".backward"``, and ``"*"`` or ``"*.forward"`` / ``"*.backward"`` for all;
+    the most specific key wins. None: torch's choice everywhere. (cuBLAS and cuBLASLt pick
+    different kernels for some of a 7B layer's shapes: bench/product_shapes.py.)"""
     grad_sink: bool = True
     """The captured backward adds the adapters' gradients into ``.grad`` itself (graphs.GradSink)
     instead of returning a second copy that autograd then adds there after each replay."""
+
+
+def libraries_for(choice: dict[str, str] | None, projection: str) -> dict[str, str]:
+    """One projection's BLAS library by direction from ``FastOptions.product_library``."""
+    known = {f"{p}{d}" for p in ("qkv", "o", "gate_up", "down", "*") for d in ("", ".forward", ".backward")}
+    for key in choice or {}:
+        if key not in known:
+            raise ValueError(f"FastOptions.product_library: unknown key {key!r} (a projection: qkv, o, "
+                             "gate_up, down or *; with .forward or .backward for one direction)")
+    out = {}
+    for direction in ("forward", "backward"):
+        for key in (f"{projection}.{direction}", projection, f"*.{direction}", "*"):
+            if choice and key in choice:
+                if choice[key] not in ("cublas", "cublaslt"):
+                    raise ValueError(f"FastOptions.product_library[{key!r}]: {choice[key]!r} is not "
+                                     "'cublas' or 'cublaslt'")
+                out[direction] = choice[key]
+                break
+    return out
 
 
 class FastModel:
@@ -124,7 +149,8 @@ class FastModel:
         for layer in layers:
             layer.skip_last = options.skip_last_product
             layer.norm_with_stream = stream_norm
-            for proj in layer.projections():
+            for name, proj in zip(("qkv", "o", "gate_up", "down"), layer.projections(), strict=True):
+                proj.weights.libraries = libraries_for(options.product_library, name)
                 proj.update_first = options.fused_epilogues
                 proj.backward_first = options.fused_backward
                 proj.in_kernel = in_kernel

@@ -7,7 +7,8 @@ epilogue. The backward re-dequantizes instead of keeping the bf16 weights alive.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -64,6 +65,10 @@ class FrozenWeights:
         self.quantized = [is_4bit(b) for b in self.bases]
         self.split = split and len(self.bases) > 1
         self.workspace = workspace if any(self.quantized) else None
+        self.libraries: dict[str, str] = {}
+        """The BLAS library (``"cublas"``, ``"cublaslt"``) the base products ask torch for, by
+        direction (``"forward"``, ``"backward"``); none given: torch's choice
+        (``FastOptions.product_library``)."""
         if self.workspace is not None:
             widest = max(self.out_features) if self.split else sum(self.out_features)
             self.workspace.reserve(widest * self.in_features)
@@ -126,6 +131,11 @@ class FrozenWeights:
         """``x2 @ W^T``: ``[tokens, sum(out_features)]``; added to ``into`` in place when given
         (the product's epilogue reads it: no pass of its own), or written beside ``base`` (the
         result is ``base + x2 @ W^T``, a new tensor)."""
+        with blas_library(self.libraries.get("forward")):
+            return self._forward_product(x2, into, base)
+
+    def _forward_product(self, x2: torch.Tensor, into: torch.Tensor | None,
+                         base: torch.Tensor | None) -> torch.Tensor:
         if not self.split:
             w = self.matrix().t()
             if into is not None:
@@ -148,20 +158,39 @@ class FrozenWeights:
         in place when given (in the products' epilogues)."""
         if not self.split:
             w = self.matrix()
-            return dy2 @ w if into is None else into.addmm_(dy2, w)
+            with blas_library(self.libraries.get("backward")):
+                return dy2 @ w if into is None else into.addmm_(dy2, w)
         return self.backward_blocks([dy2[:, cols] for _, cols in self._columns()], into)
 
     def backward_blocks(self, blocks: Sequence[torch.Tensor], into: torch.Tensor | None = None) -> torch.Tensor:
         """``sum_j blocks[j] @ W_j``: the input gradient from each projection's output gradient
         (added to ``into`` in place when given)."""
         dx = into
-        for index, block in enumerate(blocks):
-            w = self._piece(index)
-            if dx is None:
-                dx = block @ w
-            else:
-                dx.addmm_(block, w)
+        with blas_library(self.libraries.get("backward")):
+            for index, block in enumerate(blocks):
+                w = self._piece(index)
+                if dx is None:
+                    dx = block @ w
+                else:
+                    dx.addmm_(block, w)
         return dx
+
+
+@contextmanager
+def blas_library(name: str | None) -> Iterator[None]:
+    """Ask torch for the BLAS library ``name`` (``"cublas"``, ``"cublaslt"``) for the products run
+    inside; None: leave torch's choice as it is. The choice is torch's process-wide setting, put
+    back on the way out. Inside a CUDA graph's capture the library's kernels are what the graph
+    records, so a replay keeps them. Without CUDA there is no choice to make."""
+    if not name or not torch.cuda.is_available():
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 def is_4bit(module: nn.Module) -> bool:
@@ -453,12 +482,13 @@ class SeparateLoraProduct(torch.autograd.Function):
         outs = []
         for index, cols in weights._columns():
             w = weights._piece(index).t()
-            if xa is not None:
-                y = x2.new_empty(x2.shape[0], cols.stop - cols.start)
-                y.addmm_(xa, bt[:, cols], beta=0, alpha=scale)  # beta 0: y's contents are never read
-                y.addmm_(x2, w)
-            else:
-                y = x2 @ w
+            with blas_library(weights.libraries.get("forward")):
+                if xa is not None:
+                    y = x2.new_empty(x2.shape[0], cols.stop - cols.start)
+                    y.addmm_(xa, bt[:, cols], beta=0, alpha=scale)  # beta 0: y's contents are never read
+                    y.addmm_(x2, w)
+                else:
+                    y = x2 @ w
             outs.append(y.view(*shape[:-1], y.shape[-1]))
         if xa is not None:
             ctx.save_for_backward(x2, a, bt, xa)
