@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,9 +57,12 @@ def main() -> int:
     if args.sustained:
         # The same product for about as long as a few training steps: a card that lowers its clock
         # under sustained load shows it here, where the short loops above see the boost clock.
-        ms = best_ms(lambda: torch.mm(a, a), args.sustained, 1)
+        # nvidia-smi samples the clock and the power draw meanwhile.
+        with card_samples() as samples:
+            ms = best_ms(lambda: torch.mm(a, a), args.sustained, 1)
         result["cases"]["square_8192_sustained"] = {"ms": round(ms, 4), "loops": args.sustained,
-                                                    "tflops": round(2 * n ** 3 / ms / 1e9, 1)}
+                                                    "tflops": round(2 * n ** 3 / ms / 1e9, 1),
+                                                    "card": summary(samples)}
 
     for backend in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(backend)
@@ -107,6 +112,43 @@ def main() -> int:
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
+
+
+@contextmanager
+def card_samples(every_ms: int = 100):
+    """The SM clock (MHz) and power draw (W) nvidia-smi reads every ``every_ms`` while the block
+    runs: a list of (clock, watts), filled on the way out (empty without nvidia-smi)."""
+    samples: list[tuple[float, float]] = []
+    try:
+        proc = subprocess.Popen(["nvidia-smi", "--id=0", "--query-gpu=clocks.sm,power.draw",
+                                 "--format=csv,noheader,nounits", f"-lms={every_ms}"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+        yield samples
+        return
+    try:
+        yield samples
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+        for line in out.splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                samples.append((float(parts[0]), float(parts[1])))
+            except (ValueError, IndexError):
+                continue
+
+
+def summary(samples: list[tuple[float, float]]) -> dict:
+    """Median and range of the clock and the power draw (the first and last samples, taken while
+    the loop starts and ends, are left out)."""
+    body = samples[1:-1] or samples
+    if not body:
+        return {}
+    clocks, watts = sorted(c for c, _ in body), sorted(w for _, w in body)
+    return {"samples": len(body), "sm_clock_mhz_median": clocks[len(clocks) // 2],
+            "sm_clock_mhz_range": [clocks[0], clocks[-1]], "power_w_median": watts[len(watts) // 2],
+            "power_w_max": watts[-1]}
 
 
 if __name__ == "__main__":
