@@ -118,6 +118,7 @@ LEVERS = {
     "lt_products": {"product_library": {"*": "cublaslt"}},
     "lt_forward": {"product_library": {"*.forward": "cublaslt"}},
     "lt_backward": {"product_library": {"*.backward": "cublaslt"}},
+    "graphs_8192": {"graph_token_limit": 8192},  # "on": micro-batch 16 at seq 512 graphed too
 }
 
 

@@ -66,6 +66,9 @@ class FastOptions:
     """Replay the decoder stack's forward and backward as CUDA graphs (one per batch layout, at most
     ``max_graphs``), so the host's per-operation cost leaves the step; CUDA only."""
     max_graphs: int = 2
+    graph_token_limit: int | None = None
+    """Micro-batches of more tokens than this run without graphs; None: core/plan.py's
+    ``GRAPH_TOKEN_LIMIT``, which the estimator follows (another value is for benchmarks)."""
     """Layouts beyond this many run without graphs (each graph keeps its own activation memory)."""
     skip_last_product: bool = True
     """A layer recomputed for its backward skips its last product (the down projection), whose
@@ -305,8 +308,9 @@ class FastModel:
 
         # Large micro-batches run eagerly: the graph would cost its private pool and gain nothing
         # (core/plan.py's graphs_for, which the estimator follows too).
+        limit = self.options.graph_token_limit
         graphed = (self._graphs is not None and torch.is_grad_enabled() and seg.mask is None
-                   and graphs_for(ids.numel(), 0.0, True))
+                   and (graphs_for(ids.numel(), 0.0, True) if limit is None else ids.numel() <= limit))
         if graphed:
             ids, pos, targets, seg = self._static_layout(ids, pos, targets, seg, t)
         h = self.backbone.embed_tokens(ids).to(self.dtype)
