@@ -61,6 +61,21 @@ def test_graphed_steps_equal_eager_ones(tiny_model: Path) -> None:
             assert rel < 1e-2, f"{name}: relative gradient error {rel:.2e}"  # bf16: atomics flip last bits
 
 
+def test_the_graph_token_limit_decides_which_micro_batches_are_graphed(tiny_model: Path) -> None:
+    """FastOptions.graph_token_limit (None: core/plan.py's): a micro-batch of more tokens than the
+    limit runs eagerly, one within it is captured."""
+    from test_fast_path import _examples, _peft_model
+
+    model = _peft_model(tiny_model, 4, ["q_proj", "v_proj", "down_proj"], dtype=torch.bfloat16)
+    device = next(p for p in model.parameters() if p.requires_grad).device
+    model.to(device)
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
+    tokens = batch.input_ids.numel()  # packed: the flat stream the decision counts
+    for limit, captured in ((tokens - 1, False), (None, True), (tokens, True)):
+        fast_model, _, _ = _run(model, [batch], FastOptions(graph_token_limit=limit), steps=1)
+        assert bool(fast_model._graphs.graphed) is captured, (limit, fast_model._graphs.graphed.keys())
+
+
 def _diag(case: str) -> str:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "diag_capture.py"), case],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
