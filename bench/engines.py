@@ -142,7 +142,9 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
         fast = trainer.session.fast
     row = {"engine": "trainer", "lever": case.lever, "path": "fast" if fast is not None else "plain",
            "fast_path": fast.describe() if fast is not None else "", "notes": notes,
-           "losses": [e.loss for e in steps_seen], "steps": finished.step, "wall_s": round(wall, 1)}
+           "losses": [e.loss for e in steps_seen], "steps": finished.step, "wall_s": round(wall, 1),
+           # each logged step's end, seconds since training began (where a slow step sits)
+           "step_end_s": [round(e.elapsed_s, 4) for e in steps_seen]}
     # what sized the steps, so that a row can be re-scored offline from the lengths it trained on
     seen = [b.tokens_seen - a.tokens_seen for a, b in zip(steps_seen, steps_seen[1:], strict=False)]
     row["max_step_tokens"] = max([steps_seen[0].tokens_seen, *seen]) if steps_seen else 0
