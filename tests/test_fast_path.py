@@ -913,3 +913,31 @@ def test_a_product_library_is_asked_for_around_the_products_and_put_back(tiny_mo
     torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-5)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_fused_loss_compiles_both_of_its_integer_cases_at_the_first_step(monkeypatch) -> None:
+    """loss.warm_cases: before the first fused loss of a shape, two small losses whose target-row
+    counts fall on both sides of Triton's multiple-of-16 specialization (16 and 17 rows), once a
+    process; the real loss then runs as before."""
+    from studio.engine.fast import loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "_WARM", set())
+    calls = []
+
+    class FakeFused:
+        @staticmethod
+        def apply(h, weight, targets, *rest):
+            calls.append((h.shape[0], int((targets != loss_mod.IGNORE_INDEX).sum()), h.requires_grad, rest[-1]))
+            return ((h @ weight.t()).float().logsumexp(-1).mean(),)
+
+    kernels = {"flce": FakeFused}
+    weight = torch.randn(11, 8)
+    h = torch.randn(40, 8, requires_grad=True)
+    targets = torch.randint(0, 11, (40,))
+    targets[:5] = loss_mod.IGNORE_INDEX
+    first = loss_mod.cross_entropy(h, weight, targets, "mean", kernels)
+    again = loss_mod.cross_entropy(h, weight, targets, "mean", kernels)
+    assert calls == [(16, 16, True, "mean"), (17, 17, True, "mean"), (40, 35, True, "mean"), (40, 35, True, "mean")]
+    assert torch.equal(first, again)
+    loss_mod.cross_entropy(h, weight, targets, "sum", kernels)  # another reduction: warmed apart
+    assert [c[:2] for c in calls[4:]] == [(16, 16), (17, 17), (40, 35)]

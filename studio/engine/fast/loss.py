@@ -19,12 +19,39 @@ def cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
                   kernels: dict | None) -> torch.Tensor:
     """Cross-entropy of ``h @ weight.T`` against ``targets`` (rows of IGNORE_INDEX skipped)."""
     if kernels and weight.dtype == h.dtype:
-        # Positional arguments: liger's autograd function takes no keywords.
-        loss = kernels["flce"].apply(h, weight, targets, None, None, IGNORE_INDEX, 0.0, 0.0, reduction)
-        return loss[0] if isinstance(loss, tuple) else loss
+        warm_cases(kernels["flce"], h, weight, reduction)
+        return _fused(kernels["flce"], h, weight, targets, reduction)
     keep = targets != IGNORE_INDEX  # only target rows go through the fp32 softmax
     logits = (h[keep] @ weight.to(h.dtype).t()).float()
     return F.cross_entropy(logits, targets[keep], reduction=reduction)
+
+
+def _fused(flce, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    # Positional arguments: liger's autograd function takes no keywords.
+    loss = flce.apply(h, weight, targets, None, None, IGNORE_INDEX, 0.0, 0.0, reduction)
+    return loss[0] if isinstance(loss, tuple) else loss
+
+
+_WARM: set[tuple] = set()
+
+
+def warm_cases(flce, h: torch.Tensor, weight: torch.Tensor, reduction: str) -> None:
+    """Compile both of liger's cross-entropy kernels that a run will need, at its first loss.
+
+    liger hands its kernel the count of target rows as an integer, and Triton compiles a kernel
+    apart for an integer that is a multiple of 16 and for one that is not. The count changes with
+    every batch, so a run meets the second case at some later step, which then waits for a compile
+    (0.3 s on an H200 with Triton's cache empty: one step of a benchmark's timed window on a fresh
+    machine, bench/results/h200_v18_cold_*.json). Two small losses here, with 16 and 17 target rows,
+    compile both at the first step; each shape, dtype and reduction is warmed once a process.
+    """
+    key = (h.shape[-1], tuple(weight.shape), h.dtype, weight.dtype, h.device, reduction, h.requires_grad)
+    if key in _WARM:
+        return
+    _WARM.add(key)
+    for rows in (16, 17):
+        x = torch.zeros(rows, h.shape[-1], dtype=h.dtype, device=h.device, requires_grad=h.requires_grad)
+        _fused(flce, x, weight, torch.zeros(rows, dtype=torch.long, device=h.device), reduction)
 
 
 def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
