@@ -273,3 +273,16 @@ def test_a_small_update_survives_the_residual_kernel_in_bf16(tiny_model: Path, k
         moved = proj(x, residual=stream).float() - proj(x, residual=stream, adapters=(None, None, 1.0)).float()
     slope = float((moved * upd).sum() / (upd * upd).sum())
     assert slope > 0.7, slope
+
+
+def test_a_row_count_compiles_no_kernel_of_its_own(monkeypatch) -> None:
+    """The kernels' row count changes with the batch: Triton is told not to compile a case apart for
+    a multiple of 16 or for 1 (a compile in the middle of a run otherwise); the other integers
+    (widths, ranks) keep their cases."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kernels = update.KERNELS.get()
+    assert kernels is not None
+    for name, kernel in kernels.items():
+        told = set(kernel.do_not_specialize)
+        assert told & {"n_rows", kernel.arg_names.index("n_rows")}, name
+        assert "ffn" not in told and "n_cols" not in told, name

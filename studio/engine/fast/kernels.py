@@ -21,8 +21,13 @@ class OwnKernels:
     """The Triton kernels ``names`` of ``studio.engine.fast.<module>`` (a module that imports Triton,
     so nothing imports it until a kernel runs), and whether they work on this machine."""
 
-    def __init__(self, module: str, names: tuple[str, ...], what: str, fallback: str):
+    def __init__(self, module: str, names: tuple[str, ...], what: str, fallback: str,
+                 per_batch: tuple[str, ...] = ()):
         self.module, self.names = module, names
+        self.per_batch = per_batch
+        """Integer parameters whose value changes with the batch (a row count): Triton compiles no
+        case of its own for them (by default it compiles one for a value that is a multiple of 16,
+        and one for 1, the first time a run meets each: a compile in the middle of a run)."""
         self.what, self.fallback = what, fallback
         self.broken = ""
         """Why the kernels failed here ('' while they work): the engine then takes ``fallback``."""
@@ -44,7 +49,13 @@ class OwnKernels:
             module = importlib.import_module(f"studio.engine.fast.{self.module}")
         except Exception:  # noqa: BLE001 - any import failure (no Triton, a broken one) means "not here"
             return None
-        return {name: triton.jit(getattr(module, name)) for name in self.names}
+        out = {}
+        for name in self.names:
+            fn = getattr(module, name)
+            params = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+            per_batch = [p for p in self.per_batch if p in params]
+            out[name] = triton.jit(fn, do_not_specialize=per_batch) if per_batch else triton.jit(fn)
+        return out
 
     def mark_broken(self, exc: BaseException) -> None:
         """Give up on the kernels for this process after ``exc`` (a Triton that cannot compile them

@@ -39,7 +39,8 @@ BACKWARD_BLOCK = (16, 256)
 
 
 KERNELS = OwnKernels("update_kernels", ("swiglu_forward", "swiglu_backward", "residual_update"),
-                     "LoRA update kernels", "adding the updates in their own products instead")
+                     "LoRA update kernels", "adding the updates in their own products instead",
+                     per_batch=("n_rows",))
 
 
 def _kernels():
