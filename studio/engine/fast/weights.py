@@ -8,7 +8,7 @@ epilogue. The backward re-dequantizes instead of keeping the bf16 weights alive.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -176,15 +176,22 @@ class FrozenWeights:
         return dx
 
 
-@contextmanager
-def blas_library(name: str | None) -> Iterator[None]:
+_AS_IS = nullcontext()
+
+
+def blas_library(name: str | None) -> AbstractContextManager:
     """Ask torch for the BLAS library ``name`` (``"cublas"``, ``"cublaslt"``) for the products run
-    inside; None: leave torch's choice as it is. The choice is torch's process-wide setting, put
-    back on the way out. Inside a CUDA graph's capture the library's kernels are what the graph
-    records, so a replay keeps them. Without CUDA there is no choice to make."""
+    inside; None: leave torch's choice as it is (one shared do-nothing context: the products call
+    this on every step). The choice is torch's process-wide setting, put back on the way out.
+    Inside a CUDA graph's capture the library's kernels are what the graph records, so a replay
+    keeps them. Without CUDA there is no choice to make."""
     if not name or not torch.cuda.is_available():
-        yield
-        return
+        return _AS_IS
+    return _asking(name)
+
+
+@contextmanager
+def _asking(name: str) -> Iterator[None]:
     before = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(name)
     try:
