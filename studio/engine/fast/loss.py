@@ -43,7 +43,9 @@ def warm_cases(flce, h: torch.Tensor, weight: torch.Tensor, reduction: str) -> N
     every batch, so a run meets the second case at some later step, which then waits for a compile
     (0.3 s on an H200 with Triton's cache empty: one step of a benchmark's timed window on a fresh
     machine, bench/results/h200_v18_cold_*.json). Two small losses here, with 16 and 17 target rows,
-    compile both at the first step; each shape, dtype and reduction is warmed once a process.
+    compile both at the first step; each shape, dtype and reduction is warmed once a process. The
+    weight goes in detached: a trainable head would otherwise have liger allocate its gradient
+    (vocabulary x hidden) for these throwaway losses; the kernels compiled do not depend on it.
     """
     key = (h.shape[-1], tuple(weight.shape), h.dtype, weight.dtype, h.device, reduction, h.requires_grad)
     if key in _WARM:
@@ -51,7 +53,7 @@ def warm_cases(flce, h: torch.Tensor, weight: torch.Tensor, reduction: str) -> N
     _WARM.add(key)
     for rows in (16, 17):
         x = torch.zeros(rows, h.shape[-1], dtype=h.dtype, device=h.device, requires_grad=h.requires_grad)
-        _fused(flce, x, weight, torch.zeros(rows, dtype=torch.long, device=h.device), reduction)
+        _fused(flce, x, weight.detach(), torch.zeros(rows, dtype=torch.long, device=h.device), reduction)
 
 
 def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
