@@ -31,7 +31,9 @@ clock (the cards lower it at their power limit: bench/NOTES.md entry 13).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import re
 import statistics
 import sys
@@ -40,8 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import functools
-import os
+from bench.gpu_timing import loop_ms  # noqa: E402
 
 try:
     import triton
@@ -213,15 +214,6 @@ def main() -> int:
     bt[rank:, ffn:] = 0.01 * torch.randn(rank, ffn, device=dev)
     split = (0, rank, rank, rank)
     heat = torch.randn(8192, 8192, device=dev, dtype=bf)
-
-    def loop_ms(fn, loops: int) -> float:
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(loops):
-            fn()
-        stop.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(stop) / loops
 
     for m in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(m, hidden, device=dev, dtype=bf)
