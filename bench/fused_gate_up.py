@@ -18,8 +18,9 @@ Cases, each at 8192 and 4096 tokens (``--tokens``), a 7B layer's gate/up (4096 -
 - ``fused_forward``: this file's kernel writing SwiGLU's output only (product, update and SwiGLU in one);
 - ``fused_recompute``: the same also writing the product's output (what the backward reads).
 
-The kernel is persistent (one program an SM, tiles in grouped order), loads through TMA descriptors,
-and keeps gate's and up's accumulators side by side for the same rows and columns. Each of
+The kernel walks its tiles in grouped order, persistent (one program an SM) or one program a tile,
+loads and stores through TMA descriptors, and keeps gate's and up's accumulators side by side for the
+same rows and columns. Each of
 ``--configs`` (:func:`parse_config`) is timed; the fastest counts. Every case runs under
 sustained load: the card is first held busy for ``--heat-s`` seconds, and the cases then run
 interleaved in ``--rounds`` rounds of ``--loops`` calls (medians reported), so each sees the same
@@ -146,16 +147,17 @@ def fused_gate_up(x, w, xa, bt, scale: float, rank: int, config: tuple, write_gu
     xa_, bt_ = (xa, bt) if lora else (x, x)
     tiles = -(-m // bm) * -(-ffn // bn)
     grid = (min(programs, tiles) if persistent else tiles,)
-    _jitted(os.environ.get("TRITON_INTERPRET") == "1")[grid](x_desc, wg_desc, wu_desc, g_desc, u_desc, act_desc, xa_, bt_, m, ffn, k_dim,
-                         float(scale), xa_.stride(0), bt_.stride(0), rank, BM=bm, BN=bn, BK=bk,
-                         RANK=max(16, 1 << max(0, rank - 1).bit_length()), GROUP_M=group, PROGRAMS=grid[0],
-                         WRITE_GU=write_gu, SWIGLU=swiglu, LORA=lora, DOT_F32=x.device.type != "cuda",
-                         FLATTEN=flatten, num_stages=stages, num_warps=warps)
+    kernel = _jitted(os.environ.get("TRITON_INTERPRET") == "1")
+    kernel[grid](x_desc, wg_desc, wu_desc, g_desc, u_desc, act_desc, xa_, bt_, m, ffn, k_dim, float(scale),
+                 xa_.stride(0), bt_.stride(0), rank, BM=bm, BN=bn, BK=bk,
+                 RANK=max(16, 1 << max(0, rank - 1).bit_length()), GROUP_M=group, PROGRAMS=grid[0],
+                 WRITE_GU=write_gu, SWIGLU=swiglu, LORA=lora, DOT_F32=x.device.type != "cuda", FLATTEN=flatten,
+                 num_stages=stages, num_warps=warps)
     return (gu if write_gu else None), (act if swiglu else None)
 
 
 def parse_config(text: str) -> tuple:
-    """``BMxBNxBKxSTAGESxWARPS[gG][f][n]``: tile rows, columns (each of gate and up), inner size,
+    """``BMxBNxBKxSTAGESxWARPS`` with an optional ``-`` and flags ``gG``, ``f``, ``n``: tile rows, columns (each of gate and up), inner size,
     pipeline stages, warps; ``gG`` rows of tiles in a group (8), ``f`` the persistent loop flattened
     into the inner one (Triton pipelines across tiles), ``n`` one program a tile (not persistent)."""
     head, _, flags = text.partition("-")
