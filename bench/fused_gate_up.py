@@ -57,7 +57,8 @@ if triton is not None:
                        scale, stride_xa, stride_bt, rank,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RANK: tl.constexpr,
                        GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, WRITE_GU: tl.constexpr,
-                       SWIGLU: tl.constexpr, LORA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr):
+                       SWIGLU: tl.constexpr, LORA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr,
+                       WS_TILES: tl.constexpr, WS_K: tl.constexpr):
         """``x [m, k] @ [Wg; Wu]^T``: gate's and up's base outputs (``WRITE_GU``, each ``[m, ffn]``)
         and ``silu(gate + upd_g) * (up + upd_u)`` (``SWIGLU``), ``upd = scale * xa @ bt`` with ``xa``
         ``[m, 2 rank]`` (gate's rank, then up's) and ``bt`` ``[2 rank, 2 ffn]`` block-diagonal."""
@@ -69,7 +70,7 @@ if triton is not None:
         tiles = tiles_m * tiles_n
         k_tiles = (k_dim + BK - 1) // BK
         in_group = GROUP_M * tiles_n
-        for tile in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN):
+        for tile in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN, warp_specialize=WS_TILES):
             group = tile // in_group
             first_m = group * GROUP_M
             size_m = tl.minimum(tiles_m - first_m, GROUP_M)
@@ -79,7 +80,7 @@ if triton is not None:
             on = pid_n * BN
             acc_g = tl.full((BM, BN), 0.0, tl.float32)
             acc_u = tl.full((BM, BN), 0.0, tl.float32)
-            for kk in range(k_tiles):
+            for kk in tl.range(0, k_tiles, warp_specialize=WS_K):
                 a = x_desc.load([om, kk * BK])
                 wg = wg_desc.load([on, kk * BK])
                 wu = wu_desc.load([on, kk * BK])
@@ -129,7 +130,7 @@ def fused_gate_up(x, w, xa, bt, scale: float, rank: int, config: tuple, write_gu
     """Run :func:`gate_up_kernel`: ``(gu or None, act or None)``; ``w`` is ``[2 ffn, k]``, gate first."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    bm, bn, bk, stages, warps, group, flatten, persistent = config
+    bm, bn, bk, stages, warps, group, flatten, persistent, ws = config
     m, k_dim = x.shape
     ffn = w.shape[0] // 2
     gu, act = out if out is not None else (None, None)
@@ -152,23 +153,26 @@ def fused_gate_up(x, w, xa, bt, scale: float, rank: int, config: tuple, write_gu
                  xa_.stride(0), bt_.stride(0), rank, BM=bm, BN=bn, BK=bk,
                  RANK=max(16, 1 << max(0, rank - 1).bit_length()), GROUP_M=group, PROGRAMS=grid[0],
                  WRITE_GU=write_gu, SWIGLU=swiglu, LORA=lora, DOT_F32=x.device.type != "cuda", FLATTEN=flatten,
-                 num_stages=stages, num_warps=warps)
+                 WS_TILES=ws == "w", WS_K=ws == "k", num_stages=stages, num_warps=warps)
     return (gu if write_gu else None), (act if swiglu else None)
 
 
 def parse_config(text: str) -> tuple:
     """``BMxBNxBKxSTAGESxWARPS`` with an optional ``-`` and flags ``gG``, ``f``, ``n``: tile rows, columns (each of gate and up), inner size,
     pipeline stages, warps; ``gG`` rows of tiles in a group (8), ``f`` the persistent loop flattened
-    into the inner one (Triton pipelines across tiles), ``n`` one program a tile (not persistent)."""
+    into the inner one (Triton pipelines across tiles), ``n`` one program a tile (not persistent), ``w``
+    or ``k`` Triton's warp specialization asked for on the loop over tiles or over the inner
+    dimension (``tl.range(warp_specialize=True)``)."""
     head, _, flags = text.partition("-")
     bm, bn, bk, stages, warps = (int(v) for v in head.split("x"))
     group = int(re.search(r"g(\d+)", flags).group(1)) if "g" in flags else 8
-    return bm, bn, bk, stages, warps, group, "f" in flags, "n" not in flags
+    ws = "w" if "w" in flags else "k" if "k" in flags else ""
+    return bm, bn, bk, stages, warps, group, "f" in flags, "n" not in flags, ws
 
 
 def config_name(cfg: tuple) -> str:
-    bm, bn, bk, stages, warps, group, flatten, persistent = cfg
-    flags = (f"g{group}" if group != 8 else "") + ("f" if flatten else "") + ("" if persistent else "n")
+    bm, bn, bk, stages, warps, group, flatten, persistent, ws = cfg
+    flags = (f"g{group}" if group != 8 else "") + ("f" if flatten else "") + ("" if persistent else "n") + ws
     return f"{bm}x{bn}x{bk}x{stages}x{warps}" + (f"-{flags}" if flags else "")
 
 

@@ -31,7 +31,7 @@ def _inputs(device, m: int, k: int, ffn: int, rank: int):
     return [t.to(device, torch.bfloat16) for t in (x, w, xa, bt)]
 
 
-@pytest.mark.parametrize("config", ["32x32x32x1x4", "64x64x32x1x4-g2n", "32x32x32x1x4-f"])
+@pytest.mark.parametrize("config", ["32x32x32x1x4", "64x64x32x1x4-g2n", "32x32x32x1x4-f", "32x32x32x1x4-k"])
 @pytest.mark.parametrize(("m", "ffn"), [(80, 96), (64, 64)])
 def test_the_fused_kernel_gives_the_product_and_swiglu_of_product_plus_update(kernel_device, config, m, ffn):
     """Gate's and up's base outputs (written for the backward) and ``silu(g + upd) * (u + upd)``
@@ -62,7 +62,8 @@ def test_the_fused_kernel_gives_the_product_and_swiglu_of_product_plus_update(ke
 
 
 def test_configs_read_and_name_back():
-    assert parse_config("128x128x64x3x8") == (128, 128, 64, 3, 8, 8, False, True)
-    assert parse_config("64x128x64x4x4-g16fn") == (64, 128, 64, 4, 4, 16, True, False)
-    for text in ("128x128x64x3x8", "128x128x64x3x8-f", "128x64x64x4x4-g4n"):
+    assert parse_config("128x128x64x3x8") == (128, 128, 64, 3, 8, 8, False, True, "")
+    assert parse_config("64x128x64x4x4-g16fn") == (64, 128, 64, 4, 4, 16, True, False, "")
+    assert parse_config("128x128x64x3x8-nk")[-2:] == (False, "k")
+    for text in ("128x128x64x3x8", "128x128x64x3x8-f", "128x64x64x4x4-g4n", "128x128x64x3x8-w"):
         assert config_name(parse_config(text)) == text
