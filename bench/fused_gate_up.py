@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import re
 import statistics
 import sys
@@ -44,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_timing import loop_ms  # noqa: E402
+from studio.engine.fast.kernels import interpreted  # noqa: E402
 
 try:
     import triton
@@ -148,7 +148,7 @@ def fused_gate_up(x, w, xa, bt, scale: float, rank: int, config: tuple, write_gu
     xa_, bt_ = (xa, bt) if lora else (x, x)
     tiles = -(-m // bm) * -(-ffn // bn)
     grid = (min(programs, tiles) if persistent else tiles,)
-    kernel = _jitted(os.environ.get("TRITON_INTERPRET") == "1")
+    kernel = _jitted(interpreted())
     kernel[grid](x_desc, wg_desc, wu_desc, g_desc, u_desc, act_desc, xa_, bt_, m, ffn, k_dim, float(scale),
                  xa_.stride(0), bt_.stride(0), rank, BM=bm, BN=bn, BK=bk,
                  RANK=max(16, 1 << max(0, rank - 1).bit_length()), GROUP_M=group, PROGRAMS=grid[0],

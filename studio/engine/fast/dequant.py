@@ -19,11 +19,9 @@ bitsandbytes.
 
 from __future__ import annotations
 
-import functools
-import os
-import warnings
-
 import torch
+
+from studio.engine.fast.kernels import OwnKernels, interpreted
 
 BLOCKS_PER_PROGRAM = 64
 """4-bit blocks (of ``blocksize`` values each) one program dequantizes: 4,096 values at the usual
@@ -33,55 +31,29 @@ NUM_WARPS = 2
 weights on an H100 (bench/dequant_speed.py --sweep, bench/results/h100_v11_dequant_sweep.json)."""
 
 
-def _kernel():
-    """The kernel, jitted on first use, or None without Triton: the interpreter's under
-    ``TRITON_INTERPRET=1`` and the compiler's otherwise, each as the environment says at the call
-    (Triton decides when it wraps the function; one kept from the other setting would run the
-    interpreter, which truncates to bf16, on GPU tensors). Triton is imported here, not with the
-    engine: a CPU worker never pays for it."""
-    return _kernel_for(_interpreted())
-
-
-@functools.cache
-def _kernel_for(interpreted: bool):
-    try:
-        import triton
-
-        from studio.engine.fast.dequant_kernel import nf4_dequantize
-    except Exception:  # noqa: BLE001 - any import failure (no Triton, a broken one) means "not here"
-        return None
-    return triton.jit(nf4_dequantize)
-
-
-_broken = ""
-"""Why the kernel failed to build or run on this machine ('' while it works): from then on every
+KERNELS = OwnKernels("dequant_kernel", ("nf4_dequantize",), "NF4 dequantization kernel",
+                     "using bitsandbytes' instead")
+"""The kernel, jitted on first use for the interpreter or the compiler as the environment says at
+the call (engine/fast/kernels.py), and whether it works here: once it fails to build or run, every
 weight goes through bitsandbytes (weights._dequantize_into)."""
 
 
+def _kernel():
+    """The jitted kernel, or None without Triton. Triton is imported only here, on first use: a CPU
+    worker never pays for it."""
+    kernels = KERNELS.get()
+    return kernels["nf4_dequantize"] if kernels else None
+
+
 def broken() -> str:
-    return _broken
-
-
-def mark_broken(exc: BaseException) -> None:
-    """Give up on the kernel for this process after ``exc`` (a Triton that cannot compile it for
-    this GPU, say): training goes on through bitsandbytes, with a warning saying why."""
-    global _broken
-    if not _broken:
-        _broken = f"{type(exc).__name__}: {exc}"[:500]
-        warnings.warn(f"Studio's NF4 dequantization kernel failed ({_broken}); using bitsandbytes' instead",
-                      RuntimeWarning, stacklevel=3)
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Why the kernel failed on this machine ('' while it works)."""
+    return KERNELS.broken
 
 
 def available(device: torch.device) -> bool:
     """Whether :class:`NF4Weight` can run on ``device``: CUDA with Triton, or anywhere under
     Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests)."""
-    if _broken or (device.type != "cuda" and not _interpreted()):
-        return False
-    return _kernel() is not None
+    return KERNELS.usable(device)
 
 
 def supports(state, dtype: torch.dtype) -> bool:
@@ -136,4 +108,4 @@ class NF4Weight:
         kernel[grid](packed, self.scales, self.code2, self.absmax2, self.offset, self.code, out, numel,
                      blocks, NESTED=self.nested, HALF=self.blocksize // 2, BLOCKSIZE2=self.inner,
                      ROWS=BLOCKS_PER_PROGRAM, num_warps=NUM_WARPS, enable_fp_fusion=False,
-                     ROUND_BY_HAND=out.dtype == torch.bfloat16 and _interpreted())
+                     ROUND_BY_HAND=out.dtype == torch.bfloat16 and interpreted())

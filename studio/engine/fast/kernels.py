@@ -1,5 +1,5 @@
-"""What Studio's own Triton kernel modules (update.py, norm.py) share: the kernels jitted on first use,
-for Triton's interpreter or its compiler, and given up on for the process once they fail."""
+"""What Studio's own Triton kernel modules (dequant.py, update.py, norm.py) share: the kernels jitted
+on first use, for Triton's interpreter or its compiler, and given up on for the process once they fail."""
 
 from __future__ import annotations
 

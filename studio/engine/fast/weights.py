@@ -217,14 +217,10 @@ def expanded_absmax(state) -> torch.Tensor:
 
 def _dequantize_into(base: nn.Module, absmax: torch.Tensor | None, out: torch.Tensor,
                      kernel: dequant.NF4Weight | None = None) -> None:
-    if kernel is not None and not dequant.broken():  # one kernel, the scales included (dequant.py)
-        try:
-            kernel(base.weight.data, out)
+    if kernel is not None:  # one kernel, the scales included (dequant.py); bitsandbytes' if it fails
+        done, _ = dequant.KERNELS.attempt(lambda: kernel(base.weight.data, out))
+        if done:
             return
-        except Exception as exc:  # noqa: BLE001 - a kernel that cannot build here: bitsandbytes' then
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise  # inside a CUDA graph's capture: the capture fails and the step runs eagerly
-            dequant.mark_broken(exc)
     state = base.weight.quant_state
     if absmax is None:
         absmax = expanded_absmax(state)
