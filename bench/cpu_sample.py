@@ -7,7 +7,7 @@ command, the machine (CPU model, cores usable, load average before / during / af
 may be shared), the package versions, the training's wall and CPU seconds, the base model's eval
 loss at step 0 and the fine-tune's at the end, and the held-out totals.
 
-    python bench/cpu_sample.py --threads 2 --rows 20 --out bench/results/cpu_sample_smollm2.json
+    python bench/cpu_sample.py --threads 2 --rows 20 --out bench/results/current/cpu_sample_smollm2.json
     python bench/cpu_sample.py --held-out-only RUN_DIR --rows 8   # redo the comparison of a run
 
 A loaded machine stretches wall time, not CPU time: ``estimated_wall_s_on_idle_cores`` divides the
@@ -136,7 +136,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch (default 2)")
     parser.add_argument("--rows", type=int, default=20, help="held-out rows to compare (default 20)")
-    parser.add_argument("--out", default=str(ROOT / "bench/results/cpu_sample_smollm2.json"))
+    parser.add_argument("--out", default=str(ROOT / "bench/results/current/cpu_sample_smollm2.json"))
     parser.add_argument("--held-out-only", metavar="RUN_DIR",
                         help="only (re)do the held-out comparison of this finished run, into --out's JSON")
     args = parser.parse_args()

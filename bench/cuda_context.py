@@ -1,7 +1,7 @@
 """How much this process holds on the card beyond torch's pool (CUDA context, cuBLAS handles), as
 studio/engine/memory.py measures it, against the estimator's CUDA_CONTEXT_BYTES.
 
-    PYTHONPATH=. python bench/cuda_context.py --out bench/results/cuda_context_h100.json
+    PYTHONPATH=. python bench/cuda_context.py --out bench/results/current/cuda_context_h100.json
 """
 
 from __future__ import annotations

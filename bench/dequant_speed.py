@@ -11,7 +11,7 @@ getting the bf16 weight, and checks the kernel's output against bitsandbytes' to
 - ``triton_cached``: the same kernel reading expanded fp32 scales.
 
 Bandwidth counts the bytes that must move: the packed weight and its scales read, the bf16 weight
-written. Usage: ``python bench/dequant_speed.py --out bench/results/x.json``.
+written. Usage: ``python bench/dequant_speed.py --out bench/results/current/x.json``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ epilogue beat cuBLAS's product plus Studio's SwiGLU kernel? Issue 13's last rout
 
 At micro-batch 16 a 7B step runs gate/up's product twice (the forward, and the recomputation for the
 backward) and SwiGLU after each: ~12 ms a step of SwiGLU forwards on an H200
-(bench/results/h200_v18_profile.json), reading the 2 x 11008-wide output back and writing the
+(bench/results/archive/h200_v18_profile.json), reading the 2 x 11008-wide output back and writing the
 11008-wide one. A product that applies SwiGLU to its accumulators before they leave the chip writes
 only SwiGLU's output in the forward (nothing saves the product's: the layer is recomputed), and in
 the recomputation writes the product's output and SwiGLU's without reading either back.
@@ -26,7 +26,7 @@ sustained load: the card is first held busy for ``--heat-s`` seconds, and the ca
 interleaved in ``--rounds`` rounds of ``--loops`` calls (medians reported), so each sees the same
 clock (the cards lower it at their power limit: bench/NOTES.md entry 13).
 
-    python3 bench/fused_gate_up.py --out bench/results/x.json
+    python3 bench/fused_gate_up.py --out bench/results/current/x.json
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ No weights can be downloaded on the GPU machine, so both models are built there 
 (bench/make_random_model.py) and saved to /tmp; then the real command line trains each for a few
 steps on the bundled sample config, and the run's events (tokens/s, memory) are summarised as JSON:
 
-    python bench/gpu_train_smoke.py --out bench/results/gpu_train_smoke.json
+    python bench/gpu_train_smoke.py --out bench/results/current/gpu_train_smoke.json
 
 Run it from the repository root on a CUDA machine. Each training command and its exit code is in the
 summary, so a failure is reported rather than hidden.

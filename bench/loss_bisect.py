@@ -6,7 +6,7 @@ The HF + PEFT loop's losses on bench/speed.py's recorded batches are reproducibl
 A variant is either some FastOptions switched off (``name=JSON``) or another checkout of the code
 (``name=@folder``: that folder's studio/ and bench/ run instead of these):
 
-    python3 bench/loss_bisect.py --model /tmp/llama2-7b-random --baseline bench/results/h100_v9_losses_vs_hf.json \\
+    python3 bench/loss_bisect.py --model /tmp/llama2-7b-random --baseline bench/results/archive/h100_v9_losses_vs_hf.json \\
         --variant 'now={}' --variant 'all_off={"fused_backward": false, ...}' --variant 'v7=@/tmp/v7' --out x.json
 """
 

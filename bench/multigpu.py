@@ -2,7 +2,7 @@
 
 On a machine with two GPUs (nvidia-h200-x2), with bitsandbytes and liger-kernel as wheels:
 
-    python bench/multigpu.py --out bench/results --steps 30
+    python bench/multigpu.py --out bench/results/current --steps 30
 
 It builds the random Llama-2-7B if missing (bench/make_random_model.py), writes rows longer than 512
 tokens (so every packed row is one 512-token example), and for micro-batch 4 and 16 trains Studio's
@@ -186,7 +186,7 @@ def summarize(runs: dict, gpus: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default="bench/results/current")
     parser.add_argument("--work", default="/tmp/studio-multigpu")
     parser.add_argument("--model", default="/tmp/llama2-7b-random")
     parser.add_argument("--gpus", type=int, default=2, help="N of the N-GPU runs (default 2)")

@@ -10,7 +10,7 @@ block of the fused output, reading its block of the output's gradient) are also 
 (``*_columns``). Each case is the best of several timed repeats of a loop of 20 products; TFLOP/s
 counts the product's multiply-adds only. ``--sustained N`` also times N square products in one loop.
 
-    python3 bench/product_shapes.py --out bench/results/x.json [--tokens 8192,4096]
+    python3 bench/product_shapes.py --out bench/results/current/x.json [--tokens 8192,4096]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ tokens of fixed-length rows, checkpointing):
    gradients. No implementation that recomputes each layer and uses these kernels runs faster.
 
 Writes ``--out`` (JSON: the command, GPU, versions, per-workload tokens/s, the kernel table and the
-ceilings). Usage: ``python bench/profile_gpu_bound.py --out bench/results/x.json --workloads 512x16,4096x1``.
+ceilings). Usage: ``python bench/profile_gpu_bound.py --out bench/results/current/x.json --workloads 512x16,4096x1``.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def ceiling(tokens: int, seq: int, mb: int, layers: int = 32, hidden: int = 4096
     a = torch.randn(n, n, device=dev, dtype=bf)
     square = timed(lambda: torch.mm(a, a))
     # The same product for ~2 s: under its power limit the card lowers its clock (an H100 SXM ran at
-    # a median 1410 of its 1980 MHz, bench/results/h100_v18_product_shapes.json), and a training
+    # a median 1410 of its 1980 MHz, bench/results/archive/h100_v18_product_shapes.json), and a training
     # step's products run at this rate, not at the short loop's.
     sustained = best_ms(lambda: torch.mm(a, a), loops=1500, repeats=1, warm=False)
     return {"tokens": tokens, "products_ms": round(full + head_ms, 2),

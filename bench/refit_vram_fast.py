@@ -4,8 +4,8 @@ fitted); without --search, the rows scored with the constants as they stand. Sev
 each one's rows and summary, then the summary over all of them (the search fits all their in-sample
 fast rows).
 
-    python3 bench/refit_vram_fast.py bench/results/h100_vram_trainer_v5_a.json \
-        bench/results/h100_vram_trainer_v5_b.json [--search]
+    python3 bench/refit_vram_fast.py bench/results/current/h100_vram_trainer_v5_a.json \
+        bench/results/current/h100_vram_trainer_v5_b.json [--search]
 
 The current engine's grid is v5 (engine of 09fac3a); the v3 and v4 files still score, with the
 constants fitted to the engine they measured.
@@ -31,7 +31,7 @@ GRID = {"_GRAPH_POOL_PER_TOKEN": [x / 4 for x in range(0, 9)],
         "_LAYER_WORKING_SET": [x / 20 for x in range(18, 29)]}
 """The current engine's constants (core/vram_fast.py); rows measured on the engine before 09fac3a are
 scored with the constants fitted to that one (``vram_fast.UNFUSED``), which the search leaves alone:
-fit on the grid of the engine that runs now (bench/results/h100_vram_trainer_v5_*.json); the v3 and
+fit on the grid of the engine that runs now (bench/results/current/h100_vram_trainer_v5_*.json); the v3 and
 v4 grids are its history."""
 
 

@@ -5,8 +5,8 @@ each case's Plan and ModelInfo exactly as that benchmark does (``Case.plan()`` a
 config) and calls the same ``estimate_plan``, so a change to studio/core/vram.py can be checked
 against every measured row without another GPU run.
 
-    PYTHONPATH=. python bench/rescore_vram.py --results bench/results/vram_accuracy_h100.json \\
-        --out bench/results/vram_rescored.json
+    PYTHONPATH=. python bench/rescore_vram.py --results bench/results/current/vram_accuracy_h100_v3.json \\
+        --out /tmp/rescored.json
 """
 
 from __future__ import annotations

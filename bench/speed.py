@@ -618,7 +618,7 @@ def main() -> int:
                         help="folder of tokenizer files for the random model (else the tiny model's)")
     parser.add_argument("--workload", default="", help="trainer worker: name:data:micro_batch:template")
     parser.add_argument("--model", default="/tmp/llama2-7b-random")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default="bench/results/current")
     parser.add_argument("--work", default="/tmp/studio-bench")
     parser.add_argument("--batches", default="")
     parser.add_argument("--json", default="")

@@ -11,7 +11,7 @@ studio/ui/plot_process.py, and their CPU time is reported too).
 
     python bench/ui_events.py                 # 20 events/s for 60 s -> bench/ui_events.json
     python bench/ui_events.py --runs 3        # three runs one after the other; each run's p50 / p95 in "runs"
-    python bench/ui_events.py --rate 50 --out bench/results/ui_events_rate50.json
+    python bench/ui_events.py --rate 50 --out bench/results/current/ui_events_rate50.json
     python bench/ui_events.py --seconds 10    # a quick look
     python bench/ui_events.py --plots thread --out /tmp/thread.json   # frames built in a thread instead
 """

@@ -10,7 +10,7 @@ Times, at micro-batch 16 x seq 512 (8192 tokens) and 4096 tokens, rank 16:
 - a sweep of the kernels' tile shapes and warps (``--sweep``).
 The base products are left out: both orders run them, with or without reading the output.
 
-    python3 bench/update_kernels.py --out bench/results/x.json [--sweep]
+    python3 bench/update_kernels.py --out bench/results/current/x.json [--sweep]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ max_memory_reserved and the measured categories (studio.engine.memory). The pred
 studio.core.vram. The result JSON holds every row, the median and worst relative error, the GPU,
 package versions and the exact command.
 
-    PYTHONPATH=. python bench/vram_accuracy.py --out bench/results/vram_accuracy_h100.json
+    PYTHONPATH=. python bench/vram_accuracy.py --out bench/results/current/vram_accuracy_h100.json
     PYTHONPATH=. python bench/vram_accuracy.py --dry-run --out /tmp/vram_dry.json   # CPU, tiny
     # a few rows again under Studio's own allocator setting (expandable segments)
     PYTHONPATH=. python bench/vram_accuracy.py --expandable --only "seq512 mb4 ckpt,seq1024 mb8" --out x.json
@@ -244,7 +244,7 @@ def _v2_grid() -> list[Case]:
     grid = [replace(c, expandable=True, engine="trainer", out_of_sample=(i % 3 == 2 or i == len(rows) - 1))
             for i, c in enumerate(rows)]
     # Added in the eighth session, after the estimator was refitted to the engine of 09fac3a on the
-    # rows above, and committed with their predictions (bench/results/h100_vram_trainer_v6_predicted.json)
+    # rows above, and committed with their predictions (bench/results/archive/h100_vram_trainer_v6_predicted.json)
     # before any was measured: out of sample, all of them. Shapes the grid lacked: 16384-token eager
     # steps, a Llama-3-8B step with adapter dropout, padded short rows on GQA, 4096-token graphs on 7B.
     later = [
