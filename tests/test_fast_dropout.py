@@ -192,7 +192,7 @@ def test_cuda_graphs_replay_each_steps_dropout_masks(tiny_model: Path) -> None:
                 loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
                 loss.backward()
                 losses.append(loss.item())
-                del loss  # alive, the spent graph would break the next capture (bench/NOTES.md)
+                del loss  # alive, the spent graph would break the next capture (docs/speed.md)
             grads.append(_grads(model))
         if graphs:
             assert fast_model._graphs is not None and not fast_model._graphs.failed, fast_model._graphs.failed

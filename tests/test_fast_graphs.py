@@ -1,6 +1,6 @@
 """The fast path's CUDA graphs (studio/engine/fast/graphs.py), on a CUDA GPU: replayed steps equal
 eager ones over gradient accumulation and zeroed gradients; a capture after eager steps works when
-their losses were released, and fails while one is alive (bench/NOTES.md)."""
+their losses were released, and fails while one is alive (docs/speed.md)."""
 
 from __future__ import annotations
 
@@ -92,14 +92,14 @@ def test_a_capture_after_eager_steps_whose_losses_are_released() -> None:
 
 
 def test_a_capture_while_an_earlier_loss_is_alive() -> None:
-    """The fault the Trainer steps around (bench/NOTES.md): with an earlier forward's loss still alive,
+    """The fault the Trainer steps around (docs/speed.md): with an earlier forward's loss still alive,
     its gradient accumulators belong to the default stream and a backward capture that ends at them
     fails; the step falls back to eager. Through the gradient sink (the default since 2026-11-24)
     the captured backward ends at the sink's anchor instead, and on the H100 this passes; the
     expected failure stays for the path without the sink (``FastOptions(grad_sink=False)``)."""
     out = _diag("test_sequence_0.0")
     if "FAILED: capture failed" in out and "cudaErrorStreamCapture" in out:
-        pytest.xfail("known: a capture while an earlier loss is alive (bench/NOTES.md)")
+        pytest.xfail("known: a capture while an earlier loss is alive (docs/speed.md)")
     assert "test_sequence_0.0: ok" in out, out[-2000:]
 
 

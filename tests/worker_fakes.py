@@ -2,7 +2,7 @@
 (detach, lock, socket, commands, event log) is tested in seconds without torch. The worker loads it when
 $STUDIO_WORKER_TRAINER is "worker_fakes:FakeTrainer" (with tests/ on PYTHONPATH).
 
-It follows the session contract of docs/architecture.md: load(), train(resume), generate(...),
+It follows the session contract of docs/CONTRACTS.md: load(), train(resume), generate(...),
 evaluate(), between_steps after every step ("stop" = checkpoint + TrainingFinished(stopped)).
 Knobs: $FAKE_STEP_S (seconds a step), $FAKE_FAIL_AT_STEP (raise there), $FAKE_CHECKPOINT_EVERY.
 """

@@ -31,7 +31,7 @@ FAST_WEIGHTS = ("nf4", "fp4", "bf16", "fp16", "fp32")
 
 GRAPH_TOKEN_LIMIT = 4096
 """Micro-batches of more tokens than this run without CUDA graphs. Measured on an H100 (Llama-2-7B
-NF4 r16, 8192 tokens a micro-batch, bench/results/archive/h100_vram_trainer.json): graphs gave no speed
+NF4 r16, 8192 tokens a micro-batch, bench/results/h100_vram_trainer.json): graphs gave no speed
 (11,787 vs 11,959 tokens/s without) and cost 1.07 GiB of reserved memory (their private pool);
 at 512 tokens they are what makes the step fast (the host's per-operation cost dominates there)."""
 
@@ -60,7 +60,7 @@ keeps each layer's attention output and log-sum-exp on the host, and the recompu
 attention (engine/fast/attention.py; ``FastOptions.keep_attention_from``). None: off. On an H100
 over PCIe 5 it did not pay: interleaved runs in one call measured -0.2% at seq 4096 and -1.3% at
 512x16 (the host link already carries each layer's input and q, k and v in about the time of its
-forward; bench/results/archive/h100_v15_*.json, bench/NOTES.md). A host with a faster link to the GPU is
+forward; bench/results/h100_v15_*.json, docs/speed.md). A host with a faster link to the GPU is
 where it can. On the device: one more layer's output, the one brought back."""
 
 
@@ -68,7 +68,7 @@ def offload_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
     """Whether the fast path keeps each checkpointed layer's input in pinned host memory for a
     micro-batch of ``tokens`` (engine/fast/offload.py): on CUDA, on eager steps and (with
     ``OFFLOAD_IN_GRAPHS``) graphed ones, with or without adapter dropout (a recomputation
-    regenerates its masks). Measured on an H100 (bench/NOTES.md)."""
+    regenerates its masks). Measured on an H100 in bench/results/ (docs/memory.md)."""
     return cuda and (OFFLOAD_IN_GRAPHS or not graphs_for(tokens, lora_dropout, cuda))
 
 

@@ -17,11 +17,11 @@ residual stream, no per-module saved inputs, no logits. What it holds, from what
   GRAPH_TOKEN_LIMIT tokens), the free blocks of the graph's private pool.
 
 ``_LAYER_WORKING_SET`` was first fitted to three H100 rows of Studio's Trainer (Llama-2-7B NF4 r16
-seq 512, micro-batch 1, 4, 16: bench/results/archive/h100_speed_memory_studio_unsloth.json), then with the
+seq 512, micro-batch 1, 4, 16: bench/results/h100_speed_memory_studio_unsloth.json), then with the
 slack constants to the in-sample rows of each accuracy grid. The engine of 09fac3a changed the
 recomputed layer (``Plan.fused_layer``): the constants below are refitted to the in-sample rows of
-the grid measured on it (bench/results/current/h100_vram_trainer_v5_*.json), and ``UNFUSED`` keeps the
-ones fitted to the engine before, for the rows measured on that one (bench/NOTES.md keeps the scores).
+the grid measured on it (bench/results/h100_vram_trainer_v5_*.json), and ``UNFUSED`` keeps the
+ones fitted to the engine before, for the rows measured on that one (docs/memory.md keeps the scores).
 
 Plain Python, like core/vram.py: it must never import torch.
 """
@@ -37,7 +37,7 @@ _LAYER_WORKING_SET = 1.2
 """One recomputed layer's backward holds about this many times its forward outputs (the layer's
 outputs are those of the engine since 09fac3a, :func:`layer_outputs_per_token`: with fewer of them,
 the gradients beside them are a larger share). Refitted with ``_GRAPH_POOL_PER_TOKEN`` to the 17
-in-sample rows of bench/results/current/h100_vram_trainer_v5_*.json (bench/refit_vram_fast.py --search: 1.0
+in-sample rows of bench/results/h100_vram_trainer_v5_*.json (bench/refit_vram_fast.py --search: 1.0
 on the v3 grid's, with the layer's outputs of the engine before)."""
 
 _FIXED_SLACK = 32 * 2**20

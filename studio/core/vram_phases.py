@@ -49,7 +49,7 @@ SCORE_TOKENS = 512
 """The fast path's evaluation (engine/fast/model.py's ``FastModel.score``) runs at most this many
 tokens a forward pass (a longer row runs alone). Its working set comes on top of the CUDA graphs'
 private pool, which an eager pass cannot reuse: at 2048 tokens the final evaluation of a micro-batch
-of 4 x 512 reserved 0.11 GiB more than the training step on the H100 (bench/NOTES.md)."""
+of 4 x 512 reserved 0.11 GiB more than the training step on the H100 (docs/memory.md)."""
 
 _PAGE = 2 * 2**20
 

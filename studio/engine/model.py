@@ -205,7 +205,7 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
             # The fast path computes in the compute dtype from embedding to loss and would cast
             # back what prepare_model_for_kbit_training casts up to fp32; skipping that cast keeps
             # its fp32 copies of the embeddings and head from setting the run's peak (Llama-3-8B,
-            # 128k vocabulary: 10.4 GiB before the first step, 7.1 in it; bench/NOTES.md).
+            # 128k vocabulary: 10.4 GiB before the first step, 7.1 in it; docs/memory.md).
             for param in model.parameters():
                 param.requires_grad_(False)
             if checkpointing:

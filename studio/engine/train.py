@@ -369,7 +369,7 @@ class Trainer:
                 # The spent graph goes now, not when the next micro-batch's loss replaces it: alive,
                 # it keeps the adapters' gradient accumulators from this forward, and a CUDA graph
                 # captured in the next forward (a layout not seen before) would wait on their stream,
-                # the default one, and fail (bench/NOTES.md).
+                # the default one, and fail (docs/speed.md).
                 del loss
         except torch.cuda.OutOfMemoryError:
             out_of_memory = True

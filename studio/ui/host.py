@@ -2,7 +2,7 @@
 
 Panes never reach into :class:`~studio.ui.app.StudioApp` by name: they see it through
 :class:`StudioHost`, a Protocol the app implements, via the typed :attr:`Hosted.host` property. The
-protocol is the whole contract (docs/architecture.md, "The UI"), so a pane's use of the app is checked
+protocol is the whole contract (docs/CONTRACTS.md, "Hosting"), so a pane's use of the app is checked
 by a type checker and readable in one place, and the app is free to change everything else.
 """
 

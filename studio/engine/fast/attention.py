@@ -8,7 +8,7 @@ returns the kept output and its backward is the kernel's own backward on the kep
 
 Off by default (core/plan.py's ``KEEP_ATTENTION_FROM``): on an H100 over PCIe 5 the host link is
 already full with the inputs and q, k and v, and interleaved runs measured no gain at sequence 4096
-(bench/results/archive/h100_v15_ab_interleaved.json, bench/NOTES.md). It is for hosts with a faster link.
+(bench/results/h100_v15_ab_interleaved.json, docs/speed.md). It is for hosts with a faster link.
 
 The kernel is the one ``scaled_dot_product_attention`` (rows of one example each) or torch's
 varlen entry point (a flat stream of examples) would run: cuDNN's or flash-attention's on CUDA, the

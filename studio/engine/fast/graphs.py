@@ -165,7 +165,7 @@ class Graphs:
             # the capture fails if an earlier forward's autograd graph is still alive (a loss not
             # yet released), since its accumulators belong to the stream that forward ran on and the
             # captured backward would wait on it (the Trainer releases each micro-batch's loss after
-            # its backward: bench/NOTES.md); and make_graphed_callables creates the accumulators
+            # its backward: docs/speed.md); and make_graphed_callables creates the accumulators
             # inside its capture and keeps them, so every replay's backward hands them gradients
             # across streams, which autograd warns about once. Expected there: the capture and the
             # replays are correct (tests/test_fast_graphs.py). Through the sink the backward ends at

@@ -32,7 +32,7 @@ class FastOptions:
     """Recompute each layer in the backward instead of keeping its activations."""
     cache_absmax: bool = False
     """Expand double-quantized 4-bit scales to fp32 once and keep them (+0.40 GB on a 7B model for
-    one small kernel less per product; off: the memory matters more, bench/NOTES.md)."""
+    one small kernel less per product; off: the memory matters more, docs/memory.md)."""
     shared_workspace: bool = True
     """Dequantize every fused 4-bit weight into one shared buffer (weights.Workspace) instead of a
     fresh allocation per product."""
@@ -70,7 +70,7 @@ class FastOptions:
     graph_token_limit: int | None = None
     """Micro-batches of more tokens than this run without graphs; None: core/plan.py's
     ``GRAPH_TOKEN_LIMIT``, which the estimator follows (another value is for benchmarks: graphs at
-    8192 tokens measured no faster, with 0.49 GiB more reserved, bench/results/archive/h200_v18_levers_graphs.json)."""
+    8192 tokens measured no faster, with 0.49 GiB more reserved, bench/results/h200_v18_levers_graphs.json)."""
     skip_last_product: bool = True
     """A layer recomputed for its backward skips its last product (the down projection), whose
     value nothing reads (layer.py): 7% less work on a 7B model's step."""
@@ -107,7 +107,7 @@ class FastOptions:
     ``".forward"`` / ``".backward"``, and ``"*"`` or ``"*.forward"`` / ``"*.backward"`` for all;
     the most specific key wins. None: torch's choice everywhere. (cuBLAS and cuBLASLt pick
     different kernels for some of a 7B layer's shapes, bench/product_shapes.py; through the whole
-    step cuBLASLt measured within 0.6% of the default on an H200, bench/results/archive/h200_v18_levers_lt.json.)"""
+    step cuBLASLt measured within 0.6% of the default on an H200, bench/results/h200_v18_levers_lt.json.)"""
     grad_sink: bool = True
     """The captured backward adds the adapters' gradients into ``.grad`` itself (graphs.GradSink)
     instead of returning a second copy that autograd then adds there after each replay."""

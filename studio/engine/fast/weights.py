@@ -24,7 +24,7 @@ class Workspace:
     reads it (:class:`LoraProduct` never saves it), and all of them run in order on one stream, so
     one buffer as large as the widest fused weight serves them all. Without it each product
     allocates its own: the allocator then keeps holes of the widest size around, and a CUDA graph's
-    private pool keeps about two layers of dequantized weights (bench/NOTES.md).
+    private pool keeps about two layers of dequantized weights (bench/results, docs/memory.md).
     """
 
     def __init__(self) -> None:
@@ -317,7 +317,7 @@ class LoraProduct(torch.autograd.Function):
     write the whole output once more. The residual is added last, in a pass of its own: folded into
     the update's product (the eighth session's order) it met the update before the base product
     did, and in bf16 a small update added to the large stream rounds away (the per-step losses
-    lagged the HF loop's by up to 3.3%; bench/results/archive/h100_v10_loss_bisect.json).
+    lagged the HF loop's by up to 3.3%; bench/results/h100_v10_loss_bisect.json).
     """
 
     @staticmethod

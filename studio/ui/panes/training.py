@@ -5,7 +5,7 @@ Events arrive in batches as :class:`~studio.ui.messages.WorkerEvents` messages (
 :class:`~studio.ui.metrics.TrainingState` at once (cheap) but drawn at most ``REDRAW_HZ`` times a
 second, so a fast run cannot flood the terminal. The pane never talks to the worker directly: it
 asks the app through its :class:`~studio.ui.host.StudioHost` interface (``send_command``,
-``open_run``; see docs/architecture.md). Its dialogs (stop? where to export?) are in
+``open_run``; see docs/CONTRACTS.md). Its dialogs (stop? where to export?) are in
 :mod:`studio.ui.widgets.dialogs`.
 """
 
