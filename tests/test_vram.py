@@ -189,6 +189,24 @@ def test_estimator_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_the_estimators_modules_import_each_other_in_one_direction():
+    """core/memory/'s modules import only those below them (its package docstring lists the order):
+    no module reads another that reads it back."""
+    import ast
+
+    import studio.core.memory as memory
+
+    order = ["allocator", "plan", "params", "result", "plain", "fast", "phases", "estimate", "walkthrough", "lengths"]
+    folder = Path(memory.__file__).parent
+    assert sorted(order) == sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    for name in order:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        modules = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+        assert "studio.core.memory" not in modules, f"{name} imports the package, which imports every module"
+        imported = {m.rsplit(".", 1)[-1] for m in modules if m.startswith("studio.core.memory.")}
+        assert all(order.index(other) < order.index(name) for other in imported), (name, imported)
+
+
 # ------------------------------------------------------------- LLM.int8 and the caching allocator
 
 INT8_QLORA = replace(QLORA7, weights="int8", micro_batch=2, seq_len=512)

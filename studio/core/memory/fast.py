@@ -65,7 +65,7 @@ the engine frees the capture's once it is done."""
 
 MAX_LAYOUTS = 2
 """CUDA-graph layouts a run of unpacked rows of varying lengths captures (engine/fast/model.py's
-graph cache), each with its own private pool; packed rows keep one layout, widened in place."""
+``max_graphs``), each with its own private pool; packed rows keep one layout, widened in place."""
 
 
 def layer_outputs_per_token(info: ModelInfo, compute: int) -> float:
