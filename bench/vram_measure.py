@@ -11,7 +11,8 @@ of the chat answer, where the answer's KV cache lived and the longest examples; 
 command, the commit (the engine version every row was measured on), the GPU and the versions.
 tests/test_vram_measured.py checks the estimate (``studio estimate`` of each row's config) against it.
 
-    # the GPU box, from the repository root (wheels as docs/testing.md says): about 7 minutes on an H100
+    # the GPU box, from the repository root (wheels as docs/testing.md says): 7-8 minutes on an H100 (not timed
+    # yet: the earlier Trainer grids took about 17 s a row three at a time, plus the models' builds)
     python3 bench/vram_measure.py --commit $(git rev-parse HEAD) --out $OUT/vram_measured.json
     # then here: cp <files_at>/vram_measured.json tests/data/vram_measured.json
     python3 bench/vram_measure.py --dry-run              # the rows and today's predictions; runs nothing
@@ -304,6 +305,7 @@ def measure(args: argparse.Namespace) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     for key in ("PYTORCH_CUDA_ALLOC_CONF", "STUDIO_FAST_PATH"):  # the engine's own defaults
         env.pop(key, None)
+    env["HF_HUB_OFFLINE"] = "1"  # every model is a local folder
     if args.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     result = {"what": "peaks of Studio's Trainer on today's engine, one fresh process a row: the training steps, "
@@ -324,7 +326,7 @@ def measure(args: argparse.Namespace) -> int:
 
     def build(name: str) -> Path:
         folder = folders / name
-        if not (folder / "config.json").exists():
+        if not (folder / "tokenizer.json").exists():  # written last: a folder without it is half built
             code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; "
                     f"from bench.vram_measure import build_model; "
                     f"build_model({name!r}, {models[name]!r}, Path({str(folder)!r}))")
@@ -336,18 +338,23 @@ def measure(args: argparse.Namespace) -> int:
     def one(row: Row, folder: Future) -> None:
         entry = {"label": row.label, "engine": result["engine"], "model": row.model,
                  "out_of_sample": row.out_of_sample, "case": {**asdict(row), "targets": list(row.targets)}}
-        if time.perf_counter() - start > args.budget_s:
-            entry["measured"] = {"skipped": "time budget"}
+        try:
+            model_dir = folder.result()
+        except subprocess.CalledProcessError as exc:
+            entry["measured"] = {"error": f"the model did not build: {exc}"}
         else:
-            t0 = time.perf_counter()
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(entry["case"]),
-                   "--model-dir", str(folder.result()), "--steps", str(args.steps)]
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-            measured = json.loads(lines[-1][7:]) if lines else {"error": (done.stderr or "no output")[-300:]}
-            entry["config"] = measured.pop("config", None)
-            entry["measured"] = measured
-            entry["wall_s"] = round(time.perf_counter() - t0, 1)
+            if time.perf_counter() - start > args.budget_s:
+                entry["measured"] = {"skipped": "time budget"}
+            else:
+                t0 = time.perf_counter()
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(entry["case"]),
+                       "--model-dir", str(model_dir), "--steps", str(args.steps)]
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+                measured = json.loads(lines[-1][7:]) if lines else {"error": (done.stderr or "no output")[-300:]}
+                entry["config"] = measured.pop("config", None)
+                entry["measured"] = measured
+                entry["wall_s"] = round(time.perf_counter() - t0, 1)
         note = ""
         with lock:
             if entry.get("config"):
