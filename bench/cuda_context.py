@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from studio.core.vram import CUDA_CONTEXT_BYTES  # noqa: E402
+from studio.core.memory import CUDA_CONTEXT_BYTES  # noqa: E402
 from studio.engine.memory import context_bytes, process_gpu_bytes  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The other two sides of bench/vram_accuracy.py's rows: Studio's own Trainer and Unsloth.
+"""The other two sides of bench/vram_accuracy.py's rows (and bench/vram_measure.py's): Studio's own Trainer and Unsloth.
 
 Each function runs in a fresh process (the driver starts one per row), trains a few steps on
 full-length rows of random-ish text, and returns the peaks, the speed and what ran:
@@ -71,20 +71,12 @@ def _trainer(config, run, emit):
     return Trainer(Session(config, run, emit))
 
 
-def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict:
-    """One row through Studio's Trainer: peaks (training steps; whole run), tokens/s, the path."""
-    import torch
-
-    import studio.engine.memory as memory
-    from studio.core import events as ev
+def trainer_config(case, folder: Path, data: Path, steps: int, cuda: bool):  # -> RunConfig
+    """The run config a Trainer row trains with: ``case``'s setup on the model in ``folder`` and the
+    rows in ``data``, one final evaluation of a micro-batch, no checkpoints, a chat answer of
+    :data:`GENERATE_NEW_TOKENS` new tokens."""
     from studio.core.config import RunConfig
-    from studio.core.runs import create_run
 
-    cuda = torch.cuda.is_available()
-    if getattr(case, "data", "long") == "short":
-        data = short_rows(work / "short_rows.jsonl")
-    else:
-        data = long_rows(work / f"rows_{case.seq}.jsonl", max(64, case.micro_batch * (steps + 2) * 2), case.seq)
     config = RunConfig()
     config.model.base_model = str(folder)
     config.quantization.bits = {"nf4": 4, "fp4": 4, "int8": 8}.get(case.weights)
@@ -100,6 +92,25 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     t.gradient_checkpointing, t.optimizer, t.packing = case.checkpointing, case.optimizer, case.packing
     # one evaluation batch at the end (the phase that used to need full fp32 logits), no mid-run ones
     t.eval_interval, t.eval_max_rows, t.checkpoint_interval = 0, case.micro_batch, 0
+    config.generation.max_new_tokens = GENERATE_NEW_TOKENS  # the chat answer after training: what the estimate models
+    return config
+
+
+def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict:
+    """One row through Studio's Trainer: peaks (training steps; whole run), tokens/s, the path, and
+    the run config it trained with."""
+    import torch
+
+    import studio.engine.memory as memory
+    from studio.core import events as ev
+    from studio.core.runs import create_run
+
+    cuda = torch.cuda.is_available()
+    if getattr(case, "data", "long") == "short":
+        data = short_rows(work / "short_rows.jsonl")
+    else:
+        data = long_rows(work / f"rows_{case.seq}.jsonl", max(64, case.micro_batch * (steps + 2) * 2), case.seq)
+    config = trainer_config(case, folder, data, steps, cuda)
     config.output_dir = str(work / "runs")
 
     steps_seen: list = []
@@ -123,12 +134,13 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
         elif isinstance(event, ev.WorkerFailed):
             notes.append(f"{event.kind}: {event.message}")
 
-    if case.lever:  # one lever of the fast path switched off (the engine's own choice otherwise)
+    lever = getattr(case, "lever", "")
+    if lever:  # one lever of the fast path switched off (the engine's own choice otherwise)
         import studio.engine.fast.build as build
         from bench.speed import LEVERS
         from studio.engine.fast.model import FastOptions
 
-        build.prepare = partial(build.prepare, options=FastOptions(**LEVERS[case.lever]))
+        build.prepare = partial(build.prepare, options=FastOptions(**LEVERS[lever]))
     # The Trainer resets the peak before every step (its memory events are per step); a benchmark of
     # the whole run's peak must not lose the earlier steps'.
     memory.reset_peak = lambda device=None: None
@@ -140,8 +152,8 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     fast = getattr(trainer, "fast", None)
     if fast is None and hasattr(trainer, "session"):
         fast = trainer.session.fast
-    row = {"engine": "trainer", "lever": case.lever, "path": "fast" if fast is not None else "plain",
-           "fast_path": fast.describe() if fast is not None else "", "notes": notes,
+    row = {"engine": "trainer", "lever": lever, "path": "fast" if fast is not None else "plain",
+           "config": config.to_dict(), "notes": notes,
            "losses": [e.loss for e in steps_seen], "steps": finished.step, "wall_s": round(wall, 1),
            # each logged step's end, seconds since training began (where a slow step sits)
            "step_end_s": [round(e.elapsed_s, 4) for e in steps_seen]}
@@ -166,8 +178,7 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
         if fast is not None and getattr(fast, "_graphs", None) is not None:
             row["graphs"] = train_peak.get("graphs", 0)  # the most alive at once
             row["captures"] = len(captured)
-            row["layouts"] = "widened"  # packed layouts widen in place (rescore_vram.py reads this)
-            row["graphs_failed"] = fast._graphs.failed
+            row["graphs_failed"] = getattr(fast._graphs, "failed", None)
     return row
 
 

@@ -12,7 +12,7 @@ what they landed in: the hole (expandable) or the segment (fixed segments) and i
 
     python bench/trace_pools.py bench/results/traces/*.json.gz
 
-These are the numbers bench/NOTES.md quotes for the expandable-segments model in studio/core/vram.py.
+These are the numbers bench/NOTES.md quotes for the expandable-segments model in studio/core/memory/plain.py.
 """
 
 from __future__ import annotations

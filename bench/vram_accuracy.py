@@ -7,8 +7,10 @@ bf16 through BitsAndBytesConfig), attaches LoRA, runs a few real training steps 
 studio/engine does (prepare_model_for_kbit_training, bf16 autocast, AdamW, non-reentrant
 checkpointing, zero_grad(set_to_none=True)) and reports torch.cuda.max_memory_allocated /
 max_memory_reserved and the measured categories (studio.engine.memory). The predictions come from
-studio.core.vram. The result JSON holds every row, the median and worst relative error, the GPU,
-package versions and the exact command.
+studio.core.memory, which models Studio's engine only (the HF loop's rows are predicted as if the
+Trainer computed their loss). The result JSON holds every row, the median and worst relative error,
+the GPU, package versions and the exact command. The estimator's own accuracy test reads
+bench/vram_measure.py's file (tests/data/vram_measured.json).
 
     PYTHONPATH=. python bench/vram_accuracy.py --out bench/results/current/vram_accuracy_h100.json
     PYTHONPATH=. python bench/vram_accuracy.py --dry-run --out /tmp/vram_dry.json   # CPU, tiny
@@ -51,9 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engines import GENERATE_NEW_TOKENS  # noqa: E402
+from studio.core.memory import ALL_LINEAR, Plan, estimate_plan  # noqa: E402
 from studio.core.model_info import load_model_info  # noqa: E402
 from studio.core.plan import PathFacts, choose_path  # noqa: E402
-from studio.core.vram import ALL_LINEAR, Plan, estimate_plan  # noqa: E402
 
 ARCHS = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -118,7 +120,7 @@ class Case:
                     lora_targets=self.targets, lora_dropout=self.dropout, micro_batch=self.micro_batch,
                     seq_len=self.seq, checkpointing=self.checkpointing, optimizer=self.optimizer,
                     expandable_segments=self.expandable, path=path, packing=self.packing, lengths=lengths,
-                    generate_new_tokens=GENERATE_NEW_TOKENS, loss="trainer" if self.engine == "trainer" else "hf")
+                    generate_new_tokens=GENERATE_NEW_TOKENS)
 
     def phases(self, measured: dict) -> tuple[str, ...]:
         """The phases of a run that ``measured`` covers: the HF loop runs training steps only; the
@@ -143,9 +145,9 @@ def short_lengths(seq: int) -> tuple[int, ...]:
     the random models are given (bench/make_random_model.py); () when it is not built here."""
     from bench.engines import TRAINER_TEMPLATE, short_rows
     from studio.core.config import RunConfig
+    from studio.core.memory.lengths import row_lengths
     from studio.core.paths import cache_dir
     from studio.core.tokens import TokenizerNotFound, load_tokenizer_info
-    from studio.core.vram_lengths import row_lengths
 
     try:
         tok = load_tokenizer_info(cache_dir() / "tiny-llama")
@@ -203,7 +205,7 @@ TRAINER_GRID = [
 FITTED = {"llama2-7b nf4 r16-all seq512 mb1 ckpt drop0.0 adamw expandable trainer",
           "llama2-7b nf4 r16-all seq512 mb4 ckpt drop0.0 adamw expandable trainer",
           "llama2-7b nf4 r16-all seq512 mb16 ckpt drop0.0 adamw expandable trainer"}
-"""Trainer rows the fast path's memory constants (core/vram_fast.py) were fitted to: in sample."""
+"""Trainer rows the fast path's memory constants (core/memory/fast.py) were first fitted to: in sample."""
 
 def _v2_grid() -> list[Case]:
     """Issue 18's accuracy grid for the engine with the shared dequantization buffer and host-held

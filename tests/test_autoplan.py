@@ -18,10 +18,10 @@ from studio.core import autoplan
 from studio.core import events as ev
 from studio.core.config import AUTO, ConfigError, parse_config
 from studio.core.gpus import GB, GIB, gpu_for_size
+from studio.core.memory import estimate
 from studio.core.model_info import from_config_dict
 from studio.core.report import describe
 from studio.core.runs import create_run
-from studio.core.vram import estimate
 
 LLAMA2_7B_CONFIG_JSON = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,

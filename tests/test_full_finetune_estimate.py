@@ -11,9 +11,9 @@ import pytest
 from studio.core.cli_estimate import main as estimate_main
 from studio.core.config import parse_config
 from studio.core.gpus import GB
+from studio.core.memory import CATEGORIES, estimate, plan_for, walkthrough
 from studio.core.model_info import KNOWN_MODELS
 from studio.core.plan import PathFacts, choose_path
-from studio.core.vram import CATEGORIES, estimate, plan_for, walkthrough
 
 LLAMA7 = KNOWN_MODELS["meta-llama/Llama-2-7b-hf"]
 N = 6_738_415_616  # Llama-2-7B's parameters: 32 x 202,383,360 per layer + 2 x 32000 x 4096 + the final norm

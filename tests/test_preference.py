@@ -285,8 +285,8 @@ def test_the_estimate_counts_two_sequences_a_pair(monkeypatch: pytest.MonkeyPatc
     """A DPO micro-batch of 4 pairs needs the activations of 8 sequences; the largest micro-batch
     that fits is counted in pairs (about half the SFT one), and the note says so. DPO runs on the
     plain path (the fast one computes SFT's loss only), so SFT is compared on that path too."""
+    from studio.core.memory import estimate
     from studio.core.model_info import KNOWN_MODELS
-    from studio.core.vram import estimate
 
     llama = KNOWN_MODELS["meta-llama/Llama-2-7b-hf"]
     sft = RunConfig()

@@ -10,12 +10,16 @@ import pytest
 
 def test_bench_trainer_row_runs_a_generation_phase_through_the_session(tiny_model: Path, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch):
-    """bench/vram_accuracy.py's Trainer rows (bench/engines.py run_trainer) answer one held-out
-    prompt as long as a training row through Session.generate after training, exactly the fixed
-    number of new tokens, and report it beside the training's numbers."""
+    """bench/vram_measure.py's rows (bench/engines.py run_trainer) answer one held-out prompt as long
+    as a training row through Session.generate after training, exactly the fixed number of new
+    tokens, and report it beside the training's numbers, with the run config they trained with:
+    the one whose estimate tests/test_vram_measured.py checks (its answer as long as the phase's)."""
+    import yaml
+
     import studio.engine.generate as gen
     from bench.engines import GENERATE_NEW_TOKENS, run_trainer
-    from bench.vram_accuracy import ALL_LINEAR, Case
+    from bench.vram_measure import ALL, Row
+    from studio.core.config import parse_config
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     calls = []
@@ -26,13 +30,15 @@ def test_bench_trainer_row_runs_a_generation_phase_through_the_session(tiny_mode
         return real(model, tokenizer, input_ids, **kwargs)
 
     monkeypatch.setattr(gen, "generate", spy)
-    case = Case("tiny", "bf16", 8, ALL_LINEAR, 64, 2, True, engine="trainer", expandable=True)
-    row = run_trainer(case, tiny_model, steps=2, warmup=1, work=tmp_path)
+    row = run_trainer(Row("tiny", "bf16", 8, ALL, 64, 2), tiny_model, steps=2, warmup=1, work=tmp_path)
     assert row["steps"] == 2 and len(row["losses"]) == 2
     assert calls == [(row["generate_prompt_tokens"], GENERATE_NEW_TOKENS)]
     assert row["generate_new_tokens"] == GENERATE_NEW_TOKENS  # EOS does not cut the phase short
     assert 48 <= row["generate_prompt_tokens"] <= 64  # about one training row's length
     assert gen.stop_ids is not None and gen.stop_ids.__name__ == "stop_ids"  # the bench's patch is undone
+    config = parse_config(yaml.safe_dump(row["config"]))
+    assert (config.lora.r, config.data.max_seq_length, config.trainer.micro_batch_size) == (8, 64, 2)
+    assert config.generation.max_new_tokens == GENERATE_NEW_TOKENS
 
 
 def test_generation_computes_the_prompts_last_logits_only(tiny_model: Path, monkeypatch: pytest.MonkeyPatch):
@@ -71,9 +77,9 @@ def test_a_long_prompt_goes_through_in_pieces_with_the_same_answer(tiny_model: P
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import studio.engine.generate as gen
-    from studio.core import vram_phases
+    from studio.core.memory import phases
 
-    assert gen.PREFILL_TOKENS is vram_phases.PREFILL_TOKENS  # one home: the estimate's
+    assert gen.PREFILL_TOKENS is phases.PREFILL_TOKENS  # one home: the estimate's
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
                            LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
@@ -122,52 +128,47 @@ def _llama7():
 
 def test_every_phase_has_a_peak_and_the_estimate_is_the_largest():
     """Llama-2-7B (32 key/value heads) on the fast path, one 4096-token row a micro-batch: a chat
-    prompt as long as a training row keeps 32 x 2 x 4096 x (4096 + 128) bf16 values of KV cache
-    (2.2 GB), more than the training step's layer inputs. Kept on the card (``kv_cache="card"``,
-    the engine before it could keep it on the host) generation sets the peak; as the engine decides
-    (``auto``) the cache goes to the host, three layers of it on the card, and generation no longer
-    sets the peak (the evaluation of a 4096-token row comes out 0.04 GiB above the step since the
-    graph pool's constants were refitted to the engine of 09fac3a; on the H100's v5 grid no row's
-    evaluation reserved more than its step). Sixteen 512-token rows a micro-batch (an eager step): the step does, and
-    the answer's cache stays on the card."""
-    from dataclasses import replace
-
-    from studio.core.vram import CUDA_CONTEXT_BYTES, Plan, estimate_plan
-    from studio.core.vram_phases import KV_LAYERS_ON_CARD, PHASES
+    prompt as long as a training row would keep 32 x 2 x 4096 x (4096 + 128) bf16 values of KV cache
+    (2.2 GB) on the card, more than the training step's layer inputs, so the cache goes to the host,
+    three layers of it on the card, and generation does not set the peak; the evaluation of a
+    4096-token row comes out 0.04 GiB above the step (no H100 row measured an evaluation above its
+    step), and its moment's categories hold no gradients. Sixteen 512-token rows a micro-batch (an
+    eager step): the step sets the peak, and the answer's cache (prompt and answer) stays on the card."""
+    from studio.core.memory import CUDA_CONTEXT_BYTES, PHASES, Plan, estimate_plan
+    from studio.core.memory.phases import KV_LAYERS_ON_CARD
 
     plan = Plan(lora_dropout=0.0, micro_batch=1, seq_len=4096, path="fast")
-    long = estimate_plan(_llama7(), replace(plan, kv_cache="card"))
+    long = estimate_plan(_llama7(), plan)
     assert tuple(long.phases) == PHASES
-    assert long.peak_phase == "generation" and not long.phases["generation"].host_kv
-    assert long.peak_reserved == max(p.reserved for p in long.phases.values()) > long.phases["training step"].reserved
+    assert long.peak_reserved == max(p.reserved for p in long.phases.values())
     assert long.peak_allocated == max(p.allocated for p in long.phases.values())
     kv = 32 * 2 * 4096 * (4096 + 128) * 2
     gen, save = long.phases["generation"], long.phases["checkpoint save"]
-    assert kv < gen.allocated - save.allocated < kv + 0.6e9  # the KV cache plus the prompt's pass
+    assert gen.host_kv and gen.to_json_dict()["kv_cache"] == "host" and "on the host" in gen.held
+    assert long.peak_phase != "generation" and gen.reserved == long.phases["training step"].reserved
+    assert long.peak_reserved <= 1.01 * long.phases["training step"].reserved
+    on_card = kv * KV_LAYERS_ON_CARD / 32
+    assert on_card < gen.allocated - save.allocated < on_card + 0.6e9  # three layers' cache, the prompt's pass
+    assert gen.allocated < long.phases["training step"].allocated
+    assert long.peak_phase == "evaluation" and long.peak_reserved > long.phases["training step"].reserved
     assert long.categories["gradients"] == 0  # freed after every optimizer step
     assert long.total == sum(long.categories.values()) == long.peak_reserved + CUDA_CONTEXT_BYTES
     assert long.step_categories["gradients"] > 0
 
-    auto = estimate_plan(_llama7(), plan)
-    gen = auto.phases["generation"]
-    assert gen.host_kv and gen.to_json_dict()["kv_cache"] == "host" and "on the host" in gen.held
-    assert auto.peak_phase != "generation" and gen.reserved == auto.phases["training step"].reserved
-    assert auto.peak_reserved <= 1.01 * auto.phases["training step"].reserved
-    on_card = kv * KV_LAYERS_ON_CARD / 32
-    assert on_card < gen.allocated - save.allocated < on_card + 0.6e9
-    assert gen.allocated < auto.phases["training step"].allocated
-
     short = estimate_plan(_llama7(), Plan(lora_dropout=0.0, micro_batch=16, seq_len=512, path="fast"))
     assert short.peak_phase == "training step" and short.categories == short.step_categories
     assert all(p.reserved >= short.phases["training step"].reserved for p in short.phases.values())
-    assert not short.phases["generation"].host_kv and "kv_cache" not in short.phases["generation"].to_json_dict()
+    gen, save = short.phases["generation"], short.phases["checkpoint save"]
+    assert not gen.host_kv and "kv_cache" not in gen.to_json_dict()
+    kv = 32 * 2 * 4096 * (512 + 128) * 2
+    assert kv < gen.allocated - save.allocated < kv + 0.6e9  # the whole cache plus the prompt's pass
 
 
 def test_evaluation_on_the_fast_path_scores_512_tokens_a_pass():
     """FastModel.score runs SCORE_TOKENS (512) tokens a pass, a longer row alone; the plain path's
     evaluation runs the whole micro-batch with its logits, under its training step's peak."""
-    from studio.core.vram import Plan, estimate_plan
-    from studio.core.vram_phases import SCORE_TOKENS, eval_tokens
+    from studio.core.memory import Plan, estimate_plan
+    from studio.core.memory.phases import SCORE_TOKENS, eval_tokens
     from studio.engine.fast.model import SCORE_TOKENS as ENGINE_SCORE_TOKENS
 
     assert SCORE_TOKENS is ENGINE_SCORE_TOKENS  # one home: the engine imports it
@@ -217,9 +218,9 @@ def test_unpacked_steps_are_sized_from_the_datas_token_lengths(tiny_config, caps
     import yaml
 
     from studio.core.cli_estimate import main
+    from studio.core.memory import estimate
+    from studio.core.memory.lengths import data_lengths
     from studio.core.model_info import load_model_info
-    from studio.core.vram import estimate
-    from studio.core.vram_lengths import data_lengths
 
     lengths, why = data_lengths(tiny_config)
     assert why == "" and len(lengths) == 2920 and list(lengths) == sorted(lengths, reverse=True)
@@ -266,8 +267,8 @@ def test_phi3_all_linear_is_estimated_with_its_fused_module_names(tmp_path, caps
 
     from studio.core.cli_estimate import main
     from studio.core.config import parse_config
+    from studio.core.memory import estimate, walkthrough
     from studio.core.model_info import from_config_dict
-    from studio.core.vram import estimate, walkthrough
     from studio.ui.panes.vram import model_for_estimate
     from tests.test_model_families import CONFIGS
 
@@ -292,15 +293,15 @@ def test_phi3_all_linear_is_estimated_with_its_fused_module_names(tmp_path, caps
 
 
 def test_the_estimator_and_the_loader_build_path_facts_in_one_place(tiny_model, monkeypatch):
-    """core/vram.py's path_choice and engine/model.py's fast_path_ahead both take their facts from
+    """core/memory/estimate.py's path_choice and engine/model.py's fast_path_ahead both take their facts from
     PathFacts.from_config, and agree on the same config."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from studio.core import plan as core_plan
     from studio.core.config import parse_config
+    from studio.core.memory import path_choice
     from studio.core.model_info import load_model_info
-    from studio.core.vram import path_choice
     from studio.engine.model import fast_path_ahead
 
     made = []

@@ -10,10 +10,10 @@ How it decides:
   is the effective batch exactly), times checkpointing on and off. On the fast path every layer is
   checkpointed whatever the config says (core/plan.py), so there only the micro-batch varies. A key
   the config sets explicitly is not varied.
-* **Memory.** Each candidate's estimated total (core/vram.py's ``estimate``: the peak reserved plus
+* **Memory.** Each candidate's estimated total (core/memory/ ``estimate``: the peak reserved plus
   the CUDA context, on the path the engine will take) must be at most the card less
   :func:`headroom_for`. The estimate is the peak over every phase of a run (training step,
-  evaluation, generation for chat, checkpoint save: core/vram_phases.py), so a plan whose chat
+  evaluation, generation for chat, checkpoint save: core/memory/phases.py), so a plan whose chat
   answer (its KV cache) would not fit is rejected too.
 * **Speed.** :func:`relative_speed`, a documented proxy, not a measurement: a fixed cost per
   micro-batch (kernel launches, the host's work) amortised over its tokens, and one more forward
@@ -212,10 +212,10 @@ def plan(config: RunConfig, info: ModelInfo, capacity: int, headroom: int | None
          lengths: tuple[int, ...] = ()) -> AutoPlan:
     """The fastest candidate whose estimate fits ``capacity`` less the headroom, with every
     rejected one and why. ``lengths``: the training examples' token lengths when the data was read
-    (core/vram_lengths.py; unpacked runs are sized from them). Raises :class:`AutoPlanError`
-    (naming the keys to change) when none fits, and ValueError (as core/vram.py's estimate) for a
+    (core/memory/lengths.py; unpacked runs are sized from them). Raises :class:`AutoPlanError`
+    (naming the keys to change) when none fits, and ValueError (as core/memory/ ``estimate`` does) for a
     LoRA target the model lacks."""
-    from studio.core.vram import estimate  # vram imports config; keep this module light to import
+    from studio.core.memory import estimate  # the estimator imports config; keep this module light to import
 
     headroom = headroom_for(capacity) if headroom is None else headroom
     budget = capacity - headroom

@@ -17,10 +17,10 @@ from pathlib import Path
 from studio.core import autoplan
 from studio.core.config import ConfigError, RunConfig, load_config
 from studio.core.gpus import GB, detect_gpus, gpu_for_size
+from studio.core.memory import CATEGORIES, Estimate, estimate
+from studio.core.memory.lengths import data_lengths
 from studio.core.model_info import ModelInfoError, load_model_info
 from studio.core.multigpu import effective_batch, requested_gpus
-from studio.core.vram import CATEGORIES, Estimate, estimate
-from studio.core.vram_lengths import data_lengths
 
 DEFAULT_GPU_GB = 24.0
 """Capacity assumed when no card is detected and none is given: the common 24 GB cards."""
@@ -68,7 +68,7 @@ def format_table(result: Estimate, model: str, gpu_name: str, config: RunConfig 
 
 
 def phase_lines(result: Estimate) -> list[str]:
-    """Each phase of a run with its peak reserved, and which one sets the peak (core/vram_phases.py)."""
+    """Each phase of a run with its peak reserved, and which one sets the peak (core/memory/phases.py)."""
     out = [f"peak set by the {result.peak_phase} (the table is that moment's)"]
     for name, peak in result.phases.items():
         mark = "*" if name == result.peak_phase else " "

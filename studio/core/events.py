@@ -216,7 +216,7 @@ class BatchSizeReduced(Event):
     gradient_accumulation_steps: int = 0
     message: str = ""
     estimated_bytes: int = 0
-    """What core/vram.py estimated for the micro-batch that failed (0: no estimate, e.g. on a CPU)."""
+    """What core/memory/ estimated for the micro-batch that failed (0: no estimate, e.g. on a CPU)."""
     capacity_bytes: int = 0
     """The card's memory that estimate was held against (0: unknown)."""
 

@@ -64,7 +64,7 @@ class ModelInfo:
 
     init_std: float = 0.02
     """initializer_range: std of the random normal weights a freshly initialised model draws. The
-    estimator uses it for the size of LLM.int8's outlier activations (see core/vram.py)."""
+    estimator uses it for the size of LLM.int8's outlier activations (see core/memory/plain.py)."""
 
     fast_path_blocker: str = ""
     """Why Studio's GPU fast path does not cover this architecture ('' when it does):

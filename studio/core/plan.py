@@ -1,6 +1,6 @@
 """Which training path a run takes: the GPU fast path (studio/engine/fast/) or the plain one.
 
-One decision, made here in plain Python, so that the estimator (core/vram.py, ``studio estimate``,
+One decision, made here in plain Python, so that the estimator (core/memory/, ``studio estimate``,
 the VRAM pane) and the engine (engine/fast/build.py, on the live model) take it with the same code:
 each gathers the facts it has into :class:`PathFacts` and calls :func:`choose_path`. The engine
 still inspects every module before it builds the fast path; a refusal there that this function did
@@ -112,7 +112,7 @@ class PathFacts:
         only the caller knows: the device, the base weights' format (from the quantization section,
         or read off the loaded model) and the architecture's :func:`model_blocker`. ``targets``: the
         LoRA targets as the model's module names when the caller has mapped them (default: the
-        config's, ``all-linear`` spelled out). The estimator (core/vram.py) and the engine's loader
+        config's, ``all-linear`` spelled out). The estimator (core/memory/) and the engine's loader
         (engine/model.py ``fast_path_ahead``) both build their facts here."""
         lora = config.lora
         if targets is None:

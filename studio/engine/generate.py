@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from studio.core.vram_phases import PREFILL_TOKENS
+from studio.core.memory.phases import PREFILL_TOKENS
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def generate(model: Any, tokenizer: Any, input_ids: list[int], *, adapter: bool 
     training run's random stream, and with it exact resume, untouched. ``kv_on_host`` (CUDA only,
     ignored elsewhere): keep the KV cache in host memory, a few layers on the card at a time; slower
     per token, for a prompt whose cache would need more memory than the training step
-    (core/vram_phases.py decides).
+    (core/memory/phases.py decides).
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     kv_on_host = kv_on_host and device.type == "cuda"

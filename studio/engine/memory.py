@@ -1,7 +1,7 @@
 """Measure where the memory of a live model goes, in the estimator's categories.
 
 ``measure_memory(model, optimizer, device)`` returns bytes for weights, lora, gradients, optimizer,
-activations and overhead, the same keys core/vram.py predicts, so the gauge can draw both side by
+activations and overhead, the same keys core/memory/ predicts, so the gauge can draw both side by
 side. Weights include what bitsandbytes keeps beside the packed data (quantization constants,
 int8 row scales), which are not parameters and which ``model.parameters()`` alone misses.
 
@@ -172,7 +172,7 @@ def measure_memory(model: Any, optimizer: Any, device: torch.device | str | None
                    counters: dict[str, int] | None = None,
                    optim: tuple[int, int] | None = None) -> dict[str, int]:
     """Bytes by category on the live model: weights, lora, gradients, optimizer, activations,
-    overhead (the keys of :data:`studio.core.vram.CATEGORIES`).
+    overhead (the keys of :data:`studio.core.memory.CATEGORIES`).
 
     Call it after a training step; ``reset_peak(device)`` before the step makes activations that
     step's peak rather than the run's. ``params`` (:func:`parameter_bytes`), ``context``

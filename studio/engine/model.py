@@ -238,7 +238,7 @@ def prepare_full_finetune(base: BaseModel, config: RunConfig) -> Any:
     """Every weight of the (unquantized) base trains: no adapter, parameters in the compute dtype as
     loaded (bf16 on a GPU, fp32 on a CPU), gradient checkpointing as the config asks. AdamW then keeps
     its m and v in that dtype too (torch's AdamW allocates them like the parameter): no fp32 master
-    copy, the memory core/vram.py predicts for ``lora: null``."""
+    copy, the memory core/memory/ predicts for ``lora: null``."""
     model = base.model
     if base.quantization in ("nf4", "fp4", "int8"):  # config validation refuses it; a guard, not a path
         raise ConfigError(f"lora is null (full fine-tuning) but the base loaded as {base.quantization}; "

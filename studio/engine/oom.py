@@ -33,7 +33,7 @@ def between_phases(device: torch.device | None) -> None:
     """Give back the cached blocks one phase left before another phase with other shapes allocates
     (the training step's activations before an evaluation or an answer, and theirs before the next
     step): the reserved peak is then the larger phase's, not the training step's cache plus the new
-    phase's blocks on top (the VRAM estimate's phases, core/vram_phases.py, assume as much)."""
+    phase's blocks on top (the VRAM estimate's phases, core/memory/phases.py, assume as much)."""
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -45,12 +45,12 @@ def warn(emit: Callable[[ev.Event], object], message: str) -> None:
 
 def estimate_for(config: RunConfig, micro_batch: int, device: torch.device | None,
                  capacity: int = 0) -> tuple[int, int]:
-    """What core/vram.py estimated for ``micro_batch`` (on the path the engine takes) and the card's
+    """What core/memory/ estimated for ``micro_batch`` (on the path the engine takes) and the card's
     memory it was held against (``capacity`` when a plan gave one, else the card's total), for the
     halving's event to say how wrong the estimate was. (0, 0) off CUDA or when the model's shape is
     unknown: a missing number, never a wrong one."""
+    from studio.core.memory import estimate
     from studio.core.model_info import ModelInfoError, load_model_info
-    from studio.core.vram import estimate
 
     if device is None or device.type != "cuda":
         return 0, 0

@@ -16,10 +16,10 @@ import torch
 from studio.core import autoplan
 from studio.core import events as ev
 from studio.core.config import RunConfig
+from studio.core.memory import CUDA_CONTEXT_BYTES
+from studio.core.memory.lengths import data_lengths
 from studio.core.model_info import ModelInfoError, load_model_info
 from studio.core.runs import RunDir
-from studio.core.vram import CUDA_CONTEXT_BYTES
-from studio.core.vram_lengths import data_lengths
 
 
 class PlanRefused(ValueError):
@@ -28,7 +28,7 @@ class PlanRefused(ValueError):
 
 def card_capacity(device: torch.device) -> int:
     """Bytes a run may plan for on ``device``: what is free now plus this process's CUDA context
-    (core/vram.py's estimates count it; ``mem_get_info`` creates it and reports it as used), at
+    (the estimates of core/memory/ count it; ``mem_get_info`` creates it and reports it as used), at
     most the card's total."""
     free, total = torch.cuda.mem_get_info(device)
     return min(total, free + CUDA_CONTEXT_BYTES)
@@ -39,7 +39,7 @@ def resolve(config: RunConfig, run: RunDir, device: torch.device, emit: Callable
     """``config`` with ``auto`` replaced by numbers, and the plan made (None when none was: no
     ``auto``, no CUDA, the run's recorded values, or a plan that could not be made). ``rows``: the
     training split, already loaded; without packing the plan is sized from their token lengths
-    (core/vram_lengths.py). Raises :class:`PlanRefused` when nothing fits the card."""
+    (core/memory/lengths.py). Raises :class:`PlanRefused` when nothing fits the card."""
     if not autoplan.is_auto(config):
         return config, None
     cuda = device.type == "cuda"

@@ -416,12 +416,12 @@ class Session:
     def answer_kv_on_host(self, prompt_tokens: int, new_tokens: int) -> bool:
         """Whether an answer of ``new_tokens`` after ``prompt_tokens`` keeps its KV cache on the host
         (engine/generate.py): when on the card it would need more memory than this run's training
-        step, as the estimate's generation phase says (core/vram_phases.py) for the run's plan on the
+        step, as the estimate's generation phase says (core/memory/phases.py) for the run's plan on the
         path this session trains on. Only on CUDA; never when the model's shape cannot be read."""
         from dataclasses import replace
 
+        from studio.core.memory import estimate_plan, plan_for
         from studio.core.model_info import ModelInfoError, load_model_info
-        from studio.core.vram import estimate_plan, plan_for
 
         if self.device is None or self.device.type != "cuda":
             return False

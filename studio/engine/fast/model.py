@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from studio.core.memory.phases import SCORE_TOKENS
 from studio.core.plan import KEEP_ATTENTION_FROM, KEEP_QKV, OFFLOAD_IN_GRAPHS, graphs_for, offload_for
-from studio.core.vram_phases import SCORE_TOKENS
 from studio.engine.fast import norm, update
 from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import Graphs

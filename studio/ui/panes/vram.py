@@ -31,10 +31,10 @@ from studio.core import autoplan
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.gpus import GB, Gpu, capacity_choices, gpu_for_size
+from studio.core.memory import Estimate, WalkStep, estimate, walkthrough
 from studio.core.model_info import ModelInfo, ModelInfoError, load_model_info
 from studio.core.model_ref import looks_local
 from studio.core.model_source import find_model
-from studio.core.vram import Estimate, WalkStep, estimate, walkthrough
 from studio.ui.host import Hosted
 from studio.ui.messages import MemorySample, WorkerEvents
 from studio.ui.widgets.block_gauge import BlockGauge

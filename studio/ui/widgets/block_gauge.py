@@ -19,7 +19,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from studio.core.gpus import GB
-from studio.core.vram import CATEGORIES
+from studio.core.memory import CATEGORIES
 
 CATEGORY_COLOURS = {
     "weights": "primary",

@@ -5,7 +5,7 @@ the fast path drops the padding before the model, so a step on short rows comput
 tokens than ``micro_batch x max_seq_length`` (the Llama-2-7B seq1024 mb4 short-padded row was
 estimated 24% high). Where the data and the run's tokenizer are at hand (``studio estimate`` with a
 local or cached tokenizer, engine/planning.py at a run's start) the estimator takes these lengths
-(core/vram.py's ``Plan.lengths``) and bounds a micro-batch by the sum of the longest examples it
+(core/memory/plan.py's ``Plan.lengths``) and bounds a micro-batch by the sum of the longest examples it
 could hold: no micro-batch drawn from the data, in any order, holds more real tokens than the
 ``micro_batch`` longest examples together. That is the largest step a whole epoch can meet, which is
 what a plan must fit, not the typical one. Packed runs fill ``max_seq_length`` and keep it.

@@ -1,6 +1,6 @@
 """The phases of a run besides the training step: evaluation, generation for chat, checkpoint save.
 
-core/vram.py and core/vram_fast.py model the training step. A run does more with the same memory
+core/memory/plain.py and core/memory/fast.py model the training step. A run does more with the same memory
 between steps, and its peak is the largest of them all (issue 18: the 7B run that trained at
 micro-batch 32 under a 15 GB cap and died in its final evaluation):
 
@@ -12,7 +12,7 @@ micro-batch 32 under a 15 GB cap and died in its final evaluation):
   (bf16 and fp32) and the gathered target rows. The plain path's evaluation is its model's forward
   on the whole micro-batch with the logits (compute dtype, their fp32 copy and log-softmax);
 - **generation** (``Session.generate``, what chat and the held-out comparison call): a prompt of
-  :attr:`~studio.core.vram.Plan.generate_prompt_tokens` (a training row's length unless said) and
+  :attr:`~studio.core.memory.plan.Plan.generate_prompt_tokens` (a training row's length unless said) and
   ``generation.max_new_tokens`` new ones, through the transformers modules on both paths: the KV cache
   of every layer for prompt + answer, the prompt pass's working set of one layer (the prompt goes
   through :data:`PREFILL_TOKENS` tokens at a time), one weight
@@ -38,20 +38,21 @@ Plain Python: it must never import torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from studio.core.memory.allocator import CUBLAS_WORKSPACE_BYTES, PAGE, SLACK_FLOOR, STEP_WORKSPACES
+from studio.core.memory.fast import dequant_buffer_bytes, dequantizes, graph_pool_bytes, hoisted_adapter_bytes
+from studio.core.memory.params import compute_bytes
+from studio.core.memory.plain import stream_bytes
+from studio.core.memory.plan import Plan
+from studio.core.memory.result import PHASES, Estimate, PhasePeak
 from studio.core.model_info import ModelInfo
-
-PHASES = ("training step", "evaluation", "generation", "checkpoint save")
-"""The phases of a run, in the order a run meets them; the estimate's peak is the largest."""
+from studio.core.plan import graphs_for
 
 SCORE_TOKENS = 512
 """The fast path's evaluation (engine/fast/model.py's ``FastModel.score``) runs at most this many
 tokens a forward pass (a longer row runs alone). Its working set comes on top of the CUDA graphs'
 private pool, which an eager pass cannot reuse: at 2048 tokens the final evaluation of a micro-batch
 of 4 x 512 reserved 0.11 GiB more than the training step on the H100 (docs/memory.md)."""
-
-_PAGE = 2 * 2**20
 
 PREFILL_TOKENS = 512
 """engine/generate.py runs a prompt through the model this many tokens at a time (each piece
@@ -63,32 +64,7 @@ being extended (its copy brought back and the copy with the new token) and the n
 back ahead of time on a side stream (transformers' ``DynamicCache(offloading=True)``)."""
 
 
-@dataclass(frozen=True)
-class PhasePeak:
-    """One phase's predicted peaks, in bytes."""
-
-    allocated: int
-    """Predicted ``torch.cuda.max_memory_allocated()`` over the phase."""
-
-    reserved: int
-    """Predicted ``torch.cuda.max_memory_reserved()`` once the phase is over (never below the
-    training step's: reserved memory is not given back during a run)."""
-
-    held: str
-    """What the phase holds beyond what persists, in words (``studio estimate`` shows it)."""
-
-    host_kv: bool = False
-    """Generation only: the answer's KV cache is kept on the host, a few layers on the card at a
-    time, because on the card it would need more memory than the training step."""
-
-    def to_json_dict(self) -> dict:
-        out = {"peak_allocated": self.allocated, "peak_reserved": self.reserved, "held": self.held}
-        if self.host_kv:
-            out["kv_cache"] = "host"
-        return out
-
-
-def eval_tokens(plan) -> int:
+def eval_tokens(plan: Plan) -> int:
     """Tokens of the evaluation's largest forward pass: the fast path scores ``SCORE_TOKENS // row``
     rows at a time (at least one) of a micro-batch; the plain path runs the whole micro-batch."""
     rows = plan.micro_batch * plan.sequences_per_example
@@ -104,33 +80,25 @@ def _layer_forward(info: ModelInfo, width: int) -> float:
     return width * (2 * info.hidden + 3 * info.intermediate)
 
 
-def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
+def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhasePeak]:
     """Every phase's :class:`PhasePeak` for ``plan`` on ``info``; ``step`` is the training step's
-    :class:`~studio.core.vram.Estimate` (its weights, adapters and optimizer state persist)."""
-    from studio.core import vram
-    from studio.core import vram_fast as fast
-    from studio.core.plan import graphs_for, offload_for
-
-    c = 2 if plan.compute in ("bf16", "fp16") else 4
+    estimate (its weights, adapters and optimizer state persist)."""
+    c = compute_bytes(plan)
     fast_path = plan.path == "fast"
     kept = step.categories
     optimizer = 0 if plan.optimizer.startswith("paged") else kept["optimizer"]  # paged state is not on the card
     persistent = (kept["weights"] + kept["lora"] + optimizer
-                  + vram.STEP_WORKSPACES * vram.CUBLAS_WORKSPACE_BYTES)
+                  + STEP_WORKSPACES * CUBLAS_WORKSPACE_BYTES)
     pool = 0.0
     if fast_path:
-        if fast.dequantizes(plan.weights):
-            persistent += fast.dequant_buffer_bytes(info, c)  # the shared dequantization buffer
+        if dequantizes(plan.weights):
+            persistent += dequant_buffer_bytes(info, c)  # the shared dequantization buffer
         tokens = plan.real_tokens
         if graphs_for(tokens, plan.lora_dropout, cuda=True):
-            # the captured step's private pool: its layer inputs, working set and free blocks
-            offloaded = offload_for(tokens, plan.lora_dropout, cuda=True)
-            working, free, _ = fast.constants(plan.fused_layer)
-            pool = tokens * (fast.saved_per_token(info, c, offloaded, plan.kept_qkv, plan.kept_attention)
-                             + (working + free) * fast.layer_outputs_per_token(info, c, plan.fused_layer))
+            pool = graph_pool_bytes(info, tokens, c)
     # the residual stream's width: bf16 on the fast path (its prepare casts embeddings and norms down),
     # fp32 after prepare_model_for_kbit_training on the plain one
-    stream = c if fast_path else vram._stream_bytes(plan)
+    stream = c if fast_path else stream_bytes(plan)
     head_copy = 0
     if not fast_path and plan.quantized and plan.lora_r is not None and c < 4:
         head_copy = c * info.head_params()  # autocast's bf16 copy of the fp32 output head, per call
@@ -142,7 +110,7 @@ def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
         chunk = t * info.hidden * (4 + 2)
         evaluation = (t * c * info.hidden * 3  # hidden states, residual, the gathered target rows
                       + t * _layer_forward(info, c) + chunk
-                      + fast.hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c) / info.layers)
+                      + hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c) / info.layers)
         eval_held = f"{t} tokens a pass, vocabulary in chunks"
     else:
         evaluation = (t * stream * info.hidden * 2 + t * _layer_forward(info, stream)
@@ -152,16 +120,14 @@ def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
     prompt = plan.generate_prompt_tokens or plan.seq_len
     context = prompt + plan.generate_new_tokens
     kv = info.layers * 2 * info.kv_heads * info.head_width * context * stream
-    piece = min(prompt, PREFILL_TOKENS if plan.prefill_tokens is None else plan.prefill_tokens or prompt)
+    piece = min(prompt, PREFILL_TOKENS)
     answer = (piece * stream * info.hidden * 2 + piece * _layer_forward(info, stream)
               + dequant + head_copy + info.vocab * (c + 4 + 4))
     gen_held = f"KV cache of {prompt} + {plan.generate_new_tokens} tokens ({kv / 1e9:.2f} GB), last logits only"
 
-    slack = vram._SLACK_FLOOR
-
     def peak(work: float, held: str, host_kv: bool = False) -> PhasePeak:
         allocated = int(persistent + work)
-        need = math.ceil((allocated + pool + slack) / _PAGE) * _PAGE
+        need = math.ceil((allocated + pool + SLACK_FLOOR) / PAGE) * PAGE
         return PhasePeak(allocated, max(step.peak_reserved, need), held, host_kv)
 
     generation = peak(answer + kv, gen_held)
@@ -172,7 +138,7 @@ def phase_peaks(info: ModelInfo, plan, step) -> dict[str, PhasePeak]:
     # more that had fitted). The reserved side takes the margin too: SmolLM2 r8 at 4096 tokens, whose
     # answer on the card had reserved 14% more than its step, comes out 10 MB under it without.
     margin = peak(answer + 2 * kv, gen_held)
-    if plan.kv_cache == "auto" and (margin.reserved > step.peak_reserved or margin.allocated > step.peak_allocated):
+    if margin.reserved > step.peak_reserved or margin.allocated > step.peak_allocated:
         on_card = kv * min(1.0, KV_LAYERS_ON_CARD / info.layers)
         generation = peak(answer + on_card, (f"KV cache of {prompt} + {plan.generate_new_tokens} tokens "
                                              f"({kv / 1e9:.2f} GB) on the host, {KV_LAYERS_ON_CARD} layers "

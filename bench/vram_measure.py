@@ -1,0 +1,425 @@
+"""Measure the memory estimate against today's engine in one GPU call: tests/data/vram_measured.json.
+
+Builds random-weight models of four shapes on the GPU (/work/shared/GPU.md; SmolLM2-135M,
+Qwen3-0.6B, Llama-2-7B, Llama-3-8B: AutoConfig, bf16, save_pretrained, the project's tiny byte-level
+BPE tokenizer beside them), then trains every row of :data:`ROWS` through Studio's own Trainer
+(bench/engines.py ``run_trainer``: the engine's own path decision, fast path, CUDA graphs, a final
+evaluation, the adapter save) and answers one chat prompt as long as a training row, each row in a
+fresh process, ``--parallel`` at a time (the peaks are per process). Each row keeps the run config
+it trained with, the path the engine took, the peaks of the training steps, of the whole run and
+of the chat answer, where the answer's KV cache lived and the longest examples; the file keeps the
+command, the commit (the engine version every row was measured on), the GPU and the versions.
+tests/test_vram_measured.py checks the estimate (``studio estimate`` of each row's config) against it.
+
+    # the GPU box, from the repository root (wheels as docs/testing.md says): 7-8 minutes on an H100 (not timed
+    # yet: the earlier Trainer grids took about 17 s a row three at a time, plus the models' builds)
+    python3 bench/vram_measure.py --commit $(git rev-parse HEAD) --out $OUT/vram_measured.json
+    # then here: cp <files_at>/vram_measured.json tests/data/vram_measured.json
+    python3 bench/vram_measure.py --dry-run              # the rows and today's predictions; runs nothing
+    python3 bench/vram_measure.py --cpu --out /tmp/v.json  # the whole pipeline on tiny shapes, on the CPU
+    python3 bench/vram_measure.py --score tests/data/vram_measured.json  # the estimator as it stands
+
+A third of the rows (every third) is out of sample: the estimator's constants are never fitted on
+them (bench/refit_vram_fast.py fits on the others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PINNED = ROOT / "tests" / "data" / "vram_measured.json"
+WARMUP_STEPS = 3
+"""Steps before the tokens/s clock starts (the CUDA-graph capture is in the first)."""
+
+MODELS = {
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    # Qwen3-0.6B's config.json: per-head q/k norms (the plain path today), head_dim 128 over a 1024 stream
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "llama2-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                      max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+"""The shapes measured (config.json values; RoPE's base is left at its default: memory does not
+depend on it), smallest first: the order they are built in. The file keeps each saved config.json."""
+
+TINY = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1024,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True),
+}
+"""--cpu: a tiny shape of each family, standing in for its models (the tiny tokenizer's vocabulary)."""
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QV = ("q_proj", "v_proj")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured run: a model and a training setup, the rest Studio's defaults."""
+
+    model: str
+    weights: str  # nf4, int8 or bf16
+    r: int
+    targets: tuple[str, ...]
+    seq: int
+    micro_batch: int
+    checkpointing: bool = True
+    dropout: float = 0.0
+    optimizer: str = "adamw"
+    data: str = "long"  # long: every example a full seq; short: the sample's instruction rows
+    packing: bool = True
+    out_of_sample: bool = False
+
+    @property
+    def label(self) -> str:
+        """``llama2-7b nf4 r16-all seq512 mb4 ckpt drop0.0 adamw``, with ``short-packed`` or ``short-padded``."""
+        return (f"{self.model} {self.weights} r{self.r}-{'all' if self.targets == ALL else 'qv'} seq{self.seq} "
+                f"mb{self.micro_batch} {'ckpt' if self.checkpointing else 'no-ckpt'} drop{self.dropout} "
+                f"{self.optimizer}{'' if self.data == 'long' else ' short-' + ('packed' if self.packing else 'padded')}")
+
+
+def _rows() -> list[Row]:
+    """Both paths (4-bit and bf16 Llama-shaped bases take the fast one, 8-bit bases and Qwen3 the
+    plain one), 256-16384 tokens a micro-batch, graphed and eager fast steps, ranks 8-64 on q/v
+    and on every projection, dropout, 8-bit AdamW, checkpointing off, long, packed and padded rows."""
+    l2, l3, smol, qwen = "llama2-7b", "llama3-8b", "smollm2-135m", "qwen3-0.6b"
+    rows = [
+        Row(l2, "nf4", 16, ALL, 512, 1),
+        Row(l2, "nf4", 16, ALL, 512, 4),
+        Row(l2, "nf4", 16, ALL, 512, 16),  # 8192 tokens: an eager step
+        Row(l2, "nf4", 8, QV, 2048, 1),
+        Row(l2, "nf4", 64, ALL, 4096, 1),
+        Row(l2, "nf4", 16, ALL, 1024, 4, dropout=0.05),
+        Row(l2, "bf16", 16, QV, 1024, 2),
+        Row(l2, "nf4", 16, ALL, 1024, 4, data="short", packing=False),
+        Row(l2, "int8", 16, ALL, 512, 2),
+        Row(l3, "nf4", 16, ALL, 512, 4),
+        Row(l3, "nf4", 16, ALL, 2048, 1),
+        Row(l3, "nf4", 16, ALL, 4096, 2),
+        Row(l3, "nf4", 8, QV, 1024, 8, optimizer="adamw_8bit"),
+        Row(l3, "nf4", 32, ALL, 512, 8, data="short"),
+        Row(l3, "int8", 16, QV, 512, 1),
+        Row(smol, "nf4", 16, ALL, 1024, 8, dropout=0.05),
+        Row(smol, "nf4", 16, ALL, 2048, 4),
+        Row(smol, "bf16", 64, ALL, 2048, 4, checkpointing=False),
+        Row(smol, "nf4", 8, QV, 4096, 4),  # 16384 tokens
+        Row(smol, "int8", 16, ALL, 512, 8),
+        Row(smol, "int8", 8, QV, 1024, 2, checkpointing=False),
+        Row(qwen, "nf4", 16, ALL, 1024, 4),
+        Row(qwen, "bf16", 16, ALL, 512, 8, checkpointing=False),
+        Row(qwen, "nf4", 8, QV, 2048, 2, dropout=0.05),
+    ]
+    return [replace(row, out_of_sample=i % 3 == 2) for i, row in enumerate(rows)]
+
+
+ROWS = _rows()
+
+
+# ------------------------------------------------------------------------------- the estimate
+
+
+@contextlib.contextmanager
+def _engine_environment(alloc_conf: str | None):
+    """The environment the rows ran in, for the estimate (it reads PYTORCH_CUDA_ALLOC_CONF and
+    STUDIO_FAST_PATH as the engine does): the allocator setting recorded, no forced path."""
+    saved = {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "STUDIO_FAST_PATH")}
+    os.environ.pop("STUDIO_FAST_PATH", None)
+    if alloc_conf is None:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    else:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def predict(row: dict, models: dict, alloc_conf: str | None = None) -> dict:
+    """What ``studio estimate`` says of a row's run config (the same call tests/test_vram_measured.py
+    makes): the path, the peaks over every phase of the run, the phase that sets them, and where the
+    chat answer's KV cache goes for the prompt the row measured (the session's own question)."""
+    import yaml
+
+    from studio.core.config import parse_config
+    from studio.core.memory import estimate, estimate_plan
+    from studio.core.model_info import from_config_dict
+
+    config = parse_config(yaml.safe_dump(row["config"]))
+    info = from_config_dict(dict(models[row["model"]]), row["model"])
+    measured = row.get("measured", {})
+    with _engine_environment(alloc_conf):
+        result = estimate(config, info, lengths=tuple(measured.get("longest_examples", ())))
+        out = {"path": result.path, "peak_allocated": result.peak_allocated, "peak_reserved": result.peak_reserved,
+               "peak_phase": result.peak_phase}
+        if "generate_prompt_tokens" in measured:
+            asked = replace(estimate(config, info).plan, generate_prompt_tokens=measured["generate_prompt_tokens"],
+                            generate_new_tokens=measured["generate_new_tokens"])
+            out["kv_on_host"] = estimate_plan(info, asked).phases["generation"].host_kv
+    return out
+
+
+def score(results: dict) -> dict:
+    """Each measured row's prediction and relative errors, and the summary: median and worst absolute
+    error of both peaks over all rows and over the out-of-sample ones, and how many rows took the
+    predicted path and kept the answer's KV cache where predicted."""
+    scored = []
+    for row in results["rows"]:
+        measured = row.get("measured", {})
+        if "peak_reserved" not in measured:
+            continue
+        predicted = predict(row, results["models"], results.get("environment", {}).get("PYTORCH_CUDA_ALLOC_CONF"))
+        errors = {k: predicted[k] / measured[k] - 1 for k in ("peak_allocated", "peak_reserved")}
+        scored.append({"label": row["label"], "out_of_sample": row["out_of_sample"], "predicted": predicted,
+                       "error": errors, "path_agrees": predicted["path"] == measured["path"],
+                       "kv_agrees": predicted.get("kv_on_host") == (measured.get("generate_kv_cache") == "host")})
+    summary: dict = {"rows": len(scored), "out_of_sample_rows": sum(r["out_of_sample"] for r in scored),
+                     "paths_agree": sum(r["path_agrees"] for r in scored),
+                     "kv_cache_agrees": sum(r["kv_agrees"] for r in scored)}
+    for part, chosen in (("all", scored), ("out_of_sample", [r for r in scored if r["out_of_sample"]])):
+        for key in ("peak_allocated", "peak_reserved"):
+            errors = [abs(r["error"][key]) for r in chosen]
+            if errors:
+                summary.setdefault(part, {})[key] = {"median_abs_error": round(statistics.median(errors), 4),
+                                                     "worst_abs_error": round(max(errors), 4)}
+    return {"rows": scored, "summary": summary}
+
+
+def print_score(scored: dict) -> None:
+    """Each row's errors, then the summary."""
+    for r in scored["rows"]:
+        e = r["error"]
+        print(f"{'OOS' if r['out_of_sample'] else '   '} {r['label']:62} {r['predicted']['path']:5} "
+              f"allocated {e['peak_allocated']:+6.1%} reserved {e['peak_reserved']:+6.1%}"
+              f"{'' if r['path_agrees'] else '  PATH DIFFERS'}{'' if r['kv_agrees'] else '  KV CACHE DIFFERS'}")
+    print(json.dumps(scored["summary"], indent=1))
+
+
+# ------------------------------------------------------------------------------------ the GPU side
+
+
+def build_model(name: str, shape: dict, out: Path) -> None:
+    """Random bf16 weights in ``shape``, saved like a downloaded checkpoint, with the project's tiny
+    byte-level BPE tokenizer (its ids are below every vocabulary here)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from studio.engine.tiny import build_tokenizer
+
+    fields = dict(shape)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out, max_shard_size="4GB")
+    build_tokenizer().save_pretrained(out)
+    print(f"built {name} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def _child(args: argparse.Namespace) -> int:
+    """One row in this fresh process: RESULT and the row's measurement as JSON on the last line."""
+    from bench.engines import run_trainer
+
+    spec = json.loads(args.child)
+    row = Row(**{**spec, "targets": tuple(spec["targets"])})
+    try:
+        measured = run_trainer(row, Path(args.model_dir), args.steps, WARMUP_STEPS,
+                               Path(tempfile.mkdtemp(prefix="vram_measure_")))
+    except Exception as exc:  # noqa: BLE001 - an out-of-memory or a missing kernel is a result, not a crash
+        measured = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+    print("RESULT " + json.dumps(measured), flush=True)
+    return 0
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "triton", "liger-kernel"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _gpu_name() -> str:
+    code = "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() or "unknown"
+
+
+def _commit(given: str | None) -> str:
+    if given:
+        return given
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit("no git here: pass --commit with the commit this tree is (git rev-parse HEAD), the "
+                         "engine version every row is measured on")
+    return done.stdout.strip()
+
+
+def measure(args: argparse.Namespace) -> int:
+    """Build the models, run the rows, write the file after every row (a run cut short keeps its rows)."""
+    start = time.perf_counter()
+    commit = _commit(args.commit)
+    rows = ROWS
+    models = MODELS
+    if args.cpu:  # a row of each family on its tiny shape, a few tokens, no bitsandbytes: the pipeline, not peaks
+        models = TINY
+        firsts = {MODELS[r.model]["model_type"]: r for r in reversed(ROWS)}
+        rows = [replace(r, model=family, weights="bf16", seq=64, micro_batch=2) for family, r in firsts.items()]
+    if args.only:
+        rows = [r for r in rows if any(part in r.label for part in args.only.split(","))]
+    folders = Path(args.models_dir or tempfile.mkdtemp(prefix="vram_measure_models_"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "STUDIO_FAST_PATH"):  # the engine's own defaults
+        env.pop(key, None)
+    env["HF_HUB_OFFLINE"] = "1"  # every model is a local folder
+    if args.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    result = {"what": "peaks of Studio's Trainer on today's engine, one fresh process a row: the training steps, "
+                      "the whole run (final evaluation, adapter save) and one chat answer of a prompt as long as a "
+                      "training row; tests/test_vram_measured.py checks the estimate against them",
+              "engine": commit[:12], "commit": commit,
+              "command": " ".join(["python3", "bench/vram_measure.py", *sys.argv[1:]]),
+              "gpu": _gpu_name(), "versions": _versions(), "cpu_only": args.cpu,
+              "environment": {"PYTORCH_CUDA_ALLOC_CONF": None, "note": "unset: the engine sets expandable_segments:True"},
+              "steps": args.steps, "parallel": args.parallel, "models": {}, "rows": []}
+    lock = threading.Lock()
+
+    def write() -> None:
+        result["rows"].sort(key=lambda r: [x.label for x in rows].index(r["label"]))
+        result["wall_s"] = round(time.perf_counter() - start, 1)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    def build(name: str) -> Path:
+        folder = folders / name
+        if not (folder / "tokenizer.json").exists():  # written last: a folder without it is half built
+            code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; "
+                    f"from bench.vram_measure import build_model; "
+                    f"build_model({name!r}, {models[name]!r}, Path({str(folder)!r}))")
+            subprocess.run([sys.executable, "-c", code], check=True, env=env)
+        with lock:
+            result["models"][name] = json.loads((folder / "config.json").read_text())
+        return folder
+
+    def one(row: Row, folder: Future) -> None:
+        entry = {"label": row.label, "engine": result["engine"], "model": row.model,
+                 "out_of_sample": row.out_of_sample, "case": {**asdict(row), "targets": list(row.targets)}}
+        try:
+            model_dir = folder.result()
+        except subprocess.CalledProcessError as exc:
+            entry["measured"] = {"error": f"the model did not build: {exc}"}
+        else:
+            if time.perf_counter() - start > args.budget_s:
+                entry["measured"] = {"skipped": "time budget"}
+            else:
+                t0 = time.perf_counter()
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(entry["case"]),
+                       "--model-dir", str(model_dir), "--steps", str(args.steps)]
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+                measured = json.loads(lines[-1][7:]) if lines else {"error": (done.stderr or "no output")[-300:]}
+                entry["config"] = measured.pop("config", None)
+                entry["measured"] = measured
+                entry["wall_s"] = round(time.perf_counter() - t0, 1)
+        note = ""
+        with lock:
+            if entry.get("config"):
+                entry["predicted"] = predict(entry, result["models"])
+            if "peak_reserved" in entry["measured"]:
+                error = entry["predicted"]["peak_reserved"] / entry["measured"]["peak_reserved"] - 1
+                note = f": reserved {entry['measured']['peak_reserved'] / 2**30:.2f} GiB, estimate {error:+.1%}"
+            result["rows"].append(entry)
+            write()
+        shown = entry["measured"].get("error") or entry["measured"].get("skipped") or entry["measured"].get("path")
+        print(f"[{time.perf_counter() - start:5.0f} s] {row.label}: {shown}{note}", flush=True)
+
+    # Small models build in seconds and their rows start at once, while the large ones build.
+    order = sorted(rows, key=lambda r: list(models).index(r.model))
+    with ThreadPoolExecutor(max_workers=2) as builders, ThreadPoolExecutor(max_workers=args.parallel) as runners:
+        built = {name: builders.submit(build, name) for name in models if any(r.model == name for r in rows)}
+        list(runners.map(lambda r: one(r, built[r.model]), order))
+    write()
+    if not args.cpu:
+        print_score(score(result))
+    print(f"wrote {args.out} ({len(result['rows'])} rows) in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+def dry_run() -> int:
+    """Every row with today's prediction from its run config alone (full-length rows where the row
+    is short: the data's lengths come from the run), and the rows' coverage."""
+    from bench.engines import trainer_config
+
+    paths = []
+    for row in ROWS:
+        config = trainer_config(row, Path("/models") / row.model, Path("rows.jsonl"), 5, cuda=True)
+        predicted = predict({"config": config.to_dict(), "model": row.model}, MODELS)
+        paths.append(predicted["path"])
+        print(f"{'OOS' if row.out_of_sample else '   '} {row.label:62} {predicted['path']:5} "
+              f"{predicted['peak_reserved'] / 2**30:6.2f} GiB reserved ({predicted['peak_phase']})")
+    print(f"{len(ROWS)} rows, {sum(r.out_of_sample for r in ROWS)} out of sample, {paths.count('fast')} fast, "
+          f"{paths.count('plain')} plain, models {', '.join(sorted({r.model for r in ROWS}))}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(PINNED), help="where the measured file goes")
+    parser.add_argument("--commit", default=None, help="the commit of this tree (no git on the GPU box)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps a row")
+    parser.add_argument("--parallel", type=int, default=3, help="rows at a time (peaks are per process)")
+    parser.add_argument("--budget-s", type=float, default=420, help="start no row after this many seconds")
+    parser.add_argument("--models-dir", default=None, help="where the models are built (default: a temp dir)")
+    parser.add_argument("--only", default=None, help="only rows whose label holds one of these (comma-separated)")
+    parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU: the pipeline, no peaks")
+    parser.add_argument("--dry-run", action="store_true", help="print the rows and today's predictions")
+    parser.add_argument("--score", default=None, help="score a measured file with the estimator as it stands")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return _child(args)
+    if args.dry_run:
+        return dry_run()
+    if args.score:
+        print_score(score(json.loads(Path(args.score).read_text())))
+        return 0
+    return measure(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Predict where the GPU memory of a fine-tuning run goes, by category and phase, before loading anything.
+
+:func:`estimate` asks core/plan.py which path the engine will take (the function the engine calls
+itself) and models that one: the plain path's step in core/memory/plain.py, the fast path's in
+core/memory/fast.py; the other phases of a run (evaluation, generation, checkpoint save) come from
+core/memory/phases.py, and the peak is the largest. It reports in the categories the gauge draws
+and ``engine/memory.py`` measures: weights, lora, gradients, optimizer, activations, overhead.
+Checked against measurements of Studio's Trainer on the GPU: tests/data/vram_measured.json
+(bench/vram_measure.py), docs/memory.md.
+
+Plain Python: the UI and ``studio estimate`` import this; it must never import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from studio.core.config import RunConfig
+from studio.core.memory.allocator import CUDA_CONTEXT_BYTES
+from studio.core.memory.fast import fast_step
+from studio.core.memory.phases import peak_phase, phase_peaks
+from studio.core.memory.plain import plain_step
+from studio.core.memory.plan import Plan, plan_for
+from studio.core.memory.result import Estimate
+from studio.core.model_info import ModelInfo
+from studio.core.plan import PathChoice, PathFacts, choose_path
+
+
+def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> Estimate:
+    """Predict the memory of ``plan`` on model ``info`` (see :func:`estimate`), on the plan's path:
+    the peak over every phase of a run, the categories of the moment that sets it."""
+    result = fast_step(info, plan) if plan.path == "fast" else plain_step(info, plan)
+    phases = phase_peaks(info, plan, result)
+    top = peak_phase(phases)
+    result.phases, result.peak_phase, result.step_categories = phases, top, dict(result.categories)
+    result.peak_allocated = max(p.allocated for p in phases.values())
+    if top != "training step":  # the categories of the moment that sets the peak: no gradients then
+        c, peak = result.categories, phases[top]
+        on_device_optimizer = 0 if plan.optimizer.startswith("paged") else c["optimizer"]
+        c["gradients"] = 0
+        c["activations"] = peak.allocated - c["weights"] - c["lora"] - on_device_optimizer
+        c["overhead"] = peak.reserved - peak.allocated + CUDA_CONTEXT_BYTES
+        result.peak_reserved = peak.reserved
+        result.total = sum(c.values())
+        result.notes.insert(0, f"the {top} sets the peak: {peak.held}")
+    if gpu_bytes is not None:
+        result.capacity, result.fits = gpu_bytes, result.total <= gpu_bytes
+        result.max_micro_batch = _max_micro_batch(info, plan, gpu_bytes)
+    return result
+
+
+def _total(info: ModelInfo, plan: Plan) -> int:
+    return estimate_plan(info, plan).total
+
+
+def _max_micro_batch(info: ModelInfo, plan: Plan, capacity: int, limit: int = 4096) -> int:
+    """Largest micro-batch whose total fits (memory grows with it, so bisect)."""
+    if _total(info, replace(plan, micro_batch=1)) > capacity:
+        return 0
+    low, high = 1, 2
+    while high <= limit and _total(info, replace(plan, micro_batch=high)) <= capacity:
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        if _total(info, replace(plan, micro_batch=mid)) <= capacity:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def path_choice(config: RunConfig, model_info: ModelInfo) -> PathChoice:
+    """The training path Studio's engine will take for ``config`` on this model on a GPU, decided
+    by the function the engine calls (core/plan.py's choose_path)."""
+    plan = plan_for(config, info=model_info)
+    facts = PathFacts.from_config(config, cuda=True, weights=plan.weights,
+                                  model_blocker=model_info.fast_path_blocker, targets=plan.lora_targets)
+    choice = choose_path(facts)
+    if choice.path == "plain":
+        choice = replace(choice, checkpointing=plan.checkpointing)
+    return choice
+
+
+def estimate(config: RunConfig, model_info: ModelInfo, gpu_bytes: int | None = None,
+             micro_batch: int | None = None, lengths: tuple[int, ...] = ()) -> Estimate:
+    """Predict the GPU memory of training ``config`` on the model ``model_info`` describes, on the
+    path the engine will take (:func:`path_choice`).
+
+    ``gpu_bytes`` is the card's capacity (for fits / max_micro_batch); ``micro_batch`` overrides the
+    config's; ``lengths`` the training examples' token lengths when known (:func:`plan_for`).
+    Raises ValueError naming ``lora.target_modules`` if a target is not in the model.
+    """
+    choice = path_choice(config, model_info)
+    plan = replace(plan_for(config, micro_batch, lengths=lengths, info=model_info), path=choice.path)
+    result = replace(estimate_plan(model_info, plan, gpu_bytes), choice=choice)
+    if plan.lora_r is None:  # the config's own full fine-tune (the walkthrough's steps tell their own story)
+        result.notes.insert(0, f"full fine-tuning: every weight has a gradient in {plan.weights} and AdamW state ("
+                            + ("m and v in the weights' dtype, torch AdamW" if plan.optimizer == "adamw" else
+                               "fp32 m and v" if plan.optimizer == "paged_adamw" else "8-bit m and v")
+                            + "); no fp32 master copy")
+    return result

@@ -1,0 +1,253 @@
+"""Predicted memory of a training step on Studio's GPU fast path (studio/engine/fast/).
+
+The fast path keeps far less than transformers + PEFT (core/memory/plain.py models that one): no
+fp32 residual stream, no per-module saved inputs, no logits. What today's engine holds:
+
+- weights: the packed 4-bit (or float) projections with their constants; embeddings, head and norms
+  in the compute dtype (the loader skips ``prepare_model_for_kbit_training``'s fp32 cast when the
+  fast path is ahead); the double-quantized scales stay packed;
+- LoRA parameters, gradients and optimizer state as on the plain path;
+- activations: every layer is checkpointed, whatever the config says, and on a CUDA card each
+  layer's input and its rotated q, k and v wait in pinned host memory (engine/fast/offload.py): on
+  the device at a backward's start are two layer inputs (the one being recomputed and the next,
+  prefetched) and the next layer's q, k and v; the stacked bf16 adapters of every layer (hoisted out
+  of the checkpoints), one recomputed layer's working set in its backward, and the fused
+  cross-entropy's gradient of the hidden states (the logits are never materialised); the shared
+  buffer every 4-bit weight is dequantized into (as large as the widest single projection);
+- overhead: the CUDA context; with CUDA graphs (micro-batches of up to core/plan.py's
+  GRAPH_TOKEN_LIMIT tokens), the free blocks of the graph's private pool.
+
+The two fitted constants below (``LAYER_WORKING_SET``, ``GRAPH_POOL_PER_TOKEN``) are searched by
+bench/refit_vram_fast.py on the in-sample rows of a measurement of the engine
+(tests/data/vram_measured.json, made by bench/vram_measure.py); docs/memory.md keeps their history.
+
+Plain Python: it must never import torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from studio.core.memory.allocator import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_CONTEXT_BYTES,
+    PAGE,
+    STEP_WORKSPACES,
+)
+from studio.core.memory.params import compute_bytes, linear_bytes, optimizer_bytes, trainable_params
+from studio.core.memory.plan import Plan
+from studio.core.memory.result import Estimate
+from studio.core.model_info import ModelInfo
+from studio.core.plan import graphs_for
+
+LAYER_WORKING_SET = 1.2
+"""One recomputed layer's backward holds about this many times its forward outputs
+(:func:`layer_outputs_per_token`: with few of them, the gradients beside them are a large share).
+Fitted with ``GRAPH_POOL_PER_TOKEN`` to the in-sample Trainer rows of the H100 grid of 09fac3a's
+engine, the first with this recomputed layer (bench/results/h100_vram_trainer_v5_*.json)."""
+
+FIXED_SLACK = 32 * 2**20
+"""Reserved beyond the allocated peak that no mechanism below explains: small-pool pages and 20 MiB
+mapping steps of the allocator (fitted)."""
+
+GRAPH_POOL_PER_TOKEN = 0.5
+"""With CUDA graphs, the captured step's private pool keeps free blocks worth this many times one
+layer's forward outputs per token: the layer's transients the capture freed, which the pool cannot
+hand to anything outside the graph (fitted with ``LAYER_WORKING_SET``)."""
+
+CAPTURE_WORKSPACES = 5
+"""cuBLAS workspaces (core/memory/allocator.py's CUBLAS_WORKSPACE_BYTES each) alive when a CUDA
+graph is captured: beside the default stream's (STEP_WORKSPACES), the capture's warm-up and capture
+streams, on the main and the autograd thread, have theirs. Counted in the allocator's history at the
+peak of two H100 Trainer rows (bench/results/h100_v7_attribution.json: five 32 MiB blocks, one from
+the first product of the run, four from the fused products' first calls on the capture's streams);
+the engine frees the capture's once it is done."""
+
+MAX_LAYOUTS = 2
+"""CUDA-graph layouts a run of unpacked rows of varying lengths captures (engine/fast/model.py's
+``max_graphs``), each with its own private pool; packed rows keep one layout, widened in place."""
+
+
+def layer_outputs_per_token(info: ModelInfo, compute: int) -> float:
+    """Bytes per token of one recomputed decoder layer's forward outputs (engine/fast/layer.py):
+    the two norms, q, k and v from their own products (RoPE rotates them where they are: no
+    copies), attention, o_proj's output written onto the residual stream (one tensor: the LoRA
+    update's product adds the residual, the base product adds itself in place), the gate/up product
+    and SwiGLU; the recomputation skips down_proj, whose value nothing reads."""
+    h, i = info.hidden, info.intermediate
+    q = info.heads * info.head_width
+    kv = info.kv_heads * info.head_width
+    return compute * (2 * h + (q + 2 * kv) + q + h + 2 * i + i)
+
+
+def hoisted_adapter_bytes(info: ModelInfo, r: int, targets: tuple[str, ...], compute: int) -> int:
+    """The adapters cast and stacked once per forward, for every layer: stacked A (n*r x in) and a
+    block-diagonal B^T (n*r x sum of the fused outputs) per fused product."""
+    shapes = info.linear_shapes()
+    fused = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+    total = 0
+    for group in fused:
+        n = sum(1 for name in group if name in targets)
+        if not n:
+            continue
+        fan_in = shapes[group[0]][0]
+        outs = sum(shapes[name][1] for name in group)
+        total += n * r * (fan_in + outs)
+    return info.layers * total * compute
+
+
+def dequant_buffer_bytes(info: ModelInfo, compute: int) -> int:
+    """Bytes of the shared buffer 4-bit weights are dequantized into: one projection at a time
+    (engine/fast/weights.py splits a fused product), so the widest single projection."""
+    shapes = info.linear_shapes()
+    return max(fan_in * fan_out for fan_in, fan_out in shapes.values()) * compute
+
+
+def dequantizes(weights: str) -> bool:
+    """Whether the fast path dequantizes its base weights for the products, so that it holds the
+    shared buffer of :func:`dequant_buffer_bytes` and leaves holes of its size: 4-bit bases only
+    (engine/fast/weights.py gives a product a Workspace only when one of its bases is 4-bit). A
+    base in the compute dtype (bf16) is read where it is: no buffer, no dequantized copies."""
+    return weights in ("nf4", "fp4")
+
+
+def saved_per_token(info: ModelInfo, compute: int) -> int:
+    """Bytes per token that the checkpointed layers keep on the device at a backward's start: with
+    the layer inputs and their rotated q, k and v on the host, two inputs (the one being recomputed
+    and the next, prefetched) and the next layer's q, k and v (the recomputed layer's own replace
+    its q/k/v product's outputs in the working set)."""
+    qkv = (info.heads + 2 * info.kv_heads) * info.head_width
+    return (2 * info.hidden + qkv) * compute
+
+
+def step_activations(info: ModelInfo, tokens: int, compute: int) -> float:
+    """Bytes a training step holds beyond the parameters, gradients and optimizer state at its peak
+    (the start of a layer's backward), without the hoisted adapters and the dequantized weight."""
+    saved = tokens * saved_per_token(info, compute)
+    working = tokens * LAYER_WORKING_SET * layer_outputs_per_token(info, compute)
+    loss = tokens * 2 * info.hidden * compute  # the fused loss's gradient of the last hidden states
+    return saved + working + loss
+
+
+def dropout_bytes(info: ModelInfo, tokens: int, compute: int, rate: float, targets: tuple[str, ...]) -> int:
+    """Adapter dropout's working copy in a recomputed layer's backward (engine/fast/weights.py's
+    AdapterDropout), ``tokens x fan_in`` of the widest adapted input: one at a time, since the input
+    gradient's product is masked straight into the layer's input gradient (the kernel accumulates
+    into it) and freed before the adapter's own gradient regenerates the masked input. Measured on the
+    H100 in one call (bench/results/h100_v7_speed_c.json, Llama-2-7B r16 on all projections, 2048
+    tokens): dropout 0.05 allocated 0.042 GiB more than none, one 2048 x 11008 bf16 tensor."""
+    if rate <= 0:
+        return 0
+    shapes = info.linear_shapes()
+    widest = max((shapes[name][0] for name in targets if name in shapes), default=0)
+    return tokens * widest * compute
+
+
+def graph_tensor_bytes(info: ModelInfo, tokens: int, compute: int) -> int:
+    """The tensors a captured graph keeps for its replays as long as it lives (torch's
+    ``make_graphed_callables``): its sample input (the stack's input hidden states, the first step's),
+    cos and sin, its static output, the static gradient of that output and the static gradient of
+    its input. In a graph's own capture they are that step's own tensors, inside the activations; a
+    second layout's capture has the first graph's on top."""
+    return tokens * (4 * info.hidden + 2 * info.head_width) * compute
+
+
+def graph_pool_free_bytes(info: ModelInfo, tokens: int, compute: int) -> float:
+    """Free blocks a captured step's private pool keeps beside the blocks of its activations."""
+    return tokens * GRAPH_POOL_PER_TOKEN * layer_outputs_per_token(info, compute)
+
+
+def graph_pool_bytes(info: ModelInfo, tokens: int, compute: int) -> float:
+    """The whole private pool of a step captured as a CUDA graph: the layer inputs and q, k, v it
+    keeps on the device, one layer's working set and the free blocks, none of which anything outside
+    the graph can reuse (core/memory/phases.py puts it under every other phase)."""
+    return tokens * (saved_per_token(info, compute)
+                     + (LAYER_WORKING_SET + GRAPH_POOL_PER_TOKEN) * layer_outputs_per_token(info, compute))
+
+
+def allocator_slack(info: ModelInfo, tokens: int, compute: int, graphs: bool, dequantized: bool = True) -> float:
+    """Reserved beyond the allocated peak: holes about two dequantized weights' size that later,
+    smaller requests do not fill (``dequantized`` False, a base in the compute dtype: none); with
+    CUDA graphs, the free blocks the captured step's private pool keeps."""
+    slack = FIXED_SLACK + (2 * dequant_buffer_bytes(info, compute) if dequantized else 0)
+    if graphs:
+        slack += graph_pool_free_bytes(info, tokens, compute)
+    return slack
+
+
+def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
+    """The training step's :class:`~studio.core.memory.result.Estimate` of ``plan`` on ``info`` on
+    the fast path; core/memory/estimate.py adds the other phases and the card."""
+    c = compute_bytes(plan)
+    other = info.embedding_params() + info.head_params() + info.norm_params()
+    weights = int(info.layers * linear_bytes(info, plan) + other * c)
+    n_train = trainable_params(info, plan)
+    lora = grads = n_train * 4
+    optimizer = optimizer_bytes(info, plan)
+    on_device_optimizer = 0 if plan.optimizer.startswith("paged") else optimizer
+    tokens = plan.real_tokens  # the fast path drops the padding before the model
+    graphs = graphs_for(tokens, plan.lora_dropout, cuda=True)  # the engine's own rule (core/plan.py)
+    dequantized = dequantizes(plan.weights)
+    dequant = dequant_buffer_bytes(info, c) if dequantized else 0  # the shared dequantization buffer
+    activations = (step_activations(info, tokens, c)
+                   + hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c)
+                   + dequant
+                   + CUBLAS_WORKSPACE_BYTES
+                   + dropout_bytes(info, tokens, c, plan.lora_dropout, plan.lora_targets))
+    # Gradients exist through the whole step (the graphs' backward adds into them in place) and the
+    # optimizer's foreach temporary comes after the activations are gone: the backward is the peak.
+    temp = n_train * 4 if plan.optimizer == "adamw" else 0
+    held = int(weights + lora + on_device_optimizer + grads + max(activations, temp))
+    # unpadded rows of varying lengths come in several layouts; packed ones widen the one they have
+    layouts = plan.data_sized
+    workspace = CUBLAS_WORKSPACE_BYTES
+    if graphs:
+        # The graph is captured in the first step, before the optimizer has any state: that moment
+        # holds the capture's activations and its streams' cuBLAS workspaces, without the optimizer.
+        # Later steps replay inside the graph's private pool, whose blocks the allocator counts as
+        # free (reserved, not allocated); the optimizer's state and step come after (reserved keeps
+        # both: the pool stays mapped when the state arrives). A second layout's capture comes in a
+        # later step, with the state and the first graph's fixed tensors (graph_tensor_bytes).
+        capture = activations + (CAPTURE_WORKSPACES - 1) * workspace
+        state = on_device_optimizer
+        at_capture = weights + lora + grads + capture + (state + graph_tensor_bytes(info, tokens, c) if layouts else 0)
+        peak_allocated = int(max(at_capture, weights + lora + grads + state + temp))
+    else:
+        # Eager steps: every product-running thread has its workspace (activations count one).
+        extra = (STEP_WORKSPACES - 1) * workspace
+        peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations + extra, temp))
+    slack = allocator_slack(info, tokens, c, graphs, dequantized)
+    second_pool = 0.0
+    if graphs and layouts:
+        # every layout's graph has a private pool of its own: another copy of the graph's held
+        # activations and free blocks each
+        second_pool = (MAX_LAYOUTS - 1) * (step_activations(info, tokens, c) + graph_pool_free_bytes(info, tokens, c))
+        slack += second_pool
+    eager_extra = 0 if graphs else (STEP_WORKSPACES - 1) * workspace  # mapped too
+    need = max(held + eager_extra + slack, peak_allocated)
+    if graphs:
+        # The capture's own moment reserves its allocated peak, the free blocks its private pool has
+        # by then and the allocator's fixed slack (a later step's other holes, the dequantized weights'
+        # and the prefetched inputs', are not there yet: torch.cuda.graph empties the cache before it
+        # captures). It is the peak where the optimizer's state is smaller than the capture's four
+        # extra cuBLAS workspaces: SmolLM2-135M r8 on q and v keeps 3.5 MB of state, and its H100 row
+        # reserved 109 MB beyond allocated at the capture (bench/results/h100_v7_attribution.json).
+        need = max(need, at_capture + FIXED_SLACK + graph_pool_free_bytes(info, tokens, c) + second_pool)
+    peak_reserved = int(math.ceil(need / PAGE) * PAGE)
+    overhead = peak_reserved - held + CUDA_CONTEXT_BYTES
+    categories = {"weights": weights, "lora": int(lora), "gradients": int(grads), "optimizer": int(optimizer),
+                  "activations": int(held - weights - lora - on_device_optimizer - grads),
+                  "overhead": int(overhead)}
+    total = sum(categories.values())
+    notes = ["fast path (studio/engine/fast): every layer checkpointed, fused cross-entropy, "
+             + ("CUDA graphs" if graphs else "eager steps with the layer inputs in host memory")]
+    if graphs and peak_allocated < held:
+        notes.append("allocated peaks at the first step's CUDA-graph capture, before the optimizer has "
+                     "state (the categories are a later step's)")
+    if plan.optimizer.startswith("paged"):
+        notes.append("paged optimizer state lives in unified memory: it spills to host RAM under "
+                     "pressure and torch.cuda's counters do not see it")
+    if plan.seq_len > info.max_positions:
+        notes.append(f"sequence length {plan.seq_len} exceeds the model's {info.max_positions} positions")
+    notes.append("overhead includes ~0.8 GB of CUDA context that only nvidia-smi shows")
+    return Estimate(categories, total, None, None, None, peak_allocated, peak_reserved, plan, notes)

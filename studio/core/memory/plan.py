@@ -1,0 +1,163 @@
+"""A training setup as the estimator sees it (:class:`Plan`), and the one a run config describes.
+
+Plain Python: it must never import torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from studio.core.config import RunConfig
+from studio.core.memory.allocator import expandable_segments_from_env
+from studio.core.model_info import ModelInfo
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""What PEFT's ``all-linear`` means for a Llama-architecture model (lm_head excluded)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A training setup as the estimator sees it; :func:`plan_for` maps a RunConfig onto one."""
+
+    weights: str = "nf4"
+    """How frozen linear weights are stored: nf4, fp4, int8, bf16, fp16 or fp32."""
+
+    double_quant: bool = True
+    """4-bit only: quantize the absmax constants too (8-bit per 64 weights, not fp32)."""
+
+    compute: str = "bf16"
+    """Matmul dtype under autocast: bf16, fp16, or fp32 (no autocast)."""
+
+    lora_r: int | None = 16
+    """Adapter rank; None means full fine-tuning (every weight trains)."""
+
+    lora_targets: tuple[str, ...] = ALL_LINEAR
+    """Linear modules that get an adapter."""
+
+    lora_dropout: float = 0.05
+    """Adapter dropout; above 0 it keeps a one-byte mask per input element of each adapter."""
+
+    micro_batch: int = 4
+    """Sequences per forward pass."""
+
+    seq_len: int = 512
+    """Tokens per sequence (packed rows are full length)."""
+
+    checkpointing: bool = True
+    """Gradient checkpointing: keep only each layer's input, recompute the rest in backward."""
+
+    optimizer: str = "adamw"
+    """adamw (torch, state in the parameter's dtype), paged_adamw (32-bit, in unified memory),
+    adamw_8bit or paged_adamw_8bit."""
+
+    dora: bool = False
+    """DoRA: each adapted module also trains a magnitude vector (one value per output feature)."""
+
+    accumulation: int = 1
+    """Micro-batches per optimizer step; above 1 gradients stay alive through the forward pass."""
+
+    attention: str = "sdpa"
+    """sdpa / flash (memory linear in length) or eager (keeps seq x seq scores per head)."""
+
+    expandable_segments: bool = True
+    """PyTorch's caching allocator mode (PYTORCH_CUDA_ALLOC_CONF). True, what Studio's engine sets
+    unless the environment says otherwise: one growing mapping per pool, so reserved memory is the
+    allocated peak rounded up to 2 MiB pages. False: PyTorch's default fixed-size segments, which
+    cache freed blocks (core/memory/plain.py's ``moments`` says what that costs)."""
+
+    path: str = "plain"
+    """The training path the engine takes (core/plan.py's choose_path): ``plain`` (transformers +
+    PEFT + bitsandbytes: core/memory/plain.py) or ``fast`` (studio/engine/fast/:
+    core/memory/fast.py)."""
+
+    sequences_per_example: int = 1
+    """2 for preference runs (DPO, ORPO): a pair is its chosen and its rejected answer, padded rows."""
+
+    reference_pass: bool = False
+    """DPO: one more forward per micro-batch, through the base (adapter off) without gradients. It
+    runs after the policy's forward, and its logits (compute dtype plus an fp32 copy of the answer
+    positions) are smaller than the loss moment's, which also holds the gradients of the fp32 logits:
+    it costs time, not peak memory."""
+
+    packing: bool = True
+    """``trainer.packing``: rows packed into ``seq_len``-long streams (every micro-batch full), or
+    one example a row, padded to the micro-batch's longest."""
+
+    lengths: tuple[int, ...] = ()
+    """Token lengths of the training examples, longest first, each capped at ``seq_len``, when the
+    data was read (core/memory/lengths.py); empty: every row is taken as ``seq_len`` long.
+    Only unpacked runs use it (packed micro-batches fill ``seq_len``)."""
+
+    generate_prompt_tokens: int | None = None
+    """The generation phase's prompt (chat), in tokens; None: as long as a training row (``seq_len``)."""
+
+    generate_new_tokens: int = 128
+    """The generation phase's answer length (``generation.max_new_tokens``)."""
+
+    @property
+    def data_sized(self) -> bool:
+        """Whether the step is sized from the data's token lengths (unpacked SFT with lengths known)
+        rather than taking every row as ``seq_len`` long."""
+        return bool(self.lengths) and not self.packing and self.sequences_per_example == 1
+
+    @property
+    def row_len(self) -> int:
+        """Width of a micro-batch's rows: ``seq_len``, or the data's longest example (capped)."""
+        return min(self.seq_len, self.lengths[0]) if self.data_sized else self.seq_len
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens of the largest micro-batch without its padding (what the fast path, which unpads,
+        computes on): the sum of the ``micro_batch`` longest examples when sized from the data (no
+        micro-batch can hold more), else :attr:`tokens`."""
+        if self.data_sized:
+            return sum(min(self.seq_len, n) for n in self.lengths[:self.micro_batch])
+        return self.tokens
+
+    @property
+    def quantized(self) -> bool:
+        """True for 4-bit and 8-bit base weights (loaded through bitsandbytes)."""
+        return self.weights in ("nf4", "fp4", "int8")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one micro-batch as the model sees it, padding included (a preference pair
+        counts both of its sequences): micro-batch x :attr:`row_len`."""
+        return self.micro_batch * self.sequences_per_example * self.row_len
+
+
+def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str = "sdpa",
+             expandable_segments: bool | None = None, lengths: tuple[int, ...] = (),
+             info: ModelInfo | None = None) -> Plan:
+    """The Plan a RunConfig describes (4-bit NF4 QLoRA by default).
+
+    ``expandable_segments`` None means what Studio's engine will use in this environment
+    (core/memory/allocator.py's ``expandable_segments_from_env`` of PYTORCH_CUDA_ALLOC_CONF).
+    ``lengths``: the training examples' token lengths when the data was read
+    (core/memory/lengths.py), else every row is taken as ``data.max_seq_length`` long. ``info``:
+    the model, whose module names the LoRA targets take (``ModelInfo.lora_targets``: all-linear,
+    Phi-3's fused modules); without it, Llama's names.
+    """
+    q = config.quantization
+    compute = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[q.compute_dtype]
+    weights = {4: q.quant_type, 8: "int8"}.get(q.bits, compute) if q.bits else compute
+    lora = config.lora
+    targets = lora.target_modules if lora is not None else ()
+    if info is not None:
+        names = info.lora_targets(targets) if lora is not None else ()
+    else:
+        names = ALL_LINEAR if targets == "all-linear" else tuple(t for t in targets)
+    accumulation = config.trainer.accumulation_steps()
+    return Plan(weights=weights, double_quant=q.double_quant, compute=compute,
+                lora_r=lora.r if lora is not None else None, lora_targets=names,
+                lora_dropout=lora.dropout if lora is not None else 0.0,
+                dora=lora.use_dora if lora is not None else False,
+                micro_batch=micro_batch or config.trainer.micro_batch(),
+                seq_len=config.data.max_seq_length, checkpointing=config.trainer.checkpointing(),
+                optimizer=config.trainer.optimizer, accumulation=accumulation, attention=attention,
+                expandable_segments=(expandable_segments_from_env(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+                                     if expandable_segments is None else expandable_segments),
+                sequences_per_example=2 if config.trainer.method in ("dpo", "orpo") else 1,
+                reference_pass=config.trainer.method == "dpo", packing=config.trainer.packing,
+                lengths=tuple(lengths), generate_new_tokens=config.generation.max_new_tokens)
