@@ -26,7 +26,7 @@ from pathlib import Path
 
 from studio.core import events as ev
 from studio.core.runs import RunDir
-from studio.worker.launch import GpuLock
+from studio.worker.launch import GpuLock, WorkerStartError
 
 _RECONNECT_EVERY_S = 1.0
 
@@ -40,10 +40,6 @@ class WorkerUnavailable(ConnectionError):
 
 class WorkerRefused(WorkerUnavailable):
     """The worker refused this client's key."""
-
-
-class WorkerStartError(RuntimeError):
-    """``python -m studio.worker`` refused to start; the message says why (a busy GPU, ...)."""
 
 
 class DeviceBusy(WorkerStartError):
