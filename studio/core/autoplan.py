@@ -178,7 +178,7 @@ def effective_batch(config: RunConfig) -> int:
     t = config.trainer
     if t.effective_batch_size and not t.gradient_accumulation_steps:
         return int(t.effective_batch_size)
-    return t.micro_batch() * t.accumulation_steps()
+    return t.effective_batch()
 
 
 def with_values(config: RunConfig, micro_batch: int, checkpointing: bool, effective: int) -> RunConfig:

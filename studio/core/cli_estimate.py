@@ -18,7 +18,7 @@ from studio.core import autoplan
 from studio.core.config import ConfigError, RunConfig, load_config
 from studio.core.gpus import GB, detect_gpus, gpu_for_size
 from studio.core.model_info import ModelInfoError, load_model_info
-from studio.core.multigpu import effective_batch, requested_gpus
+from studio.core.multigpu import requested_gpus
 from studio.core.vram import CATEGORIES, Estimate, estimate
 from studio.core.vram_lengths import data_lengths
 
@@ -29,7 +29,7 @@ DEFAULT_GPU_GB = 24.0
 def batch_line(config: RunConfig) -> str:
     """The effective batch, and on several GPUs that the memory above is each card's."""
     t, gpus = config.trainer, requested_gpus(config)
-    line = f"effective batch {effective_batch(config, gpus)} = micro-batch {t.micro_batch()} x " \
+    line = f"effective batch {t.effective_batch(gpus)} = micro-batch {t.micro_batch()} x " \
            f"{t.accumulation_steps()} accumulation"
     if gpus > 1:
         line += (f" x {gpus} GPUs; the memory above is each GPU's (each holds the model, its LoRA and "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from studio.core import events as ev
+from studio.core.config import effective_batch
 from studio.core.gpus import GB
 
 MB = 10**6
@@ -162,7 +163,7 @@ def batch_text(event: ev.RunStarted) -> str:
     if event.gpus > 1:
         text += f" x {event.gpus} GPUs"
     effective = event.effective_batch_size or \
-        event.micro_batch_size * event.gradient_accumulation_steps * max(1, event.gpus)
+        effective_batch(event.micro_batch_size, event.gradient_accumulation_steps, event.gpus)
     return f"{text} = effective batch {effective}"
 
 

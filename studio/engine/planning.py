@@ -88,11 +88,10 @@ def _event(resolved: RunConfig, **fields: object) -> ev.AutoPlanChosen:
     t = resolved.trainer
     return ev.AutoPlanChosen(micro_batch_size=t.micro_batch(), gradient_accumulation_steps=t.accumulation_steps(),
                              gradient_checkpointing=t.checkpointing(),
-                             effective_batch_size=t.micro_batch() * t.accumulation_steps(), **fields)
+                             effective_batch_size=t.effective_batch(), **fields)
 
 
 def _record(run: RunDir, resolved: RunConfig, leader: bool, **facts: object) -> None:
     if leader and run.path.is_dir():
         t = resolved.trainer
-        autoplan.record(run.path, t.micro_batch(), t.checkpointing(), t.micro_batch() * t.accumulation_steps(),
-                        **facts)
+        autoplan.record(run.path, t.micro_batch(), t.checkpointing(), t.effective_batch(), **facts)

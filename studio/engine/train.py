@@ -116,7 +116,7 @@ class Trainer:
         self.config = self.session.config
         self.micro_batch_size = self.config.trainer.micro_batch()
         # Units per optimizer step (over every rank) stay fixed; accumulation follows the micro-batch.
-        self.units_per_step = self.micro_batch_size * self.config.trainer.accumulation_steps() * self.group.world
+        self.units_per_step = self.config.trainer.effective_batch(self.group.world)
 
     def load(self) -> None:
         """Load the session if it is not yet, and set up the data stream. On a user error a
