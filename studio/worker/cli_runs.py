@@ -14,8 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from studio.core import events as ev
+from studio.core.cells import cell
 from studio.core.config import ConfigError
-from studio.core.report import describe, format_duration, shorten
+from studio.core.report import describe, format_duration
 from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
 from studio.core.storage import LOW_SPACE_BYTES, disk_full_message, free_bytes
 from studio.worker.client import (
@@ -234,7 +235,7 @@ def runs(args: argparse.Namespace) -> int:
         s = summarize(run)
         step = f"{s.step}/{s.total_steps}" if s.total_steps else str(s.step)
         best = f"{s.best_eval_loss:.4f}" if s.best_eval_loss is not None else "-"
-        rows.append((run.id, shorten(s.model.rstrip("/").split("/")[-1], 32), s.status, step, best,
+        rows.append((run.id, cell(s.model.rstrip("/").split("/")[-1], 32), s.status, step, best,
                      format_duration(now - s.started)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
