@@ -37,12 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from studio.core import events as ev
+from studio.core.prompt import IGNORE_INDEX
 from studio.core.runs import ADAPTER_STEP_FILE
 from studio.core.storage import DiskFull, is_disk_full
 from studio.engine import checkpoint, oom
 from studio.engine import distributed as dist
 from studio.engine import fast as fastpath
-from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream, MicroBatch, eval_batches
+from studio.engine.batching import Cursor, DataStream, MicroBatch, eval_batches
 from studio.engine.memory import MemorySampler
 from studio.engine.optim import build_optimizer, build_scheduler
 from studio.engine.preference import PairStream
