@@ -14,10 +14,11 @@ from worker_fakes import FakeTrainer
 
 from studio.core import events as ev
 from studio.core.config import RunConfig
-from studio.core.runs import RunDir, append_event, create_run
+from studio.core.runs import RunDir, create_run
 from studio.worker.client import WorkerClient
+from studio.worker.eventlog import EventLog
 from studio.worker.launch import listen, write_key, write_pid
-from studio.worker.server import EventLog, Worker
+from studio.worker.server import Worker
 
 
 @pytest.fixture
@@ -70,8 +71,10 @@ def test_clients_joining_at_any_moment_see_every_event_exactly_once(run: RunDir,
 
 
 def test_a_client_without_a_worker_reads_the_log_and_tails_it(run: RunDir) -> None:
+    log = EventLog(run.events_path)
     for step in (1, 2):
-        append_event(run.events_path, ev.StepLogged(seq=step - 1, step=step))
+        log.append(ev.StepLogged(step=step))
+    log.close()
     client = WorkerClient(run)
     assert [e.step for e in client.catch_up()] == [1, 2]
     assert not client.connected
@@ -84,8 +87,9 @@ def test_a_client_without_a_worker_reads_the_log_and_tails_it(run: RunDir) -> No
 
 
 def test_the_log_continues_numbering_after_a_killed_worker(run: RunDir) -> None:
-    for seq in range(3):
-        append_event(run.events_path, ev.StepLogged(seq=seq, step=seq + 1))
+    killed = EventLog(run.events_path)
+    for step in (1, 2, 3):
+        killed.append(ev.StepLogged(step=step))
     with open(run.events_path, "a") as handle:
         handle.write('{"type":"StepLogged","seq":3,"st')  # SIGKILL mid-write
     log = EventLog(run.events_path)
