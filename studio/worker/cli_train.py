@@ -203,7 +203,7 @@ def main(args: argparse.Namespace) -> int:
     console.start()
 
     def on_interrupt(_signum: int, _frame: Any) -> None:
-        if worker.state not in ("training", "paused"):
+        if worker.state not in (ev.WorkerState.TRAINING, ev.WorkerState.PAUSED):
             raise KeyboardInterrupt  # still loading: nothing to save yet
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts
         printer.line("stopping after this step: saving a checkpoint and the adapter "
@@ -226,9 +226,9 @@ def main(args: argparse.Namespace) -> int:
     if worker.disk_failure is not None and not printer.saw_disk_full:
         # Full before the console connected (at a resume's first event): said here instead.
         print(f"error: {worker.disk_failure}", file=sys.stderr)
-    if worker.state == "failed":
+    if worker.state == ev.WorkerState.FAILED:
         return 1  # the console already showed the failure
-    if worker.state == "stopped":
+    if worker.state == ev.WorkerState.STOPPED:
         print(f"continue with: studio train --resume {run.id}")
     else:
         print(f"compare base and fine-tuned answers with: studio eval {run.id}")
