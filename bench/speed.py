@@ -46,6 +46,7 @@ def write_workloads(folder: Path, steps: int, seed: int, vocab: int = 32000) -> 
     """The batch files, one per workload (lists of dicts of CPU tensors)."""
     import torch
 
+    from studio.core.prompt import IGNORE_INDEX
     from studio.engine.batching import DataStream
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -70,7 +71,7 @@ def write_workloads(folder: Path, steps: int, seed: int, vocab: int = 32000) -> 
         prompt = max(30, min(200, int(rng.lognormvariate(4.1, 0.3))))
         answer = max(4, min(SEQ - prompt, int(rng.lognormvariate(3.9, 0.8))))
         ids = _zipf_ids(rng, prompt + answer, vocab)
-        examples.append(Ex(ids, [-100] * prompt + ids[prompt:]))
+        examples.append(Ex(ids, [IGNORE_INDEX] * prompt + ids[prompt:]))
     for packing, name in ((False, "short_padded"), (True, "short_packed")):
         stream = DataStream(examples, seed=seed, packing=packing, max_len=SEQ)
         # The plain HF loop: shuffled examples, each batch padded to its longest (no length grouping).

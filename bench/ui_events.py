@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from studio.core import events as ev  # noqa: E402
 from studio.core.config import RunConfig  # noqa: E402
-from studio.core.runs import RunDir, append_event, create_run  # noqa: E402
+from studio.core.runs import RunDir, create_run  # noqa: E402
+from studio.worker.eventlog import EventLog  # noqa: E402
 
 OUT = Path(__file__).with_suffix(".json")
 
@@ -70,12 +71,9 @@ def memory_sample(step: int, rnd: random.Random) -> ev.MemorySampled:
 def write_events(run: RunDir, rate: float, seconds: float, stop: threading.Event, written: list[int]) -> None:
     """Append a plausible training event stream to the run's log at ``rate`` events a second."""
     rnd = random.Random(0)
-    seq, step, total = 0, 0, int(rate * seconds) + 100
-
-    def emit(event: ev.Event) -> None:
-        nonlocal seq
-        append_event(run.events_path, ev.with_seq(event, seq))
-        seq += 1
+    step, total = 0, int(rate * seconds) + 100
+    log = EventLog(run.events_path)  # the worker's own writer
+    emit = log.append
 
     emit(ev.WorkerStarted(pid=os.getpid(), device="cpu"))
     emit(ev.RunStarted(run_id=run.id, base_model="bench", total_steps=total, micro_batch_size=4,
@@ -101,6 +99,7 @@ def write_events(run: RunDir, rate: float, seconds: float, stop: threading.Event
         delay = started + n / rate - time.perf_counter()
         if delay > 0:
             stop.wait(delay)
+    log.close()
 
 
 async def press_and_time(pilot, pending: dict, latencies: list[float], seconds: float, key_every: float) -> float:

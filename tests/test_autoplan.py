@@ -147,8 +147,12 @@ def test_nothing_fits_names_the_keys_to_change():
     for key in ("data.max_seq_length (now 4096)", "quantization.bits: 4", "lora.r", "trainer.optimizer"):
         assert key in message
     assert err.value.rejected and all(r.reason.startswith("needs ") for r in err.value.rejected)
-    smallest = autoplan.smallest(config, err.value).trainer
+    planned = autoplan.plan_or_smallest(config, LLAMA, gpu_for_size(16).capacity)
+    smallest = planned.config.trainer
+    assert planned.plan is None and str(planned.refused) == message
     assert (smallest.micro_batch_size, smallest.gradient_checkpointing) == (1, True)
+    assert planned.smallest is not None and planned.smallest.micro_batch == 1
+    assert planned.lines() == [f"automatic plan: {message}"]
 
 
 # ----------------------------------------------------------------------------- studio estimate
@@ -230,6 +234,25 @@ def test_engine_refuses_a_run_that_cannot_fit_the_card(tmp_path, monkeypatch):
     monkeypatch.setattr(planning, "card_capacity", lambda device: gpu_for_size(16).capacity)
     with pytest.raises(planning.PlanRefused, match="data.max_seq_length"):
         planning.resolve(config, create_run(config), torch.device("cuda"), [].append)
+
+
+def test_engine_trains_the_smallest_plan_the_estimate_shows_when_only_the_headroom_is_short(tmp_path, monkeypatch):
+    from studio.engine import planning
+
+    config = parse_config(LLAMA_YAML + "data: {max_seq_length: 4096}\nquantization: {bits: 8}\n")
+    config.output_dir = str(tmp_path / "runs")
+    least = autoplan.plan_or_smallest(config, LLAMA, gpu_for_size(16).capacity).smallest
+    assert least is not None
+    capacity = least.total + 100 * 10**6  # holds the smallest plan, not the headroom beside it
+    shown = autoplan.plan_or_smallest(config, LLAMA, capacity)  # what `studio estimate` and the pane show
+    monkeypatch.setattr(planning, "card_capacity", lambda device: capacity)
+    events: list[ev.Event] = []
+    resolved, plan = planning.resolve(config, create_run(config), torch.device("cuda"), events.append)
+    assert plan is None and shown.plan is None
+    t, expected = resolved.trainer, shown.config.trainer
+    assert (t.micro_batch_size, t.gradient_checkpointing) == (expected.micro_batch_size, expected.gradient_checkpointing)
+    assert t.micro_batch_size == least.micro_batch
+    assert "trying the smallest plan" in events[0].message
 
 
 def test_auto_on_the_cpu_trains_with_todays_defaults(tiny_config, on_cpu):

@@ -142,7 +142,7 @@ def test_conversations_render_and_mask_like_the_chat_template(tokenizers: dict, 
     encoded = data.train[0]
     assert encoded.input_ids == ids
     # Loss on both assistant turns (content and end of turn) and nothing else.
-    learned = [i for i, label in zip(encoded.input_ids, encoded.labels, strict=True) if label != -100]
+    learned = [i for i, label in zip(encoded.input_ids, encoded.labels, strict=True) if label != prompt.IGNORE_INDEX]
     assert learned, "assistant tokens carry labels"
     said = tok.decode(learned)
     assert "4." in said and "12, since 4 × 3 = 12." in said
@@ -182,7 +182,7 @@ def test_long_conversation_keeps_an_assistant_turn_when_truncated(tokenizers: di
         Splits(train=[{"messages": messages}], validation=[], test=[])).train[0]
     assert len(encoded.input_ids) == 64 and encoded.truncated
     assert "short answer" in tok.decode([i for i, lab in zip(encoded.input_ids, encoded.labels, strict=True)
-                                         if lab != -100])
+                                         if lab != prompt.IGNORE_INDEX])
 
 
 def test_single_turn_rows_keep_one_response_span() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from studio.core import events as ev
 from studio.core.data import DataError, load_splits
+from studio.core.prompt import IGNORE_INDEX
 from studio.core.runs import create_run
 from studio.engine.evaluate import HeldOutScoring
 from studio.engine.session import Session
@@ -81,7 +82,7 @@ def test_chat_training_learns_the_assistant_turns(tiny_chat_model, tiny_config, 
     session.load()
     tok = session.tokenizer
     example = session.data.train[0]
-    learned = tok.decode([i for i, label in zip(example.input_ids, example.labels, strict=True) if label != -100])
+    learned = tok.decode([i for i, label in zip(example.input_ids, example.labels, strict=True) if label != IGNORE_INDEX])
     assert "Reverse" not in learned and "system" not in learned, "no loss on user or system turns"
     assert learned.count(tok.eos_token) == 2, "both assistant turns, each with its end of turn"
 

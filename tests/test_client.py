@@ -13,11 +13,13 @@ import pytest
 from worker_fakes import FakeTrainer
 
 from studio.core import events as ev
-from studio.core.config import RunConfig
-from studio.core.runs import RunDir, append_event, create_run
+from studio.core.config import ConfigError, RunConfig
+from studio.core.dataload import DataError
+from studio.core.runs import RunDir, create_run
 from studio.worker.client import WorkerClient
+from studio.worker.eventlog import EventLog
 from studio.worker.launch import listen, write_key, write_pid
-from studio.worker.server import EventLog, Worker
+from studio.worker.server import Worker
 
 
 @pytest.fixture
@@ -70,8 +72,10 @@ def test_clients_joining_at_any_moment_see_every_event_exactly_once(run: RunDir,
 
 
 def test_a_client_without_a_worker_reads_the_log_and_tails_it(run: RunDir) -> None:
+    log = EventLog(run.events_path)
     for step in (1, 2):
-        append_event(run.events_path, ev.StepLogged(seq=step - 1, step=step))
+        log.append(ev.StepLogged(step=step))
+    log.close()
     client = WorkerClient(run)
     assert [e.step for e in client.catch_up()] == [1, 2]
     assert not client.connected
@@ -84,8 +88,9 @@ def test_a_client_without_a_worker_reads_the_log_and_tails_it(run: RunDir) -> No
 
 
 def test_the_log_continues_numbering_after_a_killed_worker(run: RunDir) -> None:
-    for seq in range(3):
-        append_event(run.events_path, ev.StepLogged(seq=seq, step=seq + 1))
+    killed = EventLog(run.events_path)
+    for step in (1, 2, 3):
+        killed.append(ev.StepLogged(step=step))
     with open(run.events_path, "a") as handle:
         handle.write('{"type":"StepLogged","seq":3,"st')  # SIGKILL mid-write
     log = EventLog(run.events_path)
@@ -110,3 +115,37 @@ def test_status_and_commands_that_make_no_sense_now_get_a_reply(run: RunDir, ser
     assert (status.state, status.step, status.total_steps) == ("finished", 150, 150)
     assert not [e for e in run.events() if isinstance(e, ev.StatusReported)]  # replies are not logged
     client.close()
+
+
+def _impostor() -> Exception:
+    return type("DataError", (RuntimeError,), {})("named like a data error, and not one")
+
+
+def _out_of_memory() -> Exception:
+    import torch
+
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.parametrize(("error", "kind"), [
+    (lambda: DataError("rows.jsonl line 3: no 'output' column"), "data"),
+    (lambda: ConfigError("c.yaml line 4: 'trainer.learning_rate' is not a number"), "config"),
+    (_out_of_memory, "oom"),
+    (_impostor, "crash"),
+    (lambda: ev.ReportedFailure("oom", "out of memory at step 3; lower data.max_seq_length"), "oom"),
+])
+def test_a_failure_is_reported_once_with_the_kind_of_its_type(tmp_path: Path, error, kind: str) -> None:
+    raised = error()
+
+    class Failing(FakeTrainer):
+        def train(self, resume: bool = False) -> None:
+            if isinstance(raised, ev.ReportedFailure):  # the engine says it itself, then raises
+                self.emit(ev.WorkerFailed(kind=raised.kind, message=str(raised)))
+            raise raised
+
+    run = create_run(RunConfig(name="fails"), tmp_path / "runs")
+    worker = Worker(run, trainer_factory=Failing, foreground=True)  # exits when its first command is done
+    worker.serve(listen(run, write_key(run)), first=ev.StartTraining())
+    failures = [e for e in run.events() if isinstance(e, ev.WorkerFailed)]
+    assert [(f.kind, f.fatal) for f in failures] == [(kind, True)]
+    assert str(raised) in failures[0].message and worker.state == ev.WorkerState.FAILED

@@ -145,3 +145,14 @@ def test_config_dump_error_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "line 2: unknown key 'lora.rank'" in proc.stderr
+
+
+def test_the_effective_batch_is_what_trains_and_counts_every_gpu() -> None:
+    from studio.core.cli_estimate import batch_line
+
+    config = RunConfig()
+    t = config.trainer
+    t.micro_batch_size, t.effective_batch_size = 5, 16  # 5 does not divide 16: accumulation rounds up to 4
+    config.distributed.gpus = 2
+    assert (t.accumulation_steps(), t.effective_batch(), t.effective_batch(2)) == (4, 20, 40)
+    assert batch_line(config).startswith("effective batch 40 = micro-batch 5 x 4 accumulation x 2 GPUs")

@@ -12,6 +12,7 @@ import torch
 from oom_injection import inject_from_spec
 
 from studio.core import events as ev
+from studio.core.prompt import IGNORE_INDEX
 from studio.core.runs import create_run
 from studio.engine.batching import Cursor, DataStream, collate
 from studio.engine.session import Session
@@ -23,7 +24,7 @@ def _examples(lengths: list[int], seed: int = 0) -> list[SimpleNamespace]:
     out = []
     for n in lengths:
         ids = [rng.randrange(3, 300) for _ in range(n)]
-        out.append(SimpleNamespace(input_ids=ids, labels=[-100] * (n // 2) + ids[n // 2:]))
+        out.append(SimpleNamespace(input_ids=ids, labels=[IGNORE_INDEX] * (n // 2) + ids[n // 2:]))
     return out
 
 
@@ -50,10 +51,10 @@ def test_collate_masks_prompt_padding_and_example_starts() -> None:
     packed = collate([examples], pad_id=0, packing=True)
     assert packed.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
     # The second example's first token is never predicted from the first example's last one.
-    assert packed.labels[0, 6].item() == -100
+    assert packed.labels[0, 6].item() == IGNORE_INDEX
     padded = collate([[examples[0]], [examples[1]]], pad_id=0, packing=False)
     assert padded.attention_mask.tolist() == [[1] * 6, [1] * 4 + [0, 0]]
-    assert padded.labels[1, 4:].tolist() == [-100, -100]
+    assert padded.labels[1, 4:].tolist() == [IGNORE_INDEX] * 2
     assert padded.tokens == 10
 
 

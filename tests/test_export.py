@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from studio.core import events as ev  # noqa: E402
 from studio.core.config import RunConfig  # noqa: E402
-from studio.core.runs import create_run, export_adapter  # noqa: E402
+from studio.core.runs import copy_adapter, create_run  # noqa: E402
 from studio.engine.exporting import export_run  # noqa: E402
 
 
@@ -99,13 +99,13 @@ def test_exported_adapter_is_a_peft_folder_without_the_checkpoint_state(tmp_path
     with torch.no_grad():
         expected = model(ids).logits
 
-    dest = export_adapter(run, tmp_path / "exported")
+    dest = copy_adapter(run, tmp_path / "exported")
     assert sorted(p.name for p in dest.iterdir()) == [
         "README.md", "adapter_config.json", "adapter_model.safetensors", "studio_config.yaml"]
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32), dest)
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, expected, atol=1e-5)
     with pytest.raises(FileExistsError, match="already exists"):
-        export_adapter(run, dest)
+        copy_adapter(run, dest)
     with pytest.raises(FileNotFoundError, match="no saved adapter yet"):
-        export_adapter(create_run(config), tmp_path / "other")
+        copy_adapter(create_run(config), tmp_path / "other")

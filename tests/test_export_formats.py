@@ -13,9 +13,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
 from studio.core import events as ev  # noqa: E402
-from studio.core.runs import RunDir, append_event, create_run  # noqa: E402
+from studio.core.runs import RunDir, create_run  # noqa: E402
 from studio.engine import generate as gen  # noqa: E402
 from studio.engine.exporting import export_run, hub_id  # noqa: E402
+from studio.worker.eventlog import EventLog  # noqa: E402
 
 HELD_OUT = 10
 
@@ -36,8 +37,10 @@ def trained(make_tiny_config, tmp_path_factory: pytest.TempPathFactory) -> tuple
     # reloaded in float32 on the CPU and must give these same answers.
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STUDIO_DEVICE", "cpu")
-        session = Session(config, run, lambda e: append_event(run.events_path, e))
+        log = EventLog(run.events_path)
+        session = Session(config, run, log.append)
         session.train()
+        log.close()
         rows = list(load_splits(config).test)[:HELD_OUT]
         answers = [list(session.generate(row, adapter=True).token_ids) for row in rows]
     return run, rows, answers

@@ -180,6 +180,15 @@ def test_a_busy_device_refuses_the_start_naming_its_holder(make_tiny_config, env
     assert len(lines) == 1 and lines[0].startswith("error: this machine's CPU is busy: run " + holder.id), lines
 
 
+def test_processes_that_cannot_start_are_one_line_not_a_traceback(make_tiny_config, env, python, tmp_path) -> None:
+    broken = dict(env, PET_MAX_RESTARTS="not-a-number")  # torchrun refuses its own arguments and starts no rank
+    done = _studio(["train", str(_config(make_tiny_config, tmp_path, 4, 4)), "--gpus", "2"], broken, python, tmp_path)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: the training processes of run ") and "did not start" in lines[0], lines
+
+
 def test_gpu_plans_name_the_cards_and_refuse_too_many(monkeypatch) -> None:
     config = RunConfig()
     config.distributed.gpus = "all"

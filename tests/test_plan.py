@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from studio.core.model_families import PROJECTIONS
 from studio.core.plan import (
-    FAST_PROJECTIONS,
     GRAPH_TOKEN_LIMIT,
     PathFacts,
     choose_path,
@@ -22,7 +22,7 @@ LLAMA = {"model_type": "llama", "rms_norm_eps": 1e-5, "hidden_act": "silu", "att
 
 
 def _facts(**changes) -> PathFacts:
-    base = dict(cuda=True, weights="nf4", lora_targets=FAST_PROJECTIONS, lora_dropout=0.0,
+    base = dict(cuda=True, weights="nf4", lora_targets=PROJECTIONS, lora_dropout=0.0,
                 model_blocker=model_blocker(LLAMA))
     return PathFacts(**{**base, **changes})
 
@@ -58,7 +58,7 @@ def test_the_environment_forces_the_fast_path_on_a_cpu() -> None:
 
 
 def test_all_linear_means_the_seven_projections() -> None:
-    assert lora_targets("all-linear") == FAST_PROJECTIONS
+    assert lora_targets("all-linear") == PROJECTIONS
     assert lora_targets(["q_proj", "v_proj"]) == ("q_proj", "v_proj")
 
 

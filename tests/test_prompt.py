@@ -8,6 +8,7 @@ from studio.core.config import PromptConfig
 from studio.core.prompt import (
     ALPACA,
     ALPACA_NO_INPUT,
+    IGNORE_INDEX,
     TemplateError,
     encode,
     lint_template,
@@ -135,7 +136,7 @@ def test_encode_masks_exactly_the_prompt_with_bos_and_eos():
     encoded = encode(rendered, chars, max_len=100, eos_id=2, bos_id=1)
     prompt = chars("Q: Reverse the word\nA: ")
     assert encoded.input_ids == [1, *prompt, *chars("enots"), 2]
-    assert encoded.labels == [-100] * (1 + len(prompt)) + [*chars("enots"), 2]
+    assert encoded.labels == [IGNORE_INDEX] * (1 + len(prompt)) + [*chars("enots"), 2]
     assert encoded.prompt_tokens == 1 + len(prompt)
     assert not encoded.truncated and encoded.total_tokens == len(encoded.input_ids)
 
@@ -149,10 +150,10 @@ def test_encode_tokenizes_prompt_and_response_separately(bpe):
     eos = bpe.token_to_id("</s>")
     encoded = encode(rendered, tokenize, max_len=512, eos_id=eos)
     assert encoded.input_ids == tokenize(rendered.prompt) + tokenize(rendered.response) + [eos]
-    learned = [t for t in encoded.labels if t != -100]
+    learned = [t for t in encoded.labels if t != IGNORE_INDEX]
     assert learned[-1] == eos
     assert bpe.decode(learned[:-1]) == "enots"
-    assert encoded.labels[: encoded.prompt_tokens] == [-100] * encoded.prompt_tokens
+    assert encoded.labels[: encoded.prompt_tokens] == [IGNORE_INDEX] * encoded.prompt_tokens
 
 
 def test_truncation_cuts_the_response_tail_and_its_eos_first():
@@ -171,7 +172,7 @@ def test_a_prompt_longer_than_max_len_loses_its_start_but_keeps_bos_and_some_res
     # The response keeps max_len // 4 = 4 tokens; BOS + the prompt's last 11 tokens fill the rest.
     assert encoded.truncated and len(encoded.input_ids) == 16
     assert encoded.input_ids == [1, *chars("xxxxxxxEND\n"), *chars("abcd")]
-    assert encoded.labels == [-100] * 12 + chars("abcd")
+    assert encoded.labels == [IGNORE_INDEX] * 12 + chars("abcd")
     assert encoded.prompt_tokens == 12
 
 

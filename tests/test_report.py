@@ -11,8 +11,9 @@ from studio.cli import main as studio
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.report import describe, format_bytes, format_duration, memory_text, step_line
-from studio.core.runs import append_event, create_run
+from studio.core.runs import create_run
 from studio.ui.metrics import fold
+from studio.worker.eventlog import EventLog
 
 GB = 10**9
 
@@ -64,8 +65,10 @@ def test_the_tui_words_events_as_the_cli_does() -> None:
 
 def test_attach_prints_the_shared_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     run = create_run(RunConfig(output_dir=str(tmp_path / "runs")))
-    for seq, event in enumerate([STEP, MEMORY, EVAL, OOM, FAILED]):
-        append_event(run.events_path, ev.with_seq(event, seq))
+    log = EventLog(run.events_path)
+    for event in (STEP, MEMORY, EVAL, OOM, FAILED):
+        log.append(event)
+    log.close()
     assert studio(["attach", run.id, "--runs-dir", str(tmp_path / "runs")]) == 1  # failed: nothing to follow
     printed = capsys.readouterr().out
     for event in (STEP, MEMORY, EVAL, OOM, FAILED):

@@ -270,6 +270,29 @@ def test_eval_uses_the_running_worker_and_training_goes_on(fake_env: Path, tmp_p
     assert max(e.step for e in iter_events(run.events_path) if isinstance(e, ev.StepLogged)) > max(steps)
 
 
+def test_eval_table_prints_no_control_characters_from_the_data_or_the_answers(fake_env: Path, tmp_path: Path,
+                                                                             capsys) -> None:
+    import json
+
+    from studio.cli import main as studio
+
+    words = ["\x1b[2J\x1b]0;owned\x07ab", "c\rd\x9bq", "e\x07f\tg\nh"]  # clear screen, retitle, bell, C1 CSI
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"instruction": "Reverse the word.", "input": w, "output": w[::-1], "split": s})
+                            + "\n" for w, s in zip(["abc", *words], [0, 2, 2, 2], strict=True)))
+    config = fake_config(fake_env, steps=3)
+    config.data.path = str(rows)
+    run = create_run(config, fake_env)
+    run.adapter_dir.mkdir()
+    (run.adapter_dir / "adapter_config.json").write_text("{}")
+    assert studio(["eval", run.id, "--runs-dir", str(fake_env), "--rows", "3"]) == 0
+    out = capsys.readouterr().out
+    table = out[: out.index("exact match:")]
+    assert "[2J]0;ownedab" in table and "cdq" in table  # the rows are there (the fake's base echoes them)...
+    control = [c for c in out if c != "\n" and (ord(c) < 32 or 127 <= ord(c) < 160)]
+    assert control == [], control  # ...without a character the terminal would act on
+
+
 def test_attach_prints_held_out_progress_in_one_short_line() -> None:
     from studio.worker.cli_runs import describe
 

@@ -102,9 +102,10 @@ def test_missing_package_or_unknown_name_says_what_to_install(tmp_path: Path, mo
     assert len(warnings) == 1 and "qlora-studio[trackers]" in warnings[0] and hub.names == []
 
 
-def test_memory_samples_become_gigabytes() -> None:
-    step, found = metrics_of(ev.MemorySampled(step=3, allocated=2 << 30, categories={"weights": 1 << 30}))
-    assert step == 3 and found["memory/allocated_gb"] == 2.0 and found["memory/weights_gb"] == 1.0
+def test_memory_samples_become_decimal_gigabytes_as_everywhere_else() -> None:
+    step, found = metrics_of(ev.MemorySampled(step=3, allocated=2 * 10**9, categories={"weights": 1 << 30}))
+    assert step == 3 and found["memory/allocated_gb"] == 2.0
+    assert found["memory/weights_gb"] == pytest.approx(1.073741824)  # a GiB is 1.07 GB
 
 
 def test_wandb_offline_run_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

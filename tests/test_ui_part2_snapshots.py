@@ -19,11 +19,12 @@ from ui_helpers import PlayedWorker, events_drawn, fixed_run, panes_mounted
 
 from studio.core import events as ev
 from studio.core.config import RunConfig
-from studio.core.runs import RunDir, append_event, iter_events
+from studio.core.runs import RunDir, iter_events
 from studio.ui.app import StudioApp
 from studio.ui.panes.chat import ChatPane
 from studio.ui.widgets.loss_plot import BackgroundPlot, LossPlot
 from studio.ui.widgets.run_picker import CompareScreen
+from studio.worker.eventlog import EventLog
 
 RECORDED_PATH = Path(__file__).parent / "data" / "recorded_events.jsonl"
 RECORDED = list(iter_events(RECORDED_PATH))
@@ -129,9 +130,11 @@ def test_compare_screen(snap_compare, tmp_path):
     first = fixed_run(tmp_path, "run-a", config)
     shutil.copy(RECORDED_PATH, first.events_path)
     second = fixed_run(tmp_path, "run-b", config)
+    log = EventLog(second.events_path)
     for step in range(1, 31):
-        append_event(second.events_path, ev.StepLogged(step=step, total_steps=30, loss=4.0 / (1 + step / 5)))
-    append_event(second.events_path, ev.EvalLogged(step=30, loss=1.1))
+        log.append(ev.StepLogged(step=step, total_steps=30, loss=4.0 / (1 + step / 5)))
+    log.append(ev.EvalLogged(step=30, loss=1.1))
+    log.close()
     app = studio(config, "studio-dark")
 
     async def run_before(pilot):

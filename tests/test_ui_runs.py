@@ -10,11 +10,12 @@ from ui_helpers import PlayedWorker, panes_mounted
 
 from studio.core import events as ev
 from studio.core.config import RunConfig
-from studio.core.runs import append_event, create_run, iter_events
+from studio.core.runs import create_run, iter_events
 from studio.ui.app import StudioApp
 from studio.ui.panes.training import TrainingPane
 from studio.ui.widgets.loss_plot import LossPlot
 from studio.ui.widgets.run_picker import CompareScreen, RunPickerScreen
+from studio.worker.eventlog import EventLog
 
 pytestmark = pytest.mark.anyio
 RECORDED = Path(__file__).parent / "data" / "recorded_events.jsonl"
@@ -28,10 +29,12 @@ def two_runs(tmp_path):
     shutil.copy(RECORDED, finished.events_path)
     config.name = "short"
     short = create_run(config)
-    append_event(short.events_path, ev.RunStarted(total_steps=10))
+    log = EventLog(short.events_path)
+    log.append(ev.RunStarted(total_steps=10))
     for step in range(1, 4):
-        append_event(short.events_path, ev.StepLogged(step=step, total_steps=10, loss=5.0 - step))
-    append_event(short.events_path, ev.TrainingFinished(step=3, stopped=True))
+        log.append(ev.StepLogged(step=step, total_steps=10, loss=5.0 - step))
+    log.append(ev.TrainingFinished(step=3, stopped=True))
+    log.close()
     return config, finished, short
 
 

@@ -2,8 +2,9 @@
 (detach, lock, socket, commands, event log) is tested in seconds without torch. The worker loads it when
 $STUDIO_WORKER_TRAINER is "worker_fakes:FakeTrainer" (with tests/ on PYTHONPATH).
 
-It follows the session contract of docs/CONTRACTS.md: load(), train(resume), generate(...),
-evaluate(), between_steps after every step ("stop" = checkpoint + TrainingFinished(stopped)).
+It implements the worker's EngineSession (studio/worker/engine_session.py), as the engine's Session
+does: load(), train(resume), generate(...), evaluate(), ..., and calls between_steps after every step
+("stop" = checkpoint + TrainingFinished(stopped)).
 Knobs: $FAKE_STEP_S (seconds a step), $FAKE_FAIL_AT_STEP (raise there), $FAKE_CHECKPOINT_EVERY.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.runs import RunDir
+from studio.worker.engine_session import BetweenSteps
 
 
 def fake_loss(step: int) -> float:
@@ -36,10 +38,13 @@ class FakeAnswer:
 
 
 class FakeTrainer:
-    """Trains nothing; reports steps, checkpoints and answers on the Trainer contract."""
+    """Trains nothing; reports steps, checkpoints and answers as the engine's Session does."""
+
+    preference = None
+    """An SFT run: no preference pairs to score."""
 
     def __init__(self, config: RunConfig, run: RunDir, emit: Callable[[ev.Event], object],
-                 between_steps: Callable[[object], str | None] | None = None):
+                 between_steps: BetweenSteps | None = None):
         self.config, self.run, self.emit, self.between_steps = config, run, emit, between_steps
         self.step = 0
         self.step_s = float(os.environ.get("FAKE_STEP_S", "0.05"))
@@ -51,6 +56,18 @@ class FakeTrainer:
             raise OSError("no-such-model: not a local folder and not on the hub; check model.base_model")
         self.emit(ev.ModelLoading(stage="weights", fraction=1.0))
         self.emit(ev.ModelLoaded(base_model=self.config.model.base_model))
+
+    def load_trained_adapter(self) -> None:
+        """Nothing to load: the fake's answers depend only on ``adapter`` and the step."""
+
+    def keep_alive(self) -> None:
+        """One process: no other rank waits while paused."""
+
+    def render_prompt(self, prompt: str | dict) -> str:
+        """A row's instruction and input (or the message itself), one a line."""
+        if isinstance(prompt, str):
+            return prompt
+        return "\n".join(str(prompt[key]) for key in ("instruction", "input") if prompt.get(key))
 
     def _save(self, step: int) -> Path:
         path = self.run.checkpoints_dir / f"step-{step}"

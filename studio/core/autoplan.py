@@ -178,7 +178,7 @@ def effective_batch(config: RunConfig) -> int:
     t = config.trainer
     if t.effective_batch_size and not t.gradient_accumulation_steps:
         return int(t.effective_batch_size)
-    return t.micro_batch() * t.accumulation_steps()
+    return t.effective_batch()
 
 
 def with_values(config: RunConfig, micro_batch: int, checkpointing: bool, effective: int) -> RunConfig:
@@ -197,11 +197,44 @@ def cpu_values(config: RunConfig) -> RunConfig:
     return with_values(config, t.micro_batch(), t.checkpointing(), effective_batch(config))
 
 
-def smallest(config: RunConfig, refused: AutoPlanError) -> RunConfig:
-    """``config`` with the candidate that needs the least memory, when none fits (what ``studio
-    estimate`` and the VRAM pane then show)."""
-    least = min(refused.rejected, key=lambda c: c.total)
-    return with_values(config, least.micro_batch, least.checkpointing, effective_batch(config))
+@dataclass(frozen=True)
+class Planned:
+    """``auto`` resolved for a card as a run would train: the config, and how it was chosen."""
+
+    config: RunConfig
+    """The config with numbers in place of ``auto`` (as given when it sets both keys)."""
+
+    plan: AutoPlan | None = None
+    """The plan chosen; None when the config sets both keys or when nothing fits."""
+
+    refused: AutoPlanError | None = None
+    """Why nothing fits with headroom; ``config`` then trains :attr:`smallest`."""
+
+    @property
+    def smallest(self) -> Candidate | None:
+        """The candidate that needs the least memory, when nothing fits with headroom."""
+        return min(self.refused.rejected, key=lambda c: c.total) if self.refused is not None else None
+
+    def lines(self) -> list[str]:
+        """What ``studio estimate`` and the VRAM pane print: the plan's lines, or why none fits."""
+        if self.plan is not None:
+            return self.plan.lines()
+        return [f"automatic plan: {self.refused}"] if self.refused is not None else []
+
+
+def plan_or_smallest(config: RunConfig, info: ModelInfo, capacity: int, lengths: tuple[int, ...] = ()) -> Planned:
+    """``config`` as a run trains it on a card of ``capacity`` bytes: ``auto`` planned by :func:`plan`,
+    or, when nothing fits with headroom, the candidate that needs the least memory. What ``studio
+    estimate``, the VRAM pane and the run itself (engine/planning.py) all go by."""
+    if not is_auto(config):
+        return Planned(config)
+    try:
+        chosen = plan(config, info, capacity, lengths=lengths)
+    except AutoPlanError as refused:
+        least = min(refused.rejected, key=lambda c: c.total)
+        return Planned(with_values(config, least.micro_batch, least.checkpointing, effective_batch(config)),
+                       refused=refused)
+    return Planned(chosen.apply(config), plan=chosen)
 
 
 def _divisors(n: int) -> list[int]:

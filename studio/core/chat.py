@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from studio.core.prompt import Encoded, Rendered, Span, TemplateError, token_boundary
+from studio.core.prompt import IGNORE_INDEX, Encoded, Rendered, Span, TemplateError, token_boundary
 
 CHAT_FIELD = "messages"
 """The field a chat row carries its turns in (after reading either shape)."""
@@ -292,13 +292,13 @@ def encode_turns(rendered: Rendered, tokenize: Callable[[str], Sequence[int]], m
     at = {0: 0, len(rendered.text): len(whole)}
     for edge in sorted({e for span in rendered.loss_spans for e in span} - set(at)):
         at[edge] = token_boundary(whole, tokenize(rendered.text[:edge]))
-    labels = [-100] * len(whole)
+    labels = [IGNORE_INDEX] * len(whole)
     for start, end in rendered.loss_spans:
         labels[at[start]:at[end]] = whole[at[start]:at[end]]
     ids = ([bos_id] if bos_id is not None else []) + whole
-    labels = ([-100] if bos_id is not None else []) + labels
+    labels = ([IGNORE_INDEX] if bos_id is not None else []) + labels
     total = len(ids)
-    first_label = next((i for i, label in enumerate(labels) if label != -100), total)
+    first_label = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), total)
     if total > max_len and first_label >= max_len and rendered.loss_spans:
         start, end = rendered.loss_spans[-1]
         last = Rendered(rendered.text[:end], start)

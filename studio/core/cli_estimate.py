@@ -20,7 +20,7 @@ from studio.core.gpus import GB, detect_gpus, gpu_for_size
 from studio.core.memory import CATEGORIES, Estimate, estimate
 from studio.core.memory.lengths import data_lengths
 from studio.core.model_info import ModelInfoError, load_model_info
-from studio.core.multigpu import effective_batch, requested_gpus
+from studio.core.multigpu import requested_gpus
 
 DEFAULT_GPU_GB = 24.0
 """Capacity assumed when no card is detected and none is given: the common 24 GB cards."""
@@ -29,7 +29,7 @@ DEFAULT_GPU_GB = 24.0
 def batch_line(config: RunConfig) -> str:
     """The effective batch, and on several GPUs that the memory above is each card's."""
     t, gpus = config.trainer, requested_gpus(config)
-    line = f"effective batch {effective_batch(config, gpus)} = micro-batch {t.micro_batch()} x " \
+    line = f"effective batch {t.effective_batch(gpus)} = micro-batch {t.micro_batch()} x " \
            f"{t.accumulation_steps()} accumulation"
     if gpus > 1:
         line += (f" x {gpus} GPUs; the memory above is each GPU's (each holds the model, its LoRA and "
@@ -104,13 +104,8 @@ def main(args: argparse.Namespace) -> int:
         # unpacked runs are sized from the data's token lengths when the data and tokenizer are here
         lengths, _why = data_lengths(config, base_dir=Path(args.config).parent) if not config.trainer.packing \
             else ((), "")
-        plan, refused = None, None
-        if autoplan.is_auto(config):
-            try:
-                plan = autoplan.plan(config, info, gpu.capacity, lengths=lengths)
-                config = plan.apply(config)
-            except autoplan.AutoPlanError as exc:  # show the smallest plan's estimate, and why none fits
-                refused, config = exc, autoplan.smallest(config, exc)
+        planned = autoplan.plan_or_smallest(config, info, gpu.capacity, lengths=lengths)
+        config = planned.config  # with nothing fitting, the smallest plan's estimate, and why none fits
         result = estimate(config, info, gpu.capacity, lengths=lengths)
     except (ConfigError, ModelInfoError) as exc:
         print(f"studio estimate: {exc}", file=sys.stderr)
@@ -120,13 +115,12 @@ def main(args: argparse.Namespace) -> int:
         return 1
     if getattr(args, "json", False):
         data = result.to_json_dict()  # a documented shape: the batch line is the table's
-        data["auto_plan"] = plan.to_json_dict() if plan else (
+        refused = planned.refused
+        data["auto_plan"] = planned.plan.to_json_dict() if planned.plan else (
             {"error": str(refused), "rejected": [c.to_json_dict() for c in refused.rejected]} if refused else None)
         print(json.dumps(data))
     else:
         print(format_table(result, model, gpu.name, config))
-        if plan is not None:
-            print("\n".join(plan.lines()))
-        elif refused is not None:
-            print(f"automatic plan: {refused}")
+        if planned.lines():
+            print("\n".join(planned.lines()))
     return 0

@@ -252,6 +252,19 @@ class TrainerConfig:
             return max(1, math.ceil(self.effective_batch_size / max(1, self.micro_batch())))
         return 1
 
+    def effective_batch(self, processes: int = 1) -> int:
+        """Examples per optimizer step as trained: micro-batch x accumulation x ``processes`` (GPUs,
+        each taking its own micro-batches). Above ``effective_batch_size`` when the micro-batch does
+        not divide it (accumulation rounds up)."""
+        return effective_batch(self.micro_batch(), self.accumulation_steps(), processes)
+
+
+def effective_batch(micro_batch: int, accumulation: int, processes: int = 1) -> int:
+    """Examples per optimizer step over every process: micro-batch x accumulation x processes. The
+    one place Studio multiplies them (a config's :meth:`TrainerConfig.effective_batch`, a run's
+    events, the estimate and the panes all ask here)."""
+    return micro_batch * accumulation * max(1, processes)
+
 
 @dataclass
 class DistributedConfig:

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, ClassVar
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -285,15 +286,44 @@ class GenerationFinished(Event):
     tokens_per_s: float = 0.0
 
 
+class WorkerState(StrEnum):
+    """What a worker is doing (:class:`StatusReported`'s ``state``)."""
+
+    IDLE = "idle"
+    LOADING = "loading"
+    TRAINING = "training"
+    PAUSED = "paused"
+    EXPORTING = "exporting"
+    SCORING = "scoring"
+    """Answering held-out rows while not training."""
+    STOPPED = "stopped"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+    @property
+    def in_training(self) -> bool:
+        """Loading, training or paused: a training is under way."""
+        return self in (WorkerState.LOADING, WorkerState.TRAINING, WorkerState.PAUSED)
+
+    @property
+    def busy(self) -> bool:
+        """Doing a job (a training, an export, held-out scoring): such a worker is never displaced
+        for another run."""
+        return self.in_training or self in (WorkerState.EXPORTING, WorkerState.SCORING)
+
+
 @dataclass(frozen=True)
 class StatusReported(Event):
     """Answer to :class:`Status`: what the worker is doing now."""
 
-    state: str = "idle"
+    state: WorkerState = WorkerState.IDLE
     step: int = 0
     total_steps: int = 0
     run_id: str = ""
     model_loaded: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", WorkerState(self.state))  # JSON carries it as its value
 
 
 @dataclass(frozen=True)
@@ -365,9 +395,33 @@ class HeldOutFinished(Event):
     """Preference runs: the same for the fine-tune."""
 
 
+class FailureKind(StrEnum):
+    """What went wrong (:class:`WorkerFailed`'s ``kind``): what the person has to change."""
+
+    OOM = "oom"
+    """Out of GPU memory."""
+    DATA = "data"
+    """The dataset (a file, a column, a row)."""
+    CONFIG = "config"
+    """The config, a saved run folder, or a command that does not fit the worker's state."""
+    CRASH = "crash"
+    """Anything else: a bug, with its traceback in worker.log."""
+    DISK = "disk"
+    """The disk is full."""
+
+
+class ReportedFailure(RuntimeError):
+    """Raised (by the engine) once the WorkerFailed of ``kind`` has been emitted: whoever catches it
+    must not report it again."""
+
+    def __init__(self, kind: FailureKind | str, message: str):
+        super().__init__(message)
+        self.kind = FailureKind(kind)
+
+
 @dataclass(frozen=True)
 class WorkerFailed(Event):
-    """Something went wrong. ``kind`` is one of oom, data, config, crash; ``message`` says what to do."""
+    """Something went wrong. ``kind`` is a :class:`FailureKind` value; ``message`` says what to do."""
 
     kind: str = "crash"
     message: str = ""

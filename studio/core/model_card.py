@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from studio.core import events as ev
+from studio.core.cells import cell
 from studio.core.config import RunConfig
 
 CHART_FILE = "loss.png"
@@ -79,8 +80,8 @@ def _text_chart(curve: LossCurve) -> str:
 
 
 def _cell(text: Any, width: int = 40) -> str:
-    flat = str(text).replace("|", "\\|").replace("\n", " ⏎ ")
-    return flat if len(flat) <= width else flat[: width - 1] + "…"
+    """A markdown table cell: :func:`~studio.core.cells.cell`, with its pipes escaped."""
+    return cell(text, width).replace("|", "\\|")
 
 
 def held_out_table(report: dict[str, Any], rows: int = 10) -> str:

@@ -17,6 +17,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""A Llama-style decoder layer's attention projections, by the module names PEFT targets."""
+
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""Its gated MLP's projections."""
+
+PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
+"""All seven linear modules of the layer: what PEFT's ``all-linear`` means for a Llama-style model
+(lm_head excluded), and what the fast path fuses LoRA products for."""
+
 
 @dataclass(frozen=True)
 class Family:

@@ -19,7 +19,16 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from studio.core.model_families import FAMILIES, REQUIRED_KEYS, SUPPORTED_TEXT, unsupported, vision_tower_params
+from studio.core.model_families import (
+    ATTENTION_PROJECTIONS,
+    FAMILIES,
+    MLP_PROJECTIONS,
+    PROJECTIONS,
+    REQUIRED_KEYS,
+    SUPPORTED_TEXT,
+    unsupported,
+    vision_tower_params,
+)
 from studio.core.model_ref import local_problem
 from studio.core.plan import model_blocker
 
@@ -103,8 +112,8 @@ class ModelInfo:
         if self.fused:
             return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * i),
                     "down_proj": (i, h)}
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        in_out = ((h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h))  # q, k, v, o, gate, up, down
+        return dict(zip(PROJECTIONS, in_out, strict=True))
 
     def lora_modules(self, targets: tuple[str, ...]) -> tuple[str, ...]:
         """Llama-style LoRA target names as this model's modules: on Phi-3, q/k/v_proj are
@@ -206,9 +215,9 @@ def from_config_dict(data: dict, name: str) -> ModelInfo:
     head_dim = values.get("head_dim")
     biases = family.bias_outputs
     if values.get("attention_bias"):
-        biases += ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+        biases += (*ATTENTION_PROJECTIONS, "qkv_proj")
     if values.get("mlp_bias"):
-        biases += ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+        biases += (*MLP_PROJECTIONS, "gate_up_proj")
     return ModelInfo(
         name=name,
         hidden=int(values["hidden_size"]),

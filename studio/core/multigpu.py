@@ -95,9 +95,3 @@ def plan_devices(config: RunConfig, visible: list[str] | None = None) -> list[st
     fix = f"use --gpus {len(visible)} (or distributed.gpus: all)" if len(visible) > 1 else \
         "use --gpus 1 (or remove distributed.gpus)"
     raise GpuCountError(f"{wanted} GPUs asked for, but this machine shows {seen}; {fix}")
-
-
-def effective_batch(config: RunConfig, processes: int) -> int:
-    """Rows (units) per optimizer step: micro-batch x accumulation x processes."""
-    t = config.trainer
-    return t.micro_batch() * t.accumulation_steps() * max(1, processes)

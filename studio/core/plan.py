@@ -16,14 +16,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from studio.core.model_families import PROJECTIONS
+
 if TYPE_CHECKING:
     from studio.core.config import RunConfig
 
 FAST_PATH_ENV = "STUDIO_FAST_PATH"
 """``1`` forces the fast path on (also on CPU, for tests), ``0`` forces the plain path."""
-
-FAST_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The projections the fast path fuses; LoRA on anything else (lm_head, embeddings) is not covered."""
 
 FAST_WEIGHTS = ("nf4", "fp4", "bf16", "fp16", "fp32")
 """Base-weight formats the fast path dequantizes or reads (LLM.int8 is not covered)."""
@@ -187,9 +186,9 @@ def choose_path(facts: PathFacts) -> PathChoice:
         return PathChoice("plain", facts.model_blocker)
     if facts.weights not in FAST_WEIGHTS:
         return PathChoice("plain", f"{'8-bit' if facts.weights == 'int8' else facts.weights} base weights")
-    others = [t for t in facts.lora_targets if t not in FAST_PROJECTIONS]
+    others = [t for t in facts.lora_targets if t not in PROJECTIONS]
     if others:
-        return PathChoice("plain", f"LoRA on {', '.join(others)} (the fast path covers {', '.join(FAST_PROJECTIONS)})")
+        return PathChoice("plain", f"LoRA on {', '.join(others)} (the fast path covers {', '.join(PROJECTIONS)})")
     if not facts.lora_targets:
         return PathChoice("plain", "no LoRA adapter on the decoder's projections")
     graphs = facts.cuda
@@ -204,6 +203,6 @@ def lora_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
     """A config's ``lora.target_modules`` as names (``all-linear``: the seven projections of a
     Llama-style model, lm_head excluded, as PEFT reads it)."""
     if isinstance(targets, str):
-        return FAST_PROJECTIONS if targets == "all-linear" else (targets,)
+        return PROJECTIONS if targets == "all-linear" else (targets,)
     targets = tuple(targets)
-    return FAST_PROJECTIONS if targets == ("all-linear",) else targets
+    return PROJECTIONS if targets == ("all-linear",) else targets

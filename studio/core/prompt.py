@@ -93,9 +93,14 @@ class Rendered:
         return self.text[self.response_start:]
 
 
+IGNORE_INDEX = -100
+"""The label of a token that takes no loss (the prompt, padding): PyTorch's cross-entropy default,
+which transformers' models and Studio's fast path use too."""
+
+
 @dataclass(frozen=True)
 class Encoded:
-    """Token ids and labels for one example; labels are -100 where no loss is taken."""
+    """Token ids and labels for one example; labels are :data:`IGNORE_INDEX` where no loss is taken."""
 
     input_ids: list[int]
     labels: list[int]
@@ -103,7 +108,7 @@ class Encoded:
     """True when max_len cut tokens off (the response tail, or the prompt's start)."""
 
     prompt_tokens: int
-    """How many leading tokens are prompt (labels -100), BOS included."""
+    """How many leading tokens are prompt (labels :data:`IGNORE_INDEX`), BOS included."""
 
     total_tokens: int = 0
     """Tokens before truncation (prompt + response + EOS): what max_len is compared against."""
@@ -383,7 +388,7 @@ def encode(
     answer = response + eos
     return Encoded(
         input_ids=prompt_ids + answer,
-        labels=[-100] * len(prompt_ids) + answer,
+        labels=[IGNORE_INDEX] * len(prompt_ids) + answer,
         truncated=truncated,
         prompt_tokens=len(prompt_ids),
         total_tokens=total,

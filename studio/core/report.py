@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 
 from studio.core import events as ev
+from studio.core.cells import cell
+from studio.core.config import effective_batch
 from studio.core.gpus import GB
 
 MB = 10**6
@@ -55,12 +57,6 @@ def format_rate(tokens_per_s: float) -> str:
 def format_loss(loss: float | None) -> str:
     """A loss to four decimals; ``--`` when unknown."""
     return "--" if loss is None else f"{loss:.4f}"
-
-
-def shorten(text: str, width: int = 60) -> str:
-    """``text`` on one line, cut to ``width`` characters with an ellipsis."""
-    text = text.replace("\n", "\\n")
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def memory_text(event: ev.MemorySampled) -> str:
@@ -162,7 +158,7 @@ def batch_text(event: ev.RunStarted) -> str:
     if event.gpus > 1:
         text += f" x {event.gpus} GPUs"
     effective = event.effective_batch_size or \
-        event.micro_batch_size * event.gradient_accumulation_steps * max(1, event.gpus)
+        effective_batch(event.micro_batch_size, event.gradient_accumulation_steps, event.gpus)
     return f"{text} = effective batch {effective}"
 
 
@@ -178,10 +174,10 @@ def describe(event: ev.Event) -> str | None:
         case ev.TokenGenerated():
             return None
         case ev.GenerationStarted():
-            return f"generate [{'adapter' if event.adapter else 'base'}] {event.request_id}: {shorten(event.prompt)}"
+            return f"generate [{'adapter' if event.adapter else 'base'}] {event.request_id}: {cell(event.prompt, 60)}"
         case ev.GenerationFinished():
             return (f"answer [{'adapter' if event.adapter else 'base'}] {event.request_id} ({event.new_tokens} "
-                    f"tokens, {format_rate(event.tokens_per_s)}): {shorten(event.text, 200)}")
+                    f"tokens, {format_rate(event.tokens_per_s)}): {cell(event.text, 200)}")
         case ev.RunStarted():
             start = f"resumed from step {event.resumed_from_step}" if event.resumed_from_step else "started"
             return (f"training {start}: {event.total_steps} steps, {event.train_rows} train / "
@@ -215,12 +211,12 @@ def describe(event: ev.Event) -> str | None:
         case ev.WorkerStopped():
             return f"worker stopped: {event.reason}"
         case ev.HeldOutRowScored():
-            tuned = f"  fine-tuned {shorten(event.tuned, 30)!r}" if event.tuned is not None else ""
+            tuned = f"  fine-tuned {cell(event.tuned, 30)!r}" if event.tuned is not None else ""
             if event.base_margin is not None:
                 tuned += f"  margin base {event.base_margin:+.2f}" + (
                     f" fine-tuned {event.tuned_margin:+.2f}" if event.tuned_margin is not None else "")
             return (f"held-out {event.index + 1}/{event.total} ({event.split}): target "
-                    f"{shorten(event.target, 30)!r}  base {shorten(event.base, 30)!r}{tuned}")
+                    f"{cell(event.target, 30)!r}  base {cell(event.base, 30)!r}{tuned}")
         case ev.HeldOutFinished():
             if not event.ok:
                 return f"held-out scoring failed: {event.message}"

@@ -194,7 +194,7 @@ def _adapter_step(folder: Path) -> int | None:
         return None
 
 
-def export_adapter(run: RunDir, dest: str | Path) -> Path:
+def copy_adapter(run: RunDir, dest: str | Path) -> Path:
     """Copy the run's adapter (:meth:`RunDir.adapter`) to the new folder ``dest`` as a plain PEFT
     adapter folder that ``PeftModel.from_pretrained(base, dest)`` loads: the adapter files only,
     not a checkpoint's optimizer and RNG states. Written beside ``dest`` and renamed when complete.
@@ -402,11 +402,3 @@ def find_run(ref: str | None, root: str | Path = "runs") -> RunDir:
         raise FileNotFoundError(f"{root}: {what} matching '{ref}'; recent runs: {known}")
     return matches[0]
 
-
-def append_event(path: Path, event: ev.Event) -> None:
-    """Append one event to an events.jsonl file and flush it to the OS, on a line of its own (a
-    torn last line is cut first)."""
-    drop_torn_tail(path)
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(event.to_dict(), separators=(",", ":"), default=str) + "\n")
-        handle.flush()

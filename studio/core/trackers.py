@@ -29,6 +29,7 @@ from typing import Any
 
 from studio.core import events as ev
 from studio.core.config import RunConfig
+from studio.core.gpus import GB
 from studio.core.runs import RunDir
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -36,7 +37,6 @@ TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 INSTALL_HINT = "pip install 'qlora-studio[trackers]'"
 _QUEUE = 10000
-_GB = 1 << 30
 
 
 def metrics_of(event: ev.Event) -> tuple[int, dict[str, float]] | None:
@@ -49,8 +49,9 @@ def metrics_of(event: ev.Event) -> tuple[int, dict[str, float]] | None:
         return event.step, {"eval/loss": event.loss, "eval/perplexity": event.perplexity,
                             "eval/token_accuracy": event.token_accuracy}
     if isinstance(event, ev.MemorySampled):
-        found = {"memory/allocated_gb": event.allocated / _GB, "memory/peak_allocated_gb": event.peak_allocated / _GB}
-        found.update({f"memory/{name}_gb": n / _GB for name, n in event.categories.items()})
+        # Decimal GB, as every other number Studio shows (the gauge, the estimate, the console).
+        found = {"memory/allocated_gb": event.allocated / GB, "memory/peak_allocated_gb": event.peak_allocated / GB}
+        found.update({f"memory/{name}_gb": n / GB for name, n in event.categories.items()})
         return event.step, found
     return None
 

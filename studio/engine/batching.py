@@ -17,8 +17,7 @@ from typing import Protocol
 
 import torch
 
-IGNORE_INDEX = -100
-"""Label value that takes no loss (prompt tokens, padding)."""
+from studio.core.prompt import IGNORE_INDEX
 
 GROUP_SIZE = 256
 """Padded batching sorts by length within groups of this many examples of the shuffled order: batches

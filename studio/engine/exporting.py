@@ -65,12 +65,13 @@ def run_template(config: Any, tokenizer: Any) -> str:
                             bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
 
 
-def export_adapter(run: RunDir, dest: Path, progress: Callable[[str, float], None]) -> str:
-    """Write the adapter folder with its model card; returns a note on how the loss chart was drawn."""
+def export_adapter_folder(run: RunDir, dest: Path, progress: Callable[[str, float], None]) -> str:
+    """Write the adapter folder (:func:`~studio.core.runs.copy_adapter`'s PEFT files) with its model card,
+    template and config; returns a note on how the loss chart was drawn."""
     from transformers import AutoTokenizer
 
     from studio.core.model_card import model_card
-    from studio.core.runs import export_adapter as copy_adapter
+    from studio.core.runs import copy_adapter
 
     config = run.config()
     find_adapter(run)  # none yet: ExportError, the message every export gives
@@ -198,7 +199,7 @@ def export_run(run: RunDir, path: str | Path, format: str = "adapter", quant: st
         shutil.rmtree(tmp, ignore_errors=True)
         note = ""
         if format == "adapter":
-            note = export_adapter(run, tmp, progress)
+            note = export_adapter_folder(run, tmp, progress)
         elif format == "merged":
             export_merged_folder(run, tmp, dtype, progress)
             note = f"merged {dtype} model"

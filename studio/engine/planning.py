@@ -58,24 +58,23 @@ def resolve(config: RunConfig, run: RunDir, device: torch.device, emit: Callable
     try:
         info = load_model_info(config.model.base_model, config.model.revision)
         lengths = () if config.trainer.packing else data_lengths(config, rows)[0]
-        plan = autoplan.plan(config, info, capacity, lengths=lengths)
-    except autoplan.AutoPlanError as exc:
-        least = min(exc.rejected, key=lambda c: c.total)
-        if least.total > capacity:
-            raise PlanRefused(str(exc)) from None
-        resolved = autoplan.with_values(config, least.micro_batch, least.checkpointing,
-                                        autoplan.effective_batch(config))
-        emit(_event(resolved, message=(f"nothing fits with {autoplan.HEADROOM_FRACTION:.0%} headroom; trying the "
-                                       f"smallest plan, {least.total / 1e9:.1f} GB of {capacity / 1e9:.1f} GB")))
-        _record(run, resolved, leader, device=str(device), capacity=capacity)
-        return resolved, None
+        planned = autoplan.plan_or_smallest(config, info, capacity, lengths=lengths)
     except (ModelInfoError, ValueError) as exc:
         resolved = autoplan.cpu_values(config)
         emit(_event(resolved, message=(f"could not plan ({exc}); using the defaults: set "
                                        "trainer.micro_batch_size and trainer.gradient_checkpointing to choose")))
         _record(run, resolved, leader, device=str(device), capacity=capacity)
         return resolved, None
-    resolved = plan.apply(config)
+    resolved, least = planned.config, planned.smallest
+    if least is not None:  # nothing fits with headroom: the smallest plan, if the card holds it at all
+        if least.total > capacity:
+            raise PlanRefused(str(planned.refused))
+        emit(_event(resolved, message=(f"nothing fits with {autoplan.HEADROOM_FRACTION:.0%} headroom; trying the "
+                                       f"smallest plan, {least.total / 1e9:.1f} GB of {capacity / 1e9:.1f} GB")))
+        _record(run, resolved, leader, device=str(device), capacity=capacity)
+        return resolved, None
+    plan = planned.plan
+    assert plan is not None  # an auto config gets a plan, or the smallest when none fits
     c = plan.chosen
     emit(_event(resolved, path=plan.path, estimated_bytes=c.total, capacity_bytes=plan.capacity,
                 headroom_bytes=plan.headroom,
@@ -88,11 +87,10 @@ def _event(resolved: RunConfig, **fields: object) -> ev.AutoPlanChosen:
     t = resolved.trainer
     return ev.AutoPlanChosen(micro_batch_size=t.micro_batch(), gradient_accumulation_steps=t.accumulation_steps(),
                              gradient_checkpointing=t.checkpointing(),
-                             effective_batch_size=t.micro_batch() * t.accumulation_steps(), **fields)
+                             effective_batch_size=t.effective_batch(), **fields)
 
 
 def _record(run: RunDir, resolved: RunConfig, leader: bool, **facts: object) -> None:
     if leader and run.path.is_dir():
         t = resolved.trainer
-        autoplan.record(run.path, t.micro_batch(), t.checkpointing(), t.micro_batch() * t.accumulation_steps(),
-                        **facts)
+        autoplan.record(run.path, t.micro_batch(), t.checkpointing(), t.effective_batch(), **facts)

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from studio.core import events as ev
-from studio.core.prompt import Encoded, Rendered, render
-from studio.engine.batching import IGNORE_INDEX, DataStream, MicroBatch, collate
+from studio.core.prompt import IGNORE_INDEX, Encoded, Rendered, render
+from studio.engine.batching import DataStream, MicroBatch, collate
 
 
 @dataclass(frozen=True)

@@ -55,12 +55,8 @@ Emit = Callable[[ev.Event], None]
 BetweenSteps = Callable[["Trainer"], "str | None"]
 
 
-class TrainingError(RuntimeError):
+class TrainingError(ev.ReportedFailure):
     """The engine cannot go on; a WorkerFailed event with this ``kind`` has already been emitted."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass
@@ -334,7 +330,7 @@ class Session:
         try:
             return self.trainer.train(resume=resume)
         except TrainingError as exc:
-            if self.group.active and exc.kind == "crash":
+            if self.group.active and exc.kind == ev.FailureKind.CRASH:
                 sys.stderr.flush()
                 os._exit(1)
             raise

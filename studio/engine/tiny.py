@@ -189,8 +189,8 @@ def _pretrain(model, tokenizer, steps: int, batch_size: int, learning_rate: floa
     import torch
     import torch.nn.functional as F
 
-    from studio.core.prompt import encode, render
-    from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream
+    from studio.core.prompt import IGNORE_INDEX, encode, render
+    from studio.engine.batching import Cursor, DataStream
 
     examples = []
     for row in reverse_word_rows(4000, seed=99, val_fraction=0, test_fraction=0):

@@ -37,12 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from studio.core import events as ev
+from studio.core.prompt import IGNORE_INDEX
 from studio.core.runs import ADAPTER_STEP_FILE
 from studio.core.storage import DiskFull, is_disk_full
 from studio.engine import checkpoint, oom
 from studio.engine import distributed as dist
 from studio.engine import fast as fastpath
-from studio.engine.batching import IGNORE_INDEX, Cursor, DataStream, MicroBatch, eval_batches
+from studio.engine.batching import Cursor, DataStream, MicroBatch, eval_batches
 from studio.engine.memory import MemorySampler
 from studio.engine.optim import build_optimizer, build_scheduler
 from studio.engine.preference import PairStream
@@ -116,7 +117,7 @@ class Trainer:
         self.config = self.session.config
         self.micro_batch_size = self.config.trainer.micro_batch()
         # Units per optimizer step (over every rank) stay fixed; accumulation follows the micro-batch.
-        self.units_per_step = self.micro_batch_size * self.config.trainer.accumulation_steps() * self.group.world
+        self.units_per_step = self.config.trainer.effective_batch(self.group.world)
 
     def load(self) -> None:
         """Load the session if it is not yet, and set up the data stream. On a user error a

@@ -17,14 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from studio.core import events as ev
+from studio.core.cells import cell
 from studio.core.runs import find_run
 from studio.worker.client import WorkerClient, WorkerStartError, WorkerUnavailable, connect_or_start
 from studio.worker.launch import GpuLock
-
-
-def _cell(text: str | None, width: int) -> str:
-    text = (text or "").replace("\n", "⏎ ")
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def format_table(report: dict[str, Any], width: int = 28) -> str:
@@ -32,10 +28,10 @@ def format_table(report: dict[str, Any], width: int = 28) -> str:
     # Answers start after a two-character mark column (a tick for an exact match).
     lines = [f"{'#':>3}  {'target':<{width}}  {'  base':<{width}}  {'  fine-tuned':<{width}}  sim b/t"]
     for r in report["results"]:
-        base = ("✓ " if r["base_exact"] else "  ") + _cell(r["base"], width - 2)
-        tuned = ("✓ " if r["tuned_exact"] else "  ") + _cell(r["tuned"], width - 2)
+        base = ("✓ " if r["base_exact"] else "  ") + cell(r["base"], width - 2)
+        tuned = ("✓ " if r["tuned_exact"] else "  ") + cell(r["tuned"], width - 2)
         tuned_sim = f"{r['tuned_similarity']:.2f}" if r["tuned_similarity"] is not None else "-"
-        lines.append(f"{r['index']:>3}  {_cell(r['target'], width):<{width}}  {base:<{width}}  "
+        lines.append(f"{r['index']:>3}  {cell(r['target'], width):<{width}}  {base:<{width}}  "
                      f"{tuned:<{width}}  {r['base_similarity']:.2f}/{tuned_sim}")
     b, t = report["base"], report["fine_tuned"] or {"exact_match": 0.0, "similarity": 0.0}
     lines.append("")
@@ -53,7 +49,7 @@ def _preference_table(results: list[dict[str, Any]], preference: dict[str, Any])
     lines = ["", f"{'#':>3}  {'chosen':<24}  {'rejected':<24}  margin base -> fine-tuned"]
     for r in results:
         tuned = f"{r['tuned_margin']:+.2f}" if r.get("tuned_margin") is not None else "-"
-        lines.append(f"{r['index']:>3}  {_cell(r['target'], 24):<24}  {_cell(r.get('rejected') or '', 24):<24}  "
+        lines.append(f"{r['index']:>3}  {cell(r['target'], 24):<24}  {cell(r.get('rejected') or '', 24):<24}  "
                      f"{r['base_margin']:+.2f} -> {tuned}")
     tuned = preference.get("fine_tuned_accuracy")
     lines.append(f"prefers the chosen answer: base {preference['base_accuracy']:.1%} -> fine-tuned "

@@ -14,8 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from studio.core import events as ev
+from studio.core.cells import cell
 from studio.core.config import ConfigError
-from studio.core.report import describe, format_duration, shorten
+from studio.core.report import describe, format_duration
 from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
 from studio.core.storage import LOW_SPACE_BYTES, disk_full_message, free_bytes
 from studio.worker.client import (
@@ -26,8 +27,6 @@ from studio.worker.client import (
     claim_device,
     start_worker,
 )
-
-_LIVE_STATES = ("loading", "training", "paused")
 
 
 def _fail(message: str) -> int:
@@ -116,11 +115,11 @@ def _resume_run(run: RunDir, from_scratch: bool = False) -> int:
         except WorkerUnavailable:
             pass  # a worker killed a moment ago (its pid may linger as a zombie): start a new one
     if status is not None:
-        if status.state == "paused":
+        if status.state == ev.WorkerState.PAUSED:
             client.send(ev.Resume())
             print(f"resumed run {run.id} at step {status.step}")
             return 0
-        if status.state in _LIVE_STATES:
+        if status.state.in_training:
             return _fail(f"run {run.id} is already {status.state} (step {status.step})")
         client.send(ev.StartTraining(resume=not from_scratch))
         client.close()
@@ -163,7 +162,7 @@ def attach(args: argparse.Namespace) -> int:
         print(f"run {run.id}  ({run.path})", flush=True)
         for event in client.catch_up():
             _print_event(event)
-        if client.status is not None and client.status.state not in _LIVE_STATES or \
+        if client.status is not None and not client.status.state.in_training or \
                 client.status is None and not _starting(run):
             client.close()
             return _explain_not_live(run)
@@ -234,7 +233,7 @@ def runs(args: argparse.Namespace) -> int:
         s = summarize(run)
         step = f"{s.step}/{s.total_steps}" if s.total_steps else str(s.step)
         best = f"{s.best_eval_loss:.4f}" if s.best_eval_loss is not None else "-"
-        rows.append((run.id, shorten(s.model.rstrip("/").split("/")[-1], 32), s.status, step, best,
+        rows.append((run.id, cell(s.model.rstrip("/").split("/")[-1], 32), s.status, step, best,
                      format_duration(now - s.started)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -285,7 +284,7 @@ def stop(args: argparse.Namespace) -> int:
     if client is None:
         return 1
     assert client.status is not None
-    training = client.status.state in _LIVE_STATES
+    training = client.status.state.in_training
     if training:
         print(f"stopping run {run.id} after step {client.status.step}: saving a checkpoint and the adapter…",
               flush=True)
@@ -313,10 +312,10 @@ def pause(args: argparse.Namespace) -> int:
         return 1
     try:
         assert client.status is not None
-        if client.status.state == "paused":
+        if client.status.state == ev.WorkerState.PAUSED:
             print(f"run {run.id} is already paused at step {client.status.step}")
             return 0
-        if client.status.state not in _LIVE_STATES:
+        if not client.status.state.in_training:
             return _fail(f"run {run.id} is not training (state: {client.status.state})")
         client.send(ev.Pause())
         print(f"pausing run {run.id} after the current step…", flush=True)

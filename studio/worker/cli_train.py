@@ -21,6 +21,7 @@ import argparse
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -163,6 +164,46 @@ def _follow(client: WorkerClient, printer: ConsolePrinter) -> None:
     client.close()
 
 
+def _console(run: RunDir, after_seq: int, where: str = "") -> tuple[ConsolePrinter, threading.Thread]:
+    """Say where the run is, then follow its events after ``after_seq`` in a thread (join it at the end)."""
+    printer = ConsolePrinter()
+    print(f"run directory: {run.path}{where}", flush=True)
+    console = threading.Thread(target=_follow, name="studio-console", daemon=True,
+                               args=(WorkerClient(run, after_seq=after_seq), printer))
+    console.start()
+    return printer, console
+
+
+def _stop_on_ctrl_c(printer: ConsolePrinter, stop: Callable[[], None],
+                    can_stop: Callable[[], bool] = lambda: True) -> Any:
+    """Make Ctrl-C call ``stop`` (the run stops after this step with a checkpoint and the adapter),
+    and a second one abort; while ``can_stop`` is false (still loading: nothing to save yet) the
+    first aborts. Returns the handler it replaced."""
+
+    def on_interrupt(_signum: int, _frame: Any) -> None:
+        if not can_stop():
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts
+        printer.line("stopping after this step: saving a checkpoint and the adapter (Ctrl-C again to abort)")
+        stop()
+
+    return signal.signal(signal.SIGINT, on_interrupt)
+
+
+def _aborted(run: RunDir) -> int:
+    print(f"\naborted; continue with: studio train --resume {run.id}", file=sys.stderr)
+    return 130
+
+
+def _what_next(run: RunDir, stopped: bool) -> int:
+    """The last line of a training that did not fail: how to go on from here."""
+    if stopped:
+        print(f"continue with: studio train --resume {run.id}")
+    else:
+        print(f"compare base and fine-tuned answers with: studio eval {run.id}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     """``studio train CONFIG [--data PATH] [--max-steps N] [--model M] [--resume RUN] [--runs-dir DIR]``."""
     from studio.worker.server import Worker
@@ -196,21 +237,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {DiskFull(run.events_path, run.id) if is_disk_full(exc, run.path) else exc}",
               file=sys.stderr)
         return 1
-    printer = ConsolePrinter()
-    console = threading.Thread(target=_follow, name="studio-console",
-                               args=(WorkerClient(run, after_seq=worker.log.next_seq - 1), printer), daemon=True)
-    print(f"run directory: {run.path}", flush=True)
-    console.start()
+    printer, console = _console(run, worker.log.next_seq - 1)
 
-    def on_interrupt(_signum: int, _frame: Any) -> None:
-        if worker.state not in ("training", "paused"):
-            raise KeyboardInterrupt  # still loading: nothing to save yet
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts
-        printer.line("stopping after this step: saving a checkpoint and the adapter "
-                     "(Ctrl-C again to abort)")
+    def stop() -> None:
         worker.stop_requested = True
 
-    previous = signal.signal(signal.SIGINT, on_interrupt)
+    previous = _stop_on_ctrl_c(printer, stop, lambda: worker.state in (ev.WorkerState.TRAINING, ev.WorkerState.PAUSED))
     aborted = False
     try:
         worker.serve(listener, first=ev.StartTraining(resume=resume))
@@ -221,18 +253,13 @@ def main(args: argparse.Namespace) -> int:
         lock.release()
         console.join(timeout=30)
     if aborted:
-        print(f"\naborted; continue with: studio train --resume {run.id}", file=sys.stderr)
-        return 130
+        return _aborted(run)
     if worker.disk_failure is not None and not printer.saw_disk_full:
         # Full before the console connected (at a resume's first event): said here instead.
         print(f"error: {worker.disk_failure}", file=sys.stderr)
-    if worker.state == "failed":
+    if worker.state == ev.WorkerState.FAILED:
         return 1  # the console already showed the failure
-    if worker.state == "stopped":
-        print(f"continue with: studio train --resume {run.id}")
-    else:
-        print(f"compare base and fine-tuned answers with: studio eval {run.id}")
-    return 0
+    return _what_next(run, stopped=worker.state == ev.WorkerState.STOPPED)
 
 
 def _train_on_gpus(run: RunDir, resume: bool) -> int:
@@ -248,33 +275,18 @@ def _train_on_gpus(run: RunDir, resume: bool) -> int:
     except (WorkerStartError, GpuCountError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    printer = ConsolePrinter()
-    print(f"run directory: {run.path} ({len(launch.keys)} processes; their output: {run.log_path})", flush=True)
-    console = threading.Thread(target=_follow, name="studio-console", args=(WorkerClient(run, after_seq=after),
-                                                                             printer), daemon=True)
-    console.start()
-
-    def on_interrupt(_signum: int, _frame: Any) -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts
-        printer.line("stopping after this step: saving a checkpoint and the adapter (Ctrl-C again to abort)")
-        launch.stop_rank0()
-
-    previous = signal.signal(signal.SIGINT, on_interrupt)
+    printer, console = _console(run, after, f" ({len(launch.keys)} processes; their output: {run.log_path})")
+    previous = _stop_on_ctrl_c(printer, launch.stop_rank0)
     try:
         code = launch.wait()
     except KeyboardInterrupt:
         launch.kill()
         launch.wait()
-        print(f"\naborted; continue with: studio train --resume {run.id}", file=sys.stderr)
-        return 130
+        return _aborted(run)
     finally:
         signal.signal(signal.SIGINT, previous)
         console.join(timeout=30)
     status = summarize(run).status
     if code != 0 or status == "failed":
         return 1
-    if status == "stopped":
-        print(f"continue with: studio train --resume {run.id}")
-    else:
-        print(f"compare base and fine-tuned answers with: studio eval {run.id}")
-    return 0
+    return _what_next(run, stopped=status == "stopped")

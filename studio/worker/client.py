@@ -26,13 +26,9 @@ from pathlib import Path
 
 from studio.core import events as ev
 from studio.core.runs import RunDir
-from studio.worker.launch import GpuLock
+from studio.worker.launch import GpuLock, WorkerStartError
 
 _RECONNECT_EVERY_S = 1.0
-
-BUSY_STATES = ("loading", "training", "paused", "exporting", "scoring")
-"""Worker states in which it is doing a job: such a worker is never displaced for another run."""
-
 
 class WorkerUnavailable(ConnectionError):
     """No worker answers for this run (not running, still starting, or the key does not match)."""
@@ -40,10 +36,6 @@ class WorkerUnavailable(ConnectionError):
 
 class WorkerRefused(WorkerUnavailable):
     """The worker refused this client's key."""
-
-
-class WorkerStartError(RuntimeError):
-    """``python -m studio.worker`` refused to start; the message says why (a busy GPU, ...)."""
 
 
 class DeviceBusy(WorkerStartError):
@@ -69,7 +61,7 @@ def claim_device(run: RunDir | None = None, timeout: float = 30.0, key: str | No
     if held.get("run_dir") and held_dir.is_dir():
         client = WorkerClient(RunDir(held_dir))
         try:
-            if client.connect(5.0).state not in BUSY_STATES:
+            if not client.connect(5.0).state.busy:
                 client.send(ev.Shutdown())
                 deadline = time.monotonic() + timeout
                 while lock.busy() and time.monotonic() < deadline:

@@ -47,7 +47,7 @@ class Launch:
         WorkerStopped in the log gets one line there (with where the traceback is)."""
         code = self.process.wait()
         if code != 0 and not _ended_cleanly(self.run):
-            from studio.worker.server import EventLog
+            from studio.worker.eventlog import EventLog
 
             log = EventLog(self.run.events_path)
             log.append(ev.WorkerFailed(kind="crash", fatal=True, message=(

@@ -24,23 +24,30 @@ import os
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from studio.core import events as ev
+from studio.core.config import ConfigError
+from studio.core.dataload import DataError
+from studio.core.events import FailureKind, WorkerState
 from studio.core.runs import RunDir
 from studio.core.storage import DiskFull, is_disk_full, make_private
 from studio.core.trackers import TrackerHub, start_trackers
+from studio.worker.engine_session import EngineSession, SessionFactory, StepHook
 from studio.worker.eventlog import EventLog
 from studio.worker.jobs import JOBS, serve_job
 from studio.worker.launch import WorkerListener
 
-_TRAINING_STATES = ("loading", "training", "paused")
+if TYPE_CHECKING:
+    from studio.engine.evaluate import HeldOutScoring
+
 _CLIENT_BACKLOG = 20000  # events queued for one client before it is dropped as too slow
 _MAX_COMMAND_BYTES = 1 << 20
 
@@ -127,41 +134,44 @@ class _Peer:
             pass
 
 
-def already_reported(exc: BaseException) -> bool:
-    """Whether the trainer emitted its own WorkerFailed before raising ``exc`` (its TrainingError)."""
-    return any(cls.__name__ == "TrainingError" for cls in type(exc).__mro__)
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's out-of-memory error. Only the engine raises it, having loaded
+    torch to do so: with torch not loaded it cannot be one (and the worker never loads torch itself)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(exc, torch.OutOfMemoryError)
 
 
 def classify_failure(exc: BaseException, log_path: Path) -> ev.WorkerFailed:
-    """A WorkerFailed event for ``exc``: kind oom/data/config/crash and what to do about it."""
-    names = {cls.__name__ for cls in type(exc).__mro__}
+    """A WorkerFailed event for ``exc`` (one the engine did not report itself), its kind by its type,
+    and what to do about it."""
     detail = "".join(traceback.format_exception(exc))
-    if any("OutOfMemory" in name for name in names):
-        return ev.WorkerFailed(kind="oom", detail=detail, message=(
+    if out_of_memory(exc):
+        return ev.WorkerFailed(kind=FailureKind.OOM, detail=detail, message=(
             f"out of GPU memory even at micro-batch 1 ({exc}); lower data.max_seq_length, keep "
             "trainer.gradient_checkpointing on, use quantization.bits: 4, or pick a smaller model"))
-    if "DataError" in names:
-        return ev.WorkerFailed(kind="data", message=str(exc), detail=detail)
-    if "ConfigError" in names:
-        return ev.WorkerFailed(kind="config", message=str(exc), detail=detail)
-    return ev.WorkerFailed(kind="crash", detail=detail,
+    if isinstance(exc, DataError):
+        return ev.WorkerFailed(kind=FailureKind.DATA, message=str(exc), detail=detail)
+    if isinstance(exc, ConfigError):
+        return ev.WorkerFailed(kind=FailureKind.CONFIG, message=str(exc), detail=detail)
+    return ev.WorkerFailed(kind=FailureKind.CRASH, detail=detail,
                            message=f"{type(exc).__name__}: {exc} (full traceback in {log_path})")
 
 
-def default_trainer_factory() -> Callable[..., Any]:
+def default_trainer_factory() -> SessionFactory:
     """The engine's Session class (it loads, trains, generates, evaluates), or the one named by
     $STUDIO_WORKER_TRAINER ("module:attr"), which tests use to drive the worker with a stand-in."""
     import importlib
 
     spec = os.environ.get("STUDIO_WORKER_TRAINER", "studio.engine.session:Session")
     module, _, attr = spec.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    factory: SessionFactory = getattr(importlib.import_module(module), attr)
+    return factory
 
 
 class Worker:
     """Serves one run: the trainer, the event log, and the connected clients."""
 
-    def __init__(self, run: RunDir, trainer_factory: Callable[..., Any] | None = None,
+    def __init__(self, run: RunDir, trainer_factory: SessionFactory | None = None,
                  linger_s: float = 60.0, foreground: bool = False):
         """``foreground``: the worker of ``studio train`` in a terminal. It exits once its first
         command (the training) is done, and a hang-up of the terminal stops it with a checkpoint
@@ -180,13 +190,13 @@ class Worker:
         self.disk_failure: str | None = None
         """The one line said when a write failed for want of space (the worker then exits)."""
         self.commands: queue.Queue[tuple[_Peer | None, ev.Command]] = queue.Queue()
-        self.state = "idle"
+        self.state = WorkerState.IDLE
         self.step = 0
         self.total_steps = 0
         self.model_loaded = False
         self.linger_s = linger_s
         self._trainer_factory = trainer_factory
-        self._session: Any = None
+        self._session: EngineSession | None = None
         self._peers: set[_Peer] = set()
         # Orders log writes with client registration; re-entrant because dropping a slow client
         # from inside emit() unregisters it.
@@ -198,7 +208,7 @@ class Worker:
         self._terminate = threading.Event()
         self._evaluations = 0
         self._warnings = 0
-        self._scoring: Any = None  # the held-out request being answered a row at a time
+        self._scoring: HeldOutScoring | None = None  # the held-out request being answered a row at a time
         self.trackers: TrackerHub | None = None
         """report_to: the experiment trackers that also get the metrics (started by :meth:`serve`)."""
         self._closing = False
@@ -233,7 +243,7 @@ class Worker:
         self._disk_reported = True
         full = exc if isinstance(exc, DiskFull) else self.disk_full or DiskFull(
             getattr(exc, "filename", None) or self.run.path, self.run.id)
-        self.state = "failed"
+        self.state = WorkerState.FAILED
         self._exit_reason = f"disk full at {full.path}"
         self.disk_failure = str(full)
         try:
@@ -258,7 +268,7 @@ class Worker:
 
     def status(self) -> ev.StatusReported:
         """What the worker is doing now ("scoring": answering held-out rows while not training)."""
-        state = "scoring" if self._scoring is not None and self.state not in _TRAINING_STATES else self.state
+        state = WorkerState.SCORING if self._scoring is not None and not self.state.in_training else self.state
         return ev.StatusReported(state=state, step=self.step, total_steps=self.total_steps,
                                  run_id=self.run.id, model_loaded=self.model_loaded)
 
@@ -318,7 +328,7 @@ class Worker:
             previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, terminate if self.foreground
                                                     else signal.SIG_IGN)
         if first is not None:
-            self.state = "loading"  # before any client can ask, so none sees a passing "idle"
+            self.state = WorkerState.LOADING  # before any client can ask, so none sees a passing "idle"
             self.commands.put((None, first))
         self.trackers = start_trackers(self.run, self.emit)
         threading.Thread(target=self._accept_loop, args=(listener,), name="worker-accept",
@@ -364,7 +374,7 @@ class Worker:
     def _check_idle(self) -> None:
         if self._terminate.is_set():
             self._exit_reason = "terminated (SIGTERM)"
-        elif not self._peers and self.state not in _TRAINING_STATES and self._scoring is None and \
+        elif not self._peers and not self.state.in_training and self._scoring is None and \
                 time.monotonic() - self._last_client_left > self.linger_s:
             self._exit_reason = f"idle with no client for {self.linger_s:g} s"
 
@@ -411,7 +421,7 @@ class Worker:
                 self._guarded(self._evaluate)
         elif isinstance(command, ev.ScoreHeldOut):
             self._start_scoring(command)
-        elif isinstance(command, JOBS) and self.state not in _TRAINING_STATES:
+        elif isinstance(command, JOBS) and not self.state.in_training:
             self._guarded(lambda: self._serve_job(command))
         else:
             self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, message=(
@@ -432,21 +442,21 @@ class Worker:
             refuse(f"the model did not load; the failure above says why (details in {self.run.log_path})")
             return
         session = self._session
+        assert session is not None  # loaded by _ensure_trainer
 
         def generate(row: dict[str, str], adapter: bool, max_new_tokens: int | None) -> str:
-            answer = session.generate(row, adapter=adapter, max_new_tokens=max_new_tokens, temperature=0.0)
-            return str(getattr(answer, "text", answer))
+            return session.generate(row, adapter=adapter, max_new_tokens=max_new_tokens, temperature=0.0).text
 
         try:
-            preference = getattr(session, "preference", None)  # DPO / ORPO: pairs scored by margin too
-            self._scoring = HeldOutScoring(self.run, command, generate, self.emit,
-                                           render=getattr(session, "render_prompt", None),
+            preference = session.preference  # DPO / ORPO: pairs scored by margin too
+            self._scoring = HeldOutScoring(self.run, command, generate, self.emit, render=session.render_prompt,
                                            margin=preference.margin if preference is not None else None)
         except (OSError, ValueError) as exc:  # DataError is a ValueError: a message a person can act on
             refuse(str(exc))
 
     def _score_next_row(self) -> None:
         scoring = self._scoring
+        assert scoring is not None
         try:
             if scoring.next_row():
                 self._scoring = None
@@ -457,7 +467,7 @@ class Worker:
                                          message=f"scoring stopped at row {len(scoring.results) + 1}: {exc}"))
 
     def _serve_job(self, command: ev.Command) -> None:
-        previous, self.state = self.state, "exporting"
+        previous, self.state = self.state, WorkerState.EXPORTING
         try:
             serve_job(self.run, command, self.emit)
         finally:
@@ -493,11 +503,12 @@ class Worker:
                 traceback.print_exception(exc)
         except OSError:
             pass  # worker.log cannot take it; the event below still says what happened
-        if not already_reported(exc):
+        if not isinstance(exc, ev.ReportedFailure):  # the engine's own failures are reported already
             self.emit(dataclasses.replace(classify_failure(exc, self.run.log_path), fatal=fatal))
 
     def _evaluate(self) -> None:
         """The trainer emits EvalLogged itself; with no validation rows it has nothing to emit."""
+        assert self._session is not None  # loaded by _ensure_trainer
         before, warned = self._evaluations, self._warnings
         self._session.evaluate()
         if self._evaluations == before and self._warnings == warned:  # not skipped for memory either
@@ -513,20 +524,18 @@ class Worker:
         """
         if self._session is not None and self.model_loaded:
             return True
-        previous, self.state = self.state, "loading"
+        previous, self.state = self.state, WorkerState.LOADING
         try:
             if self._session is None:
                 factory = self._trainer_factory or default_trainer_factory()
                 self._session = factory(self.run.config(), self.run, self.emit,
                                         between_steps=self._between_steps)
             self._session.load()
-            # Optional on the session contract: stand-ins in tests have nothing trained.
-            load_trained = getattr(self._session, "load_trained_adapter", None)
-            if not for_training and load_trained is not None:
-                load_trained()
+            if not for_training:
+                self._session.load_trained_adapter()
         except Exception as exc:
             self._report(exc, fatal=True)
-            self.state = "failed"
+            self.state = WorkerState.FAILED
             return False
         self.model_loaded = True
         self.state = previous
@@ -535,18 +544,19 @@ class Worker:
     def _train(self, resume: bool) -> None:
         if not self._ensure_trainer(for_training=True):
             return
-        self.state = "training"
+        assert self._session is not None
+        self.state = WorkerState.TRAINING
         self._paused = False
         self._stop_training = False
         try:
             self._session.train(resume=resume)
         except Exception as exc:
             self._report(exc, fatal=True)
-            self.state = "failed"
+            self.state = WorkerState.FAILED
             return
         finally:
             self._paused = False
-        self.state = "stopped" if self._stop_training else "finished"
+        self.state = WorkerState.STOPPED if self._stop_training else WorkerState.FINISHED
 
     def _generate(self, command: ev.Generate) -> None:
         """Stream an answer; every request ends with a GenerationFinished (empty when it failed)."""
@@ -559,22 +569,22 @@ class Worker:
         def on_text(text: str) -> None:
             self.emit(ev.TokenGenerated(request_id=request, text=text))
 
+        session = self._session
+        assert session is not None  # loaded by _ensure_trainer
+
         def run() -> None:
-            result = self._session.generate(command.row or command.prompt, adapter=command.adapter,
-                                            max_new_tokens=command.max_new_tokens,
-                                            temperature=command.temperature, top_p=command.top_p,
-                                            on_text=on_text)
-            self.emit(ev.GenerationFinished(
-                request_id=request, adapter=command.adapter, text=str(getattr(result, "text", result)),
-                new_tokens=int(getattr(result, "new_tokens", 0)),
-                tokens_per_s=float(getattr(result, "tokens_per_s", 0.0))))
+            result = session.generate(command.row or command.prompt, adapter=command.adapter,
+                                      max_new_tokens=command.max_new_tokens, temperature=command.temperature,
+                                      top_p=command.top_p, on_text=on_text)
+            self.emit(ev.GenerationFinished(request_id=request, adapter=command.adapter, text=result.text,
+                                            new_tokens=result.new_tokens, tokens_per_s=result.tokens_per_s))
 
         if not self._guarded(run):
             self.emit(ev.GenerationFinished(request_id=request, adapter=command.adapter))
 
     # ------------------------------------------------------------------------ between steps
 
-    def _between_steps(self, trainer: Any = None) -> str | None:
+    def _between_steps(self, trainer: StepHook | None = None) -> str | None:
         """The trainer's hook after every optimizer step: serve queued commands; "stop" ends training.
 
         While paused this blocks here, still serving generation and status, until Resume or Stop.
@@ -594,19 +604,17 @@ class Worker:
                 if self._scoring is not None:
                     self._score_next_row()  # one held-out row per optimizer step
                 if self._paused:
-                    # A data-parallel trainer tells its other ranks to keep waiting (optional hook).
-                    keep_alive = getattr(trainer, "keep_alive", None)
-                    if keep_alive is not None:
-                        keep_alive()
+                    if trainer is not None:
+                        trainer.keep_alive()  # a data-parallel run's other ranks keep waiting
                     continue
                 return None
             if isinstance(command, ev.Pause):
                 if not self._paused:
-                    self._paused, self.state = True, "paused"
+                    self._paused, self.state = True, WorkerState.PAUSED
                     self.emit(ev.TrainingPaused(step=self.step))
             elif isinstance(command, ev.Resume):
                 if self._paused:
-                    self._paused, self.state = False, "training"
+                    self._paused, self.state = False, WorkerState.TRAINING
                     self.emit(ev.TrainingResumed(step=self.step))
             elif isinstance(command, ev.Stop):
                 self._stop_training = True

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 from studio.core.config import RunConfig
 from studio.core.memory.allocator import expandable_segments_from_env
+from studio.core.model_families import PROJECTIONS
 from studio.core.model_info import ModelInfo
 
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = PROJECTIONS
 """What PEFT's ``all-linear`` means for a Llama-architecture model (lm_head excluded)."""
 
 

@@ -28,6 +28,7 @@ from textual.widgets import Button, Checkbox, DataTable, Input, Label, Static
 
 from studio.core import chat, scoring
 from studio.core import events as ev
+from studio.core.cells import cell
 from studio.core.config import RunConfig
 from studio.core.preference import is_preference
 from studio.core.runs import RunDir, create_run
@@ -402,11 +403,11 @@ class ChatPane(Hosted, Vertical):
         self.heldout.append(item)
         tuned = "…" if event.tuned is not None else "no adapter"
         table = self.query_one("#chat-heldout-table", DataTable)
-        cells = [str(event.index + 1), _cell(item.label, 28), _cell(item.target, 20), "…", "", tuned, ""]
+        cells = [str(event.index + 1), cell(item.label, 28), cell(item.target, 20), "…", "", tuned, ""]
         if len(table.ordered_columns) > len(cells):
             item.margins = {side: m for side, m in (("base", event.base_margin), ("tuned", event.tuned_margin))
                             if m is not None}
-            cells += [_cell(event.rejected or "", 20), margin_cell(item.margins)]
+            cells += [cell(event.rejected or "", 20), margin_cell(item.margins)]
         table.add_row(*cells, key=str(len(self.heldout) - 1))
         self._set_status(f"Held-out: {event.index + 1}/{event.total} {event.split} rows answered…")
         self._dirty = True
@@ -429,7 +430,7 @@ class ChatPane(Hosted, Vertical):
                 answer = item.answers.get(side)
                 if answer is None:
                     continue
-                table.update_cell(str(i), columns[text_col], _cell(answer.text or "…", 20))
+                table.update_cell(str(i), columns[text_col], cell(answer.text or "…", 20))
                 result = item.score(side)
                 if result is not None:
                     table.update_cell(str(i), columns[score_col],
@@ -460,8 +461,3 @@ class ChatPane(Hosted, Vertical):
 def margin_cell(margins: dict[str, float]) -> str:
     """``✗ -12.3 → ✓ +8.1``: which answer the base and the fine-tune prefer, and by how much."""
     return " → ".join(f"{'✓' if m > 0 else '✗'} {m:+.1f}" for m in margins.values())
-
-
-def _cell(text: str, width: int = 40) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= width else flat[: width - 1] + "…"

@@ -29,6 +29,7 @@ from textual.widgets.option_list import Option
 
 from studio.core import chat
 from studio.core import data as datalib
+from studio.core.cells import cell
 from studio.core.preference import is_preference, pair_lint
 from studio.ui.host import Hosted
 from studio.ui.messages import ConfigChanged, TokenizerChanged
@@ -54,11 +55,7 @@ def cell_text(value: Any, limit: int = CELL_CHARS) -> str:
     characters (an escape sequence in someone's data must not reach the terminal)."""
     if isinstance(value, list) and chat.shape_of(value) is not None:
         value = conversation_summary(value)
-    text = "" if value is None else str(value)
-    text = text.replace("\r\n", "\n").replace("\n", "⏎ ").replace("\t", " ")
-    if not text.isprintable():
-        text = text.translate(_CONTROL_CHARACTERS)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return cell(value, limit)
 
 
 def conversation_summary(value: list) -> str:
@@ -69,10 +66,6 @@ def conversation_summary(value: list) -> str:
         return str(value)
     first = next((t for t in turns if t.role == "user"), turns[0])
     return f"{len(turns)} turns · {first.role}: {first.content}"
-
-
-_CONTROL_CHARACTERS = dict.fromkeys([*range(32), *range(127, 160)])
-"""C0 and C1 control characters (and DEL), deleted from cells."""
 
 
 class DatasetPane(Hosted, Vertical):

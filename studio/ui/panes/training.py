@@ -20,6 +20,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, ProgressBar, Static
 
 from studio.core import events as ev
+from studio.core.config import effective_batch
 from studio.core.runs import RunDir, create_run
 from studio.ui.host import Hosted
 from studio.ui.messages import MemorySample, WorkerEvents
@@ -204,7 +205,7 @@ class TrainingPane(Hosted, Vertical):
         if state.micro_batch_size:
             batch = f"micro-batch {state.micro_batch_size} × {state.gradient_accumulation_steps}"
             if state.gpus > 1:
-                effective = state.micro_batch_size * state.gradient_accumulation_steps * state.gpus
+                effective = effective_batch(state.micro_batch_size, state.gradient_accumulation_steps, state.gpus)
                 batch += f" × {state.gpus} GPUs = {effective}"
             parts.append(batch)
         if state.status == "loading" and state.loading_stage:

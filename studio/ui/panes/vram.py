@@ -384,13 +384,8 @@ def model_for_estimate(config: RunConfig, model_ref: str) -> tuple[ModelInfo, st
 def planned(config: RunConfig, info: object, capacity: int) -> tuple[RunConfig, str]:
     """``config`` as a run would train it on a card of ``capacity`` bytes (``auto`` planned by
     core/autoplan.py), and the plan's lines; with nothing fitting, the smallest plan and why."""
-    if not autoplan.is_auto(config):
-        return config, ""
-    try:
-        plan = autoplan.plan(config, info, capacity)
-    except autoplan.AutoPlanError as exc:
-        return autoplan.smallest(config, exc), f"automatic plan: {exc}"
-    return plan.apply(config), "\n".join(plan.lines())
+    resolved = autoplan.plan_or_smallest(config, info, capacity)
+    return resolved.config, "\n".join(resolved.lines())
 
 
 CARD_SQUARES = 40

@@ -65,7 +65,7 @@ def _measure_conversation(rendered: prompts.Rendered, counter: TokenCounter, max
     """A conversation: prompt tokens are every turn but the assistant's, response tokens the
     assistant turns'; training cuts the tail at max length."""
     whole = prompts.encode(rendered, counter.tokenize, 1 << 30, None, counter.bos_id)
-    learned = sum(1 for label in whole.labels if label != -100)
+    learned = sum(1 for label in whole.labels if label != prompts.IGNORE_INDEX)
     bos = 1 if counter.bos_id is not None else 0
     keep_to = None
     if whole.total_tokens > max_len:

@@ -19,6 +19,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Static
 
+from studio.core.cells import cell
 from studio.core.runs import RunDir, RunSummary, iter_events, list_runs, summarize
 from studio.ui.metrics import TrainingState, fold
 from studio.ui.widgets.loss_plot import LossPlot
@@ -34,7 +35,7 @@ def summary_row(summary: RunSummary, marked: bool = False) -> tuple[str, ...]:
     """The cells of one run in the picker table."""
     best = f"{summary.best_eval_loss:.4f}" if summary.best_eval_loss is not None else "--"
     steps = f"{summary.step}/{summary.total_steps}" if summary.total_steps else str(summary.step)
-    return ("*" if marked else " ", summary.run.id, summary.status, summary.model, steps, best,
+    return ("*" if marked else " ", summary.run.id, summary.status, cell(summary.model), steps, best,
             _date(summary.started))
 
 
