@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from studio.engine.gguf_families import (Family, GgufExportError, check, rope_tensors, text_config,
-                                         write_hparams)
+from studio.engine.gguf_families import Family, GgufExportError, check, rope_tensors, text_config, write_hparams
 from studio.engine.gguf_vocab import read_vocab
 
 __all__ = ["QUANTS", "GgufExportError", "check_architecture", "gguf_name", "tokenizer_pre", "write_gguf",

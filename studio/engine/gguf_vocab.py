@@ -30,11 +30,12 @@ from studio.engine.gguf_families import GgufExportError
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 _UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
 _LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _SPLITS = {
     # The expressions as the models' own tokenizer.json files write them (llama.cpp keeps a
     # hand-adapted copy of each under the same name).
-    "llama-bpe": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "qwen2": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _TAIL,
+    "qwen2": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + _TAIL,
     "gpt-4o": (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
                rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
@@ -151,7 +152,7 @@ def _is_byte_level(data: dict[str, Any]) -> bool:
 
 def read_vocab(model_dir: Path, n_vocab: int) -> Vocab:
     """The GGUF tokenizer of ``model_dir``'s ``tokenizer.json``, padded with unused ``[PADn]`` tokens
-    to ``n_vocab`` (the embedding's rows) where the tokenizer has fewer."""
+    to ``n_vocab`` (the embedding's rows) where the tokenizer has fewer; GgufExportError where it has more."""
     import gguf
 
     path = model_dir / "tokenizer.json"
@@ -162,8 +163,9 @@ def read_vocab(model_dir: Path, n_vocab: int) -> Vocab:
     model = data.get("model") or {}
     spm = model.get("type") == "BPE" and bool(model.get("byte_fallback"))
     if model.get("type") != "BPE" or not (spm or _is_byte_level(data)):
-        raise GgufExportError(f"{path}: a {model.get('type', 'unknown')} tokenizer"
-                              f"{' without byte fallback or byte-level pre-tokenizer' if model.get('type') == 'BPE' else ''};"
+        what = "BPE tokenizer without byte fallback or byte-level pre-tokenizer" if model.get("type") == "BPE" \
+            else f"{model.get('type', 'unknown')} tokenizer"
+        raise GgufExportError(f"{path}: a {what};"
                               " GGUF export covers byte-level BPE (Llama 3, Qwen, SmolLM) and SentencePiece-style "
                               "BPE (Gemma, Llama 2, Mistral, Phi-3). Export --format merged and convert with "
                               "llama.cpp's convert_hf_to_gguf.py")
@@ -183,7 +185,12 @@ def read_vocab(model_dir: Path, n_vocab: int) -> Vocab:
             # llama.cpp matches user-defined tokens in raw text: a SentencePiece "▁" is a space there.
             text = added["content"].replace("\u2581", " ") if spm else added["content"]
             by_id[int(added["id"])] = (text, int(types.USER_DEFINED))
-    size = max(n_vocab, max(by_id) + 1)
+    if max(by_id) >= n_vocab:
+        raise GgufExportError(f"{path}: the tokenizer has token id {max(by_id)} but the model's embedding has "
+                              f"{n_vocab} rows; llama.cpp needs a row for every token. Resize the embedding "
+                              "(model.resize_token_embeddings) before training, or export with the tokenizer the "
+                              "model was trained with")
+    size = n_vocab
     tokens, kinds = [], []
     for i in range(size):
         token, kind = by_id.get(i, (f"[PAD{i}]", int(types.UNUSED)))
