@@ -136,6 +136,7 @@ def export_merged_folder(run: RunDir, dest: Path, dtype: str, progress: Callable
 def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, float], None]) -> str:
     """The merged model as GGUF, the LoRA-only GGUF adapter and an Ollama Modelfile in ``dest``."""
     from studio.core.modelfile import modelfile
+    from studio.core.tokens import load_tokenizer_info
 
     if quant not in QUANTS:
         raise GgufExportError(f"--quant {quant} is not one of {', '.join(QUANTS)}")
@@ -154,11 +155,12 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
         write_lora_gguf(find_adapter(run), base_config, dest / lora_file)
     template = (staging / TEMPLATE_FILE).read_text(encoding="utf-8")
     shutil.move(staging / TEMPLATE_FILE, dest / TEMPLATE_FILE)
-    eos = json.loads((staging / "tokenizer_config.json").read_text()).get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    (dest / "Modelfile").write_text(modelfile(model_file, template, config.prompt.response_field, eos,
+    tokenizer = load_tokenizer_info(staging)
+    (dest / "Modelfile").write_text(modelfile(model_file, template, config.prompt.response_field, tokenizer.eos_token,
                                               temperature=config.generation.temperature,
-                                              adapter_name=lora_file, base_gguf_hint=hub_id(config.model.base_model)))
+                                              adapter_name=lora_file, base_gguf_hint=hub_id(config.model.base_model),
+                                              chat_template=tokenizer.chat_template,
+                                              use_chat=config.prompt.template == "chat"))
     shutil.rmtree(staging)
     made = f"{model_file}, {lora_file}" if lora_file else model_file
     return f"{made} and a Modelfile ('ollama create NAME -f {dest / 'Modelfile'}')"
