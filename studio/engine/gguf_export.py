@@ -200,7 +200,10 @@ def write_gguf(model_dir: str | Path, out: str | Path, quant: str = "f16",
     tied = bool(config.get("tie_word_embeddings")) or "lm_head.weight" not in text_names.values() \
         or not family.tied_output
     ordered = [n for n, t in text_names.items() if not (tied and t == "lm_head.weight")]
-    embedding = next(n for n, t in text_names.items() if t == "model.embed_tokens.weight")
+    embedding = next((n for n, t in text_names.items() if t == "model.embed_tokens.weight"), None)
+    if embedding is None:
+        raise GgufExportError(f"{model_dir}: no model.embed_tokens.weight among the weights; this is not a "
+                              "decoder laid out as the covered families are")
 
     writer = g.GGUFWriter(str(out), g.MODEL_ARCH_NAMES[getattr(g.MODEL_ARCH, family.arch)])
     writer.add_type(g.GGUFType.MODEL)
