@@ -84,3 +84,18 @@ def load_as_llama_cpp(folder: Path, name: str) -> Any:
 
     config = llama_cpp_config(folder / name)
     return AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, config=config, dtype=torch.float32).eval()
+
+
+def tokenizer_reader_is_faithful() -> bool:
+    """Whether transformers' GGUF tokenizer follows the file's ``tokenizer.ggml.pre`` and rebuilds
+    SentencePiece-style BPE from its scores (5.24 does). Older readers approximate: 5.17 splits
+    every Qwen file with Qwen's expression and reads Gemma's vocabulary as Unigram, so a faithful
+    file would not round-trip there."""
+    import importlib
+
+    try:
+        mapping = importlib.import_module("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    except ImportError:
+        return False
+    return hasattr(mapping, "GGUF_PRE_TOKENIZER_SPLITS")
+
