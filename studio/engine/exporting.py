@@ -160,6 +160,7 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
                                               temperature=config.generation.temperature,
                                               adapter_name=lora_file, base_gguf_hint=hub_id(config.model.base_model),
                                               chat_template=tokenizer.chat_template,
+                                              # conversation rows train only with template: chat
                                               use_chat=config.prompt.template == "chat"))
     shutil.rmtree(staging)
     made = f"{model_file}, {lora_file}" if lora_file else model_file
