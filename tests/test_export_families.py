@@ -220,3 +220,32 @@ def test_phi3_longrope_is_written_as_llama_cpp_reads_it(tmp_path: Path) -> None:
     assert reader.fields["phi3.rope.scaling.attn_factor"].contents() == pytest.approx(attention_factor, rel=1e-6)
     assert reader.fields["phi3.rope.scaling.original_context_length"].contents() == 64
     assert reader.fields["phi3.rope.dimension_count"].contents() == 2 * half
+
+
+def test_gemma3_multimodal_wrapper_is_written_as_its_text_model(tmp_path: Path) -> None:
+    """Gemma 3 4B+ checkpoints are Gemma3ForConditionalGeneration: the GGUF is the text model (the
+    vision tower left out), predicting as the wrapper does on text."""
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer, Gemma3ForConditionalGeneration
+
+    from studio.engine.gguf_export import write_gguf
+
+    text = build("gemma3", tmp_path / "text")
+    config = AutoConfig.for_model(
+        "gemma3", text_config=json.loads((text / "config.json").read_text()), mm_tokens_per_image=1,
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_attention_heads=2, num_hidden_layers=1, image_size=28, patch_size=14))
+    torch.manual_seed(0)
+    wrapper = Gemma3ForConditionalGeneration(config).eval()
+    wrapper.save_pretrained(tmp_path / "mm")
+    AutoTokenizer.from_pretrained(text).save_pretrained(tmp_path / "mm")
+    write_gguf(tmp_path / "mm", tmp_path / "mm" / "model.gguf", "f16")
+    _, tensors = metadata(tmp_path / "mm" / "model.gguf")
+    assert "token_embd.weight" in tensors
+    assert all(t.startswith("blk.") or t in ("token_embd.weight", "output_norm.weight") for t in tensors)
+    ids = torch.randint(4, config.text_config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = wrapper(input_ids=ids).logits.argmax(-1)
+        got = load_as_llama_cpp(tmp_path / "mm", "model.gguf")(ids).logits.argmax(-1)
+    assert (got == expected).float().mean().item() >= FLOORS["f16"]
