@@ -80,11 +80,15 @@ def test_each_family_exports_a_gguf_that_predicts_like_the_merged_model(name: st
     assert (meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"], meta["tokenizer.ggml.add_space_prefix"]) == \
         EXPECTED_TOKENIZER[name]
     assert meta["tokenizer.chat_template"] == FAMILIES[name]["chat"]
+    # llama.cpp ends generation at the end-of-turn marker it finds by its text among control tokens.
+    end = FAMILIES[name]["end"] or own.eos_token
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert meta["tokenizer.ggml.token_type"][tokens.index(end)] == 3  # gguf.TokenType.CONTROL
+    assert tokens[meta["tokenizer.ggml.eos_token_id"]] == own.eos_token
     # The run trained through the chat template: the Modelfile is that template in Go, with the
     # family's end-of-turn marker as a stop.
     modelfile = (tmp_path / "f16" / "Modelfile").read_text()
     assert "{{ range $i, $_ := .Messages }}" in modelfile and "{{ .Content }}" in modelfile
-    end = FAMILIES[name]["end"] or own.eos_token
     assert f'PARAMETER stop "{end}"' in modelfile
 
 
