@@ -26,8 +26,7 @@ import numpy as np
 from studio.engine.gguf_families import Family, GgufExportError, check, rope_tensors, text_config, write_hparams
 from studio.engine.gguf_vocab import read_vocab
 
-__all__ = ["QUANTS", "GgufExportError", "check_architecture", "gguf_name", "tokenizer_pre", "write_gguf",
-           "write_lora_gguf"]
+__all__ = ["QUANTS", "GgufExportError", "check_architecture", "gguf_name", "write_gguf", "write_lora_gguf"]
 
 Progress = Callable[[str, float], None]
 """progress(stage, fraction 0..1)."""
@@ -155,13 +154,6 @@ class _Weights:
         return self.where[name].get_tensor(name).float().numpy()
 
 
-def tokenizer_pre(gguf_file: str | Path) -> str | None:
-    """``tokenizer.ggml.pre`` of an existing GGUF file."""
-    reader = _gguf().GGUFReader(str(gguf_file))
-    field = reader.fields.get("tokenizer.ggml.pre")
-    return str(field.contents()) if field is not None else None
-
-
 def _add_tokenizer(writer: Any, model_dir: Path, n_vocab: int) -> int:
     """The tokenizer metadata; returns the vocabulary size written."""
     g = _gguf()
@@ -198,7 +190,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, quant: str = "f16",
     text_names = {n: _text_name(n) for n in weights.where}
     text_names = {n: t for n, t in text_names.items() if t is not None}
     tied = bool(config.get("tie_word_embeddings")) or "lm_head.weight" not in text_names.values() \
-        or not family.tied_output
+        or not family.has_output
     ordered = [n for n, t in text_names.items() if not (tied and t == "lm_head.weight")]
     embedding = next((n for n, t in text_names.items() if t == "model.embed_tokens.weight"), None)
     if embedding is None:

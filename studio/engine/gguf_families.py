@@ -52,7 +52,7 @@ class Family:
     """Rotary width from ``partial_rotary_factor * hidden / heads`` (Phi-3)."""
     rope_types: tuple[str, ...] = ("default",)
     """RoPE scaling types this family's GGUF can carry."""
-    tied_output: bool = True
+    has_output: bool = True
     """Whether llama.cpp reads an ``output.weight`` at all (Gemma 2 always ties)."""
 
 
@@ -62,7 +62,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family("QWEN2", rope_types=("default", "yarn")),
     "qwen3": Family("QWEN3", rope_types=("default", "yarn")),
     "gemma2": Family("GEMMA2", norm_shift=1.0, softcapping=True, sliding_pattern=2, big_layers=46,
-                     tied_output=False),
+                     has_output=False),
     "gemma3_text": Family("GEMMA3", norm_shift=1.0, sliding_pattern=6, big_layers=62, rope_types=("default", "linear")),
     "phi3": Family("PHI3", partial_rotary=True, rope_types=("default", "longrope")),
 }
