@@ -179,6 +179,8 @@ def read_vocab(model_dir: Path, n_vocab: int) -> Vocab:
             kind = types.UNKNOWN
         by_id[int(index)] = (token, int(kind))
     for added in data.get("added_tokens") or []:
+        if spm and added["content"] == model.get("unk_token"):
+            continue  # SentencePiece's unknown piece keeps its own type, as llama.cpp's converter writes it
         if added.get("special"):
             by_id[int(added["id"])] = (added["content"], int(types.CONTROL))
         else:
