@@ -22,7 +22,7 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from test_worker import TESTS
 
 from studio.cli import main as studio
-from studio.core.config import load_config
+from studio.core.config import ConfigNote, load_config
 from studio.core.runs import create_run, list_runs
 from studio.worker.launch import GpuLock
 
@@ -98,7 +98,8 @@ def test_an_agent_starts_pauses_resumes_and_stops_a_run_and_reading_starts_nothi
     config = tmp_path / "fake.yaml"
     # lora_alpha is PEFT's name for lora.alpha: read as Studio's, with a note.
     config.write_text("model:\n  base_model: fake-model\ndata:\n  path: rows.jsonl\nlora:\n  lora_alpha: 32\n")
-    untouched = create_run(load_config(config), runs)  # a run that no one started
+    with pytest.warns(ConfigNote):
+        untouched = create_run(load_config(config), runs)  # a run that no one started
 
     async def agent() -> None:
         async with studio_mcp(runs, tmp_path / "server.log") as session:
@@ -228,3 +229,14 @@ def _server_pid() -> int:
             if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"mcp" in cmdline:
                 return int(entry.name)
     raise AssertionError("no studio mcp process")
+
+
+def test_without_the_sdk_studio_mcp_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mcp" else find_spec(name, *a))
+    assert studio(["mcp"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'qlora-studio[mcp]'" in err
