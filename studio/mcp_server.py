@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -186,12 +187,33 @@ def _one_line_errors(*more: type[Exception]) -> Callable[[Callable[_P, _R]], Cal
     return wrap
 
 
+# Tools run in threads, and the warnings filters are the process's: one recorder at a time.
+_NOTES_LOCK = threading.Lock()
+
+
 def _with_notes(read: Callable[[], _R]) -> tuple[_R, list[str]]:
     """``read()``'s result and the config notes it issued (the CLI prints them as ``note:`` lines)."""
-    with warnings.catch_warnings(record=True) as caught:
+    with _NOTES_LOCK, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigNote)
         value = read()
     return value, [str(w.message) for w in caught if issubclass(w.category, ConfigNote)]
+
+
+def _is_inline_yaml(config: str) -> bool:
+    """A config given as YAML text rather than a file's path: several lines, or a key on a line that
+    names no file."""
+    if "\n" in config:
+        return True
+    try:
+        return ":" in config and not Path(config).is_file()
+    except (OSError, ValueError):  # too long for a path, or a NUL in it
+        return True
+
+
+def _run_list(root: str) -> RunList:
+    now = time.time()
+    runs = [RunInfo(**_run_info(summarize(run), now)) for run in run_dirs.list_runs(root)]
+    return RunList(runs_dir=str(Path(root).resolve()), runs=runs)
 
 
 def _run_info(summary: RunSummary, now: float) -> dict[str, Any]:
@@ -261,7 +283,7 @@ def build_server(runs_dir: str | Path = "runs") -> MCPServer:
     server = MCPServer(
         "studio", version=studio_version(), log_level="WARNING",
         instructions=(f"Studio fine-tunes language models (QLoRA, LoRA, full, DPO/ORPO) from a YAML config. Runs "
-                      f"live in {Path(root).resolve()}. start_run trains in a background worker that outlives "
+                      f"are listed from {Path(root).resolve()}. start_run trains in a background worker that outlives "
                       "this server; follow it with run_status or the run's events resource. estimate predicts "
                       "GPU memory without loading a model. Resources only read run folders."))
 
@@ -274,9 +296,7 @@ def build_server(runs_dir: str | Path = "runs") -> MCPServer:
     @_one_line_errors()
     def list_runs() -> RunList:
         """List the runs, newest first: id, model, status, step, losses and age (what `studio runs` shows)."""
-        now = time.time()
-        runs = [RunInfo(**_run_info(summarize(run), now)) for run in run_dirs.list_runs(root)]
-        return RunList(runs_dir=str(Path(root).resolve()), runs=runs)
+        return _run_list(root)
 
     @server.tool(annotations=_READ_ONLY)
     @_one_line_errors()
@@ -307,7 +327,7 @@ def build_server(runs_dir: str | Path = "runs") -> MCPServer:
                                                     "config's model.base_model.")] = None) -> EstimateResult:
         """Predict the GPU memory a config needs, by category and phase, and the automatic plan
         (micro-batch, checkpointing) for the card: what `studio estimate` says. Loads no model."""
-        inline = not Path(config).is_file() and (":" in config or "\n" in config)
+        inline = _is_inline_yaml(config)
         source = "the config given inline" if inline else config
         base_dir = Path.cwd() if inline else Path(config).parent
         report, notes = _with_notes(lambda: estimate_config(
@@ -406,16 +426,14 @@ def build_server(runs_dir: str | Path = "runs") -> MCPServer:
     @server.resource("studio://runs", name="runs", mime_type="application/json",
                      description="The runs, newest first, as list_runs returns them. Reading it starts nothing.")
     def runs_resource() -> str:
-        now = time.time()
-        runs = [RunInfo(**_run_info(summarize(run), now)) for run in run_dirs.list_runs(root)]
-        return RunList(runs_dir=str(Path(root).resolve()), runs=runs).model_dump_json(indent=1)
+        return _run_list(root).model_dump_json(indent=1)
 
     @server.resource("studio://runs/{run_id}/config", name="run config", mime_type="application/yaml",
                      description="A run's config.yaml: the exact config it trains with.")
     def config_resource(run_id: str) -> str:
         try:
             return find_run(run_id, root).config_path.read_text()
-        except (FileNotFoundError, OSError) as exc:
+        except OSError as exc:
             raise ResourceError(str(exc)) from None
 
     @server.resource("studio://runs/{run_id}/events", name="run events", mime_type="text/plain",

@@ -150,6 +150,7 @@ def test_an_agent_starts_pauses_resumes_and_stops_a_run_and_reading_starts_nothi
             missing = await refused(session, "start_run", config="no-such.yaml")
             assert missing == cli_error(["train", "no-such.yaml", "--detach"], capsys)
             assert "no run matching 'zzz'" in await refused(session, "pause_run", run="zzz")
+            assert "libtorch" not in Path(f"/proc/{_server_pid()}/maps").read_text()
 
     anyio.run(agent)
     assert len(list_runs(runs)) == 2  # the refused start made no run folder
