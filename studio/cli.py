@@ -32,7 +32,11 @@ _HANDLERS = {
     "export": "studio.cli_export:export",
     "embed": "studio.cli_export:embed",
     "push": "studio.push:main",
+    "mcp": "studio.mcp_server:main",
 }
+
+# subcommand -> (the package it needs, the extra that installs it), for commands behind an optional extra
+_EXTRAS = {"mcp": ("mcp", "mcp")}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -161,6 +165,8 @@ def _parser() -> argparse.ArgumentParser:
     push.add_argument("--private", action="store_true", help="create the repo private")
     push.add_argument("--merged", action="store_true", help="upload the merged model instead of the adapter")
 
+    add("mcp", "serve Studio's tools to an AI agent: an MCP server on stdin/stdout (docs/mcp.md)")
+
     config = add("config", "config helpers")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     dump = config_sub.add_parser("dump", help="print the fully resolved config (defaults filled in)")
@@ -193,6 +199,16 @@ def _show_notes(message: warnings.WarningMessage | Warning | str, category: type
 
 
 _python_showwarning = warnings.showwarning
+
+
+def _missing_extra(command: str) -> str | None:
+    """The line to print when ``command`` needs an optional package that is not installed."""
+    from importlib.util import find_spec
+
+    package, extra = _EXTRAS.get(command, (None, None))
+    if package is None or find_spec(package) is not None:
+        return None
+    return f"studio {command}: needs the {package} package; install it with: pip install 'qlora-studio[{extra}]'"
 
 
 def _run(handler: str, args: argparse.Namespace) -> int:
@@ -231,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     elif command == "config":
         command = f"config-{args.config_command}"
+    elif (missing := _missing_extra(command)) is not None:
+        print(missing, file=sys.stderr)
+        return 1
     from studio.core.config import ConfigError
 
     try:

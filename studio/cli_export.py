@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from studio.core import events as ev
@@ -47,9 +48,14 @@ class ProgressBar:
             sys.stderr.flush()
 
 
+Progress = Callable[[str, float], None]
+"""Told of each ExportProgress: the stage and the fraction done (0 to 1)."""
+
+
 def run_job(run: RunDir, command: ev.Command, path: str, label: str,
-            timeout: float = 24 * 3600) -> ev.ExportFinished | str:
-    """Send ``command`` to ``run``'s worker and follow it: the ExportFinished for ``path``, or why not."""
+            timeout: float = 24 * 3600, progress: Progress | None = None) -> ev.ExportFinished | str:
+    """Send ``command`` to ``run``'s worker and follow it: the ExportFinished for ``path``, or why not.
+    Progress goes to ``progress`` when given, else to a bar on stderr labelled ``label``."""
     from studio.worker.client import WorkerStartError, WorkerUnavailable, connect_or_start
 
     try:
@@ -59,13 +65,13 @@ def run_job(run: RunDir, command: ev.Command, path: str, label: str,
     try:
         client.catch_up()  # past events (an earlier export of the same path) are not this job's
         client.send(command)
-        bar = ProgressBar(label)
+        bar = ProgressBar(label) if progress is None else None
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
                 for event in client.poll(0.5):
                     if isinstance(event, ev.ExportProgress) and event.path == path:
-                        bar.update(event.stage, event.fraction)
+                        (progress or bar.update)(event.stage, event.fraction)
                     elif isinstance(event, ev.ExportFinished) and event.path == path:
                         return event
                     elif isinstance(event, ev.WorkerFailed) and (event.seq < 0 or event.fatal):
@@ -73,7 +79,8 @@ def run_job(run: RunDir, command: ev.Command, path: str, label: str,
                 if not client.connected and run.worker_pid() is None:
                     return f"the worker of run {run.id} exited; see {run.log_path}"
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         return f"no answer from the worker of run {run.id} within {timeout:g} s"
     except WorkerUnavailable as exc:
         return str(exc)
@@ -90,24 +97,41 @@ def default_export_path(run: RunDir, fmt: str, quant: str) -> Path:
     return path
 
 
-def export(args: argparse.Namespace) -> int:
-    """``studio export RUN --format adapter|merged|gguf [--quant Q] [--dtype D] [--out DIR]``."""
+class ExportFailed(Exception):
+    """An export that could not be done; the message is the one line a person reads."""
+
+
+def export_through_worker(run: RunDir, fmt: str = "adapter", quant: str = "f16", dtype: str = "bfloat16",
+                          out: str | Path | None = None,
+                          progress: Progress | None = None) -> tuple[Path, ev.ExportFinished]:
+    """Write ``run``'s model out through its worker (started, without training, when none runs):
+    ``fmt`` adapter (PEFT folder + model card), merged (safetensors in ``dtype``) or gguf (in
+    ``quant``, + LoRA GGUF and Modelfile), into ``out`` (default: ``runs/<id>/export/<format>``).
+    Returns the folder written and the worker's ExportFinished; raises ExportFailed."""
     from studio.engine.gguf_export import QUANTS  # numpy only; checked here so a typo starts no worker
 
-    run = find_run(getattr(args, "run", None), getattr(args, "runs_dir", None) or "runs")
-    fmt, quant = args.format, args.quant
     if fmt == "gguf" and quant not in QUANTS:
-        return _fail(f"--quant {quant} is not one of {', '.join(QUANTS)} (K-quants: run llama.cpp's "
-                     "llama-quantize on the f16 file)")
-    out = Path(args.out).resolve() if args.out else default_export_path(run, fmt, quant)
-    command = ev.ExportRun(path=str(out), format=fmt, quant=quant, dtype=args.dtype)
-    result = run_job(run, command, str(out), f"export {fmt}")
+        raise ExportFailed(f"--quant {quant} is not one of {', '.join(QUANTS)} (K-quants: run llama.cpp's "
+                           "llama-quantize on the f16 file)")
+    folder = Path(out).resolve() if out else default_export_path(run, fmt, quant)
+    command = ev.ExportRun(path=str(folder), format=fmt, quant=quant, dtype=dtype)
+    result = run_job(run, command, str(folder), f"export {fmt}", progress=progress)
     if isinstance(result, str):
-        return _fail(result)
+        raise ExportFailed(result)
     if not result.ok:
-        return _fail(result.message)
+        raise ExportFailed(result.message)
+    return folder, result
+
+
+def export(args: argparse.Namespace) -> int:
+    """``studio export RUN --format adapter|merged|gguf [--quant Q] [--dtype D] [--out DIR]``."""
+    run = find_run(getattr(args, "run", None), getattr(args, "runs_dir", None) or "runs")
+    try:
+        out, result = export_through_worker(run, args.format, args.quant, args.dtype, args.out)
+    except ExportFailed as exc:
+        return _fail(str(exc))
     print(out)
-    print(f"exported run {run.id} as {fmt} in {result.seconds:.0f} s: {result.message}", file=sys.stderr)
+    print(f"exported run {run.id} as {args.format} in {result.seconds:.0f} s: {result.message}", file=sys.stderr)
     return 0
 
 

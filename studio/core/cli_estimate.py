@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from studio.core import autoplan
@@ -88,39 +89,71 @@ def length_line(result: Estimate) -> str:
     return f"token lengths: every row data.max_seq_length ({plan.seq_len}) tokens long ({why})"
 
 
-def main(args: argparse.Namespace) -> int:
-    """Handler for ``studio estimate``: prints the table (or JSON with --json); 1 on an error a
-    person can fix (the message names the file and key)."""
+class EstimateFailed(Exception):
+    """An estimate that could not be made; the message names the file and key, and what to do."""
+
+
+@dataclass(frozen=True)
+class EstimateReport:
+    """What ``studio estimate`` says about a config: the estimate of the plan it would run, on which
+    card, and the automatic plan (or why no plan fits)."""
+
+    result: Estimate
+    config: RunConfig
+    """The config as estimated: the automatic plan's micro-batch and checkpointing filled in."""
+    model: str
+    gpu_name: str
+    planned: autoplan.Planned
+    """How ``auto`` was resolved: the plan, or why none fits (the estimate is then the smallest plan's)."""
+
+    def text(self) -> str:
+        """The table ``studio estimate`` prints."""
+        return "\n".join([format_table(self.result, self.model, self.gpu_name, self.config),
+                          *self.planned.lines()])
+
+    def to_json_dict(self) -> dict:
+        """What ``studio estimate --json`` prints (bytes): the estimate's shape and ``auto_plan``."""
+        data = self.result.to_json_dict()  # a documented shape: the batch line is the table's
+        plan, refused = self.planned.plan, self.planned.refused
+        data["auto_plan"] = plan.to_json_dict() if plan else (
+            {"error": str(refused), "rejected": [c.to_json_dict() for c in refused.rejected]} if refused else None)
+        return data
+
+
+def estimate_config(config: RunConfig, source: str, base_dir: Path | None = None, model: str | None = None,
+                    gpu_gb: float | None = None) -> EstimateReport:
+    """Estimate ``config`` (read from ``source``, which error messages name; relative data paths are
+    read from ``base_dir``) for ``model`` (default: its base model) on a card of ``gpu_gb`` GB
+    (default: the card detected, else 24 GB). Raises EstimateFailed."""
     try:
-        config = load_config(args.config)
-        model = getattr(args, "model", None) or config.model.base_model
+        model = model or config.model.base_model
         info = load_model_info(model, config.model.revision)
-        gpu_gb = getattr(args, "gpu_gb", None)
         if gpu_gb is not None:
             gpu = gpu_for_size(gpu_gb)
         else:
             detected = detect_gpus()
             gpu = detected[0] if detected else gpu_for_size(DEFAULT_GPU_GB)
         # unpacked runs are sized from the data's token lengths when the data and tokenizer are here
-        lengths, _why = data_lengths(config, base_dir=Path(args.config).parent) if not config.trainer.packing \
-            else ((), "")
+        lengths, _why = data_lengths(config, base_dir=base_dir) if not config.trainer.packing else ((), "")
         planned = autoplan.plan_or_smallest(config, info, gpu.capacity, lengths=lengths)
         config = planned.config  # with nothing fitting, the smallest plan's estimate, and why none fits
         result = estimate(config, info, gpu.capacity, lengths=lengths)
     except (ConfigError, ModelInfoError) as exc:
+        raise EstimateFailed(str(exc)) from None
+    except ValueError as exc:  # a LoRA target the model lacks
+        raise EstimateFailed(f"{source}: {exc}") from None
+    return EstimateReport(result, config, model, gpu.name, planned)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Handler for ``studio estimate``: prints the table (or JSON with --json); 1 on an error a
+    person can fix (the message names the file and key)."""
+    try:
+        config = load_config(args.config)
+        report = estimate_config(config, args.config, Path(args.config).parent, getattr(args, "model", None),
+                                 getattr(args, "gpu_gb", None))
+    except (ConfigError, EstimateFailed) as exc:
         print(f"studio estimate: {exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:  # a LoRA target the model lacks
-        print(f"studio estimate: {args.config}: {exc}", file=sys.stderr)
-        return 1
-    if getattr(args, "json", False):
-        data = result.to_json_dict()  # a documented shape: the batch line is the table's
-        refused = planned.refused
-        data["auto_plan"] = planned.plan.to_json_dict() if planned.plan else (
-            {"error": str(refused), "rejected": [c.to_json_dict() for c in refused.rejected]} if refused else None)
-        print(json.dumps(data))
-    else:
-        print(format_table(result, model, gpu.name, config))
-        if planned.lines():
-            print("\n".join(planned.lines()))
+    print(json.dumps(report.to_json_dict()) if getattr(args, "json", False) else report.text())
     return 0

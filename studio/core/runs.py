@@ -340,11 +340,20 @@ class RunSummary:
     best_eval_loss: float | None
     started: float
     last_loss: float | None
+    last_eval_loss: float | None = None
+    """The latest evaluation's loss (``best_eval_loss`` is the lowest)."""
+    tokens_per_s: float | None = None
+    """Training throughput at the latest logged step."""
+    memory: ev.MemorySampled | None = None
+    """The latest memory sample (of the first GPU when there are several)."""
+    failure: str | None = None
+    """What the failure that ended the run says (status ``failed``)."""
 
 
 def summarize(run: RunDir) -> RunSummary:
     """Status and headline numbers of a run, read from its event log."""
     status, step, total, best, last_loss = "created", 0, 0, None, None
+    last_eval, rate, memory, failure = None, None, None, None
     model = ""
     try:
         model = run.config().model.base_model
@@ -355,10 +364,14 @@ def summarize(run: RunDir) -> RunSummary:
             status, total = "training", event.total_steps
         elif isinstance(event, ev.StepLogged):
             step, total, last_loss = event.step, event.total_steps, event.loss
+            rate = event.tokens_per_s or rate
             if status not in ("paused",):
                 status = "training"
         elif isinstance(event, ev.EvalLogged):
             best = event.loss if best is None else min(best, event.loss)
+            last_eval = event.loss
+        elif isinstance(event, ev.MemorySampled) and not event.rank:
+            memory = event
         elif isinstance(event, ev.TrainingPaused):
             status = "paused"
         elif isinstance(event, ev.TrainingResumed):
@@ -367,13 +380,14 @@ def summarize(run: RunDir) -> RunSummary:
             status = "stopped" if event.stopped else "finished"
             step = event.step
         elif isinstance(event, ev.WorkerFailed) and event.fatal:
-            status = "failed"
+            status, failure = "failed", event.message
     if status in ("training", "paused") and run.worker_pid() is None:
         status = "interrupted"
     started = run.path.stat().st_mtime if run.path.exists() else 0.0
     if run.config_path.exists():
         started = run.config_path.stat().st_mtime
-    return RunSummary(run, model, status, step, total, best, started, last_loss)
+    return RunSummary(run, model, status, step, total, best, started, last_loss, last_eval, rate, memory,
+                      failure if status == "failed" else None)
 
 
 def list_runs(root: str | Path = "runs") -> list[RunDir]:

@@ -13,12 +13,13 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from studio.core import events as ev
 from studio.core.cells import cell
-from studio.core.runs import find_run
+from studio.core.runs import RunDir, find_run
 from studio.worker.client import WorkerClient, WorkerStartError, WorkerUnavailable, connect_or_start
 from studio.worker.launch import GpuLock
 
@@ -57,19 +58,27 @@ def _preference_table(results: list[dict[str, Any]], preference: dict[str, Any])
     return "\n".join(lines)
 
 
-def _score(client: WorkerClient, rows: int) -> ev.HeldOutFinished:
-    """Send ScoreHeldOut and follow the worker until its answer; progress on a terminal."""
+RowScored = Callable[[ev.HeldOutRowScored], None]
+"""Told of each held-out row as the worker answers it (a progress line, a progress notification)."""
+
+
+class EvalFailed(Exception):
+    """Held-out scoring that could not be done; the message is the one line a person reads."""
+
+
+class EvalInterrupted(Exception):
+    """Ctrl-C while the worker scores: it finishes the rows and saves them anyway."""
+
+
+def _score(client: WorkerClient, rows: int, on_row: RowScored | None) -> ev.HeldOutFinished:
+    """Send ScoreHeldOut and follow the worker until its answer."""
     request = f"eval-{time.time_ns()}"
     client.send(ev.ScoreHeldOut(request_id=request, rows=rows))
-    tty = sys.stderr.isatty()
     while True:
         for event in client.poll(0.5):
-            if isinstance(event, ev.HeldOutRowScored) and event.request_id == request and tty:
-                sys.stderr.write(f"\ranswering held-out rows: {event.index + 1}/{event.total}")
-                sys.stderr.flush()
+            if isinstance(event, ev.HeldOutRowScored) and event.request_id == request and on_row is not None:
+                on_row(event)
             elif isinstance(event, ev.HeldOutFinished) and event.request_id == request:
-                if tty:
-                    sys.stderr.write("\r\033[K")
                 return event
             elif isinstance(event, ev.WorkerFailed) and event.fatal:
                 print(f"error ({event.kind}): {event.message}", file=sys.stderr)
@@ -81,39 +90,63 @@ def _score(client: WorkerClient, rows: int) -> ev.HeldOutFinished:
                 f"the worker of run {client.run.id} went away; see {client.run.log_path}"))
 
 
-def main(args: argparse.Namespace) -> int:
-    """``studio eval [RUN] [--rows N] [--json]``."""
-    run = find_run(getattr(args, "run", None), getattr(args, "runs_dir", None) or "runs")
+def evaluate_run(run: RunDir, rows: int = 50, on_row: RowScored | None = None) -> tuple[dict[str, Any], Path]:
+    """Base vs fine-tuned answers on up to ``rows`` held-out rows of ``run``, scored by its worker
+    (started for this and shut down afterwards when none runs; a running one is left as it was).
+    Returns the report (``eval.json``'s contents) and the path of ``eval.json``. Raises EvalFailed,
+    or EvalInterrupted on Ctrl-C once the rows were asked for."""
     if run.adapter() is None and run.latest_checkpoint() is None:
-        print(f"error: {run.path}: no adapter yet; wait for training to finish, or stop it "
-              f"('studio stop {run.id}') to save one", file=sys.stderr)
-        return 1
+        raise EvalFailed(f"{run.path}: no adapter yet; wait for training to finish, or stop it "
+                         f"('studio stop {run.id}') to save one")
     started_here = run.worker_pid() is None
     try:
         client = connect_or_start(run, timeout=60)
     except (WorkerStartError, WorkerUnavailable) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        raise EvalFailed(str(exc)) from None
     try:
         client.catch_up()  # the run's past events: only this request's answers matter below
-        finished = _score(client, getattr(args, "rows", None) or 50)
+        finished = _score(client, rows, on_row)
         if started_here:
             _shut_down(client)
     except KeyboardInterrupt:
-        print(f"\ninterrupted; the worker finishes the rows and saves {run.path / 'eval.json'}",
-              file=sys.stderr)
-        return 130
+        raise EvalInterrupted(f"interrupted; the worker finishes the rows and saves {run.path / 'eval.json'}") \
+            from None
     finally:
         client.close()
     if not finished.ok:
-        print(f"error: {finished.message}", file=sys.stderr)
+        raise EvalFailed(finished.message)
+    return json.loads(Path(finished.path).read_text()), Path(finished.path)
+
+
+def _progress_line(event: ev.HeldOutRowScored) -> None:
+    sys.stderr.write(f"\ranswering held-out rows: {event.index + 1}/{event.total}")
+    sys.stderr.flush()
+
+
+def _clear_progress(tty: bool) -> None:
+    if tty:
+        sys.stderr.write("\r\033[K")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``studio eval [RUN] [--rows N] [--json]``."""
+    run = find_run(getattr(args, "run", None), getattr(args, "runs_dir", None) or "runs")
+    tty = sys.stderr.isatty()
+    try:
+        report, path = evaluate_run(run, getattr(args, "rows", None) or 50, _progress_line if tty else None)
+    except EvalInterrupted as exc:
+        print(f"\n{exc}", file=sys.stderr)
+        return 130
+    except EvalFailed as exc:
+        _clear_progress(tty)
+        print(f"error: {exc}", file=sys.stderr)
         return 1
-    report = json.loads(Path(finished.path).read_text())
+    _clear_progress(tty)
     if getattr(args, "json", False):
         print(json.dumps(report, indent=1))
     else:
         print(format_table(report))
-        print(f"saved: {finished.path} and {Path(finished.path).with_suffix('.csv').name}")
+        print(f"saved: {path} and {path.with_suffix('.csv').name}")
     return 0
 
 

@@ -2,6 +2,10 @@
 ``resume``. Each takes the parsed arguments and returns an exit code; a problem a person can fix
 is one line on stderr, never a traceback.
 
+The commands that act on a run (start detached, pause, resume, stop) are functions that return an
+:class:`Outcome` or raise :class:`RunCommandFailed`, so every front end (these handlers, the MCP
+server) does the same thing and says it in the same words.
+
 No torch here: these talk to the worker through :mod:`studio.worker.client` and read run directories.
 """
 
@@ -11,6 +15,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from studio.core import events as ev
@@ -29,9 +34,36 @@ from studio.worker.client import (
 )
 
 
+class RunCommandFailed(Exception):
+    """A run command that could not be done; the message is the one line a person reads."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a run command did: the line that says so, and where it left the run."""
+
+    run: RunDir
+    message: str
+    """The line ``studio pause`` / ``resume`` / ``stop`` / ``train --detach`` prints."""
+    step: int | None = None
+    """The step the run was paused, resumed or stopped at, where the command knows it."""
+    adapter: str | None = None
+    """The adapter a stop saved."""
+    worker_pid: int | None = None
+    """The worker a start (or a resume in a new worker) started."""
+
+
 def _fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 1
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _quiet(_text: str) -> None:
+    """A front end that shows no progress line (the MCP server answers once, at the end)."""
 
 
 def _runs_root(args: argparse.Namespace) -> str:
@@ -51,9 +83,9 @@ def _absolute_if_local(value: str | None) -> str | None:
 def train_detached(args: argparse.Namespace) -> int:
     """``studio train CONFIG --detach`` (or ``--resume RUN --detach``): start the background worker,
     print the run id and return at once; the run survives this terminal."""
-    from studio.core.multigpu import GpuCountError, plan_devices
-
     if getattr(args, "resume", None):
+        from studio.core.multigpu import GpuCountError, plan_devices
+
         run = find_run(args.resume, _runs_root(args))
         if getattr(args, "gpus", None):
             # On another number of GPUs: the run's saved config says how many (docs/multigpu.md).
@@ -64,48 +96,77 @@ def train_detached(args: argparse.Namespace) -> int:
             except GpuCountError as exc:
                 return _fail(str(exc))
             config.save(run.config_path)
-        return _resume_run(run, getattr(args, "from_scratch", False))
-    from studio.worker.cli_train import prepare_config
-
-    config, _ = prepare_config(args)
-    try:
-        plan_devices(config)
-    except GpuCountError as exc:
-        return _fail(str(exc))
-    config.model.base_model = _absolute_if_local(config.model.base_model) or config.model.base_model
-    if config.data.path is None:
-        return _fail(f"{args.config}: no dataset; set data.path in the config or pass --data PATH")
-    try:
-        claim_device()
-    except DeviceBusy as exc:
-        return _fail(str(exc))
+        return _print_outcome(lambda: resume_run(run, getattr(args, "from_scratch", False)))
     # --runs-dir when given, else the config's output_dir (the foreground `studio train` uses it too).
-    root = args.runs_dir if getattr(args, "runs_dir", "runs") != "runs" else config.output_dir
-    run = create_run(config, root)
+    root = args.runs_dir if getattr(args, "runs_dir", "runs") != "runs" else None
     try:
-        pid = start_worker(run, train=True)
-    except WorkerStartError as exc:
+        outcome = start_detached(args.config, root, data=getattr(args, "data", None),
+                                 model=getattr(args, "model", None), max_steps=getattr(args, "max_steps", None),
+                                 gpus=getattr(args, "gpus", None))
+    except RunCommandFailed as exc:
         return _fail(str(exc))
-    print(run.id)
-    print(f"training in the background (worker pid {pid}); follow it with 'studio attach {run.id}', "
-          f"stop it with 'studio stop {run.id}'", file=sys.stderr)
+    print(outcome.run.id)
+    print(outcome.message, file=sys.stderr)
     return 0
 
 
-def _resume_run(run: RunDir, from_scratch: bool = False) -> int:
+def start_detached(config_path: str, runs_dir: str | Path | None = None, *, data: str | None = None,
+                   model: str | None = None, max_steps: int | None = None,
+                   gpus: int | str | None = None) -> Outcome:
+    """Start a new run of the config at ``config_path`` in a background worker that trains at once
+    and outlives the caller; returns when the worker listens. ``runs_dir``: where the run folder
+    goes (default: the config's ``output_dir``); the rest override the config as ``studio train``'s
+    options do. Raises ConfigError for the config, RunCommandFailed for the rest (no dataset, the
+    device busy, the worker not starting); a busy device refuses before any run folder is made."""
+    from studio.core.multigpu import GpuCountError, plan_devices
+    from studio.worker.cli_train import prepare_config
+
+    overrides = argparse.Namespace(config=config_path, data=data, model=model, max_steps=max_steps, gpus=gpus)
+    config, _ = prepare_config(overrides)
+    try:
+        plan_devices(config)
+    except GpuCountError as exc:
+        raise RunCommandFailed(str(exc)) from None
+    config.model.base_model = _absolute_if_local(config.model.base_model) or config.model.base_model
+    if config.data.path is None:
+        raise RunCommandFailed(f"{config_path}: no dataset; set data.path in the config or pass --data PATH")
+    try:
+        claim_device()
+    except DeviceBusy as exc:
+        raise RunCommandFailed(str(exc)) from None
+    run = create_run(config, runs_dir)
+    try:
+        pid = start_worker(run, train=True)
+    except WorkerStartError as exc:
+        raise RunCommandFailed(str(exc)) from None
+    return Outcome(run, f"training in the background (worker pid {pid}); follow it with 'studio attach {run.id}', "
+                        f"stop it with 'studio stop {run.id}'", worker_pid=pid)
+
+
+def _print_outcome(command: Callable[[], Outcome]) -> int:
+    """Run a run command for the CLI: its line on stdout (0), or its failure on stderr (1)."""
+    try:
+        outcome = command()
+    except RunCommandFailed as exc:
+        return _fail(str(exc))
+    print(outcome.message)
+    return 0
+
+
+def resume_run(run: RunDir, from_scratch: bool = False) -> Outcome:
     """Continue ``run`` from its latest checkpoint (a paused run: where it is), in its live worker or
     in a new one; ``from_scratch``: start a run that saved no checkpoint again from step 0."""
     from studio.worker.cli_train import resume_refusal
 
     summary = summarize(run)
     if summary.status == "finished":
-        return _fail(f"run {run.id} already finished (step {summary.step}); nothing to resume")
+        raise RunCommandFailed(f"run {run.id} already finished (step {summary.step}); nothing to resume")
     checkpoint = run.latest_checkpoint()
     if summary.status not in ("paused", "training"):  # those are served by their live worker
         try:
             from_scratch = resume_refusal(run, from_scratch)
         except ConfigError as exc:
-            return _fail(str(exc))
+            raise RunCommandFailed(str(exc)) from None
     where = f"from {checkpoint.name}" if checkpoint else "from step 0 (--from-scratch)"
     client = WorkerClient(run)
     status = None
@@ -115,26 +176,26 @@ def _resume_run(run: RunDir, from_scratch: bool = False) -> int:
         except WorkerUnavailable:
             pass  # a worker killed a moment ago (its pid may linger as a zombie): start a new one
     if status is not None:
-        if status.state == ev.WorkerState.PAUSED:
-            client.send(ev.Resume())
-            print(f"resumed run {run.id} at step {status.step}")
-            return 0
-        if status.state.in_training:
-            return _fail(f"run {run.id} is already {status.state} (step {status.step})")
-        client.send(ev.StartTraining(resume=not from_scratch))
-        client.close()
-        print(f"resuming run {run.id} {where} in its worker")
-        return 0
+        try:
+            if status.state == ev.WorkerState.PAUSED:
+                client.send(ev.Resume())
+                return Outcome(run, f"resumed run {run.id} at step {status.step}", step=status.step)
+            if status.state.in_training:
+                raise RunCommandFailed(f"run {run.id} is already {status.state} (step {status.step})")
+            client.send(ev.StartTraining(resume=not from_scratch))
+            return Outcome(run, f"resuming run {run.id} {where} in its worker")
+        finally:
+            client.close()
     try:
         claim_device(run)
     except DeviceBusy as exc:
-        return _fail(str(exc))
+        raise RunCommandFailed(str(exc)) from None
     try:
         pid = start_worker(run, train=from_scratch, resume=not from_scratch)
     except WorkerStartError as exc:
-        return _fail(str(exc))
-    print(f"resuming run {run.id} {where} (worker pid {pid}); follow it with 'studio attach {run.id}'")
-    return 0
+        raise RunCommandFailed(str(exc)) from None
+    return Outcome(run, f"resuming run {run.id} {where} (worker pid {pid}); follow it with 'studio attach {run.id}'",
+                   worker_pid=pid)
 
 
 # ------------------------------------------------------------------------------------- attach
@@ -244,20 +305,18 @@ def runs(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- stop, pause, resume
 
 
-def _live_client(run: RunDir) -> WorkerClient | None:
-    """A connected client, or None after printing why there is no worker to talk to."""
+def _live_client(run: RunDir) -> WorkerClient:
+    """A client connected to the run's worker; RunCommandFailed says why there is none to talk to."""
     client = WorkerClient(run)
     if run.worker_pid() is not None:
         try:
             client.connect(5.0)
             return client
         except WorkerUnavailable as exc:
-            _fail(str(exc))
-            return None
+            raise RunCommandFailed(str(exc)) from None
     summary = summarize(run)
-    _fail(_disk_full_now(run, summary.status) or
-          f"run {run.id} has no worker running (status: {summary.status}, step {summary.step})")
-    return None
+    raise RunCommandFailed(_disk_full_now(run, summary.status) or
+                           f"run {run.id} has no worker running (status: {summary.status}, step {summary.step})")
 
 
 def _wait_for(client: WorkerClient, done: Callable[[ev.Event], bool], timeout: float) -> ev.Event | None:
@@ -280,53 +339,59 @@ def _reply_failure(event: ev.Event) -> bool:
 def stop(args: argparse.Namespace) -> int:
     """``studio stop [RUN]``: checkpoint, save the adapter, and shut the worker down."""
     run = find_run(getattr(args, "run", None), _runs_root(args))
+    return _print_outcome(lambda: stop_run(run, say=_say))
+
+
+def stop_run(run: RunDir, say: Callable[[str], None] = _quiet) -> Outcome:
+    """Shut ``run``'s worker down; a training run saves a checkpoint and the adapter first (``say``
+    gets the line that says so while it saves). Returns once the worker has stopped."""
     client = _live_client(run)
-    if client is None:
-        return 1
     assert client.status is not None
     training = client.status.state.in_training
     if training:
-        print(f"stopping run {run.id} after step {client.status.step}: saving a checkpoint and the adapter…",
-              flush=True)
-    client.send(ev.Shutdown())
+        say(f"stopping run {run.id} after step {client.status.step}: saving a checkpoint and the adapter…")
     try:
+        client.send(ev.Shutdown())
         finished = _wait_for(client, lambda e: isinstance(e, (ev.TrainingFinished, ev.WorkerStopped)), 3600)
         if training and isinstance(finished, ev.TrainingFinished):
-            print(f"stopped at step {finished.step}; adapter in {finished.adapter_path}; continue with "
-                  f"'studio train --resume {run.id} --detach'")
             _wait_for(client, lambda e: isinstance(e, ev.WorkerStopped), 30)
-        elif finished is None and client.connected:
-            return _fail(f"run {run.id}: the worker has not stopped yet; see {run.log_path}")
-        else:
-            print(f"worker of run {run.id} shut down")
+            return Outcome(run, f"stopped at step {finished.step}; adapter in {finished.adapter_path}; continue "
+                                f"with 'studio train --resume {run.id} --detach'",
+                           step=finished.step, adapter=finished.adapter_path)
+        if finished is None and client.connected:
+            raise RunCommandFailed(f"run {run.id}: the worker has not stopped yet; see {run.log_path}")
+        return Outcome(run, f"worker of run {run.id} shut down")
     finally:
         client.close()
-    return 0
 
 
 def pause(args: argparse.Namespace) -> int:
     """``studio pause [RUN]``: pause after the current step; the model stays loaded for chat."""
     run = find_run(getattr(args, "run", None), _runs_root(args))
+    return _print_outcome(lambda: pause_run(run, say=_say))
+
+
+def pause_run(run: RunDir, say: Callable[[str], None] = _quiet) -> Outcome:
+    """Pause ``run`` after its current step and return once it has paused (``say`` gets the line
+    that says it is waiting for that step); the model stays loaded for chat."""
     client = _live_client(run)
-    if client is None:
-        return 1
     try:
         assert client.status is not None
         if client.status.state == ev.WorkerState.PAUSED:
-            print(f"run {run.id} is already paused at step {client.status.step}")
-            return 0
+            return Outcome(run, f"run {run.id} is already paused at step {client.status.step}",
+                           step=client.status.step)
         if not client.status.state.in_training:
-            return _fail(f"run {run.id} is not training (state: {client.status.state})")
+            raise RunCommandFailed(f"run {run.id} is not training (state: {client.status.state})")
         client.send(ev.Pause())
-        print(f"pausing run {run.id} after the current step…", flush=True)
+        say(f"pausing run {run.id} after the current step…")
         paused = _wait_for(client, lambda e: isinstance(e, (ev.TrainingPaused, ev.TrainingFinished)) or
                            _reply_failure(e), 3600)
         if isinstance(paused, ev.WorkerFailed):
-            return _fail(paused.message)
+            raise RunCommandFailed(paused.message)
         if not isinstance(paused, ev.TrainingPaused):
-            return _fail(f"run {run.id} did not pause (it may have finished); see 'studio attach {run.id}'")
-        print(f"paused run {run.id} after step {paused.step}; 'studio resume {run.id}' continues it")
-        return 0
+            raise RunCommandFailed(f"run {run.id} did not pause (it may have finished); see 'studio attach {run.id}'")
+        return Outcome(run, f"paused run {run.id} after step {paused.step}; 'studio resume {run.id}' continues it",
+                       step=paused.step)
     finally:
         client.close()
 
@@ -334,4 +399,5 @@ def pause(args: argparse.Namespace) -> int:
 def resume(args: argparse.Namespace) -> int:
     """``studio resume [RUN]``: continue a paused run, or restart an interrupted or stopped one from
     its latest checkpoint."""
-    return _resume_run(find_run(getattr(args, "run", None), _runs_root(args)))
+    run = find_run(getattr(args, "run", None), _runs_root(args))
+    return _print_outcome(lambda: resume_run(run))
