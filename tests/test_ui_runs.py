@@ -105,3 +105,29 @@ async def test_no_runs_says_how_to_make_one(tmp_path):
         await pilot.press("o")
         await pilot.pause(0.3)
         assert "No runs" in str(app.screen.query_one("#runs-hint").render())
+
+
+@pytest.mark.parametrize("key", ["o", "ctrl+r"])
+async def test_the_picker_opens_a_run_the_same_way_from_every_key(tmp_path, key):
+    """The training pane's o and the app's ctrl+r are one picker: Enter follows the run (its plots
+    redrawn from its log) and leaves the config being edited, and where Save writes, as they were."""
+    config, finished, short = two_runs(tmp_path)
+    config.name, config.trainer.learning_rate = "being edited", 3e-5
+    app, worker = studio(config)
+    async with app.run_test(size=(120, 34)) as pilot:
+        await panes_mounted(pilot)
+        app.query_one(TrainingPane).focus()
+        await pilot.press(key)
+        table = app.screen.query_one("#runs-table")
+        await wait_for_rows(pilot, table, 2)
+        table.move_cursor(row=[table.get_row_at(i)[1] for i in range(2)].index(finished.id))
+        await pilot.press("enter")
+        await pilot.pause()
+        assert worker.opened == [(finished, False)] and app.current_run == finished
+        assert app.config is config and app.config.name == "being edited" and app.config_path is None
+        pane = app.query_one(TrainingPane)
+        for _ in range(100):
+            if pane.state.step == RECORDED_STEPS:
+                break
+            await pilot.pause(0.05)
+        assert pane.state.loss.steps[0] == 1 and pane.state.step == RECORDED_STEPS

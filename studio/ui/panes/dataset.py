@@ -30,7 +30,7 @@ from textual.widgets.option_list import Option
 from studio.core import chat
 from studio.core import data as datalib
 from studio.core.preference import is_preference, pair_lint
-from studio.ui.host import Hosted
+from studio.ui.host import Pane
 from studio.ui.messages import ConfigChanged, TokenizerChanged
 from studio.ui.widgets.column_map import ColumnMap
 from studio.ui.widgets.column_stats import StatsView
@@ -75,7 +75,7 @@ _CONTROL_CHARACTERS = dict.fromkeys([*range(32), *range(127, 160)])
 """C0 and C1 control characters (and DEL), deleted from cells."""
 
 
-class DatasetPane(Hosted, Vertical):
+class DatasetPane(Pane, Vertical):
     """Open, page, filter and inspect a dataset."""
 
     BINDINGS = [
@@ -177,7 +177,7 @@ class DatasetPane(Hosted, Vertical):
         except Exception as exc:  # anything else the reader raises is still the file's fault
             self.app.call_from_thread(self._load_failed, f"{path}: cannot read it ({exc})")
             return
-        found = datalib.chat_column(table.dataset, self.app.config.data.columns)  # type: ignore[attr-defined]
+        found = datalib.chat_column(table.dataset, self.host.config.data.columns)
         self.app.call_from_thread(self._loaded, path, table, time.perf_counter() - started, found)
 
     def _load_failed(self, message: str) -> None:
@@ -211,7 +211,7 @@ class DatasetPane(Hosted, Vertical):
 
     def _use_chat_template(self, column: str, shape: str) -> None:
         """Conversations train through the model's chat template: switch ``prompt.template`` to it."""
-        app: Any = self.app
+        app = self.host
         name = "ShareGPT from/value" if shape == "sharegpt" else "OpenAI role/content"
         if app.config.prompt.template != "chat":
             app.config.prompt.template = "chat"
@@ -380,7 +380,7 @@ class DatasetPane(Hosted, Vertical):
             turns = chat.parse_turns(value)
         except chat.ChatFormatError as exc:
             return Content.from_markup("\n[b $accent]$name[/]\n[b $error]$m[/]\n", name=name, m=str(exc))
-        counter: Any = self.app.counter  # type: ignore[attr-defined]
+        counter = self.host.counter
         counts = counter.count([t.content for t in turns])
         approx = "" if counter.exact else "≈"
         parts = [Content.from_markup("\n[b $accent]$name[/] [dim]$n turns, $total tokens of text[/]\n",

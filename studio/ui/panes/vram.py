@@ -35,7 +35,7 @@ from studio.core.model_info import ModelInfo, ModelInfoError, load_model_info
 from studio.core.model_ref import looks_local
 from studio.core.model_source import find_model
 from studio.core.vram import Estimate, WalkStep, estimate, walkthrough
-from studio.ui.host import Hosted
+from studio.ui.host import Pane
 from studio.ui.messages import MemorySample, WorkerEvents
 from studio.ui.widgets.block_gauge import BlockGauge
 
@@ -45,7 +45,7 @@ ESTIMATE_CACHE_SIZE = 16
 """(config, card) estimates kept: stepping back to a card or an edit already seen redraws at once."""
 
 
-class VramPane(Hosted, VerticalScroll):
+class VramPane(Pane, VerticalScroll):
     """Predicted vs measured GPU memory for the config being edited, with the walkthrough."""
 
     DEFAULT_CSS = """
