@@ -248,10 +248,11 @@ class StudioApp(App[None]):
     @property
     def panes(self) -> list[Pane]:
         """The mounted panes (and the config editor), in tab order, whatever screen is on top (a
-        dialog). A pane still waiting to mount is left out: it reads the app's state when it mounts."""
+        dialog). A pane still mounting is left out (its widgets may not exist yet): it reads the
+        app's state when it mounts."""
         if not self.screen_stack:
             return []
-        return [w for w in self.screen_stack[0].query("PaneSlot > *") if isinstance(w, Pane)]
+        return [w for w in self.screen_stack[0].query("PaneSlot > *") if isinstance(w, Pane) and w.is_mounted]
 
     def pane(self, tab: str) -> Pane | None:
         """Pane ``tab`` (``dataset``... ``config``), or None while it has not mounted yet."""
