@@ -7,6 +7,8 @@ tokenizer's chat template, every assistant turn coloured as loss. Lint from
 :func:`studio.core.prompt.lint_template` shows under the editor. "Zero-shot" sends the rendered
 prompt (a conversation: its turns before the last answer) to the worker (``Generate(adapter=False)``)
 and streams the base model's answer; the worker loads the model on first use and reports its progress.
+The worker is the followed run's when it loads the config's model, else a draft run's that Start
+then trains (``StudioHost.run_for_config``).
 """
 
 from __future__ import annotations
@@ -346,6 +348,8 @@ class TemplatePane(Pane, Vertical):
             prompt = ""
         else:
             prompt = prompts.render(self.editor.text, row, config.prompt.response_field).prompt
+        if app.run_for_config() is None:  # the followed run's worker, or a draft's for this config
+            return
         self._request = uuid.uuid4().hex[:12]
         self._answer = ""
         self._note = ""
