@@ -443,8 +443,15 @@ class StudioApp(App[None]):
             self._focus_pane(event.pane.id)
 
     def action_leave_editor(self) -> None:
-        """Leave a text editor for its pane's main widget (digits switch panes again)."""
-        self._focus_pane(self.query_one("#panes", TabbedContent).active)
+        """Leave a text field for a widget of its pane where keys are keys (digits switch panes
+        again): the pane's main widget, unless that is the field itself (the chat prompt)."""
+        pane = self.pane(self.query_one("#panes", TabbedContent).active)
+        if pane is None:
+            return
+        widget = pane.focus_target()
+        if widget is None or widget.check_consume_key("a", "a"):
+            widget = pane.key_target()
+        self.set_focus(widget)
 
     def _focus_pane(self, tab: str, now: bool = False) -> None:
         """Focus pane ``tab``'s main widget; ``now`` sets it at once instead of after the queue."""

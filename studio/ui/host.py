@@ -106,15 +106,19 @@ class Pane:
         return cast("StudioHost", self.app)
 
     def focus_target(self) -> Widget | None:
-        """The widget focused when the pane's tab is shown (None: nothing to focus). By default the
-        first focusable widget that is not a text field: there, digits would be typed instead of
-        switching panes."""
-        from textual.widgets import Input, Select, TextArea
+        """The widget focused when the pane's tab is shown (None: nothing to focus). By default
+        :meth:`key_target`: in a text field, digits would be typed instead of switching panes."""
+        return self.key_target()
+
+    def key_target(self) -> Widget | None:
+        """Where the pane's keys are keys, not text (``escape`` leaves a text field for it): the pane
+        when it takes focus, else its first focusable widget that is not a text field."""
+        from textual.widgets import Select
 
         if self.focusable:
             return cast("Widget", self)
-        typing = (Input, TextArea, Select)
-        return next((w for w in self.query("*") if w.focusable and not isinstance(w, typing)), None)
+        return next((w for w in self.query("*") if w.focusable and not isinstance(w, Select)
+                     and not w.check_consume_key("a", "a")), None)
 
     def reset_run(self, run: RunDir | None) -> None:
         """The app follows ``run`` from now on (None: no run). Forget what belonged to the old one:

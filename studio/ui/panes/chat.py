@@ -322,9 +322,11 @@ class ChatPane(Pane, Vertical):
         return True
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
         if event.input.id == "chat-prompt":
-            event.stop()
             self.action_ask()
+        else:  # a setting typed: back to the prompt, where typing asks
+            self.action_focus_prompt()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "chat-ask":

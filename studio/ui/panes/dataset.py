@@ -526,6 +526,8 @@ class DatasetPane(Pane, Vertical):
     def _open_typed(self, event: Any) -> None:
         path = self.query_one("#dataset-path", Input).value.strip()
         if path:
+            # Out of the field: the pane's keys ([, ], /, v...) are keys again, not text.
+            self.query_one("#dataset-table", PageTable).focus()
             self.open(path)
 
     @on(Button.Pressed, "#dataset-browse")

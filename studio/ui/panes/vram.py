@@ -274,6 +274,7 @@ class VramPane(Pane, VerticalScroll):
         if event.input.id != "vram-model":
             return
         event.stop()
+        self.focus()  # out of the field: the pane's keys (w, u...) are keys again, not text
         self.model_ref = event.value.strip()
         self.query_one("#vram-model-line", Static).update(
             f"Reading {self.model_ref}…" if self.model_ref else "")
