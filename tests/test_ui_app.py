@@ -278,6 +278,22 @@ async def test_save_config_writes_yaml_that_studio_train_loads(tmp_path, monkeyp
     assert resolve_path(saved.data.path, tmp_path) is not None
 
 
+async def test_the_title_says_edited_only_once_the_config_is_edited(tmp_path, monkeypatch):
+    """The untouched bundled sample is 'sample config', not 'unsaved config'; an edit says so
+    (and how to keep it); a save names the file and clears it."""
+    monkeypatch.chdir(tmp_path)
+    config, path = initial_config(None, None)
+    app = StudioApp(config, path, config_name="sample config", settings=False, initial_pane="template")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, rounds=1)
+        assert app.sub_title.endswith("· sample config") and "unsaved" not in app.sub_title
+        await pilot.press("f8")  # the next template preset: an edit
+        await settle(pilot, rounds=1)
+        assert app.sub_title.endswith("· sample config (edited, ctrl+s saves)")
+        app._save_config(tmp_path / "mine.yaml")
+        assert app.sub_title.endswith(f"· {tmp_path / 'mine.yaml'}")
+
+
 async def test_load_config_reports_errors_and_replaces_the_config(tmp_path, monkeypatch):
     workdir(tmp_path, monkeypatch)
     bad = tmp_path / "bad.yaml"

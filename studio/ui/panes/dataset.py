@@ -268,10 +268,16 @@ class DatasetPane(Pane, Vertical):
     def _page_label(self) -> None:
         total = self.row_total
         start = self.page * PAGE_SIZE
-        shown = f"{start + 1:,}-{min(start + PAGE_SIZE, total):,}" if total else "0"
-        kept = f" (filter: {total:,} of {len(self.table):,})" if self.matches is not None and self.table else ""
+        end = min(start + PAGE_SIZE, total)
+        if self.matches is not None and self.table is not None:
+            # Counted matches, from 1: their row numbers are in the table's # column.
+            shown = f"matches {start + 1:,}-{end:,}" if total else "no matches"
+            what = f"{shown} of {total:,} (filter, of {len(self.table):,} rows)"
+        else:
+            # Row numbers from 0, as in the # column, the row view, lint and every error message.
+            what = f"rows {start:,}-{end - 1:,} of {total:,}" if total else "no rows"
         label = self.query_one("#dataset-page-label", Static)
-        text = f"rows {shown} of {total:,}{kept} · page {self.page + 1}/{self.page_count}"
+        text = f"{what} · page {self.page + 1}/{self.page_count}"
         # Same length, same size: a repaint of the label, not a re-layout of the whole screen.
         label.update(text, layout=len(text) != len(str(label.content)))
 

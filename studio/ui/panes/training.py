@@ -89,6 +89,10 @@ class TrainingPane(Pane, Vertical):
         self._last_redraw = 0.0
         self._redraw_pending = False
         self._export_line = ""
+        self._asked: tuple[str, str, str] | None = None
+        """(the status it was asked in, what the status line says meanwhile, the action) of a pause,
+        resume or stop sent to the worker and not done yet: it takes effect after the current step,
+        seconds later on a CPU, and the line says so at once."""
         self._allowed: tuple[bool, ...] = ()
         self._lines: dict[str, str] = {}
         """The text each one-line Static shows (see :meth:`_set_line`)."""
@@ -147,6 +151,7 @@ class TrainingPane(Pane, Vertical):
         """Forget the old run; the new run's events will arrive from the start of its log."""
         self.state = TrainingState(run_id=run.id if run else "")
         self._export_line = ""
+        self._asked = None
         self._redraw()
 
     def on_worker_events(self, message: WorkerEvents) -> None:
@@ -201,6 +206,10 @@ class TrainingPane(Pane, Vertical):
                 effective = state.micro_batch_size * state.gradient_accumulation_steps * state.gpus
                 batch += f" × {state.gpus} GPUs = {effective}"
             parts.append(batch)
+        if self._asked is not None and self._asked[0] != state.status:
+            self._asked = None  # done (or overtaken: the run finished or failed meanwhile)
+        if self._asked is not None:
+            parts.append(self._asked[1])
         if state.status == "loading" and state.loading_stage:
             # The stage says what it does ("loading the weights"): the status already said "loading".
             parts.append(f"{state.loading_stage} {state.loading_fraction:.0%}")
@@ -264,6 +273,8 @@ class TrainingPane(Pane, Vertical):
         """Offer only what makes sense now; the footer greys out the rest."""
         status = self.state.status
         active = status in ("training", "loading")
+        if self._asked is not None and self._asked[2] == action and self._asked[0] == status:
+            return None  # asked already: the worker does it after the current step
         if action == "start_training":
             return None if active or status == "paused" else True
         if action == "pause_training":
@@ -303,6 +314,7 @@ class TrainingPane(Pane, Vertical):
         """Pause after the current optimizer step."""
         if self.check_action("pause_training", ()) is True:
             self.host.send_command(ev.Pause())
+            self._ask("pausing after this step…", "pause_training")
 
     def action_resume_training(self) -> None:
         """Continue a paused run; an interrupted or stopped run resumes from its latest checkpoint."""
@@ -310,6 +322,7 @@ class TrainingPane(Pane, Vertical):
             return
         if self.state.status == "paused":
             self.host.send_command(ev.Resume())
+            self._ask("resuming…", "resume_training")
             return
         run = self.host.current_run
         if run is None or run.latest_checkpoint() is None:
@@ -325,7 +338,7 @@ class TrainingPane(Pane, Vertical):
         def answered(yes: bool | None) -> None:
             if yes:
                 self.host.send_command(ev.Stop())
-                self.notify("Stopping after this step; the checkpoint and adapter are being saved.")
+                self._ask("stopping after this step (checkpoint and adapter first)…", "stop_training")
 
         self.app.push_screen(
             ConfirmScreen(f"Stop training run {self.state.run_id} at step {self.state.step}?\n"
@@ -333,6 +346,11 @@ class TrainingPane(Pane, Vertical):
                           yes="Stop training", no="Keep training"),
             answered,
         )
+
+    def _ask(self, saying: str, action: str) -> None:
+        """A command is on its way: say so in the status line now, until the run's status changes."""
+        self._asked = (self.state.status, saying, action)
+        self._redraw()
 
     def action_open_runs(self) -> None:
         """Pick a past run to open, or two to compare."""
