@@ -213,8 +213,10 @@ class TrainingPane(Pane, Vertical):
         if state.status == "loading" and state.loading_stage:
             # The stage says what it does ("loading the weights"): the status already said "loading".
             parts.append(f"{state.loading_stage} {state.loading_fraction:.0%}")
-        if state.status == "no run":
+        if state.status == "no run" and run is None:
             parts = ["no run yet: press s to create one from the current config and train"]
+        elif state.status == "no run":
+            parts = [what, "created (nothing logged yet)"]
         self._set_line("#training-status", " · ".join(parts))
         bar = self.query_one(ProgressBar)
         if state.total_steps:
