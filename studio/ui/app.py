@@ -4,19 +4,18 @@ State lives here and nowhere else: the config being edited, the run being follow
 the token counter. Panes see the app through :class:`studio.ui.host.StudioHost` (which this class
 implements), change state through its methods (``config_edited``, ``select_row``, ``send_command``...)
 and hear about changes through the messages in :mod:`studio.ui.messages`; the app calls a pane only
-through :class:`studio.ui.host.Pane`. Which run is followed, and the one way each is made or opened
-(:meth:`StudioApp.open_run`, :meth:`~StudioApp.pick_run`, :meth:`~StudioApp.run_for_config`,
-:meth:`~StudioApp.start_training`), are decided here too. Anything slow (the worker
+through :class:`studio.ui.host.Pane`. Which run is followed (the newest when Studio opens, a picked
+one, a draft for a preview, the one Start trains) is decided by :mod:`studio.ui.run_choice`, the app
+follows it (:meth:`StudioApp.open_run`). Anything slow (the worker
 socket, the event log, the tokenizer) runs in a thread worker. The link to the run's worker is
 :class:`studio.ui.worker_link.WorkerLink` (``self.link``): the worker's events reach the panes as
 ``WorkerEvents`` messages, batched a few times a second at most, however fast the worker writes them.
 Panes are mounted into :class:`studio.ui.pane_slot.PaneSlot` placeholders after the first frame.
-What is left here (a little over 400 lines) is routing: layout, shared state, focus and the app's actions.
+What is left here is routing: layout, shared state, focus and the app's actions.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 from pathlib import Path
@@ -38,6 +37,7 @@ from studio.ui.frame_timer import FrameTimer
 from studio.ui.host import Pane
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged
 from studio.ui.pane_slot import PaneSlot
+from studio.ui.run_choice import RunChoice
 from studio.ui.widgets.footer import StudioFooter
 from studio.ui.widgets.token_counter import TokenCounter, approximate_counter, load_token_counter
 from studio.ui.worker_link import WorkerLink
@@ -140,9 +140,8 @@ class StudioApp(App[None]):
         """True once the config was edited since it was loaded or saved (the title says so)."""
         self.current_run: RunDir | None = run
         self._follow_latest_run = follow_latest and run is None
-        self._draft: tuple[RunDir, RunConfig] | None = None
-        """The followed run when :meth:`run_for_config` made it and it has not trained, with the
-        config it was made from."""
+        self.runs = RunChoice(self)
+        """Which run is followed, and which one a request about the config goes to."""
         self.counter: TokenCounter = dataclasses.replace(
             approximate_counter(), label="≈ approximate token counts (the tokenizer is loading…)")
         self.selected: tuple[int, dict[str, Any]] | None = None
@@ -195,7 +194,7 @@ class StudioApp(App[None]):
         if self.current_run is not None:
             self.open_run(self.current_run)
         elif self._follow_latest_run:
-            self._follow_latest()
+            self.runs.follow_latest()
 
     def _start_tokenizer(self) -> None:
         if not self._tokenizer_started:
@@ -319,13 +318,10 @@ class StudioApp(App[None]):
         starts its worker when none is alive. The config being edited is left as it is.
 
         The run followed before is let go: its worker is shut down if it never trained (it only
-        answered previews or chat), so that the GPU is free, and a draft of this app that never
-        trained is removed with it (see :meth:`run_for_config`)."""
+        answered previews or chat), so that the GPU is free, and a draft that never trained is
+        removed with it (:mod:`studio.ui.run_choice`)."""
         previous = self.current_run
-        draft = self._draft is not None and previous == self._draft[0] and run != previous
-        self.link.leave(previous, run, discard=draft)
-        if draft:
-            self._draft = None
+        self.link.leave(previous, run, discard=self.runs.leaving(previous, run))
         self.current_run = run
         self.sub_title = self._subtitle()
         for pane in self.panes:
@@ -333,57 +329,22 @@ class StudioApp(App[None]):
         self.link.follow(run, start_worker)
 
     def pick_run(self) -> None:
-        """The run picker: Enter follows the highlighted run (its plots, its chat; the config being
-        edited stays), ``c`` compares two marked runs' curves."""
-        from studio.ui.widgets.run_picker import CompareScreen, PickResult, RunPickerScreen
-
-        def picked(result: PickResult) -> None:
-            if result is None:
-                return
-            kind, value = result
-            if kind == "compare" and isinstance(value, list):
-                self.push_screen(CompareScreen(value))
-            elif kind == "open" and not isinstance(value, list):
-                # A live worker on that run is reconnected when a command needs it; a finished run
-                # needs none until chat asks.
-                self.open_run(value)
-
-        self.push_screen(RunPickerScreen(self.config.output_dir), picked)
+        """The run picker: open a run (follow it) or compare two."""
+        self.runs.pick()
 
     def run_for_config(self) -> RunDir | None:
-        """The run whose worker answers for the config being edited: a zero-shot preview, chat
-        before any run. The followed run when its worker loads the same base model the config names
-        (same model and quantization settings); otherwise a *draft* made from the config, followed
-        from now on with its worker started. :meth:`start_training` trains the draft when the config
-        is still the one it was made from (the model is loaded already); a draft left untrained is
-        removed when another run is followed or Studio quits, so that it never stays listed."""
-        run = self.current_run
-        if run is not None:
-            made_from = self._draft[1] if self._draft and self._draft[0] == run else self._config_of(run)
-            if made_from is not None and (made_from.model, made_from.quantization) == \
-                    (self.config.model, self.config.quantization):
-                return run
-        run = self._new_run()
-        if run is not None:
-            self.open_run(run, start_worker=True)
-            self._draft = (run, copy.deepcopy(self.config))
-        return run
+        """The run whose worker answers for the config being edited (a zero-shot preview, chat
+        before any run): the followed one when it loads the same model, else a draft."""
+        return self.runs.for_config()
 
     def start_training(self) -> RunDir | None:
         """Train the config being edited: in the followed draft when it was made from this very
-        config (a preview or a question loaded its model already), else in a new run. Its worker is
-        started and sent StartTraining; returns the run (None, with a notice, when no run folder can
-        be made)."""
+        config, else in a new run; its worker is started and sent StartTraining."""
         from studio.core import events as ev
 
-        run = self.current_run
-        if run is None or self._draft is None or self._draft != (run, self.config):
-            run = self._new_run()
-            if run is None:
-                return None
-            self.open_run(run, start_worker=True)
-        self._draft = None  # a run now, not a draft: it stays
-        self.send_command(ev.StartTraining())
+        run = self.runs.for_training()
+        if run is not None:
+            self.send_command(ev.StartTraining())
         return run
 
     def send_command(self, command: ev.Command) -> None:
@@ -393,41 +354,6 @@ class StudioApp(App[None]):
             return
         self.link.queue(command)
         self.link.deliver(start=True)
-
-    def _new_run(self) -> RunDir | None:
-        """A new run folder made from the config being edited; None (with a notice) when it cannot
-        be made."""
-        from studio.core.runs import create_run
-
-        try:
-            return create_run(self.config)
-        except OSError as exc:
-            self.notify(f"Cannot create a run directory under {self.config.output_dir}: {exc}",
-                        title="No run made", severity="error", timeout=10)
-            return None
-
-    @staticmethod
-    def _config_of(run: RunDir) -> RunConfig | None:
-        """The config ``run`` was made from (a small YAML file), or None when it cannot be read."""
-        try:
-            return run.config()
-        except (OSError, ValueError):
-            return None
-
-    @work(thread=True, exclusive=True, group="latest-run", exit_on_error=False,
-          description="looking for the latest run")
-    def _follow_latest(self) -> None:
-        """Find the newest run of the runs folder (a directory listing, off the event loop) and
-        follow it, unless a run is followed already."""
-        from studio.core.runs import list_runs
-
-        runs = list_runs(self.config.output_dir)
-        if runs:
-            self.call_from_thread(self._open_latest, runs[0])
-
-    def _open_latest(self, run: RunDir) -> None:
-        if self.current_run is None:
-            self.open_run(run)
 
     # ------------------------------------------------------------------------------ actions
 
@@ -545,6 +471,7 @@ class StudioApp(App[None]):
         self.search_themes()
 
     def on_unmount(self) -> None:
-        if self._draft is not None and self._draft[0] == self.current_run:
-            self.link.retire(self._draft[0], discard=True)  # never trained: it must not stay listed
+        draft = self.runs.draft()
+        if draft is not None:
+            self.link.retire(draft, discard=True)  # never trained: it must not stay listed
         self.link.close()
