@@ -162,3 +162,44 @@ async def test_a_full_fine_tune_config_shows_its_own_estimate_in_the_predicted_c
         assert gauge.predicted["lora"] == 0
         summary = str(app.query_one("#vram-summary").render())
         assert "full fine-tune" in summary and "plain path" in summary
+
+
+@pytest.mark.anyio
+async def test_on_a_cpu_the_gauge_says_what_it_shows_before_and_after_a_run(tmp_path, monkeypatch):
+    """No GPU here: before any run the measured side says why it is empty (not "waiting for the
+    worker" forever); after a CPU run each side names its setup, and the gap is called a difference
+    of setups, not an error of the estimate."""
+    from textual.widgets import Static
+    from ui_helpers import PlayedWorker, panes_mounted
+
+    from studio.core.runs import create_run
+    from studio.ui.app import StudioApp
+
+    monkeypatch.chdir(tmp_path)
+    config = parse_config(LLAMA_CONFIG)
+    app = StudioApp(config, settings=False, initial_pane="vram")
+    worker = PlayedWorker(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await panes_mounted(pilot)
+        await estimated(app, pilot)
+        gauge = app.query_one(BlockGauge)
+
+        def shown() -> str:
+            return "\n".join(line.plain for line in app.query_one(BlockGauge).render().renderables)
+
+        assert "waiting for the worker" not in shown()
+        assert "no GPU on this machine" in shown() and "measures CPU memory" in shown()
+        assert "for L4 24 GB, NF4 weights" in shown()
+        app.open_run(create_run(config))
+        worker.feed([ev.ModelLoaded(base_model="meta-llama/Llama-2-7b-hf", device="cpu", dtype="float32",
+                                    quantization="float32"),
+                     ev.MemorySampled(step=1, device="cpu", categories={"weights": 27 * GB, "lora": GB // 2})])
+        for _ in range(100):
+            if gauge.measured:
+                break
+            await pilot.pause(0.05)
+        await pilot.pause(0.1)
+        text = shown()
+        assert "on CPU, FP32 weights" in text and "for L4 24 GB, NF4 weights" in text
+        assert "different setups" in text and "not the estimate's error" in text
+        assert app.query_one(VramPane).query_one("#vram-summary", Static)  # the estimate is still there

@@ -107,6 +107,49 @@ async def test_panes_are_reachable_by_key_and_mouse(tmp_path, monkeypatch):
         assert app.focused is app.query_one("#dataset-table")
 
 
+async def test_a_text_field_says_how_to_leave_it_and_the_footer_keeps_the_pane_keys(tmp_path, monkeypatch):
+    """Typing in a field, the footer says how to leave it (esc) and how to switch panes from there
+    (alt+digit), and still lists the pane's keys, greyed out; Enter in the VRAM model field leaves
+    it, so the next pane key is a key, not text; esc leaves the chat prompt."""
+    from textual.widgets import Input
+
+    from studio.ui.widgets.footer import StudioFooter
+
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False, initial_pane="vram")
+    async with app.run_test(size=(160, 40)) as pilot:
+        await settle(pilot, rounds=1)
+        footer = app.query_one(StudioFooter)
+
+        def shown() -> dict[str, tuple[str, bool]]:
+            return {e.description: (e.key_display, e.enabled) for e in footer.entries}
+
+        await pilot.pause()
+        assert shown()["Panes"] == ("1…6", True) and "Leave field" not in shown()
+        await pilot.press("m")
+        assert isinstance(app.focused, Input) and app.focused.id == "vram-model"
+        await pilot.pause()
+        assert shown()["Leave field"] == ("esc", True) and footer.entries[0].description == "Leave field"
+        assert shown()["Panes"] == ("alt+1…6", True)
+        assert shown()["Walkthrough"] == ("w", False)  # the field takes w: shown, greyed out
+        assert "Leave field" in footer.render_line(0).text and "alt+1…6 Panes" in footer.render_line(0).text
+        await pilot.press("t", "o", "k", "enter")
+        assert not isinstance(app.focused, Input)
+        await pilot.press("w")  # a key for the pane (this model folder has nothing to walk through)...
+        assert app.query_one("#vram-model", Input).value == "tok"  # ...not text
+        await pilot.press("m")  # and the pane's keys work: m puts the cursor back in the field
+        assert isinstance(app.focused, Input) and app.focused.id == "vram-model"
+        await pilot.press("escape")
+        assert not isinstance(app.focused, Input)
+        await pilot.press("5")
+        await settle(pilot, rounds=1)
+        assert isinstance(app.focused, Input) and app.focused.id == "chat-prompt"
+        await pilot.press("escape")
+        assert not isinstance(app.focused, Input)
+        await pilot.press("1")
+        assert app.query_one("#panes", TabbedContent).active == "dataset"
+
+
 async def test_every_binding_has_an_id_a_description_and_a_palette_entry(tmp_path, monkeypatch):
     workdir(tmp_path, monkeypatch)
     app = StudioApp(make_config(), settings=False)
@@ -233,6 +276,22 @@ async def test_save_config_writes_yaml_that_studio_train_loads(tmp_path, monkeyp
     assert saved.to_yaml() == app.config.to_yaml()
     # `studio train` would find the data from here.
     assert resolve_path(saved.data.path, tmp_path) is not None
+
+
+async def test_the_title_says_edited_only_once_the_config_is_edited(tmp_path, monkeypatch):
+    """The untouched bundled sample is 'sample config', not 'unsaved config'; an edit says so
+    (and how to keep it); a save names the file and clears it."""
+    monkeypatch.chdir(tmp_path)
+    config, path = initial_config(None, None)
+    app = StudioApp(config, path, config_name="sample config", settings=False, initial_pane="template")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, rounds=1)
+        assert app.sub_title.endswith("· sample config") and "unsaved" not in app.sub_title
+        await pilot.press("f8")  # the next template preset: an edit
+        await settle(pilot, rounds=1)
+        assert app.sub_title.endswith("· sample config (edited, ctrl+s saves)")
+        app._save_config(tmp_path / "mine.yaml")
+        assert app.sub_title.endswith(f"· {tmp_path / 'mine.yaml'}")
 
 
 async def test_load_config_reports_errors_and_replaces_the_config(tmp_path, monkeypatch):

@@ -39,7 +39,7 @@ async def test_open_page_filter_and_read_a_row(tmp_path, monkeypatch):
         assert app.config.data.path == "rows.jsonl"
         assert table_ids(app) == list(range(PAGE_SIZE))
         label = str(app.query_one("#dataset-page-label", Static).render())
-        assert "rows 1-100 of 250" in label and "page 1/3" in label
+        assert "rows 0-99 of 250" in label and "page 1/3" in label
 
         # Page forward twice (the last page is partial) and back once.
         app.query_one("#dataset-table").focus()
@@ -47,19 +47,24 @@ async def test_open_page_filter_and_read_a_row(tmp_path, monkeypatch):
         assert table_ids(app) == list(range(200, 250))
         await pilot.press("left_square_bracket")
         assert table_ids(app) == list(range(100, 200))
+        # The label, the # column and the row view number rows alike (from 0, as lint and errors do).
+        await pilot.pause(0.2)
+        assert "rows 100-199 of 250" in str(app.query_one("#dataset-page-label", Static).render())
+        assert str(app.query_one("#dataset-row", Static).render()).startswith("row 100\n")
 
         # Filter: "/" focuses the box; the table keeps only matching rows.
         await pilot.press("slash", *"number 12", "enter")
         await settle(pilot)
         expected = [i for i in range(250) if "number 12" in f"Reverse the word number {i}."]
         assert table_ids(app) == expected
-        assert f"filter: {len(expected)} of 250" in str(app.query_one("#dataset-page-label", Static).render())
+        assert f"matches 1-{len(expected)} of {len(expected)} (filter, of 250 rows)" in str(
+            app.query_one("#dataset-page-label", Static).render())
 
         # A column filter searches that column only.
         app.query_one("#dataset-filter", Input).value = "output:drow"
         await settle(pilot)
         # every row but the empty one and the long one
-        assert "filter: 248 of 250" in str(app.query_one("#dataset-page-label", Static).render())
+        assert "of 248 (filter, of 250 rows)" in str(app.query_one("#dataset-page-label", Static).render())
         assert 7 not in table_ids(app) and 20 not in table_ids(app)
 
         # Open a row: the row view shows its full text, newlines and all.

@@ -108,3 +108,59 @@ async def test_no_runs_says_how_to_make_one(tmp_path):
         await pilot.press("o")
         await pilot.pause(0.3)
         assert "No runs" in str(app.screen.query_one("#runs-hint").render())
+
+
+@pytest.mark.parametrize("key", ["o", "ctrl+r"])
+async def test_the_picker_opens_a_run_the_same_way_from_every_key(tmp_path, key):
+    """The training pane's o and the app's ctrl+r are one picker: Enter follows the run (its plots
+    redrawn from its log) and leaves the config being edited, and where Save writes, as they were."""
+    config, finished, short = two_runs(tmp_path)
+    config.name, config.trainer.learning_rate = "being edited", 3e-5
+    app, worker = studio(config)
+    async with app.run_test(size=(120, 34)) as pilot:
+        await panes_mounted(pilot)
+        app.query_one(TrainingPane).focus()
+        await pilot.press(key)
+        table = app.screen.query_one("#runs-table")
+        await wait_for_rows(pilot, table, 2)
+        table.move_cursor(row=[table.get_row_at(i)[1] for i in range(2)].index(finished.id))
+        await pilot.press("enter")
+        await pilot.pause()
+        assert worker.opened == [(finished, False)] and app.current_run == finished
+        assert app.config is config and app.config.name == "being edited" and app.config_path is None
+        pane = app.query_one(TrainingPane)
+        for _ in range(100):
+            if pane.state.step == RECORDED_STEPS:
+                break
+            await pilot.pause(0.05)
+        assert pane.state.loss.steps[0] == 1 and pane.state.step == RECORDED_STEPS
+
+
+async def test_reopening_studio_follows_the_latest_run_in_training_and_chat(tmp_path):
+    """`studio` again after quitting: the newest run of the runs folder is back in the training pane
+    (its curves redrawn from events.jsonl) and the chat pane, not "no run yet"."""
+    from ui_helpers import fixed_run
+
+    from studio.ui.panes.chat import ChatPane
+
+    config = RunConfig(output_dir=str(tmp_path / "runs"))
+    fixed_run(tmp_path / "runs", "20260101-090000-older", config)
+    latest = fixed_run(tmp_path / "runs", "20260102-090000-latest", config)
+    shutil.copy(RECORDED, latest.events_path)
+    app = StudioApp(config, settings=False, initial_pane="training", follow_latest=True)
+    worker = PlayedWorker(app)
+    async with app.run_test(size=(120, 34)) as pilot:
+        await panes_mounted(pilot)
+        pane = app.query_one(TrainingPane)
+        for _ in range(200):
+            if pane.state.step == RECORDED_STEPS and pane.redraws and app.current_run == latest:
+                break
+            await pilot.pause(0.05)
+        await pilot.pause(0.3)
+        assert app.current_run == latest and worker.opened == [(latest, False)]  # no worker started
+        status = str(app.query_one("#training-status").render())
+        assert "no run yet" not in status and "finished" in status
+        assert pane.state.loss.steps[0] == 1 and len(pane.state.loss.steps) == RECORDED_STEPS
+        assert app.query_one(LossPlot).points_drawn > 0
+        assert latest.id in str(app.query_one(ChatPane).query_one("#chat-status").render())
+        assert latest.id in app.sub_title

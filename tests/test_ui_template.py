@@ -6,7 +6,7 @@ import re
 
 import pytest
 from textual.widgets import Select, Static
-from ui_helpers import PlayedWorker, events_drawn, make_config, settle, workdir
+from ui_helpers import PlayedWorker, events_drawn, make_config, panes_mounted, settle, workdir
 
 from studio.core import events as ev
 from studio.core import prompt as prompts
@@ -202,3 +202,106 @@ async def test_zero_shot_shows_a_warning_as_a_note_and_keeps_the_answer(tmp_path
         worker.feed([ev.WorkerFailed(kind="oom", message="out of memory")])
         await events_drawn(pilot)
         assert "the worker failed" in str(app.query_one("#template-zero-label", Static).render())
+
+
+async def wait_for(pilot, condition, what: str, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await pilot.pause(0.05)
+
+
+async def test_start_after_a_preview_trains_the_run_the_preview_made(tmp_path, monkeypatch):
+    """ctrl+g makes a draft run for the config (its worker loads the model); Start then trains that
+    same run: one run folder, the one the person has been looking at, not a second one."""
+    from studio.core.runs import list_runs
+    from studio.ui.panes.training import TrainingPane
+
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    worker = PlayedWorker(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2", "ctrl+g")
+        (draft, started), = worker.opened
+        assert started and isinstance(worker.sent[-1], ev.Generate)
+        await pilot.press("4")
+        app.query_one(TrainingPane).focus()
+        await pilot.press("s")
+        await pilot.pause()
+        assert isinstance(worker.sent[-1], ev.StartTraining)
+        assert worker.opened == [(draft, True)] and app.current_run == draft
+        assert list_runs("runs") == [draft]
+        assert draft.id in str(app.query_one("#training-status").render())
+    assert list_runs("runs") == [draft]  # trained: it stays when Studio quits
+
+
+async def test_a_draft_is_removed_when_start_trains_an_edited_config_or_studio_quits(tmp_path, monkeypatch):
+    """A draft made for a config that was edited since is not what Start trains: Start makes a new
+    run from the config as it is now and the draft goes; a draft never trained goes when Studio
+    quits. Neither stays listed as "created 0"."""
+    from studio.core.runs import list_runs
+    from studio.ui.panes.training import TrainingPane
+
+    workdir(tmp_path, monkeypatch)
+    app = StudioApp(make_config(), settings=False)
+    worker = PlayedWorker(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2", "ctrl+g")
+        (draft, _), = worker.opened
+        app.config.trainer.learning_rate /= 2
+        app.config_edited("trainer")
+        await pilot.press("4")
+        app.query_one(TrainingPane).focus()
+        await pilot.press("s")
+        await pilot.pause()
+        (_, _), (run, started) = worker.opened
+        assert started and run != draft and isinstance(worker.sent[-1], ev.StartTraining)
+        assert run.config().trainer.learning_rate == app.config.trainer.learning_rate
+        await wait_for(pilot, lambda: not draft.path.exists(), "the draft's removal")
+        assert list_runs("runs") == [run]
+    app = StudioApp(make_config(), settings=False, initial_pane="template")
+    worker = PlayedWorker(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+g")
+        (draft, _), = worker.opened
+        assert draft.path.exists()
+    for _ in range(100):
+        if not draft.path.exists():
+            break
+        await anyio_sleep(0.05)
+    assert list_runs("runs") == [run]
+
+
+async def anyio_sleep(seconds: float) -> None:
+    import anyio
+
+    await anyio.sleep(seconds)
+
+
+async def test_a_preview_uses_the_followed_run_when_it_loads_the_same_model(tmp_path, monkeypatch):
+    """With a run followed (the newest, reopened) whose worker loads the config's model, the preview
+    asks that run's worker: nothing new is made. Another model in the config needs a draft."""
+    from ui_helpers import fixed_run
+
+    workdir(tmp_path, monkeypatch)
+    config = make_config()
+    finished = fixed_run(tmp_path / "runs", "20260101-090000-finished", make_config())
+    app = StudioApp(config, run=finished, settings=False, initial_pane="template")
+    worker = PlayedWorker(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await panes_mounted(pilot)  # (the run's event follower is a thread that never idles)
+        await pilot.pause(0.3)
+        await pilot.press("ctrl+g")
+        assert app.current_run == finished and isinstance(worker.sent[-1], ev.Generate)
+        assert worker.opened == [(finished, False)]  # followed from the start; no worker asked of it yet
+        config.model.base_model = "another-model"
+        app.config_edited("model")
+        await pilot.press("ctrl+g")
+        (draft, started), = worker.opened[1:]
+        assert started and draft != finished and app.current_run == draft
+        assert draft.config().model.base_model == "another-model"

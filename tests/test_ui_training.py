@@ -123,6 +123,32 @@ async def test_pause_resume_and_stop_with_confirmation(tmp_path):
         assert isinstance(worker.sent[-1], ev.Stop)
 
 
+async def test_pause_and_stop_say_so_at_once_until_the_step_ends(tmp_path):
+    """The worker pauses or stops after the current step (seconds on a CPU): the status line says
+    so the moment the key is pressed, and Pause is not offered twice meanwhile."""
+    from textual.widgets import Button
+
+    app, worker = harness(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        (await pane_ready(pilot)).focus()
+        worker.feed([ev.RunStarted(total_steps=10), ev.StepLogged(step=1, total_steps=10, loss=2.0)])
+        await events_drawn(pilot)
+        await pilot.press("p")
+        assert "pausing after this step" in text_of(app, "#training-status")
+        assert app.query_one("#training-pause", Button).disabled
+        await pilot.press("p")
+        assert sum(isinstance(c, ev.Pause) for c in worker.sent) == 1
+        worker.feed([ev.TrainingPaused(step=1)])
+        await events_drawn(pilot)
+        status = text_of(app, "#training-status")
+        assert "paused" in status and "pausing" not in status
+        await pilot.press("x", "y")
+        assert "stopping after this step" in text_of(app, "#training-status")
+        worker.feed([ev.TrainingFinished(step=1, stopped=True)])
+        await events_drawn(pilot)
+        assert "stopping" not in text_of(app, "#training-status")
+
+
 async def test_failures_are_shown_in_place_and_the_ui_stays(tmp_path):
     app, worker = harness(tmp_path)
     async with app.run_test(size=SIZE) as pilot:

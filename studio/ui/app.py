@@ -3,12 +3,15 @@
 State lives here and nowhere else: the config being edited, the run being followed, the selected row,
 the token counter. Panes see the app through :class:`studio.ui.host.StudioHost` (which this class
 implements), change state through its methods (``config_edited``, ``select_row``, ``send_command``...)
-and hear about changes through the messages in :mod:`studio.ui.messages`. Anything slow (the worker
+and hear about changes through the messages in :mod:`studio.ui.messages`; the app calls a pane only
+through :class:`studio.ui.host.Pane`. Which run is followed (the newest when Studio opens, a picked
+one, a draft for a preview, the one Start trains) is decided by :mod:`studio.ui.run_choice`, the app
+follows it (:meth:`StudioApp.open_run`). Anything slow (the worker
 socket, the event log, the tokenizer) runs in a thread worker. The link to the run's worker is
 :class:`studio.ui.worker_link.WorkerLink` (``self.link``): the worker's events reach the panes as
 ``WorkerEvents`` messages, batched a few times a second at most, however fast the worker writes them.
 Panes are mounted into :class:`studio.ui.pane_slot.PaneSlot` placeholders after the first frame.
-What is left here (a little over 400 lines) is routing: layout, shared state, focus and the app's actions.
+What is left here is routing: layout, shared state, focus and the app's actions.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from textual.widgets import Header, TabbedContent, TabPane, Tabs
 from studio.core.config import RunConfig
 from studio.ui import theme as themes
 from studio.ui.frame_timer import FrameTimer
+from studio.ui.host import Pane
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged
 from studio.ui.pane_slot import PaneSlot
+from studio.ui.run_choice import RunChoice
 from studio.ui.widgets.footer import StudioFooter
 from studio.ui.widgets.token_counter import TokenCounter, approximate_counter, load_token_counter
 from studio.ui.worker_link import WorkerLink
@@ -116,9 +121,13 @@ class StudioApp(App[None]):
     ]
 
     def __init__(self, config: RunConfig, config_path: Path | None = None, run: RunDir | None = None,
-                 *, initial_pane: str | None = None, settings: bool = True, freeze_gc: bool = False) -> None:
+                 *, initial_pane: str | None = None, follow_latest: bool = False, config_name: str = "new config",
+                 settings: bool = True, freeze_gc: bool = False) -> None:
         """``config`` is edited in place; ``config_path`` is where Save writes (asks when None);
-        ``run`` is followed from the start; ``initial_pane`` is the tab shown first (``chat``...).
+        ``run`` is followed from the start; else, with ``follow_latest``, the newest run of the
+        config's runs folder (the ``studio`` command: a run survives quitting, and opening Studio
+        again shows it). ``initial_pane`` is the tab shown first (``chat``...). ``config_name``
+        names a config that has no file yet in the title (``sample config``).
         ``settings`` False neither reads nor saves the theme choice (tests and snapshots).
         ``freeze_gc`` moves everything alive once the panes are mounted out of the garbage
         collector's sight (the ``studio`` command does; a test process running many apps must not)."""
@@ -126,7 +135,13 @@ class StudioApp(App[None]):
         self.initial_pane = initial_pane
         self.config = config
         self.config_path = config_path
+        self.config_name = config_name
+        self.unsaved_edits = False
+        """True once the config was edited since it was loaded or saved (the title says so)."""
         self.current_run: RunDir | None = run
+        self._follow_latest_run = follow_latest and run is None
+        self.runs = RunChoice(self)
+        """Which run is followed, and which one a request about the config goes to."""
         self.counter: TokenCounter = dataclasses.replace(
             approximate_counter(), label="≈ approximate token counts (the tokenizer is loading…)")
         self.selected: tuple[int, dict[str, Any]] | None = None
@@ -162,9 +177,10 @@ class StudioApp(App[None]):
             # first): they cost nothing before the person sees the app.
             for n, (tab, title, module, cls) in enumerate(PANES, start=1):
                 with TabPane(f"{n} {title}", id=tab):
-                    yield PaneSlot(tab, title, module, cls, first=tab == initial)
-            with TabPane("6 Config", id="config"):
-                yield PaneSlot(*CONFIG_PANE, first=initial == "config")
+                    yield PaneSlot(tab, module, cls, first=tab == initial)
+            tab, _, module, cls = CONFIG_PANE
+            with TabPane("6 Config", id=tab):
+                yield PaneSlot(tab, module, cls, first=initial == tab)
         yield StudioFooter()
 
     def on_mount(self) -> None:
@@ -177,6 +193,8 @@ class StudioApp(App[None]):
         self.set_timer(1.0, self._start_tokenizer)
         if self.current_run is not None:
             self.open_run(self.current_run)
+        elif self._follow_latest_run:
+            self.runs.follow_latest()
 
     def _start_tokenizer(self) -> None:
         if not self._tokenizer_started:
@@ -210,7 +228,9 @@ class StudioApp(App[None]):
             themes.save_theme_choice(theme.name)
 
     def _subtitle(self) -> str:
-        where = str(self.config_path) if self.config_path else "unsaved config"
+        where = str(self.config_path) if self.config_path else self.config_name
+        if self.unsaved_edits:
+            where += " (edited, ctrl+s saves)"
         run = f" · run {self.current_run.id}" if self.current_run else ""
         return f"{self.config.model.base_model} · {where}{run}"
 
@@ -225,16 +245,21 @@ class StudioApp(App[None]):
             return None
 
     @property
-    def panes(self) -> list[Widget]:
-        """The mounted panes (and the config editor), in tab order. A pane still waiting to mount is
-        left out: it reads the app's state when it mounts."""
-        found = []
-        for tab in [*(tab for tab, *_ in PANES), "config"]:
-            try:
-                found.append(self.query_one(f"#pane-{tab}"))
-            except NoMatches:
-                pass
-        return found
+    def panes(self) -> list[Pane]:
+        """The mounted panes (and the config editor), in tab order, whatever screen is on top (a
+        dialog). A pane still mounting is left out (its widgets may not exist yet): it reads the
+        app's state when it mounts."""
+        if not self.screen_stack:
+            return []
+        return [w for w in self.screen_stack[0].query("PaneSlot > *") if isinstance(w, Pane) and w.is_mounted]
+
+    def pane(self, tab: str) -> Pane | None:
+        """Pane ``tab`` (``dataset``... ``config``), or None while it has not mounted yet."""
+        try:
+            found = self.screen_stack[0].query_one(f"#pane-{tab}") if self.screen_stack else None
+        except NoMatches:
+            return None
+        return found if isinstance(found, Pane) else None
 
     def _broadcast(self, make: Any, origin: Widget | None = None) -> None:
         """Post a fresh message from ``make()`` to every pane but ``origin``."""
@@ -247,16 +272,19 @@ class StudioApp(App[None]):
     def config_edited(self, section: str = "all", origin: Widget | None = None) -> None:
         """A pane changed ``self.config`` in place: tell the others (and reload the tokenizer when
         the model changed)."""
+        self.unsaved_edits = True
         self.sub_title = self._subtitle()
         self._broadcast(lambda: ConfigChanged(section), origin)
         if section in ("model", "all"):
             self.load_tokenizer()
 
     def replace_config(self, config: RunConfig, path: Path | None = None) -> None:
-        """Edit ``config`` from now on (a loaded file, a run's config)."""
+        """Edit ``config`` from now on (a loaded file)."""
         self.config = config
         self.config_path = path
         self.config_edited("all")
+        self.unsaved_edits = False
+        self.sub_title = self._subtitle()
 
     def select_row(self, index: int, row: dict[str, Any], origin: Widget | None = None) -> None:
         """The dataset browser moved to row ``index``; previews follow it."""
@@ -282,40 +310,50 @@ class StudioApp(App[None]):
         self.counter = counter
         self._broadcast(TokenizerChanged)
 
-    # ------------------------------------------------------------------------ the worker
+    # ------------------------------------------------------------------------ the run
 
     def open_run(self, run: RunDir | None, start_worker: bool = False) -> None:
-        """Follow ``run`` from now on: panes forget the old run (``reset_run``), its events replay
-        from the start of its log and then arrive live. ``start_worker`` starts its worker when none
-        is alive. A previous run's worker that never trained (a preview) is shut down, so that the
-        GPU is free for the new one."""
-        self.link.leave(self.current_run, run)
+        """Follow ``run`` from now on: every pane forgets the old run (:meth:`Pane.reset_run`), and
+        the new run's events replay from the start of its log, then arrive live. ``start_worker``
+        starts its worker when none is alive. The config being edited is left as it is.
+
+        The run followed before is let go: its worker is shut down if it never trained (it only
+        answered previews or chat), so that the GPU is free, and a draft that never trained is
+        removed with it (:mod:`studio.ui.run_choice`)."""
+        previous = self.current_run
+        self.link.leave(previous, run, discard=self.runs.leaving(previous, run))
         self.current_run = run
         self.sub_title = self._subtitle()
         for pane in self.panes:
-            reset = getattr(pane, "reset_run", None)
-            if reset is not None:
-                reset(run)
+            pane.reset_run(run)
         self.link.follow(run, start_worker)
 
+    def pick_run(self) -> None:
+        """The run picker: open a run (follow it) or compare two."""
+        self.runs.pick()
+
+    def run_for_config(self) -> RunDir | None:
+        """The run whose worker answers for the config being edited (a zero-shot preview, chat
+        before any run): the followed one when it loads the same model, else a draft."""
+        return self.runs.for_config()
+
+    def start_training(self) -> RunDir | None:
+        """Train the config being edited: in the followed draft when it was made from this very
+        config, else in a new run; its worker is started and sent StartTraining."""
+        from studio.core import events as ev
+
+        run = self.runs.for_training()
+        if run is not None:
+            self.send_command(ev.StartTraining())
+        return run
+
     def send_command(self, command: ev.Command) -> None:
-        """Send ``command`` to the current run's worker (from a thread; queued until connected).
-
-        With no run yet, one is made from the config and its worker started.
-        """
-        from studio.core.runs import create_run
-
+        """Send ``command`` to the current run's worker, starting it when none is alive (from a
+        thread; queued until connected). With no run, to :meth:`run_for_config`'s."""
+        if self.current_run is None and self.run_for_config() is None:
+            return
         self.link.queue(command)
-        if self.current_run is None:
-            try:
-                run = create_run(self.config)
-            except OSError as exc:
-                self.notify(f"Cannot create a run directory under {self.config.output_dir}: {exc}",
-                            severity="error")
-                return
-            self.open_run(run, start_worker=True)
-        else:
-            self.link.deliver(start=True)
+        self.link.deliver(start=True)
 
     # ------------------------------------------------------------------------------ actions
 
@@ -331,25 +369,22 @@ class StudioApp(App[None]):
             self._focus_pane(event.pane.id)
 
     def action_leave_editor(self) -> None:
-        """Leave a text editor for its pane's main widget (digits switch panes again)."""
-        self._focus_pane(self.query_one("#panes", TabbedContent).active)
+        """Leave a text field for a widget of its pane where keys are keys (digits switch panes
+        again): the pane's main widget, unless that is the field itself (the chat prompt)."""
+        pane = self.pane(self.query_one("#panes", TabbedContent).active)
+        if pane is None:
+            return
+        widget = pane.focus_target()
+        if widget is None or widget.check_consume_key("a", "a"):
+            widget = pane.key_target()
+        self.set_focus(widget)
 
     def _focus_pane(self, tab: str, now: bool = False) -> None:
         """Focus pane ``tab``'s main widget; ``now`` sets it at once instead of after the queue."""
-        try:
-            pane = self.query_one(f"#pane-{tab}")
-        except NoMatches:
+        pane = self.pane(tab)
+        if pane is None:
             return  # still mounting: it takes focus when it arrives (pane_mounted)
-        target = getattr(pane, "focus_target", None)
-        widget = target() if callable(target) else None
-        if widget is None and pane.focusable:
-            widget = pane
-        if widget is None:
-            # Not a text field: there, digits would be typed instead of switching panes.
-            from textual.widgets import Input, Select, TextArea
-
-            typing = (Input, TextArea, Select)
-            widget = next((w for w in pane.query("*") if w.focusable and not isinstance(w, typing)), None)
+        widget = pane.focus_target()
         if widget is None:
             self.set_focus(None)
         elif now:
@@ -368,11 +403,9 @@ class StudioApp(App[None]):
         for slot in self.query(PaneSlot):
             if slot.spec[0] == tab:
                 await slot.fill()
-        try:
-            pane = self.query_one(f"#pane-{tab}")
-        except NoMatches:
-            return  # a missing pane module: its notice is shown instead
-        await self.run_action(action, pane)
+        pane = self.pane(tab)
+        if pane is not None:
+            await self.run_action(action, pane)
 
     def action_save_config(self) -> None:
         """Save the config as YAML; asks where the first time."""
@@ -395,6 +428,7 @@ class StudioApp(App[None]):
             self.notify(f"{path}: cannot write ({exc.strerror}); pick another folder", severity="error")
             return
         self.config_path = path
+        self.unsaved_edits = False
         self.sub_title = self._subtitle()
         self.notify(f"Saved {path}; train it with: studio train {path}", title="Config saved")
 
@@ -418,7 +452,7 @@ class StudioApp(App[None]):
         self.push_screen(PathDialog("Load a config", str(self.config_path or ""), must_exist=True), load)
 
     def action_start_training(self) -> None:
-        """Train the current config: the training pane creates the run and its background worker."""
+        """Train the current config (the training pane's Start: it shows the run from then on)."""
         editor = self.config_editor()
         if editor is not None and not editor.apply():
             return
@@ -429,31 +463,15 @@ class StudioApp(App[None]):
         self.call_next(self.run_pane_action, "training", "stop_training")
 
     def action_open_run(self) -> None:
-        """Pick a run from the output folder and follow it (plots, chat, its config)."""
-        from studio.ui.widgets.run_picker import RunPickerScreen
-
-        def picked(result: Any) -> None:
-            if not result:
-                return
-            kind, value = result
-            if kind == "compare":
-                from studio.ui.widgets.run_picker import CompareScreen
-
-                self.push_screen(CompareScreen(value))
-                return
-            try:
-                config = value.config()
-            except ValueError as exc:
-                self.notify(str(exc), title="Run config unreadable", severity="error")
-                return
-            self.replace_config(config, value.config_path)
-            self.open_run(value)
-
-        self.push_screen(RunPickerScreen(self.config.output_dir), picked)
+        """Pick a run from the runs folder and follow it (plots, chat), or compare two."""
+        self.pick_run()
 
     def action_change_theme(self) -> None:
         """Pick a theme (the choice is remembered)."""
         self.search_themes()
 
     def on_unmount(self) -> None:
+        draft = self.runs.draft()
+        if draft is not None:
+            self.link.retire(draft, discard=True)  # never trained: it must not stay listed
         self.link.close()

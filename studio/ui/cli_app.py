@@ -2,7 +2,8 @@
 
 With no arguments it opens on the bundled sample config and data with the default model, so a first
 run shows something real at once. ``--config`` edits a file (Save writes it back), ``--data`` opens
-another dataset, a run reference follows that run.
+another dataset, a run reference follows that run; without one, the newest run of the runs folder
+is followed (plots redrawn from its log), as `studio attach` does.
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ def main(args: argparse.Namespace) -> int:
     run = None
     ref = getattr(args, "run", None)
     runs_dir = getattr(args, "runs_dir", "runs")
+    name = "sample config"
     try:
         if ref is not None or getattr(args, "pane", None) == "chat":
             from studio.core.runs import find_run
 
             run = find_run(ref, runs_dir)
             config, path = run.config(), None
+            name = f"config of run {run.id}"
         else:
             config, path = initial_config(getattr(args, "config", None), getattr(args, "data", None))
     except (ConfigError, FileNotFoundError) as exc:
@@ -64,7 +67,9 @@ def main(args: argparse.Namespace) -> int:
 
     from studio.ui.app import StudioApp
 
-    app = StudioApp(config, path, run, initial_pane=getattr(args, "pane", None), freeze_gc=True)
+    # With no run named, the newest run of the runs folder is followed: a run outlives the UI.
+    app = StudioApp(config, path, run, initial_pane=getattr(args, "pane", None), follow_latest=True,
+                    config_name=name, freeze_gc=True)
     gc.freeze()  # the imported modules live as long as the process: no collection need walk them
     app.run()
     return 0

@@ -1,13 +1,12 @@
 """The command palette (ctrl+p): every action a key can do, and the ones without a key.
 
 Entries are gathered, not listed by hand, so a new key binding shows up here by itself: the app's
-bindings, every pane's bindings (run on that pane, after bringing it to the front), the palette lists
-the part-2 panes publish (``TRAINING_COMMANDS``, ``CHAT_COMMANDS``), and one entry a theme.
+bindings, every pane's bindings (run on that pane, after bringing it to the front; a binding's
+tooltip is its help line), and one entry a theme.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -30,7 +29,8 @@ class PaletteEntry:
 
 def palette_entries(app: StudioApp) -> list[PaletteEntry]:
     """Every action of the app and its panes, each once."""
-    from studio.ui.app import PANES
+    from studio.ui.app import CONFIG_PANE, PANES
+    from studio.ui.pane_slot import pane_class
 
     entries: list[PaletteEntry] = []
     seen: set[tuple[str, str]] = set()
@@ -44,38 +44,21 @@ def palette_entries(app: StudioApp) -> list[PaletteEntry]:
         help_text = binding.tooltip or f"key: {binding.key.split(',')[0]}"
         run = partial(app.call_next, app.run_action, binding.action)
         add("app", binding.action, binding.description, help_text, run)
-    from studio.ui.widgets.config_editor import ConfigEditor
-
-    tabs = [(tab, title, module, cls) for tab, title, module, cls in PANES]
-    for tab, title, module, cls in [*tabs, ("config", "Config", None, None)]:
+    for tab, title, module, cls in [*PANES, CONFIG_PANE]:
         # The pane's class, not the pane: hidden panes are mounted a moment after start.
-        pane_class = getattr(_loaded(module), cls, None) if module else ConfigEditor
-        pane_title = title
+        bindings = pane_class(module, cls).BINDINGS
 
         def on_pane(action: str, tab: str = tab) -> None:
             app.call_next(app.run_pane_action, tab, action)
 
-        for binding in getattr(pane_class, "BINDINGS", []):
-            if not hasattr(binding, "action"):
-                continue
-            help_text = binding.tooltip or f"{pane_title} pane, key: {binding.key.split(',')[0]}"
-            add(tab, binding.action, f"{pane_title}: {binding.description}", help_text,
+        for binding in bindings:
+            help_text = binding.tooltip or f"{title} pane, key: {binding.key.split(',')[0]}"
+            add(tab, binding.action, f"{title}: {binding.description}", help_text,
                 partial(on_pane, binding.action))
-        listed = getattr(_loaded(module), f"{module.upper()}_COMMANDS", []) if module else []
-        for entry_title, help_text, action in listed:
-            add(tab, action, entry_title, help_text, partial(on_pane, action))
     for name in sorted(app.available_themes):
         add("theme", name, f"Theme: {name}", "Switch the colour theme (remembered next time)",
             partial(setattr, app, "theme", name))
     return entries
-
-
-def _loaded(module: str) -> object | None:
-    """A pane module if it exists (imported already by the app)."""
-    try:
-        return importlib.import_module(f"studio.ui.panes.{module}")
-    except ModuleNotFoundError:
-        return None
 
 
 class StudioCommands(Provider):

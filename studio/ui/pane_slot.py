@@ -10,25 +10,25 @@ import asyncio
 import importlib
 
 from textual.containers import Container
-from textual.widget import Widget
-from textual.widgets import Static
+
+from studio.ui.host import Pane
 
 HIDDEN_PANES_DELAY_S = 0.6
 """Hidden panes are imported and mounted this long after start: after the shown pane is painted."""
 
 
-def make_pane(tab: str, title: str, module: str, cls: str) -> Widget:
-    """The pane, or a notice while its module has not been written yet. ``module`` is a module of
-    studio/ui/panes, or a full dotted path."""
+def pane_class(module: str, cls: str) -> type[Pane]:
+    """Class ``cls`` of ``module`` (a module of studio/ui/panes, or a full dotted path), imported."""
     name = module if "." in module else f"studio.ui.panes.{module}"
-    try:
-        pane_module = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        return Static(f"The {title} pane is not available in this build.", id=f"pane-{tab}",
-                      classes="missing-pane")
-    return getattr(pane_module, cls)(id=f"pane-{tab}")
+    found = getattr(importlib.import_module(name), cls)
+    if not issubclass(found, Pane):
+        raise TypeError(f"{name}.{cls} is not a studio.ui.host.Pane")
+    return found
+
+
+def make_pane(tab: str, module: str, cls: str) -> Pane:
+    """Pane ``tab``, an instance of :func:`pane_class`."""
+    return pane_class(module, cls)(id=f"pane-{tab}")
 
 
 class PaneSlot(Container):
@@ -40,9 +40,11 @@ class PaneSlot(Container):
 
     DEFAULT_CSS = "PaneSlot { height: 1fr; }"
 
-    def __init__(self, tab: str, title: str, module: str, cls: str, first: bool = False) -> None:
+    def __init__(self, tab: str, module: str, cls: str, first: bool = False) -> None:
+        """Pane ``tab`` will be class ``cls`` of ``module`` (see :func:`make_pane`); ``first``: it is
+        the shown one, mounted right after the first frame."""
         super().__init__()
-        self.spec = (tab, title, module, cls)
+        self.spec = (tab, module, cls)
         self.first = first
         self.filled = False
         self._mounted = asyncio.Event()

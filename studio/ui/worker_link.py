@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -55,11 +56,12 @@ class WorkerLink:
         """Begin posting events to the panes (called once the app is mounted)."""
         self._app.set_interval(EVENT_FLUSH_S, self.flush)
 
-    def leave(self, previous: RunDir | None, run: RunDir | None) -> None:
+    def leave(self, previous: RunDir | None, run: RunDir | None, discard: bool = False) -> None:
         """Stop following ``previous`` before ``run`` is followed: its follower closes, queued events
-        are forgotten, and its worker is shut down if it only served previews."""
+        are forgotten, and its worker is shut down if it only served previews (``discard``: and its
+        folder removed, see :meth:`retire`)."""
         if previous is not None and previous != run:
-            self._retire(previous)
+            self.retire(previous, discard)
         if self._follower is not None:
             self._follower.close()
         self._client = None
@@ -126,28 +128,13 @@ class WorkerLink:
             if self.outbox.empty():
                 return
 
-    def _retire(self, run: RunDir) -> None:
-        """Shut down ``run``'s worker if it only served previews (it never started training)."""
-        from studio.core import events as ev
-        from studio.core.runs import iter_events
-
-        if run.worker_pid() is None or any(isinstance(e, ev.RunStarted) for e in iter_events(run.events_path)):
-            return
-        client = self._client if self._client is not None and self._client.run == run else None
-
-        def shutdown() -> None:
-            from studio.worker.client import WorkerClient
-
-            try:
-                sender = client or WorkerClient(run)
-                if not sender.connected:
-                    sender.connect(timeout=5)
-                sender.send(ev.Shutdown())
-                sender.close()
-            except Exception:  # best effort: a worker that is already gone needs no shutdown
-                pass
-
-        threading.Thread(target=shutdown, name="studio-retire-worker", daemon=True).start()
+    def retire(self, run: RunDir, discard: bool = False) -> None:
+        """In a thread: shut ``run``'s worker down if the run never trained (it only answered previews
+        or chat), so that the GPU is free; with ``discard``, also remove the run's folder once no
+        worker is left in it, unless it holds something (training, held-out results). The thread is
+        not a daemon when it discards: quitting Studio waits the moment it takes."""
+        threading.Thread(target=partial(_retire, run, discard), name="studio-retire-worker",
+                         daemon=not discard).start()
 
     def _follow_events(self, run: RunDir) -> None:
         """Read the run's events (history, then live) into :attr:`events`, which :meth:`flush`
@@ -200,3 +187,41 @@ class WorkerLink:
         for client in (self._follower, self._client):
             if client is not None:
                 client.close()
+
+
+RETIRE_WAIT_S = 10.0
+"""How long a discarded run's worker is given to exit after Shutdown before its folder is left alone."""
+
+
+def _retire(run: RunDir, discard: bool) -> None:
+    """Shut down ``run``'s worker if the run never trained; with ``discard``, remove its folder once
+    the worker is gone (see :meth:`WorkerLink.retire`)."""
+    import shutil
+
+    from studio.core import events as ev
+    from studio.core.runs import iter_events
+    from studio.worker.client import WorkerClient
+
+    def holds_results() -> bool:
+        return (run.path / "eval.json").exists() or any(
+            isinstance(e, ev.RunStarted) for e in iter_events(run.events_path))
+
+    if holds_results():
+        return
+    if run.worker_pid() is not None:
+        try:
+            # A connection of its own: the link's client may be closing meanwhile (Studio quitting).
+            sender = WorkerClient(run)
+            sender.connect(timeout=5)
+            sender.send(ev.Shutdown())
+            sender.close()
+        except Exception:  # best effort: a worker that is already gone needs no shutdown
+            pass
+    if not discard:
+        return
+    deadline = time.monotonic() + RETIRE_WAIT_S
+    while run.worker_pid() is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if run.worker_pid() is None and not holds_results():
+        shutil.rmtree(run.path, ignore_errors=True)
+

@@ -31,16 +31,9 @@ from studio.core import events as ev
 from studio.core.cells import cell
 from studio.core.config import RunConfig
 from studio.core.preference import is_preference
-from studio.core.runs import RunDir, create_run
-from studio.ui.host import Hosted
+from studio.core.runs import RunDir
+from studio.ui.host import Pane
 from studio.ui.messages import WorkerEvents
-
-CHAT_COMMANDS: list[tuple[str, str, str]] = [
-    ("Chat: ask", "Send the prompt to the base model and the fine-tune side by side", "ask"),
-    ("Chat: held-out comparison", "Answer N held-out rows with both models and score them", "heldout"),
-    ("Chat: greedy on/off", "Switch between greedy decoding and sampling", "toggle_greedy"),
-]
-"""Palette entries: (title, help, action of :class:`ChatPane`)."""
 
 NO_ADAPTER = "No adapter yet: start training (Training pane, s). The base answer is on the left."
 
@@ -87,7 +80,7 @@ class HeldOutRow:
         return scoring.score(answer.text, self.target) if answer and answer.done else None
 
 
-class ChatPane(Hosted, Vertical):
+class ChatPane(Pane, Vertical):
     """Prompt box, settings, the two answer columns and the held-out table."""
 
     DEFAULT_CSS = """
@@ -112,9 +105,12 @@ class ChatPane(Hosted, Vertical):
     """
 
     BINDINGS = [
-        Binding("f5", "heldout", "Held-out", id="chat.heldout"),
-        Binding("f6", "toggle_greedy", "Greedy on/off", id="chat.greedy"),
-        Binding("f7", "focus_prompt", "Prompt", id="chat.prompt"),
+        Binding("f5", "heldout", "Held-out", id="chat.heldout",
+                tooltip="Answer N held-out rows with both models and score them"),
+        Binding("f6", "toggle_greedy", "Greedy on/off", id="chat.greedy",
+                tooltip="Switch between greedy decoding and sampling"),
+        Binding("f7", "focus_prompt", "Prompt", id="chat.prompt",
+                tooltip="Put the cursor in the prompt box: Enter asks both models"),
     ]
 
     def __init__(self, **kwargs) -> None:
@@ -166,9 +162,10 @@ class ChatPane(Hosted, Vertical):
         self._paint()
         self.set_interval(0.1, self._paint_if_dirty)
 
-    def on_show(self) -> None:
-        # Shown (its tab picked): the prompt box takes the keys, so typing asks at once.
-        self.query_one("#chat-prompt", Input).focus()
+    def focus_target(self) -> Input:
+        """The prompt box, unlike other panes' text fields: typing asks at once (the pane's keys are
+        F-keys, and alt+digit switches panes from here)."""
+        return self.query_one("#chat-prompt", Input)
 
     # ------------------------------------------------------------------------ state
 
@@ -298,16 +295,8 @@ class ChatPane(Hosted, Vertical):
         return {"max_new_tokens": max_new, "temperature": temperature, "top_p": top_p}
 
     def _ensure_run(self) -> bool:
-        """Before any run exists, make one from the app's config so a worker can answer."""
-        if self.host.current_run is not None:
-            return True
-        try:
-            run = create_run(self.host.config)
-        except OSError as exc:
-            self._set_status(f"Cannot create a run directory: {exc}", error=True)
-            return False
-        self.host.open_run(run, start_worker=True)
-        return True
+        """Before any run is followed, the app makes one from the config so that a worker can answer."""
+        return self.host.current_run is not None or self.host.run_for_config() is not None
 
     def _request(self, prompt: str, adapter: bool, request_id: str, settings: dict[str, Any],
                  row: dict[str, str] | None = None) -> None:
@@ -334,9 +323,11 @@ class ChatPane(Hosted, Vertical):
         return True
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
         if event.input.id == "chat-prompt":
-            event.stop()
             self.action_ask()
+        else:  # a setting typed: back to the prompt, where typing asks
+            self.action_focus_prompt()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "chat-ask":
@@ -389,7 +380,7 @@ class ChatPane(Hosted, Vertical):
         self.query_one("#chat-heldout-totals", Static).update("")
         self.query_one("#chat-heldout-box").add_class("shown")
         self._set_status(f"Held-out: answering {count} rows (test split, else validation; greedy)…")
-        self.app.send_command(ev.ScoreHeldOut(request_id=self._heldout_request, rows=count,
+        self.host.send_command(ev.ScoreHeldOut(request_id=self._heldout_request, rows=count,
                                               adapter=self.adapter_ready,
                                               max_new_tokens=settings["max_new_tokens"]))
 

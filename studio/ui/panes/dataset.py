@@ -31,7 +31,7 @@ from studio.core import chat
 from studio.core import data as datalib
 from studio.core.cells import cell
 from studio.core.preference import is_preference, pair_lint
-from studio.ui.host import Hosted
+from studio.ui.host import Pane
 from studio.ui.messages import ConfigChanged, TokenizerChanged
 from studio.ui.widgets.column_map import ColumnMap
 from studio.ui.widgets.column_stats import StatsView
@@ -68,7 +68,7 @@ def conversation_summary(value: list) -> str:
     return f"{len(turns)} turns · {first.role}: {first.content}"
 
 
-class DatasetPane(Hosted, Vertical):
+class DatasetPane(Pane, Vertical):
     """Open, page, filter and inspect a dataset."""
 
     BINDINGS = [
@@ -170,7 +170,7 @@ class DatasetPane(Hosted, Vertical):
         except Exception as exc:  # anything else the reader raises is still the file's fault
             self.app.call_from_thread(self._load_failed, f"{path}: cannot read it ({exc})")
             return
-        found = datalib.chat_column(table.dataset, self.app.config.data.columns)  # type: ignore[attr-defined]
+        found = datalib.chat_column(table.dataset, self.host.config.data.columns)
         self.app.call_from_thread(self._loaded, path, table, time.perf_counter() - started, found)
 
     def _load_failed(self, message: str) -> None:
@@ -204,7 +204,7 @@ class DatasetPane(Hosted, Vertical):
 
     def _use_chat_template(self, column: str, shape: str) -> None:
         """Conversations train through the model's chat template: switch ``prompt.template`` to it."""
-        app: Any = self.app
+        app = self.host
         name = "ShareGPT from/value" if shape == "sharegpt" else "OpenAI role/content"
         if app.config.prompt.template != "chat":
             app.config.prompt.template = "chat"
@@ -261,10 +261,16 @@ class DatasetPane(Hosted, Vertical):
     def _page_label(self) -> None:
         total = self.row_total
         start = self.page * PAGE_SIZE
-        shown = f"{start + 1:,}-{min(start + PAGE_SIZE, total):,}" if total else "0"
-        kept = f" (filter: {total:,} of {len(self.table):,})" if self.matches is not None and self.table else ""
+        end = min(start + PAGE_SIZE, total)
+        if self.matches is not None and self.table is not None:
+            # Counted matches, from 1: their row numbers are in the table's # column.
+            shown = f"matches {start + 1:,}-{end:,}" if total else "no matches"
+            what = f"{shown} of {total:,} (filter, of {len(self.table):,} rows)"
+        else:
+            # Row numbers from 0, as in the # column, the row view, lint and every error message.
+            what = f"rows {start:,}-{end - 1:,} of {total:,}" if total else "no rows"
         label = self.query_one("#dataset-page-label", Static)
-        text = f"rows {shown} of {total:,}{kept} · page {self.page + 1}/{self.page_count}"
+        text = f"{what} · page {self.page + 1}/{self.page_count}"
         # Same length, same size: a repaint of the label, not a re-layout of the whole screen.
         label.update(text, layout=len(text) != len(str(label.content)))
 
@@ -373,7 +379,7 @@ class DatasetPane(Hosted, Vertical):
             turns = chat.parse_turns(value)
         except chat.ChatFormatError as exc:
             return Content.from_markup("\n[b $accent]$name[/]\n[b $error]$m[/]\n", name=name, m=str(exc))
-        counter: Any = self.app.counter  # type: ignore[attr-defined]
+        counter = self.host.counter
         counts = counter.count([t.content for t in turns])
         approx = "" if counter.exact else "≈"
         parts = [Content.from_markup("\n[b $accent]$name[/] [dim]$n turns, $total tokens of text[/]\n",
@@ -519,6 +525,8 @@ class DatasetPane(Hosted, Vertical):
     def _open_typed(self, event: Any) -> None:
         path = self.query_one("#dataset-path", Input).value.strip()
         if path:
+            # Out of the field: the pane's keys ([, ], /, v...) are keys again, not text.
+            self.query_one("#dataset-table", PageTable).focus()
             self.open(path)
 
     @on(Button.Pressed, "#dataset-browse")

@@ -7,13 +7,15 @@ tokenizer's chat template, every assistant turn coloured as loss. Lint from
 :func:`studio.core.prompt.lint_template` shows under the editor. "Zero-shot" sends the rendered
 prompt (a conversation: its turns before the last answer) to the worker (``Generate(adapter=False)``)
 and streams the base model's answer; the worker loads the model on first use and reports its progress.
+The worker is the followed run's when it loads the config's model, else a draft run's that Start
+then trains (``StudioHost.run_for_config``).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual import on
 from textual.app import ComposeResult
@@ -28,11 +30,14 @@ from studio.core import events as ev
 from studio.core import prompt as prompts
 from studio.core.config import PromptConfig
 from studio.core.preference import is_preference
-from studio.ui.host import Hosted
+from studio.ui.host import Pane
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged, WorkerEvents
 from studio.ui.widgets.pair_view import pair_preview, pair_row
 from studio.ui.widgets.prompt_preview import count_line, legend, measure, preview_content
 from studio.ui.widgets.template_editor import TemplateEditor
+
+if TYPE_CHECKING:
+    from studio.core.runs import RunDir
 
 RENDER_DELAY_S = 0.15
 """Pause after the last keystroke before re-rendering."""
@@ -70,7 +75,7 @@ def line_of(text: str, offset: int) -> int:
     return text.count("\n", 0, offset) + 1
 
 
-class TemplatePane(Hosted, Vertical):
+class TemplatePane(Pane, Vertical):
     """Template editor with a live render of the selected row and a zero-shot preview."""
 
     BINDINGS = [
@@ -276,10 +281,11 @@ class TemplatePane(Hosted, Vertical):
     def _render_row(self, template: str, row: dict[str, Any]) -> prompts.Rendered:
         """``row`` as training text: a conversation through the tokenizer's chat template (loss on
         the assistant turns), anything else through ``template``."""
-        turns = conversation_of(row, self.app.config.data.columns)  # type: ignore[attr-defined]
+        config = self.host.config
+        turns = conversation_of(row, config.data.columns)
         if turns is None:
-            return prompts.render(template, row, self.app.config.prompt.response_field)  # type: ignore[attr-defined]
-        counter = self.app.counter  # type: ignore[attr-defined]
+            return prompts.render(template, row, config.prompt.response_field)
+        counter = self.host.counter
         return chats.ChatRenderer(counter.chat_template or "", eos_token=counter.eos_token or "").render(turns)
 
     def _show_lint(self, text: str) -> None:
@@ -342,6 +348,8 @@ class TemplatePane(Hosted, Vertical):
             prompt = ""
         else:
             prompt = prompts.render(self.editor.text, row, config.prompt.response_field).prompt
+        if app.run_for_config() is None:  # the followed run's worker, or a draft's for this config
+            return
         self._request = uuid.uuid4().hex[:12]
         self._answer = ""
         self._note = ""
@@ -355,7 +363,7 @@ class TemplatePane(Hosted, Vertical):
     def _zero_shot_pressed(self) -> None:
         self.action_zero_shot()
 
-    def reset_run(self, run: Any) -> None:
+    def reset_run(self, run: RunDir | None) -> None:
         """A new run has no answer to our request; keep waiting only if it was sent to this run."""
         for bar in self.query("#template-zero-progress"):  # (none yet while the pane is mounting)
             bar.display = False

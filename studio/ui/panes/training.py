@@ -4,8 +4,8 @@ Events arrive in batches as :class:`~studio.ui.messages.WorkerEvents` messages (
 :class:`~studio.ui.messages.MemorySample`); they are folded into a
 :class:`~studio.ui.metrics.TrainingState` at once (cheap) but drawn at most ``REDRAW_HZ`` times a
 second, so a fast run cannot flood the terminal. The pane never talks to the worker directly: it
-asks the app through its :class:`~studio.ui.host.StudioHost` interface (``send_command``,
-``open_run``; see docs/CONTRACTS.md). Its dialogs (stop? where to export?) are in
+asks the app through its :class:`~studio.ui.host.StudioHost` interface (``start_training``,
+``send_command``, ``pick_run``). Its dialogs (stop? where to export?) are in
 :mod:`studio.ui.widgets.dialogs`.
 """
 
@@ -21,28 +21,16 @@ from textual.widgets import Button, ProgressBar, Static
 
 from studio.core import events as ev
 from studio.core.config import effective_batch
-from studio.core.runs import RunDir, create_run
-from studio.ui.host import Hosted
+from studio.core.runs import RunDir
+from studio.ui.host import Pane
 from studio.ui.messages import MemorySample, WorkerEvents
 from studio.ui.metrics import TrainingState, format_duration
 from studio.ui.widgets.dialogs import ConfirmScreen, ExportScreen
 from studio.ui.widgets.loss_plot import LearningRatePlot, LossPlot
 from studio.ui.widgets.preference_plot import PreferencePlot
-from studio.ui.widgets.run_picker import CompareScreen, PickResult, RunPickerScreen
 
 REDRAW_HZ = 4.0
 """Most redraws a second; events in between are folded in and drawn together."""
-
-TRAINING_COMMANDS: list[tuple[str, str, str]] = [
-    ("Training: start", "Create a run from the current config and start training", "start_training"),
-    ("Training: pause", "Pause after the current optimizer step (chat still works)", "pause_training"),
-    ("Training: resume", "Continue a paused run, or an interrupted one from its checkpoint",
-     "resume_training"),
-    ("Training: stop", "Save a checkpoint and the adapter, then stop (asks first)", "stop_training"),
-    ("Runs: open or compare", "Pick a past run to open, or two to compare their loss curves", "open_runs"),
-    ("Runs: export", "Save the adapter (with a model card), merge it into the base (bf16), or write GGUF", "export"),
-]
-"""Palette entries: (title, help, action of :class:`TrainingPane`)."""
 
 _BUTTON_ACTIONS = (("start_training", "training-start"), ("pause_training", "training-pause"),
                    ("resume_training", "training-resume"), ("stop_training", "training-stop"),
@@ -57,7 +45,7 @@ EXPORT_STEPS = {
 """What the training pane's status line says while the worker exports, by format."""
 
 
-class TrainingPane(Hosted, Vertical):
+class TrainingPane(Pane, Vertical):
     """Controls, progress, eval metrics, failures and live curves of the app's current run."""
 
     DEFAULT_CSS = """
@@ -78,12 +66,18 @@ class TrainingPane(Hosted, Vertical):
     """
 
     BINDINGS = [
-        Binding("s", "start_training", "Start", id="training.start"),
-        Binding("p", "pause_training", "Pause", id="training.pause"),
-        Binding("r", "resume_training", "Resume", id="training.resume"),
-        Binding("x", "stop_training", "Stop", id="training.stop"),
-        Binding("o", "open_runs", "Runs", id="training.runs"),
-        Binding("e", "export", "Export", id="training.export"),
+        Binding("s", "start_training", "Start", id="training.start",
+                tooltip="Train the config being edited in a background worker"),
+        Binding("p", "pause_training", "Pause", id="training.pause",
+                tooltip="Pause after the current optimizer step (chat still works)"),
+        Binding("r", "resume_training", "Resume", id="training.resume",
+                tooltip="Continue a paused run, or an interrupted one from its checkpoint"),
+        Binding("x", "stop_training", "Stop", id="training.stop",
+                tooltip="Save a checkpoint and the adapter, then stop (asks first)"),
+        Binding("o", "open_runs", "Runs", id="training.runs",
+                tooltip="Pick a past run to open, or two to compare their loss curves"),
+        Binding("e", "export", "Export", id="training.export",
+                tooltip="Save the adapter (with a model card), merge it into the base (bf16), or write GGUF"),
     ]
 
     def __init__(self, **kwargs) -> None:
@@ -96,6 +90,10 @@ class TrainingPane(Hosted, Vertical):
         self._last_redraw = 0.0
         self._redraw_pending = False
         self._export_line = ""
+        self._asked: tuple[str, str, str] | None = None
+        """(the status it was asked in, what the status line says meanwhile, the action) of a pause,
+        resume or stop sent to the worker and not done yet: it takes effect after the current step,
+        seconds later on a CPU, and the line says so at once."""
         self._allowed: tuple[bool, ...] = ()
         self._lines: dict[str, str] = {}
         """The text each one-line Static shows (see :meth:`_set_line`)."""
@@ -154,6 +152,7 @@ class TrainingPane(Hosted, Vertical):
         """Forget the old run; the new run's events will arrive from the start of its log."""
         self.state = TrainingState(run_id=run.id if run else "")
         self._export_line = ""
+        self._asked = None
         self._redraw()
 
     def on_worker_events(self, message: WorkerEvents) -> None:
@@ -208,11 +207,17 @@ class TrainingPane(Hosted, Vertical):
                 effective = effective_batch(state.micro_batch_size, state.gradient_accumulation_steps, state.gpus)
                 batch += f" × {state.gpus} GPUs = {effective}"
             parts.append(batch)
+        if self._asked is not None and self._asked[0] != state.status:
+            self._asked = None  # done (or overtaken: the run finished or failed meanwhile)
+        if self._asked is not None:
+            parts.append(self._asked[1])
         if state.status == "loading" and state.loading_stage:
             # The stage says what it does ("loading the weights"): the status already said "loading".
             parts.append(f"{state.loading_stage} {state.loading_fraction:.0%}")
-        if state.status == "no run":
+        if state.status == "no run" and run is None:
             parts = ["no run yet: press s to create one from the current config and train"]
+        elif state.status == "no run":
+            parts = [what, "created (nothing logged yet)"]
         self._set_line("#training-status", " · ".join(parts))
         bar = self.query_one(ProgressBar)
         if state.total_steps:
@@ -271,6 +276,8 @@ class TrainingPane(Hosted, Vertical):
         """Offer only what makes sense now; the footer greys out the rest."""
         status = self.state.status
         active = status in ("training", "loading")
+        if self._asked is not None and self._asked[2] == action and self._asked[0] == status:
+            return None  # asked already: the worker does it after the current step
         if action == "start_training":
             return None if active or status == "paused" else True
         if action == "pause_training":
@@ -292,30 +299,25 @@ class TrainingPane(Hosted, Vertical):
             event.stop()
             self.run_action(action)
 
-    def _open_run(self, run: RunDir, start_worker: bool) -> bool:
-        """Make ``run`` the app's run (starting its worker when asked); True once it is."""
-        self.host.open_run(run, start_worker=start_worker)
-        return True
-
     def action_start_training(self) -> None:
-        """Create a run directory from the app's config, start its worker and train."""
+        """Train the config being edited (the app makes or reuses the run and starts its worker)."""
         if self.check_action("start_training", ()) is not True:
             return
-        try:
-            run = create_run(self.host.config)
-        except OSError as exc:
-            self.notify(f"Cannot create the run directory: {exc}", severity="error")
+        run = self.host.start_training()
+        if run is None:
             return
-        self.host.open_run(run, start_worker=True)
-        self.state = TrainingState(run_id=run.id, status="loading")
-        self.host.send_command(ev.StartTraining())
-        self.notify(f"Run {run.id} created; the worker loads the model, then trains.")
+        if self.state.run_id != run.id:
+            self.state = TrainingState(run_id=run.id)
+        # A draft's model may be loaded already (a preview): what it said of it stays shown.
+        self.state.status = "loading"
+        self.notify(f"Run {run.id}: the worker loads the model, then trains.")
         self._redraw()
 
     def action_pause_training(self) -> None:
         """Pause after the current optimizer step."""
         if self.check_action("pause_training", ()) is True:
             self.host.send_command(ev.Pause())
+            self._ask("pausing after this step…", "pause_training")
 
     def action_resume_training(self) -> None:
         """Continue a paused run; an interrupted or stopped run resumes from its latest checkpoint."""
@@ -323,14 +325,13 @@ class TrainingPane(Hosted, Vertical):
             return
         if self.state.status == "paused":
             self.host.send_command(ev.Resume())
+            self._ask("resuming…", "resume_training")
             return
         run = self.host.current_run
         if run is None or run.latest_checkpoint() is None:
             self.notify("No checkpoint to resume from: start a new run with s.", severity="warning")
             return
-        if run.worker_pid() is None:
-            self.host.open_run(run, start_worker=True)
-        self.host.send_command(ev.StartTraining(resume=True))
+        self.host.send_command(ev.StartTraining(resume=True))  # (its worker is started if none is alive)
 
     def action_stop_training(self) -> None:
         """Ask, then stop: the worker saves a checkpoint and the adapter first."""
@@ -340,7 +341,7 @@ class TrainingPane(Hosted, Vertical):
         def answered(yes: bool | None) -> None:
             if yes:
                 self.host.send_command(ev.Stop())
-                self.notify("Stopping after this step; the checkpoint and adapter are being saved.")
+                self._ask("stopping after this step (checkpoint and adapter first)…", "stop_training")
 
         self.app.push_screen(
             ConfirmScreen(f"Stop training run {self.state.run_id} at step {self.state.step}?\n"
@@ -349,21 +350,14 @@ class TrainingPane(Hosted, Vertical):
             answered,
         )
 
+    def _ask(self, saying: str, action: str) -> None:
+        """A command is on its way: say so in the status line now, until the run's status changes."""
+        self._asked = (self.state.status, saying, action)
+        self._redraw()
+
     def action_open_runs(self) -> None:
         """Pick a past run to open, or two to compare."""
-        root = self.host.config.output_dir
-
-        def picked(result: PickResult) -> None:
-            if result is None:
-                return
-            kind, value = result
-            if kind == "open" and isinstance(value, RunDir):
-                # A live worker on that run is reconnected; a finished run needs none until chat asks.
-                self.host.open_run(value, start_worker=False)
-            elif kind == "compare" and isinstance(value, list):
-                self.app.push_screen(CompareScreen(value))
-
-        self.app.push_screen(RunPickerScreen(root), picked)
+        self.host.pick_run()
 
     def action_export(self) -> None:
         """Save the adapter, or merge it into the base model, to a folder."""
@@ -377,8 +371,6 @@ class TrainingPane(Hosted, Vertical):
             kind, path = result
             if Path(path).exists():
                 self.notify(f"{path} already exists; choose a new folder.", severity="error")
-                return
-            if run.worker_pid() is None and not self._open_run(run, start_worker=True):
                 return
             self._export_line = f"{EXPORT_STEPS[kind]} -> {path} (the worker does it)"
             self.host.send_command(ev.ExportRun(path=path, format=kind, quant="f16", dtype="bfloat16"))

@@ -19,6 +19,7 @@ breakdown, and one line a card below it shows each card's memory in use against 
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual import work
@@ -35,9 +36,12 @@ from studio.core.memory import Estimate, WalkStep, estimate, walkthrough
 from studio.core.model_info import ModelInfo, ModelInfoError, load_model_info
 from studio.core.model_ref import looks_local
 from studio.core.model_source import find_model
-from studio.ui.host import Hosted
+from studio.ui.host import Pane
 from studio.ui.messages import MemorySample, WorkerEvents
 from studio.ui.widgets.block_gauge import BlockGauge
+
+if TYPE_CHECKING:
+    from studio.core.runs import RunDir
 
 DEFAULT_CARD_GB = 24
 """Card shown when none is detected: the common 24 GB size."""
@@ -45,7 +49,7 @@ ESTIMATE_CACHE_SIZE = 16
 """(config, card) estimates kept: stepping back to a card or an edit already seen redraws at once."""
 
 
-class VramPane(Hosted, VerticalScroll):
+class VramPane(Pane, VerticalScroll):
     """Predicted vs measured GPU memory for the config being edited, with the walkthrough."""
 
     DEFAULT_CSS = """
@@ -129,6 +133,10 @@ class VramPane(Hosted, VerticalScroll):
         """The automatic plan for the card (core/autoplan.py's lines), '' when the config sets both keys."""
         self.cards: dict[int, ev.MemorySampled] = {}
         """The latest sample of each card (rank) of the run."""
+        self.measured_device = ""
+        """What the followed run's memory is measured on (``CPU``, the card's name); '' before it says."""
+        self.measured_weights = ""
+        """How the followed run holds its base weights (``NF4``, ``FP32``...), from its ModelLoaded."""
 
     def compose(self) -> ComposeResult:
         options = [(f"{g.name}{' (this machine)' if g.detected else ''}", k) for k, g in enumerate(self._cards)]
@@ -228,6 +236,7 @@ class VramPane(Hosted, VerticalScroll):
         gauge.capacity_name = self.gpu.name
         gauge.predicted = dict(shown.categories) if shown else None
         gauge.measured = dict(self.measured) if self.measured else None
+        self._show_setups(shown)
         self._show_cards()
         walk = self.query_one("#vram-walk", Static)
         notes = self.query_one("#vram-notes", Static)
@@ -265,6 +274,7 @@ class VramPane(Hosted, VerticalScroll):
         if event.input.id != "vram-model":
             return
         event.stop()
+        self.focus()  # out of the field: the pane's keys (w, u...) are keys again, not text
         self.model_ref = event.value.strip()
         self.query_one("#vram-model-line", Static).update(
             f"Reading {self.model_ref}…" if self.model_ref else "")
@@ -313,13 +323,27 @@ class VramPane(Hosted, VerticalScroll):
 
     # ------------------------------------------------------------------------------------- events
 
+    def reset_run(self, run: RunDir | None) -> None:
+        """Another run is followed: nothing of it is measured yet."""
+        self.measured, self.cards = None, {}
+        self.measured_device = self.measured_weights = ""
+        if self.query("#vram-summary"):  # (composed: not while the pane is still mounting)
+            self._draw()
+
     def on_worker_events(self, message: WorkerEvents) -> None:
-        """A worker that names its card (WorkerStarted) makes that card the one estimated against."""
+        """A worker that names its card (WorkerStarted) makes that card the one estimated against;
+        the device and weights the run loaded on (ModelLoaded) label its measurement."""
         if message.run != self.host.current_run:
             return
+        setup = (self.measured_device, self.measured_weights)
         for event in message.events:
             if isinstance(event, ev.WorkerStarted) and event.gpu_capacity_bytes:
                 self._use_card(Gpu(event.gpu_name or "this GPU", event.gpu_capacity_bytes, detected=True))
+            elif isinstance(event, ev.ModelLoaded):
+                self.measured_device = device_name(event.device, self.measured_device)
+                self.measured_weights = precision_name(event.quantization or event.dtype)
+        if setup != (self.measured_device, self.measured_weights) and self.query("#vram-summary"):
+            self._show_setups(self._shown())
 
     def on_memory_sample(self, message: MemorySample) -> None:
         """Fill the measured grid from the newest sample: no estimate, only the gauge's squares."""
@@ -334,12 +358,39 @@ class VramPane(Hosted, VerticalScroll):
         if sample.capacity and not self.gpu.detected:
             self._use_card(Gpu(sample.device or "this GPU", sample.capacity, detected=True))
         self.measured = dict(sample.categories)
+        self.measured_device = device_name(sample.device, self.measured_device)
         if self.is_on_screen:  # hidden, the gauge catches up when shown (on_show)
             self._show_measured()
 
     def on_show(self) -> None:
         self._show_measured()
         self._show_cards()
+
+    def _show_setups(self, shown: Estimate | None) -> None:
+        """Label each grid with its setup, say why nothing is measured yet, and say so when the
+        measurement's setup is not the prediction's (a CPU run in float32 against a GPU in NF4 is
+        several times larger: not an error of the estimate)."""
+        found = self.query(BlockGauge)
+        if not found:
+            return
+        gauge = found.first()
+        predicted = f"for {self.gpu.name}, {shown.plan.weights.upper()} weights" if shown else ""
+        measured = ", ".join(part for part in (
+            self.measured_device, f"{self.measured_weights} weights" if self.measured_weights else "") if part)
+        gauge.predicted_setup = predicted
+        gauge.measured_setup = f"on {measured}" if measured else ""
+        if self.host.current_run is not None:
+            gauge.measured_note = "nothing yet: the run's worker\nsamples its memory at every step"
+        elif not any(card.detected for card in self._cards):
+            gauge.measured_note = ("nothing: no GPU on this machine.\nThe prediction is for the card "
+                                   "picked\nabove; a run here measures CPU memory.")
+        else:
+            gauge.measured_note = "nothing yet: a run measures its\nmemory as it trains (Training, s)"
+        weights = shown.plan.weights.upper() if shown else ""
+        differs = bool(shown and measured) and (
+            self.measured_device == "CPU" or self.measured_weights not in ("", weights))
+        gauge.setup_note = (f"Measured on {measured}, predicted {predicted}: different setups, so the sizes "
+                            "differ; this is not the estimate's error." if differs else "")
 
     def _show_cards(self) -> None:
         cards = self.query("#vram-cards")
@@ -351,6 +402,7 @@ class VramPane(Hosted, VerticalScroll):
         gauge = self.query(BlockGauge)
         if gauge:  # absent while the app tears the pane down
             gauge.first().measured = dict(self.measured) if self.measured else None
+            self._show_setups(self._shown())
 
     def _use_card(self, gpu: Gpu) -> None:
         """Estimate against ``gpu`` from now on (a new estimate only when the card changed)."""
@@ -409,3 +461,20 @@ def cards_text(cards: dict[int, ev.MemorySampled]) -> Text:
         capacity = f" / {sample.capacity / GB:.1f} GB" if sample.capacity else ""
         text.append(f"  {used / GB:.2f} GB{capacity} at step {sample.step}\n")
     return text
+
+
+def precision_name(name: str) -> str:
+    """A loaded model's dtype or quantization as the estimate names weights: ``float32`` -> ``FP32``,
+    ``bfloat16`` -> ``BF16``, ``nf4`` -> ``NF4``."""
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name).upper()
+
+
+def device_name(device: str, known: str = "") -> str:
+    """What a run measures on, for the gauge: ``CPU``, or the card's name (``known`` when the event
+    names only ``cuda:0``)."""
+    if device.startswith("cpu"):
+        return "CPU"
+    if device.startswith("cuda"):
+        return known or "GPU"
+    return device or known
+

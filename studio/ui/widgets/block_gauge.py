@@ -2,7 +2,8 @@
 
 One square is 1 GB for models that need several GB (the seed's drawing); small models get 0.1 GB
 squares or finer, and the caption says which. The predicted and the measured grids sit side by
-side; squares past the card's capacity turn to the theme's error colour.
+side, each under the setup it is of (the card and weights predicted for, the device and weights
+measured on); squares past the card's capacity turn to the theme's error colour.
 
 Colours come from the running theme's variables ($primary, $accent, ...), so every theme works.
 """
@@ -99,6 +100,18 @@ class BlockGauge(Widget):
     capacity_name: reactive[str] = reactive("")
     """What the card is called, for the caption."""
 
+    predicted_setup: reactive[str] = reactive("", layout=True)
+    """What the prediction is for, under its title (``for L4 24 GB, NF4 weights``)."""
+
+    measured_setup: reactive[str] = reactive("", layout=True)
+    """What the measurement was taken on, under its title (``on CPU, FP32 weights``)."""
+
+    measured_note: reactive[str] = reactive("", layout=True)
+    """Why nothing is measured yet and what would measure it (lines), shown in place of the grid."""
+
+    setup_note: reactive[str] = reactive("", layout=True)
+    """Said under the caption when the two setups differ, so that their gap reads as what it is."""
+
     def _colour(self, variable: str) -> str:
         """The theme's colour for ``variable`` as #rrggbb (translucent ones blended on the background)."""
         try:
@@ -113,14 +126,22 @@ class BlockGauge(Widget):
         except Exception:  # a theme with an unparsable value: fall back rather than fail to draw
             return _FALLBACK.get(variable, "#808080")
 
-    def _grid(self, categories: dict[str, int] | None, unit: float, title: str) -> list[Text]:
-        """The lines of one grid, each exactly SQUARES_PER_ROW * 2 cells wide."""
+    def _grid(self, categories: dict[str, int] | None, unit: float, title: str, setup: str,
+              note: str = "") -> list[Text]:
+        """The lines of one grid, each exactly SQUARES_PER_ROW * 2 cells wide: the title, what setup
+        it is of, then the squares (or ``note`` when there are none)."""
         width = SQUARES_PER_ROW * 2
+
+        def fit(text: str, style: Style | str) -> Text:
+            return Text((text if len(text) <= width else text[: width - 1] + "…").ljust(width), style=style)
+
+        dim = Style(dim=True)
         if not categories:
-            return [Text(title.ljust(width), style="bold"), Text("waiting for the worker".ljust(width),
-                                                                style=Style(dim=True))]
+            return [fit(title, "bold"), *(fit(line, dim) for line in note.splitlines())]
         total = sum(categories.values())
-        lines = [Text(f"{title} {total / GB:.2f} GB".ljust(width), style="bold")]
+        lines = [fit(f"{title} {total / GB:.2f} GB", "bold")]
+        if setup:
+            lines.append(fit(setup, dim))
         squares = square_categories(categories, unit)
         cap_squares = int(self.capacity // unit) if self.capacity and self.capacity / unit <= MAX_SQUARES else None
         count = max(len(squares), cap_squares or 0)
@@ -147,8 +168,8 @@ class BlockGauge(Widget):
             return Text("No estimate: the line above says why.", style=Style(dim=True))
         totals = [sum(c.values()) for c in (self.predicted, self.measured) if c]
         unit = choose_unit(max(totals), self.capacity)
-        left = self._grid(self.predicted, unit, "Predicted")
-        right = self._grid(self.measured, unit, "Measured")
+        left = self._grid(self.predicted, unit, "Predicted", self.predicted_setup)
+        right = self._grid(self.measured, unit, "Measured", self.measured_setup, self.measured_note)
         blank = Text(" " * (SQUARES_PER_ROW * 2))
         body = []
         for k in range(max(len(left), len(right))):
@@ -157,7 +178,8 @@ class BlockGauge(Widget):
             line.append("   ")
             line.append_text(right[k] if k < len(right) else blank)
             body.append(line)
-        return Group(*body, Text(""), *self._legend(), self._caption(unit))
+        notes = [Text(self.setup_note, style=Style(bold=True))] if self.setup_note and self.measured else []
+        return Group(*body, Text(""), *self._legend(), self._caption(unit), *notes)
 
     def _legend(self) -> list[Text]:
         lines = []

@@ -15,7 +15,7 @@ from textual.timer import Timer
 from textual.widgets import Button, Static, TextArea
 
 from studio.core.config import ConfigError, RunConfig, parse_config
-from studio.ui.host import Hosted
+from studio.ui.host import Pane
 from studio.ui.messages import ConfigChanged
 
 SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation", "distributed")
@@ -29,7 +29,7 @@ def changed_sections(old: RunConfig, new: RunConfig) -> list[str]:
     return changed
 
 
-class ConfigEditor(Hosted, Vertical):
+class ConfigEditor(Pane, Vertical):
     """YAML of ``app.config``: edit, apply (F5), save (ctrl+s, from the app)."""
 
     BINDINGS = [

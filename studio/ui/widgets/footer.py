@@ -15,6 +15,7 @@ from rich.cells import cell_len
 from rich.segment import Segment
 from rich.style import Style
 from textual import events
+from textual.keys import key_to_character
 from textual.screen import Screen
 from textual.strip import Strip
 from textual.widget import Widget
@@ -30,8 +31,13 @@ class FooterEntry(NamedTuple):
     tooltip: str
 
 
+PANES_KEY = "panes"
+"""The key of the footer's one entry for every pane key: shown, never pressed (a click does nothing)."""
+
+
 class StudioFooter(Widget):
-    """The keys that work now (the focused widget's, its pane's and the app's), in one line."""
+    """The keys that work now (the focused widget's, its pane's and the app's), how to switch panes,
+    and in a text field how to leave it, in one line."""
 
     ALLOW_SELECT = False
     COMPONENT_CLASSES: ClassVar[set[str]] = {"studio-footer--key", "studio-footer--description"}
@@ -57,26 +63,53 @@ class StudioFooter(Widget):
     def __init__(self, *, name: str | None = None, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(name=name, id=id, classes=classes)
         self.entries: tuple[FooterEntry, ...] = ()
-        """The keys shown, left to right; the command palette's key last (drawn at the right)."""
+        """The keys shown, left to right; the pane keys and the command palette's key last (drawn at
+        the right)."""
         self._spans: list[tuple[int, int, FooterEntry]] = []
         self._strip: tuple[int, Strip] | None = None
 
     @staticmethod
     def shown_keys(screen: Screen) -> tuple[FooterEntry, ...]:
-        """What a footer on ``screen`` shows: one entry per action of a shown binding (the first
-        key of it), then the command palette's key."""
+        """What a footer on ``screen`` shows: one entry per action of a shown binding (the first key
+        of it), then the pane keys (``1…6``), then the command palette's key.
+
+        In a text field (it takes every printable key), first how to leave it (``esc``), and after
+        the keys that work the pane's own keys the field now takes, greyed out: they are still there,
+        one ``esc`` away, and pane switching reads ``alt+1…6``."""
         app = screen.app
+        focused = screen.focused
+        typing = focused is not None and focused.check_consume_key("a", "a")
         entries: list[FooterEntry] = []
+        if typing:
+            entries.append(FooterEntry("escape", "esc", "Leave field", True,
+                                       "Move out of the text field: the pane's keys work again"))
         seen: set[str] = set()
         palette = None
+        panes: list[str] = []
         for key, (_, binding, enabled, tooltip) in screen.active_bindings.items():
             if binding.action == "command_palette" and app.ENABLE_COMMAND_PALETTE:
                 palette = FooterEntry(key, app.get_key_display(binding), binding.description, enabled,
                                       tooltip or binding.description)
+            elif binding.action.startswith("show_pane("):
+                panes.append(key)
             elif binding.show and binding.action not in seen:
                 seen.add(binding.action)
                 entries.append(FooterEntry(key, app.get_key_display(binding), binding.description,
                                            enabled, tooltip))
+        if typing and focused is not None:
+            for node in focused.ancestors:
+                for key, bindings in node._bindings.key_to_bindings.items():
+                    for binding in bindings:
+                        if binding.show and binding.action not in seen and focused.check_consume_key(
+                                key, key_to_character(key)):
+                            seen.add(binding.action)
+                            entries.append(FooterEntry(key, app.get_key_display(binding), binding.description,
+                                                       False, "esc first: the text field takes this key"))
+        if panes:
+            digits = sorted(key.rpartition("+")[2] for key in panes)
+            modifier = "alt+" if all(key.startswith("alt+") for key in panes) else ""
+            entries.append(FooterEntry(PANES_KEY, f"{modifier}{digits[0]}…{digits[-1]}", "Panes", True,
+                                       "Switch panes (the tabs above can be clicked too)"))
         return (*entries, palette) if palette else tuple(entries)
 
     def on_mount(self) -> None:
@@ -102,7 +135,8 @@ class StudioFooter(Widget):
         super().notify_style_update()
 
     def render_line(self, y: int) -> Strip:
-        """The one line: keys from the left, the palette's key at the right edge."""
+        """The one line: keys from the left; the pane keys and the palette's key pinned at the right
+        edge (they stay when a narrow terminal leaves other keys out)."""
         width = self.size.width
         if self._strip is not None and self._strip[0] == width:
             return self._strip[1]
@@ -110,30 +144,37 @@ class StudioFooter(Widget):
         key_style = base + self.get_component_rich_style("studio-footer--key")
         text_style = base + self.get_component_rich_style("studio-footer--description")
         dim = Style(dim=True)
+        pinned_keys = (PANES_KEY, self.app.COMMAND_PALETTE_BINDING)
+        pinned = [entry for entry in self.entries if entry.key in pinned_keys]
+        keys = [entry for entry in self.entries if entry.key not in pinned_keys]
+
+        def piece(entry: FooterEntry) -> tuple[str, str, int]:
+            key_text, description = f" {entry.key_display} ", f"{entry.description} "
+            return key_text, description, cell_len(key_text) + cell_len(description)
+
+        pinned_width = sum(piece(entry)[2] for entry in pinned)
         segments: list[Segment] = []
         spans: list[tuple[int, int, FooterEntry]] = []
         x = 0
-        palette = self.entries[-1] if self.entries and self.entries[-1].key == self.app.COMMAND_PALETTE_BINDING \
-            else None
-        keys = self.entries[:-1] if palette else self.entries
-        pieces = [(entry, f" {entry.key_display} ", f"{entry.description} ") for entry in keys]
-        palette_piece = (f" {palette.key_display} ", f"{palette.description} ") if palette else None
-        palette_width = sum(cell_len(p) for p in palette_piece) if palette_piece else 0
-        for entry, key_text, description in pieces:
-            size = cell_len(key_text) + cell_len(description)
-            if x + size > width - palette_width:
-                break  # no room: the rightmost keys are left out rather than cut in half
+
+        def draw(entry: FooterEntry) -> None:
+            nonlocal x
+            key_text, description, size = piece(entry)
             extra = None if entry.enabled else dim
-            segments += [Segment(key_text, key_style + extra if extra else key_style),
-                         Segment(description, text_style + extra if extra else text_style)]
+            segments.extend([Segment(key_text, key_style + extra if extra else key_style),
+                             Segment(description, text_style + extra if extra else text_style)])
             spans.append((x, x + size, entry))
             x += size
-        if palette and palette_piece and x + palette_width <= width:
-            gap = width - x - palette_width
-            segments.append(Segment(" " * gap, base))
-            segments += [Segment(palette_piece[0], key_style), Segment(palette_piece[1], text_style)]
-            spans.append((width - palette_width, width, palette))
-            x = width
+
+        for entry in keys:
+            if x + piece(entry)[2] > width - pinned_width:
+                break  # no room: the rightmost keys are left out rather than cut in half
+            draw(entry)
+        if pinned and x + pinned_width <= width:
+            segments.append(Segment(" " * (width - x - pinned_width), base))
+            x = width - pinned_width
+            for entry in pinned:
+                draw(entry)
         strip = Strip(segments, x).extend_cell_length(width, base)
         self._spans = spans
         self._strip = (width, strip)
@@ -145,7 +186,7 @@ class StudioFooter(Widget):
     def on_click(self, event: events.Click) -> None:
         """A click on a key presses it."""
         entry = self._entry_at(event.x)
-        if entry is not None and entry.enabled:
+        if entry is not None and entry.enabled and entry.key != PANES_KEY:
             event.stop()
             self.app.simulate_key(entry.key)
 
