@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from studio.core import events as ev
 from studio.core import report
 from studio.core.config import ConfigError, RunConfig, load_config
+from studio.core.config_reader import error_lines
 from studio.core.multigpu import GpuCountError, plan_devices, requested_gpus
 from studio.core.runs import RunDir, create_run, find_run, iter_events, summarize
 from studio.core.storage import DiskFull, is_disk_full
@@ -170,7 +171,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         run, resume = _open_run(args)
     except (ConfigError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_lines(exc), file=sys.stderr)  # every mistake in the config, one line each
         return 2
     except DiskFull as exc:  # other OSErrors are worded by studio.cli (a folder under a file, ...)
         print(f"error: {exc}", file=sys.stderr)
