@@ -41,7 +41,7 @@ async def test_trl_pairs_are_named_and_train_as_prompt_then_answer(tmp_path, mon
 async def test_text_alone_is_raw_text_with_every_token_trained(tmp_path, monkeypatch):
     workdir(tmp_path, monkeypatch)
     write_rows(tmp_path / "docs.jsonl", [{"text": f"Chapter {i}. The river ran on."} for i in range(5)])
-    app = StudioApp(make_config(data="docs.jsonl"), settings=False)
+    app = StudioApp(make_config(data="docs.jsonl", max_len=8), settings=False)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         assert "raw text (continued pretraining: every token trained)" in _page_label(app)
@@ -50,6 +50,8 @@ async def test_text_alone_is_raw_text_with_every_token_trained(tmp_path, monkeyp
         assert app.query_one("#template-preset", Select).value == "text"
         counts = str(app.query_one("#template-counts", Static).render())
         assert "prompt 0 + response" in counts, "the whole document is response: every token is trained"
+        assert "blocks of data.max_seq_length (8) tokens train it; nothing is cut" in counts
+        assert "✂" not in counts
         assert "Chapter 0. The river ran on." in str(app.query_one("#template-render", Static).render())
 
 

@@ -266,9 +266,16 @@ class TemplatePane(Hosted, Vertical):
             self.query_one("#template-render", Static).update(
                 Content.from_markup("[b $error]cannot render this conversation:[/] $m", m=str(exc)))
             return
-        measured = measure(rendered, app.counter, config.data.max_seq_length, config.prompt.add_eos)
+        raw = config.prompt.template == prompts.RAW_TEXT
+        # Raw text is cut into blocks of max_seq_length tokens for training, never truncated.
+        measured = measure(rendered, app.counter, 1 << 30 if raw else config.data.max_seq_length,
+                           config.prompt.add_eos)
         where = f"row {selected[0]:,}" if selected else "example row (open a dataset to use yours)"
         counts = Content.from_markup("[b $accent]$where[/] · ", where=where) + count_line(measured, app.counter)
+        if raw and measured.total > config.data.max_seq_length:
+            blocks = -(-measured.total // config.data.max_seq_length)
+            counts += Content(f"\n{blocks} blocks of data.max_seq_length ({config.data.max_seq_length}) tokens "
+                              "train it; nothing is cut")
         if is_preference(config) and selected:
             # A DPO / ORPO row trains on two texts: the chosen answer's and the rejected one's.
             try:
