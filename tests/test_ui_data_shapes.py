@@ -45,6 +45,8 @@ async def test_text_alone_is_raw_text_with_every_token_trained(tmp_path, monkeyp
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         assert "raw text (continued pretraining: every token trained)" in _page_label(app)
+        # Documents longer than max_seq_length are cut into blocks, not truncated: lint has nothing to say.
+        assert "no problems found" in str(app.query_one("#lint-summary", Static).render())
         await pilot.press("2")
         await settle(pilot)
         assert app.query_one("#template-preset", Select).value == "text"
@@ -89,3 +91,20 @@ async def test_a_tool_call_shows_in_the_row_view(tmp_path, monkeypatch):
         await settle(pilot)
         shown = str(app.query_one("#dataset-row", Static).render())
         assert '→ calls get_weather({"city": "Paris"})' in shown and "3 tool" in shown
+
+
+async def test_conversational_pairs_lint_only_what_hurts_a_pair(tmp_path, monkeypatch):
+    """A pair's prompt ends with the user's turn on purpose: that is no turn-order finding."""
+    workdir(tmp_path, monkeypatch)
+    rows = [{"prompt": [{"role": "user", "content": f"Spell {w} loudly."}],
+             "chosen": [{"role": "assistant", "content": w.upper()}],
+             "rejected": [{"role": "assistant", "content": w.upper() if w == "river" else w}]}
+            for w in ("stone", "river", "cloud")]
+    write_rows(tmp_path / "chat_pairs.jsonl", rows)
+    config = make_config(data="chat_pairs.jsonl")
+    config.trainer.method = "orpo"
+    app = StudioApp(config, settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert "preference pairs (TRL conversational)" in _page_label(app)
+        assert [(i.kind, i.row) for i in app.query_one(DatasetPane).issues] == [("identical", 1)]

@@ -30,6 +30,7 @@ from textual.widgets.option_list import Option
 
 from studio.core import chat, shapes
 from studio.core import data as datalib
+from studio.core import prompt as prompts
 from studio.core.preference import is_preference, pair_lint
 from studio.ui.host import Hosted
 from studio.ui.messages import ConfigChanged, TokenizerChanged
@@ -448,9 +449,10 @@ class DatasetPane(Hosted, Vertical):
         app.call_from_thread(self._busy, "lint…", 0.6)
         try:
             template = _template_for_lint(config, counter)
+            raw = config.prompt.template == prompts.RAW_TEXT  # documents are cut into blocks, never too long
             issues = datalib.lint_rows(table.dataset, config.prompt.response_field,
                                        columns=config.data.columns, tokenize=tokenize,
-                                       max_seq_length=config.data.max_seq_length, template=template,
+                                       max_seq_length=None if raw else config.data.max_seq_length, template=template,
                                        add_eos=config.prompt.add_eos, chat_template=counter.chat_template)
             if is_preference(config):
                 issues = pair_lint(table.dataset, config, issues)
@@ -573,8 +575,6 @@ def _call_text(call: Any) -> str:
 
 def _template_for_lint(config: Any, counter: Any) -> str | None:
     """The literal template rows are rendered through for length lint; None if it cannot resolve."""
-    from studio.core import prompt as prompts
-
     try:
         return prompts.resolve_template(config.prompt, counter.chat_template,
                                         eos_token=counter.eos_token or "")
