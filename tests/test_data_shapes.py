@@ -247,3 +247,33 @@ def test_raw_text_trains_packed_with_every_token_in_the_loss(tiny_model: Path, t
     assert len(losses) == 4 and all(loss > 0 for loss in losses)
     info = load_tokenizer_info(str(tiny_model))
     assert info.eos_id in {i for e in session.data.train for i in e.input_ids}, "documents end with EOS"
+
+
+def test_the_run_records_the_prompt_settings_its_data_trains_with(tmp_path: Path, tiny_model: Path) -> None:
+    """`studio train` writes the shape's prompt settings into runs/<id>/config.yaml (exports read the
+    template from it); the worker reading that config back finds the same shape."""
+    import argparse
+
+    from studio.core.runs import create_run
+    from studio.worker.cli_train import prepare_config
+
+    _write(tmp_path / "pairs.jsonl", STANDARD)
+    (tmp_path / "run.yaml").write_text(f"model:\n  base_model: {tiny_model}\ndata:\n  path: pairs.jsonl\n"
+                                       f"trainer:\n  method: dpo\noutput_dir: {tmp_path / 'runs'}\n")
+    config, _ = prepare_config(argparse.Namespace(config=str(tmp_path / "run.yaml")))
+    saved = create_run(config).config()
+    assert (saved.prompt.template, saved.prompt.response_field) == ("{prompt}{chosen}", "chosen")
+    again = load_splits(saved)
+    assert again.shape.label == "preference pairs (TRL standard)" and again.shape.adapt(saved) == saved
+
+
+@pytest.mark.parametrize("template", ["alpaca", "chat"])
+def test_a_config_adapted_to_its_pairs_reads_them_the_same_again(tmp_path: Path, template: str) -> None:
+    config = RunConfig()
+    config.data.path, config.trainer.method = str(_write(tmp_path / "pairs.jsonl", STANDARD)), "dpo"
+    config.prompt.template = template
+    first = load_splits(config)
+    adapted = first.shape.adapt(config)
+    again = load_splits(adapted)
+    assert again.shape.label == first.shape.label == "preference pairs (TRL standard)"
+    assert again.shape.adapt(adapted) == adapted and again.train == first.train

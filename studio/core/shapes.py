@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from studio.core import chat as chats
@@ -95,10 +96,14 @@ def shape_of(names: list[str], first: Callable[[str], Any], config: RunConfig) -
         return columns.get(field, field)
 
     if is_preference(config):
-        if preset and prompt.template != RAW_TEXT and column("instruction") not in names:
+        # The preset's prompt field is no column of the data, or is TRL's prompt (adapted already).
+        if preset and prompt.template != RAW_TEXT and (column("instruction") not in names
+                                                       or column("instruction") == column(TRL_PROMPT)):
             trl = _trl_pairs(names, first, config)
             if trl is not None:
                 return trl
+        if prompt.template == TRL_STANDARD_TEMPLATE.replace("{chosen}", "{" + prompt.response_field + "}"):
+            return DataShape(PAIRS, "preference pairs (TRL standard)")  # adapted already (a run's config)
         return DataShape(PAIRS, "preference pairs")
     if prompt.template == RAW_TEXT or (preset and column(TEXT) in names and column("instruction") not in names
                                        and column(prompt.response_field) not in names
@@ -140,6 +145,21 @@ def _trl_pairs(names: list[str], first: Callable[[str], Any], config: RunConfig)
     template = TRL_STANDARD_TEMPLATE.replace("{chosen}", "{" + chosen + "}")
     settings = dataclasses.replace(prompt, template=template, response_field=chosen, rejected_field=rejected)
     return DataShape(PAIRS, label, settings, {**columns, TRL_PROMPT: prompt_column}, implicit_prompt=implicit)
+
+
+def adapt_to_data(config: RunConfig, base_dir: str | Path | None = None) -> RunConfig:
+    """``config`` with the prompt settings its data's shape brings, for the run's config.yaml to
+    record what trains (exports read the template from it); unchanged when the data cannot be read
+    here (the worker then says why, in its one line)."""
+    from studio.core.dataload import DataError, load_table
+
+    if not config.data.path:
+        return config
+    try:
+        table = load_table(config.data.path, config.data.hub_split, base_dir)
+    except (DataError, OSError, ValueError):
+        return config
+    return detect(table, config).adapt(config)
 
 
 def describe(shape: DataShape, config: RunConfig) -> str:

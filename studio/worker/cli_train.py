@@ -36,8 +36,11 @@ from studio.worker.launch import become_worker
 
 
 def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
-    """The config with the command line's overrides applied and the data path made absolute."""
+    """The config with the command line's overrides applied, the data path made absolute and, for
+    data that brings its own prompt settings (TRL's preference shapes, raw text: core/shapes.py),
+    those settings, so that the run's config.yaml says what trains."""
     from studio.core.data import resolve_path
+    from studio.core.shapes import adapt_to_data
 
     config = load_config(args.config)
     base_dir = Path(args.config).resolve().parent
@@ -57,6 +60,8 @@ def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
         if found is not None:
             # The run's saved config must work from any directory.
             config.data.path = str(found.resolve())
+    # TRL's preference shapes and raw text bring their own prompt settings: the run records them.
+    config = adapt_to_data(config, base_dir)
     return config, base_dir
 
 
