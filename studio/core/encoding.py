@@ -33,10 +33,6 @@ if TYPE_CHECKING:
     from studio.core.config import RunConfig
     from studio.core.tokens import TokenizerInfo
 
-IGNORED = -100
-"""The label of a token that takes no loss (studio/engine/batching.py's IGNORE_INDEX is the same)."""
-
-
 @dataclass(frozen=True)
 class Vocab:
     """What encoding needs of a tokenizer."""
@@ -133,7 +129,7 @@ class RowEncoder:
 def trained_tokens(encoded: prompts.Encoded) -> int:
     """Tokens of an example that take loss. The first token never does: nothing before it in the
     example predicts it (studio/engine/batching.py's collate drops its label)."""
-    return sum(1 for label in encoded.labels[1:] if label != IGNORED)
+    return sum(1 for label in encoded.labels[1:] if label != -100)  # -100: no loss (prompt.encode's labels)
 
 
 TEMPLATE, TOKENIZER, TRUNCATION = "template", "tokenizer", "truncation"

@@ -243,10 +243,6 @@ class Session:
                       getattr(tok, "chat_template", None))
         return RowEncoder(self.config, vocab, kind)
 
-    def _template(self) -> str:
-        """``prompt.template`` with a preset replaced by its text (``chat``: the tokenizer's template)."""
-        return self.row_encoder().template
-
     def chat_renderer(self) -> Any:
         """The tokenizer's chat template as a :class:`~studio.core.chat.ChatRenderer` (made once)."""
         from studio.core.chat import ChatRenderer
