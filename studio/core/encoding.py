@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from studio.core.config import RunConfig
     from studio.core.tokens import TokenizerInfo
 
+
 @dataclass(frozen=True)
 class Vocab:
     """What encoding needs of a tokenizer."""
