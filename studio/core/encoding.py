@@ -11,9 +11,9 @@ or the estimator reads the data without a model. A row gives a list of examples:
   (nothing is dropped, as continued pretraining wants; packing then fills rows with the blocks).
 
 And the check that keeps a run from training on nothing: :func:`untrained` finds rows whose
-examples carry no trained token and says why (the template leaves no response, the tokenizer
-encodes the text to nothing, truncation cuts the response off); :func:`refusal` words the one
-line a run is refused with when all or most training rows are such.
+examples carry no trained token and says why (the template leaves no response, or the tokenizer
+encodes the text to nothing); :func:`refusal` words the one line a run is refused with when all or
+most training rows are such.
 
 Plain Python: the UI imports this.
 """
@@ -133,14 +133,15 @@ def trained_tokens(encoded: prompts.Encoded) -> int:
     return sum(1 for label in encoded.labels[1:] if label != -100)  # -100: no loss (prompt.encode's labels)
 
 
-TEMPLATE, TOKENIZER, TRUNCATION = "template", "tokenizer", "truncation"
-"""Why a row trains nothing: the template leaves it no response, the tokenizer encodes its text to
-no tokens, or data.max_seq_length cuts its response off."""
+TEMPLATE, TOKENIZER = "template", "tokenizer"
+"""Why a row trains nothing: the template leaves it no response, or the tokenizer encodes its text
+to no tokens. Truncation never is: past data.max_seq_length an example loses its prompt's start
+before its whole response (prompt.encode, chat.encode_turns), and raw text is cut into blocks."""
 
 
 def why_untrained(rendered: prompts.Rendered, examples: Sequence[prompts.Encoded], encoder: RowEncoder
                   ) -> str | None:
-    """Why one rendered text trains nothing (``template``, ``tokenizer`` or ``truncation``), or None
+    """Why one rendered text trains nothing (``template`` or ``tokenizer``), or None
     when ``examples`` (its encoding) train on a token of its text. The EOS appended after a
     response does not count: a row whose answer encodes to nothing but that EOS learns nothing of it."""
     v = encoder.vocab
@@ -158,10 +159,6 @@ def why_untrained(rendered: prompts.Rendered, examples: Sequence[prompts.Encoded
         said = rendered.response
     if not said.strip():
         return TEMPLATE
-    if not v.tokenize(rendered.text) or not v.tokenize(said):
-        return TOKENIZER
-    if any(e.truncated for e in examples):
-        return TRUNCATION
     return TOKENIZER
 
 
@@ -215,12 +212,9 @@ def refusal(found: Untrained, config: RunConfig, source: str) -> str:
                        if p.template != "chat" else " (no assistant turn)"),
                    "check prompt.template, prompt.response_field and data.columns (the template pane "
                    "marks such rows)"),
-        TRUNCATION: ("data.max_seq_length ({max}) cuts the response off {n}",
-                     "raise data.max_seq_length or shorten the prompts"),
     }
     order = [r for r, _n in found.reasons.most_common()]
-    causes = ", ".join(why[r][0].format(n=f"{found.reasons[r]:,}", max=config.data.max_seq_length)
-                       for r in order)
+    causes = ", ".join(why[r][0].format(n=f"{found.reasons[r]:,}") for r in order)
     advice = "; ".join(why[r][1] for r in order)
     every = "all" if found.count == found.total else f"{found.count:,}"
     return (f"{source}: {every} of the {found.total:,} training rows would train on no token ({causes}), "
