@@ -251,11 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(missing, file=sys.stderr)
         return 1
     from studio.core.config import ConfigError
+    from studio.core.config_reader import error_lines
 
     try:
         return _run(_HANDLERS[command], args)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_lines(exc), file=sys.stderr)  # every mistake in the config, one line each
         return 2
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -163,6 +163,37 @@ def test_a_byte_order_mark_in_data_is_not_part_of_the_first_column(corpus, capsy
     assert "instruction, input, output" in out
 
 
+# Several mistakes in one config: each is its own line (file, line, key), all in one run.
+MANY_MISTAKES = {
+    "four_mistakes.yaml": [["line 2", "'quantization.bits' is 3", "choose one of"],
+                           ["line 4", "'trainer.learning_rate'", "it is -1.0"],
+                           ["line 5", "'trainer.micro_batch_size'", "it is 0"],
+                           ["line 6", "unknown key 'trainer.epocs'", "did you mean 'epochs'"]],
+    # issue 41's Ludwig config: bits 3, learning rate -1, batch size 0 and no adapter
+    "ludwig_four_mistakes.yaml": [["line 3", "without 'adapter'", "add 'adapter: {type: lora}'"],
+                                  ["line 4", "'quantization.bits' is 3"],
+                                  ["line 7", "'trainer.learning_rate'", "it is -1.0"],
+                                  ["line 8", "it is 0", "'trainer.batch_size'"]],
+}
+
+
+@pytest.mark.parametrize("command", ["config dump", "config check", "train"])
+@pytest.mark.parametrize("name", sorted(MANY_MISTAKES))
+def test_every_mistake_in_a_config_is_its_own_line_in_one_run(corpus, capsys, command, name):
+    before = _snapshot(corpus)
+    assert cli_main([*command.split(), name]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    expected = MANY_MISTAKES[name]
+    assert len(lines) == len(expected), err
+    for line, texts in zip(lines, expected, strict=True):
+        assert line.startswith(f"error: {name}: line "), line
+        for text in texts:
+            assert text in line, (text, line)
+    assert out == ""
+    assert _snapshot(corpus) == before
+
+
 def test_a_byte_order_mark_in_a_config_is_accepted(corpus, capsys):
     assert cli_main(["config", "dump", "bom_config.yaml"]) == 0
     assert "epochs: 2.0" in capsys.readouterr().out

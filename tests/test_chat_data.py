@@ -77,7 +77,7 @@ def test_lint_names_empty_turns_wrong_order_and_long_conversations(tmp_path: Pat
     late = next(i for i in issues if i.row == 3)
     assert "turn 2 is a system turn" in late.message
     unknown = next(i for i in issues if i.row == 5)
-    assert "'narrator'" in unknown.message and "system, user or assistant" in unknown.message
+    assert "'narrator'" in unknown.message and "system, user, assistant or tool" in unknown.message
 
 
 def test_held_out_table_labels_a_conversation_by_its_last_question() -> None:

@@ -163,3 +163,65 @@ def test_a_range_error_in_a_ludwig_config_names_the_line_of_ludwigs_key():
     text = SAVED_BY_LUDWIG.replace("      type: lora\n", "      type: lora\n      dropout: 1.5\n")
     with pytest.raises(ConfigError, match=r"^x.yaml: line 6: 'lora.dropout' must be in \[0, 1\)"):
         _parse(text)
+
+
+LUDWIG_DPO = """\
+    ludwig_version: 0.16.0
+    model_type: llm
+    base_model: HuggingFaceTB/SmolLM2-135M-Instruct
+    adapter:
+      type: dora
+      r: 16
+    input_features:
+      - name: prompt
+        type: text
+    output_features:
+      - name: chosen
+        type: text
+    trainer:
+      type: dpo
+      dpo_beta: 0.25
+      dpo_loss_type: sigmoid
+      dpo_label_smoothing: 0.0
+      rejected_column: worse
+      learning_rate: 0.00005
+      model_soup: null
+    """
+
+
+def test_ludwig_016_dpo_and_dora_map_to_studios_keys_with_a_note_each():
+    """Key names from Ludwig 0.16's schema (ludwig/schema/trainer.py: DPOTrainerConfig, ORPOTrainerConfig)."""
+    config, notes = _parse(LUDWIG_DPO)
+    assert (config.trainer.method, config.trainer.beta) == ("dpo", 0.25)
+    assert (config.prompt.response_field, config.prompt.rejected_field) == ("chosen", "worse")
+    assert config.prompt.template == "{prompt}\n{chosen}"
+    assert config.lora.use_dora and (config.lora.r, config.lora.alpha) == (16, 32)  # Ludwig's alpha: 2 r
+    assert "x.yaml: line 5: Ludwig's 'adapter.type: dora' is read as Studio's 'lora.use_dora: true'" in notes[0]
+    expected = {"line 14": "'trainer.type: dpo' is read as Studio's 'trainer.method: dpo'",
+                "line 15": "'trainer.dpo_beta' is read as Studio's 'trainer.beta'",
+                "line 18": "'trainer.rejected_column' is read as Studio's 'prompt.rejected_field'"}
+    for line, text in expected.items():
+        assert any(n.startswith(f"x.yaml: {line}: ") and text in n for n in notes), (line, notes)
+
+
+def test_ludwig_016_orpo_maps_its_beta():
+    text = LUDWIG_DPO.replace("type: dpo", "type: orpo").replace("dpo_beta", "orpo_beta")
+    text = text.replace("      dpo_loss_type: sigmoid\n      dpo_label_smoothing: 0.0\n", "")
+    config, notes = _parse(text)
+    assert (config.trainer.method, config.trainer.beta, config.prompt.rejected_field) == ("orpo", 0.25, "worse")
+    assert any("'trainer.orpo_beta' is read as Studio's 'trainer.beta'" in n for n in notes)
+
+
+def test_ludwig_dpo_variants_studio_does_not_train_are_refused_all_at_once():
+    text = LUDWIG_DPO.replace("dpo_loss_type: sigmoid", "dpo_loss_type: ipo").replace(
+        "dpo_label_smoothing: 0.0", "dpo_label_smoothing: 0.1")
+    with pytest.raises(ConfigError) as caught:
+        _parse(text.replace("dpo_beta: 0.25", "orpo_beta: 0.25"))
+    problems = caught.value.problems
+    assert [p.split(":")[1].strip() for p in problems] == ["line 15", "line 16", "line 17"], problems
+    assert "unknown key 'trainer.orpo_beta': did you mean 'dpo_beta'?" in problems[0]
+    assert "'trainer.dpo_loss_type' is 'ipo'" in problems[1] and "sigmoid" in problems[1]
+    assert "'trainer.dpo_label_smoothing' is 0.1" in problems[2]
+    with pytest.raises(ConfigError, match=r"line 14: 'trainer.type' is 'kto'; Studio trains Ludwig's finetune, dpo"):
+        _parse(LUDWIG_DPO.replace("type: dpo", "type: kto").replace("      dpo_loss_type: sigmoid\n", "")
+               .replace("      dpo_label_smoothing: 0.0\n", "").replace("      dpo_beta: 0.25\n", ""))

@@ -270,11 +270,11 @@ def test_empty_dataset(tmp_path, name, text):
 
 
 def test_unsupported_extension_lists_the_supported_ones(tmp_path):
-    path = tmp_path / "rows.txt"
-    path.write_text("hello\n")
+    path = tmp_path / "rows.xml"
+    path.write_text("<rows/>\n")
     with pytest.raises(DataError) as err:
         load_table(path)
-    assert_one_line(err, str(path), "'.txt'", ".jsonl", ".parquet", "save_to_disk")
+    assert_one_line(err, str(path), "'.xml'", ".jsonl", ".parquet", ".txt", "save_to_disk")
 
 
 def test_bad_split_value_names_row_and_column(tmp_path):

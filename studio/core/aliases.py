@@ -46,11 +46,14 @@ Note = Callable[[tuple[str, ...], tuple[str, ...], str], None]
 """note(where the key was written, where Studio reads it, message)."""
 
 
-def apply(raw: dict[str, Any], sections: set[str], note: Note, fail: Callable[[tuple[str, ...], str], Exception]
-          ) -> dict[str, Any]:
+Report = Callable[[tuple[str, ...], str], None]
+"""report(where the key was written, message): a problem, recorded while reading goes on."""
+
+
+def apply(raw: dict[str, Any], sections: set[str], note: Note, report: Report) -> dict[str, Any]:
     """``raw`` (Studio layout) with aliased keys renamed to Studio's; ``note`` hears each rename.
 
-    ``fail(path, message)`` builds the error raised when a key is given under both names.
+    ``report(path, message)`` hears a key given under both names (Studio's is kept).
     """
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     for key in list(out):
@@ -61,7 +64,7 @@ def apply(raw: dict[str, Any], sections: set[str], note: Note, fail: Callable[[t
                 target = out[section] = {}
             if not isinstance(target, dict):
                 continue  # config.py reports the section that is not a mapping
-            _move(target, name, out.pop(key), (key,), (section, name), note, fail)
+            _move(target, name, out.pop(key), (key,), (section, name), note, report)
     for section in sections:
         body = out.get(section)
         if not isinstance(body, dict):
@@ -69,7 +72,7 @@ def apply(raw: dict[str, Any], sections: set[str], note: Note, fail: Callable[[t
         for key in list(body):
             if key in ALIASES and ALIASES[key][0] == section and ALIASES[key][1] != key:
                 name = ALIASES[key][1]
-                _move(body, name, body.pop(key), (section, key), (section, name), note, fail)
+                _move(body, name, body.pop(key), (section, key), (section, name), note, report)
         for (vsection, vkey), names in VALUES.items():
             value = body.get(vkey) if vsection == section else None
             if isinstance(value, str) and value in names:
@@ -80,9 +83,10 @@ def apply(raw: dict[str, Any], sections: set[str], note: Note, fail: Callable[[t
 
 
 def _move(target: dict[str, Any], name: str, value: Any, old: tuple[str, ...], new: tuple[str, ...],
-          note: Note, fail: Callable[[tuple[str, ...], str], Exception]) -> None:
+          note: Note, report: Report) -> None:
     dotted_old, dotted_new = ".".join(old), ".".join(new)
     if name in target:
-        raise fail(old, f"'{dotted_old}' and '{dotted_new}' are the same setting; keep one ('{dotted_new}')")
+        report(old, f"'{dotted_old}' and '{dotted_new}' are the same setting; keep one ('{dotted_new}')")
+        return
     target[name] = value
     note(old, new, f"'{dotted_old}' is read as Studio's '{dotted_new}'")

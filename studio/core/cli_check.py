@@ -1,8 +1,12 @@
 """`studio config check CONFIG [--data PATH]`: read the config, the data and the template, load no model.
 
-Everything `studio train` would refuse before the model loads, found in a second or two and without
-making a run folder: the config's keys and ranges, the data file (encoding, format, columns, split),
-and the template against the data's columns. Plain Python (no torch).
+Everything `studio train` would refuse before the model loads, found in seconds and without making
+a run folder: the config's keys and ranges (every mistake at once), the data file (encoding,
+format, columns, split), what the data holds (studio/core/shapes.py: instruction rows,
+conversations, TRL's preference pairs, raw text), the template against the data's columns, and,
+with the model's tokenizer on this machine (core/tokens.py, no torch), the training rows that would
+train on no token: counted always, refused as the run would refuse them when all or most are such.
+Plain Python (no torch).
 """
 
 from __future__ import annotations
@@ -10,15 +14,18 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from studio.core.config import ConfigError, load_config
+from studio.core.config import ConfigError, RunConfig, load_config
+
+if TYPE_CHECKING:
+    from studio.core.datasplit import Splits
 
 
 def main(args: argparse.Namespace) -> int:
     """Handler for ``studio config check``: 0 and a summary when training could start, else 2 and
-    one line naming the file, line or key."""
-    from studio.core import prompt
-    from studio.core.chat import is_chat_row
+    one line a problem naming the file, line or key."""
+    from studio.core import prompt, shapes
     from studio.core.data import DataError, load_splits, template_fields_for
 
     config = load_config(args.config)
@@ -30,16 +37,46 @@ def main(args: argparse.Namespace) -> int:
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    fields, _optional = template_fields_for(config)
-    if config.prompt.template not in prompt.PRESETS:
-        errors = [i for i in prompt.lint_template(config.prompt.template, fields, config.prompt.response_field,
-                                                  config.prompt.add_eos) if i.severity == "error"]
+    adapted = splits.shape.adapt(config)
+    fields, _optional = template_fields_for(adapted)
+    if adapted.prompt.template not in prompt.PRESETS:
+        errors = [i for i in prompt.lint_template(adapted.prompt.template, fields, adapted.prompt.response_field,
+                                                  adapted.prompt.add_eos) if i.severity == "error"]
         if errors:
             raise ConfigError(f"{args.config}: prompt.template: {errors[0].message}")
+    tokens = _trained_tokens(args.config, adapted, splits)
+    if tokens is None:
+        return 2
     counts = splits.counts()
-    chat = bool(splits.train) and is_chat_row(splits.train[0])
-    rendered = ("conversations through the model's chat template" if chat
-                else f"template fields {', '.join(fields)}")
     print(f"{args.config}: ok: {counts['train']} training, {counts['validation']} validation and "
-          f"{counts['test']} test rows from {config.data.path}; {rendered}")
+          f"{counts['test']} test rows from {config.data.path}; {shapes.describe(splits.shape, config)}")
+    print(tokens)
     return 0
+
+
+def _trained_tokens(source: str, config: RunConfig, splits: Splits) -> str | None:
+    """The line on the training rows that would train on no token, counted with the model's
+    tokenizer when this machine has it; None (the run's own refusal printed) when all or most would."""
+    from studio.core import encoding
+    from studio.core.prompt import TemplateError
+    from studio.core.tokens import TokenizerNotFound, load_tokenizer_info
+
+    model = config.model
+    try:
+        info = load_tokenizer_info(model.base_model, model.revision)
+    except (TokenizerNotFound, OSError, ValueError) as exc:
+        return f"{source}: trained tokens not counted: {str(exc).splitlines()[0]}"
+    encoder = encoding.RowEncoder(config, encoding.Vocab.of(info), splits.shape.kind)
+    try:
+        found = encoding.untrained(splits.train, encoder)
+    except TemplateError as exc:
+        print(f"error: {config.data.path}: {exc}", file=sys.stderr)
+        return None
+    if found.refused:
+        print(f"error: {encoding.refusal(found, config, str(config.data.path))}", file=sys.stderr)
+        return None
+    if found.count:
+        reasons = ", ".join(f"{n:,} by the {why}" for why, n in found.reasons.most_common())
+        return (f"{source}: {found.count:,} of {found.total:,} training rows train on no token ({reasons}; "
+                f"the first is training row {found.rows[0]}); too few to refuse the run, they only cost time")
+    return f"{source}: every training row trains on at least one token (counted with {model.base_model}'s tokenizer)"

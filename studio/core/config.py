@@ -401,16 +401,19 @@ _RANGES: list[tuple[str, str, typing.Callable[[Any], bool], str]] = [
 ]
 
 
-def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines | None = None) -> RunConfig:
+def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines | None = None,
+             reader: Reader | None = None) -> RunConfig:
     """Check values a type cannot: choices, ranges, finite numbers and the template's syntax.
-    Returns the config, or raises ConfigError naming the key (and its line when ``lines`` has it)."""
-    reader = Reader(source, lines or {})
+    Returns the config, or raises one ConfigError listing every problem, each naming the key (and
+    its line when ``lines`` has it). ``reader`` (parse_config's) adds the problems it has already
+    found, so that one ConfigError holds them all."""
+    reader = reader or Reader(source, lines or {})
     _check_auto(config, reader)
     for (section, key), allowed in _CHOICES.items():
         value = getattr(getattr(config, section), key)
         if value not in allowed:
             shown = ", ".join("null" if a is None else str(a) for a in allowed)
-            raise reader.fail((section, key), f"'{section}.{key}' is {value!r}; choose one of {shown}")
+            reader.report((section, key), f"'{section}.{key}' is {value!r}; choose one of {shown}")
     for section, key, ok, rule in _RANGES:
         if getattr(config, section) is None:
             continue  # lora: null (full fine-tuning)
@@ -418,39 +421,41 @@ def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines |
         if value is None:
             continue
         if isinstance(value, float) and not math.isfinite(value):
-            raise reader.fail((section, key), f"'{section}.{key}' must be a finite number {rule}; it is {value}")
-        if not ok(value):
-            raise reader.fail((section, key), f"'{section}.{key}' must be {rule}; it is {value!r}")
-    if config.data.val_fraction + config.data.test_fraction >= 1:
-        raise reader.fail(("data", "val_fraction"),
-                          "'data.val_fraction' + 'data.test_fraction' must be below 1 (some rows must train)")
+            reader.report((section, key), f"'{section}.{key}' must be a finite number {rule}; it is {value}")
+        elif not ok(value):
+            reader.report((section, key), f"'{section}.{key}' must be {rule}; it is {value!r}")
+    if config.data.val_fraction + config.data.test_fraction >= 1 and not reader.reported(("data", "val_fraction")) \
+            and not reader.reported(("data", "test_fraction")):
+        reader.report(("data", "val_fraction"),
+                      "'data.val_fraction' + 'data.test_fraction' must be below 1 (some rows must train)")
     for section, key in (("model", "base_model"), ("prompt", "template"), ("output_dir", "")):
         value = getattr(config, section) if not key else getattr(getattr(config, section), key)
         if not str(value).strip():
             dotted = f"{section}.{key}" if key else section
-            raise reader.fail((section, key) if key else (section,), f"'{dotted}' is empty; give a value")
+            reader.report((section, key) if key else (section,), f"'{dotted}' is empty; give a value")
     if not _FIELD_NAME.fullmatch(config.prompt.response_field):
-        raise reader.fail(("prompt", "response_field"), f"'prompt.response_field' is "
-                          f"{config.prompt.response_field!r}; use a name of letters, digits and _ "
-                          "(map a column named otherwise with data.columns)")
+        reader.report(("prompt", "response_field"), f"'prompt.response_field' is "
+                      f"{config.prompt.response_field!r}; use a name of letters, digits and _ "
+                      "(map a column named otherwise with data.columns)")
     if config.trainer.method != "sft" and (config.prompt.rejected_field == config.prompt.response_field
                                            or not _FIELD_NAME.fullmatch(config.prompt.rejected_field)):
-        raise reader.fail(("prompt", "rejected_field"), (
+        reader.report(("prompt", "rejected_field"), (
             f"'prompt.rejected_field' is {config.prompt.rejected_field!r} and 'prompt.response_field' is "
             f"{config.prompt.response_field!r}; a {config.trainer.method} run needs two different fields, "
             "e.g. response_field: chosen, rejected_field: rejected"))
     for name, column in config.data.columns.items():
         if not _FIELD_NAME.fullmatch(name) or not column.strip():
-            raise reader.fail(("data", "columns", name), f"'data.columns' maps {name!r} to {column!r}; "
-                              "write template_field: column_name (field names are letters, digits and _)")
+            reader.report(("data", "columns", name), f"'data.columns' maps {name!r} to {column!r}; "
+                          "write template_field: column_name (field names are letters, digits and _)")
     gpus = config.distributed.gpus
     if isinstance(gpus, str) and gpus.strip().lower() in ("all", *(str(n) for n in range(1, 1025))):
         gpus = config.distributed.gpus = gpus.strip().lower() if not gpus.strip().isdigit() else int(gpus)
     if not (gpus == "all" or (isinstance(gpus, int) and gpus >= 1)):
-        raise reader.fail(("distributed", "gpus"), f"'distributed.gpus' is {gpus!r}; give a number of GPUs "
-                          "(1 or more) or 'all'")
+        reader.report(("distributed", "gpus"), f"'distributed.gpus' is {gpus!r}; give a number of GPUs "
+                      "(1 or more) or 'all'")
     _check_full_finetune(config, reader)
     _check_template(config, reader)
+    reader.check()
     return config
 
 
@@ -459,19 +464,21 @@ def _check_full_finetune(config: RunConfig, reader: Reader) -> None:
     if not config.full_finetune:
         return
     bits = config.quantization.bits
-    if bits is not None:
-        raise reader.fail(("quantization", "bits"), (
+    # A bits value that is no choice at all, or a Ludwig config already told it lacks an adapter,
+    # has its line already.
+    if bits is not None and not reader.reported(("quantization", "bits")) and not reader.reported(("adapter",)):
+        reader.report(("quantization", "bits"), (
             f"'quantization.bits' is {bits} but 'lora' is null (full fine-tuning): {bits}-bit weights cannot "
             "take gradients; set quantization.bits: null to train every weight, or give a lora section "
             "(QLoRA)"))
     if config.trainer.method != "sft":
-        raise reader.fail(("trainer", "method"), (
+        reader.report(("trainer", "method"), (
             f"'trainer.method' is {config.trainer.method} but 'lora' is null (full fine-tuning): preference "
             "runs compare against the base with the adapter switched off; give a lora section, or use "
             "trainer.method: sft"))
     gpus = config.distributed.gpus
     if gpus != 1:
-        raise reader.fail(("distributed", "gpus"), (
+        reader.report(("distributed", "gpus"), (
             f"'distributed.gpus' is {gpus!r} but 'lora' is null (full fine-tuning): Studio trains a full "
             "fine-tune on one GPU (each GPU would hold every weight, gradient and optimizer state); set "
             "distributed.gpus: 1, or give a lora section"))
@@ -490,9 +497,11 @@ def _check_auto(config: RunConfig, reader: Reader) -> None:
     if isinstance(t.gradient_checkpointing, str):
         text = t.gradient_checkpointing.strip().lower()
         if text != AUTO:
-            raise reader.fail(("trainer", "gradient_checkpointing"), (
+            reader.report(("trainer", "gradient_checkpointing"), (
                 f"'trainer.gradient_checkpointing' is {t.gradient_checkpointing!r}; write true, false or auto"))
-        t.gradient_checkpointing = text
+            t.gradient_checkpointing = AUTO
+        else:
+            t.gradient_checkpointing = text
 
 
 def _check_template(config: RunConfig, reader: Reader) -> None:
@@ -505,7 +514,7 @@ def _check_template(config: RunConfig, reader: Reader) -> None:
         return
     problems = syntax_issues(template)
     if problems:
-        raise reader.fail(("prompt", "template"), f"'prompt.template': {problems[0].message}")
+        reader.report(("prompt", "template"), f"'prompt.template': {problems[0].message}")
 
 
 def parse_config(text: str, source: str = "config") -> RunConfig:
@@ -536,9 +545,9 @@ def parse_config(text: str, source: str = "config") -> RunConfig:
             lines.rename(old, new)
             reader.note(old, message)
 
-        raw = aliases.apply(raw, set(_SECTIONS), note, reader.fail)
+        raw = aliases.apply(raw, set(_SECTIONS), note, reader.report)
     config = reader.build(RunConfig, raw, ())
-    return validate(config, source, reader.lines)
+    return validate(config, source, reader.lines, reader)
 
 
 _NO_ADAPTER = (None, False, "none", "null", "full")
@@ -561,10 +570,11 @@ def _full_finetune_spelling(raw: dict[str, Any], reader: Reader) -> None:
         return
     from studio.core import aliases
 
-    for key in raw:
+    for key in list(raw):
         if aliases.ALIASES.get(key, ("",))[0] == "lora":
-            raise reader.fail((key,), f"'{key}' sets a LoRA option but 'lora' is null (full fine-tuning: no "
-                              "adapter); remove it, or give a lora section")
+            reader.report((key,), f"'{key}' sets a LoRA option but 'lora' is null (full fine-tuning: no "
+                          "adapter); remove it, or give a lora section")
+            del raw[key]
     raw["lora"] = None
     quantization = raw.get("quantization")
     if quantization is None:

@@ -4,6 +4,11 @@
 lists, mappings, optional values, nested dataclasses), refusing unknown keys with the nearest known
 one. :mod:`studio.core.config` defines the dataclasses and checks their values; this module only
 knows how to read them.
+
+A config's mistakes are all reported at once: :meth:`Reader.report` records one and reading goes on
+(a key that cannot be read keeps its default), and :meth:`Reader.check` raises one
+:class:`ConfigError` holding every problem, one line each. Only what stops reading altogether (YAML
+that does not parse) is raised on the spot.
 """
 
 from __future__ import annotations
@@ -16,7 +21,20 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A config problem a person can fix; the message names the file, line and key."""
+    """Config problems a person can fix, one line each naming the file, line and key.
+
+    ``ConfigError("x.yaml: line 2: ...")`` is one problem; a list gives several (``str()`` joins them
+    with newlines; :attr:`problems` keeps them apart for a front end that prefixes each line).
+    """
+
+    def __init__(self, problems: str | list[str]):
+        self.problems: list[str] = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+def error_lines(exc: BaseException) -> str:
+    """``error: ...`` for each line of an error (each problem of a ConfigError), as the CLI prints it."""
+    return "\n".join(f"error: {line}" for line in (str(exc).splitlines() or [""]))
 
 
 class ConfigNote(UserWarning):
@@ -30,6 +48,7 @@ class KeyLines:
 
     def __init__(self, lines: dict[tuple[str, ...], int] | None = None) -> None:
         self._lines = dict(lines or {})
+        self._origins: dict[tuple[str, ...], tuple[str, ...]] = {}
 
     def get(self, path: tuple[str, ...], default: int | None = None) -> int | None:
         return self._lines.get(path, default)
@@ -38,6 +57,16 @@ class KeyLines:
         """Errors about ``new`` point at the line where ``old`` was written."""
         if old in self._lines:
             self._lines.setdefault(new, self._lines[old])
+        self._origins.setdefault(new, self.origin(old))
+
+    def point(self, path: tuple[str, ...], at: tuple[str, ...]) -> None:
+        """Errors about ``path`` (a key the file does not write) point at the line of ``at``."""
+        if at in self._lines:
+            self._lines.setdefault(path, self._lines[at])
+
+    def origin(self, path: tuple[str, ...]) -> tuple[str, ...]:
+        """The key as the file wrote it (an alias or Ludwig's name) for Studio's ``path``."""
+        return self._origins.get(path, path)
 
 
 class Reader:
@@ -46,6 +75,8 @@ class Reader:
     def __init__(self, source: str, lines: dict[tuple[str, ...], int] | KeyLines):
         self.source = source
         self.lines = lines
+        self._problems: list[tuple[int, int, str]] = []
+        self._reported: set[tuple[str, ...]] = set()
 
     def note(self, path: tuple[str, ...], message: str) -> None:
         """Tell the person something about a key without refusing the config (see :class:`ConfigNote`)."""
@@ -56,32 +87,70 @@ class Reader:
         return f"{self.source}: line {line}" if line else self.source
 
     def fail(self, path: tuple[str, ...], message: str) -> ConfigError:
+        """A one-problem ConfigError about ``path``, for a mistake that stops reading."""
         return ConfigError(f"{self.where(path)}: {message}")
 
-    def unknown(self, path: tuple[str, ...], known: list[str]) -> ConfigError:
+    def report(self, path: tuple[str, ...], message: str) -> None:
+        """Record a problem about ``path`` and go on reading. One problem a key: a key already
+        reported (under Studio's name or the name the file wrote) is not reported again, so one
+        Ludwig ``batch_size: 0`` is one line although it sets two of Studio's keys."""
+        origin = self.lines.origin(path) if isinstance(self.lines, KeyLines) else path
+        if origin in self._reported:
+            return
+        self._reported.add(origin)
+        if origin != path:
+            message += f" (the config writes it '{'.'.join(origin)}')"
+        line = self.lines.get(path) or 1 << 30
+        self._problems.append((line, len(self._problems), f"{self.where(path)}: {message}"))
+
+    @property
+    def problems(self) -> list[str]:
+        """Every problem reported so far, one line each, in the order of the file's lines (those
+        about a key the file does not write, last)."""
+        return [text for _line, _order, text in sorted(self._problems)]
+
+    def reported(self, path: tuple[str, ...]) -> bool:
+        """Whether a problem about ``path`` has been reported."""
+        origin = self.lines.origin(path) if isinstance(self.lines, KeyLines) else path
+        return origin in self._reported
+
+    def check(self) -> None:
+        """Raise one ConfigError with every problem reported (in the order found), if any."""
+        if self.problems:
+            raise ConfigError(self.problems)
+
+    def unknown(self, path: tuple[str, ...], known: list[str]) -> str:
+        """The message for an unknown key, with the nearest known one."""
         key = path[-1]
         dotted = ".".join(path)
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
         hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(known)}"
-        return self.fail(path, f"unknown key '{dotted}': {hint}")
+        return f"unknown key '{dotted}': {hint}"
 
     def build(self, cls: type, data: Any, path: tuple[str, ...]) -> Any:
+        """``cls`` from a mapping; keys that cannot be read are reported and keep their defaults."""
         if data is None:
             data = {}
         if not isinstance(data, dict):
             where = ".".join(path) or "the top level"
-            raise self.fail(path, f"'{where}' must be a mapping of keys to values")
+            self.report(path, f"'{where}' must be a mapping of keys to values")
+            return cls()
         hints = typing.get_type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values = {}
         for key, value in data.items():
             key = str(key)
             if key not in fields:
-                raise self.unknown((*path, key), list(fields))
-            values[key] = self.coerce(hints[key], value, (*path, key))
+                self.report((*path, key), self.unknown((*path, key), list(fields)))
+                continue
+            try:
+                values[key] = self.coerce(hints[key], value, (*path, key))
+            except _Unreadable as bad:
+                self.report((*path, key), str(bad))
         return cls(**values)
 
     def coerce(self, hint: Any, value: Any, path: tuple[str, ...]) -> Any:
+        """``value`` as the type ``hint`` names; raises _Unreadable (reported by :meth:`build`)."""
         if dataclasses.is_dataclass(hint):
             return self.build(hint, value, path)
         dotted = ".".join(path)
@@ -89,7 +158,7 @@ class Reader:
         if value is None:
             if type(None) in options:
                 return None
-            raise self.fail(path, f"'{dotted}' needs a value")
+            raise _Unreadable(f"'{dotted}' needs a value")
         for option in options:
             if option is type(None):
                 continue
@@ -99,7 +168,11 @@ class Reader:
             if ok:
                 return converted
         wanted = " or ".join(_type_name(o) for o in options if o is not type(None))
-        raise self.fail(path, f"'{dotted}' should be {wanted}, got {value!r}")
+        raise _Unreadable(f"'{dotted}' should be {wanted}, got {value!r}")
+
+
+class _Unreadable(ValueError):
+    """A value of the wrong type; :meth:`Reader.build` reports it and the key keeps its default."""
 
 
 _UnionType = type(int | None)

@@ -22,18 +22,50 @@ def arrow_table(dataset: Any) -> Any:
     return dataset.with_format("arrow")[:]
 
 
-def _json_columns(dataset: Any) -> set[str]:
-    """Columns ``datasets`` stored as JSON text because their values mix types (1 and "two")."""
+def _holds_json(feature: Any) -> bool:
+    """Whether a column's feature stores JSON text anywhere inside it."""
+    if type(feature).__name__ == "Json":
+        return True
+    if isinstance(feature, dict):
+        return any(_holds_json(f) for f in feature.values())
+    inner = getattr(feature, "feature", None)
+    return inner is not None and _holds_json(inner)
+
+
+def _json_columns(dataset: Any) -> dict[str, Any]:
+    """Columns ``datasets`` stored (in part) as JSON text because their values mix types (1 and
+    "two"), or objects whose keys differ row to row (messages with and without tool calls), with
+    their features."""
     features = getattr(getattr(dataset, "dataset", dataset), "features", None) or {}
-    return {name for name, feature in features.items() if type(feature).__name__ == "Json"}
+    return {name: feature for name, feature in features.items() if _holds_json(feature)}
+
+
+def _decode(feature: Any, value: Any) -> Any:
+    if type(feature).__name__ == "Json":
+        return None if value is None else json.loads(value)
+    from datasets.features.features import decode_nested_example
+
+    return decode_nested_example(feature, value)
 
 
 def column_values(dataset: Any, name: str) -> list[Any]:
-    """A whole column as Python values (mixed-type JSON columns decoded)."""
+    """A whole column as Python values (JSON stored inside it decoded)."""
     values = arrow_table(dataset).column(name).to_pylist()
-    if name in _json_columns(dataset):
-        values = [None if v is None else json.loads(v) for v in values]
+    feature = _json_columns(dataset).get(name)
+    if feature is not None:
+        values = [_decode(feature, v) for v in values]
     return values
+
+
+def first_value(dataset: Any, name: str, look: int = 64) -> Any:
+    """A column's first non-empty value among its first ``look`` rows (JSON inside it decoded), or None."""
+    column = arrow_table(dataset).column(name)
+    feature = _json_columns(dataset).get(name)
+    for i in range(min(len(column), look)):
+        value = column[i].as_py()
+        if value not in (None, "", []):
+            return _decode(feature, value) if feature is not None else value
+    return None
 
 
 def row_count(dataset: Any) -> int:
@@ -48,10 +80,10 @@ def rows(dataset: Any, start: int, stop: int) -> list[dict[str, Any]]:
     if stop <= start:
         return []
     out = arrow_table(dataset).slice(start, stop - start).to_pylist()
-    for name in _json_columns(dataset):
+    for name, feature in _json_columns(dataset).items():
         for row in out:
             if row.get(name) is not None:
-                row[name] = json.loads(row[name])
+                row[name] = _decode(feature, row[name])
     return out
 
 

@@ -24,8 +24,11 @@ if TYPE_CHECKING:
     import datasets
 
 FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".ndjson": "json",
-           ".parquet": "parquet", ".pq": "parquet"}
-"""File extension -> ``datasets`` loader."""
+           ".parquet": "parquet", ".pq": "parquet", ".txt": "text"}
+"""File extension -> ``datasets`` loader (``text``: plain text, one document a file, read here)."""
+
+TEXT_COLUMN = "text"
+"""The column a plain-text file's document is read into (with ``file``, its name)."""
 
 SPLIT_NAMES = {"0": "train", "1": "validation", "2": "test", "train": "train", "validation": "validation",
                "valid": "validation", "val": "validation", "dev": "validation", "test": "test"}
@@ -93,7 +96,7 @@ def _load_file(path: Path) -> datasets.Dataset:
     kind = FORMATS.get(path.suffix.lower())
     if kind is None:
         raise DataError(f"{path}: unsupported file type '{path.suffix or '(none)'}'; use .csv, .tsv, "
-                        ".json, .jsonl, .parquet or a folder saved with datasets.save_to_disk")
+                        ".json, .jsonl, .parquet, .txt or a folder saved with datasets.save_to_disk")
     if not path.is_file():  # a pipe or a device would block the read below, or never end
         raise DataError(f"{path}: not a regular file; save the data to a file and point data.path at it")
     try:
@@ -114,6 +117,8 @@ def _load_file(path: Path) -> datasets.Dataset:
         problem = _utf8_problem(path)
         if problem:
             raise DataError(problem)
+    if kind == "text":
+        return _text_documents([path], path.parent)
     try:
         with _quiet_datasets():
             if kind == "csv":
@@ -134,6 +139,24 @@ def _load_file(path: Path) -> datasets.Dataset:
     if kind == "json":
         dataset = _unwrap_json_object(dataset)
     return dataset
+
+
+def _text_documents(paths: list[Path], root: Path) -> datasets.Dataset:
+    """Plain-text files as rows: each file is one document (``text``, read as UTF-8, a byte-order
+    mark dropped) with its name relative to ``root`` (``file``). Training cuts a long document into
+    blocks of data.max_seq_length tokens rather than dropping its tail (studio/core/encoding.py)."""
+    import datasets
+
+    texts: list[str] = []
+    for path in paths:
+        problem = _utf8_problem(path)
+        if problem:
+            raise DataError(problem)
+        try:
+            texts.append(path.read_text(encoding="utf-8-sig"))
+        except OSError as exc:
+            raise DataError(f"{path}: cannot read the file ({exc.strerror or exc}); check its permissions") from None
+    return datasets.Dataset.from_dict({TEXT_COLUMN: texts, "file": [str(p.relative_to(root)) for p in paths]})
 
 
 def _csv_header(path: Path, sep: str) -> list[str]:
@@ -288,7 +311,10 @@ def _load_folder(folder: Path, hub_split: str) -> datasets.Dataset:
         return loaded
     if not any(p.suffix.lower() in FORMATS for p in folder.iterdir()):
         raise DataError(f"{folder}: this folder is not a saved dataset (no dataset_dict.json or "
-                        "state.json) and holds no .csv/.json/.jsonl/.parquet files; point data.path at a file")
+                        "state.json) and holds no .csv/.json/.jsonl/.parquet/.txt files; point data.path at a file")
+    texts = sorted(p for p in folder.rglob("*.txt") if p.is_file())
+    if texts and not any(p.suffix.lower() in FORMATS and p.suffix.lower() != ".txt" for p in folder.iterdir()):
+        return _text_documents(texts, folder)  # a folder of documents: one row a file
     try:
         with _quiet_datasets():
             return datasets.load_dataset(str(folder), split=hub_split)

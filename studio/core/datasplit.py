@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from studio.core import chat as chats
 from studio.core import prompt as prompts
+from studio.core import shapes
 from studio.core.databrowse import arrow_table, column_values
 from studio.core.dataload import SPLIT_NAMES, DataError, load_table
-from studio.core.preference import flatten_table, is_preference
+from studio.core.preference import conversation_pair, flatten_table, is_preference, shared_prompt
 
 if TYPE_CHECKING:
     import datasets
@@ -34,6 +35,8 @@ class Splits:
     test: list[dict[str, Any]]
     indices: dict[str, list[int]] = field(default_factory=dict)
     """Each split's row positions in the loaded table (for the browser and for lint)."""
+    shape: shapes.DataShape = shapes.DataShape(shapes.INSTRUCTION, "instruction rows")
+    """What the data holds; ``shape.adapt(config)`` is the config its rows were read for."""
 
     def counts(self) -> dict[str, int]:
         """Rows per split."""
@@ -127,14 +130,21 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
         # A config built in memory (the TUI's editor) has not been through config.validate; a brace
         # that is no placeholder would drop its field from every example.
         raise DataError(f"prompt.template: {problems[0].message}")
+    shape = shapes.detect(dataset, config)
+    config = shape.adapt(config)  # TRL's preference shapes and raw text with no template of their own
+    data = config.data
     preference = is_preference(config)
-    if preference:
-        # Chat-shaped pairs become text columns first: a pair's prompt may be a conversation.
+    if shape.kind == shapes.PAIRS and shape.implicit_prompt:
+        dataset = shared_prompt(dataset, config, source)
+    elif preference and shape.kind == shapes.PAIRS:
+        # Chat-shaped pairs under a template of your own become text columns: a transcript prompt.
         dataset = flatten_table(dataset, config, template_fields_for(config)[0][0])
     total = len(dataset)
-    chat = None if preference else chat_column(dataset, data.columns)
-    if chat is not None:
-        table_rows = chat_rows(dataset, chat[0], source)
+    chat = None if preference or shape.kind == shapes.TEXT else chat_column(dataset, data.columns)
+    if shape.kind == shapes.CHAT_PAIRS:
+        table_rows = conversation_pairs(dataset, config, source)
+    elif chat is not None:
+        table_rows = chat_rows(dataset, chat[0], source, chats.find_tools_column(dataset.column_names, data.columns))
         if config.prompt.template != "chat":
             raise DataError(f"{source}: column '{chat[0]}' holds conversations ({chat[1]} shape); they are "
                             "rendered with the model's chat template: set prompt.template: chat")
@@ -171,6 +181,7 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
         validation=[table_rows[i] for i in parts["validation"]],
         test=[table_rows[i] for i in parts["test"]],
         indices=parts,
+        shape=shape,
     )
 
 
@@ -179,31 +190,59 @@ def chat_column(dataset: Any, columns: Mapping[str, str] | None = None) -> tuple
 
     Only each column's first non-empty value is looked at (a slice, cheap on any size).
     """
-    table = arrow_table(dataset)
+    from studio.core.databrowse import first_value
 
-    def first(name: str) -> Any:
-        column = table.column(name)
-        for i in range(min(len(column), 64)):
-            value = column[i].as_py()
-            if value not in (None, "", []):
-                return value
-        return None
-
-    return chats.find_chat_column(table.column_names, first, columns)
+    return chats.find_chat_column(arrow_table(dataset).column_names, lambda name: first_value(dataset, name), columns)
 
 
-def chat_rows(dataset: Any, column: str, source: str) -> list[dict[str, Any]]:
-    """Every row's conversation as ``{"messages": [{"role", "content"}, ...]}`` (OpenAI's roles).
+def chat_rows(dataset: Any, column: str, source: str, tools_column: str | None = None) -> list[dict[str, Any]]:
+    """Every row's conversation as ``{"messages": [{"role", "content", ...}, ...]}`` (OpenAI's
+    roles), with ``"tools"`` (JSON schemas) when ``tools_column`` gives the row any.
 
     A row that is no conversation raises :class:`DataError` with its 0-based position.
     """
+    tools = column_values(dataset, tools_column) if tools_column else None
     out: list[dict[str, Any]] = []
     for index, value in enumerate(column_values(dataset, column)):
         try:
             turns = chats.parse_turns(value, f"{source}: row {index}, column '{column}'")
+            offered = chats.parse_tools(tools[index], f"{source}: row {index}, column '{tools_column}'") \
+                if tools is not None else None
         except chats.ChatFormatError as exc:
             raise DataError(str(exc)) from None
-        out.append({chats.CHAT_FIELD: [t.as_message() for t in turns]})
+        row: dict[str, Any] = {chats.CHAT_FIELD: [t.as_message() for t in turns]}
+        if offered:
+            row[chats.TOOLS_FIELD] = offered
+        out.append(row)
+    return out
+
+
+def conversation_pairs(dataset: Any, config: RunConfig, source: str) -> list[dict[str, Any]]:
+    """TRL's conversational pairs as rows ``{"prompt": [messages], chosen: [messages], rejected:
+    [messages]}`` (field names: ``prompt.response_field`` / ``rejected_field``), the shared start of
+    ``chosen`` and ``rejected`` taken as the prompt where the data has no prompt column, and
+    ``"tools"`` when the data offers any. A row that is no conversation raises :class:`DataError`."""
+    columns, p = config.data.columns, config.prompt
+    names = dataset.column_names
+    fields = {shapes.TRL_PROMPT: columns.get(shapes.TRL_PROMPT, shapes.TRL_PROMPT),
+              p.response_field: columns.get(p.response_field, p.response_field),
+              p.rejected_field: columns.get(p.rejected_field, p.rejected_field)}
+    values = {f: column_values(dataset, c) if c in names else None for f, c in fields.items()}
+    tools_column = chats.find_tools_column(names, columns)
+    tools = column_values(dataset, tools_column) if tools_column else None
+    out: list[dict[str, Any]] = []
+    for index in range(len(dataset)):
+        try:
+            row = conversation_pair({f: v[index] if v is not None else None for f, v in values.items()},
+                                    shapes.TRL_PROMPT, p.response_field, p.rejected_field,
+                                    f"{source}: row {index}")
+            offered = chats.parse_tools(tools[index], f"{source}: row {index}, column '{tools_column}'") \
+                if tools is not None else None
+        except chats.ChatFormatError as exc:
+            raise DataError(str(exc)) from None
+        if offered:
+            row[chats.TOOLS_FIELD] = offered
+        out.append(row)
     return out
 
 

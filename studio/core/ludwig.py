@@ -16,7 +16,12 @@ rather than Ludwig's float16, which overflows more easily and gains nothing on c
 Three kinds of key: those Studio acts on (translated), those Ludwig has but Studio does not act on
 (each named in a note, never dropped in silence: ``backend``, ``hyperopt``, an early-stopping
 setting...), and anything else, refused with the nearest known key (a typo must not pass as
-"ignored").
+"ignored"). Every refusal is reported and reading goes on, so one run names them all.
+
+Ludwig 0.16's preference trainers (``trainer.type: dpo`` with ``dpo_beta``, ``orpo`` with
+``orpo_beta``, both with ``rejected_column``; the output feature is the chosen answer) become
+Studio's ``trainer.method`` and ``beta`` and ``prompt.rejected_field``, each with a note;
+``adapter.type: dora`` is LoRA with ``use_dora`` (Ludwig itself writes ``type: lora, use_dora: true``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,12 @@ _TRAINER = {"learning_rate": "learning_rate", "batch_size": "micro_batch_size",
 """Ludwig trainer key -> Studio trainer key."""
 
 _TRAINER_IGNORED = [
+    # Ludwig 0.16's general trainer keys (its fine-tune and preference trainers inherit them; a saved
+    # config writes them out): multi-task loss balancing, contrastive pre-training, model soups.
+    "eval_steps", "loss_balancing", "loss_balancing_alpha", "loss_balancing_lr", "loss_balancing_preference_vector",
+    "loss_balancing_tchebycheff_weight", "contrastive_pretrain_epochs", "contrastive_pretrain_temperature",
+    "contrastive_pretrain_projection_dim", "contrastive_pretrain_learnable_temperature", "modality_dropout",
+    "model_soup", "model_soup_top_k",
     "eval_batch_size", "checkpoints_per_epoch", "early_stop", "evaluate_training_set", "validation_field",
     "validation_metric", "regularization_type", "regularization_lambda", "should_shuffle",
     "increase_batch_size_on_plateau", "increase_batch_size_on_plateau_patience",
@@ -78,27 +89,39 @@ _GENERATION_IGNORED = [
     "bad_words_ids", "force_words_ids", "sequence_bias", "constraints", "decoder_start_token_id",
 ]
 
-LORA_DEFAULTS = {"r": 8, "alpha": 16, "dropout": 0.05}
-"""Ludwig's LoRA defaults, used where a Ludwig config's adapter leaves a key out."""
+LORA_DEFAULTS = {"r": 8, "dropout": 0.05}
+"""Ludwig's LoRA defaults, used where a Ludwig config's adapter leaves a key out (alpha: twice r)."""
+
+_ADAPTER_IGNORED = ["bias_type", "pretrained_adapter_weights", "postprocessor", "loraplus_lr_ratio",
+                    "init_lora_weights", "loftq_config", "eva_config", "rank_pattern", "alpha_pattern",
+                    "layer_replication"]
+"""Ludwig LoRA keys Studio reads but does not act on (each named in a note when set)."""
+
+_PREFERENCE_KEYS = {"dpo": {"dpo_beta": "beta", "rejected_column": "rejected_field"},
+                    "orpo": {"orpo_beta": "beta", "rejected_column": "rejected_field"}}
+"""Ludwig 0.16's preference trainer keys -> Studio's (``beta`` in trainer, ``rejected_field`` in prompt)."""
+
+_TRAINER_TYPES = ("finetune", "dpo", "orpo")
+"""Ludwig LLM trainer types Studio trains (``kto`` and ``grpo`` are Ludwig's too; Studio has neither)."""
 
 
 def from_ludwig(raw: dict[str, Any], reader: Any) -> dict[str, Any]:
     """Translate a Ludwig LLM config into Studio's layout (then read as usual).
 
-    ``reader`` is config.py's error builder: ``reader.fail(path, message)`` and
-    ``reader.unknown(path, known_keys)`` return a ConfigError naming the file, line and key;
-    ``reader.note(path, message)`` tells the person about a key Studio does not act on.
+    ``reader`` is config_reader's Reader: ``reader.report(path, message)`` records a problem naming
+    the file, line and key (reading goes on; ``reader.unknown(path, known_keys)`` words an unknown
+    key), ``reader.note(path, message)`` tells the person about a key Studio does not act on.
     """
     out: dict[str, Any] = {"model": {}, "quantization": {}, "lora": {}, "prompt": {}, "data": {},
                            "trainer": {}, "generation": {}}
     for key in raw:
         if key not in _LUDWIG_TOP:
-            raise reader.unknown((key,), _LUDWIG_TOP)
-        if key in _IGNORED_SECTIONS and raw[key] is not None:
+            reader.report((key,), reader.unknown((key,), _LUDWIG_TOP))
+        elif key in _IGNORED_SECTIONS and raw[key] is not None:
             reader.note((key,), f"Ludwig's '{key}' section is ignored: {_IGNORED_SECTIONS[key]}")
     _note_strategy(raw.get("backend"), reader)
     if raw.get("model_type") != "llm":
-        raise reader.fail(("model_type",), "only 'model_type: llm' is supported")
+        reader.report(("model_type",), "only 'model_type: llm' is supported")
     if "base_model" in raw:
         out["model"]["base_model"] = raw["base_model"]
         _moved(reader, ("base_model",), ("model", "base_model"))
@@ -123,7 +146,8 @@ def _section(raw: dict[str, Any], name: str, reader: Any) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise reader.fail((name,), f"'{name}' must be a mapping of keys to values")
+        reader.report((name,), f"'{name}' must be a mapping of keys to values")
+        return {}
     return value
 
 
@@ -143,7 +167,7 @@ def _note_strategy(backend: Any, reader: Any) -> None:
 
 def _check_keys(section: dict[str, Any], path: tuple[str, ...], acted: list[str], ignored: list[str],
                 reader: Any) -> None:
-    """Refuse unknown keys (suggesting the nearest); note the known ones Studio does not act on."""
+    """Report unknown keys (suggesting the nearest); note the known ones Studio does not act on."""
     for key in section:
         if key in acted:
             continue
@@ -151,7 +175,7 @@ def _check_keys(section: dict[str, Any], path: tuple[str, ...], acted: list[str]
             if section[key] is not None:
                 reader.note((*path, key), f"Ludwig's '{'.'.join((*path, key))}' is not acted on by Studio; ignored")
             continue
-        raise reader.unknown((*path, key), acted)
+        reader.report((*path, key), reader.unknown((*path, key), acted))
 
 
 def _quantization(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
@@ -174,25 +198,39 @@ def _adapter(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
     if "adapter" not in raw or raw["adapter"] is None:
         # Ludwig's meaning: no adapter fine-tunes every weight. Its quantization needs an adapter
         # (quantized weights take no gradients), so a config with both is refused as Ludwig refuses it.
-        if out["quantization"].get("bits") is not None:
-            raise reader.fail(("quantization",), (
+        if raw.get("quantization") is not None:
+            lines = getattr(reader, "lines", None)
+            if hasattr(lines, "point"):
+                lines.point(("adapter",), ("quantization",))  # no adapter line: point at the quantization
+            reader.report(("adapter",), (
                 "a Ludwig config without 'adapter' fine-tunes every weight, which quantized weights cannot "
                 "do; add 'adapter: {type: lora}' (QLoRA), or remove the quantization section"))
         out["lora"] = None
         return
     adapter = _section(raw, "adapter", reader)
     _check_keys(adapter, ("adapter",), ["type", "r", "alpha", "dropout", "target_modules", "use_dora",
-                                        "use_rslora"], ["bias_type", "pretrained_adapter_weights",
-                                                        "postprocessor"], reader)
-    if adapter.get("type", "lora") != "lora":
-        raise reader.fail(("adapter", "type"), "only 'adapter: {type: lora}' is supported")
+                                        "use_rslora"], _ADAPTER_IGNORED, reader)
+    kind = adapter.get("type", "lora")
+    if kind == "dora":
+        _moved(reader, ("adapter", "type"), ("lora", "use_dora"))
+        reader.note(("adapter", "type"), "Ludwig's 'adapter.type: dora' is read as Studio's 'lora.use_dora: "
+                    "true' (LoRA with DoRA's magnitude vector; Ludwig writes it 'type: lora, use_dora: true')")
+    elif kind != "lora":
+        reader.report(("adapter", "type"), f"'adapter.type' is {kind!r}; Studio trains 'lora' and 'dora' "
+                      "adapters (or none: every weight)")
     for key, default in LORA_DEFAULTS.items():
         out["lora"][key] = adapter.get(key, default)
     for key in adapter:
         _moved(reader, ("adapter", key), ("lora", key))
+    # Ludwig's alpha defaults to twice the rank (its adapter schema, since 0.9); a saved config writes null.
+    alpha = adapter.get("alpha")
+    out["lora"]["alpha"] = alpha if alpha is not None else 2 * out["lora"]["r"] if isinstance(
+        out["lora"]["r"], int) else 16
     for key in ("use_dora", "use_rslora"):
         if key in adapter:
             out["lora"][key] = adapter[key]
+    if kind == "dora":
+        out["lora"]["use_dora"] = True
     # Ludwig's LoRA default targets the attention query and value projections.
     out["lora"]["target_modules"] = adapter.get("target_modules") or ["q_proj", "v_proj"]
 
@@ -209,13 +247,17 @@ def _features_and_prompt(raw: dict[str, Any], out: dict[str, Any], reader: Any) 
     outputs = raw.get("output_features") or []
     for kind, feats in (("input_features", inputs), ("output_features", outputs)):
         if not isinstance(feats, list):
-            raise reader.fail((kind,), f"'{kind}' must be a list of {{name, type}} entries")
+            reader.report((kind,), f"'{kind}' must be a list of {{name, type}} entries")
+            continue
         for i, feat in enumerate(feats):
             if not isinstance(feat, dict) or "name" not in feat:
-                raise reader.fail((kind, str(i)), f"'{kind}[{i}]' needs a 'name' (the column)")
+                reader.report((kind, str(i)), f"'{kind}[{i}]' needs a 'name' (the column)")
+                continue
             length = (feat.get("preprocessing") or {}).get("max_sequence_length")
             if length:
                 max_len = (max_len or 0) + int(length)
+    inputs = [f for f in inputs if isinstance(f, dict) and "name" in f] if isinstance(inputs, list) else []
+    outputs = [f for f in outputs if isinstance(f, dict) and "name" in f] if isinstance(outputs, list) else []
     if outputs:
         out["prompt"]["response_field"] = outputs[0]["name"]
     if inputs and "template" not in prompt:
@@ -249,11 +291,17 @@ def _preprocessing(raw: dict[str, Any], out: dict[str, Any], reader: Any, max_le
 
 def _trainer(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
     trainer = _section(raw, "trainer", reader)
-    _check_keys(trainer, ("trainer",), ["type", *_TRAINER, "learning_rate_scheduler", "optimizer"],
-                _TRAINER_IGNORED, reader)
-    if trainer.get("type", "finetune") != "finetune":
-        raise reader.fail(("trainer", "type"), "only 'trainer: {type: finetune}' is supported")
+    kind = trainer.get("type", "finetune")
+    preference = _PREFERENCE_KEYS.get(kind, {}) if isinstance(kind, str) else {}
+    preference_only = [k for k in ("dpo_loss_type", "dpo_label_smoothing") if kind == "dpo"]
+    _check_keys(trainer, ("trainer",), ["type", *_TRAINER, "learning_rate_scheduler", "optimizer", *preference,
+                                        *preference_only], _TRAINER_IGNORED, reader)
+    if kind not in _TRAINER_TYPES:
+        reader.report(("trainer", "type"), f"'trainer.type' is {kind!r}; Studio trains Ludwig's "
+                      f"{', '.join(_TRAINER_TYPES)} trainers")
     t = out["trainer"]
+    if kind in _PREFERENCE_KEYS:
+        _preference_trainer(kind, trainer, preference, out, reader)
     for src, dst in _TRAINER.items():
         if src in trainer and trainer[src] != "auto":
             t[dst] = trainer[src]
@@ -262,6 +310,7 @@ def _trainer(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
         t["effective_batch_size"] = None
     elif isinstance(trainer.get("batch_size"), int):
         t["effective_batch_size"] = trainer["batch_size"]
+        _moved(reader, ("trainer", "batch_size"), ("trainer", "effective_batch_size"))
     sched = trainer.get("learning_rate_scheduler") or {}
     _check_keys(sched, ("trainer", "learning_rate_scheduler"), ["warmup_fraction", "decay"],
                 ["warmup_evaluations", "decay_rate", "decay_steps", "staircase", "reduce_on_plateau",
@@ -276,11 +325,38 @@ def _trainer(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:
     _check_keys(optimizer, ("trainer", "optimizer"), ["type"], ["betas", "eps", "weight_decay", "amsgrad",
                                                                 "block_wise", "percentile_clipping"], reader)
     if optimizer.get("type"):
-        kind = str(optimizer["type"])
-        if kind not in _OPTIMIZERS:
-            raise reader.fail(("trainer", "optimizer", "type"), f"Ludwig optimizer '{kind}' has no Studio "
-                              f"counterpart; use one of {', '.join(sorted(_OPTIMIZERS))}")
-        t["optimizer"] = _OPTIMIZERS[kind]
+        name = str(optimizer["type"])
+        if name not in _OPTIMIZERS:
+            reader.report(("trainer", "optimizer", "type"), f"Ludwig optimizer '{name}' has no Studio "
+                          f"counterpart; use one of {', '.join(sorted(_OPTIMIZERS))}")
+        else:
+            t["optimizer"] = _OPTIMIZERS[name]
+
+
+def _preference_trainer(kind: str, trainer: dict[str, Any], keys: dict[str, str], out: dict[str, Any],
+                        reader: Any) -> None:
+    """Ludwig 0.16's ``trainer.type: dpo | orpo`` as Studio's ``trainer.method`` with its ``beta`` and
+    ``prompt.rejected_field``, one note each. DPO variants Studio's loss is not (IPO, label smoothing)
+    are refused rather than trained as plain DPO."""
+    out["trainer"]["method"] = kind
+    _moved(reader, ("trainer", "type"), ("trainer", "method"))
+    reader.note(("trainer", "type"), f"Ludwig's 'trainer.type: {kind}' is read as Studio's 'trainer.method: {kind}'")
+    for key, studio in keys.items():
+        if key not in trainer:
+            continue
+        section = "prompt" if studio == "rejected_field" else "trainer"
+        out[section][studio] = trainer[key]
+        _moved(reader, ("trainer", key), (section, studio))
+        reader.note(("trainer", key), f"Ludwig's 'trainer.{key}' is read as Studio's '{section}.{studio}'"
+                    + (" (the column of the rejected answers; the output feature is the chosen one)"
+                       if studio == "rejected_field" else ""))
+    if trainer.get("dpo_loss_type", "sigmoid") != "sigmoid":
+        reader.report(("trainer", "dpo_loss_type"), f"'trainer.dpo_loss_type' is {trainer['dpo_loss_type']!r}; "
+                      "Studio's DPO is the sigmoid loss: write sigmoid (or remove the key)")
+    smoothing = trainer.get("dpo_label_smoothing", 0)
+    if smoothing not in (0, 0.0, None):
+        reader.report(("trainer", "dpo_label_smoothing"), f"'trainer.dpo_label_smoothing' is {smoothing!r}; "
+                      "Studio's DPO has no label smoothing: write 0 (or remove the key)")
 
 
 def _generation(raw: dict[str, Any], out: dict[str, Any], reader: Any) -> None:

@@ -36,7 +36,8 @@ def is_preference(config: RunConfig) -> bool:
     return config.trainer.method in PREFERENCE_METHODS
 
 
-def _is_messages(value: Any) -> bool:
+def is_messages(value: Any) -> bool:
+    """Whether ``value`` is a list of ``{role, content}`` messages (one side of a conversational pair)."""
     return (isinstance(value, list) and bool(value)
             and all(isinstance(m, Mapping) and "content" in m for m in value))
 
@@ -47,7 +48,7 @@ def transcript(messages: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _final_turn(value: Any) -> str:
-    if _is_messages(value):
+    if is_messages(value):
         return str(value[-1].get("content") or "")
     return "" if value is None else str(value)
 
@@ -59,11 +60,11 @@ def flatten_pair(row: Mapping[str, Any], prompt_field: str, chosen: str, rejecte
     the final turns.
     """
     c, r = row.get(chosen), row.get(rejected)
-    conversation = next((row[k] for k in (prompt_field, *CONVERSATION_COLUMNS) if _is_messages(row.get(k))), None)
-    if conversation is None and not (_is_messages(c) or _is_messages(r)):
+    conversation = next((row[k] for k in (prompt_field, *CONVERSATION_COLUMNS) if is_messages(row.get(k))), None)
+    if conversation is None and not (is_messages(c) or is_messages(r)):
         return dict(row)
     out = dict(row)
-    if conversation is None and _is_messages(c) and _is_messages(r):
+    if conversation is None and is_messages(c) and is_messages(r):
         shared = 0
         while shared < min(len(c), len(r)) - 1 and c[shared] == r[shared]:
             shared += 1
@@ -87,21 +88,101 @@ def flatten_table(dataset: Any, config: RunConfig, prompt_field: str) -> Any:
     names = table.column_names
     wanted = [c for c in dict.fromkeys((target, *CONVERSATION_COLUMNS, chosen, rejected)) if c in names]
     values = {c: column_values(dataset, c) for c in wanted}
-    if not any(_is_messages(v) for c in wanted for v in values[c][:50]):
+    if not any(is_messages(v) for c in wanted for v in values[c][:50]):
         return dataset
+
+    rows = [flatten_pair(dict(zip(values, cells, strict=True)), target, chosen, rejected)
+            for cells in zip(*values.values(), strict=True)]
+    return _replace_columns(dataset, {name: [str(row.get(name) or "") for row in rows]
+                                      for name in (target, chosen, rejected)})
+
+
+def _replace_columns(dataset: Any, columns: dict[str, list[str]]) -> Any:
+    """``dataset`` with these text columns set (replaced or added), as a new Dataset."""
     import pyarrow as pa
     from datasets import Dataset
     from datasets.table import InMemoryTable
 
-    rows = [flatten_pair(dict(zip(values, cells, strict=True)), target, chosen, rejected)
-            for cells in zip(*values.values(), strict=True)]
-    for name in (target, chosen, rejected):
-        column = pa.array([str(row.get(name) or "") for row in rows], pa.string())
+    from studio.core.databrowse import arrow_table
+
+    table = arrow_table(dataset)
+    for name, values in columns.items():
+        column = pa.array(values, pa.string())
         if name in table.column_names:
             table = table.set_column(table.column_names.index(name), name, column)
         else:
             table = table.append_column(name, column)
     return Dataset(InMemoryTable(table))
+
+
+def split_shared_start(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """``(prompt, chosen answer, rejected answer)`` of two texts that share their start (TRL's
+    implicit prompt): cut where they first differ, moved back to the start of that word, so the
+    answers begin with the word they differ in (and the space before it, as TRL does)."""
+    cut = 0
+    for a, b in zip(chosen, rejected, strict=False):
+        if a != b:
+            break
+        cut += 1
+    while cut > 0 and not chosen[cut - 1].isspace():
+        cut -= 1
+    if cut > 0 and chosen[cut - 1] == " ":
+        cut -= 1
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def shared_prompt(dataset: Any, config: RunConfig, source: str) -> Any:
+    """TRL's standard pairs with no prompt column: each row's prompt is the start its chosen and
+    rejected texts share (:func:`split_shared_start`), written into a ``prompt`` column; the answers
+    keep the rest."""
+    from studio.core.databrowse import column_values
+    from studio.core.dataload import DataError
+
+    columns = config.data.columns
+    chosen = columns.get(config.prompt.response_field, config.prompt.response_field)
+    rejected = columns.get(config.prompt.rejected_field, config.prompt.rejected_field)
+    target = columns.get("prompt", "prompt")
+    prompts: list[str] = []
+    answers: tuple[list[str], list[str]] = ([], [])
+    for row, (c, r) in enumerate(zip(column_values(dataset, chosen), column_values(dataset, rejected), strict=True)):
+        head, c_rest, r_rest = split_shared_start(str(c or ""), str(r or ""))
+        if not head:
+            raise DataError(f"{source}: row {row}: there is no prompt column and '{chosen}' and '{rejected}' do "
+                            "not start alike (TRL's implicit prompt is the start they share); add a 'prompt' "
+                            "column, or map one with data.columns: {prompt: COLUMN}")
+        prompts.append(head)
+        answers[0].append(c_rest)
+        answers[1].append(r_rest)
+    return _replace_columns(dataset, {target: prompts, chosen: answers[0], rejected: answers[1]})
+
+
+def conversation_pair(row: Mapping[str, Any], prompt_field: str, chosen: str, rejected: str,
+                      where: str = "") -> dict[str, Any]:
+    """One of TRL's conversational pairs as ``{prompt_field: [messages], chosen: [messages],
+    rejected: [messages]}``: text answers become one assistant turn, a text prompt one user turn,
+    and with no prompt the turns ``chosen`` and ``rejected`` share at their start are the prompt.
+    Raises :class:`~studio.core.chat.ChatFormatError` naming ``where`` for a value that is neither."""
+    from studio.core.chat import ChatFormatError, parse_turns
+
+    def turns(value: Any, role: str, side: str) -> list[dict[str, Any]]:
+        if isinstance(value, str):
+            return [{"role": role, "content": value}]
+        return [t.as_message() for t in parse_turns(value, f"{where}, {side}")]
+
+    c = turns(row.get(chosen), "assistant", chosen)
+    r = turns(row.get(rejected), "assistant", rejected)
+    given = row.get(prompt_field)
+    if given not in (None, "", []):
+        before = turns(given, "user", prompt_field)
+    else:
+        shared = 0
+        while shared < min(len(c), len(r)) - 1 and c[shared] == r[shared]:
+            shared += 1
+        before, c, r = c[:shared], c[shared:], r[shared:]
+    if not before:
+        raise ChatFormatError(f"{where}: the pair has no prompt (no '{prompt_field}' and no turns that "
+                              f"'{chosen}' and '{rejected}' share); give the conversation before the answers")
+    return {prompt_field: before, chosen: c, rejected: r}
 
 
 # ----------------------------------------------------------------------------------------- lint
@@ -142,7 +223,8 @@ def lint_pairs(chosen: Sequence[str], rejected: Sequence[str], chosen_name: str 
 def pair_lint(dataset: Any, config: RunConfig, issues: Sequence[Any]) -> list[Any]:
     """The dataset pane's lint for a preference run: :func:`lint_pairs` on every row (chat-shaped
     pairs flattened first) in place of the SFT lint's empty-answer and same-prompt findings (several
-    pairs for one prompt are normal preference data); the other findings (too long) are kept."""
+    pairs for one prompt are normal preference data) and its turn-order findings (a pair's prompt
+    ends before the answer, with the user); the other findings (too long) are kept."""
     from studio.core.databrowse import column_values
     from studio.core.datasplit import template_fields_for
     from studio.core.datastats import DataIssue
@@ -153,7 +235,7 @@ def pair_lint(dataset: Any, config: RunConfig, issues: Sequence[Any]) -> list[An
     present = flat.column_names
     values = [[str(v or "") for v in column_values(flat, n)] if n in present else [""] * len(flat) for n in names]
     found = [DataIssue(i.kind, i.row, i.message) for i in lint_pairs(values[0], values[1], *names)]
-    kept = [i for i in issues if i.kind not in ("empty_output", "duplicate_prompt")]
+    kept = [i for i in issues if i.kind not in ("empty_output", "duplicate_prompt", "role_order")]
     return sorted([*kept, *found], key=lambda issue: issue.row)
 
 

@@ -3,8 +3,9 @@
 A template is text with ``{field}`` placeholders (``{{`` and ``}}`` are literal braces). The text from
 the response field's placeholder to the end is the *response*: the preview colours it and the loss
 is computed on it only, so one :class:`Rendered` drives both. Presets: ``alpaca`` (falls back to the
-no-input wording on rows whose input is empty), ``alpaca_no_input`` and ``chat`` (the tokenizer's own
-chat template, rendered with Jinja into a ``{field}`` template once).
+no-input wording on rows whose input is empty), ``alpaca_no_input``, ``chat`` (the tokenizer's own
+chat template, rendered with Jinja into a ``{field}`` template once) and ``text`` (raw text: the
+response field alone, every token trained; studio/core/shapes.py sets the field to ``text``).
 
 Plain Python (plus jinja2 for chat templates): the UI imports this. A little past 400 lines, kept
 whole: parsing, rendering, encoding and lint are one concept (the template) and share the parser.
@@ -27,7 +28,10 @@ ALPACA_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes "
     "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n{output}"
 )
-PRESETS = ("alpaca", "alpaca_no_input", "chat")
+RAW_TEXT = "text"
+"""The raw-text preset (continued pretraining): the ``text`` field as it is, every token trained."""
+
+PRESETS = ("alpaca", "alpaca_no_input", "chat", RAW_TEXT)
 """Names accepted as ``prompt.template`` besides a literal template."""
 
 # Rows with an empty input drop it: the alpaca head switches to its no-input wording, and a blank line
@@ -246,7 +250,10 @@ def resolve_template(prompt_cfg: Any, chat_template: str | None = None, **chat_v
 
 
 def _preset(name: str, response_field: str) -> str | None:
-    """The text of an alpaca preset with the response field's placeholder, or None."""
+    """The text of an alpaca preset with the response field's placeholder (the raw-text preset:
+    that placeholder alone, so that all of it is response), or None."""
+    if name == RAW_TEXT:
+        return "{" + response_field + "}"
     if name not in ("alpaca", "alpaca_no_input"):
         return None
     answer = "{" + response_field + "}"

@@ -37,22 +37,40 @@ Margin = Callable[[dict[str, str], bool], float]
 """``margin(row, adapter) -> log p(chosen) - log p(rejected)``: a preference run's pair, by one model."""
 
 
-def held_out_rows(config: RunConfig) -> tuple[str, list[dict]]:
-    """The test split, or the validation split when there is no test split: (name, rows)."""
+def held_out_rows(config: RunConfig) -> tuple[str, list[dict], RunConfig, str]:
+    """The test split, or the validation split when there is no test split: (name, rows, the
+    config adapted to the data's shape, the shape's kind; see studio/core/shapes.py)."""
     from studio.core.data import load_splits
 
     splits = load_splits(config)
+    adapted, kind = splits.shape.adapt(config), splits.shape.kind
     if splits.test:
-        return "test", list(splits.test)
-    return "validation", list(splits.validation)
+        return "test", list(splits.test), adapted, kind
+    return "validation", list(splits.validation), adapted, kind
 
 
-def prompt_and_target(row: dict, response_field: str) -> tuple[dict[str, str], str]:
+def prompt_and_target(row: dict, response_field: str, raw_text: bool = False) -> tuple[dict[str, str], str]:
     """A held-out row's prompt fields and target answer. A conversation's target is its last
-    assistant turn and its prompt every turn before it (``messages`` as JSON text)."""
+    assistant turn and its prompt every turn before it (``messages`` and ``tools`` as JSON text); so
+    is a conversational preference pair's, with its chosen answer as the last turns.
+    Raw text (``raw_text``) is judged on continuing a document: its first half is the prompt, the
+    rest (from a word's start) the target."""
+    answer = row.get(response_field)
+    if isinstance(answer, list) and not chat.is_chat_row(row):
+        # A conversational preference pair: the prompt's turns, and the chosen answer's last turn.
+        row = {chat.CHAT_FIELD: [*row.get("prompt", []), *answer], **{k: v for k, v in row.items()
+                                                                       if k == chat.TOOLS_FIELD}}
     if chat.is_chat_row(row):
         before, answer = chat.split_last_answer(chat.messages_of(row))
-        return {chat.CHAT_FIELD: json.dumps([t.as_message() for t in before], ensure_ascii=False)}, answer
+        fields = {chat.CHAT_FIELD: json.dumps([t.as_message() for t in before], ensure_ascii=False)}
+        tools = chat.tools_of(row)
+        if tools:
+            fields[chat.TOOLS_FIELD] = json.dumps(tools, ensure_ascii=False)
+        return fields, answer
+    if raw_text:
+        text = str(row.get(response_field, ""))
+        cut = text.rfind(" ", 0, len(text) // 2) + 1 or len(text) // 2
+        return {response_field: text[:cut]}, text[cut:]
     return {k: str(v) for k, v in row.items() if k != response_field}, str(row.get(response_field, ""))
 
 
@@ -68,11 +86,11 @@ class HeldOutScoring:
                  margin: Margin | None = None):
         self.run, self.request, self.emit = run, request, emit
         self._generate, self._render, self._margin = generate, render, margin
-        config = run.config()
+        self.split, rows, config, kind = held_out_rows(run.config())
         self.response_field = config.prompt.response_field
         self.rejected_field = config.prompt.rejected_field if margin is not None else None
         """Preference runs (``margin`` given): each row is also a pair, scored by both models' margin."""
-        self.split, rows = held_out_rows(config)
+        self.raw_text = kind == "text"
         self.rows = rows[:max(0, request.rows)]
         if not self.rows:
             raise ValueError(f"{config.data.path}: no held-out rows (test or validation split) to "
@@ -95,7 +113,7 @@ class HeldOutScoring:
         row = self.rows[index]
         # The prompt never shows the rejected answer; the margin below needs the whole pair.
         fields, target = prompt_and_target({k: v for k, v in row.items() if k != self.rejected_field},
-                                           self.response_field)
+                                           self.response_field, self.raw_text)
         max_new = self.request.max_new_tokens
         base = self._generate(fields, False, max_new).strip()
         tuned = self._generate(fields, True, max_new).strip() if self.request.adapter else None

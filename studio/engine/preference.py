@@ -1,7 +1,8 @@
 """Preference training (DPO, ORPO): pairs of answers, their log-probs, the losses and the metrics.
 
-A pair is one prompt rendered twice through the run's template: with the chosen answer as the
-response and with the rejected one. A micro-batch of ``n`` pairs is ``2n`` padded rows, the chosen
+A pair is one prompt rendered twice (studio/core/encoding.py): with the chosen answer as the
+response and with the rejected one, through the run's template or, for TRL's conversational pairs,
+the chat template. A micro-batch of ``n`` pairs is ``2n`` padded rows, the chosen
 answers first; its ``label_tokens`` is ``n``, so the Trainer's step loss (summed over micro-batches,
 divided by the step's count) is the mean over the step's pairs however the step is split: exact
 resume and out-of-memory halving work as for SFT.
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from studio.core import events as ev
-from studio.core.prompt import IGNORE_INDEX, Encoded, Rendered, render
+from studio.core.prompt import IGNORE_INDEX, Encoded
 from studio.engine.batching import DataStream, MicroBatch, collate
 
 
@@ -51,13 +52,6 @@ class Pair:
     def truncated(self) -> bool:
         """Whether either answer was cut to ``data.max_seq_length``."""
         return self.chosen.truncated or self.rejected.truncated
-
-
-def encode_pair(template: str, row: dict, chosen_field: str, rejected_field: str,
-                encode: Callable[[Rendered], Encoded]) -> Pair:
-    """``row`` rendered with each of its answers in the response's place, then encoded."""
-    rejected_row = {**row, chosen_field: row.get(rejected_field, "")}
-    return Pair(encode(render(template, row, chosen_field)), encode(render(template, rejected_row, chosen_field)))
 
 
 def collate_pairs(pairs: Sequence[Pair], pad_id: int) -> MicroBatch:

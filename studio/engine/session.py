@@ -46,7 +46,7 @@ from studio.engine.model import (
     pick_device,
     prepare_full_finetune,
 )
-from studio.engine.preference import PreferenceObjective, encode_pair
+from studio.engine.preference import Pair, PreferenceObjective
 
 if TYPE_CHECKING:
     from studio.engine.train import Trainer
@@ -71,6 +71,8 @@ class TrainingData:
     truncated: int
     chat: bool = False
     """Whether the rows are conversations (rendered with the tokenizer's chat template)."""
+    kind: str = "instruction"
+    """The data's shape (studio/core/shapes.py): instruction, chat, pairs, chat_pairs or text."""
 
 
 class Session:
@@ -132,6 +134,8 @@ class Session:
             # The data first: a bad path or column fails in a second, not after the model loads.
             self.emit(ev.ModelLoading(stage="reading the data", fraction=0.0))
             splits = load_splits(self.config)
+            # TRL's preference shapes and raw text bring their own prompt settings (core/shapes.py).
+            self.config = splits.shape.adapt(self.config)
             checkpoint.seed_everything(self.config.trainer.seed)
             # auto micro-batch / checkpointing: numbers before the model is prepared (engine/planning.py)
             self.config, self.auto_plan = planning.resolve(
@@ -173,45 +177,44 @@ class Session:
                 "get cut off")))
 
     def _encode_data(self, splits: Any) -> TrainingData:
-        from studio.core import chat, prompt
+        """The splits as training examples (core/encoding.py's RowEncoder with this tokenizer); a
+        run whose training rows would train on no token is refused here, before any step."""
+        from studio.core import chat, encoding, prompt
         from studio.core.data import DataError
 
-        tok = self.tokenizer
-        template = self._template()
-        max_len = self.config.data.max_seq_length
-        bos = gen.bos_to_add(tok)
-
-        def tokenize(text: str) -> list[int]:
-            return tok.encode(text, add_special_tokens=False)
-
-        field = self.config.prompt.response_field
-
-        def encode_rendered(rendered: prompt.Rendered) -> prompt.Encoded:
-            eos = prompt.eos_to_append(rendered, tok.eos_token_id, tok.eos_token, self.config.prompt.add_eos)
-            return prompt.encode(rendered, tokenize, max_len, eos,
-                                 prompt.bos_to_prepend(rendered.text, bos, tok.bos_token))
-
-        def encode_row(row: dict) -> Any:
-            if self.preference is not None:
-                return self.preference.encode(row)
-            return encode_rendered(self.render_row(row, template))
-
+        kind = splits.shape.kind
+        encoder = self.row_encoder(kind)
+        # Conversational pairs render through the chat template itself (and say so if there is none).
+        template = encoder.template if kind != "chat_pairs" else self.config.prompt.template
         if is_preference(self.config):
-            tc, rejected = self.config.trainer, self.config.prompt.rejected_field
-            self.preference = PreferenceObjective(
-                tc.method, tc.beta, self.model, self.device, self.base.compute_dtype,
-                lambda row: encode_pair(template, row, field, rejected, encode_rendered))
+            tc = self.config.trainer
+            self.preference = PreferenceObjective(tc.method, tc.beta, self.model, self.device, self.base.compute_dtype,
+                                                  lambda row: Pair(*encoder.encode(row)))
+        untrained = encoding.Untrained(total=len(splits.train))
 
         def encode(rows: list[dict], split: str) -> list[Any]:
             out = []
             for number, row in enumerate(rows):
                 try:
-                    out.append(encode_row(row))
+                    texts = encoder.render(row)
+                    examples = [encoder.encode_rendered(r) for r in texts]
                 except prompt.TemplateError as exc:
                     raise DataError(f"{self.config.data.path}: {split} row {number}: {exc}") from None
+                if split == "training":
+                    reason = next((why for r, e in zip(texts, examples, strict=True)
+                                   if (why := encoding.why_untrained(r, e, encoder)) is not None), None)
+                    if reason is not None:
+                        untrained.reasons[reason] += 1
+                        untrained.rows.append(number)
+                if self.preference is not None:
+                    out.append(Pair(examples[0][0], examples[1][0]))
+                else:
+                    out.extend(e for block in examples for e in block)
             return out
 
         train = encode(list(splits.train), "training")
+        if untrained.refused:
+            raise DataError(encoding.refusal(untrained, self.config, str(self.config.data.path)))
         if not train:
             raise ConfigError(f"{self.config.data.path}: no training rows after splitting; check "
                               "data.split_column / data.val_fraction")
@@ -219,15 +222,22 @@ class Session:
         return TrainingData(train=train, validation=encode(validation_rows, "validation"),
                             test_rows=list(splits.test), validation_rows=validation_rows, template=template,
                             truncated=sum(1 for e in train if e.truncated),
-                            chat=any(chat.is_chat_row(row) for row in splits.train[:1]))
+                            chat=kind == "chat_pairs" or any(chat.is_chat_row(row) for row in splits.train[:1]),
+                            kind=kind)
 
-    def _template(self) -> str:
-        """``prompt.template`` with a preset replaced by its text (``chat``: the tokenizer's template)."""
-        from studio.core import prompt
+    def row_encoder(self, kind: str = "instruction") -> Any:
+        """core/encoding.py's RowEncoder for this run's config and tokenizer: how a row is rendered
+        and encoded, the same code ``studio config check`` counts trained tokens with."""
+        from studio.core.encoding import RowEncoder, Vocab
 
-        return prompt.resolve_template(self.config.prompt, getattr(self.tokenizer, "chat_template", None),
-                                       bos_token=self.tokenizer.bos_token or "",
-                                       eos_token=self.tokenizer.eos_token or "")
+        tok = self.tokenizer
+
+        def tokenize(text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=False)
+
+        vocab = Vocab(tokenize, tok.eos_token_id, tok.eos_token, gen.bos_to_add(tok), tok.bos_token,
+                      getattr(tok, "chat_template", None))
+        return RowEncoder(self.config, vocab, kind)
 
     def chat_renderer(self) -> Any:
         """The tokenizer's chat template as a :class:`~studio.core.chat.ChatRenderer` (made once)."""
@@ -238,15 +248,6 @@ class Session:
             self._chat = ChatRenderer(getattr(tok, "chat_template", None) or "", bos_token=tok.bos_token or "",
                                       eos_token=tok.eos_token or "")
         return self._chat
-
-    def render_row(self, row: dict, template: str) -> Any:
-        """A training row as text with its loss spans: a conversation through the chat template,
-        an instruction row through ``template``."""
-        from studio.core import chat, prompt
-
-        if chat.is_chat_row(row):
-            return self.chat_renderer().render(chat.messages_of(row))
-        return prompt.render(template, row, self.config.prompt.response_field)
 
     def fail(self, kind: str, message: str, detail: str = "") -> None:
         """Emit a fatal WorkerFailed and raise :class:`TrainingError` (never returns)."""
@@ -343,17 +344,21 @@ class Session:
 
     def render_prompt(self, prompt: str | dict) -> str:
         """The text the model is given for ``prompt``: a row (dict) or a plain instruction rendered
-        through the run's template, up to where the response starts. A chat row (``messages``) and,
-        on chat data, a plain message are rendered with the chat template plus its generation prompt."""
+        through the run's template, up to where the response starts. A chat row (``messages``, with
+        its ``tools``) and, on chat data, a plain message are rendered with the chat template plus its
+        generation prompt. On raw text the prompt is a document's start, given as it is."""
         from studio.core import chat
         from studio.core.prompt import render, template_fields
 
         template = self.data.template if self.data else self.config.prompt.template
         field = self.config.prompt.response_field
         if isinstance(prompt, dict) and chat.is_chat_row(prompt):
-            return self.chat_renderer().prompt(chat.messages_of(prompt))
+            return self.chat_renderer().prompt(chat.messages_of(prompt), chat.tools_of(prompt))
         if isinstance(prompt, str) and self.data is not None and self.data.chat:
             return self.chat_renderer().prompt([chat.Turn("user", prompt)])
+        if self.data is not None and self.data.kind == "text":
+            # Raw text (continued pretraining): the prompt is the start of a document to continue.
+            return prompt if isinstance(prompt, str) else str(prompt.get(field, ""))
         if isinstance(prompt, str):
             fields = [f for f in template_fields(template) if f != field]
             prompt = {fields[0] if fields else "instruction": prompt}

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from studio.core.config import ConfigError, RunConfig, default_config, load_config
+from studio.core.config_reader import error_lines
 from studio.core.paths import sample_data_dir
 
 
@@ -58,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             config, path = initial_config(getattr(args, "config", None), getattr(args, "data", None))
     except (ConfigError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_lines(exc), file=sys.stderr)
         return 2
     if runs_dir != "runs":
         config.output_dir = runs_dir

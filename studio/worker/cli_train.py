@@ -28,6 +28,7 @@ from typing import Any, TextIO
 from studio.core import events as ev
 from studio.core import report
 from studio.core.config import ConfigError, RunConfig, load_config
+from studio.core.config_reader import error_lines
 from studio.core.multigpu import GpuCountError, plan_devices, requested_gpus
 from studio.core.runs import RunDir, create_run, find_run, iter_events, summarize
 from studio.core.storage import DiskFull, is_disk_full
@@ -36,8 +37,11 @@ from studio.worker.launch import become_worker
 
 
 def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
-    """The config with the command line's overrides applied and the data path made absolute."""
+    """The config with the command line's overrides applied, the data path made absolute and, for
+    data that brings its own prompt settings (TRL's preference shapes, raw text: core/shapes.py),
+    those settings, so that the run's config.yaml says what trains."""
     from studio.core.data import resolve_path
+    from studio.core.shapes import adapt_to_data
 
     config = load_config(args.config)
     base_dir = Path(args.config).resolve().parent
@@ -57,6 +61,8 @@ def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
         if found is not None:
             # The run's saved config must work from any directory.
             config.data.path = str(found.resolve())
+    # TRL's preference shapes and raw text bring their own prompt settings: the run records them.
+    config = adapt_to_data(config, base_dir)
     return config, base_dir
 
 
@@ -211,7 +217,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         run, resume = _open_run(args)
     except (ConfigError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_lines(exc), file=sys.stderr)  # every mistake in the config, one line each
         return 2
     except DiskFull as exc:  # other OSErrors are worded by studio.cli (a folder under a file, ...)
         print(f"error: {exc}", file=sys.stderr)

@@ -41,7 +41,7 @@ def row_lengths(rows: Iterable[dict], config: RunConfig, tok: TokenizerInfo) -> 
         if chat.is_chat_row(row):
             renderer = renderer or chat.ChatRenderer(tok.chat_template or "", bos_token=tok.bos_token or "",
                                                      eos_token=tok.eos_token or "")
-            rendered = renderer.render(chat.messages_of(row))
+            rendered = renderer.render(chat.messages_of(row), chat.tools_of(row))
         else:
             rendered = prompt.render(template, row, config.prompt.response_field)
         bos = prompt.bos_to_prepend(rendered.text, tok.bos_id if tok.add_bos else None, tok.bos_token)
@@ -73,9 +73,10 @@ def data_lengths(config: RunConfig, rows: Iterable[dict] | None = None,
         from studio.core.data import DataError, load_splits
 
         try:
-            rows = load_splits(config, base_dir).train
+            splits = load_splits(config, base_dir)
         except (DataError, OSError, ValueError) as exc:
             return (), f"the data cannot be read here ({str(exc).splitlines()[0][:120]})"
+        rows, config = splits.train, splits.shape.adapt(config)  # raw text renders through its own preset
     try:
         lengths = row_lengths(rows, config, tok)
     except ValueError as exc:  # TemplateError: the run itself will say it better

@@ -12,6 +12,7 @@ lives elsewhere (core/data*.py, widgets/page_table.py, column_stats.py, column_m
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import time
@@ -27,8 +28,9 @@ from textual.timer import Timer
 from textual.widgets import Button, Input, OptionList, ProgressBar, Static, TabbedContent, TabPane
 from textual.widgets.option_list import Option
 
-from studio.core import chat
+from studio.core import chat, shapes
 from studio.core import data as datalib
+from studio.core import prompt as prompts
 from studio.core.cells import cell
 from studio.core.preference import is_preference, pair_lint
 from studio.ui.host import Pane
@@ -92,6 +94,8 @@ class DatasetPane(Pane, Vertical):
         self.issues: list[datalib.DataIssue] = []
         self.chat_column: str | None = None
         """The column holding conversations when the dataset is a chat dataset."""
+        self.shape: shapes.DataShape | None = None
+        """What the open dataset holds (core/shapes.py), shown beside the page count."""
         self._filter_timer: Timer | None = None
         self._lint_timer: Timer | None = None
         self._page_rows: list[int] = []
@@ -171,7 +175,8 @@ class DatasetPane(Pane, Vertical):
             self.app.call_from_thread(self._load_failed, f"{path}: cannot read it ({exc})")
             return
         found = datalib.chat_column(table.dataset, self.host.config.data.columns)
-        self.app.call_from_thread(self._loaded, path, table, time.perf_counter() - started, found)
+        shape = shapes.detect(table.dataset, self.host.config)
+        self.app.call_from_thread(self._loaded, path, table, time.perf_counter() - started, found, shape)
 
     def _load_failed(self, message: str) -> None:
         self._busy(None)
@@ -179,11 +184,12 @@ class DatasetPane(Pane, Vertical):
         self.notify(message, title="Dataset not opened", severity="error", timeout=10)
 
     def _loaded(self, path: str, table: datalib.Table, seconds: float,
-                chat_found: tuple[str, str] | None = None) -> None:
+                chat_found: tuple[str, str] | None = None, shape: shapes.DataShape | None = None) -> None:
         if not self.is_attached:  # the app quit while the file was being read
             return
         self.table = table
         self.chat_column = chat_found[0] if chat_found else None
+        self.shape = shape
         self.matches = None
         self.page = 0
         self.query_one("#dataset-filter", Input).value = ""
@@ -201,6 +207,8 @@ class DatasetPane(Pane, Vertical):
                     title=Path(path).name)
         if chat_found is not None:
             self._use_chat_template(*chat_found)
+        if shape is not None:
+            self._use_shape(shape)
 
     def _use_chat_template(self, column: str, shape: str) -> None:
         """Conversations train through the model's chat template: switch ``prompt.template`` to it."""
@@ -211,6 +219,19 @@ class DatasetPane(Pane, Vertical):
             app.config_edited("prompt", origin=self)
             self.notify(f"column '{column}' holds conversations ({name}); prompt.template is now 'chat', "
                         "the model's chat template (loss on the assistant turns)", title="Chat dataset")
+
+    def _use_shape(self, shape: shapes.DataShape) -> None:
+        """TRL's preference shapes and raw text train with prompt settings of their own
+        (core/shapes.py): make them the config's, as training will, and say what the data is."""
+        app = self.host
+        adapted = shape.adapt(app.config)
+        if adapted.prompt != app.config.prompt or adapted.data.columns != app.config.data.columns:
+            app.config.prompt = adapted.prompt
+            app.config.data.columns = adapted.data.columns
+            app.config_edited("prompt", origin=self)
+            self.notify(f"{shape.label}: prompt.template is now {adapted.prompt.template!r} (response "
+                        f"'{adapted.prompt.response_field}')", title="Dataset shape")
+        self._page_label()
 
     # ------------------------------------------------------------------------------- paging
 
@@ -270,7 +291,9 @@ class DatasetPane(Pane, Vertical):
             # Row numbers from 0, as in the # column, the row view, lint and every error message.
             what = f"rows {start:,}-{end - 1:,} of {total:,}" if total else "no rows"
         label = self.query_one("#dataset-page-label", Static)
-        text = f"{what} · page {self.page + 1}/{self.page_count}"
+        # Instruction rows are the usual case; any other shape is named (what core reads the data as).
+        shape = f" · {self.shape.label}" if self.shape is not None and self.shape.kind != shapes.INSTRUCTION else ""
+        text = f"{what} · page {self.page + 1}/{self.page_count}{shape}"
         # Same length, same size: a repaint of the label, not a re-layout of the whole screen.
         label.update(text, layout=len(text) != len(str(label.content)))
 
@@ -388,7 +411,9 @@ class DatasetPane(Pane, Vertical):
             style = "$studio-response" if turn.role == "assistant" else "$studio-prompt"
             parts.append(Content.from_markup(f"\n[b {style}]$number $role[/] [dim]$count tokens[/]\n",
                                              number=str(number), role=turn.role, count=f"{approx}{count:,}"))
-            parts.append(Content(turn.content if turn.content.strip() else "(empty)") + "\n")
+            calls = [_call_text(call) for call in turn.tool_calls]
+            shown = turn.content if turn.content.strip() else "" if calls else "(empty)"
+            parts.append(Content("\n".join(t for t in (shown, *calls) if t)) + "\n")
         return Content("").join(parts)
 
     def action_side(self, tab: str) -> None:
@@ -423,9 +448,10 @@ class DatasetPane(Pane, Vertical):
         app.call_from_thread(self._busy, "lint…", 0.6)
         try:
             template = _template_for_lint(config, counter)
+            raw = config.prompt.template == prompts.RAW_TEXT  # documents are cut into blocks, never too long
             issues = datalib.lint_rows(table.dataset, config.prompt.response_field,
                                        columns=config.data.columns, tokenize=tokenize,
-                                       max_seq_length=config.data.max_seq_length, template=template,
+                                       max_seq_length=None if raw else config.data.max_seq_length, template=template,
                                        add_eos=config.prompt.add_eos, chat_template=counter.chat_template)
             if is_preference(config):
                 issues = pair_lint(table.dataset, config, issues)
@@ -494,6 +520,10 @@ class DatasetPane(Pane, Vertical):
         self._lint_timer = self.set_timer(0.8, self.refresh_analysis)
 
     def on_config_changed(self, message: ConfigChanged) -> None:
+        if self.table is not None and message.section in ("trainer", "data", "all"):
+            # A preference method (or a column mapping) can change what the data is read as.
+            self.shape = shapes.detect(self.table.dataset, self.host.config)
+            self._use_shape(self.shape)
         if message.section in ("prompt", "data", "all"):
             path = self.host.config.data.path
             if message.section in ("data", "all") and path and (self.table is None or self.table.source != path):
@@ -534,10 +564,18 @@ class DatasetPane(Pane, Vertical):
         self.action_open_file()
 
 
+def _call_text(call: Any) -> str:
+    """One tool call of an assistant turn as the row view shows it: ``→ calls name({arguments})``."""
+    function = call.get("function", call) if isinstance(call, dict) else {}
+    if not isinstance(function, dict):
+        function = {}
+    arguments = function.get("arguments", "")
+    shown = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return f"→ calls {function.get('name', '?')}({shown})"
+
+
 def _template_for_lint(config: Any, counter: Any) -> str | None:
     """The literal template rows are rendered through for length lint; None if it cannot resolve."""
-    from studio.core import prompt as prompts
-
     try:
         return prompts.resolve_template(config.prompt, counter.chat_template,
                                         eos_token=counter.eos_token or "")

@@ -30,10 +30,11 @@ from studio.core import events as ev
 from studio.core import prompt as prompts
 from studio.core.config import PromptConfig
 from studio.core.preference import is_preference
+from studio.core.shapes import TRL_STANDARD_TEMPLATE
 from studio.ui.host import Pane
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged, WorkerEvents
-from studio.ui.widgets.pair_view import pair_preview, pair_row
-from studio.ui.widgets.prompt_preview import count_line, legend, measure, preview_content
+from studio.ui.widgets.pair_view import pair_preview
+from studio.ui.widgets.prompt_preview import count_line, legend, measure, preview_content, untrained_note
 from studio.ui.widgets.template_editor import TemplateEditor
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ RENDER_DELAY_S = 0.15
 """Pause after the last keystroke before re-rendering."""
 CUSTOM = "custom"
 PRESET_LABELS = (("alpaca", "alpaca"), ("alpaca, no input", "alpaca_no_input"),
-                 ("chat template", "chat"), ("custom", CUSTOM))
+                 ("chat template", "chat"), ("raw text", prompts.RAW_TEXT), ("custom", CUSTOM))
 EXAMPLE_ROW = {"instruction": "Reverse the word 'studio'.", "input": "", "output": "oiduts"}
 """Shown until the dataset browser has a row selected."""
 
@@ -179,6 +180,10 @@ class TemplatePane(Pane, Vertical):
             event.select.value = CUSTOM if app.config.prompt.template not in prompts.PRESETS \
                 else app.config.prompt.template
             return
+        if (name == prompts.RAW_TEXT) != (app.config.prompt.template == prompts.RAW_TEXT):
+            # Raw text trains the `text` field whole; leaving it, the answer is `output` again.
+            app.config.prompt.response_field = "text" if name == prompts.RAW_TEXT else "output"
+            text = self._preset_text(name) or text
         app.config.prompt.template = name
         self._setting_text = True
         self.editor.load_text(text)
@@ -266,27 +271,45 @@ class TemplatePane(Pane, Vertical):
             self.query_one("#template-render", Static).update(
                 Content.from_markup("[b $error]cannot render this conversation:[/] $m", m=str(exc)))
             return
-        measured = measure(rendered, app.counter, config.data.max_seq_length, config.prompt.add_eos)
+        raw = config.prompt.template == prompts.RAW_TEXT
+        # Raw text is cut into blocks of max_seq_length tokens for training, never truncated.
+        measured = measure(rendered, app.counter, 1 << 30 if raw else config.data.max_seq_length,
+                           config.prompt.add_eos)
         where = f"row {selected[0]:,}" if selected else "example row (open a dataset to use yours)"
-        self.query_one("#template-counts", Static).update(
-            Content.from_markup("[b $accent]$where[/] · ", where=where) + count_line(measured, app.counter))
+        counts = Content.from_markup("[b $accent]$where[/] · ", where=where) + count_line(measured, app.counter)
+        if raw and measured.total > config.data.max_seq_length:
+            blocks = -(-measured.total // config.data.max_seq_length)
+            counts += Content(f"\n{blocks} blocks of data.max_seq_length ({config.data.max_seq_length}) tokens "
+                              "train it; nothing is cut")
         if is_preference(config) and selected:
             # A DPO / ORPO row trains on two texts: the chosen answer's and the rejected one's.
-            content = pair_preview(text, pair_row(row, config, self._fields()[0]), config, app.counter)
+            try:
+                content = pair_preview(text, row, config, app.counter)
+            except (prompts.TemplateError, chats.ChatFormatError) as exc:
+                content = Content.from_markup("[b $error]cannot render this pair:[/] $m", m=str(exc))
         else:
             content = preview_content(measured, app.counter.eos_token)
+            note = untrained_note(measured)
+            if note is not None:
+                counts += Content("\n") + note
+        self.query_one("#template-counts", Static).update(counts)
         self.query_one("#template-render", Static).update(content)
         self._show_lint(text)
 
     def _render_row(self, template: str, row: dict[str, Any]) -> prompts.Rendered:
-        """``row`` as training text: a conversation through the tokenizer's chat template (loss on
-        the assistant turns), anything else through ``template``."""
+        """``row`` as training text: a conversation (with its tools) through the tokenizer's chat
+        template (loss on the assistant turns and their tool calls), anything else through ``template``."""
         config = self.host.config
         turns = conversation_of(row, config.data.columns)
         if turns is None:
             return prompts.render(template, row, config.prompt.response_field)
         counter = self.host.counter
-        return chats.ChatRenderer(counter.chat_template or "", eos_token=counter.eos_token or "").render(turns)
+        column = chats.find_tools_column(list(row), config.data.columns)
+        try:
+            tools = chats.parse_tools(row.get(column)) if column else None
+        except chats.ChatFormatError as exc:
+            raise prompts.TemplateError(str(exc)) from None
+        return chats.ChatRenderer(counter.chat_template or "", eos_token=counter.eos_token or "").render(turns, tools)
 
     def _show_lint(self, text: str) -> None:
         config = self.host.config
@@ -297,6 +320,10 @@ class TemplatePane(Pane, Vertical):
             # Conversations fill the chat template's turns themselves; its {field} form is for
             # instruction rows, so the data's columns are not its fields.
             issues = [i for i in issues if i.kind != "unknown_field"]
+        if text == TRL_STANDARD_TEMPLATE.replace("{chosen}", "{" + config.prompt.response_field + "}"):
+            # TRL's standard pairs join prompt and answer as they are: the data's prompt ends with
+            # its own separator, as TRL expects it to.
+            issues = [i for i in issues if i.kind != "no_separator"]
         lint = self.query_one("#template-lint", Static)
         lint.set_class(any(i.severity == "error" for i in issues), "-error")
         if not issues:

@@ -3,7 +3,8 @@ both rendered through the template.
 
 The dataset pane's row view shows :class:`PairView` under the row's fields; the template pane shows
 :func:`pair_preview` (the chosen answer's training text, then the rejected one's). Chat-shaped rows
-are flattened first (studio/core/preference.py), as training reads them.
+render as training renders them (studio/core/preference.py): TRL's conversational pairs through
+the chat template under the chat preset, flattened to text under a template of your own.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from textual.containers import Horizontal
 from textual.content import Content
 from textual.widgets import Static
 
+from studio.core import chat as chats
 from studio.core import prompt as prompts
 from studio.core.config import RunConfig
-from studio.core.preference import Piece, difference, flatten_pair
-from studio.ui.widgets.prompt_preview import measure, preview_content
+from studio.core.preference import Piece, conversation_pair, difference, flatten_pair, is_messages
+from studio.core.shapes import TRL_PROMPT
+from studio.ui.widgets.prompt_preview import measure, preview_content, untrained_note
 from studio.ui.widgets.token_counter import TokenCounter
 
 
@@ -60,16 +63,39 @@ class PairView(Horizontal):
         self.query_one(".pair-rejected", Static).update(_marked(f"✗ {names[1]}", "$error", right))
 
 
+def pair_texts(template: str, row: dict[str, Any], config: RunConfig, counter: TokenCounter) -> list[prompts.Rendered]:
+    """A pair's two training texts as training renders them: TRL's conversational pairs under the
+    chat preset through the chat template (loss on the answer's turns), others flattened and
+    rendered through ``template`` with each answer in the response's place."""
+    field, rejected = config.prompt.response_field, config.prompt.rejected_field
+    prompt_column = config.data.columns.get(TRL_PROMPT, TRL_PROMPT)
+    if config.prompt.template == "chat" and any(is_messages(row.get(k)) for k in (prompt_column, field, rejected)):
+        pair = conversation_pair({**row, TRL_PROMPT: row.get(prompt_column)}, TRL_PROMPT, field, rejected)
+        renderer = chats.ChatRenderer(counter.chat_template or "", eos_token=counter.eos_token or "")
+        before = chats.parse_turns(pair[TRL_PROMPT])
+        return [renderer.render(before + chats.parse_turns(pair[side]), train_from=len(before))
+                for side in (field, rejected)]
+    flat = pair_row(row, config, prompt_field(template, field))
+    return [prompts.render(template, {**flat, field: flat.get(side)}, field) for side in (field, rejected)]
+
+
+def prompt_field(template: str, response_field: str) -> str:
+    """The template's first field that is not the answer's: where a flattened pair's prompt goes."""
+    return next((f for f in prompts.template_fields(template) if f != response_field), "instruction")
+
+
 def pair_preview(template: str, row: dict[str, Any], config: RunConfig, counter: TokenCounter) -> Content:
     """Both training texts of a pair: the row rendered with its chosen answer, then with its
-    rejected one, each coloured as the template preview colours one (prompt, response, the cut)."""
-    field, rejected = config.prompt.response_field, config.prompt.rejected_field
+    rejected one, each coloured as the template preview colours one (prompt, response, the cut),
+    each marked when it trains on no token."""
     parts: list[Content] = []
-    for title, style, answer in (("✓ chosen", "$success", row.get(field)),
-                                 ("✗ rejected", "$error", row.get(rejected))):
-        rendered = prompts.render(template, {**row, field: answer}, field)
+    texts = pair_texts(template, row, config, counter)
+    for (title, style), rendered in zip((("✓ chosen", "$success"), ("✗ rejected", "$error")), texts, strict=True):
         measured = measure(rendered, counter, config.data.max_seq_length, config.prompt.add_eos)
         parts.append(Content.styled(f"{title}\n", f"bold {style}"))
+        note = untrained_note(measured)
+        if note is not None:
+            parts.append(note + "\n")
         parts.append(preview_content(measured, counter.eos_token))
         parts.append(Content("\n\n"))
     return Content("").join(parts[:-1])

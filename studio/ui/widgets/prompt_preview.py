@@ -85,6 +85,18 @@ def count_line(m: Measured, counter: TokenCounter) -> Content:
     return line + Content.from_markup("\n[dim]$label[/]", label=counter.label)
 
 
+def untrained_note(m: Measured) -> Content | None:
+    """``✗ trains on no token: why`` for an example whose response has no token to learn (a run is
+    refused when most of its rows are such: studio/core/encoding.py), else None."""
+    if m.response_tokens > 0:
+        return None
+    said = "".join(m.rendered.text[a:b] for a, b in m.rendered.loss_spans) if m.rendered.loss_spans \
+        else m.rendered.response
+    why = ("the tokenizer encodes its response to no tokens" if said.strip()
+           else "nothing is left to learn after the template (an empty response, or no assistant turn)")
+    return Content.from_markup("[b $error]✗ this row trains on no token:[/] $why", why=why)
+
+
 def preview_content(m: Measured, eos_token: str | None) -> Content:
     """The example with the prompt and the response (what the loss is computed on) coloured apart,
     dropped text struck through after a ✂ marker."""
