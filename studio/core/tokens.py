@@ -208,6 +208,15 @@ def _post_processor_adds(tokenizer: Tokenizer, bos_id: int | None) -> bool:
     return bool(ids) and ids[0] == bos_id
 
 
+def make_tokenize(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
+    """A ``str -> ids`` callable without special tokens: what :func:`studio.core.prompt.encode` wants."""
+
+    def tokenize(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    return tokenize
+
+
 def count_tokens(
     tokenize: Tokenizer | Callable[[str], Sequence[int]],
     texts: Iterable[str],
