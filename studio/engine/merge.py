@@ -6,7 +6,7 @@ transformers loads as a causal LM (a multimodal checkpoint, Gemma 3 4B+, stays w
   run's 4-bit weights were rounded from these, and merging into 4-bit weights would round the update
   away. A base that exists only as a bitsandbytes checkpoint (``quantization_config`` in its
   config.json) is dequantized first: its rounded weights are all there is.
-- Each adapted layer is merged in float32 and rounded to the dtype once.
+- Each adapted weight is the float32 sum of base and update, rounded to the dtype once.
 - Token embeddings and output head that share one tensor (tied) are split when the adapter changes
   either: merged into the shared tensor, an ``lm_head`` update would change the token embeddings too.
 """
@@ -83,31 +83,20 @@ def untie_adapted_embeddings(model: Any) -> bool:
 
 
 def merge_adapter(model: Any, adapter: Path) -> Any:
-    """``model`` with the PEFT adapter in ``adapter`` merged into its weights (float32 sums, rounded
-    to each weight's dtype once), returned as a plain transformers model."""
+    """``model`` with the PEFT adapter in ``adapter`` merged into its weights, returned as a plain
+    transformers model. peft keeps the adapter in float32 over a bfloat16 / float16 base, so each merged
+    weight is a float32 sum rounded to the base's dtype once."""
     import warnings
 
     from peft import PeftModel
-    from peft.tuners.tuners_utils import BaseTunerLayer
 
     with warnings.catch_warnings():
         # peft warns about tied embeddings in the adapter; untie_adapted_embeddings handles them.
-        warnings.simplefilter("ignore", UserWarning)
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
         warnings.simplefilter("ignore", FutureWarning)  # peft: is_gradient_checkpointing
         wrapped = PeftModel.from_pretrained(model, str(adapter))
     untie_adapted_embeddings(wrapped.get_base_model())
-    for module in wrapped.modules():
-        if not isinstance(module, BaseTunerLayer):
-            continue
-        weight = getattr(module.get_base_layer(), "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dtype != torch.float32:
-            stored = weight.dtype
-            weight.data = weight.data.float()  # the adapter's weights are float32: the sum is too
-            module.merge()
-            weight.data = weight.data.to(stored)
-        else:
-            module.merge()
-    return wrapped.unload()
+    return wrapped.merge_and_unload()
 
 
 def copy_processor_files(base: str, dest: Path, revision: str | None = None) -> list[str]:
