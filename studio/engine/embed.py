@@ -2,13 +2,13 @@
 
 Each row is rendered the way the model saw prompts in training: through the run's template, up to
 where the response starts (a file with only a ``text`` column is embedded as that text). The vector is
-one of the text decoder's hidden states, as transformers numbers them for every family: ``0`` the
-token embeddings as the first layer receives them (Gemma scales them by the square root of the width,
-Granite by its embedding multiplier), ``N`` the output of layer N, and the last (``-1``) the output of
-the final norm. A multimodal checkpoint (Gemma 3 4B+) gives its text tower's. The state is pooled
-over the row's tokens (``mean``) or taken at its last token (``last``, what the model answers from).
-Rows go through in padded batches; the Parquet file keeps every input column and adds ``embedding``
-(a list of float32).
+one of the text decoder's hidden states, numbered as transformers numbers them for every family: ``0``
+the token embeddings as the first layer receives them (Gemma scales them by the square root of the
+width, Granite by its embedding multiplier), ``N`` the output of layer N, except that the last (``-1``,
+the same as the layer count) is the final norm's output. A multimodal checkpoint (Gemma 3 4B+) gives
+its text tower's. The state is pooled over the row's tokens (``mean``) or taken at its last token
+(``last``, what the model answers from). Rows go through in padded batches; the Parquet file keeps
+every input column and adds ``embedding`` (a list of float32).
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ def embed_run(run: RunDir, command: ev.Embed, emit: Callable[[ev.Event], object]
         if not rows:
             raise EmbedError(f"{command.data}: no rows to embed")
         adapter = None if command.base else find_adapter(run)
-        check_causal_lm(resolve_model(config.model.base_model), config.model.revision, config.model.trust_remote_code)
+        check_causal_lm(resolve_model(config.model.base_model, progress=lambda msg: progress(msg, 0.02)),
+                        config.model.revision, config.model.trust_remote_code)
         base = load_base(config, progress=lambda stage, f: progress(stage, 0.02 + f * 0.1))
         model = load_adapter(base, adapter) if adapter is not None else base.model
         texts = row_texts(rows, run_template(config, base.tokenizer), config.prompt.response_field)

@@ -25,11 +25,15 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 def check_causal_lm(path: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
-    """The transformers config of the model at ``path``; ExportError in one line when it is not a
-    decoder-only causal LM (an encoder-decoder has no causal-LM class to merge into or embed with)."""
+    """The transformers config of the model at ``path`` (None where it cannot be read: the loader that
+    follows says why); ExportError in one line when it is not a decoder-only causal LM (an
+    encoder-decoder has no causal-LM class to merge into or embed with)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
     if getattr(config, "is_encoder_decoder", False):
         raise ExportError(f"{path} is an encoder-decoder model (model_type {config.model_type!r}); Studio exports "
                           "and embeds decoder-only causal LMs")
