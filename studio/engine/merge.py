@@ -51,9 +51,8 @@ def load_unquantized(path: str, dtype: torch.dtype, revision: str | None = None,
     options = dict(dtype=dtype, revision=revision, trust_remote_code=trust_remote_code)
     if not quantized:
         return AutoModelForCausalLM.from_pretrained(path, **options)
-    method = (quantized.get if isinstance(quantized, dict) else lambda key, d: getattr(quantized, key, d))(
-        "quant_method", "?")
-    if str(method) != "bitsandbytes":
+    method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+    if method != "bitsandbytes":  # a str (config.json) or transformers' str enum
         raise ExportError(f"{path} stores its weights quantized ({method}), which Studio cannot dequantize to merge "
                           "into; set model.base_model to its full-precision checkpoint")
     try:
