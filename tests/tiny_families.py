@@ -1,5 +1,6 @@
-"""Tiny random models of every family the GGUF exporter writes, each with a tokenizer of the kind
-that family ships and a chat template of that family's shape, saved as a model folder.
+"""Tiny random models of every family Studio covers (the GGUF exporter writes the first seven), each
+with a tokenizer of the kind that family ships and a chat template of that family's shape, saved as a
+model folder.
 
 Byte-level BPE families (Llama 3, Mistral, Qwen) use the project's tiny tokenizer (studio.engine.tiny).
 SentencePiece-style families (Gemma, Phi-3) get a tiny BPE with byte fallback, trained here with
@@ -33,6 +34,13 @@ GEMMA = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = 
 
 PHI3 = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+
+OLMO2 = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '\n' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+
+GRANITE = ("{% for m in messages %}{{ '<|start_of_role|>' + m['role'] + '<|end_of_role|>' + m['content'] + "
+           "'<|end_of_text|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+           "{{ '<|start_of_role|>assistant<|end_of_role|>' }}{% endif %}")
 
 MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
            "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}")
@@ -68,11 +76,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
                                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                  "partial_rotary_factor": 0.5}),
                  tokenizer="spm-prefix", chat=PHI3, end="<|end|>"),
+    # q and k normed over the whole projection, norms after attention and MLP (not before)
+    "olmo2": dict(model_type="olmo2", config=dict(num_hidden_layers=2, tie_word_embeddings=False),
+                  tokenizer="bpe", chat=OLMO2, end="<|endoftext|>"),
+    # every second layer without RoPE, tied embeddings
+    "smollm3": dict(model_type="smollm3", config=dict(num_hidden_layers=2, no_rope_layer_interval=2,
+                                                      tie_word_embeddings=True),
+                    tokenizer="bpe", chat=CHATML, end="<|im_end|>"),
+    # Granite 3's four multipliers, far enough from 1 to show if any were lost
+    "granite": dict(model_type="granite", config=dict(num_hidden_layers=2, embedding_multiplier=12.0,
+                                                      attention_multiplier=0.0625, residual_multiplier=0.22,
+                                                      logits_scaling=8.0, tie_word_embeddings=True),
+                    tokenizer="bpe", chat=GRANITE, end="<|end_of_text|>"),
 }
 
 SPM_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
 CHAT_TOKENS = {"bpe": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                       "[INST]", "[/INST]"],
+                       "[INST]", "[/INST]", "<|user|>", "<|assistant|>", "<|system|>", "<|start_of_role|>",
+                       "<|end_of_role|>", "<|end_of_text|>"],
                "spm-gemma": ["<start_of_turn>", "<end_of_turn>"],
                "spm-prefix": ["<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]}
 
@@ -119,8 +140,9 @@ def spm_tokenizer(prefix_space: bool):  # -> PreTrainedTokenizerFast
                                    pad_token="<pad>", clean_up_tokenization_spaces=False)
 
 
-def build(name: str, folder: Path, seed: int = 0) -> Path:
-    """Save family ``name``'s tiny random model, tokenizer and chat template into ``folder``."""
+def build(name: str, folder: Path, seed: int = 0, dtype: str = "float32") -> Path:
+    """Save family ``name``'s tiny random model, tokenizer and chat template into ``folder``, its
+    weights stored in ``dtype`` (bfloat16 as the Hub's checkpoints are)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -137,7 +159,28 @@ def build(name: str, folder: Path, seed: int = 0) -> Path:
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                   pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+def build_gemma3_multimodal(folder: Path, seed: int = 0, dtype: str = "float32") -> Path:
+    """Save a tiny Gemma 3 multimodal checkpoint (Gemma3ForConditionalGeneration, as Gemma 3 4B+ ship):
+    the tiny Gemma 3 text model under a one-layer SigLIP vision tower, with Gemma's tokenizer and an
+    image processor (``preprocessor_config.json``) beside it."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, Gemma3ForConditionalGeneration, Gemma3ImageProcessor
+
+    text = build("gemma3", folder.with_name(folder.name + "-text"), seed)
+    config = AutoConfig.for_model(
+        "gemma3", text_config=json.loads((text / "config.json").read_text()), mm_tokens_per_image=1,
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_attention_heads=2, num_hidden_layers=1, image_size=28, patch_size=14))
+    torch.manual_seed(seed)
+    Gemma3ForConditionalGeneration(config).to(getattr(torch, dtype)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(text).save_pretrained(folder)
+    Gemma3ImageProcessor(size={"height": 28, "width": 28}).save_pretrained(folder)
     return folder

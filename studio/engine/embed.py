@@ -2,10 +2,13 @@
 
 Each row is rendered the way the model saw prompts in training: through the run's template, up to
 where the response starts (a file with only a ``text`` column is embedded as that text). The vector is
-the hidden state of one layer (``-1``: the last, after the final norm; ``0``: the token embeddings),
-pooled over the row's tokens (``mean``) or taken at its last token (``last``, what the model answers
-from). Rows go through in padded batches; the Parquet file keeps every input column and adds
-``embedding`` (a list of float32).
+one of the text decoder's hidden states, numbered as transformers numbers them for every family: ``0``
+the token embeddings as the first layer receives them (Gemma scales them by the square root of the
+width, Granite by its embedding multiplier), ``N`` the output of layer N, except that the last (``-1``,
+the same as the layer count) is the final norm's output. A multimodal checkpoint (Gemma 3 4B+) gives
+its text tower's. The state is pooled over the row's tokens (``mean``) or taken at its last token
+(``last``, what the model answers from). Rows go through in padded batches; the Parquet file keeps
+every input column and adds ``embedding`` (a list of float32).
 """
 
 from __future__ import annotations
@@ -55,11 +58,17 @@ def embed_texts(model: Any, tokenizer: Any, texts: list[str], layer: int = -1, h
                 batch_size: int = 16, device: torch.device | str = "cpu",
                 progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
     """Embeddings of ``texts`` (rows, dim), float32 on the CPU."""
+    import inspect
+
     from studio.engine.generate import prompt_ids
 
     if how not in POOLS:
         raise EmbedError(f"--pool {how} is not one of {', '.join(POOLS)}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # Logits are not needed: one position's instead of every token's (rows x tokens x a vocabulary
+    # of up to 262k, gigabytes at a batch of 16) where the model's forward takes logits_to_keep.
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(inner.forward).parameters else {}
     out: list[torch.Tensor] = []
     was_training = model.training
     model.eval()
@@ -71,7 +80,7 @@ def embed_texts(model: Any, tokenizer: Any, texts: list[str], layer: int = -1, h
             mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids], device=device)
             with torch.no_grad():
                 hidden = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
-                               use_cache=False).hidden_states
+                               use_cache=False, **keep).hidden_states
             if not -len(hidden) <= layer < len(hidden):
                 raise EmbedError(f"--layer {layer}: this model has layers 0..{len(hidden) - 1} (or -1 for the last)")
             out.append(pool(hidden[layer].float(), mask, how).cpu())
@@ -103,7 +112,9 @@ def embed_run(run: RunDir, command: ev.Embed, emit: Callable[[ev.Event], object]
     from studio.core.data import load_table
     from studio.engine.export import find_adapter
     from studio.engine.exporting import run_template
+    from studio.engine.merge import check_causal_lm
     from studio.engine.model import load_adapter, load_base
+    from studio.engine.pull import resolve_model
 
     out = Path(command.out)
     started = time.monotonic()
@@ -118,6 +129,8 @@ def embed_run(run: RunDir, command: ev.Embed, emit: Callable[[ev.Event], object]
         if not rows:
             raise EmbedError(f"{command.data}: no rows to embed")
         adapter = None if command.base else find_adapter(run)
+        check_causal_lm(resolve_model(config.model.base_model, progress=lambda msg: progress(msg, 0.02)),
+                        config.model.revision, config.model.trust_remote_code)
         base = load_base(config, progress=lambda stage, f: progress(stage, 0.02 + f * 0.1))
         model = load_adapter(base, adapter) if adapter is not None else base.model
         texts = row_texts(rows, run_template(config, base.tokenizer), config.prompt.response_field)

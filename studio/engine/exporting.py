@@ -3,8 +3,10 @@
 - ``adapter``: the PEFT folder with ``base_model_name_or_path`` set to the hub id the run used (not
   the local cache path the engine loaded it from), a model card (README.md, with the loss curve) and
   the prompt template beside it.
-- ``merged``: the adapter merged into the base (loaded unquantized in ``dtype``), saved as
-  safetensors with the tokenizer and generation config; ``AutoModelForCausalLM.from_pretrained`` loads it.
+- ``merged``: the adapter merged into the base (loaded unquantized in ``dtype``; see
+  :mod:`studio.engine.merge`), saved as safetensors with the tokenizer, generation config and a
+  multimodal base's image processor files; ``AutoModelForCausalLM.from_pretrained`` loads it as the
+  base's own class.
 - ``gguf``: the merged model (merged in float32, then stored as ``quant``) as one GGUF file, the
   adapter alone as a llama.cpp LoRA GGUF, and an Ollama Modelfile with the run's template.
 
@@ -28,6 +30,7 @@ from studio.core import events as ev
 from studio.core.runs import RunDir, is_full_model
 from studio.engine.export import DTYPES, ExportError, find_adapter
 from studio.engine.gguf_export import QUANTS, GgufExportError, write_gguf, write_lora_gguf
+from studio.engine.gguf_families import family_of
 
 FORMATS = ("adapter", "merged", "gguf")
 TEMPLATE_FILE = "prompt_template.txt"
@@ -55,6 +58,14 @@ def _base_path(run: RunDir, say: Callable[[str], None]) -> str:
     from studio.engine.pull import resolve_model
 
     return resolve_model(run.config().model.base_model, progress=say)
+
+
+def _base_config(run: RunDir) -> dict[str, Any]:
+    """The base model's config.json, as a dict."""
+    from transformers.utils import cached_file
+
+    found = cached_file(_base_path(run, lambda _m: None), "config.json", revision=run.config().model.revision)
+    return json.loads(Path(found).read_text())
 
 
 def run_template(config: Any, tokenizer: Any) -> str:
@@ -95,26 +106,25 @@ def export_adapter_folder(run: RunDir, dest: Path, progress: Callable[[str, floa
 
 
 def merge(run: RunDir, dtype: str, progress: Callable[[str, float], None]) -> tuple[Any, Any]:
-    """The run's base model (unquantized, ``dtype``) with its adapter merged in, and the tokenizer."""
+    """The run's model in ``dtype``: its base unquantized with the adapter merged in
+    (:mod:`studio.engine.merge`), or a full fine-tune's weights; and the tokenizer."""
     import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from studio.engine.merge import load_unquantized, merge_adapter
 
     config = run.config()
     adapter = find_adapter(run)
     progress("loading the base model", 0.05)
     base = _base_path(run, lambda msg: progress(msg, 0.05))
-    if is_full_model(adapter):
-        # A full fine-tune's weights are the model already: nothing to merge (the tokenizer is the
-        # base's, which a checkpoint's model/ folder does not carry).
-        model = AutoModelForCausalLM.from_pretrained(str(adapter), dtype=getattr(torch, dtype),
-                                                     trust_remote_code=config.model.trust_remote_code)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype),
-                                                     revision=config.model.revision,
-                                                     trust_remote_code=config.model.trust_remote_code)
+    # A full fine-tune's weights are the model already: nothing to merge (the tokenizer is the
+    # base's, which a checkpoint's model/ folder does not carry).
+    full = is_full_model(adapter)
+    model = load_unquantized(str(adapter) if full else base, getattr(torch, dtype),
+                             None if full else config.model.revision, config.model.trust_remote_code)
+    if not full:
         progress("merging the adapter into the weights", 0.3)
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+        model = merge_adapter(model, adapter)
     tokenizer = AutoTokenizer.from_pretrained(base, revision=config.model.revision)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -126,11 +136,15 @@ def merge(run: RunDir, dtype: str, progress: Callable[[str, float], None]) -> tu
 
 
 def export_merged_folder(run: RunDir, dest: Path, dtype: str, progress: Callable[[str, float], None]) -> None:
-    """Save the merged model, tokenizer, generation config and prompt template into ``dest``."""
+    """Save the merged model, tokenizer, generation config, image processor files (a multimodal base)
+    and prompt template into ``dest``."""
+    from studio.engine.merge import copy_processor_files
+
     model, tokenizer = merge(run, dtype, progress)
     progress("saving safetensors", 0.5)
     model.save_pretrained(dest, safe_serialization=True)
     tokenizer.save_pretrained(dest)
+    copy_processor_files(_base_path(run, lambda _m: None), dest, run.config().model.revision)
     (dest / TEMPLATE_FILE).write_text(run_template(run.config(), tokenizer), encoding="utf-8")
 
 
@@ -138,10 +152,15 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
     """The merged model as GGUF, the LoRA-only GGUF adapter and an Ollama Modelfile in ``dest``."""
     from studio.core.modelfile import modelfile
     from studio.core.tokens import load_tokenizer_info
+    from studio.engine.merge import check_causal_lm
 
     if quant not in QUANTS:
         raise GgufExportError(f"--quant {quant} is not one of {', '.join(QUANTS)}")
     config = run.config()
+    # What cannot be merged (an encoder-decoder) or llama.cpp does not run (mixture-of-experts,
+    # another architecture) is refused before minutes of merging, not after.
+    check_causal_lm(_base_path(run, lambda _m: None), config.model.revision, config.model.trust_remote_code)
+    family_of(_base_config(run))
     staging = dest / "merged-f32"
     # float32 merge: the GGUF's own rounding (f16, q8_0) is then the only one.
     export_merged_folder(run, staging, "float32", lambda stage, f: progress(stage, f * 0.45))
