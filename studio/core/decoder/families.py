@@ -10,6 +10,8 @@ Plain Python: the UI imports this.
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -78,10 +80,24 @@ def _bidirectional(v: Values) -> Refusal | None:
     return None
 
 
+def reads_gelu_as_tanh() -> bool:
+    """Whether the installed transformers' GemmaConfig reads the first releases' ``hidden_act:
+    "gelu"`` as the tanh approximation, as it does from 5.18 on; 5.17 (the GPU box's) runs exact
+    GELU for it. Read from the package's metadata, without importing it; without transformers (a
+    machine that only sizes models), the newer reading."""
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return True
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return found is None or (int(found[1]), int(found[2])) >= (5, 18)
+
+
 def _gemma(v: Values) -> DecoderSpec | Refusal:
     act = str(v.get("hidden_act"))
-    # GemmaConfig reads the legacy "gelu" of the first releases as the tanh approximation
-    return _bidirectional(v) or _base(v, activation="gelu_pytorch_tanh" if act == "gelu" else act, **_gemma_fields(v))
+    if act == "gelu" and reads_gelu_as_tanh():
+        act = "gelu_pytorch_tanh"
+    return _bidirectional(v) or _base(v, activation=act, **_gemma_fields(v))
 
 
 def _gemma2(v: Values) -> DecoderSpec | Refusal:
