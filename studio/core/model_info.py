@@ -151,25 +151,6 @@ class ModelInfo:
                 + self.vision_params)
 
 
-# Offline fallback, copied from each model's config.json on the hub.
-KNOWN_MODELS: dict[str, ModelInfo] = {
-    "HuggingFaceTB/SmolLM2-135M": ModelInfo("HuggingFaceTB/SmolLM2-135M", 576, 1536, 30, 9, 3, 49152,
-                                            True, 8192),
-    "HuggingFaceTB/SmolLM2-360M": ModelInfo("HuggingFaceTB/SmolLM2-360M", 960, 2560, 32, 15, 5, 49152,
-                                            True, 8192),
-    "HuggingFaceTB/SmolLM2-1.7B": ModelInfo("HuggingFaceTB/SmolLM2-1.7B", 2048, 8192, 24, 32, 32, 49152,
-                                            True, 8192),
-    "meta-llama/Llama-2-7b-hf": ModelInfo("meta-llama/Llama-2-7b-hf", 4096, 11008, 32, 32, 32, 32000,
-                                          False, 4096),
-    "meta-llama/Llama-2-13b-hf": ModelInfo("meta-llama/Llama-2-13b-hf", 5120, 13824, 40, 40, 40, 32000,
-                                           False, 4096),
-    "mistralai/Mistral-7B-v0.1": ModelInfo("mistralai/Mistral-7B-v0.1", 4096, 14336, 32, 32, 8, 32000,
-                                           False, 32768),
-    "meta-llama/Meta-Llama-3-8B": ModelInfo("meta-llama/Meta-Llama-3-8B", 4096, 14336, 32, 32, 8, 128256,
-                                            False, 8192),
-}
-
-
 def _known(ref: str) -> ModelInfo | None:
     """A table entry for ``ref``: exact id, or the same model's -Instruct / -chat variant."""
     key = ref.lower().rstrip("/")
@@ -202,6 +183,29 @@ def from_spec(spec: DecoderSpec, name: str, init_std: float = 0.02) -> ModelInfo
         model_type=spec.model_type, fused=bool(spec.fused), norms_per_layer=len(spec.norms.names()),
         qk_norm="" if spec.qk_norm == "none" else spec.qk_norm, bias_outputs=spec.biases,
         vision_params=spec.extra_params)
+
+
+def _table_entry(name: str, model_type: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                 vocab: int, tied: bool, max_positions: int, **more: object) -> ModelInfo:
+    """A shape of the table below, described from its config.json's keys like any other."""
+    return from_config_dict(dict(model_type=model_type, hidden_size=hidden, intermediate_size=intermediate,
+                                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                 vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=max_positions,
+                                 **more), name)
+
+
+# Offline fallback, copied from each model's config.json on the hub (sample_data/model_configs/
+# holds whole files; these are the keys the estimate reads).
+KNOWN_MODELS: dict[str, ModelInfo] = {info.name: info for info in (
+    _table_entry("HuggingFaceTB/SmolLM2-135M", "llama", 576, 1536, 30, 9, 3, 49152, True, 8192),
+    _table_entry("HuggingFaceTB/SmolLM2-360M", "llama", 960, 2560, 32, 15, 5, 49152, True, 8192),
+    _table_entry("HuggingFaceTB/SmolLM2-1.7B", "llama", 2048, 8192, 24, 32, 32, 49152, True, 8192),
+    _table_entry("meta-llama/Llama-2-7b-hf", "llama", 4096, 11008, 32, 32, 32, 32000, False, 4096),
+    _table_entry("meta-llama/Llama-2-13b-hf", "llama", 5120, 13824, 40, 40, 40, 32000, False, 4096),
+    _table_entry("mistralai/Mistral-7B-v0.1", "mistral", 4096, 14336, 32, 32, 8, 32000, False, 32768,
+                 sliding_window=4096),
+    _table_entry("meta-llama/Meta-Llama-3-8B", "llama", 4096, 14336, 32, 32, 8, 128256, False, 8192),
+)}
 
 
 _VARIANTS = {"instruct", "it", "pt", "base", "chat"}
