@@ -1,7 +1,8 @@
 """Every family Studio describes, one entry per model_type, and :func:`describe_decoder`.
 
 An entry is its config class's defaults (transformers' models/<family>/configuration_<family>.py,
-the same in 5.17 and 5.24) and a small function saying how the family's layer differs from Llama's
+the same in 5.17 and 5.24; where the two read a key differently, :func:`reads_gelu_as_tanh` says
+which is installed) and a small function saying how the family's layer differs from Llama's
 (models/<family>/modeling_<family>.py), over the shared reading of core/decoder/values.py. Adding a
 family is one entry and its tests (tests/test_decoder.py).
 
@@ -16,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from studio.core.decoder.refusals import Refusal, refusal
-from studio.core.decoder.spec import PHI3_FUSED, POST_NORM, PRE_NORM, SANDWICH, DecoderSpec, NormSpec
+from studio.core.decoder.spec import PHI3_FUSED, POST_NORM, PRE_NORM, SANDWICH, DecoderSpec, LayerSpec, NormSpec
 from studio.core.decoder.values import Values, layer_type_tables, rope_table, typed_layers, uniform_layers
 
 
@@ -49,7 +50,7 @@ def _mistral(v: Values) -> DecoderSpec:
     return _base(v, layers=uniform_layers(v, rope_table(v, v.head_dim()), _window(v.get("sliding_window"))))
 
 
-def _qwen_layers(v: Values) -> tuple:
+def _qwen_layers(v: Values) -> tuple[LayerSpec, ...]:
     # __post_init__: the window only with use_sliding_window, on the layers from max_window_layers on
     window = _window(v.get("sliding_window")) if v.flag("use_sliding_window") else None
     first = v.int("max_window_layers")
