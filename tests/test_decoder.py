@@ -309,3 +309,12 @@ def test_studio_estimate_sizes_qwen3_8b_offline_on_the_path_the_engine_takes(tmp
 def test_gemmas_legacy_gelu_is_read_as_the_installed_transformers_reads_it(version, activation, monkeypatch):
     monkeypatch.setattr("importlib.metadata.version", lambda name: version)
     assert described(FAMILY_CONFIGS["gemma"]).activation == activation
+
+
+def test_a_config_that_names_no_model_type_is_sized_as_a_llama_but_not_taken_for_one():
+    config = {k: v for k, v in bundled("meta-llama/Llama-2-7b-hf").items() if k != "model_type"}
+    spec = described(config)
+    assert (spec.model_type, spec.family, spec.features) == ("", "Llama", frozenset())
+    assert from_config_dict(config, "x").total_params() == from_config_dict(bundled("meta-llama/Llama-2-7b-hf"),
+                                                                            "x").total_params()
+    assert plan.model_blocker(config).startswith("config.json names no model_type")

@@ -163,4 +163,8 @@ async def test_qwen3_8b_offline_is_sized_from_its_bundled_config_on_the_path_the
         assert pane.current.plan.lora_targets[0] == "q_proj"
         monkeypatch.setattr(plan, "FAST_DECODER_FEATURES", DECODER_FEATURES)  # the engine runs the families
         await pick_card(pilot, "T4 16 GB")  # a new (config, card) pair: estimated afresh
-        assert "fast path" in text(app, "#vram-summary")
+        for _ in range(600):  # the card's change reaches the pane, then its estimate, in their own time
+            if "T4 16 GB" in text(app, "#vram-summary"):
+                break
+            await pilot.pause(0.05)
+        assert "fast path" in text(app, "#vram-summary") and "T4 16 GB" in text(app, "#vram-summary")

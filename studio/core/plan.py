@@ -174,6 +174,8 @@ def model_blocker(config: Mapping) -> str:
 def decoder_blocker(spec: DecoderSpec) -> str:
     """The features of ``spec`` outside :data:`FAST_DECODER_FEATURES`, the first three in words
     ('' when none)."""
+    if not spec.model_type:  # transformers picks a class by model_type: which one is a guess here
+        return "config.json names no model_type (sized as a Llama); the fast path takes the families it knows by name"
     missing = spec.features - FAST_DECODER_FEATURES
     if not missing:
         return ""

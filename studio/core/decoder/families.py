@@ -257,7 +257,7 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family("SmolLM3", SMOLLM3, _smollm3),
     "granite": Family("Granite", GRANITE, _granite),
 }
-"""model_type -> its entry (a config.json without a model_type is read as Llama's)."""
+"""model_type -> its entry (a config.json that names no model_type is sized as Llama's)."""
 
 SUPPORTED = ", ".join(dict.fromkeys(f.label for f in FAMILIES.values())) + " decoders"
 """The families described, for messages."""
@@ -269,16 +269,15 @@ def describe_decoder(config: Mapping) -> DecoderSpec | Refusal:
     unknown model_type, or a config without the sizes Studio will not guess."""
     nested = config.get("text_config")
     nested = nested if isinstance(nested, Mapping) else None
-    model_type = str(config.get("model_type") or (nested or {}).get("model_type") or "llama")
-    refused = refusal(config, nested or config, model_type, FAMILIES, SUPPORTED)
+    named = str(config.get("model_type") or (nested or {}).get("model_type") or "")
+    refused = refusal(config, nested or config, named or "llama", FAMILIES, SUPPORTED)
     if refused is not None:
         return refused
-    family = FAMILIES[model_type]
+    family = FAMILIES[named or "llama"]
     text = (nested or {}) if family.text_config else config
-    values = Values(config, text, family.defaults, model_type, family.label,
-                    ("text_config",) if family.text_config else ())
+    values = Values(config, text, family.defaults, named, family.label, ("text_config",) if family.text_config else ())
     missing = values.missing(family.implied)
     if missing:
-        return Refusal(model_type, f"config.json has no {', '.join(missing)}; is this a causal LM? Studio "
-                                   f"describes {SUPPORTED}")
+        return Refusal(named, f"config.json has no {', '.join(missing)}; is this a causal LM? Studio "
+                              f"describes {SUPPORTED}")
     return family.describe(values)

@@ -27,13 +27,13 @@ class Refusal:
     """Why a config.json is not a decoder Studio describes; ``str()`` is the one line a person reads."""
 
     model_type: str
-    """The family refused (config.json's model_type)."""
+    """The family refused (config.json's model_type; '' when it names none)."""
 
     reason: str
     """What it has that Studio does not describe, and what Studio does."""
 
     def __str__(self) -> str:
-        return f"{self.model_type}: {self.reason}"
+        return f"{self.model_type}: {self.reason}" if self.model_type else self.reason
 
 
 def refusal(config: Mapping, text: Mapping, model_type: str, described: Collection[str],

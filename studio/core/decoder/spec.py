@@ -124,7 +124,8 @@ class DecoderSpec:
     :func:`studio.core.decoder.describe_decoder` from a config.json."""
 
     model_type: str
-    """config.json's ``model_type`` (the outer one for a multimodal checkpoint: ``gemma3``)."""
+    """config.json's ``model_type`` (the outer one for a multimodal checkpoint: ``gemma3``); ''
+    when it names none, which is sized as a Llama but not taken for one on the fast path."""
 
     family: str
     """What a person calls the family (Llama, Qwen3, Gemma 3...)."""
