@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from studio.core.decoder.spec import PROJECTIONS
 from studio.core.paths import sample_data_dir
 from studio.core.plan import (
-    FAST_PROJECTIONS,
     GRAPH_TOKEN_LIMIT,
     PathFacts,
     choose_path,
@@ -23,7 +23,7 @@ QWEN3 = json.loads((sample_data_dir() / "model_configs/Qwen/Qwen3-8B/config.json
 
 
 def _facts(**changes) -> PathFacts:
-    base = dict(cuda=True, weights="nf4", lora_targets=FAST_PROJECTIONS, lora_dropout=0.0,
+    base = dict(cuda=True, weights="nf4", lora_targets=PROJECTIONS, lora_dropout=0.0,
                 model_blocker=model_blocker(LLAMA))
     return PathFacts(**{**base, **changes})
 
@@ -59,7 +59,7 @@ def test_the_environment_forces_the_fast_path_on_a_cpu() -> None:
 
 
 def test_all_linear_means_the_seven_projections() -> None:
-    assert lora_targets("all-linear") == FAST_PROJECTIONS
+    assert lora_targets("all-linear") == PROJECTIONS
     assert lora_targets(["q_proj", "v_proj"]) == ("q_proj", "v_proj")
 
 

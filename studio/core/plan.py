@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from studio.core.decoder import DECODER_FEATURES, DecoderSpec, Refusal, describe_decoder, in_words
+from studio.core.decoder.spec import PHI3_FUSED, PROJECTIONS
 
 if TYPE_CHECKING:
     from studio.core.config import RunConfig
@@ -24,10 +25,7 @@ if TYPE_CHECKING:
 FAST_PATH_ENV = "STUDIO_FAST_PATH"
 """``1`` forces the fast path on (also on CPU, for tests), ``0`` forces the plain path."""
 
-FAST_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The projections the fast path fuses; LoRA on anything else (lm_head, embeddings) is not covered."""
-
-FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj")
+FUSED_PROJECTIONS = tuple(name for name, _ in PHI3_FUSED)
 """Phi-3's fused modules: LoRA targets of the fast path once it runs ``fused_projections``."""
 
 FAST_FAMILIES = False
@@ -186,7 +184,7 @@ def fast_targets() -> tuple[str, ...]:
     """The modules a LoRA adapter may sit on for the fast path: the seven Llama projections, and
     Phi-3's fused qkv_proj and gate_up_proj once the fast path runs fused projections."""
     fused = FUSED_PROJECTIONS if "fused_projections" in FAST_DECODER_FEATURES else ()
-    return FAST_PROJECTIONS + fused
+    return PROJECTIONS + fused
 
 
 def choose_path(facts: PathFacts) -> PathChoice:
@@ -223,6 +221,6 @@ def lora_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
     """A config's ``lora.target_modules`` as names (``all-linear``: the seven projections of a
     Llama-style model, lm_head excluded, as PEFT reads it)."""
     if isinstance(targets, str):
-        return FAST_PROJECTIONS if targets == "all-linear" else (targets,)
+        return PROJECTIONS if targets == "all-linear" else (targets,)
     targets = tuple(targets)
-    return FAST_PROJECTIONS if targets == ("all-linear",) else targets
+    return PROJECTIONS if targets == ("all-linear",) else targets

@@ -31,8 +31,15 @@ ATTENTION = "self_attn"
 MLP = "mlp"
 """The MLP module of a decoder layer in every family here."""
 
-SEPARATE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""A decoder layer's linear modules when none is fused (Llama's names, what PEFT's all-linear finds)."""
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""A Llama-style decoder layer's attention projections, by the module names PEFT targets."""
+
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""Its gated MLP's projections."""
+
+PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
+"""All seven linear modules of a layer none of which is fused: what PEFT's ``all-linear`` means for
+a Llama-style model (lm_head excluded), and what the fast path fuses LoRA products for."""
 
 PHI3_FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 """Phi-3's fused modules and the Llama modules whose rows they hold, in order ([q; k; v], [gate; up])."""
@@ -228,7 +235,7 @@ class DecoderSpec:
 
     def parent(self, module: str) -> str:
         """The attention or the MLP module a linear module (or q/k norm) belongs to."""
-        attention = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+        attention = {*ATTENTION_PROJECTIONS, "q_norm", "k_norm"}
         attention.update(f for f, parts in self.fused if set(parts) <= attention)
         return ATTENTION if module in attention else MLP
 
@@ -252,7 +259,7 @@ class DecoderSpec:
 
 def linear_modules(fused: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[str, ...]:
     """A layer's linear modules in order when ``fused`` modules hold some of Llama's seven."""
-    holders = dict.fromkeys(next((f for f, parts in fused if name in parts), name) for name in SEPARATE)
+    holders = dict.fromkeys(next((f for f, parts in fused if name in parts), name) for name in PROJECTIONS)
     return tuple(holders)
 
 
@@ -261,8 +268,8 @@ def linear_shapes(hidden: int, intermediate: int, q: int, kv: int,
     """(in_features, out_features) of each linear module of a layer whose q projection is ``q`` wide
     and k and v ``kv`` wide; a fused module's output is its parts' outputs stacked."""
     h, i = hidden, intermediate
-    separate = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    in_out = ((h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h))  # q, k, v, o, gate, up, down
+    separate = dict(zip(PROJECTIONS, in_out, strict=True))
     parts = dict(fused)
     return {name: (separate[parts[name][0]][0], sum(separate[p][1] for p in parts[name])) if name in parts
             else separate[name] for name in linear_modules(fused)}

@@ -14,17 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from studio.core.decoder.spec import LayerSpec, RopeSpec
+from studio.core.decoder.spec import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, LayerSpec, RopeSpec
 
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 """The sizes Studio will not guess: a config.json without them is refused (unless its family's
 checkpoints leave one to the config class, as Gemma 3's text_config does)."""
-
-ATTENTION_BIASES = ("q_proj", "k_proj", "v_proj", "o_proj")
-"""What ``attention_bias`` puts a bias on (Llama, Qwen3, Gemma, OLMo 2, SmolLM3, Granite)."""
-
-MLP_BIASES = ("gate_proj", "up_proj", "down_proj")
-"""What ``mlp_bias`` puts a bias on (Llama, SmolLM3, Granite)."""
 
 
 class Values:
@@ -81,10 +75,11 @@ class Values:
             return int(value)  # type: ignore[call-overload]
         return self.int("hidden_size") // self.int("num_attention_heads")
 
-    def biases(self, attention: tuple[str, ...] = ATTENTION_BIASES,
-               mlp: tuple[str, ...] = MLP_BIASES) -> tuple[str, ...]:
-        """The modules ``attention_bias`` and ``mlp_bias`` put a bias on, for a family whose modules
-        read them (pass () for a flag the family ignores)."""
+    def biases(self, attention: tuple[str, ...] = ATTENTION_PROJECTIONS,
+               mlp: tuple[str, ...] = MLP_PROJECTIONS) -> tuple[str, ...]:
+        """The modules ``attention_bias`` and ``mlp_bias`` put a bias on (q/k/v/o and gate/up/down
+        where the family's modules read them: Llama, SmolLM3, Granite; pass () for a flag the family
+        ignores: Qwen3, Gemma and OLMo 2 read only attention_bias)."""
         return (attention if self.flag("attention_bias") else ()) + (mlp if self.flag("mlp_bias") else ())
 
     def layer_types(self, default: Callable[[int], str]) -> list[str]:

@@ -9,10 +9,11 @@ import os
 from dataclasses import dataclass
 
 from studio.core.config import RunConfig
+from studio.core.decoder.spec import PROJECTIONS
 from studio.core.memory.allocator import expandable_segments_from_env
 from studio.core.model_info import ModelInfo
 
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = PROJECTIONS
 """What PEFT's ``all-linear`` means for a Llama-architecture model (lm_head excluded)."""
 
 
