@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from studio.core.model_families import PROJECTIONS
+from studio.core.decoder.spec import PROJECTIONS
+from studio.core.paths import sample_data_dir
 from studio.core.plan import (
     GRAPH_TOKEN_LIMIT,
     PathFacts,
@@ -17,8 +18,8 @@ from studio.core.plan import (
     model_blocker,
 )
 
-LLAMA = {"model_type": "llama", "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False,
-         "mlp_bias": False}
+LLAMA = json.loads((sample_data_dir() / "model_configs/meta-llama/Llama-3.1-8B/config.json").read_text())
+QWEN3 = json.loads((sample_data_dir() / "model_configs/Qwen/Qwen3-8B/config.json").read_text())
 
 
 def _facts(**changes) -> PathFacts:
@@ -44,7 +45,7 @@ def test_a_llama_qlora_run_on_a_gpu_takes_the_fast_path_with_graphs() -> None:
     ({"method": "dpo"}, "trainer.method is dpo"),
     ({"dora": True}, "DoRA"),
     ({"method": "orpo"}, "SFT's loss only"),
-    ({"model_blocker": model_blocker({**LLAMA, "model_type": "qwen3"})}, "q/k norms"),
+    ({"model_blocker": model_blocker(QWEN3)}, "q/k norms"),
     ({"model_blocker": model_blocker({"model_type": "gpt2", "activation_function": "gelu"})}, "gpt2"),
 ])
 def test_what_rules_the_fast_path_out_is_named(changes: dict, words: str) -> None:

@@ -10,7 +10,8 @@ import pytest
 from textual.widgets import Select
 from ui_helpers import idle_workers, make_config, settle, workdir
 
-from studio.core import gpus
+from studio.core import gpus, plan
+from studio.core.decoder import DECODER_FEATURES
 from studio.core.gpus import GB
 from studio.ui.app import StudioApp
 from studio.ui.panes.vram import VramPane
@@ -111,7 +112,7 @@ async def test_an_architecture_it_cannot_model_names_what_is_missing(tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await open_vram(pilot)
         await enter_model(pilot, "mixtral.json")
-        assert "mixture-of-experts layers (num_local_experts: 8) are not in Studio's memory model" in text(
+        assert "mixtral: mixture-of-experts layers (num_local_experts: 8) are not described" in text(
             app, "#vram-summary")
         assert app.query_one(BlockGauge).predicted is None
         await enter_model(pilot, "gpt2")
@@ -149,3 +150,21 @@ async def test_u_makes_the_field_the_runs_model_and_an_empty_field_goes_back_to_
         await enter_model(pilot, "")
         assert text(app, "#vram-model-line") == f"Model: {LLAMA} (the run's model.base_model)"
         assert "fits" in text(app, "#vram-summary")
+
+
+async def test_qwen3_8b_offline_is_sized_from_its_bundled_config_on_the_path_the_engine_takes(monkeypatch):
+    app = StudioApp(make_config(), settings=False, initial_pane="vram")
+    async with app.run_test(size=SIZE) as pilot:
+        pane = await open_vram(pilot)
+        await enter_model(pilot, "Qwen/Qwen3-8B")
+        assert text(app, "#vram-model-line").startswith(
+            "Model: Qwen/Qwen3-8B, from Studio's bundled config.json (the Hub could not be reached: offline?)")
+        assert "plain path" in text(app, "#vram-summary")  # per-head q/k norms: not in today's fast path
+        assert pane.current.plan.lora_targets[0] == "q_proj"
+        monkeypatch.setattr(plan, "FAST_DECODER_FEATURES", DECODER_FEATURES)  # the engine runs the families
+        await pick_card(pilot, "T4 16 GB")  # a new (config, card) pair: estimated afresh
+        for _ in range(600):  # the card's change reaches the pane, then its estimate, in their own time
+            if "T4 16 GB" in text(app, "#vram-summary"):
+                break
+            await pilot.pause(0.05)
+        assert "fast path" in text(app, "#vram-summary") and "T4 16 GB" in text(app, "#vram-summary")

@@ -10,7 +10,6 @@ Plain Python: the UI imports this.
 
 from __future__ import annotations
 
-import json
 import os
 import urllib.error
 import urllib.request
@@ -18,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from studio.core.model_info import ModelInfo, ModelInfoError, _hub_cache_config, _known, from_config_dict
+from studio.core.model_info import ModelInfo, ModelInfoError, _hub_cache_config, _known, bundled_config, read_config
 from studio.core.model_ref import looks_local
-from studio.core.paths import cache_dir, sample_data_dir
+from studio.core.paths import cache_dir
 
 HUB_TIMEOUT_S = 10.0
 """Seconds to wait for the Hub before calling it unreachable."""
@@ -51,16 +50,6 @@ class HubRefused(OSError):
         self.status = status
 
 
-def bundled_config(ref: str) -> Path | None:
-    """Studio's bundled config.json for hub id ``ref`` (or its -chat / -Instruct variant's base)."""
-    root = sample_data_dir() / "model_configs"
-    for candidate in (ref, ref.replace("-chat-hf", "-hf"), ref.removesuffix("-Instruct")):
-        path = root / candidate / "config.json"
-        if "/" in candidate and path.is_file():
-            return path
-    return None
-
-
 def cached_config(ref: str, revision: str | None = None) -> Path:
     """Where Studio keeps the config.json it fetched for ``ref`` (it may not exist yet)."""
     return cache_dir() / "model_configs" / ref.replace("/", "--") / (revision or "main") / "config.json"
@@ -85,16 +74,6 @@ def fetch_config(ref: str, revision: str | None = None, timeout: float = HUB_TIM
         raise HubUnreachable(str(exc)) from None
 
 
-def _read(path: Path, name: str) -> ModelInfo:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelInfoError(f"{path}: cannot read it as JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ModelInfoError(f"{path}: not a config.json (a JSON object was expected)")
-    return from_config_dict(data, name)
-
-
 def find_model(ref: str, revision: str | None = None,
                fetch: Callable[[str, str | None], bytes] = fetch_config) -> ModelSource:
     """The shape of ``ref``: a config.json path, a model folder, or a hub id. Raises ModelInfoError
@@ -102,20 +81,20 @@ def find_model(ref: str, revision: str | None = None,
     ref = ref.strip()
     path = Path(ref).expanduser()
     if path.is_file():
-        return ModelSource(_read(path, ref), "config.json file")
+        return ModelSource(read_config(path, ref), "config.json file")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelInfoError(f"{ref}: this folder has no config.json; {WHAT_TO_DO}, or a hub id")
-        return ModelSource(_read(path / "config.json", ref), "model folder")
+        return ModelSource(read_config(path / "config.json", ref), "model folder")
     if looks_local(ref):
         raise ModelInfoError(f"{ref}: no such file or folder; give a hub id (owner/name), a model folder "
                              "or a config.json path")
     cached = cached_config(ref, revision)
     if cached.is_file():
-        return ModelSource(_read(cached, ref), "the Hub's config.json (cached)")
+        return ModelSource(read_config(cached, ref), "the Hub's config.json (cached)")
     in_hf_cache = _hub_cache_config(ref, revision)
     if in_hf_cache is not None:
-        return ModelSource(_read(in_hf_cache, ref), "the Hugging Face cache")
+        return ModelSource(read_config(in_hf_cache, ref), "the Hugging Face cache")
     try:
         body = fetch(ref, revision)
     except HubRefused as exc:
@@ -131,12 +110,12 @@ def find_model(ref: str, revision: str | None = None,
         cached.parent.mkdir(parents=True, exist_ok=True)
         partial = cached.with_suffix(".part")
         partial.write_bytes(body)
-        info = _read(partial, ref)  # only a config.json that parses is kept
+        info = read_config(partial, ref)  # only a config.json that parses is kept
         partial.replace(cached)
         return ModelSource(info, "the Hub")
     bundled = bundled_config(ref)
     if bundled is not None:
-        return ModelSource(_read(bundled, ref), f"Studio's bundled config.json ({short})")
+        return ModelSource(read_config(bundled, ref), f"Studio's bundled config.json ({short})")
     known = _known(ref)
     if known is not None:
         return ModelSource(known, f"Studio's table of known shapes ({short})")

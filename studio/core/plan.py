@@ -16,13 +16,26 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from studio.core.model_families import PROJECTIONS
+from studio.core.decoder import DECODER_FEATURES, DecoderSpec, Refusal, describe_decoder, in_words
+from studio.core.decoder.spec import PHI3_FUSED, PROJECTIONS
 
 if TYPE_CHECKING:
     from studio.core.config import RunConfig
 
 FAST_PATH_ENV = "STUDIO_FAST_PATH"
 """``1`` forces the fast path on (also on CPU, for tests), ``0`` forces the plain path."""
+
+FUSED_PROJECTIONS = tuple(name for name, _ in PHI3_FUSED)
+"""Phi-3's fused modules: LoRA targets of the fast path once it runs ``fused_projections``."""
+
+FAST_FAMILIES = False
+"""Whether the fast path (studio/engine/fast) runs every family core/decoder/ describes (Qwen2/3,
+Gemma 1-3, Phi-3, OLMo 2, SmolLM3, Granite, Mistral with a sliding window) or, False, Llama-shaped
+decoders only (Llama 2/3 with any RoPE scaling, Mistral without a window, SmolLM2...). The engine
+sets it True once its layers run every feature of core/decoder/features.py."""
+
+FAST_DECODER_FEATURES: frozenset[str] = DECODER_FEATURES if FAST_FAMILIES else frozenset()
+"""What the fast path runs beyond a Llama layer, by the names of core/decoder/features.py."""
 
 FAST_WEIGHTS = ("nf4", "fp4", "bf16", "fp16", "fp32")
 """Base-weight formats the fast path dequantizes or reads (LLM.int8 is not covered)."""
@@ -147,27 +160,31 @@ class PathChoice:
 
 
 def model_blocker(config: Mapping) -> str:
-    """Why the fast path does not cover a model with this config.json ('' when it does).
+    """Why the fast path does not run a model with this config.json, or a loaded model's
+    ``config.to_dict()`` ('' when it does): why Studio does not describe it (core/decoder/), or the
+    features of its description the fast path does not run (:func:`decoder_blocker`)."""
+    described = describe_decoder(config)
+    if isinstance(described, Refusal):
+        return str(described)
+    return decoder_blocker(described)
 
-    Covered: Llama-style decoders (Llama, Mistral, SmolLM, Qwen2 without attention biases, ...):
-    RMSNorm, SiLU-gated MLP, no biases, no per-head q/k norms.
-    """
-    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
-    model_type = str(text.get("model_type") or config.get("model_type") or "?")
-    if "rms_norm_eps" not in text:
-        return f"model type {model_type!r} is not covered (no RMSNorm)"
-    act = text.get("hidden_act", text.get("hidden_activation", "silu"))
-    if act != "silu" or text.get("attention_bias") or text.get("mlp_bias"):
-        return "only SiLU-gated MLPs without biases are covered"
-    if model_type in ("qwen2", "qwen2_moe"):
-        return "attention projections with a bias (Qwen2) are not covered"
-    if model_type in ("qwen3", "olmo2", "gemma3", "cohere", "cohere2") or text.get("use_qk_norm"):
-        return "a decoder layer that is not Llama-shaped (per-head q/k norms)"
-    if model_type in ("phi3", "phimoe"):
-        return "fused qkv and gate/up projections (Phi-3) are not covered"
-    if text.get("num_local_experts") or text.get("num_experts"):
-        return "mixture-of-experts layers are not covered"
-    return ""
+
+def decoder_blocker(spec: DecoderSpec) -> str:
+    """The features of ``spec`` outside :data:`FAST_DECODER_FEATURES`, the first three in words
+    ('' when none)."""
+    if not spec.model_type:  # transformers picks a class by model_type: which one is a guess here
+        return "config.json names no model_type (sized as a Llama); the fast path takes the families it knows by name"
+    missing = spec.features - FAST_DECODER_FEATURES
+    if not missing:
+        return ""
+    return f"{spec.family}'s {in_words(missing, most=3)}: not in the fast path yet"
+
+
+def fast_targets() -> tuple[str, ...]:
+    """The modules a LoRA adapter may sit on for the fast path: the seven Llama projections, and
+    Phi-3's fused qkv_proj and gate_up_proj once the fast path runs fused projections."""
+    fused = FUSED_PROJECTIONS if "fused_projections" in FAST_DECODER_FEATURES else ()
+    return PROJECTIONS + fused
 
 
 def choose_path(facts: PathFacts) -> PathChoice:
@@ -186,9 +203,10 @@ def choose_path(facts: PathFacts) -> PathChoice:
         return PathChoice("plain", facts.model_blocker)
     if facts.weights not in FAST_WEIGHTS:
         return PathChoice("plain", f"{'8-bit' if facts.weights == 'int8' else facts.weights} base weights")
-    others = [t for t in facts.lora_targets if t not in PROJECTIONS]
+    covered = fast_targets()
+    others = [t for t in facts.lora_targets if t not in covered]
     if others:
-        return PathChoice("plain", f"LoRA on {', '.join(others)} (the fast path covers {', '.join(PROJECTIONS)})")
+        return PathChoice("plain", f"LoRA on {', '.join(others)} (the fast path covers {', '.join(covered)})")
     if not facts.lora_targets:
         return PathChoice("plain", "no LoRA adapter on the decoder's projections")
     graphs = facts.cuda

@@ -70,23 +70,29 @@ MAX_LAYOUTS = 2
 
 def layer_outputs_per_token(info: ModelInfo, compute: int) -> float:
     """Bytes per token of one recomputed decoder layer's forward outputs (engine/fast/layer.py):
-    the two norms, q, k and v from their own products (RoPE rotates them where they are: no
-    copies), attention, o_proj's output written onto the residual stream (one tensor: the LoRA
-    update's product adds the residual, the base product adds itself in place), the gate/up product
-    and SwiGLU; the recomputation skips down_proj, whose value nothing reads."""
+    the norms (two on a Llama layer, four on Gemma 2 and 3's), q, k and v from their own products
+    (RoPE rotates them where they are: no copies; q/k norms write normed copies of q and k first),
+    attention, o_proj's output written onto the residual stream (one tensor: the LoRA update's
+    product adds the residual, the base product adds itself in place), the gate/up product and the
+    gated activation; the recomputation skips down_proj, whose value nothing reads. The description
+    (core/decoder/) changes nothing else at the lengths Studio trains: a sliding window masks scores
+    the flash kernels never keep, soft-caps and scales act inside the kernels."""
     h, i = info.hidden, info.intermediate
     q = info.heads * info.head_width
     kv = info.kv_heads * info.head_width
-    return compute * (2 * h + (q + 2 * kv) + q + h + 2 * i + i)
+    qk_normed = q + kv if info.qk_norm else 0
+    return compute * (info.norms_per_layer * h + (q + 2 * kv) + qk_normed + q + h + 2 * i + i)
 
 
 def hoisted_adapter_bytes(info: ModelInfo, r: int, targets: tuple[str, ...], compute: int) -> int:
     """The adapters cast and stacked once per forward, for every layer: stacked A (n*r x in) and a
-    block-diagonal B^T (n*r x sum of the fused outputs) per fused product."""
+    block-diagonal B^T (n*r x sum of the fused outputs) per fused product (a module that is already
+    fused, Phi-3's qkv_proj, is one adapter over its whole output)."""
     shapes = info.linear_shapes()
-    fused = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+    products = ((("qkv_proj",), ("o_proj",), ("gate_up_proj",), ("down_proj",)) if info.fused else
+                (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)))
     total = 0
-    for group in fused:
+    for group in products:
         n = sum(1 for name in group if name in targets)
         if not n:
             continue
@@ -179,7 +185,8 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     """The training step's :class:`~studio.core.memory.result.Estimate` of ``plan`` on ``info`` on
     the fast path; core/memory/estimate.py adds the other phases and the card."""
     c = compute_bytes(plan)
-    other = info.embedding_params() + info.head_params() + info.norm_params()
+    # a vision tower loads with the decoder and stays in the compute dtype (Gemma 3's SigLIP)
+    other = info.embedding_params() + info.head_params() + info.norm_params() + info.vision_params
     weights = int(info.layers * linear_bytes(info, plan) + other * c)
     n_train = trainable_params(info, plan)
     lora = grads = n_train * 4

@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass
 
 from studio.core.config import RunConfig
+from studio.core.decoder.spec import PROJECTIONS
 from studio.core.memory.allocator import expandable_segments_from_env
-from studio.core.model_families import PROJECTIONS
 from studio.core.model_info import ModelInfo
 
 ALL_LINEAR = PROJECTIONS
