@@ -1,14 +1,16 @@
 """NF4 dequantization: bitsandbytes' kernels against Studio's one Triton kernel, same call, same weights.
 
 For each weight shape of a 7B Llama step (q/k/v/o 4096x4096, gate/up 11008x4096, down 4096x11008),
-quantized as the engine loads them (NF4, double-quantized scales, block 64), times four ways of
+quantized as the engine loads them (NF4, double-quantized scales, block 64), times three ways of
 getting the bf16 weight, and checks the kernel's output against bitsandbytes' to the bit:
 
-- ``bnb``: what the fast path did before (scales expanded per call: ``dequantize_blockwise``, the
-  offset added, then ``dequantize_4bit``);
-- ``bnb_cached``: bitsandbytes' 4-bit kernel alone, scales expanded once (``cache_absmax``);
-- ``triton``: dequant.NF4Weight, scales expanded inside the kernel;
-- ``triton_cached``: the same kernel reading expanded fp32 scales.
+- ``bnb``: the fast path's way without its kernel (frozen.dequantize_into: scales expanded per
+  call by ``dequantize_blockwise``, the offset added, then ``dequantize_4bit``);
+- ``bnb_cached``: bitsandbytes' 4-bit kernel alone, scales expanded once beforehand (what the
+  engine's ``cache_absmax`` did until issue 38; here for the bound it gives);
+- ``triton``: dequant.NF4Weight, scales expanded inside the kernel.
+
+(The kernel reading scales expanded beforehand, ``triton_cached``, went with ``cache_absmax``.)
 
 Bandwidth counts the bytes that must move: the packed weight and its scales read, the bf16 weight
 written. Usage: ``python bench/dequant_speed.py --out bench/results/current/x.json``.
@@ -39,7 +41,7 @@ def main() -> int:
     import triton
 
     from studio.engine.fast import dequant
-    from studio.engine.fast.weights import _dequantize_into, expanded_absmax
+    from studio.engine.fast.frozen import dequantize_into, expanded_absmax
 
     device = torch.device("cuda")
     result = {"what": __doc__.splitlines()[0], "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
@@ -58,7 +60,7 @@ def main() -> int:
         torch.cuda.synchronize()
         return start.elapsed_time(end) * 1000 / args.iters  # microseconds
 
-    class Base:  # what _dequantize_into reads: .weight.data and .weight.quant_state
+    class Base:  # what dequantize_into reads: .weight.data and .weight.quant_state
         def __init__(self, packed, state):
             self.weight = packed
             self.weight.quant_state = state
@@ -71,14 +73,15 @@ def main() -> int:
         cached = expanded_absmax(state)
         out = torch.empty(rows, cols, device=device, dtype=torch.bfloat16)
         reference = torch.empty_like(out)
-        _dequantize_into(base, None, reference)
-        kernel, kernel_cached = dequant.NF4Weight(state, device), dequant.NF4Weight(state, device, cached)
-        ways = {
-            "bnb": partial(_dequantize_into, base, None, out),
-            "bnb_cached": partial(_dequantize_into, base, cached, out),
-            "triton": partial(kernel, packed, out),
-            "triton_cached": partial(kernel_cached, packed, out),
-        }
+        dequantize_into(base, reference)
+        kernel = dequant.NF4Weight(state, device)
+
+        def bnb_cached(out=out, packed=packed, state=state, cached=cached):
+            torch.ops.bitsandbytes.dequantize_4bit.out(packed, cached, state.blocksize, state.quant_type, out.shape,
+                                                       out.dtype, out=out)
+
+        ways = {"bnb": partial(dequantize_into, base, out), "bnb_cached": bnb_cached,
+                "triton": partial(kernel, packed, out)}
         numel = rows * cols
         moved = numel // 2 + numel * 2 + (numel // 64)  # packed, bf16 out, one 8-bit scale a block
         row = {"numel": numel}
@@ -106,7 +109,7 @@ def main() -> int:
         result["shapes"][name] = row
     # A 7B step's mix: per layer 4 of q/k/v/o, 2 of gate/up, 1 of down (forward; the backward repeats it).
     layer = {way: 4 * result["shapes"]["q/k/v/o"][way]["us"] + 2 * result["shapes"]["gate/up"][way]["us"]
-             + result["shapes"]["down"][way]["us"] for way in ("bnb", "bnb_cached", "triton", "triton_cached")}
+             + result["shapes"]["down"][way]["us"] for way in ways}
     result["per_layer_pass_us"] = {k: round(v, 1) for k, v in layer.items()}
     result["step_ms_7b_20_per_layer"] = {k: round(v * 32 * 20 / 7 / 1000, 2) for k, v in layer.items()}
     if args.sweep:

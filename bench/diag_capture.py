@@ -57,11 +57,10 @@ def run(case: str) -> str:
         from test_fast_dropout import _batch, _model  # noqa: PLC0415
 
         from studio.engine import fast
-        from studio.engine.fast.model import FastOptions
         from studio.engine.tiny import build_tiny_model
 
         model = _model(build_tiny_model(), 0.1, "cuda", torch.bfloat16)
-        fast_model, why = fast.prepare(model, options=FastOptions())
+        fast_model, why = fast.prepare(model)
         assert fast_model is not None, why
         batch = _batch("cuda")
         loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
@@ -79,8 +78,8 @@ def _sequence(rate: float, eager_first: bool, offload: bool = True, collect: boo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_fast_dropout import _batch, _model  # noqa: PLC0415
 
+    from studio.core.config import FastPathConfig
     from studio.engine import fast
-    from studio.engine.fast.model import FastOptions
     from studio.engine.tiny import build_tiny_model
 
     events = []
@@ -92,7 +91,7 @@ def _sequence(rate: float, eager_first: bool, offload: bool = True, collect: boo
             import gc  # noqa: PLC0415
             gc.collect()
             torch.cuda.synchronize()
-        fast_model, why = fast.prepare(model, options=FastOptions(cuda_graphs=graphs, offload_inputs=offload))
+        fast_model, why = fast.prepare(model, options=FastPathConfig(cuda_graphs=graphs, host_offload=offload))
         assert fast_model is not None, why
         torch.manual_seed(11)
         for step in range(3):

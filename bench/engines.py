@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +101,7 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     import torch
 
     import studio.engine.memory as memory
+    from bench.speed import fast_facts
     from studio.core import events as ev
     from studio.core.runs import create_run
 
@@ -135,12 +135,11 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
             notes.append(f"{event.kind}: {event.message}")
 
     lever = getattr(case, "lever", "")
-    if lever:  # one lever of the fast path switched off (the engine's own choice otherwise)
-        import studio.engine.fast.build as build
+    if lever:  # one of the fast path's settings switched (the defaults otherwise)
         from bench.speed import LEVERS
-        from studio.engine.fast.model import FastOptions
+        from studio.core.config import FastPathConfig
 
-        build.prepare = partial(build.prepare, options=FastOptions(**LEVERS[lever]))
+        config.trainer.fast_path = FastPathConfig(**LEVERS[lever])
     # The Trainer resets the peak before every step (its memory events are per step); a benchmark of
     # the whole run's peak must not lose the earlier steps'.
     memory.reset_peak = lambda device=None: None
@@ -153,7 +152,7 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     if fast is None and hasattr(trainer, "session"):
         fast = trainer.session.fast
     row = {"engine": "trainer", "lever": lever, "path": "fast" if fast is not None else "plain",
-           "config": config.to_dict(), "notes": notes,
+           "config": config.to_dict(), "fast_path": fast_facts(fast), "notes": notes,
            "losses": [e.loss for e in steps_seen], "steps": finished.step, "wall_s": round(wall, 1),
            # each logged step's end, seconds since training began (where a slow step sits)
            "step_end_s": [round(e.elapsed_s, 4) for e in steps_seen]}

@@ -3,11 +3,12 @@ recorded batches, once per variant, each against a baseline's losses already mea
 
 The HF + PEFT loop's losses on bench/speed.py's recorded batches are reproducible between machines
 (to about 2e-4 relative), so they are read from a committed speed.py result instead of re-run.
-A variant is either some FastOptions switched off (``name=JSON``) or another checkout of the code
-(``name=@folder``: that folder's studio/ and bench/ run instead of these):
+A variant is either some ``trainer.fast_path`` settings switched (``name=JSON``, core/config.py's
+FastPathConfig) or another checkout of the code (``name=@folder``: that folder's studio/ and bench/
+run instead of these; the way to compare with an order of the engine that is gone):
 
     python3 bench/loss_bisect.py --model /tmp/llama2-7b-random --baseline bench/results/archive/h100_v9_losses_vs_hf.json \\
-        --variant 'now={}' --variant 'all_off={"fused_backward": false, ...}' --variant 'v7=@/tmp/v7' --out x.json
+        --variant 'now={}' --variant 'no_kernels={"kernels": false}' --variant 'v7=@/tmp/v7' --out x.json
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main() -> int:
     parser.add_argument("--lora-dropout", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--tokenizer", default="", help="for the model when it has to be built")
-    parser.add_argument("--variant", action="append", default=[], help="name=FastOptions JSON, or name=@folder")
+    parser.add_argument("--variant", action="append", default=[], help="name=trainer.fast_path JSON, or name=@folder")
     parser.add_argument("--work", default="/tmp/loss-bisect")
     parser.add_argument("--out", required=True)
     parser.add_argument("--code", default="")

@@ -6,7 +6,7 @@ the moment allocated memory peaked (and the moment the reserved mappings peaked)
 blocks alive then by their first stack frame in a project we care about (studio, unsloth, peft,
 transformers, bitsandbytes, liger, torch's graphs/checkpoint code), as a short JSON-able dict:
 
-    {"peak_allocated": ..., "at_peak": [{"where": "studio/engine/fast/weights.py:71 matrix",
+    {"peak_allocated": ..., "at_peak": [{"where": "studio/engine/fast/frozen.py:42 allocate",
                                           "bytes": ..., "blocks": ...}, ...],
      "peak_reserved": ..., "reserved_minus_allocated_at_reserved_peak": ...}
 

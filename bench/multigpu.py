@@ -57,6 +57,7 @@ def bench_config(args: argparse.Namespace, data: Path, micro: int, gpus: int):
 
 def rank_worker(args: argparse.Namespace) -> int:
     """One process of one measurement (under torchrun when N > 1): rank 0 trains and writes the JSON."""
+    from bench.speed import fast_facts
     from studio.core import events as ev
     from studio.core.runs import RunDir
     from studio.engine import distributed
@@ -91,14 +92,13 @@ def rank_worker(args: argparse.Namespace) -> int:
     first, last = steps[warm - 1] if warm else None, steps[-1]
     tokens = last.tokens_seen - (first.tokens_seen if first else 0)
     seconds = last.elapsed_s - (first.elapsed_s if first else 0.0)
-    fast = session.fast
     result = {"processes": group.world, "tokens_per_s": tokens / max(seconds, 1e-9),
               "timed_steps": len(steps) - warm, "losses": [e.loss for e in steps],
               "peak_reserved_gib_by_rank": {str(r): p / 2**30 for r, p in sorted(peaks.items())},
-              "fast_path": fast.describe() if fast is not None else "plain path", "notes": notes}
+              "fast_path": fast_facts(session.fast), "notes": notes}
     Path(args.json).write_text(json.dumps(result))
     print(f"{group.world} process(es), micro-batch {run.config().trainer.micro_batch_size}: "
-          f"{result['tokens_per_s']:.0f} tokens/s [{result['fast_path']}]", flush=True)
+          f"{result['tokens_per_s']:.0f} tokens/s {json.dumps(result['fast_path'])}", flush=True)
     return 0
 
 

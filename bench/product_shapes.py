@@ -87,7 +87,7 @@ def main() -> int:
                 }
                 wide = {"q_or_k_or_v_or_o": 3 * hidden, "gate_or_up": 2 * inter}.get(name)
                 if wide:
-                    # The split products as the engine runs them (weights.FrozenWeights): each
+                    # The split products as the engine runs them (frozen.FrozenWeights): each
                     # projection writes its own column block of the fused output, and its backward
                     # reads its column block of the fused output's gradient.
                     yw = torch.randn(m, wide, device=dev, dtype=bf)

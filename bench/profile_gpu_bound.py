@@ -302,7 +302,7 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--workloads", default="512x16,4096x1", help="SEQxMB, comma-separated")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--levers", default="keep_last_product", help="bench/speed.py levers to time too")
+    parser.add_argument("--levers", default="no_offload", help="bench/speed.py levers to time too")
     parser.add_argument("--models-dir", default="/tmp/models")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--repeats", type=int, default=1,
@@ -314,7 +314,8 @@ def main() -> int:
     import torch
     import transformers
 
-    from bench.speed import LEVERS, random_7b, studio_train
+    from bench.speed import LEVERS, fast_facts, random_7b, studio_train
+    from studio.core.config import FastPathConfig
     from studio.engine import fast
 
     t0 = time.perf_counter()
@@ -336,7 +337,7 @@ def main() -> int:
         row = {"variants": {}}
         levers = ["all", *[x for x in args.levers.split(",") if x]]
         for repeat, lever in schedule(levers, args.repeats):
-            fm, why = fast.prepare(model, fast.FastOptions(**LEVERS[lever]))
+            fm, why = fast.prepare(model, FastPathConfig(**LEVERS[lever]))
             if fm is None:
                 row["variants"][lever] = {"error": why}
                 continue
@@ -347,7 +348,7 @@ def main() -> int:
             elif repeat == 0:
                 row["variants"][lever] = {"tokens_per_s": round(res["tokens_per_s"]), "losses": res["losses"][:6],
                                           "peak_reserved_gib": round(res["peak_reserved"] / 2**30, 3),
-                                          "fast_path": fm.describe()}
+                                          "fast_path": fast_facts(fm)}
             if args.repeats > 1 and repeat >= 0:
                 variant = row["variants"][lever]
                 variant.setdefault("repeats_tokens_per_s", []).append(round(res["tokens_per_s"]))

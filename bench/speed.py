@@ -92,35 +92,29 @@ def write_workloads(folder: Path, steps: int, seed: int, vocab: int = 32000) -> 
 LEVERS = {
     "all": {},
     "no_graphs": {"cuda_graphs": False},
-    "no_liger": {"kernels": False},
-    "sdpa_mask": {"varlen": False},
-    "no_absmax_cache": {"cache_absmax": False},  # the default since the shared workspace
-    "absmax_cache": {"cache_absmax": True},
-    "no_workspace": {"shared_workspace": False},
-    "no_offload": {"offload_inputs": False},
-    "fused_products": {"split_products": False},
-    "graphs_keep_inputs": {"offload_graphed": False},
-    "no_hoist": {"hoist_adapters": False},
-    "no_grad_sink": {"grad_sink": False},
-    "keep_last_product": {"skip_last_product": False},
-    "separate_epilogues": {"fused_epilogues": False},
-    "joined_qkv": {"separate_qkv": False},
-    "bnb_dequant": {"triton_dequant": False},
-    "separate_backward": {"fused_backward": False},
-    "recompute_qkv": {"keep_qkv": False},
-    "recompute_attention": {"keep_attention_from": None},
-    "copy_last_layer": {"last_layer_on_device": False},
-    "keep_attention_always": {"keep_attention_from": 0},  # an "on" lever: the default keeps no attention
-    "update_in_products": {"update_in_kernel": False},
-    "down_gradient_in_product": {"hand_off_down_gradient": False},
-    "norm_in_liger": {"norm_with_stream": False},
-    "first_layer_gradient": {"input_gradient_of_first_layer": True},
-    # "on" levers: the base products through cuBLASLt (all, or one direction)
-    "lt_products": {"product_library": {"*": "cublaslt"}},
-    "lt_forward": {"product_library": {"*.forward": "cublaslt"}},
-    "lt_backward": {"product_library": {"*.backward": "cublaslt"}},
-    "graphs_8192": {"graph_token_limit": 8192},  # "on": micro-batch 16 at seq 512 graphed too
+    "no_kernels": {"kernels": False},
+    "no_offload": {"host_offload": False},
 }
+"""Each lever: ``trainer.fast_path`` settings (core/config.py's FastPathConfig) switched from their
+defaults. The comparisons with earlier orders of the engine (the levers that turned one change off
+at a time) went with those orders in issue 38; their results are in bench/results and NOTES.md."""
+
+
+def fast_facts(fm) -> dict:
+    """What the fast path ran with, as data for a result file: its settings, and which of its parts
+    are on in this process (a kernel that failed here, a graph capture that failed)."""
+    from dataclasses import asdict
+
+    from studio.engine.fast import dequant, norm, update
+
+    if fm is None:
+        return {"path": "plain"}
+    failed = {name: module.broken() for name, module in (("dequant", dequant), ("update", update), ("norm", norm))
+              if module.broken()}
+    return {"path": "fast", "settings": asdict(fm.options), "liger": fm.liger is not None,
+            "varlen": fm.varlen is not None, "cuda_graphs": fm._graphs is not None,
+            "host_offload": fm._host is not None, "adapter_dropout": fm._seed is not None,
+            "kernels_failed": failed, "graphs_failed": fm.graphs_failed}
 
 
 def studio_load(model_path: str, lora_dropout: float, seed: int):
@@ -224,6 +218,7 @@ def studio_worker(args) -> int:
     import torch
 
     from bench.baseline_qlora import reset_lora
+    from studio.core.config import FastPathConfig
     from studio.engine import fast
 
     t0 = time.perf_counter()
@@ -240,7 +235,7 @@ def studio_worker(args) -> int:
                 plan += [(Path(p).stem, p, lever, args.lever_steps) for p in args.levers.split(",")]
     for name, path, lever, steps in plan:
         batches = torch.load(path)
-        fm, why = fast.prepare(model, fast.FastOptions(**LEVERS[lever]))
+        fm, why = fast.prepare(model, FastPathConfig(**LEVERS[lever]))
         if fm is None:
             print(f"fast path unavailable: {why}", flush=True)
             return 1
@@ -255,12 +250,12 @@ def studio_worker(args) -> int:
             traceback.print_exc()
             optimizer_state_free()
             continue
-        out["fast_path"] = fm.describe()
+        out["fast_path"] = fast_facts(fm)
         key = name if lever == "all" else f"{name}:{lever}"
         results["workloads"][key] = out
         print(f"studio {key}: {out['tokens_per_s']:.0f} tokens/s, peak {out['peak_allocated'] / 2**30:.2f} / "
               f"{out['peak_reserved'] / 2**30:.2f} GiB, loss {out['losses'][0]:.3f} -> {out['losses'][-1]:.3f}"
-              f" [{fm.describe()}]", flush=True)
+              f" {json.dumps(out['fast_path'])}", flush=True)
         del fm
     Path(args.json).write_text(json.dumps(results))
     return 0
@@ -300,6 +295,10 @@ def trainer_config(args, data: Path, mb: int, template: str):
     t.warmup_fraction = WARMUP / args.steps  # the same warmup steps as the baseline's
     t.scheduler, t.optimizer, t.max_grad_norm, t.gradient_checkpointing = "constant", "adamw", 1.0, True
     t.packing, t.eval_interval, t.eval_max_rows, t.checkpoint_interval, t.seed = True, 0, 8, 0, args.seed
+    if args.fast_options:  # some of the fast path's settings switched (the defaults otherwise)
+        from studio.core.config import FastPathConfig
+
+        t.fast_path = FastPathConfig(**json.loads(args.fast_options))
     config.output_dir = str(Path(args.work) / "runs")
     return config
 
@@ -334,13 +333,6 @@ def trainer_worker(args) -> int:
             notes.append(event.message)
             print(f"studio {name}: {event.message}", flush=True)
 
-    if args.fast_options:  # some levers of the fast path switched off (the engine's own choice otherwise)
-        from functools import partial
-
-        import studio.engine.fast.build as build
-        from studio.engine.fast.model import FastOptions
-
-        build.prepare = partial(build.prepare, options=FastOptions(**json.loads(args.fast_options)))
     trainer = Trainer(Session(config, create_run(config), emit))
     t0 = time.perf_counter()
     trainer.load()
@@ -368,8 +360,8 @@ def trainer_worker(args) -> int:
     seconds = timed[-1].elapsed_s - steps[warm - 1].elapsed_s
     if "gaps" in profiled:
         print(f"studio {name}: GPU idle {json.dumps(profiled['gaps'])}", flush=True)
-    result = {"impl": "studio-trainer", "load_s": load_s, "profile": profiled.get("gaps"), "fast_path": trainer.session.fast.describe() if trainer.session.fast
-              else "plain path", "notes": notes, "losses": [e.loss for e in steps],
+    result = {"impl": "studio-trainer", "load_s": load_s, "profile": profiled.get("gaps"),
+              "fast_path": fast_facts(trainer.session.fast), "notes": notes, "losses": [e.loss for e in steps],
               "step_tokens_per_s": [e.tokens_per_s for e in steps], "mfu_events": [e.mfu for e in steps],
               "tokens_per_s": tokens / seconds, "peak_allocated": peak["allocated"],
               "peak_reserved": peak["reserved"], "graphs_failed": trainer.session.fast._graphs.failed
@@ -391,7 +383,7 @@ def trainer_worker(args) -> int:
         torch.save(padded, work / "short_padded.pt")
     print(f"studio {name}: {result['tokens_per_s']:.0f} tokens/s, peak {peak['allocated'] / 2**30:.2f} / "
           f"{peak['reserved'] / 2**30:.2f} GiB, loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f} "
-          f"[{result['fast_path']}] {result['graphs_failed']}", flush=True)
+          f"{json.dumps(result['fast_path'])} {result['graphs_failed']}", flush=True)
     return 0
 
 
@@ -630,13 +622,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--levers", default="", help="driver: any value runs the lever ablations")
     parser.add_argument("--lever-steps", type=int, default=12)
-    parser.add_argument("--lever-names", default=",".join(LEVERS), help="which levers to switch off, one by one")
+    parser.add_argument("--lever-names", default=",".join(LEVERS), help="which LEVERS to time, one by one")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--profile", default="", help="folder for torch.profiler tables of Studio's fixed runs")
     parser.add_argument("--trainer-profile", default="", help="trainer worker: profile two late steps, GPU idle by phase")
     parser.add_argument("--gaps", default="", help="micro-batches: the Trainer against the loop (gaps_driver)")
     parser.add_argument("--code", default="", help="what code ran (the device's git metadata is stale)")
-    parser.add_argument("--fast-options", default="", help="trainer worker: FastOptions fields as JSON")
+    parser.add_argument("--fast-options", default="",
+                        help="trainer worker: trainer.fast_path settings as JSON (core/config.py's FastPathConfig)")
     args = parser.parse_args()
     if args.gaps and not args.worker:
         return gaps_driver(args)

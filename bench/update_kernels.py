@@ -2,7 +2,7 @@
 
 Times, at micro-batch 16 x seq 512 (8192 tokens) and 4096 tokens, rank 16:
 - gate/up: the LoRA update's own product writing the 2 x 11008-wide output (``addmm_`` with beta 0,
-  as weights.LoraProduct runs it) plus liger's SwiGLU, against Studio's SwiGLU adding the update
+  as products.LoraProduct runs it) plus liger's SwiGLU, against Studio's SwiGLU adding the update
   inside (forward), and liger's SwiGLU backward against Studio's (which adds the update again);
 - o/down: the update's product plus the residual's add against the one kernel;
 - the layer's norms (engine/fast/norm.py): liger's RMSNorm forward against Studio's, and liger's

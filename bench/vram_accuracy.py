@@ -200,7 +200,6 @@ TRAINER_GRID = [
     Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, 16, True, 0.0),
     # the memory/speed trades of the fast path, at issue 13's micro-batch 16
     Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, 16, True, 0.0, lever="no_graphs"),
-    Case("llama2-7b", "nf4", 16, ALL_LINEAR, 512, 16, True, 0.0, lever="no_absmax_cache"),
 ]
 FITTED = {"llama2-7b nf4 r16-all seq512 mb1 ckpt drop0.0 adamw expandable trainer",
           "llama2-7b nf4 r16-all seq512 mb4 ckpt drop0.0 adamw expandable trainer",
@@ -261,8 +260,6 @@ def _v2_grid() -> list[Case]:
 
 TRAINER_GRID_V2 = _v2_grid()
 LEVER_ROWS_V2 = [  # the memory side of each trade, beside the grid (speed: the --speed rows)
-    replace(TRAINER_GRID_V2[1], lever="no_workspace", out_of_sample=False),
-    replace(TRAINER_GRID_V2[1], lever="absmax_cache", out_of_sample=False),
     replace(TRAINER_GRID_V2[2], lever="no_offload", out_of_sample=False),
 ]
 DRY_GRID = [

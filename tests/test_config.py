@@ -92,6 +92,15 @@ def test_ludwig_without_quantization_means_full_precision():
     assert parse_config(text).quantization.bits is None
 
 
+def test_the_fast_path_settings_are_read_from_yaml():
+    """trainer.fast_path: each part of the fast path a person may turn off, all on unless written."""
+    config = parse_config("trainer:\n  fast_path:\n    cuda_graphs: false\n    host_offload: false\n")
+    fast = config.trainer.fast_path
+    assert (fast.kernels, fast.cuda_graphs, fast.host_offload) == (True, False, False)
+    assert parse_config(config.to_yaml()).trainer.fast_path == fast
+    assert RunConfig().trainer.fast_path.kernels and RunConfig().trainer.fast_path.cuda_graphs
+
+
 def test_effective_batch_derives_accumulation():
     config = parse_config("trainer:\n  micro_batch_size: 4\n  effective_batch_size: 32\n")
     assert config.trainer.accumulation_steps() == 8
@@ -103,6 +112,9 @@ def test_effective_batch_derives_accumulation():
         ("trainer:\n  learnin_rate: 0.1\n", "x.yaml: line 2: unknown key 'trainer.learnin_rate': did you mean 'learning_rate'?"),
         ("lora:\n  r: 8\n  alpah: 16\n", "x.yaml: line 3: unknown key 'lora.alpah': did you mean 'alpha'?"),
         ("trainner:\n  epochs: 1\n", "x.yaml: line 1: unknown key 'trainner': did you mean 'trainer'?"),
+        ("trainer:\n  fast_path:\n    graphs: false\n",
+         "x.yaml: line 3: unknown key 'trainer.fast_path.graphs': did you mean 'cuda_graphs'?"),
+        ("trainer:\n  fast_path:\n    kernels: maybe\n", "x.yaml: line 3: 'trainer.fast_path.kernels' should be"),
         ("trainer:\n  epochs: many\n", "x.yaml: line 2: 'trainer.epochs' should be a number, got 'many'"),
         ("trainer:\n  optimizer: sgd\n", "x.yaml: line 2: 'trainer.optimizer' is 'sgd'; choose one of adamw"),
         ("quantization:\n  bits: 3\n", "x.yaml: line 2: 'quantization.bits' is 3; choose one of 4, 8, null"),

@@ -35,20 +35,15 @@ def _quantized(rows, cols, blocksize, nested, device):
     return bnb_functional.quantize_4bit(w, blocksize=blocksize, quant_type="nf4", compress_statistics=nested)
 
 
-def _check(rows, cols, blocksize, nested, dtype, device, cached=False):
+def _check(rows, cols, blocksize, nested, dtype, device):
     packed, state = _quantized(rows, cols, blocksize, nested, device)
     reference = bnb_functional.dequantize_4bit(packed, state).to(dtype)
     if dtype != state.dtype:  # bitsandbytes dequantizes to the dtype it quantized from
         state.dtype = dtype
         reference = bnb_functional.dequantize_4bit(packed, state)
     assert dequant.supports(state, dtype)
-    absmax = None
-    if cached:
-        from studio.engine.fast.weights import expanded_absmax
-
-        absmax = expanded_absmax(state)
     out = torch.full((rows, cols), float("nan"), dtype=dtype, device=device)
-    dequant.NF4Weight(state, torch.device(device), absmax)(packed, out)
+    dequant.NF4Weight(state, torch.device(device))(packed, out)
     assert not torch.isnan(out).any(), "a value was never written"
     mismatch = (out != reference).sum().item()
     assert mismatch == 0, f"{mismatch} of {out.numel()} values differ from bitsandbytes'"
@@ -57,10 +52,6 @@ def _check(rows, cols, blocksize, nested, dtype, device, cached=False):
 @pytest.mark.parametrize("rows,cols,blocksize,nested,dtype", CASES)
 def test_the_kernel_gives_bitsandbytes_values_to_the_bit(interpreted, rows, cols, blocksize, nested, dtype):
     _check(rows, cols, blocksize, nested, dtype, "cpu")
-
-
-def test_scales_expanded_once_give_the_same_values(interpreted):
-    _check(96, 200, 64, True, torch.bfloat16, "cpu", cached=True)
 
 
 def test_what_the_kernel_does_not_cover_goes_to_bitsandbytes(monkeypatch):
@@ -92,31 +83,38 @@ def test_the_interpreter_s_kernel_is_never_the_compiled_one(monkeypatch):
 
 
 class Params4bit:
-    """Stands in for bitsandbytes' 4-bit parameter (what weights.is_4bit recognises: the type's name
+    """Stands in for bitsandbytes' 4-bit parameter (what frozen.is_4bit recognises: the type's name
     and a quant_state)."""
 
     def __init__(self, packed, state):
         self.data, self.quant_state, self.device = packed, state, packed.device
 
 
+def _pieces(weights) -> torch.Tensor:
+    """Every projection's weight of a FrozenWeights, stacked (each piece copied out of the workspace)."""
+    return torch.cat([weights.piece(index).clone() for index in range(len(weights.bases))])
+
+
 def test_the_fast_path_dequantizes_nf4_through_the_kernel(interpreted):
-    """FrozenWeights picks the kernel for NF4 weights (and bitsandbytes when told not to): the
-    fused matrix is bitsandbytes' either way."""
+    """FrozenWeights picks the kernel for NF4 weights (and bitsandbytes with
+    ``trainer.fast_path.kernels`` off): the weights are bitsandbytes' either way."""
     from types import SimpleNamespace
 
-    from studio.engine.fast.weights import FrozenWeights
+    from studio.engine.fast.frozen import FrozenWeights, Workspace
 
     bases, references = [], []
     for rows in (64, 96):
         packed, state = _quantized(rows, 128, 64, True, "cpu")
         bases.append(SimpleNamespace(weight=Params4bit(packed, state), in_features=128, out_features=rows))
         references.append(bnb_functional.dequantize_4bit(packed, state))
-    fast = FrozenWeights(bases, torch.bfloat16, cache_absmax=False, split=False)
-    assert all(k is not None for k in fast._kernels) and fast.one_kernel
-    assert torch.equal(fast.matrix(), torch.cat(references))
-    plain = FrozenWeights(bases, torch.bfloat16, cache_absmax=False, split=False, triton_dequant=False)
-    assert all(k is None for k in plain._kernels)
-    assert torch.equal(plain.matrix(), torch.cat(references))
+    workspace = Workspace()
+    fast = FrozenWeights(bases, torch.bfloat16, workspace)
+    plain = FrozenWeights(bases, torch.bfloat16, workspace, kernel=False)
+    workspace.allocate(torch.bfloat16, torch.device("cpu"))
+    assert all(k is not None for k in fast.kernels)
+    assert torch.equal(_pieces(fast), torch.cat(references))
+    assert all(k is None for k in plain.kernels)
+    assert torch.equal(_pieces(plain), torch.cat(references))
 
 
 @pytest.mark.gpu
@@ -125,7 +123,6 @@ def test_the_fast_path_dequantizes_nf4_through_the_kernel(interpreted):
                                                               (11008, 4096, 64, True, torch.bfloat16)])
 def test_compiled_on_the_gpu_the_kernel_gives_bitsandbytes_values_to_the_bit(rows, cols, blocksize, nested, dtype):
     _check(rows, cols, blocksize, nested, dtype, "cuda")
-    _check(rows, cols, blocksize, nested, dtype, "cuda", cached=True)
 
 
 def test_a_kernel_that_fails_to_build_leaves_bitsandbytes_doing_the_work(interpreted, monkeypatch):
@@ -133,12 +130,14 @@ def test_a_kernel_that_fails_to_build_leaves_bitsandbytes_doing_the_work(interpr
     from bitsandbytes, with a warning that says why, and later weights skip the kernel."""
     from types import SimpleNamespace
 
-    from studio.engine.fast.weights import FrozenWeights
+    from studio.engine.fast.frozen import FrozenWeights, Workspace
 
     packed, state = _quantized(64, 128, 64, True, "cpu")
     base = SimpleNamespace(weight=Params4bit(packed, state), in_features=128, out_features=64)
-    fast = FrozenWeights([base], torch.bfloat16, cache_absmax=False)
-    assert fast._kernels[0] is not None
+    workspace = Workspace()
+    fast = FrozenWeights([base], torch.bfloat16, workspace)
+    workspace.allocate(torch.bfloat16, torch.device("cpu"))
+    assert fast.kernels[0] is not None
 
     class Unbuildable:
         def __getitem__(self, grid):
@@ -148,10 +147,9 @@ def test_a_kernel_that_fails_to_build_leaves_bitsandbytes_doing_the_work(interpr
         patch.setattr(dequant, "_kernel", lambda: Unbuildable())
         patch.setattr(dequant.KERNELS, "broken", "")
         with pytest.warns(RuntimeWarning, match="PassManager::run failed"):
-            matrix = fast.matrix()
+            matrix = _pieces(fast)
         assert torch.equal(matrix, bnb_functional.dequantize_4bit(packed, state))
         assert "PassManager" in dequant.broken()
-        assert not fast.one_kernel  # what FastModel.describe() names follows
         assert not dequant.available(torch.device("cpu"))
-        assert FrozenWeights([base], torch.bfloat16, cache_absmax=False)._kernels == [None]
+        assert FrozenWeights([base], torch.bfloat16, Workspace()).kernels == [None]
     assert dequant.broken() == ""

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from studio.core.config import FastPathConfig
 from studio.engine import fast
 from studio.engine.batching import collate
-from studio.engine.fast.model import FastOptions
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")]
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu,
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(model, batches, options: FastOptions, steps: int = 3):
+def _run(model, batches, options: FastPathConfig, steps: int = 3):
     fast_model, why = fast.prepare(model, options=options)
     assert fast_model is not None, why
     losses, grads = [], []
@@ -49,8 +49,8 @@ def test_graphed_steps_equal_eager_ones(tiny_model: Path) -> None:
     # third fits in it (one graph for all three, empty slots in it).
     batches = [collate([[e] for e in _examples(lengths, seed=s)], pad_id=0, packing=True).to(device)
                for s, lengths in enumerate(([21, 14, 9], [6] + [5] * 30, [30, 6, 8]))]
-    _, eager_losses, eager_grads = _run(model, batches, FastOptions(cuda_graphs=False))
-    graphed, graph_losses, graph_grads = _run(model, batches, FastOptions())
+    _, eager_losses, eager_grads = _run(model, batches, FastPathConfig(cuda_graphs=False))
+    graphed, graph_losses, graph_grads = _run(model, batches, FastPathConfig())
     assert graphed._graphs is not None and not graphed._graphs.failed, graphed._graphs.failed
     assert [key[1] for key in graphed._graphs.graphed] == [65], graphed._graphs.graphed.keys()
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=1e-4, atol=1e-4)
@@ -61,9 +61,9 @@ def test_graphed_steps_equal_eager_ones(tiny_model: Path) -> None:
             assert rel < 1e-2, f"{name}: relative gradient error {rel:.2e}"  # bf16: atomics flip last bits
 
 
-def test_the_graph_token_limit_decides_which_micro_batches_are_graphed(tiny_model: Path) -> None:
-    """FastOptions.graph_token_limit (None: core/plan.py's): a micro-batch of more tokens than the
-    limit runs eagerly, one within it is captured."""
+def test_core_plan_decides_which_micro_batches_are_graphed(tiny_model: Path, monkeypatch) -> None:
+    """core/plan.py's graphs_for (the rule the estimator follows too) decides per micro-batch: one it
+    refuses (more tokens than its limit) runs eagerly, one it allows is captured."""
     from test_fast_path import _examples, _peft_model
 
     model = _peft_model(tiny_model, 4, ["q_proj", "v_proj", "down_proj"], dtype=torch.bfloat16)
@@ -71,8 +71,10 @@ def test_the_graph_token_limit_decides_which_micro_batches_are_graphed(tiny_mode
     model.to(device)
     batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
     tokens = batch.input_ids.numel()  # packed: the flat stream the decision counts
-    for limit, captured in ((tokens - 1, False), (None, True), (tokens, True)):
-        fast_model, _, _ = _run(model, [batch], FastOptions(graph_token_limit=limit), steps=1)
+    for limit, captured in ((tokens - 1, False), (tokens, True)):
+        monkeypatch.setattr("studio.engine.fast.model.graphs_for",
+                            lambda n, dropout, cuda, limit=limit: cuda and n <= limit)
+        fast_model, _, _ = _run(model, [batch], FastPathConfig(), steps=1)
         assert bool(fast_model._graphs.graphed) is captured, (limit, fast_model._graphs.graphed.keys())
 
 
@@ -94,9 +96,9 @@ def test_a_capture_after_eager_steps_whose_losses_are_released() -> None:
 def test_a_capture_while_an_earlier_loss_is_alive() -> None:
     """The fault the Trainer steps around (docs/speed.md): with an earlier forward's loss still alive,
     its gradient accumulators belong to the default stream and a backward capture that ends at them
-    fails; the step falls back to eager. Through the gradient sink (the default since 2026-11-24)
-    the captured backward ends at the sink's anchor instead, and on the H100 this passes; the
-    expected failure stays for the path without the sink (``FastOptions(grad_sink=False)``)."""
+    fails; the step falls back to eager. Through the gradient sink (graphs.GradSink) the captured
+    backward ends at the sink's anchor instead, and on the H100 this passes; the expected failure
+    stays in case a torch brings the fault back."""
     out = _diag("test_sequence_0.0")
     if "FAILED: capture failed" in out and "cudaErrorStreamCapture" in out:
         pytest.xfail("known: a capture while an earlier loss is alive (docs/speed.md)")
@@ -109,20 +111,18 @@ def test_the_trainer_captures_its_graphs_and_keeps_them(tiny_config, packing: bo
                                                         monkeypatch) -> None:
     """Through the real Trainer (evaluation, checkpoint and accumulation between graphed steps):
     each layout is captured and replayed and no capture fails, with the layer inputs on the host or
-    in the graph's pool. (Autograd's warning that an accumulator crosses streams is expected once a
+    in the graph's pool (``trainer.fast_path.host_offload``). (Autograd's warning that an accumulator crosses streams is expected once a
     process with make_graphed_callables and is silenced by engine/fast/graphs.py: measured on an H100,
     every variant warned at its first replay and trained at full speed.)"""
     import warnings
-    from functools import partial
 
-    import studio.engine.fast.build as build
     from studio.core import events as ev
     from studio.core.runs import create_run
     from studio.engine.session import Session
     from studio.engine.train import Trainer
 
-    monkeypatch.setattr(build, "prepare", partial(build.prepare, options=FastOptions(offload_graphed=offload)))
     t = tiny_config.trainer
+    t.fast_path.host_offload = offload
     t.max_steps, t.micro_batch_size, t.effective_batch_size = 6, 4, 8  # two micro-batches a step
     t.packing, t.eval_interval, t.checkpoint_interval = packing, 3, 3
     events: list[ev.Event] = []
@@ -152,7 +152,7 @@ def test_the_trainer_captures_its_graphs_and_keeps_them(tiny_config, packing: bo
     import gc
 
     assert not [o for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)]
-    assert ("layer inputs offloaded to the host on eager steps" in fast.describe()) is not offload
+    assert (fast._host is not None) is offload and fast._graphs.offload is offload
     failures = [e.message for e in events if isinstance(e, ev.WorkerFailed)]
     assert not failures, failures
     crossings = [str(w.message)[:120] for w in caught if "AccumulateGrad" in str(w.message)]

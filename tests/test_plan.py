@@ -53,6 +53,23 @@ def test_what_rules_the_fast_path_out_is_named(changes: dict, words: str) -> Non
     assert choice.path == "plain" and words in choice.reason
 
 
+def test_the_fast_path_settings_reach_the_decision() -> None:
+    """trainer.fast_path's cuda_graphs and host_offload (PathFacts.from_config) turn those parts off
+    in the plan the estimator and the engine share, and in what it says; the path stays fast."""
+    from studio.core.config import RunConfig
+
+    config = RunConfig()
+    config.trainer.fast_path.cuda_graphs = False
+    facts = PathFacts.from_config(config, cuda=True, weights="nf4", model_blocker="")
+    assert (facts.cuda_graphs, facts.host_offload) == (False, True)
+    choice = choose_path(facts)
+    assert (choice.path, choice.cuda_graphs, choice.host_offload) == ("fast", False, True)
+    assert "CUDA graphs" not in choice.reason and "host memory" in choice.reason
+    choice = choose_path(_facts(host_offload=False))
+    assert (choice.cuda_graphs, choice.host_offload) == (True, False) and "host memory" not in choice.reason
+    assert choice.to_json_dict()["host_offload"] is False
+
+
 def test_the_environment_forces_the_fast_path_on_a_cpu() -> None:
     assert choose_path(_facts(cuda=False, env="1")).path == "fast"
     assert choose_path(_facts(cuda=False, env="1")).cuda_graphs is False

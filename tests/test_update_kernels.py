@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from studio.core.config import FastPathConfig  # noqa: E402
 from studio.engine import fast  # noqa: E402
 from studio.engine.batching import collate  # noqa: E402
 from studio.engine.fast import update  # noqa: E402
@@ -79,7 +80,7 @@ def test_swiglu_without_an_update(kernel_device, dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_update_meets_the_base_output_before_the_residual(kernel_device, dtype) -> None:
     """``residual + round(y + update)``: the update is added to the base output and rounded as the
-    product's output would be, then the stream is added (weights.LoraProduct's order)."""
+    product's output would be, then the stream is added (products.LoraProduct's order)."""
     gen = torch.Generator().manual_seed(1)
     y = torch.randn(50, 140, generator=gen).to(kernel_device, dtype)
     xa = torch.randn(50, 16, generator=gen).to(kernel_device, dtype)
@@ -91,12 +92,13 @@ def test_the_update_meets_the_base_output_before_the_residual(kernel_device, dty
 
 
 def _proj(model, names: list[str], dtype: torch.dtype, device: torch.device):
-    from studio.engine.fast.weights import Projection, Workspace
+    from studio.engine.fast.frozen import Workspace
+    from studio.engine.fast.projection import Projection
 
     layer = model.base_model.model.model.layers[0]
     parent = layer.mlp if names[0] in ("gate_proj", "up_proj", "down_proj") else layer.self_attn
     workspace = Workspace()
-    proj = Projection([getattr(parent, n) for n in names], "default", dtype, False, workspace)
+    proj = Projection([getattr(parent, n) for n in names], "default", dtype, workspace)
     workspace.allocate(dtype, device)
     return proj
 
@@ -155,18 +157,18 @@ def test_the_products_with_the_kernels_give_the_same_values_and_gradients(tiny_m
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_the_fast_path_with_the_kernels_trains_as_without_them(tiny_model: Path, kernel_device, dropout) -> None:
     """The whole fast path (all seven projections adapted, packed examples, checkpointing), in bf16
-    with the update kernels on and off, against the same model in fp32: the kernels' loss and
-    adapter gradients are as close to fp32's as the products' own order is (bf16 alone moves these
-    gradients by 2-3%), with adapter dropout too (the kernels read the masked ``x A^T``)."""
+    with the kernels on and off (``trainer.fast_path.kernels``), against the same model in fp32: the
+    kernels' loss and adapter gradients are as close to fp32's as the products' own order is (bf16
+    alone moves these gradients by 2-3%), with adapter dropout too (the kernels read the masked
+    ``x A^T``)."""
     batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(kernel_device)
     runs = {}
     for dtype, on in ((torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)):
         model = _peft_model(tiny_model, None, ALL, dtype=dtype, dropout=dropout).to(kernel_device)
         model.train()
-        fm, why = fast.prepare(model, fast.FastOptions(update_in_kernel=on, cuda_graphs=False))
+        fm, why = fast.prepare(model, FastPathConfig(kernels=on, cuda_graphs=False))
         assert fm is not None, why
         assert fm.layers[0].o.in_kernel is on
-        assert ("LoRA updates added in the SwiGLU and residual kernels" in fm.describe()) is on
         loss = fm.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
         loss.backward()
         runs[dtype, on] = (loss.item(), _grads(model))
@@ -185,11 +187,11 @@ def test_the_fast_path_with_the_kernels_trains_as_without_them(tiny_model: Path,
 def test_a_kernel_that_cannot_build_leaves_the_products_their_own_order(tiny_model: Path, kernel_device,
                                                                         monkeypatch) -> None:
     """If the kernels fail (a Triton that cannot compile them here), the step still runs, with the
-    update written by its own product, and the engine says so: a warning, and the description no
-    longer names the kernels."""
+    update written by its own product, and the engine says so: a warning, and the products no longer
+    take the kernels' way."""
     model = _peft_model(tiny_model, None, ALL, dtype=torch.bfloat16).to(kernel_device)
     batch = collate([[e] for e in _examples([12, 9])], pad_id=0, packing=True).to(kernel_device)
-    fm, why = fast.prepare(model, fast.FastOptions(cuda_graphs=False))
+    fm, why = fast.prepare(model, FastPathConfig(cuda_graphs=False))
     assert fm is not None, why
     assert fm.layers[0].gate_up.in_kernel
 
@@ -203,8 +205,9 @@ def test_a_kernel_that_cannot_build_leaves_the_products_their_own_order(tiny_mod
     loss.backward()
     assert torch.isfinite(loss)
     assert update.broken()
-    assert "SwiGLU and residual kernels" not in fm.describe()
-    expected, _ = fast.prepare(model, fast.FastOptions(update_in_kernel=False, cuda_graphs=False))
+    assert fm.layers[0].down.handoff() is None
+    expected, _ = fast.prepare(model, FastPathConfig(cuda_graphs=False))  # built with the kernels given up on
+    assert not expected.layers[0].gate_up.in_kernel
     with torch.no_grad():
         want = expected.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
     assert abs(loss.item() - want.item()) < 1e-3 * abs(want.item())
@@ -227,7 +230,7 @@ def test_down_hands_its_lora_input_gradient_to_swiglus_backward(tiny_model: Path
     params = (x, *gate_up.a, *gate_up.b, *down.a, *down.b)
     results = []
     for on in (True, False):
-        gate_up.in_kernel = down.in_kernel = down.hand_off = on
+        gate_up.in_kernel = down.in_kernel = on
         for t in params:
             t.grad = None
         handoff = down.handoff()
@@ -253,7 +256,7 @@ def test_down_hands_its_lora_input_gradient_to_swiglus_backward(tiny_model: Path
 
 
 def test_a_small_update_survives_the_residual_kernel_in_bf16(tiny_model: Path, kernel_device) -> None:
-    """The residual kernel keeps the plain order's rounding (weights.LoraProduct): an update under
+    """The residual kernel keeps the plain order's rounding (products.LoraProduct): an update under
     half the stream's last bf16 digit meets the base output first, so it reaches the output on
     average instead of rounding away against the stream (test_fast_path's test of the same name
     for the products' own order)."""

@@ -156,6 +156,33 @@ class DataConfig:
 
 
 @dataclass
+class FastPathConfig:
+    """The fast training path's parts a person may turn off (docs/speed.md). It runs on a CUDA card
+    for the models and setups it covers (core/plan.py's ``choose_path``); these keys change how,
+    never whether, and the loss is the same function either way. All on by default."""
+
+    kernels: bool = True
+    """Triton kernels: liger-kernel's RMSNorm, RoPE, SwiGLU and cross-entropy fused with the output
+    projection (when it is installed), and Studio's own (4-bit weights dequantized in one pass, the
+    LoRA update added inside SwiGLU and the residual's add, the norms' backward summing the residual
+    stream's gradient). False: torch operations and bitsandbytes' dequantization, slower; for a card
+    or a Triton where a kernel misbehaves (a kernel that fails to build is given up on anyway, with
+    a warning)."""
+
+    cuda_graphs: bool = True
+    """Replay the decoder stack's forward and backward as CUDA graphs for micro-batches of up to
+    4096 tokens, which takes the host's per-operation cost out of the step (the larger a step, the
+    less it matters). False: every step runs eagerly, slower at small micro-batches, without the
+    graphs' private memory pools."""
+
+    host_offload: bool = True
+    """Keep each layer's checkpointed input, and its rotated q, k and v, in pinned host memory
+    between the forward and the backward, copied behind the compute (the layer inputs alone are
+    about 2 GB for a 7B model at 8192 tokens a micro-batch). False: they stay on the GPU, and the
+    recomputation runs the q/k/v products again (no host memory pinned, no PCIe traffic)."""
+
+
+@dataclass
 class TrainerConfig:
     """The optimisation loop."""
 
@@ -231,6 +258,10 @@ class TrainerConfig:
     beta: float = 0.1
     """Preference strength. DPO: the temperature of the implicit reward (0.1-0.5 typical; lower
     strays further from the base). ORPO: the weight of the odds-ratio term (the paper's lambda)."""
+
+    fast_path: FastPathConfig = field(default_factory=FastPathConfig)
+    """Which parts of the fast training path run (CUDA only; ``STUDIO_FAST_PATH=0`` turns the whole
+    path off)."""
 
     def micro_batch(self) -> int:
         """The micro-batch size as a number: the configured one, or for ``auto`` (not yet planned by

@@ -55,33 +55,14 @@ def graphs_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
     return cuda and tokens <= GRAPH_TOKEN_LIMIT
 
 
-OFFLOAD_IN_GRAPHS = True
-"""Graphed steps keep their layer inputs on the host too (each graphed layout copies to its own
-pinned buffers, engine/fast/offload.py); False keeps them in the graph's private pool."""
-
-
-KEEP_QKV = True
-"""With the layer inputs on the host, each layer's rotated q, k and v wait there too and the
-recomputation skips the q/k/v product and RoPE (engine/fast/offload.py; ``FastOptions.keep_qkv``).
-On the device this holds one more layer's q, k and v: the one brought back ahead of its backward."""
-
-
-KEEP_ATTENTION_FROM: int | None = None
-"""With q, k and v kept, a micro-batch whose longest example has at least this many tokens also
-keeps each layer's attention output and log-sum-exp on the host, and the recomputation runs no
-attention (engine/fast/attention.py; ``FastOptions.keep_attention_from``). None: off. On an H100
-over PCIe 5 it did not pay: interleaved runs in one call measured -0.2% at seq 4096 and -1.3% at
-512x16 (the host link already carries each layer's input and q, k and v in about the time of its
-forward; bench/results/h100_v15_*.json, docs/speed.md). A host with a faster link to the GPU is
-where it can. On the device: one more layer's output, the one brought back."""
-
-
 def offload_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
     """Whether the fast path keeps each checkpointed layer's input in pinned host memory for a
-    micro-batch of ``tokens`` (engine/fast/offload.py): on CUDA, on eager steps and (with
-    ``OFFLOAD_IN_GRAPHS``) graphed ones, with or without adapter dropout (a recomputation
-    regenerates its masks). Measured on an H100 in bench/results/ (docs/memory.md)."""
-    return cuda and (OFFLOAD_IN_GRAPHS or not graphs_for(tokens, lora_dropout, cuda))
+    micro-batch of ``tokens`` (engine/fast/offload.py): on CUDA, on eager and graphed steps alike
+    (each graphed layout copies to its own host buffers), with or without adapter dropout (a
+    recomputation regenerates its masks); ``trainer.fast_path.host_offload: false`` turns it off
+    for the whole run (:attr:`PathChoice.host_offload`). Measured on an H100 in bench/results/
+    (docs/memory.md)."""
+    return cuda
 
 
 @dataclass(frozen=True)
@@ -117,6 +98,12 @@ class PathFacts:
     """``lora: null``: every weight trains and there is no adapter; the fast path fuses LoRA products
     over frozen weights, so a full fine-tune takes the plain path."""
 
+    cuda_graphs: bool = True
+    """``trainer.fast_path.cuda_graphs``: the fast path may replay its steps as CUDA graphs."""
+
+    host_offload: bool = True
+    """``trainer.fast_path.host_offload``: the fast path keeps its layer inputs in host memory."""
+
     @classmethod
     def from_config(cls, config: RunConfig, *, cuda: bool, weights: str, model_blocker: str,
                     targets: tuple[str, ...] | None = None) -> PathFacts:
@@ -129,10 +116,12 @@ class PathFacts:
         lora = config.lora
         if targets is None:
             targets = lora_targets(lora.target_modules) if lora is not None else ()
+        fast = config.trainer.fast_path
         return cls(cuda=cuda, weights=weights, lora_targets=tuple(targets),
                    lora_dropout=float(lora.dropout) if lora is not None else 0.0, model_blocker=model_blocker,
                    env=os.environ.get(FAST_PATH_ENV, ""), dora=bool(lora.use_dora) if lora is not None else False,
-                   method=config.trainer.method, full_finetune=lora is None)
+                   method=config.trainer.method, full_finetune=lora is None, cuda_graphs=fast.cuda_graphs,
+                   host_offload=fast.host_offload)
 
 
 @dataclass(frozen=True)
@@ -153,10 +142,14 @@ class PathChoice:
     """Whether activations are recomputed: always per layer on the fast path; the config decides on
     the plain one (the caller fills that in)."""
 
+    host_offload: bool = False
+    """The checkpointed layer inputs wait in pinned host memory (fast path, CUDA;
+    :func:`offload_for`)."""
+
     def to_json_dict(self) -> dict:
         """The shape ``studio estimate --json`` carries under ``"plan"``."""
         return {"path": self.path, "reason": self.reason, "cuda_graphs": self.cuda_graphs,
-                "checkpointing": self.checkpointing}
+                "checkpointing": self.checkpointing, "host_offload": self.host_offload}
 
 
 def model_blocker(config: Mapping) -> str:
@@ -209,12 +202,15 @@ def choose_path(facts: PathFacts) -> PathChoice:
         return PathChoice("plain", f"LoRA on {', '.join(others)} (the fast path covers {', '.join(covered)})")
     if not facts.lora_targets:
         return PathChoice("plain", "no LoRA adapter on the decoder's projections")
-    graphs = facts.cuda
+    graphs = facts.cuda and facts.cuda_graphs
+    offload = facts.cuda and facts.host_offload
     what = "fused 4-bit LoRA products" if facts.weights in ("nf4", "fp4") else "fused LoRA products"
     if graphs:
-        what += (f", CUDA graphs up to {GRAPH_TOKEN_LIMIT} tokens a micro-batch"
-                 " (larger ones eager, their layer inputs in host memory)")
-    return PathChoice("fast", what + ", per-layer checkpointing, fused cross-entropy", cuda_graphs=graphs)
+        what += f", CUDA graphs up to {GRAPH_TOKEN_LIMIT} tokens a micro-batch"
+    if offload:
+        what += ", layer inputs in host memory"
+    return PathChoice("fast", what + ", per-layer checkpointing, fused cross-entropy", cuda_graphs=graphs,
+                      host_offload=offload)
 
 
 def lora_targets(targets: str | Iterable[str]) -> tuple[str, ...]:

@@ -252,12 +252,6 @@ def prepare_full_finetune(base: BaseModel, config: RunConfig) -> Any:
     return model
 
 
-def load_model(config: RunConfig, progress: Progress | None = None) -> tuple[Any, Any]:
-    """The base model with a fresh LoRA attached, and its tokenizer."""
-    base = load_base(config, progress)
-    return attach_lora(base, config), base.tokenizer
-
-
 def load_adapter(base: BaseModel, adapter_dir: str | Path) -> Any:
     """Wrap the loaded base with a saved adapter (``runs/<id>/adapter`` or a checkpoint's) for inference.
     A full fine-tune's saved model (``runs/<id>/model``) replaces the base's weights instead."""

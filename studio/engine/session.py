@@ -161,7 +161,8 @@ class Session:
             self.fail("data", str(exc))
         except (ValueError, FileNotFoundError) as exc:  # template and tokenizer problems
             self.fail("config", f"{base_model}: {exc}")
-        self.fast, why = fastpath.enable(self.model, self.device, self.config.trainer.method)
+        self.fast, why = fastpath.enable(self.model, self.device, self.config.trainer.method,
+                                            self.config.trainer.fast_path)
         if self.fast is None and self.device.type == "cuda":
             self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
                 f"the fast training path is off ({why}); training runs on the slower plain path")))

@@ -144,10 +144,6 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ the loop
 
-    def request_stop(self) -> None:
-        """Ask the loop to checkpoint and stop after the current optimizer step (signal-safe)."""
-        self._stop_requested = True
-
     def train(self, resume: bool = False) -> ev.TrainingFinished:
         """Train to the end (or a stop request); with ``resume``, continue from the latest checkpoint."""
         self.load()

@@ -8,11 +8,14 @@ from functools import partial
 import torch
 from torch import nn
 
+from studio.core.config import FastPathConfig
 from studio.core.plan import FAST_PATH_ENV, PathFacts, choose_path, model_blocker
+from studio.engine.fast import norm
+from studio.engine.fast.frozen import Workspace, is_4bit
 from studio.engine.fast.layer import Layer
-from studio.engine.fast.model import FastModel, FastOptions
+from studio.engine.fast.model import FastModel
 from studio.engine.fast.ops import liger_kernels, varlen_attention
-from studio.engine.fast.weights import Projection, Workspace, has_adapter, is_4bit
+from studio.engine.fast.projection import Projection, has_adapter
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -52,8 +55,9 @@ def _lora_module(module: nn.Module, adapter: str) -> str:
     return ""
 
 
-def prepare(model: nn.Module, options: FastOptions | None = None) -> tuple[FastModel | None, str]:
-    """Build the fast path for a PEFT LoRA model, or return (None, why not).
+def prepare(model: nn.Module, options: FastPathConfig | None = None) -> tuple[FastModel | None, str]:
+    """Build the fast path for a PEFT LoRA model, or return (None, why not). ``options``: the run's
+    ``trainer.fast_path`` (default: everything on).
 
     Covered: Llama-architecture decoders (Llama, Mistral-style GQA, SmolLM, ...) without attention
     biases, LoRA on all seven projections (q, k, v, o, gate, up, down), base weights in 4-bit
@@ -61,7 +65,7 @@ def prepare(model: nn.Module, options: FastOptions | None = None) -> tuple[FastM
     ``prepare_model_for_kbit_training`` (norms, embeddings, head) are cast back to the compute dtype:
     they were loaded from it, so no information is lost, and the stream then stays in it.
     """
-    options = options or FastOptions()
+    options = options or FastPathConfig()
     found, why = _find(model)
     if found is None:
         return None, why
@@ -102,19 +106,18 @@ def prepare(model: nn.Module, options: FastOptions | None = None) -> tuple[FastM
                     and _exact_in(p, dtype):
                 p.data = p.data.to(dtype)
 
-    kernels = liger_kernels() if options.kernels and dtype in (torch.bfloat16, torch.float16) else None
+    half = dtype in (torch.bfloat16, torch.float16)
+    liger = liger_kernels() if options.kernels and half else None
     device = backbone.embed_tokens.weight.device
     # Flash-attention kernels take half precision only: an fp32 model on CUDA keeps SDPA.
-    half = dtype in (torch.bfloat16, torch.float16)
-    varlen = varlen_attention() if options.varlen and device.type == "cuda" and half else None
+    varlen = varlen_attention() if device.type == "cuda" and half else None
+    stream_norm = options.kernels and norm.available(device, dtype)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     built = []
-    workspace = Workspace() if options.shared_workspace else None
+    workspace = Workspace()
+    proj = partial(Projection, adapter=adapter, dtype=dtype, workspace=workspace, kernels=options.kernels)
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        proj = partial(Projection, adapter=adapter, dtype=dtype, cache_absmax=options.cache_absmax,
-                       workspace=workspace, split=options.split_products,
-                       triton_dequant=options.triton_dequant)
         built.append(Layer(
             qkv=proj([attn.q_proj, attn.k_proj, attn.v_proj]),
             o=proj([attn.o_proj]),
@@ -124,10 +127,9 @@ def prepare(model: nn.Module, options: FastOptions | None = None) -> tuple[FastM
             eps=float(getattr(layer.input_layernorm, "variance_epsilon", config.rms_norm_eps)),
             heads=int(config.num_attention_heads),
             kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
-            head_dim=head_dim, kernels=kernels, varlen=varlen))
-    if workspace is not None:
-        workspace.allocate(dtype, device)
-    return FastModel(model, built, backbone, head, dtype, options, kernels, varlen), ""
+            head_dim=head_dim, liger=liger, varlen=varlen, norm_with_stream=stream_norm))
+    workspace.allocate(dtype, device)
+    return FastModel(model, built, backbone, head, dtype, options, liger, varlen), ""
 
 
 def _compute_dtype(layer: nn.Module) -> torch.dtype:
@@ -145,9 +147,11 @@ def _exact_in(p: torch.Tensor, dtype: torch.dtype) -> bool:
         return bool(torch.equal(p.data.to(dtype).to(p.dtype), p.data))
 
 
-def path_facts(model: nn.Module, device: torch.device, method: str = "sft") -> PathFacts:
-    """What :func:`studio.core.plan.choose_path` decides on, read off the loaded PEFT model (the
-    estimator reads the same facts off the config files)."""
+def path_facts(model: nn.Module, device: torch.device, method: str = "sft",
+               options: FastPathConfig | None = None) -> PathFacts:
+    """What :func:`studio.core.plan.choose_path` decides on, read off the loaded PEFT model and the
+    run's ``trainer.fast_path`` (the estimator reads the same facts off the config files)."""
+    options = options or FastPathConfig()
     found, _ = _find(model)
     config = getattr(model, "config", None)
     config_dict = config.to_dict() if hasattr(config, "to_dict") else {}
@@ -171,14 +175,17 @@ def path_facts(model: nn.Module, device: torch.device, method: str = "sft") -> P
                      model_blocker=model_blocker(config_dict) if config_dict else "",
                      env=os.environ.get(FAST_PATH_ENV, ""), method=method,
                      dora=bool(getattr(peft_config, "use_dora", False)),
-                     full_finetune=not hasattr(model, "peft_config"))
+                     full_finetune=not hasattr(model, "peft_config"), cuda_graphs=options.cuda_graphs,
+                     host_offload=options.host_offload)
 
 
-def enable(model: nn.Module, device: torch.device, method: str = "sft") -> tuple[FastModel | None, str]:
+def enable(model: nn.Module, device: torch.device, method: str = "sft",
+           options: FastPathConfig | None = None) -> tuple[FastModel | None, str]:
     """The fast path for a trainer's model, where :func:`studio.core.plan.choose_path` (the function
     the estimator uses too) picks it: on CUDA for covered models, off on CPU (where it is no faster);
-    the environment variable ``STUDIO_FAST_PATH`` overrides. Returns (None, why) when off."""
-    choice = choose_path(path_facts(model, device, method))
+    the environment variable ``STUDIO_FAST_PATH`` overrides. ``options``: the run's
+    ``trainer.fast_path``. Returns (None, why) when off."""
+    choice = choose_path(path_facts(model, device, method, options))
     if choice.path != "fast":
         return None, choice.reason
-    return prepare(model)
+    return prepare(model, options)

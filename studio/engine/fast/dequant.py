@@ -12,9 +12,9 @@ order (a scale is ``code2[q] * absmax2`` then ``+ offset``, with no fused multip
 round once instead of twice), one rounding to bf16/fp16 at the end. tests/test_dequant.py checks
 this against bitsandbytes itself, in Triton's interpreter on the CPU and compiled on the GPU.
 
-Used by :func:`studio.engine.fast.weights._dequantize_into` for NF4 weights on CUDA when Triton is
-there (``FastOptions.triton_dequant``); anything else (FP4, odd block sizes, the CPU) goes through
-bitsandbytes.
+Used by :func:`studio.engine.fast.frozen.dequantize_into` for NF4 weights on CUDA when Triton is
+there (and ``trainer.fast_path.kernels`` is on); anything else (FP4, odd block sizes, the CPU) goes
+through bitsandbytes.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ KERNELS = OwnKernels("dequant_kernel", ("nf4_dequantize",), "NF4 dequantization 
                      "using bitsandbytes' instead")
 """The kernel, jitted on first use for the interpreter or the compiler as the environment says at
 the call (engine/fast/kernels.py), and whether it works here: once it fails to build or run, every
-weight goes through bitsandbytes (weights._dequantize_into)."""
+weight goes through bitsandbytes (frozen.dequantize_into)."""
 
 
 def _kernel():
@@ -72,13 +72,12 @@ def supports(state, dtype: torch.dtype) -> bool:
 
 class NF4Weight:
     """One NF4 weight's kernel arguments, on its device, gathered once (a CUDA graph's capture must
-    not copy them there, and a product should not pay for it every call). ``absmax``: the block
-    scales already expanded to fp32 (``FastOptions.cache_absmax``); else the kernel expands
-    double-quantized ones itself."""
+    not copy them there, and a product should not pay for it every call). Double-quantized block
+    scales are expanded by the kernel itself."""
 
-    def __init__(self, state, device: torch.device, absmax: torch.Tensor | None = None):
+    def __init__(self, state, device: torch.device):
         self.blocksize = int(state.blocksize)
-        self.nested = absmax is None and bool(state.nested)
+        self.nested = bool(state.nested)
         self.code = state.code.to(device=device, dtype=torch.float32)
         if self.nested:
             self.scales = state.absmax.to(device)
@@ -88,8 +87,7 @@ class NF4Weight:
             self.offset = offset.to(device=device, dtype=torch.float32).reshape(1)
             self.inner = int(state.state2.blocksize)
         else:
-            scales = absmax if absmax is not None else state.absmax
-            self.scales = scales.to(device=device, dtype=torch.float32)
+            self.scales = state.absmax.to(device=device, dtype=torch.float32)
             # Unread when not nested (the kernel's NESTED is False): any pointer will do.
             self.code2 = self.absmax2 = self.offset = self.scales
             self.inner = 1

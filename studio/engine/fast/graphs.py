@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -11,8 +11,19 @@ from torch import nn
 from studio.engine.fast.layer import Segments
 from studio.engine.fast.offload import HostInputs
 
-if TYPE_CHECKING:
-    from studio.engine.fast.model import FastModel
+MAX_GRAPHS = 2
+"""Layouts beyond this many run without graphs: each graph keeps its own activation memory."""
+
+
+class Stack(Protocol):
+    """What the graphs replay: the decoder stack (model.FastModel) and the adapters it trains."""
+
+    def stack(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
+              host: HostInputs | None = None, sink: GradSink | None = None) -> torch.Tensor:
+        """The decoder layers and the final norm (layer inputs in ``host``, gradients into ``sink``)."""
+
+    def trainable(self) -> list[torch.Tensor]:
+        """The adapter weights the stack trains, in a fixed order."""
 
 
 class _Sink(torch.autograd.Function):
@@ -43,7 +54,9 @@ class GradSink:
     and one eager addition per adapter after every replay. Through the sink, the captured stack uses
     the adapters through :class:`_Sink`, whose backward adds their gradients into fixed tensors
     (``.grad`` of the steps that replay): one copy, added inside the graph. The graph's only
-    parameter is a scalar anchor, whose gradient is always zero.
+    parameter is a scalar anchor, whose gradient is always zero; the captured backward ends there,
+    not at the adapters' gradient accumulators, which belong to whatever stream created them (an
+    earlier eager forward's loss still alive would otherwise make the capture fail).
     """
 
     def __init__(self, params: list[torch.Tensor]):
@@ -77,18 +90,14 @@ class GradSink:
 class _StackModule(nn.Module):
     """The decoder stack for one batch layout, as the module that CUDA-graph capture takes.
 
-    Its parameters are the adapters (so the captured backward returns their gradients), or with a
-    :class:`GradSink` only the sink's anchor (the backward adds the gradients itself); the layout's
-    example count and longest example are fixed in it, the boundaries come in as a tensor.
+    Its only parameter is the :class:`GradSink`'s anchor (the backward adds the adapters' gradients
+    itself); the layout's example count and longest example are fixed in it, the boundaries come in
+    as a tensor.
     """
 
-    def __init__(self, fast: FastModel, max_len: int, flat: bool, host: HostInputs | None,
-                 sink: GradSink | None):
+    def __init__(self, fast: Stack, max_len: int, flat: bool, host: HostInputs | None, sink: GradSink):
         super().__init__()
-        if sink is None:
-            self.adapters = nn.ParameterList(fast.trainable())
-        else:
-            self.anchor = sink.anchor
+        self.anchor = sink.anchor
         self._fast = [fast]  # a list: not a submodule, so its parameters are not counted twice
         self.max_len, self.flat = max_len, flat
         self.host = host
@@ -100,15 +109,13 @@ class _StackModule(nn.Module):
 
 
 class Graphs:
-    """CUDA graphs of the decoder stack, one per batch layout, captured on first use."""
+    """CUDA graphs of the decoder stack, one per batch layout (at most :data:`MAX_GRAPHS`),
+    captured on first use."""
 
-    def __init__(self, fast: FastModel, limit: int, offload: bool = False, grad_sink: bool = True):
+    def __init__(self, fast: Stack, offload: bool):
         self.fast = fast
-        self.limit = limit
         self.offload = offload
         """Each layout's layer inputs wait in its own pinned host buffers (engine/fast/offload.py)."""
-        self.grad_sink = grad_sink
-        """The captured backward adds the adapters' gradients into ``.grad`` itself (:class:`GradSink`)."""
         self.graphed: dict[tuple, nn.Module] = {}
         self.failed = ""
         self.sink: GradSink | None = None
@@ -159,27 +166,21 @@ class Graphs:
         module = self.graphed.get(key)
         if module is None:
             self._replace(key)
-            if self.failed or len(self.graphed) >= self.limit:
+            if self.failed or len(self.graphed) >= MAX_GRAPHS:
                 return self.fast.stack(h, cos, sin, seg)
-            # Without the sink, the captured backward ends at the adapters' gradient accumulators:
-            # the capture fails if an earlier forward's autograd graph is still alive (a loss not
-            # yet released), since its accumulators belong to the stream that forward ran on and the
-            # captured backward would wait on it (the Trainer releases each micro-batch's loss after
-            # its backward: docs/speed.md); and make_graphed_callables creates the accumulators
-            # inside its capture and keeps them, so every replay's backward hands them gradients
-            # across streams, which autograd warns about once. Expected there: the capture and the
-            # replays are correct (tests/test_fast_graphs.py). Through the sink the backward ends at
-            # the anchor and neither happens (the test of a capture with a loss alive passes).
+            # Autograd may warn once that a gradient accumulator made inside a capture (which
+            # make_graphed_callables keeps) is fed from another stream: expected, the capture and
+            # the replays are correct (tests/test_fast_graphs.py).
             quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
             if quiet is not None:
                 quiet(False)
-            if self.grad_sink and self.sink is None:
+            if self.sink is None:
                 self.sink = GradSink(self.fast.trainable())
             # The warm-up passes add into the sink's tensors too: keep what a step in progress
             # has accumulated there (a new layout in the middle of an accumulation window).
-            kept = [g.clone() for g in self.sink.grads] if self.sink is not None and self.sink.bound() else None
+            kept = [g.clone() for g in self.sink.grads] if self.sink.bound() else None
             try:
-                host = self.fast.host_inputs(h.device) if self.offload else None
+                host = HostInputs(h.device) if self.offload else None
                 module = torch.cuda.make_graphed_callables(
                     _StackModule(self.fast, seg.max_len, flat, host, self.sink), (h, cos, sin, cu),
                     num_warmup_iters=2)
@@ -204,14 +205,7 @@ class Graphs:
                 torch.cuda.synchronize(h.device)
                 clear()
             torch.cuda.empty_cache()
-        if self.sink is not None:
-            self.sink.bind()  # the replayed backward adds into the sink's tensors: the gradients now
-        else:
-            # The captured backward hands back gradients that live in the graph's memory: gradients
-            # that already exist make autograd add them in place instead of keeping that memory.
-            for p in self.fast.trainable():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+        self.sink.bind()  # the replayed backward adds into the sink's tensors: the gradients now
         return module(h, cos, sin, cu)
 
     def _restore(self, kept: list[torch.Tensor] | None) -> None:

@@ -16,11 +16,12 @@ IGNORE_INDEX = -100
 
 
 def cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
-                  kernels: dict | None) -> torch.Tensor:
-    """Cross-entropy of ``h @ weight.T`` against ``targets`` (rows of IGNORE_INDEX skipped)."""
-    if kernels and weight.dtype == h.dtype:
-        warm_cases(kernels["flce"], h, weight, reduction)
-        return _fused(kernels["flce"], h, weight, targets, reduction)
+                  liger: dict | None) -> torch.Tensor:
+    """Cross-entropy of ``h @ weight.T`` against ``targets`` (rows of IGNORE_INDEX skipped), fused
+    with the product by liger's kernel where ``liger`` (ops.liger_kernels) has it."""
+    if liger and weight.dtype == h.dtype:
+        warm_cases(liger["flce"], h, weight, reduction)
+        return _fused(liger["flce"], h, weight, targets, reduction)
     keep = targets != IGNORE_INDEX  # only target rows go through the fp32 softmax
     logits = (h[keep] @ weight.to(h.dtype).t()).float()
     return F.cross_entropy(logits, targets[keep], reduction=reduction)

@@ -6,55 +6,41 @@ input: ``tokens x hidden`` in the compute dtype per layer (2.1 GB at 8192 tokens
 more than the rest of the activations together). :class:`HostInputs` copies each input to a
 pinned host buffer on a side stream while the layer computes, and in the backward brings the next
 one back while the current layer is recomputed, so the copies hide behind the compute; at most two
-layer inputs are on the GPU at once. The last layer's stays on the GPU: its backward comes right
-after the loss, so its copies could hide behind nothing. :class:`OffloadedLayer` is the recomputing layer (what
-``torch.utils.checkpoint`` does, with the input saved on the host).
+layer inputs are on the GPU at once. Each layer's rotated q, k and v wait there too, so that its
+recomputation skips the q/k/v product and RoPE. The last layer's stay on the GPU: its backward comes
+right after the loss, so its copies could hide behind nothing. :class:`OffloadedLayer` is the
+recomputing layer (what ``torch.utils.checkpoint`` does, with the input saved on the host).
 
 Eager steps and CUDA-graphed ones alike (core/plan.py's ``offload_for`` decides, and the estimator
-follows). A graph replays the copies it captured, to and from the same host buffers: each graphed
-layout gets its own :class:`HostInputs`, whose buffers never move. No tensor is handed to the copy
-stream with ``record_stream`` (inside a capture that defers its memory's reuse to the capture's end,
-which would keep every layer input in the graph's pool): the input stays referenced until the main
-stream has waited for its copy, one layer later, and is freed after that.
+follows; ``trainer.fast_path.host_offload: false`` turns it off). A graph replays the copies it
+captured, to and from the same host buffers: each graphed layout gets its own :class:`HostInputs`,
+whose buffers never move. No tensor is handed to the copy stream with ``record_stream`` (inside a
+capture that defers its memory's reuse to the capture's end, which would keep every layer input in
+the graph's pool): the input stays referenced until the main stream has waited for its copy, one
+layer later, and is freed after that.
 """
 
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 
-from studio.engine.fast.attention import Saved
-
 QKV = ("q", "k", "v")
-ATTENTION = ("o", "lse")
 
 
 class HostInputs:
     """Pinned host buffers for the layer inputs of one step, filled in the forward and read back,
     last layer first, in the backward. Buffers are kept between steps (one a layer)."""
 
-    def __init__(self, device: torch.device, keep_qkv: bool = False, keep_budget: int | None = None,
-                 keep_attention_from: int | None = None, last_on_device: bool = True):
+    def __init__(self, device: torch.device, keep_budget: int | None = None):
         self.device = device
-        self.last_on_device = last_on_device
-        """The last layer's tensors stay where they are instead of crossing to the host and back:
-        its backward comes first, right after the loss, so their copies could not hide behind any
-        compute (the forward's end would wait for the way out, the backward's start for the way
-        back). They are on the device at the backward's start either way."""
         self.last: int | None = None
-        """The last layer's index (:meth:`reset` takes it from the stack)."""
-        self.keep_qkv = keep_qkv
-        """Each layer's rotated q, k and v wait on the host beside its input, so that its
-        recomputation skips the q/k/v product and RoPE (layer.py's ``keep`` and ``kept``)."""
-        self.keep_attention_from = keep_attention_from if keep_qkv else None
-        """With ``keep_qkv``, a micro-batch whose longest example has at least this many tokens
-        also keeps each layer's attention output and log-sum-exp there, so that its recomputation
-        runs no attention (engine/fast/attention.py); None: never (core/plan.py's
-        ``KEEP_ATTENTION_FROM``)."""
-        self._extra: dict[int, tuple] = {}
-        """Per layer whose attention is kept: the kernel, the output's layout and the small values
-        the attention's backward takes beside the output (they stay on the device)."""
+        """The last layer's index (:meth:`reset` takes it from the stack). Its tensors stay where
+        they are instead of crossing to the host and back: its backward comes first, right after the
+        loss, so their copies could not hide behind any compute (the forward's end would wait for
+        the way out, the backward's start for the way back)."""
         self.keep_budget = keep_budget
         """Most bytes of pinned host memory the kept tensors may take (None: a quarter of the
         host memory available when the first is kept); layers past it keep nothing and recompute
@@ -86,7 +72,6 @@ class HostInputs:
             self.last = layers - 1
         self._stored.clear()
         self._fetched.clear()
-        self._extra.clear()
         self._copying = []
 
     def _settle(self) -> None:
@@ -121,9 +106,9 @@ class HostInputs:
         self._copying.append((x, done))
 
     def _stays(self, index) -> bool:
-        """Whether the tensor stored under ``index`` stays on the device (:attr:`last_on_device`)."""
+        """Whether the tensor stored under ``index`` stays on the device (the last layer's)."""
         layer = index[0] if isinstance(index, tuple) else index
-        return self.last_on_device and layer == self.last
+        return layer == self.last
 
     def holds(self, index) -> bool:
         """Whether a tensor is stored under ``index`` (on the host or staying on the device)."""
@@ -154,12 +139,12 @@ class HostInputs:
             done.record(self.stream)
         self._fetched[index] = (out, done)
 
-    def may_keep(self, index: int, tensors, names=QKV) -> bool:
-        """Whether layer ``index`` keeps ``tensors`` (under ``names``) on the host: it already has
+    def may_keep(self, index: int, tensors) -> bool:
+        """Whether layer ``index`` keeps ``tensors`` (its q, k and v) on the host: it already has
         buffers for them (a graph's replay, a later step), or they fit in what is left of
         :attr:`keep_budget`."""
         grow = 0
-        for name, t in zip(names, tensors, strict=True):
+        for name, t in zip(QKV, tensors, strict=True):
             buffer = self._host.get((index, name))
             if buffer is None or buffer.numel() < t.numel() or buffer.dtype != t.dtype:
                 had = buffer.numel() * buffer.element_size() if buffer is not None else 0
@@ -174,35 +159,18 @@ class HostInputs:
         return True
 
     def prefetch_layer(self, index: int) -> None:
-        """Start bringing layer ``index``'s input back, and its kept q, k and v and attention."""
+        """Start bringing layer ``index``'s input back, and its kept q, k and v."""
         self.prefetch(index)
-        for name in (*QKV, *ATTENTION):
+        for name in QKV:
             self.prefetch((index, name))
 
-    def keeps_attention(self, longest: int) -> bool:
-        """Whether a micro-batch whose longest example has ``longest`` tokens keeps the attention."""
-        return self.keep_attention_from is not None and longest >= self.keep_attention_from
-
-    def keep_attention(self, index: int, saved: Saved) -> None:
-        """Start copying layer ``index``'s attention output and log-sum-exp to the host (queued
-        behind its q, k and v), if they fit the budget; the small values stay here."""
-        out, order = _dense(saved.out)
-        lse, lse_order = _dense(saved.lse)
-        if not self.may_keep(index, (out, lse), ATTENTION):
+    def keep(self, index: int, *qkv: torch.Tensor) -> None:
+        """Start copying layer ``index``'s rotated q, k and v to the host (layer.py's ``keep``), if
+        they fit the budget: queued behind the input's copy; the next layer's input settles them."""
+        if not self.may_keep(index, qkv):
             return
-        self.store((index, ATTENTION[0]), out, settle=False)
-        self.store((index, ATTENTION[1]), lse, settle=False)
-        self._extra[index] = (saved.kind, order, lse_order, saved.extra)
-
-    def load_attention(self, index: int) -> Saved | None:
-        """Layer ``index``'s kept attention on the device, or None if it kept none."""
-        extra = self._extra.pop(index, None)
-        if extra is None:
-            return None
-        kind, order, lse_order, rest = extra
-        out = _undense(self.load((index, ATTENTION[0])), order)
-        lse = _undense(self.load((index, ATTENTION[1])), lse_order)
-        return Saved(kind, out, lse, rest)
+        for name, t in zip(QKV, qkv, strict=True):
+            self.store((index, name), t, settle=False)
 
     def load_kept(self, index: int) -> tuple | None:
         """Layer ``index``'s kept q, k and v on the device, or None if it kept none."""
@@ -231,84 +199,28 @@ class OffloadedLayer(torch.autograd.Function):
         host.store(index, h)
         ctx.layer, ctx.seg, ctx.index, ctx.host, ctx.spec = layer, seg, index, host, spec
         ctx.save_for_backward(cos, sin, *tensors)
-        keep = None
-        if host.keep_qkv:
-            longest = seg.max_len if seg.cu is not None else h.shape[1]
-            keep = Keeper(host, index, host.keeps_attention(longest))
         with torch.no_grad():
-            return layer.forward(h, cos, sin, seg, unflatten(spec, tensors), keep=keep)
+            return layer.forward(h, cos, sin, seg, unflatten(spec, tensors), keep=partial(host.keep, index))
 
     @staticmethod
     def backward(ctx, dout):
         cos, sin, *tensors = ctx.saved_tensors
         # The first layer's input (the frozen embeddings' output) wants no gradient: its products
-        # then run no input-gradient product (weights._input_gradient).
+        # then run no input-gradient product (products._input_gradient).
         want_dh = ctx.needs_input_grad[0]
         h = ctx.host.load(ctx.index).requires_grad_(want_dh)
         kept = ctx.host.load_kept(ctx.index)
-        kept_attention = ctx.host.load_attention(ctx.index)
         ctx.host.prefetch_layer(ctx.index - 1)  # the layer below's, while this one recomputes
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
         adapters = unflatten(ctx.spec, leaves)
         with torch.enable_grad():
-            if ctx.layer.skip_last:
-                # The output's two terms; the last product's value is never computed (layer.py).
-                outs = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, recompute=True, kept=kept,
-                                        kept_attention=kept_attention)
-                douts = (dout, dout)
-            else:
-                outs = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, kept=kept, kept_attention=kept_attention)
-                douts = dout
+            # The output's two terms; the last product's value is never computed (layer.py).
+            outs = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, recompute=True, kept=kept)
         wanted = [*([h] if want_dh else []), *[t for t in leaves if t.requires_grad]]
-        grads = iter(torch.autograd.grad(outs, wanted, douts, allow_unused=True))
+        grads = iter(torch.autograd.grad(outs, wanted, (dout, dout), allow_unused=True))
         dh = next(grads) if want_dh else None
         dtensors = [next(grads) if t.requires_grad else None for t in leaves]
         return (dh, None, None, None, None, None, None, None, *dtensors)
-
-
-class Keeper:
-    """What a layer's forward hands over for the host (layer.py's ``keep``): called with its
-    rotated q, k and v; with ``attention``, also its attention's output and log-sum-exp."""
-
-    def __init__(self, host: HostInputs, index: int, attention: bool):
-        self.host, self.index = host, index
-        if not attention:
-            self.attention = None
-
-    def __call__(self, *qkv) -> None:
-        if not self.host.may_keep(self.index, qkv):
-            return
-        # Queued behind the input's copy; the next layer's input settles them all.
-        for name, t in zip(QKV, qkv, strict=True):
-            self.host.store((self.index, name), t, settle=False)
-
-    def attention(self, saved: Saved) -> None:
-        # Only beside kept q, k and v: the recomputation's attention backward reads them, and the
-        # kept output must be the one those q, k and v give.
-        if self.host.holds((self.index, QKV[0])):
-            self.host.keep_attention(self.index, saved)
-
-
-def _dense(t: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
-    """``t`` as a contiguous tensor to copy as one block: permuted to its memory order where that
-    is dense (a kernel's output is often a transposed view), else copied; and the permutation."""
-    if t.is_contiguous():
-        return t, None
-    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    dense = t.permute(order)
-    if dense.is_contiguous():
-        return dense, order
-    return t.contiguous(), None
-
-
-def _undense(t: torch.Tensor, order: tuple | None) -> torch.Tensor:
-    """:func:`_dense`'s inverse: the tensor with its original dimensions and strides."""
-    if order is None:
-        return t
-    inverse = [0] * len(order)
-    for position, dim in enumerate(order):
-        inverse[dim] = position
-    return t.permute(inverse)
 
 
 def available_host_memory() -> int:
@@ -326,30 +238,18 @@ def available_host_memory() -> int:
         return 0
 
 
-def flatten(adapters: tuple | None) -> tuple[object, list[torch.Tensor]]:
-    """A layer's hoisted adapters (``Layer.adapters()``) as a spec and a flat tensor list."""
-    if adapters is None:
-        return None, []
+def flatten(adapters: tuple) -> tuple[tuple, list[torch.Tensor]]:
+    """A layer's adapters (``Layer.adapters()``) as a spec and a flat list of their tensors (what
+    an autograd function takes as inputs, so that the adapters get their gradients through it)."""
     spec, tensors = [], []
-    for item in adapters:
-        if item is None:
-            spec.append(None)
-            continue
-        a, bt, scale = item
+    for a, bt, scale in adapters:
         spec.append((a is not None, bt is not None, scale))
         tensors += [t for t in (a, bt) if t is not None]
     return tuple(spec), tensors
 
 
-def unflatten(spec, tensors) -> tuple | None:
-    if spec is None:
-        return None
+def unflatten(spec: tuple, tensors) -> tuple:
+    """:func:`flatten`'s inverse."""
     it = iter(tensors)
-    out = []
-    for item in spec:
-        if item is None:
-            out.append(None)
-            continue
-        has_a, has_bt, scale = item
-        out.append((next(it) if has_a else None, next(it) if has_bt else None, scale))
-    return tuple(out)
+    return tuple((next(it) if has_a else None, next(it) if has_bt else None, scale)
+                 for has_a, has_bt, scale in spec)

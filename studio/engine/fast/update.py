@@ -1,6 +1,6 @@
 """The LoRA update added where a product's output is read, instead of written out on its own.
 
-A fused LoRA product (weights.LoraProduct) writes its output twice: the update's product
+A fused LoRA product (products.LoraProduct) writes its output twice: the update's product
 ``scale * (x A^T) B^T`` (inner size the rank) writes all of it, and the base product then adds
 itself in its epilogue. On a 7B step at micro-batch 16 the update's writes are about 20 ms
 (bench/results/h100_v16_profile.json), most of them gate/up's two 11008-wide outputs. Here the
@@ -12,7 +12,7 @@ tile from ``x A^T`` (``[tokens, rank]``) and ``B^T`` (``[rank, columns]``):
   of the base output. Those gradients are the product's output gradient, so the product's backward
   (the adapters' gradients, the input's) is unchanged.
 - :func:`add_update_and_residual_`: o's and down's ``residual + (base + update)``, the update
-  meeting the base output first and the residual stream last, as in weights.LoraProduct.
+  meeting the base output first and the residual stream last, as in products.LoraProduct.
 - :class:`Handoff`: the backward's counterpart for down. Its input gradient is
   ``dy W + (s dy B) A``; the second term (inner size the rank) is handed to SwiGLU's backward,
   which adds it to the gradient it reads, instead of being written out first.
@@ -49,7 +49,7 @@ def _kernels():
 
 def broken() -> str:
     """Why the kernels failed on this machine ('' while they work): the products then keep their
-    own order (weights.LoraProduct)."""
+    own order (products.LoraProduct)."""
     return KERNELS.broken
 
 
@@ -159,7 +159,7 @@ def add_update_and_residual_(y: torch.Tensor, xa: torch.Tensor, bt: torch.Tensor
 
 class LoraSwiGLU(torch.autograd.Function):
     """SwiGLU of gate/up's base output ``gu`` plus its LoRA update ``scale * xa @ bt``, where
-    ``gu`` stands for the whole output (weights.DeferredLoraProduct returns it so): the gradient
+    ``gu`` stands for the whole output (products.DeferredLoraProduct returns it so): the gradient
     returned for ``gu`` is the whole output's, written over ``gu`` (nothing else reads it), and
     ``xa`` and ``bt`` get none here (the product's backward gives the adapters theirs)."""
 

@@ -7,7 +7,7 @@ Each works on a tile of rows x columns of a product's output and adds the LoRA u
 inner product runs on the tensor cores from the bf16 or fp16 values with fp32 sums (exact
 products). The update is never written out as a tensor of its own.
 
-Gate/up's B^T is block-diagonal (weights.Projection.adapters): gate's columns read only gate's
+Gate/up's B^T is block-diagonal (projection.Projection.adapters): gate's columns read only gate's
 rows of ``xa`` and ``bt`` (``k_gate``, ``r_gate``), up's only up's, so each inner product is one
 adapter's rank long, not both.
 
