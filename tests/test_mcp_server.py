@@ -18,13 +18,16 @@ from typing import Any
 
 import anyio
 import pytest
-from mcp import ClientSession, StdioServerParameters, stdio_client
-from test_worker import TESTS
 
-from studio.cli import main as studio
-from studio.core.config import ConfigNote, load_config
-from studio.core.runs import create_run, list_runs
-from studio.worker.launch import GpuLock
+# The SDK is the `mcp` extra (and in `test`); a machine without it (the GPU box) skips the file.
+mcp = pytest.importorskip("mcp")
+from mcp import ClientSession, StdioServerParameters, stdio_client  # noqa: E402
+from test_worker import TESTS  # noqa: E402
+
+from studio.cli import main as studio  # noqa: E402
+from studio.core.config import ConfigNote, load_config  # noqa: E402
+from studio.core.runs import create_run, list_runs  # noqa: E402
+from studio.worker.launch import GpuLock  # noqa: E402
 
 PROJECT = TESTS.parent
 TOOLS = {"list_runs", "run_status", "estimate", "start_run", "pause_run", "resume_run", "stop_run", "eval_run",

@@ -19,6 +19,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+# The references are computed in fp32 on the CPU: the engine must export and embed there too (on a
+# GPU box it would load the base in bf16 on the card, and the exact comparisons would not hold).
+pytestmark = pytest.mark.usefixtures("on_cpu")
+
 from tiny_families import FAMILIES, build, build_gemma3_multimodal, lora_targets  # noqa: E402
 
 from studio.core import events as ev  # noqa: E402
