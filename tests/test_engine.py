@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import random
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -303,6 +305,22 @@ def test_generation_streams_and_base_differs_from_adapter(tiny_config) -> None:
     with_adapter = session.generate({"instruction": "Reverse the letters of the word.", "input": "a-b-c"},
                                     max_new_tokens=12)
     assert with_adapter.token_ids != base.token_ids
+
+
+def test_generation_reports_the_speed_it_ran_at(tiny_config) -> None:
+    """The tokens/s shown after an answer (chat, zero-shot preview, held-out) is its new tokens over
+    the time the answer took: positive, finite, and no faster than the wall clock allows."""
+    session = _run(tiny_config)[0].session
+    session.load()
+    began = time.perf_counter()
+    result = session.generate("Reverse the letters of the word.", max_new_tokens=12)
+    took = time.perf_counter() - began
+    assert result.new_tokens > 0
+    assert math.isfinite(result.tokens_per_s) and result.tokens_per_s > 0
+    # new_tokens / tokens_per_s is the time generate() measured: inside the call, and not nothing.
+    measured = result.new_tokens / result.tokens_per_s
+    assert 0 < measured <= took, (measured, took)
+    assert result.tokens_per_s >= result.new_tokens / took
 
 
 def test_generation_stops_at_eos(tiny_config) -> None:
