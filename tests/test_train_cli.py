@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -176,6 +177,17 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tiny_config, tmp_path: Path
     assert len(finished) == 1 and finished[0].stopped and 0 < finished[0].step < 5000
     assert run.latest_checkpoint() == run.checkpoints_dir / f"step-{finished[0].step}"
     assert (run.adapter_dir / "adapter_model.safetensors").exists()
+    # The printed command, typed in the same folder (the runs are not in ./runs), continues the run.
+    printed = re.search(r"continue with: (studio train --resume .+)$", out, re.MULTILINE)
+    assert printed is not None, out
+    words = shlex.split(printed.group(1))
+    stopped_at = finished[0].step
+    resumed = subprocess.run([python, "-m", "studio.cli", *words[1:], "--max-steps", str(stopped_at + 2)],
+                             cwd=tmp_path, env=studio_env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    events = list(iter_events(run.events_path))
+    assert [e.resumed_from_step for e in events if isinstance(e, ev.RunStarted)][-1] == stopped_at
+    assert [e.step for e in events if isinstance(e, ev.TrainingFinished)][-1] == stopped_at + 2
 
 
 @pytest.mark.slow

@@ -144,7 +144,8 @@ def _reference_pre(base_model: str) -> str | None:
 
 
 def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, float], None]) -> str:
-    """The merged model as GGUF, the LoRA-only GGUF adapter and an Ollama Modelfile in ``dest``."""
+    """The merged model as GGUF, the LoRA-only GGUF adapter and an Ollama Modelfile in ``dest``;
+    returns the names of the GGUF files written."""
     from studio.core.modelfile import modelfile
 
     if quant not in QUANTS:
@@ -170,8 +171,7 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
                                               temperature=config.generation.temperature,
                                               adapter_name=lora_file, base_gguf_hint=hub_id(config.model.base_model)))
     shutil.rmtree(staging)
-    made = f"{model_file}, {lora_file}" if lora_file else model_file
-    return f"{made} and a Modelfile ('ollama create NAME -f {dest / 'Modelfile'}')"
+    return f"{model_file}, {lora_file}" if lora_file else model_file
 
 
 def export_run(run: RunDir, path: str | Path, format: str = "adapter", quant: str = "f16",
@@ -204,7 +204,9 @@ def export_run(run: RunDir, path: str | Path, format: str = "adapter", quant: st
             note = f"merged {dtype} model"
         else:
             tmp.mkdir(parents=True)
-            note = export_gguf(run, tmp, quant, progress)
+            made = export_gguf(run, tmp, quant, progress)
+            # The command names the folder as it is after the rename below, not the staging one.
+            note = f"{made} and a Modelfile ('ollama create NAME -f {dest / 'Modelfile'}')"
         tmp.rename(dest)
         progress("done", 1.0)
         finished = ev.ExportFinished(path=str(dest), ok=True, message=note, seconds=time.monotonic() - started)

@@ -90,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
     run = find_run(getattr(args, "run", None), getattr(args, "runs_dir", None) or "runs")
     if run.adapter() is None and run.latest_checkpoint() is None:
         print(f"error: {run.path}: no adapter yet; wait for training to finish, or stop it "
-              f"('studio stop {run.id}') to save one", file=sys.stderr)
+              f"('studio stop {run.ref}') to save one", file=sys.stderr)
         return 1
     started_here = run.worker_pid() is None
     try:

@@ -88,8 +88,8 @@ def train_detached(args: argparse.Namespace) -> int:
     except WorkerStartError as exc:
         return _fail(str(exc))
     print(run.id)
-    print(f"training in the background (worker pid {pid}); follow it with 'studio attach {run.id}', "
-          f"stop it with 'studio stop {run.id}'", file=sys.stderr)
+    print(f"training in the background (worker pid {pid}); follow it with 'studio attach {run.ref}', "
+          f"stop it with 'studio stop {run.ref}'", file=sys.stderr)
     return 0
 
 
@@ -134,7 +134,7 @@ def _resume_run(run: RunDir, from_scratch: bool = False) -> int:
         pid = start_worker(run, train=from_scratch, resume=not from_scratch)
     except WorkerStartError as exc:
         return _fail(str(exc))
-    print(f"resuming run {run.id} {where} (worker pid {pid}); follow it with 'studio attach {run.id}'")
+    print(f"resuming run {run.id} {where} (worker pid {pid}); follow it with 'studio attach {run.ref}'")
     return 0
 
 
@@ -180,7 +180,7 @@ def attach(args: argparse.Namespace) -> int:
                 return _explain_not_live(run)
     except KeyboardInterrupt:
         client.close()
-        print(f"\ndetached; run {run.id} goes on (studio attach {run.id} to follow again)")
+        print(f"\ndetached; run {run.id} goes on (studio attach {run.ref} to follow again)")
         return 0
 
 
@@ -209,7 +209,7 @@ def _explain_not_live(run: RunDir) -> int:
         return 1
     if summary.status == "interrupted":
         print(f"run {run.id} was interrupted at step {summary.step} (no worker is running); "
-              f"continue it with 'studio train --resume {run.id} --detach'")
+              f"continue it with 'studio train --resume {run.ref} --detach'")
         return 1
     if summary.status == "failed":
         print(f"run {run.id} failed at step {summary.step}; the FAILED line above says why")
@@ -294,7 +294,7 @@ def stop(args: argparse.Namespace) -> int:
         finished = _wait_for(client, lambda e: isinstance(e, (ev.TrainingFinished, ev.WorkerStopped)), 3600)
         if training and isinstance(finished, ev.TrainingFinished):
             print(f"stopped at step {finished.step}; adapter in {finished.adapter_path}; continue with "
-                  f"'studio train --resume {run.id} --detach'")
+                  f"'studio train --resume {run.ref} --detach'")
             _wait_for(client, lambda e: isinstance(e, ev.WorkerStopped), 30)
         elif finished is None and client.connected:
             return _fail(f"run {run.id}: the worker has not stopped yet; see {run.log_path}")
@@ -325,8 +325,8 @@ def pause(args: argparse.Namespace) -> int:
         if isinstance(paused, ev.WorkerFailed):
             return _fail(paused.message)
         if not isinstance(paused, ev.TrainingPaused):
-            return _fail(f"run {run.id} did not pause (it may have finished); see 'studio attach {run.id}'")
-        print(f"paused run {run.id} after step {paused.step}; 'studio resume {run.id}' continues it")
+            return _fail(f"run {run.id} did not pause (it may have finished); see 'studio attach {run.ref}'")
+        print(f"paused run {run.id} after step {paused.step}; 'studio resume {run.ref}' continues it")
         return 0
     finally:
         client.close()

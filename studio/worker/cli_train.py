@@ -145,10 +145,10 @@ def resume_refusal(run: RunDir, from_scratch: bool) -> bool:
     latest = run.latest_checkpoint()
     if latest is None and not from_scratch:
         raise ConfigError(f"run {run.id} has no checkpoint to resume from; start it again from step 0 "
-                          f"with 'studio train --resume {run.id} --from-scratch'")
+                          f"with 'studio train --resume {run.ref} --from-scratch'")
     if latest is not None and from_scratch:
         raise ConfigError(f"--from-scratch: run {run.id} has checkpoints (newest {latest.name}); continue it "
-                          f"with 'studio train --resume {run.id}', or start a new run with "
+                          f"with 'studio train --resume {run.ref}', or start a new run with "
                           f"'studio train {run.config_path}'")
     return from_scratch
 
@@ -221,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
         lock.release()
         console.join(timeout=30)
     if aborted:
-        print(f"\naborted; continue with: studio train --resume {run.id}", file=sys.stderr)
+        print(f"\naborted; continue with: studio train --resume {run.ref}", file=sys.stderr)
         return 130
     if worker.disk_failure is not None and not printer.saw_disk_full:
         # Full before the console connected (at a resume's first event): said here instead.
@@ -229,9 +229,9 @@ def main(args: argparse.Namespace) -> int:
     if worker.state == "failed":
         return 1  # the console already showed the failure
     if worker.state == "stopped":
-        print(f"continue with: studio train --resume {run.id}")
+        print(f"continue with: studio train --resume {run.ref}")
     else:
-        print(f"compare base and fine-tuned answers with: studio eval {run.id}")
+        print(f"compare base and fine-tuned answers with: studio eval {run.ref}")
     return 0
 
 
@@ -265,7 +265,7 @@ def _train_on_gpus(run: RunDir, resume: bool) -> int:
     except KeyboardInterrupt:
         launch.kill()
         launch.wait()
-        print(f"\naborted; continue with: studio train --resume {run.id}", file=sys.stderr)
+        print(f"\naborted; continue with: studio train --resume {run.ref}", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -274,7 +274,7 @@ def _train_on_gpus(run: RunDir, resume: bool) -> int:
     if code != 0 or status == "failed":
         return 1
     if status == "stopped":
-        print(f"continue with: studio train --resume {run.id}")
+        print(f"continue with: studio train --resume {run.ref}")
     else:
-        print(f"compare base and fine-tuned answers with: studio eval {run.id}")
+        print(f"compare base and fine-tuned answers with: studio eval {run.ref}")
     return 0
