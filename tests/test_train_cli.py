@@ -149,6 +149,31 @@ def test_train_user_errors_are_one_line(tmp_path: Path, tiny_config, capsys) -> 
     assert "Traceback" not in out
 
 
+STUDIO_LINES = ("run directory: ", "loading model: ", "warning (", "model loaded: ", "training started: ",
+                "eval ", "step ", "checkpoint at step ", "training finished at step ",
+                "compare base and fine-tuned answers with: ")
+"""How every line of a foreground `studio train` that trains and ends well begins."""
+
+
+@pytest.mark.slow
+def test_the_console_of_a_cpu_run_holds_only_studio_lines(tiny_config, tmp_path: Path, studio_env, python) -> None:
+    """A 4-bit config trained on the CPU: stdout and stderr together are Studio's lines only (no
+    bitsandbytes kernel notice, no transformers "Loading weights" bar, no FutureWarning), and the
+    CPU note is there once, as a warning. What the libraries said is in worker.log."""
+    tiny_config.quantization.bits = 4
+    tiny_config.trainer.max_steps = 2
+    tiny_config.trainer.eval_interval = 0
+    tiny_config.save(tmp_path / "cpu.yaml")
+    done = subprocess.run([python, "-m", "studio.cli", "train", str(tmp_path / "cpu.yaml")], cwd=tmp_path,
+                          env={**studio_env, "STUDIO_DEVICE": "cpu"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if not line.startswith(STUDIO_LINES)] == [], done.stdout
+    notes = [line for line in lines if "no CUDA GPU" in line]
+    assert len(notes) == 1 and notes[0].startswith("warning (config): no CUDA GPU: loading the base in float32")
+
+
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tiny_config, tmp_path: Path, studio_env, python) -> None:
     tiny_config.trainer.max_steps = 5000

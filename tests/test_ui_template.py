@@ -189,7 +189,7 @@ async def test_zero_shot_shows_a_warning_as_a_note_and_keeps_the_answer(tmp_path
         await pilot.press("2", "ctrl+g")
         (command,) = worker.sent
         rid = command.request_id
-        worker.feed([ev.WorkerFailed(kind="data", fatal=False, message="3 rows were truncated to 512 tokens"),
+        worker.feed([ev.WarningRaised(kind="data", message="3 rows were truncated to 512 tokens"),
                      ev.ModelLoaded(base_model="tok"), ev.TokenGenerated(request_id=rid, text="def "),
                      ev.GenerationFinished(request_id=rid, text="def f(): pass", new_tokens=5, tokens_per_s=10.0)])
         await events_drawn(pilot)

@@ -138,14 +138,20 @@ def autoplan_line(event: ev.AutoPlanChosen) -> str:
 
 
 def failure_line(event: ev.WorkerFailed) -> str:
-    """The headline of a failure, as the training pane shows it: ``Data error: <what to do>``; one
-    that did not stop the worker reads ``Warning (kind): ...``. A console line is :func:`describe`'s
-    ``error (data): <what to do>``, which a script can grep for."""
+    """The headline of a failure, as the training pane shows it: ``Data error: <what to do>``; a
+    request that failed while the worker goes on reads ``Worker error (Generate): ...``. A console
+    line is :func:`describe`'s ``error (data): <what to do>``, which a script can grep for."""
     if not event.fatal:
-        return f"Warning ({event.kind}): {event.message}"
+        return f"{_FAILURE_LABELS.get(event.kind, 'Worker error')} ({event.request or 'a request'}): {event.message}"
     if event.kind == "disk":
         return event.message[:1].upper() + event.message[1:]  # "Disk full at <path>: ..."
     return f"{_FAILURE_LABELS.get(event.kind, 'Worker error')}: {event.message}"
+
+
+def warning_line(event: ev.WarningRaised) -> str:
+    """``warning (data): 6 training rows are longer than ...``: the same words in the console, the
+    training pane and the trackers."""
+    return f"warning ({event.kind}): {event.message}"
 
 
 def finished_line(event: ev.TrainingFinished) -> str:
@@ -209,7 +215,10 @@ def describe(event: ev.Event) -> str | None:
         case ev.TrainingFinished():
             return finished_line(event)
         case ev.WorkerFailed():
-            return f"{'error' if event.fatal else 'warning'} ({event.kind}): {event.message}"
+            request = f", {event.request}" if event.request else ""
+            return f"error ({event.kind}{request}): {event.message}"
+        case ev.WarningRaised():
+            return warning_line(event)
         case ev.WorkerStarted():
             return f"worker started (pid {event.pid})"
         case ev.WorkerStopped():

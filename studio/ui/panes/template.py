@@ -387,7 +387,7 @@ class TemplatePane(Hosted, Vertical):
                 label.update(Content.from_markup("$done · [b $warning]note:[/] $m", done=done, m=self._note)
                              if self._note else done)
                 self._request = None
-            elif isinstance(event, ev.WorkerFailed) and self._request and not event.fatal:
+            elif isinstance(event, ev.WarningRaised) and self._request:
                 # A warning (rows truncated, no 4-bit on this machine): the answer is still coming.
                 self._note = event.message
                 label.update(Content.from_markup("[b $warning]note:[/] $m", m=event.message))
