@@ -62,6 +62,20 @@ def test_the_tui_words_events_as_the_cli_does() -> None:
     assert describe(FAILED) == f"error (data): {FAILED.message}"
 
 
+def test_preference_numbers_say_what_they_are() -> None:
+    """A DPO run's accuracies: the logged step's is its own batch's, the evaluation's the validation
+    pairs'; the chosen answers' perplexity is never printed beside the preference loss."""
+    def logged(split: str) -> ev.PreferenceLogged:
+        return ev.PreferenceLogged(step=40, split=split, method="dpo", loss=0.0245, reward_margin=3.72,
+                                   chosen_logp=-6.58, rejected_logp=-82.83, accuracy=1.0, pairs=16)
+
+    assert describe(logged("train")).startswith("dpo step 40: loss 0.0245  train-batch accuracy 100.0%  margin 3.72")
+    assert describe(logged("validation")).startswith("dpo eval at step 40: loss 0.0245  validation accuracy 100.0%")
+    chosen = ev.EvalLogged(step=40, loss=0.6333, perplexity=3.87, token_accuracy=0.8, rows=60, method="dpo")
+    assert describe(chosen) == "eval at step 40: chosen answers' perplexity 3.87  token accuracy 80.0% (60 pairs)"
+    assert describe(EVAL).startswith("eval at step 4: loss 0.9877  perplexity 2.69")  # SFT: exp of that loss
+
+
 def test_a_warning_reads_as_one_warning() -> None:
     """A warning is its own event: the console line says "warning", the training pane lists it once
     with no failure headline beside it, and the run goes on."""

@@ -141,6 +141,10 @@ class EvalLogged(Event):
     perplexity: float = 0.0
     token_accuracy: float = 0.0
     rows: int = 0
+    method: str = "sft"
+    """``sft``: ``loss`` is the responses' cross-entropy and ``perplexity`` its exp. ``dpo`` / ``orpo``:
+    ``loss`` is the preference loss (its PreferenceLogged says more); ``perplexity`` and
+    ``token_accuracy`` are the chosen answers', not derived from that loss."""
 
 
 @dataclass(frozen=True)

@@ -86,17 +86,27 @@ def step_line(event: ev.StepLogged) -> str:
 
 def eval_line(event: ev.EvalLogged) -> str:
     """``eval at step 300: loss 1.2345  perplexity 3.44  token accuracy 61.0% (40 rows)``; at step 0
-    ``eval of the base model (step 0): ...``, the loss before any training."""
+    ``eval of the base model (step 0): ...``, the loss before any training. A preference run's reads
+    ``eval at step 30: chosen answers' perplexity 3.87  token accuracy 80.1% (60 pairs)``: its loss is
+    the preference loss, which :func:`preference_line` prints, and no perplexity comes from it."""
     where = "of the base model (step 0)" if event.step == 0 else f"at step {event.step}"
+    if event.method != "sft":
+        return (f"eval {where}: chosen answers' perplexity {event.perplexity:.2f}  token accuracy "
+                f"{event.token_accuracy:.1%} ({event.rows} pairs)")
     return (f"eval {where}: loss {format_loss(event.loss)}  perplexity {event.perplexity:.2f}  "
             f"token accuracy {event.token_accuracy:.1%} ({event.rows} rows)")
 
 
 def preference_line(event: ev.PreferenceLogged) -> str:
-    """``dpo step 40: loss 0.1234  accuracy 87.5%  margin 1.23  log p chosen -7.10 rejected -71.62``
-    (``dpo eval at step 40: ...`` for the validation pairs)."""
-    where = f"eval at step {event.step}" if event.split == "validation" else f"step {event.step}"
-    return (f"{event.method} {where}: loss {format_loss(event.loss)}  accuracy {event.accuracy:.1%}  "
+    """``dpo step 40: loss 0.1234  train-batch accuracy 87.5%  margin 1.23  log p chosen -7.10 rejected
+    -71.62 (16 pairs)``: the step's own pairs; ``dpo eval at step 40: loss ...  validation accuracy ...``
+    for the validation pairs. The accuracy is the implicit reward's (DPO: against the reference),
+    not ``studio eval``'s held-out preference of each model."""
+    if event.split == "validation":
+        where, accuracy = f"eval at step {event.step}", "validation accuracy"
+    else:
+        where, accuracy = f"step {event.step}", "train-batch accuracy"
+    return (f"{event.method} {where}: loss {format_loss(event.loss)}  {accuracy} {event.accuracy:.1%}  "
             f"margin {event.reward_margin:.2f}  log p chosen {event.chosen_logp:.2f} rejected "
             f"{event.rejected_logp:.2f} ({event.pairs} pairs)")
 

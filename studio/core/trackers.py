@@ -51,8 +51,10 @@ def metrics_of(event: ev.Event) -> tuple[int, dict[str, float]] | None:
                             "train/grad_norm": event.grad_norm, "train/tokens_per_s": event.tokens_per_s,
                             "train/epoch": event.epoch}
     if isinstance(event, ev.EvalLogged):
-        return event.step, {"eval/loss": event.loss, "eval/perplexity": event.perplexity,
-                            "eval/token_accuracy": event.token_accuracy}
+        # A preference run's perplexity and accuracy are its chosen answers', not its loss's.
+        prefix = "eval/" if event.method == "sft" else "eval/chosen_"
+        return event.step, {"eval/loss": event.loss, f"{prefix}perplexity": event.perplexity,
+                            f"{prefix}token_accuracy": event.token_accuracy}
     if isinstance(event, ev.MemorySampled):
         found = {"memory/allocated_gb": event.allocated / _GB, "memory/peak_allocated_gb": event.peak_allocated / _GB}
         found.update({f"memory/{name}_gb": n / _GB for name, n in event.categories.items()})
