@@ -64,7 +64,11 @@ async def test_editing_rerenders_the_row_with_counts_and_lint(tmp_path, monkeypa
         after = total_tokens(app)
         assert after < before  # the alpaca preamble is gone
         assert app.query_one("#template-preset", Select).value == "custom"
-        assert "✓" in lint_text(app)
+        # The data's input column is in no placeholder: said, not "template looks right".
+        assert "column input is in no placeholder: the model never sees it" in lint_text(app)
+        assert "✓" not in lint_text(app)
+        await replace_template(pilot, "Q: {instruction} {input}\nA: {output}")
+        assert "✓ template looks right" in lint_text(app)
 
         # A typo in a field name: lint names it and suggests the right one.
         await replace_template(pilot, "Q: {instrucion}\nA: {output}")
@@ -79,6 +83,37 @@ async def test_editing_rerenders_the_row_with_counts_and_lint(tmp_path, monkeypa
         text = lint_text(app)
         assert "nothing separates the prompt from the response" in text
         assert "text after {output}" in text
+
+
+@pytest.mark.parametrize("preset", ["alpaca_no_input", "alpaca"])
+async def test_a_template_that_drops_a_column_or_names_fields_the_data_lacks_is_linted(tmp_path, monkeypatch,
+                                                                                      preset):
+    """alpaca_no_input on rows with an input: the input is never seen. The chat sample (the app picks
+    the chat preset for it): the editor's {instruction} / {output} form is no field of conversations.
+    Neither "looks right"."""
+    import shutil
+
+    from studio.core.paths import sample_data_dir
+
+    workdir(tmp_path, monkeypatch)
+    data = "code_alpaca_sample.jsonl" if preset == "alpaca_no_input" else "code_chat_sample.jsonl"
+    shutil.copy(sample_data_dir() / data, tmp_path / data)
+    config = make_config(data)
+    config.prompt.template = preset
+    app = StudioApp(config, settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2")
+        await settle(pilot)
+        text = lint_text(app)
+        assert "looks right" not in text
+        if preset == "alpaca_no_input":
+            assert "⚠ line 1: column input is in no placeholder: the model never sees it; the alpaca preset " \
+                   "shows {input} when a row has one" in text
+        else:
+            assert app.config.prompt.template == "chat"
+            assert "ℹ line 1: the rows are conversations: each is rendered turn by turn" in text
+            assert "{output}" in text and "not this data" in text
 
 
 async def test_prompt_and_response_counts_follow_the_tokenizer(tmp_path, monkeypatch):

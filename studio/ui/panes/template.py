@@ -27,6 +27,7 @@ from studio.core import chat as chats
 from studio.core import events as ev
 from studio.core import prompt as prompts
 from studio.core.config import PromptConfig
+from studio.core.datastats import template_column_issues
 from studio.core.preference import is_preference
 from studio.ui.host import Hosted
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged, WorkerEvents
@@ -260,6 +261,7 @@ class TemplatePane(Hosted, Vertical):
         except prompts.TemplateError as exc:
             self.query_one("#template-render", Static).update(
                 Content.from_markup("[b $error]cannot render this conversation:[/] $m", m=str(exc)))
+            self._show_lint(text)
             return
         measured = measure(rendered, app.counter, config.data.max_seq_length, config.prompt.add_eos)
         where = f"row {selected[0]:,}" if selected else "example row (open a dataset to use yours)"
@@ -291,6 +293,8 @@ class TemplatePane(Hosted, Vertical):
             # Conversations fill the chat template's turns themselves; its {field} form is for
             # instruction rows, so the data's columns are not its fields.
             issues = [i for i in issues if i.kind != "unknown_field"]
+        if self._columns is not None:
+            issues += template_column_issues(config, self._columns, conversations=self._conversations)
         lint = self.query_one("#template-lint", Static)
         lint.set_class(any(i.severity == "error" for i in issues), "-error")
         if not issues:
