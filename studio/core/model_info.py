@@ -268,5 +268,5 @@ def load_model_info(ref: str, revision: str | None = None) -> ModelInfo:
     if known is not None:
         return known
     raise ModelInfoError(f"{ref}: not a local folder, not in the Hugging Face cache and not a model Studio "
-                         "knows offline; download it once (huggingface-cli download " + ref +
-                         " config.json) or pass a folder with its config.json")
+                         "knows offline; download it once (hf download " + ref + " config.json) or pass a folder "
+                         "with its config.json")
