@@ -116,13 +116,16 @@ def test_warnings_of_runs_made_before_read_as_warnings(tmp_path: Path, capsys: p
 
 
 def test_attach_prints_the_shared_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`studio attach` words events as `studio train` does: one line a step, its memory on it."""
     run = create_run(RunConfig(output_dir=str(tmp_path / "runs")))
-    for seq, event in enumerate([STEP, MEMORY, EVAL, OOM, FAILED]):
+    for seq, event in enumerate([MEMORY, STEP, EVAL, OOM, FAILED]):
         append_event(run.events_path, ev.with_seq(event, seq))
     assert studio(["attach", run.id, "--runs-dir", str(tmp_path / "runs")]) == 1  # failed: nothing to follow
     printed = capsys.readouterr().out
-    for event in (STEP, MEMORY, EVAL, OOM, FAILED):
+    assert f"  {step_line(STEP)}  mem {memory_text(MEMORY)}\n" in printed
+    for event in (EVAL, OOM, FAILED):
         assert f"  {describe(event)}\n" in printed
+    assert "memory at step" not in printed, "the step's memory is on its line, not a second one"
     assert "GiB" not in printed
 
 

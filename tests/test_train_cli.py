@@ -242,10 +242,13 @@ def test_attach_follows_a_foreground_run_live_until_it_finishes(tiny_config, tmp
         assert run.worker_pid() == proc.pid
         assert summarize(run).status == "training"
         assert studio_main(["attach", run.id, "--runs-dir", str(runs)]) == 0
-        # Every step is printed once: the ones logged before attach from the file, the rest live.
+        # Every step is printed once, on one line with its memory: the ones logged before attach
+        # from the file, the rest live.
         out = capsys.readouterr().out
         assert "training finished at step 150" in out and "interrupted" not in out
         assert [int(s) for s in re.findall(r"step +(\d+)/150", out)] == list(range(1, 151))
+        assert [line for line in out.splitlines() if re.search(r"\bstep 1\b", line)] == \
+            [line for line in out.splitlines() if "step 1/150" in line and "  mem " in line]
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:

@@ -71,8 +71,10 @@ def memory_text(event: ev.MemorySampled) -> str:
     return text
 
 
-def step_line(event: ev.StepLogged) -> str:
-    """``step 40/300  loss 1.2345  lr 2.00e-04  grad 0.512  1,234 tok/s  eta 3m05s``."""
+def step_line(event: ev.StepLogged, memory: ev.MemorySampled | None = None) -> str:
+    """``step 40/300  loss 1.2345  lr 2.00e-04  grad 0.512  1,234 tok/s  eta 3m05s``, ending with
+    ``  mem 3.00 GB in use, peak ...`` when given the step's memory sample (the worker logs it just
+    before the step): one line a step in the console, whoever prints it."""
     parts = [f"step {event.step}/{event.total_steps or '?'}", f"loss {format_loss(event.loss)}",
              f"lr {event.learning_rate:.2e}"]
     if event.grad_norm:
@@ -81,6 +83,8 @@ def step_line(event: ev.StepLogged) -> str:
         parts.append(format_rate(event.tokens_per_s))
     if event.eta_s:
         parts.append(f"eta {format_duration(event.eta_s)}")
+    if memory is not None:
+        parts.append(f"mem {memory_text(memory)}")
     return "  ".join(parts)
 
 

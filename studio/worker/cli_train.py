@@ -98,8 +98,7 @@ class ConsolePrinter:
             if event.rank == 0:
                 self.memory = event  # shown on the next step's line (rank 0's card on several GPUs)
         elif isinstance(event, ev.StepLogged):
-            memory = f"  mem {report.memory_text(self.memory)}" if self.memory is not None else ""
-            self.line(report.step_line(event) + memory)
+            self.line(report.step_line(event, self.memory))
             self.draw_bar(event.step, event.total_steps, event.eta_s)
         elif not isinstance(event, (ev.TokenGenerated, ev.GenerationStarted, ev.GenerationFinished,
                                     ev.WorkerStarted, ev.WorkerStopped, ev.StatusReported)):
