@@ -377,3 +377,34 @@ def test_pull_finds_local_models_and_the_packaged_gguf(tiny_model: Path, capsys)
         assert gguf is not None and gguf.name == pull.GGUF_FILE and gguf.stat().st_size > 50_000_000
     assert studio_main(["pull", "--tiny"]) == 0
     assert capsys.readouterr().out.strip().endswith(str(tiny_model))
+
+
+def test_library_output_goes_to_the_run_log_and_studios_own_warnings_to_the_terminal(tmp_path, capsys) -> None:
+    """What the libraries log or warn goes to worker.log; a warning raised in Studio's own code still
+    reaches the terminal; a log file whose folder is gone costs no traceback."""
+    import logging
+    import sys
+    import warnings
+
+    import studio.engine.quiet as quiet
+
+    log = tmp_path / "worker.log"
+    def to_terminal(message, category, filename, lineno, file=None, line=None) -> None:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    with warnings.catch_warnings():  # the routing of warnings ends with this block
+        warnings.simplefilter("always")
+        warnings.showwarning = to_terminal  # Python's own way (pytest records warnings instead)
+        quiet.send_library_output_to(log)
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load CPU gemm_4bit_forward")
+        warnings.warn_explicit("`past_key_values` is deprecated", FutureWarning, torch.nn.Module.__call__.__code__.co_filename, 1)
+        warnings.warn_explicit("Studio's fused kernels failed; the engine runs without them", RuntimeWarning,
+                               quiet.__file__, 1)
+        quiet.send_library_output_to(tmp_path / "gone" / "worker.log")
+        logging.getLogger("transformers").warning("said to a folder that does not exist")
+    err = capsys.readouterr().err
+    assert "Studio's fused kernels failed" in err
+    assert "gemm_4bit" not in err and "past_key_values" not in err and "Logging error" not in err
+    written = log.read_text()
+    assert "[bitsandbytes.backends.cpu.ops] Failed to load CPU gemm_4bit_forward" in written
+    assert "FutureWarning: `past_key_values` is deprecated" in written
