@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from textual.widgets import Select, Static
@@ -105,15 +106,21 @@ async def test_a_template_that_drops_a_column_or_names_fields_the_data_lacks_is_
         await settle(pilot)
         await pilot.press("2")
         await settle(pilot)
+        deadline = time.monotonic() + 30
+        while "conversations" not in lint_text(app) and preset == "alpaca":  # once the rows are read
+            assert time.monotonic() < deadline, lint_text(app)
+            await settle(pilot, rounds=1)
         text = lint_text(app)
         assert "looks right" not in text
         if preset == "alpaca_no_input":
             assert "⚠ line 1: column input is in no placeholder: the model never sees it; the alpaca preset " \
                    "shows {input} when a row has one" in text
-        else:
-            assert app.config.prompt.template == "chat"
+        elif app.config.prompt.template == "chat":  # the dataset pane switched to it, as it does for chat data
             assert "ℹ line 1: the rows are conversations: each is rendered turn by turn" in text
             assert "{output}" in text and "not this data" in text
+        else:
+            assert "✗ line 1: the rows are conversations" in text and "{output}" in text
+            assert "set prompt.template: chat" in text
 
 
 async def test_prompt_and_response_counts_follow_the_tokenizer(tmp_path, monkeypatch):
