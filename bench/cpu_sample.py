@@ -11,7 +11,11 @@ loss at step 0 and the fine-tune's at the end, and the held-out totals.
     python bench/cpu_sample.py --held-out-only RUN_DIR --rows 8   # redo the comparison of a run
 
 A loaded machine stretches wall time, not CPU time: ``estimated_wall_s_on_idle_cores`` divides the
-training's CPU seconds by the threads used, what the same work takes on that many idle cores.
+training's CPU seconds by the threads used, what the same work takes on that many idle cores. With
+two threads on a busy machine, each thread also burns CPU time waiting for the other (OpenMP spins),
+so a shared machine is measured with ``--threads 1``:
+
+    python bench/cpu_sample.py --threads 1 --rows 4 --out bench/results/cpu_sample_smollm2_1thread.json
 """
 
 from __future__ import annotations
@@ -41,6 +45,14 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def _versions() -> dict[str, str]:
@@ -167,6 +179,7 @@ def main() -> int:
     result = {
         "bench": "cpu_sample",
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "commit": _commit(),
         "what": "bundled sample config as `studio` opens it, trained by `studio train` on the CPU "
                 "(CUDA hidden), then `studio eval` on held-out rows",
         "machine": {"cpu": _cpu_model(), "cores_visible": os.cpu_count(), "threads": args.threads,

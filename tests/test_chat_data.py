@@ -86,3 +86,30 @@ def test_held_out_table_labels_a_conversation_by_its_last_question() -> None:
     asked = [*OPENAI, {"role": "user", "content": "And in French?"}]
     assert row_label({"messages": json.dumps(asked)}, "") == "4 turns · And in French?"
     assert row_label({"instruction": "Reverse it.", "input": "abc"}, "output") == "abc · Reverse it."
+
+
+def test_the_chat_sample_has_a_config_that_fits_every_conversation(capsys) -> None:
+    """sample_data/chat_config.yaml starts with its command, checks clean, and its max length holds
+    every conversation rendered with SmolLM2's own chat template (the sample SFT config's 256 cut 24)."""
+    from test_chat_templates import _smol_tokenizer
+
+    from studio.cli import main as studio
+    from studio.core.config import load_config
+
+    path = sample_data_dir() / "chat_config.yaml"
+    assert path.read_text().splitlines()[0] == "# studio train sample_data/chat_config.yaml"
+    config = load_config(path)
+    assert config.prompt.template == "chat" and config.model.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    tokenizer = _smol_tokenizer()
+    table = load_table(sample_data_dir() / "code_chat_sample.jsonl")
+
+    def too_long(max_len: int) -> list:
+        return [issue for issue in lint_rows(table, tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                             max_seq_length=max_len, chat_template=tokenizer.chat_template)
+                if issue.kind == "too_long"]
+
+    assert too_long(config.data.max_seq_length) == []
+    assert len(too_long(load_config(sample_data_dir() / "sample_config.yaml").data.max_seq_length)) == 24
+    assert studio(["config", "check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ok:" in out and "conversations through the model's chat template" in out and "warning" not in out

@@ -110,7 +110,7 @@ def test_status_and_commands_that_make_no_sense_now_get_a_reply(run: RunDir, ser
             break
     client.send(ev.Pause())
     reply = next(e for e in client.events(poll_s=0.1) if isinstance(e, ev.WorkerFailed))
-    assert not reply.fatal and "not training" in reply.message and reply.seq == -1
+    assert not reply.fatal and reply.request == "Pause" and "not training" in reply.message and reply.seq == -1
     status = client.request_status()
     assert (status.state, status.step, status.total_steps) == ("finished", 150, 150)
     assert not [e for e in run.events() if isinstance(e, ev.StatusReported)]  # replies are not logged

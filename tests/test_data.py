@@ -474,6 +474,41 @@ def test_default_config_trains_on_the_sample_data_with_a_clean_lint():
     assert lint_rows(splits.train + splits.validation + splits.test) == []
 
 
+def test_a_template_that_drops_a_column_or_ignores_the_conversations_is_linted(tmp_path, capsys) -> None:
+    """alpaca_no_input on rows with an input never shows the input: `studio config check` says so; a
+    column empty everywhere, the split column and a template on conversations are judged too."""
+    from studio.cli import main as studio
+    from studio.core.config import load_config
+    from studio.core.datastats import filled_counts, template_column_issues
+
+    path = sample_data_dir() / "sample_config.yaml"
+    config = load_config(path)
+    table = load_table(sample_data_dir() / "code_alpaca_sample.jsonl")
+    filled = filled_counts(table)
+    assert template_column_issues(config, table.column_names, filled=filled) == []
+    config.prompt.template = "alpaca_no_input"
+    (issue,) = template_column_issues(config, table.column_names, filled=filled)
+    with_input = sum(1 for value in table["input"] if value.strip())
+    assert issue.kind == "unused_column" and issue.severity == "warning"
+    assert issue.message == (f"column input is in no placeholder: the model never sees it ({with_input:,} rows "
+                             "have text); the alpaca preset shows {input} when a row has one")
+    assert template_column_issues(config, table.column_names, filled={**filled, "input": 0}) == []
+    config.prompt.template = "### Q: {instruction}\n### A: {output}"
+    assert "add {input} to the template" in template_column_issues(config, table.column_names)[0].message
+    config.prompt.template = "alpaca"
+    (issue,) = template_column_issues(config, ["messages", "split"], conversations=True)
+    assert issue.severity == "error" and "{output}" in issue.message and "prompt.template: chat" in issue.message
+    config.prompt.template = "chat"
+    assert [i.severity for i in template_column_issues(config, ["messages", "split"], conversations=True)] == ["info"]
+
+    config.prompt.template = "alpaca_no_input"
+    config.data.path = str(sample_data_dir() / "code_alpaca_sample.jsonl")
+    config.save(tmp_path / "no_input.yaml")
+    assert studio(["config", "check", str(tmp_path / "no_input.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "warning: " in out and "prompt.template: column input is in no placeholder" in out and "ok:" in out
+
+
 def test_sample_config_names_its_command_and_finds_its_data_from_anywhere(tmp_path, monkeypatch):
     from studio.core.config import load_config
 

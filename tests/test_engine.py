@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import random
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -306,6 +308,22 @@ def test_generation_streams_and_base_differs_from_adapter(tiny_config) -> None:
     assert with_adapter.token_ids != base.token_ids
 
 
+def test_generation_reports_the_speed_it_ran_at(tiny_config) -> None:
+    """The tokens/s shown after an answer (chat, zero-shot preview, held-out) is its new tokens over
+    the time the answer took: positive, finite, and no faster than the wall clock allows."""
+    session = _run(tiny_config)[0].session
+    session.load()
+    began = time.perf_counter()
+    result = session.generate("Reverse the letters of the word.", max_new_tokens=12)
+    took = time.perf_counter() - began
+    assert result.new_tokens > 0
+    assert math.isfinite(result.tokens_per_s) and result.tokens_per_s > 0
+    # new_tokens / tokens_per_s is the time generate() measured: inside the call, and not nothing.
+    measured = result.new_tokens / result.tokens_per_s
+    assert 0 < measured <= took, (measured, took)
+    assert result.tokens_per_s >= result.new_tokens / took
+
+
 def test_generation_stops_at_eos(tiny_config) -> None:
     """A model that always predicts EOS answers with nothing."""
     session = _run(tiny_config)[0].session  # loading and generation are the session's
@@ -328,7 +346,7 @@ def test_four_bit_loads_and_trains_on_cpu(tiny_config) -> None:
     trainer, _, events = _run(tiny_config)
     trainer.train()
     loaded = next(e for e in events if isinstance(e, ev.ModelLoaded))
-    warnings = [e for e in events if isinstance(e, ev.WorkerFailed) and not e.fatal]
+    warnings = [e for e in events if isinstance(e, ev.WarningRaised)]
     assert loaded.quantization == "nf4" or any("float32 instead" in w.message for w in warnings)
     assert len(_losses(events)) == 2
     if loaded.quantization == "nf4":
@@ -360,3 +378,34 @@ def test_pull_finds_local_models_and_the_packaged_gguf(tiny_model: Path, capsys)
         assert gguf is not None and gguf.name == pull.GGUF_FILE and gguf.stat().st_size > 50_000_000
     assert studio_main(["pull", "--tiny"]) == 0
     assert capsys.readouterr().out.strip().endswith(str(tiny_model))
+
+
+def test_library_output_goes_to_the_run_log_and_studios_own_warnings_to_the_terminal(tmp_path, capsys) -> None:
+    """What the libraries log or warn goes to worker.log; a warning raised in Studio's own code still
+    reaches the terminal; a log file whose folder is gone costs no traceback."""
+    import logging
+    import sys
+    import warnings
+
+    import studio.engine.quiet as quiet
+
+    log = tmp_path / "worker.log"
+    def to_terminal(message, category, filename, lineno, file=None, line=None) -> None:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    with warnings.catch_warnings():  # the routing of warnings ends with this block
+        warnings.simplefilter("always")
+        warnings.showwarning = to_terminal  # Python's own way (pytest records warnings instead)
+        quiet.send_library_output_to(log)
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load CPU gemm_4bit_forward")
+        warnings.warn_explicit("`past_key_values` is deprecated", FutureWarning, torch.nn.Module.__call__.__code__.co_filename, 1)
+        warnings.warn_explicit("Studio's fused kernels failed; the engine runs without them", RuntimeWarning,
+                               quiet.__file__, 1)
+        quiet.send_library_output_to(tmp_path / "gone" / "worker.log")
+        logging.getLogger("transformers").warning("said to a folder that does not exist")
+    err = capsys.readouterr().err
+    assert "Studio's fused kernels failed" in err
+    assert "gemm_4bit" not in err and "past_key_values" not in err and "Logging error" not in err
+    written = log.read_text()
+    assert "[bitsandbytes.backends.cpu.ops] Failed to load CPU gemm_4bit_forward" in written
+    assert "FutureWarning: `past_key_values` is deprecated" in written

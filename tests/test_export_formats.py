@@ -5,6 +5,7 @@ loader; llama-cpp-python has no prebuilt wheel here) loads to the same answers."
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,51 @@ def test_an_unknown_quant_is_refused_before_any_worker_starts(tmp_path: Path, ca
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --quant q4_k_m is not one of f32, f16") and "llama-quantize" in err
     assert run.worker_pid() is None
+
+
+FAKE_OLLAMA = '''import sys
+from pathlib import Path
+
+# As `ollama create NAME -f FILE` does: read FILE, and every FROM / ADAPTER path in it must exist
+# (a relative one is read from FILE's folder).
+create, name, flag, modelfile = sys.argv[1:5]
+assert (create, flag) == ("create", "-f"), sys.argv
+modelfile = Path(modelfile)
+if not modelfile.is_file():
+    sys.exit(f"Error: open {modelfile}: no such file or directory")
+for line in modelfile.read_text().splitlines():
+    word, _, ref = line.partition(" ")
+    if word in ("FROM", "ADAPTER") and not (modelfile.parent / ref).is_file():
+        sys.exit(f"Error: {word} {ref}: no such file")
+print(f"success: {name}")
+'''
+
+
+def test_the_printed_ollama_command_runs(trained, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture) -> None:
+    """`studio export RUN --format gguf` ends with an `ollama create NAME -f PATH` to type: run as printed
+    (against a stand-in for ollama that checks the files as ollama would), it finds the Modelfile and
+    the GGUF it names."""
+    import shlex
+    import subprocess
+    import sys
+
+    from studio.cli import main as studio_main
+
+    run, _, _ = trained
+    monkeypatch.setenv("STUDIO_DEVICE", "cpu")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ollama").write_text(f"#!{sys.executable}\n{FAKE_OLLAMA}")
+    (bin_dir / "ollama").chmod(0o755)
+    try:
+        assert studio_main(["export", str(run.path), "--format", "gguf", "--quant", "q8_0"]) == 0
+    finally:
+        studio_main(["stop", str(run.path)])  # the worker the export started
+    err = capsys.readouterr().err
+    printed = [line.split("'")[1] for line in err.splitlines() if "'ollama create" in line]
+    assert len(printed) == 1, err
+    command = printed[0].replace("NAME", "tiny-reverse")
+    done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -153,7 +153,7 @@ def test_the_trainer_captures_its_graphs_and_keeps_them(tiny_config, packing: bo
 
     assert not [o for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)]
     assert (fast._host is not None) is offload and fast._graphs.offload is offload
-    failures = [e.message for e in events if isinstance(e, ev.WorkerFailed)]
+    failures = [e.message for e in events if isinstance(e, (ev.WorkerFailed, ev.WarningRaised))]
     assert not failures, failures
     crossings = [str(w.message)[:120] for w in caught if "AccumulateGrad" in str(w.message)]
     assert not crossings, (timeline, crossings)  # silenced: see the docstring

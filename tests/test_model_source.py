@@ -126,3 +126,21 @@ def test_an_architecture_it_cannot_model_is_refused_from_the_hub_too(tmp_path):
     path.write_text(json.dumps({"model_type": "mixtral", "hidden_size": 4096, "num_local_experts": 8}))
     with pytest.raises(ModelInfoError, match=r"mixture-of-experts layers \(num_local_experts: 8\)"):
         find_model(str(path))
+
+
+def test_the_offline_hint_names_a_command_huggingface_hub_installs() -> None:
+    """The estimate of a model Studio cannot find offline says how to download its config.json:
+    with a command the installed huggingface_hub provides (``hf``; ``huggingface-cli`` is gone)."""
+    import re
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from studio.core.model_info import load_model_info
+
+    with pytest.raises(ModelInfoError) as refused:
+        load_model_info("no-such-owner/no-such-model")
+    command = re.search(r"\((\S+) download no-such-owner/no-such-model config\.json\)", str(refused.value))
+    assert command is not None, str(refused.value)
+    installed = shutil.which(command.group(1), path=str(Path(sys.executable).parent))
+    assert installed is not None, f"{command.group(1)} is not installed beside {sys.executable}"

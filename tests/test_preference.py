@@ -275,7 +275,8 @@ def test_dpo_through_the_worker_learns_the_case_preference(tiny_model: Path, tmp
 
     table = format_table(report)
     tuned = report["preference"]["fine_tuned_accuracy"]  # 100% here, 96.7% on the GPU box's CPU
-    assert "prefers the chosen answer: base " in table and f" -> fine-tuned {tuned:.1%}" in table
+    assert f"held-out accuracy ({len(report['results'])} {report['split']} pairs), prefers the chosen answer: base " \
+        in table and f" -> fine-tuned {tuned:.1%}" in table
     row = report["results"][0]
     assert row["rejected"] and row["base_margin"] is not None and row["tuned_margin"] is not None
     assert (run.path / "eval.csv").read_text().splitlines()[0].endswith("rejected,base_margin,tuned_margin")
@@ -317,7 +318,7 @@ def test_the_training_state_folds_preference_curves_and_words_them() -> None:
     assert curves.active and curves.rejected_logp.values == [-20.0, -30.0, -40.0]
     assert curves.eval_accuracy.values == [0.9]
     assert state.eval_line() == report.preference_line(curves.last_eval)
-    assert state.eval_line().startswith("dpo eval at step 20: loss 0.5000  accuracy 90.0%")
+    assert state.eval_line().startswith("dpo eval at step 20: loss 0.5000  validation accuracy 90.0%")
     state.apply(ev.RunStarted(total_steps=40, resumed_from_step=20))
     assert curves.accuracy.steps == [10, 20]
     assert not fold([ev.RunStarted(total_steps=4)]).preference.active

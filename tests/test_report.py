@@ -24,7 +24,7 @@ EVAL = ev.EvalLogged(step=4, loss=0.98765, perplexity=2.685, token_accuracy=0.61
 OOM = ev.BatchSizeReduced(step=3, old_micro_batch_size=8, micro_batch_size=4, gradient_accumulation_steps=2,
                           message="set trainer.micro_batch_size: 4 to start there next time")
 FAILED = ev.WorkerFailed(kind="data", message="train.jsonl line 12: 'output' is empty; fill it or drop the row")
-WARNED = ev.WorkerFailed(kind="config", fatal=False, message="using torch AdamW")
+WARNED = ev.WarningRaised(kind="config", message="using torch AdamW")
 
 
 def test_sizes_are_decimal_gigabytes_like_the_gauge() -> None:
@@ -63,16 +63,72 @@ def test_the_tui_words_events_as_the_cli_does() -> None:
     assert describe(FAILED) == f"error (data): {FAILED.message}"
 
 
+def test_preference_numbers_say_what_they_are() -> None:
+    """A DPO run's accuracies: the logged step's is its own batch's, the evaluation's the validation
+    pairs'; the chosen answers' perplexity is never printed beside the preference loss."""
+    def logged(split: str) -> ev.PreferenceLogged:
+        return ev.PreferenceLogged(step=40, split=split, method="dpo", loss=0.0245, reward_margin=3.72,
+                                   chosen_logp=-6.58, rejected_logp=-82.83, accuracy=1.0, pairs=16)
+
+    assert describe(logged("train")).startswith("dpo step 40: loss 0.0245  train-batch accuracy 100.0%  margin 3.72")
+    assert describe(logged("validation")).startswith("dpo eval at step 40: loss 0.0245  validation accuracy 100.0%")
+    chosen = ev.EvalLogged(step=40, loss=0.6333, perplexity=3.87, token_accuracy=0.8, rows=60, method="dpo")
+    assert describe(chosen) == "eval at step 40: chosen answers' perplexity 3.87  token accuracy 80.0% (60 pairs)"
+    assert describe(EVAL).startswith("eval at step 4: loss 0.9877  perplexity 2.69")  # SFT: exp of that loss
+
+
+def test_a_warning_reads_as_one_warning() -> None:
+    """A warning is its own event: the console line says "warning", the training pane lists it once
+    with no failure headline beside it, and the run goes on."""
+    note = ev.WarningRaised(kind="config", message="no CUDA GPU: loading the base in float32 instead of 4-bit")
+    state = fold([ev.ModelLoading(stage="loading the weights", fraction=0.2), note])
+    assert state.failure is None and state.status == "loading"
+    assert [state.failure_line(), *state.notices] == ["", describe(note)]
+    assert describe(note) == f"warning (config): {note.message}"
+    # A request that failed (the worker goes on) is a failure, named as such.
+    failed = ev.WorkerFailed(kind="crash", fatal=False, request="Generate", message="RuntimeError: boom")
+    state.apply(failed)
+    assert state.status == "loading" and state.notices == [describe(note)]
+    assert state.failure_line() == "Worker error (Generate): RuntimeError: boom"
+    assert describe(failed) == "error (crash, Generate): RuntimeError: boom"
+
+
+OLD_WARNING = ('{"type":"WorkerFailed","seq":1,"time":1.0,"kind":"data","message":"6 training rows are longer '
+               'than data.max_seq_length (256 tokens) and were truncated","detail":"","fatal":false}')
+OLD_FAILURE = ('{"type":"WorkerFailed","seq":2,"time":2.0,"kind":"data","message":"train.jsonl line 12: empty",'
+               '"detail":"","fatal":true}')
+
+
+def test_warnings_of_runs_made_before_read_as_warnings(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """events.jsonl of a run made when warnings were non-fatal WorkerFailed events: `studio attach`
+    and the pane show them as warnings; a failure stays a failure."""
+    run = create_run(RunConfig(output_dir=str(tmp_path / "runs")))
+    run.events_path.write_text(OLD_WARNING + "\n" + OLD_FAILURE + "\n")
+    warning, failure = run.events()
+    assert isinstance(warning, ev.WarningRaised) and (warning.seq, warning.kind) == (1, "data")
+    assert isinstance(failure, ev.WorkerFailed) and failure.fatal
+    replied = ev.from_json(ev.to_json(ev.WorkerFailed(kind="config", fatal=False, request="Pause", message="no")))
+    assert isinstance(replied, ev.WorkerFailed) and replied.request == "Pause"
+    assert fold([warning]).notices == [describe(warning)]
+    assert studio(["attach", run.id, "--runs-dir", str(tmp_path / "runs")]) == 1
+    printed = capsys.readouterr().out
+    assert "  warning (data): 6 training rows are longer" in printed
+    assert "  error (data): train.jsonl line 12: empty" in printed
+
+
 def test_attach_prints_the_shared_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`studio attach` words events as `studio train` does: one line a step, its memory on it."""
     run = create_run(RunConfig(output_dir=str(tmp_path / "runs")))
     log = EventLog(run.events_path)
-    for event in (STEP, MEMORY, EVAL, OOM, FAILED):
+    for event in (MEMORY, STEP, EVAL, OOM, FAILED):
         log.append(event)
     log.close()
     assert studio(["attach", run.id, "--runs-dir", str(tmp_path / "runs")]) == 1  # failed: nothing to follow
     printed = capsys.readouterr().out
-    for event in (STEP, MEMORY, EVAL, OOM, FAILED):
+    assert f"  {step_line(STEP)}  mem {memory_text(MEMORY)}\n" in printed
+    for event in (EVAL, OOM, FAILED):
         assert f"  {describe(event)}\n" in printed
+    assert "memory at step" not in printed, "the step's memory is on its line, not a second one"
     assert "GiB" not in printed
 
 

@@ -58,6 +58,25 @@ def test_tensorboard_gets_the_metrics_and_reads_them_back(tmp_path: Path) -> Non
     assert [(s.step, round(s.value, 4)) for s in reader.Scalars("eval/loss")] == [(5, 1.4)]
 
 
+def test_tensorboard_gets_the_warnings_as_text_at_their_step(tmp_path: Path) -> None:
+    """A warning goes to TensorBoard as a warning (text under ``warnings``), not as a failure or a metric."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = _run(tmp_path, ["tensorboard"])
+    hub = TrackerHub(run, run.config(), lambda _m: None)
+    hub.offer(ev.StepLogged(step=1, loss=2.0))
+    hub.offer(ev.StepLogged(step=2, loss=1.9))
+    hub.offer(ev.WarningRaised(kind="oom", message="evaluating at step 2 in batches of 4 rows: retrying in batches of 2"))
+    hub.close()
+    reader = EventAccumulator(str(run.path / "tensorboard"), size_guidance={"tensors": 0})
+    reader.Reload()
+    (logged,) = reader.Tensors("warnings")
+    assert logged.step == 2
+    assert logged.tensor_proto.string_val == [b"warning (oom): evaluating at step 2 in batches of 4 rows: "
+                                              b"retrying in batches of 2"]
+
+
 class _SlowTracker:
     """A tracker stuck on a slow network: 50 ms a call."""
 
@@ -169,7 +188,8 @@ def test_the_worker_sends_its_training_metrics_to_tensorboard(tmp_path: Path, fa
         wait_for(client, lambda e: isinstance(e, ev.WorkerStopped), seen=seen)
     finally:
         client.close()
-    problems = [e.message for e in seen if isinstance(e, ev.WorkerFailed)]
+    assert not any(isinstance(e, ev.WorkerFailed) for e in seen)
+    problems = [e.message for e in seen if isinstance(e, ev.WarningRaised)]
     assert len(problems) == 1 and "'comet' is not a tracker" in problems[0]
     reader = EventAccumulator(str(run.path / "tensorboard"))
     reader.Reload()

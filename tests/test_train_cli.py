@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -148,6 +149,31 @@ def test_train_user_errors_are_one_line(tmp_path: Path, tiny_config, capsys) -> 
     assert "Traceback" not in out
 
 
+STUDIO_LINES = ("run directory: ", "loading model: ", "warning (", "model loaded: ", "training started: ",
+                "eval ", "step ", "checkpoint at step ", "training finished at step ",
+                "compare base and fine-tuned answers with: ")
+"""How every line of a foreground `studio train` that trains and ends well begins."""
+
+
+@pytest.mark.slow
+def test_the_console_of_a_cpu_run_holds_only_studio_lines(tiny_config, tmp_path: Path, studio_env, python) -> None:
+    """A 4-bit config trained on the CPU: stdout and stderr together are Studio's lines only (no
+    bitsandbytes kernel notice, no transformers "Loading weights" bar, no FutureWarning), and the
+    CPU note is there once, as a warning. What the libraries said is in worker.log."""
+    tiny_config.quantization.bits = 4
+    tiny_config.trainer.max_steps = 2
+    tiny_config.trainer.eval_interval = 0
+    tiny_config.save(tmp_path / "cpu.yaml")
+    done = subprocess.run([python, "-m", "studio.cli", "train", str(tmp_path / "cpu.yaml")], cwd=tmp_path,
+                          env={**studio_env, "STUDIO_DEVICE": "cpu"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if not line.startswith(STUDIO_LINES)] == [], done.stdout
+    notes = [line for line in lines if "no CUDA GPU" in line]
+    assert len(notes) == 1 and notes[0].startswith("warning (config): no CUDA GPU: loading the base in float32")
+
+
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tiny_config, tmp_path: Path, studio_env, python) -> None:
     tiny_config.trainer.max_steps = 5000
@@ -176,6 +202,17 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tiny_config, tmp_path: Path
     assert len(finished) == 1 and finished[0].stopped and 0 < finished[0].step < 5000
     assert run.latest_checkpoint() == run.checkpoints_dir / f"step-{finished[0].step}"
     assert (run.adapter_dir / "adapter_model.safetensors").exists()
+    # The printed command, typed in the same folder (the runs are not in ./runs), continues the run.
+    printed = re.search(r"continue with: (studio train --resume .+)$", out, re.MULTILINE)
+    assert printed is not None, out
+    words = shlex.split(printed.group(1))
+    stopped_at = finished[0].step
+    resumed = subprocess.run([python, "-m", "studio.cli", *words[1:], "--max-steps", str(stopped_at + 2)],
+                             cwd=tmp_path, env=studio_env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    events = list(iter_events(run.events_path))
+    assert [e.resumed_from_step for e in events if isinstance(e, ev.RunStarted)][-1] == stopped_at
+    assert [e.step for e in events if isinstance(e, ev.TrainingFinished)][-1] == stopped_at + 2
 
 
 @pytest.mark.slow
@@ -205,10 +242,13 @@ def test_attach_follows_a_foreground_run_live_until_it_finishes(tiny_config, tmp
         assert run.worker_pid() == proc.pid
         assert summarize(run).status == "training"
         assert studio_main(["attach", run.id, "--runs-dir", str(runs)]) == 0
-        # Every step is printed once: the ones logged before attach from the file, the rest live.
+        # Every step is printed once, on one line with its memory: the ones logged before attach
+        # from the file, the rest live.
         out = capsys.readouterr().out
         assert "training finished at step 150" in out and "interrupted" not in out
         assert [int(s) for s in re.findall(r"step +(\d+)/150", out)] == list(range(1, 151))
+        assert [line for line in out.splitlines() if re.search(r"\bstep 1\b", line)] == \
+            [line for line in out.splitlines() if "step 1/150" in line and "  mem " in line]
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:

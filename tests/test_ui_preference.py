@@ -132,4 +132,4 @@ async def test_training_pane_plots_the_preference_in_place_of_the_learning_rate(
         assert logps._figure.title == "log p -20.0 / -30.0" and len(logps._figure.curves) == 2
         assert margin._figure.title == "margin 2.00 · acc 90% (eval 75%)"
         line = str(app.query_one("#training-eval", Static).render())
-        assert line.startswith("dpo eval at step 10: loss 0.4000  accuracy 75.0%")
+        assert line.startswith("dpo eval at step 10: loss 0.4000  validation accuracy 75.0%")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from textual.widgets import Select, Static
@@ -64,7 +65,11 @@ async def test_editing_rerenders_the_row_with_counts_and_lint(tmp_path, monkeypa
         after = total_tokens(app)
         assert after < before  # the alpaca preamble is gone
         assert app.query_one("#template-preset", Select).value == "custom"
-        assert "✓" in lint_text(app)
+        # The data's input column is in no placeholder: said, not "template looks right".
+        assert "column input is in no placeholder: the model never sees it" in lint_text(app)
+        assert "✓" not in lint_text(app)
+        await replace_template(pilot, "Q: {instruction} {input}\nA: {output}")
+        assert "✓ template looks right" in lint_text(app)
 
         # A typo in a field name: lint names it and suggests the right one.
         await replace_template(pilot, "Q: {instrucion}\nA: {output}")
@@ -79,6 +84,43 @@ async def test_editing_rerenders_the_row_with_counts_and_lint(tmp_path, monkeypa
         text = lint_text(app)
         assert "nothing separates the prompt from the response" in text
         assert "text after {output}" in text
+
+
+@pytest.mark.parametrize("preset", ["alpaca_no_input", "alpaca"])
+async def test_a_template_that_drops_a_column_or_names_fields_the_data_lacks_is_linted(tmp_path, monkeypatch,
+                                                                                      preset):
+    """alpaca_no_input on rows with an input: the input is never seen. The chat sample (the app picks
+    the chat preset for it): the editor's {instruction} / {output} form is no field of conversations.
+    Neither "looks right"."""
+    import shutil
+
+    from studio.core.paths import sample_data_dir
+
+    workdir(tmp_path, monkeypatch)
+    data = "code_alpaca_sample.jsonl" if preset == "alpaca_no_input" else "code_chat_sample.jsonl"
+    shutil.copy(sample_data_dir() / data, tmp_path / data)
+    config = make_config(data)
+    config.prompt.template = preset
+    app = StudioApp(config, settings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2")
+        await settle(pilot)
+        deadline = time.monotonic() + 30
+        while "conversations" not in lint_text(app) and preset == "alpaca":  # once the rows are read
+            assert time.monotonic() < deadline, lint_text(app)
+            await settle(pilot, rounds=1)
+        text = lint_text(app)
+        assert "looks right" not in text
+        if preset == "alpaca_no_input":
+            assert "⚠ line 1: column input is in no placeholder: the model never sees it; the alpaca preset " \
+                   "shows {input} when a row has one" in text
+        elif app.config.prompt.template == "chat":  # the dataset pane switched to it, as it does for chat data
+            assert "ℹ line 1: the rows are conversations: each is rendered turn by turn" in text
+            assert "{output}" in text and "not this data" in text
+        else:
+            assert "✗ line 1: the rows are conversations" in text and "{output}" in text
+            assert "set prompt.template: chat" in text
 
 
 async def test_prompt_and_response_counts_follow_the_tokenizer(tmp_path, monkeypatch):
@@ -189,7 +231,7 @@ async def test_zero_shot_shows_a_warning_as_a_note_and_keeps_the_answer(tmp_path
         await pilot.press("2", "ctrl+g")
         (command,) = worker.sent
         rid = command.request_id
-        worker.feed([ev.WorkerFailed(kind="data", fatal=False, message="3 rows were truncated to 512 tokens"),
+        worker.feed([ev.WarningRaised(kind="data", message="3 rows were truncated to 512 tokens"),
                      ev.ModelLoaded(base_model="tok"), ev.TokenGenerated(request_id=rid, text="def "),
                      ev.GenerationFinished(request_id=rid, text="def f(): pass", new_tokens=5, tokens_per_s=10.0)])
         await events_drawn(pilot)

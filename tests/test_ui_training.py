@@ -7,6 +7,7 @@ worker from the pane's keys.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -166,6 +167,29 @@ async def test_failures_are_shown_in_place_and_the_ui_stays(tmp_path):
                          10, "the data error")
         assert app.query_one("#training-alert").has_class("failed")
         assert app.is_running
+
+
+CPU_NOTE = ("no CUDA GPU: loading the base in float32 instead of 4-bit (quantization only saves GPU memory; on a "
+            "CPU it is slower); set quantization.on_cpu: keep to quantize anyway")
+
+
+@pytest.mark.parametrize("written", ["now", "before"])
+async def test_a_warning_is_shown_once_and_as_a_warning(tmp_path, written):
+    """The CPU note while the model loads: one warning line in the alert, not a failure headline
+    beside it. ``before``: as a run made by an older Studio logged it (a non-fatal WorkerFailed)."""
+    old = {"type": "WorkerFailed", "seq": 4, "time": 1.0, "kind": "config", "message": CPU_NOTE, "detail": "",
+           "fatal": False}
+    note = ev.WarningRaised(kind="config", message=CPU_NOTE) if written == "now" else ev.from_json(json.dumps(old))
+    app, worker = harness(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pane_ready(pilot)
+        worker.feed([ev.ModelLoading(stage="loading the weights", fraction=0.2), note,
+                     ev.ModelLoading(stage="attaching LoRA", fraction=0.85)])
+        await wait_until(pilot, lambda: "attaching LoRA" in text_of(app, "#training-status"), 10, "the loading")
+        alert = text_of(app, "#training-alert")
+        assert alert.count("no CUDA GPU") == 1, alert
+        assert alert.startswith("warning (config): no CUDA GPU") and "Warning" not in alert
+        assert not app.query_one("#training-alert").has_class("failed")
 
 
 async def test_the_status_line_names_the_loading_stage_once(tmp_path):

@@ -3,10 +3,10 @@
 Everything `studio train` would refuse before the model loads, found in seconds and without making
 a run folder: the config's keys and ranges (every mistake at once), the data file (encoding,
 format, columns, split), what the data holds (studio/core/shapes.py: instruction rows,
-conversations, TRL's preference pairs, raw text), the template against the data's columns, and,
-with the model's tokenizer on this machine (core/tokens.py, no torch), the training rows that would
-train on no token: counted always, refused as the run would refuse them when all or most are such.
-Plain Python (no torch).
+conversations, TRL's preference pairs, raw text), the template against the data's columns (a
+``warning:`` line for each thing it does wrong with them), and, with the model's tokenizer on this
+machine (core/tokens.py, no torch), the training rows that would train on no token: counted always,
+refused as the run would refuse them when all or most are such. Plain Python (no torch).
 """
 
 from __future__ import annotations
@@ -23,27 +23,41 @@ if TYPE_CHECKING:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Handler for ``studio config check``: 0 and a summary when training could start, else 2 and
-    one line a problem naming the file, line or key."""
+    """Handler for ``studio config check``: 0 and a summary when training could start (after a
+    ``warning:`` line for each thing the template does wrong with the data), else 2 and one line a
+    problem naming the file, line or key."""
     from studio.core import prompt, shapes
     from studio.core.data import DataError, load_splits, template_fields_for
+    from studio.core.dataload import load_table
+    from studio.core.datastats import filled_counts, template_column_issues
 
     config = load_config(args.config)
     base_dir: Path | None = Path(args.config).resolve().parent
     if getattr(args, "data", None):
         config.data.path, base_dir = args.data, None
     try:
-        splits = load_splits(config, base_dir)
+        # The table as it is (load_splits keeps the template's fields only): its columns are linted too.
+        table = load_table(config.data.path, config.data.hub_split, base_dir) if config.data.path else None
+        splits = load_splits(config, base_dir, dataset=table)
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     adapted = splits.shape.adapt(config)
     fields, _optional = template_fields_for(adapted)
+    issues = []
     if adapted.prompt.template not in prompt.PRESETS:
-        errors = [i for i in prompt.lint_template(adapted.prompt.template, fields, adapted.prompt.response_field,
-                                                  adapted.prompt.add_eos) if i.severity == "error"]
+        issues = prompt.lint_template(adapted.prompt.template, fields, adapted.prompt.response_field,
+                                      adapted.prompt.add_eos)
+        errors = [i for i in issues if i.severity == "error"]
         if errors:
             raise ConfigError(f"{args.config}: prompt.template: {errors[0].message}")
+    # Columns no placeholder reads: for the shapes a template renders (pairs and raw text have theirs).
+    if table is not None and splits.shape.kind in (shapes.INSTRUCTION, shapes.CHAT):
+        issues += template_column_issues(adapted, table.column_names, conversations=splits.shape.kind == shapes.CHAT,
+                                         filled=filled_counts(table))
+    for issue in issues:
+        if issue.severity == "warning":
+            print(f"warning: {args.config}: prompt.template: {issue.message}")
     tokens = _trained_tokens(args.config, adapted, splits)
     if tokens is None:
         return 2

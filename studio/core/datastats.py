@@ -20,6 +20,8 @@ from studio.core.datasplit import as_text
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+    from studio.core.config import RunConfig
+
 
 @dataclass(frozen=True)
 class LengthStats:
@@ -308,3 +310,52 @@ def lint_conversations(
             for index, count in zip(candidates, counts, strict=True) if count > max_seq_length)
     issues.sort(key=lambda issue: issue.row)
     return issues
+
+
+def template_column_issues(config: RunConfig, columns: Sequence[str], *, conversations: bool = False,
+                           filled: Mapping[str, int] | None = None) -> list[prompts.TemplateIssue]:
+    """What the config's template does with the data's ``columns``, beyond the template's own lint
+    (:func:`studio.core.prompt.lint_template`, which finds the fields the data lacks):
+
+    - ``not_for_conversations`` (an error, as loading the data says): the rows are conversations
+      (``conversations``), which only the model's chat template renders; any template but the
+      ``chat`` preset names fields ({instruction}, {output}) that are none of the data's.
+    - ``conversation_turns`` (info): the ``chat`` preset on conversations; its {field} form (what
+      the template editor shows) is for instruction rows, the conversations go turn by turn.
+    - ``unused_column``: a column with text that no placeholder reads (``input`` under the
+      ``alpaca_no_input`` preset): the model never sees it. The split column and columns whose rows
+      are all empty (``filled``: rows with text per column, when counted) are not flagged.
+    """
+    from studio.core.datasplit import template_fields_for
+
+    prompt = config.prompt
+    fields, _optional = template_fields_for(config)
+    if conversations:
+        shown = ", ".join(f"{{{field}}}" for field in fields)
+        if prompt.template == "chat":
+            return [prompts.TemplateIssue(
+                "conversation_turns", f"the rows are conversations: each is rendered turn by turn with the "
+                f"model's chat template, the loss on every assistant turn; the fields {shown} of this form are "
+                "for instruction rows, not this data", 0, "info")]
+        return [prompts.TemplateIssue(
+            "not_for_conversations", f"the rows are conversations: they are rendered with the model's chat "
+            f"template, not this one, and its fields {shown} are not in the data; set prompt.template: chat",
+            0, "error")]
+    used = {config.data.columns.get(field, field) for field in fields}
+    unused = [c for c in columns if c not in used and c != config.data.split_column
+              and (filled is None or filled.get(c, 0) > 0)]
+    issues = []
+    for column in unused:
+        count = f" ({filled[column]:,} rows have text)" if filled is not None else ""
+        hint = (f"; the alpaca preset shows {{{column}}} when a row has one" if prompt.template == "alpaca_no_input"
+                else f"; add {{{column}}} to the template, or leave the column out of the data")
+        issues.append(prompts.TemplateIssue(
+            "unused_column", f"column {column} is in no placeholder: the model never sees it{count}{hint}", 0))
+    return issues
+
+
+def filled_counts(source: Any) -> dict[str, int]:
+    """Per column of ``source`` (a Dataset/Table or a list of row dicts), the rows holding a non-empty
+    text (for :func:`template_column_issues`)."""
+    return {name: sum(1 for value in values if isinstance(value, str) and value.strip())
+            for name, values in _columns_of(source, None).items()}

@@ -142,6 +142,10 @@ class EvalLogged(Event):
     perplexity: float = 0.0
     token_accuracy: float = 0.0
     rows: int = 0
+    method: str = "sft"
+    """``sft``: ``loss`` is the responses' cross-entropy and ``perplexity`` its exp. ``dpo`` / ``orpo``:
+    ``loss`` is the preference loss (its PreferenceLogged says more); ``perplexity`` and
+    ``token_accuracy`` are the chosen answers', not derived from that loss."""
 
 
 @dataclass(frozen=True)
@@ -421,12 +425,29 @@ class ReportedFailure(RuntimeError):
 
 @dataclass(frozen=True)
 class WorkerFailed(Event):
-    """Something went wrong. ``kind`` is a :class:`FailureKind` value; ``message`` says what to do."""
+    """Something went wrong. ``kind`` is a :class:`FailureKind` value; ``message`` says what to do. A
+    failure of the run itself (it stopped, state ``failed``) is ``fatal``; one of a single request the
+    worker goes on after names it in ``request``."""
 
     kind: str = "crash"
     message: str = ""
     detail: str = ""
     fatal: bool = True
+    request: str = ""
+    """The command that failed (``Generate``, ``Evaluate``, ``Pause``, ...) when only that request did
+    and the worker goes on (``fatal`` False); empty for a failure of the run."""
+
+
+@dataclass(frozen=True)
+class WarningRaised(Event):
+    """Something a person should know that stopped nothing: a fallback taken (no 4-bit on a CPU, the
+    plain training path, torch AdamW), rows cut at the length limit, a halved micro-batch, a note.
+    ``kind`` is the area, as a failure's (config, data, oom, crash, disk); ``message`` says what
+    happened and what to do about it; ``detail`` holds what to report (a traceback), if anything."""
+
+    kind: str = "config"
+    message: str = ""
+    detail: str = ""
 
 
 # --------------------------------------------------------------------------------------- commands
@@ -545,9 +566,13 @@ def to_json(message: Message) -> str:
 def from_dict(data: dict[str, Any]) -> Message:
     """Rebuild a message from :meth:`Message.to_dict` output; unknown fields are ignored.
 
-    Ignoring unknown fields lets an older UI read a newer worker's log.
+    Ignoring unknown fields lets an older UI read a newer worker's log. A non-fatal ``WorkerFailed``
+    that names no request is a warning written before warnings had their own event (runs made by an
+    older Studio): it is read as the :class:`WarningRaised` it was.
     """
     name = data.get("type")
+    if name == "WorkerFailed" and data.get("fatal") is False and not data.get("request"):
+        name = "WarningRaised"
     cls = _REGISTRY.get(str(name))
     if cls is None:
         raise ValueError(f"unknown message type {name!r}")

@@ -280,5 +280,5 @@ def load_model_info(ref: str, revision: str | None = None) -> ModelInfo:
     if known is not None:
         return known
     raise ModelInfoError(f"{ref}: not a local folder, not in the Hugging Face cache and not a model Studio "
-                         "knows offline (sample_data/model_configs/); download it once (huggingface-cli "
-                         f"download {ref} config.json) or pass a folder with its config.json")
+                         "knows offline (sample_data/model_configs/); download it once (hf download "
+                         f"{ref} config.json) or pass a folder with its config.json")

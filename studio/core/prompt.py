@@ -124,7 +124,9 @@ class TemplateIssue:
 
     kind: str
     """``brace`` (a ``{`` or ``}`` that is no placeholder), ``unknown_field``, ``no_separator``,
-    ``response_not_at_end``, ``double_eos``, ``no_eos`` or ``no_response``."""
+    ``response_not_at_end``, ``double_eos``, ``no_eos`` or ``no_response``; against the data
+    (:func:`studio.core.datastats.template_column_issues`): ``not_for_conversations``,
+    ``conversation_turns`` or ``unused_column``."""
 
     message: str
     offset: int

@@ -67,8 +67,10 @@ def memory_text(event: ev.MemorySampled) -> str:
     return text
 
 
-def step_line(event: ev.StepLogged) -> str:
-    """``step 40/300  loss 1.2345  lr 2.00e-04  grad 0.512  1,234 tok/s  eta 3m05s``."""
+def step_line(event: ev.StepLogged, memory: ev.MemorySampled | None = None) -> str:
+    """``step 40/300  loss 1.2345  lr 2.00e-04  grad 0.512  1,234 tok/s  eta 3m05s``, ending with
+    ``  mem 3.00 GB in use, peak ...`` when given the step's memory sample (the worker logs it just
+    before the step): one line a step in the console, whoever prints it."""
     parts = [f"step {event.step}/{event.total_steps or '?'}", f"loss {format_loss(event.loss)}",
              f"lr {event.learning_rate:.2e}"]
     if event.grad_norm:
@@ -77,22 +79,34 @@ def step_line(event: ev.StepLogged) -> str:
         parts.append(format_rate(event.tokens_per_s))
     if event.eta_s:
         parts.append(f"eta {format_duration(event.eta_s)}")
+    if memory is not None:
+        parts.append(f"mem {memory_text(memory)}")
     return "  ".join(parts)
 
 
 def eval_line(event: ev.EvalLogged) -> str:
     """``eval at step 300: loss 1.2345  perplexity 3.44  token accuracy 61.0% (40 rows)``; at step 0
-    ``eval of the base model (step 0): ...``, the loss before any training."""
+    ``eval of the base model (step 0): ...``, the loss before any training. A preference run's reads
+    ``eval at step 30: chosen answers' perplexity 3.87  token accuracy 80.1% (60 pairs)``: its loss is
+    the preference loss, which :func:`preference_line` prints, and no perplexity comes from it."""
     where = "of the base model (step 0)" if event.step == 0 else f"at step {event.step}"
+    if event.method != "sft":
+        return (f"eval {where}: chosen answers' perplexity {event.perplexity:.2f}  token accuracy "
+                f"{event.token_accuracy:.1%} ({event.rows} pairs)")
     return (f"eval {where}: loss {format_loss(event.loss)}  perplexity {event.perplexity:.2f}  "
             f"token accuracy {event.token_accuracy:.1%} ({event.rows} rows)")
 
 
 def preference_line(event: ev.PreferenceLogged) -> str:
-    """``dpo step 40: loss 0.1234  accuracy 87.5%  margin 1.23  log p chosen -7.10 rejected -71.62``
-    (``dpo eval at step 40: ...`` for the validation pairs)."""
-    where = f"eval at step {event.step}" if event.split == "validation" else f"step {event.step}"
-    return (f"{event.method} {where}: loss {format_loss(event.loss)}  accuracy {event.accuracy:.1%}  "
+    """``dpo step 40: loss 0.1234  train-batch accuracy 87.5%  margin 1.23  log p chosen -7.10 rejected
+    -71.62 (16 pairs)``: the step's own pairs; ``dpo eval at step 40: loss ...  validation accuracy ...``
+    for the validation pairs. The accuracy is the implicit reward's (DPO: against the reference),
+    not ``studio eval``'s held-out preference of each model."""
+    if event.split == "validation":
+        where, accuracy = f"eval at step {event.step}", "validation accuracy"
+    else:
+        where, accuracy = f"step {event.step}", "train-batch accuracy"
+    return (f"{event.method} {where}: loss {format_loss(event.loss)}  {accuracy} {event.accuracy:.1%}  "
             f"margin {event.reward_margin:.2f}  log p chosen {event.chosen_logp:.2f} rejected "
             f"{event.rejected_logp:.2f} ({event.pairs} pairs)")
 
@@ -134,14 +148,20 @@ def autoplan_line(event: ev.AutoPlanChosen) -> str:
 
 
 def failure_line(event: ev.WorkerFailed) -> str:
-    """The headline of a failure, as the training pane shows it: ``Data error: <what to do>``; one
-    that did not stop the worker reads ``Warning (kind): ...``. A console line is :func:`describe`'s
-    ``error (data): <what to do>``, which a script can grep for."""
+    """The headline of a failure, as the training pane shows it: ``Data error: <what to do>``; a
+    request that failed while the worker goes on reads ``Worker error (Generate): ...``. A console
+    line is :func:`describe`'s ``error (data): <what to do>``, which a script can grep for."""
     if not event.fatal:
-        return f"Warning ({event.kind}): {event.message}"
+        return f"{_FAILURE_LABELS.get(event.kind, 'Worker error')} ({event.request or 'a request'}): {event.message}"
     if event.kind == "disk":
         return event.message[:1].upper() + event.message[1:]  # "Disk full at <path>: ..."
     return f"{_FAILURE_LABELS.get(event.kind, 'Worker error')}: {event.message}"
+
+
+def warning_line(event: ev.WarningRaised) -> str:
+    """``warning (data): 6 training rows are longer than ...``: the same words in the console, the
+    training pane and the trackers."""
+    return f"warning ({event.kind}): {event.message}"
 
 
 def finished_line(event: ev.TrainingFinished) -> str:
@@ -205,7 +225,10 @@ def describe(event: ev.Event) -> str | None:
         case ev.TrainingFinished():
             return finished_line(event)
         case ev.WorkerFailed():
-            return f"{'error' if event.fatal else 'warning'} ({event.kind}): {event.message}"
+            request = f", {event.request}" if event.request else ""
+            return f"error ({event.kind}{request}): {event.message}"
+        case ev.WarningRaised():
+            return warning_line(event)
         case ev.WorkerStarted():
             return f"worker started (pid {event.pid})"
         case ev.WorkerStopped():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,6 +51,14 @@ class RunDir:
     @property
     def id(self) -> str:
         return self.path.name
+
+    @property
+    def ref(self) -> str:
+        """The run as a command printed for a person to type here names it: its id when ``./runs``
+        (every command's default ``--runs-dir``) holds it, else its path, quoted for the shell."""
+        if (Path("runs") / self.id).resolve() == self.path.resolve():
+            return self.id
+        return shlex.quote(str(self.path.resolve()))
 
     @property
     def config_path(self) -> Path:

@@ -13,6 +13,9 @@ and the count is reported when the hub closes.
   works as usual);
 - mlflow: ``MlflowClient`` against ``MLFLOW_TRACKING_URI``, else a file store in ``runs/<id>/mlruns``.
 
+The run's warnings (WarningRaised) go along as warnings: TensorBoard's text under ``warnings`` at the
+step they came at, W&B's run summary and MLflow's run tag ``studio.warnings`` (every warning so far).
+
 A tracker whose package is missing is skipped with a message naming the extra to install.
 Plain Python: the tracker packages are imported in the tracker thread only, never at import.
 """
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from studio.core import events as ev
+from studio.core import report
 from studio.core.config import RunConfig
 from studio.core.gpus import GB
 from studio.core.runs import RunDir
@@ -37,6 +41,7 @@ TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 INSTALL_HINT = "pip install 'qlora-studio[trackers]'"
 _QUEUE = 10000
+_TAG_CHARS = 5000  # MLflow refuses longer tag values (5000 is the smallest limit of its stores)
 
 
 def metrics_of(event: ev.Event) -> tuple[int, dict[str, float]] | None:
@@ -46,8 +51,10 @@ def metrics_of(event: ev.Event) -> tuple[int, dict[str, float]] | None:
                             "train/grad_norm": event.grad_norm, "train/tokens_per_s": event.tokens_per_s,
                             "train/epoch": event.epoch}
     if isinstance(event, ev.EvalLogged):
-        return event.step, {"eval/loss": event.loss, "eval/perplexity": event.perplexity,
-                            "eval/token_accuracy": event.token_accuracy}
+        # A preference run's perplexity and accuracy are its chosen answers', not its loss's.
+        prefix = "eval/" if event.method == "sft" else "eval/chosen_"
+        return event.step, {"eval/loss": event.loss, f"{prefix}perplexity": event.perplexity,
+                            f"{prefix}token_accuracy": event.token_accuracy}
     if isinstance(event, ev.MemorySampled):
         # Decimal GB, as every other number Studio shows (the gauge, the estimate, the console).
         found = {"memory/allocated_gb": event.allocated / GB, "memory/peak_allocated_gb": event.peak_allocated / GB}
@@ -72,6 +79,18 @@ class TensorBoardTracker:
         values = [Summary.Value(tag=tag, simple_value=float(v)) for tag, v in metrics.items()]
         self._writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
 
+    def warn(self, step: int, text: str) -> None:
+        """``text`` under the tag ``warnings`` of TensorBoard's Text tab, at ``step``."""
+        from tensorboard.compat.proto import types_pb2
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+
+        value = Summary.Value(tag="warnings", metadata=SummaryMetadata(
+            plugin_data=SummaryMetadata.PluginData(plugin_name="text")),
+            tensor=TensorProto(dtype=types_pb2.DT_STRING, string_val=[text.encode()]))
+        self._writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=[value])))
+
     def close(self) -> None:
         self._writer.close()
 
@@ -84,9 +103,15 @@ class WandbTracker:
 
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "studio"), name=run.id, id=_safe_id(run.id),
                                dir=str(run.path), config=config.to_dict(), resume="allow", reinit="create_new")
+        self._warnings: list[str] = []
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(metrics, step=step)
+
+    def warn(self, step: int, text: str) -> None:
+        """Every warning so far in the run summary's ``studio/warnings`` (the run's overview page)."""
+        self._warnings.append(f"step {step}: {text}")
+        self._run.summary["studio/warnings"] = "\n".join(self._warnings)
 
     def close(self) -> None:
         self._run.finish()
@@ -111,6 +136,7 @@ class MlflowTracker:
         self.run_id = self._client.create_run(experiment, run_name=run.id).info.run_id
         for key, value in _flat(config.to_dict()).items():
             self._client.log_param(self.run_id, key, value[:500])
+        self._warnings: list[str] = []
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -118,6 +144,11 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         self._client.log_batch(self.run_id, metrics=[Metric(k.replace("/", "_"), float(v), now, step)
                                                      for k, v in metrics.items()])
+
+    def warn(self, step: int, text: str) -> None:
+        """Every warning so far in the run's tag ``studio.warnings`` (the newest kept when too long)."""
+        self._warnings.append(f"step {step}: {text}")
+        self._client.set_tag(self.run_id, "studio.warnings", "\n".join(self._warnings)[-_TAG_CHARS:])
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)
@@ -174,8 +205,9 @@ class TrackerHub:
             self._thread.start()
 
     def offer(self, event: ev.Event) -> None:
-        """Queue ``event`` for the trackers if it carries metrics; drops it (counted) when full."""
-        if self._thread is None or metrics_of(event) is None:
+        """Queue ``event`` for the trackers if it carries metrics or is a warning; drops it (counted)
+        when full."""
+        if self._thread is None or (metrics_of(event) is None and not isinstance(event, ev.WarningRaised)):
             return
         try:
             self._queue.put_nowait(event)
@@ -202,8 +234,19 @@ class TrackerHub:
                 trackers[name] = _MAKERS[name](self.run, self.config)
             except Exception as exc:  # a tracker that cannot start must not stop training
                 self.warn(f"report_to: {name} could not start ({_first_line(exc)}); training goes on without it")
+        step, mute = 0, set()
         while (event := self._queue.get()) is not None:
-            step, metrics = metrics_of(event) or (0, {})
+            if isinstance(event, ev.WarningRaised):
+                for name, tracker in trackers.items():
+                    if name in mute:
+                        continue
+                    try:
+                        tracker.warn(step, report.warning_line(event))
+                    except Exception as exc:  # its metrics still go; said once (the saying is a warning too)
+                        mute.add(name)
+                        self.warn(f"report_to: {name} cannot record warnings ({_first_line(exc)})")
+                continue
+            step, metrics = metrics_of(event) or (step, {})
             for name, tracker in list(trackers.items()):
                 try:
                     tracker.log(step, metrics)
@@ -228,11 +271,11 @@ def tensorboard_dir(run: RunDir) -> Path:
 
 
 def start_trackers(run: RunDir, emit: Callable[[ev.Event], object]) -> TrackerHub | None:
-    """The run's trackers (None when its config asks for none); problems become non-fatal WorkerFailed."""
+    """The run's trackers (None when its config asks for none); problems become WarningRaised events."""
     try:
         config = run.config()
     except (OSError, ValueError):
         return None  # the worker reports an unreadable config itself when it loads
     if not config.report_to:
         return None
-    return TrackerHub(run, config, lambda message: emit(ev.WorkerFailed(kind="config", fatal=False, message=message)))
+    return TrackerHub(run, config, lambda message: emit(ev.WarningRaised(kind="config", message=message)))

@@ -149,7 +149,8 @@ def export_merged_folder(run: RunDir, dest: Path, dtype: str, progress: Callable
 
 
 def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, float], None]) -> str:
-    """The merged model as GGUF, the LoRA-only GGUF adapter and an Ollama Modelfile in ``dest``."""
+    """The merged model as GGUF, the LoRA-only GGUF adapter and an Ollama Modelfile in ``dest``;
+    returns the names of the GGUF files written."""
     from studio.core.modelfile import modelfile
     from studio.core.tokens import load_tokenizer_info
     from studio.engine.merge import check_causal_lm
@@ -183,8 +184,7 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
                                               # conversation rows train only with template: chat
                                               use_chat=config.prompt.template == "chat"))
     shutil.rmtree(staging)
-    made = f"{model_file}, {lora_file}" if lora_file else model_file
-    return f"{made} and a Modelfile ('ollama create NAME -f {dest / 'Modelfile'}')"
+    return f"{model_file}, {lora_file}" if lora_file else model_file
 
 
 def export_run(run: RunDir, path: str | Path, format: str = "adapter", quant: str = "f16",
@@ -217,7 +217,9 @@ def export_run(run: RunDir, path: str | Path, format: str = "adapter", quant: st
             note = f"merged {dtype} model"
         else:
             tmp.mkdir(parents=True)
-            note = export_gguf(run, tmp, quant, progress)
+            made = export_gguf(run, tmp, quant, progress)
+            # The command names the folder as it is after the rename below, not the staging one.
+            note = f"{made} and a Modelfile ('ollama create NAME -f {dest / 'Modelfile'}')"
         tmp.rename(dest)
         progress("done", 1.0)
         finished = ev.ExportFinished(path=str(dest), ok=True, message=note, seconds=time.monotonic() - started)

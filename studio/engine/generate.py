@@ -117,15 +117,15 @@ def generate(model: Any, tokenizer: Any, input_ids: list[int], *, adapter: bool 
     model.eval()
     generated: list[int] = []
     shown = ""
-    start = time.time()
+    began = time.perf_counter()
     try:
         with torch.no_grad(), adapter_off, torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
                                                           enabled=use_autocast):
             # The prompt in pieces of PREFILL_TOKENS, each attending to the cache of those before: a
             # long prompt's pass then holds one piece's working set, not the whole prompt's.
             cache = _cache(kv_on_host)
-            for start in range(0, len(input_ids), PREFILL_TOKENS):
-                ids = torch.tensor([input_ids[start:start + PREFILL_TOKENS]], device=device)
+            for offset in range(0, len(input_ids), PREFILL_TOKENS):
+                ids = torch.tensor([input_ids[offset:offset + PREFILL_TOKENS]], device=device)
                 out = model(input_ids=ids, use_cache=True, **_last_logits_only(model), **cache)
                 cache = {"past_key_values": out.past_key_values}
             for _ in range(max_new_tokens):
@@ -147,6 +147,6 @@ def generate(model: Any, tokenizer: Any, input_ids: list[int], *, adapter: bool 
     text = tokenizer.decode(generated, skip_special_tokens=True)
     if on_text is not None and len(text) > len(shown):
         on_text(text[len(shown):])
-    seconds = max(time.time() - start, 1e-9)
+    seconds = max(time.perf_counter() - began, 1e-9)
     return GenerationResult(text=text, new_tokens=len(generated), tokens_per_s=len(generated) / seconds,
                             token_ids=tuple(generated), adapter=adapter, kv_on_host=kv_on_host)

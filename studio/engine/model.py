@@ -47,7 +47,7 @@ class BaseModel:
     """The local folder (or hub id) the weights came from."""
 
     warnings: list[str] = field(default_factory=list)
-    """Things the user should know (a fallback taken), for WorkerFailed(fatal=False) events."""
+    """Things the user should know (a fallback taken), for WarningRaised events."""
 
     seconds: float = 0.0
 

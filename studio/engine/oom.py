@@ -3,8 +3,8 @@
 Forward/backward out-of-memory is the Trainer's halving (BatchSizeReduced). The other phases each
 catch their own where it happens: evaluation retries with smaller batches, the optimizer step is
 retried one tensor at a time, a checkpoint save is retried once and otherwise skipped, generation
-is retried once. None of them ends a run that can go on; each says what it did as a non-fatal
-WorkerFailed of kind ``oom`` (shown as a warning by every front end). The halving's event also
+is retried once. None of them ends a run that can go on; each says what it did as a WarningRaised
+of kind ``oom``. The halving's event also
 says how wrong the memory estimate was about the micro-batch that failed (:func:`estimate_for`).
 """
 
@@ -40,7 +40,7 @@ def between_phases(device: torch.device | None) -> None:
 
 def warn(emit: Callable[[ev.Event], object], message: str) -> None:
     """Tell every front end what an out-of-memory changed; the run goes on."""
-    emit(ev.WorkerFailed(kind="oom", fatal=False, message=message))
+    emit(ev.WarningRaised(kind="oom", message=message))
 
 
 def estimate_for(config: RunConfig, micro_batch: int, device: torch.device | None,

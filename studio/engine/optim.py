@@ -20,7 +20,7 @@ from studio.core.config import TrainerConfig
 def build_optimizer(model: Any, tc: TrainerConfig, device: torch.device,
                     emit: Callable[[ev.Event], None]) -> torch.optim.Optimizer:
     """``trainer.optimizer`` over ``model``'s trainable parameters; an 8-bit optimizer this machine
-    cannot run falls back to torch AdamW with a non-fatal WorkerFailed saying so."""
+    cannot run falls back to torch AdamW with a WarningRaised saying so."""
     params = [p for p in model.parameters() if p.requires_grad]
     name = tc.optimizer
     if name in ("adamw_8bit", "paged_adamw", "paged_adamw_8bit"):
@@ -31,7 +31,7 @@ def build_optimizer(model: Any, tc: TrainerConfig, device: torch.device,
                    "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}[name]
             return cls(params, lr=tc.learning_rate, weight_decay=tc.weight_decay)
         except Exception as exc:  # no GPU backend for 8-bit states
-            emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+            emit(ev.WarningRaised(kind="config", message=(
                 f"trainer.optimizer {name} is not available here ({str(exc).splitlines()[0]}); "
                 "using torch AdamW")))
     # fused: one kernel for all adapter tensors instead of a few per tensor.

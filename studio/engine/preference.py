@@ -186,7 +186,7 @@ class PreferenceObjective:
             if was_training:
                 self.model.train()
         return (ev.EvalLogged(step=step, loss=metrics.loss, perplexity=math.exp(min(nll, 50.0)),
-                              token_accuracy=accuracy, rows=len(pairs)), metrics)
+                              token_accuracy=accuracy, rows=len(pairs), method=self.method), metrics)
 
     def margin(self, row: dict, adapter: bool) -> float:
         """``log p(chosen) - log p(rejected)`` for one row, by the fine-tune or (``adapter`` False)

@@ -125,7 +125,9 @@ class Session:
         """Load the model, attach a fresh LoRA (seeded) and encode the data. Emits ModelLoading,
         ModelLoaded; on a user error emits WorkerFailed and raises :class:`TrainingError`."""
         from studio.core.data import DataError, load_splits
+        from studio.engine.quiet import send_library_output_to
 
+        send_library_output_to(self.run.log_path)  # before bitsandbytes, which speaks at import
         base_model = self.config.model.base_model
         if self.config.full_finetune and self.group.world > 1:  # --gpus N after the config was checked
             self.fail("config", f"'lora' is null (full fine-tuning) and this run has {self.group.world} GPUs: "
@@ -144,7 +146,7 @@ class Session:
             self.base = load_base(self.config, progress=lambda stage, fraction: self.emit(
                 ev.ModelLoading(stage=stage, fraction=fraction)), device=self.device)
             for warning in self.base.warnings:
-                self.emit(ev.WorkerFailed(kind="config", message=warning, fatal=False))
+                self.emit(ev.WarningRaised(kind="config", message=warning))
             if self.config.full_finetune:
                 self.emit(ev.ModelLoading(stage="every weight trains (full fine-tuning)", fraction=0.85))
                 self.model = prepare_full_finetune(self.base, self.config)
@@ -164,7 +166,7 @@ class Session:
         self.fast, why = fastpath.enable(self.model, self.device, self.config.trainer.method,
                                             self.config.trainer.fast_path)
         if self.fast is None and self.device.type == "cuda":
-            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+            self.emit(ev.WarningRaised(kind="config", message=(
                 f"the fast training path is off ({why}); training runs on the slower plain path")))
         total, trainable = count_parameters(self.model)
         self.emit(ev.ModelLoaded(base_model=base_model, device=str(self.device),
@@ -172,7 +174,7 @@ class Session:
                                  quantization=self.base.quantization, total_params=total,
                                  trainable_params=trainable, load_seconds=round(self.base.seconds, 2)))
         if self.data.truncated:
-            self.emit(ev.WorkerFailed(kind="data", fatal=False, message=(
+            self.emit(ev.WarningRaised(kind="data", message=(
                 f"{self.data.truncated} training rows are longer than data.max_seq_length "
                 f"({self.config.data.max_seq_length} tokens) and were truncated; raise it if answers "
                 "get cut off")))
@@ -261,7 +263,7 @@ class Session:
         """Load the model (if not yet) and put the run's adapter (:meth:`RunDir.adapter`) into its
         LoRA, so that generation and evaluation answer as the fine-tuned model: chat with a past
         run. Returns the folder, or None (the fresh LoRA stays) when the run has no adapter yet or
-        it cannot be loaded (a non-fatal WorkerFailed says why). A later training from scratch
+        it cannot be loaded (a WarningRaised says why). A later training from scratch
         starts again from the fresh LoRA (:meth:`restore_fresh_lora`)."""
         if not self.loaded:
             self.load()
@@ -274,7 +276,7 @@ class Session:
             try:
                 checkpoint.load_model_weights(self.model, folder)
             except (OSError, RuntimeError, ValueError) as exc:
-                self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                self.emit(ev.WarningRaised(kind="config", message=(
                     f"{folder}: cannot load the fine-tuned weights ({str(exc).splitlines()[0]}); the "
                     "fine-tuned answers come from the base")))
                 return None
@@ -283,12 +285,12 @@ class Session:
         try:
             unmatched = checkpoint.load_adapter_weights(self.model, folder, self.device)
         except (OSError, RuntimeError, ValueError) as exc:
-            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+            self.emit(ev.WarningRaised(kind="config", message=(
                 f"{folder}: cannot load the trained adapter ({str(exc).splitlines()[0]}); the fine-tuned "
                 "answers come from an untrained LoRA. Was config.yaml's lora section edited after training?")))
             return None
         if unmatched:
-            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+            self.emit(ev.WarningRaised(kind="config", message=(
                 f"{folder}: {len(unmatched)} adapter weights match no layer (e.g. {unmatched[0]}); was "
                 "lora.target_modules in config.yaml changed after training?")))
         self._fresh_lora = self._fresh_lora or fresh

@@ -303,7 +303,7 @@ class Trainer:
         why = fast.graphs_failed if fast is not None else ""
         if why and not self._graph_failure_reported:
             self._graph_failure_reported = True
-            self.emit(ev.WorkerFailed(kind="crash", fatal=False, detail=why, message=(
+            self.emit(ev.WarningRaised(kind="crash", detail=why, message=(
                 "a CUDA graph capture failed; training goes on without CUDA graphs (same results, "
                 "fewer tokens/s). Please report it with the detail below")))
 
@@ -623,12 +623,12 @@ class Trainer:
             except Exception as exc:  # a truncated or missing file: whatever the reader raises
                 reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
                 skipped.append(f"{path.name}: {reason}")
-                self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                self.emit(ev.WarningRaised(kind="config", message=(
                     f"checkpoint {path} does not load ({reason}); skipped it, trying the one before")))
                 continue
             self._restore(files)
             if skipped:
-                self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+                self.emit(ev.WarningRaised(kind="config", message=(
                     f"resuming from {path.name} (step {self.step}); skipped {', '.join(skipped)}")))
             return path
         self._fail("config", (f"no checkpoint of run {rid} loads ({'; '.join(skipped)}); train it again as "
@@ -646,7 +646,7 @@ class Trainer:
         self.units_per_step = int(state["units_per_step"])
         saved_on = int(state.get("processes", 1))
         if saved_on != self.group.world:
-            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=dist.resume_note(
+            self.emit(ev.WarningRaised(kind="config", message=dist.resume_note(
                 saved_on, self.group.world, self.units_per_step, self.accumulation_steps)))
         self.best_eval_loss = state.get("best_eval_loss")
         self.tokens_seen = int(state.get("tokens_seen", 0))

@@ -268,11 +268,12 @@ class TrainingState:
             self.best_eval_loss = event.best_eval_loss
 
     def _on_WorkerFailed(self, event: ev.WorkerFailed) -> None:
-        self.failure = event
+        self.failure = event  # the alert's headline; a failed request leaves the run's status alone
         if event.fatal:
             self.status = "failed"
-        else:
-            self.notices.append(report.describe(event) or "")
+
+    def _on_WarningRaised(self, event: ev.WarningRaised) -> None:
+        self.notices.append(report.warning_line(event))
 
     # -------------------------------------------------------------------------- views
 

@@ -41,20 +41,21 @@ def format_table(report: dict[str, Any], width: int = 28) -> str:
                  f"fine-tuned {t['similarity']:.2f}")
     preference = report.get("preference")
     if preference:
-        lines.append(_preference_table(report["results"], preference))
+        lines.append(_preference_table(report["results"], preference, report["split"]))
     return "\n".join(lines)
 
 
-def _preference_table(results: list[dict[str, Any]], preference: dict[str, Any]) -> str:
-    """A preference run's pairs: chosen, rejected, and each model's log-prob margin (+ prefers chosen)."""
+def _preference_table(results: list[dict[str, Any]], preference: dict[str, Any], split: str) -> str:
+    """A preference run's pairs: chosen, rejected, and each model's log-prob margin (+ prefers chosen),
+    then the held-out preference accuracy of each model (its raw log-probs, no reference)."""
     lines = ["", f"{'#':>3}  {'chosen':<24}  {'rejected':<24}  margin base -> fine-tuned"]
     for r in results:
         tuned = f"{r['tuned_margin']:+.2f}" if r.get("tuned_margin") is not None else "-"
         lines.append(f"{r['index']:>3}  {cell(r['target'], 24):<24}  {cell(r.get('rejected') or '', 24):<24}  "
                      f"{r['base_margin']:+.2f} -> {tuned}")
     tuned = preference.get("fine_tuned_accuracy")
-    lines.append(f"prefers the chosen answer: base {preference['base_accuracy']:.1%} -> fine-tuned "
-                 + (f"{tuned:.1%}" if tuned is not None else "-"))
+    lines.append(f"held-out accuracy ({len(results)} {split} pairs), prefers the chosen answer: base "
+                 f"{preference['base_accuracy']:.1%} -> fine-tuned " + (f"{tuned:.1%}" if tuned is not None else "-"))
     return "\n".join(lines)
 
 
@@ -97,7 +98,7 @@ def evaluate_run(run: RunDir, rows: int = 50, on_row: RowScored | None = None) -
     or EvalInterrupted on Ctrl-C once the rows were asked for."""
     if run.adapter() is None and run.latest_checkpoint() is None:
         raise EvalFailed(f"{run.path}: no adapter yet; wait for training to finish, or stop it "
-                         f"('studio stop {run.id}') to save one")
+                         f"('studio stop {run.ref}') to save one")
     started_here = run.worker_pid() is None
     try:
         client = connect_or_start(run, timeout=60)

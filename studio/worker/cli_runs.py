@@ -21,7 +21,7 @@ from pathlib import Path
 from studio.core import events as ev
 from studio.core.cells import cell
 from studio.core.config import ConfigError
-from studio.core.report import describe, format_duration
+from studio.core.report import describe, format_duration, step_line
 from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
 from studio.core.storage import LOW_SPACE_BYTES, disk_full_message, free_bytes
 from studio.worker.client import (
@@ -139,8 +139,8 @@ def start_detached(config_path: str, runs_dir: str | Path | None = None, *, data
         pid = start_worker(run, train=True)
     except WorkerStartError as exc:
         raise RunCommandFailed(str(exc)) from None
-    return Outcome(run, f"training in the background (worker pid {pid}); follow it with 'studio attach {run.id}', "
-                        f"stop it with 'studio stop {run.id}'", worker_pid=pid)
+    return Outcome(run, f"training in the background (worker pid {pid}); follow it with 'studio attach {run.ref}', "
+                        f"stop it with 'studio stop {run.ref}'", worker_pid=pid)
 
 
 def _print_outcome(command: Callable[[], Outcome]) -> int:
@@ -194,18 +194,33 @@ def resume_run(run: RunDir, from_scratch: bool = False) -> Outcome:
         pid = start_worker(run, train=from_scratch, resume=not from_scratch)
     except WorkerStartError as exc:
         raise RunCommandFailed(str(exc)) from None
-    return Outcome(run, f"resuming run {run.id} {where} (worker pid {pid}); follow it with 'studio attach {run.id}'",
+    return Outcome(run, f"resuming run {run.id} {where} (worker pid {pid}); follow it with 'studio attach {run.ref}'",
                    worker_pid=pid)
 
 
 # ------------------------------------------------------------------------------------- attach
 
 
-def _print_event(event: ev.Event) -> None:
-    line = describe(event)
-    if line is not None:
-        stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
-        print(f"{stamp}  {line}", flush=True)
+class _EventPrinter:
+    """``studio attach``'s lines: each event's, with its time. A step's memory sample (logged just
+    before the step) goes on the step's line, as ``studio train`` prints it, not on a line of its own
+    that repeats the step; another GPU's sample of a data-parallel run keeps its own line."""
+
+    def __init__(self) -> None:
+        self.memory: ev.MemorySampled | None = None
+
+    def __call__(self, event: ev.Event) -> None:
+        if isinstance(event, ev.MemorySampled) and event.rank == 0:
+            self.memory = event
+            return
+        if isinstance(event, ev.StepLogged):
+            memory = self.memory if self.memory is not None and self.memory.step == event.step else None
+            line: str | None = step_line(event, memory)
+        else:
+            line = describe(event)
+        if line is not None:
+            stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+            print(f"{stamp}  {line}", flush=True)
 
 
 def _ends_follow(event: ev.Event) -> bool:
@@ -219,28 +234,29 @@ def attach(args: argparse.Namespace) -> int:
     Ctrl-C detaches; the run goes on."""
     run = find_run(getattr(args, "run", None), _runs_root(args))
     client = WorkerClient(run)
+    show = _EventPrinter()
     try:
         print(f"run {run.id}  ({run.path})", flush=True)
         for event in client.catch_up():
-            _print_event(event)
+            show(event)
         if client.status is not None and not client.status.state.in_training or \
                 client.status is None and not _starting(run):
             client.close()
             return _explain_not_live(run)
         while True:
             for event in client.poll(1.0):
-                _print_event(event)
+                show(event)
                 if _ends_follow(event):
                     client.close()
                     return 1 if isinstance(event, ev.WorkerFailed) else 0
             if not client.connected and run.worker_pid() is None:
                 client.close()
                 for event in client.poll(0):
-                    _print_event(event)
+                    show(event)
                 return _explain_not_live(run)
     except KeyboardInterrupt:
         client.close()
-        print(f"\ndetached; run {run.id} goes on (studio attach {run.id} to follow again)")
+        print(f"\ndetached; run {run.id} goes on (studio attach {run.ref} to follow again)")
         return 0
 
 
@@ -269,7 +285,7 @@ def _explain_not_live(run: RunDir) -> int:
         return 1
     if summary.status == "interrupted":
         print(f"run {run.id} was interrupted at step {summary.step} (no worker is running); "
-              f"continue it with 'studio train --resume {run.id} --detach'")
+              f"continue it with 'studio train --resume {run.ref} --detach'")
         return 1
     if summary.status == "failed":
         print(f"run {run.id} failed at step {summary.step}; the FAILED line above says why")
@@ -356,7 +372,7 @@ def stop_run(run: RunDir, say: Callable[[str], None] = _quiet) -> Outcome:
         if training and isinstance(finished, ev.TrainingFinished):
             _wait_for(client, lambda e: isinstance(e, ev.WorkerStopped), 30)
             return Outcome(run, f"stopped at step {finished.step}; adapter in {finished.adapter_path}; continue "
-                                f"with 'studio train --resume {run.id} --detach'",
+                                f"with 'studio train --resume {run.ref} --detach'",
                            step=finished.step, adapter=finished.adapter_path)
         if finished is None and client.connected:
             raise RunCommandFailed(f"run {run.id}: the worker has not stopped yet; see {run.log_path}")
@@ -389,8 +405,8 @@ def pause_run(run: RunDir, say: Callable[[str], None] = _quiet) -> Outcome:
         if isinstance(paused, ev.WorkerFailed):
             raise RunCommandFailed(paused.message)
         if not isinstance(paused, ev.TrainingPaused):
-            raise RunCommandFailed(f"run {run.id} did not pause (it may have finished); see 'studio attach {run.id}'")
-        return Outcome(run, f"paused run {run.id} after step {paused.step}; 'studio resume {run.id}' continues it",
+            raise RunCommandFailed(f"run {run.id} did not pause (it may have finished); see 'studio attach {run.ref}'")
+        return Outcome(run, f"paused run {run.id} after step {paused.step}; 'studio resume {run.ref}' continues it",
                        step=paused.step)
     finally:
         client.close()

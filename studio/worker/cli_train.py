@@ -105,8 +105,7 @@ class ConsolePrinter:
             if event.rank == 0:
                 self.memory = event  # shown on the next step's line (rank 0's card on several GPUs)
         elif isinstance(event, ev.StepLogged):
-            memory = f"  mem {report.memory_text(self.memory)}" if self.memory is not None else ""
-            self.line(report.step_line(event) + memory)
+            self.line(report.step_line(event, self.memory))
             self.draw_bar(event.step, event.total_steps, event.eta_s)
         elif not isinstance(event, (ev.TokenGenerated, ev.GenerationStarted, ev.GenerationFinished,
                                     ev.WorkerStarted, ev.WorkerStopped, ev.StatusReported)):
@@ -152,10 +151,10 @@ def resume_refusal(run: RunDir, from_scratch: bool) -> bool:
     latest = run.latest_checkpoint()
     if latest is None and not from_scratch:
         raise ConfigError(f"run {run.id} has no checkpoint to resume from; start it again from step 0 "
-                          f"with 'studio train --resume {run.id} --from-scratch'")
+                          f"with 'studio train --resume {run.ref} --from-scratch'")
     if latest is not None and from_scratch:
         raise ConfigError(f"--from-scratch: run {run.id} has checkpoints (newest {latest.name}); continue it "
-                          f"with 'studio train --resume {run.id}', or start a new run with "
+                          f"with 'studio train --resume {run.ref}', or start a new run with "
                           f"'studio train {run.config_path}'")
     return from_scratch
 
@@ -197,16 +196,16 @@ def _stop_on_ctrl_c(printer: ConsolePrinter, stop: Callable[[], None],
 
 
 def _aborted(run: RunDir) -> int:
-    print(f"\naborted; continue with: studio train --resume {run.id}", file=sys.stderr)
+    print(f"\naborted; continue with: studio train --resume {run.ref}", file=sys.stderr)
     return 130
 
 
 def _what_next(run: RunDir, stopped: bool) -> int:
     """The last line of a training that did not fail: how to go on from here."""
     if stopped:
-        print(f"continue with: studio train --resume {run.id}")
+        print(f"continue with: studio train --resume {run.ref}")
     else:
-        print(f"compare base and fine-tuned answers with: studio eval {run.id}")
+        print(f"compare base and fine-tuned answers with: studio eval {run.ref}")
     return 0
 
 

@@ -97,7 +97,7 @@ class _Peer:
                     if not isinstance(command, ev.Command):
                         raise ValueError(f"{type(command).__name__} is an event, not a command")
                 except (ValueError, TypeError, UnicodeDecodeError) as exc:
-                    self.reply(ev.WorkerFailed(kind="config", fatal=False,
+                    self.reply(ev.WorkerFailed(kind="config", fatal=False, request="message",
                                                message=f"ignored a message the worker cannot read: {exc}"))
                     continue
                 self._commands.put((self, command))
@@ -261,7 +261,7 @@ class Worker:
             self.model_loaded = True
         elif isinstance(event, ev.EvalLogged):
             self._evaluations += 1
-        elif isinstance(event, ev.WorkerFailed):
+        elif isinstance(event, (ev.WarningRaised, ev.WorkerFailed)):
             self._warnings += 1
         elif isinstance(event, ev.TrainingFinished):
             self.step = event.step
@@ -358,7 +358,7 @@ class Worker:
     def _started(self) -> None:
         self.emit(ev.WorkerStarted(pid=os.getpid()))
         if self._tightened:
-            self.emit(ev.WorkerFailed(kind="config", fatal=False, message=(
+            self.emit(ev.WarningRaised(kind="config", message=(
                 f"note: {self.run.path} was readable by other users; made it private (folders 0700, "
                 f"files 0600; {self._tightened} modes changed): it holds prompts, answers and data")))
 
@@ -404,7 +404,7 @@ class Worker:
         elif isinstance(command, ev.LoadModel):
             self._ensure_trainer()
         elif isinstance(command, (ev.Pause, ev.Resume, ev.Stop)):
-            self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, message=(
+            self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, request=type(command).__name__, message=(
                 f"{type(command).__name__.lower()}: run {self.run.id} is not training "
                 f"(state: {self.state})")))
         else:
@@ -418,13 +418,13 @@ class Worker:
             self._generate(command)
         elif isinstance(command, ev.Evaluate):
             if self._ensure_trainer():
-                self._guarded(self._evaluate)
+                self._guarded(self._evaluate, "Evaluate")
         elif isinstance(command, ev.ScoreHeldOut):
             self._start_scoring(command)
         elif isinstance(command, JOBS) and not self.state.in_training:
-            self._guarded(lambda: self._serve_job(command))
+            self._guarded(lambda: self._serve_job(command), type(command).__name__)
         else:
-            self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, message=(
+            self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, request=type(command).__name__, message=(
                 f"{type(command).__name__} is not served while the worker is {self.state}")))
 
     def _start_scoring(self, command: ev.ScoreHeldOut) -> None:
@@ -462,7 +462,7 @@ class Worker:
                 self._scoring = None
         except Exception as exc:  # reported; the worker and any training go on
             self._scoring = None
-            self._report(exc, fatal=False)
+            self._report(exc, request="ScoreHeldOut")
             self.emit(ev.HeldOutFinished(request_id=scoring.request.request_id, ok=False,
                                          message=f"scoring stopped at row {len(scoring.results) + 1}: {exc}"))
 
@@ -479,18 +479,19 @@ class Worker:
         elif isinstance(event, ev.WorkerFailed):
             self.emit(event)
 
-    def _guarded(self, action: Callable[[], Any]) -> bool:
-        """Run ``action``; a failure becomes a non-fatal WorkerFailed and the worker stays up."""
+    def _guarded(self, action: Callable[[], Any], request: str) -> bool:
+        """Run ``action`` (the command ``request``); a failure becomes a WorkerFailed naming that
+        request, and the worker stays up."""
         try:
             action()
             return True
         except Exception as exc:  # every failure is reported, none kills the worker
-            self._report(exc, fatal=False)
+            self._report(exc, request=request)
             return False
 
-    def _report(self, exc: Exception, fatal: bool) -> None:
-        """Log the traceback and emit a WorkerFailed, unless the trainer already emitted one; a
-        full disk stops the worker (:meth:`_stop_for_disk_full`)."""
+    def _report(self, exc: Exception, request: str = "") -> None:
+        """Log the traceback and emit a WorkerFailed (fatal, or of ``request`` alone), unless the
+        trainer already emitted one; a full disk stops the worker (:meth:`_stop_for_disk_full`)."""
         if is_disk_full(exc, self.run.path):
             self._stop_for_disk_full(exc)
             return
@@ -504,7 +505,8 @@ class Worker:
         except OSError:
             pass  # worker.log cannot take it; the event below still says what happened
         if not isinstance(exc, ev.ReportedFailure):  # the engine's own failures are reported already
-            self.emit(dataclasses.replace(classify_failure(exc, self.run.log_path), fatal=fatal))
+            self.emit(dataclasses.replace(classify_failure(exc, self.run.log_path), fatal=not request,
+                                          request=request))
 
     def _evaluate(self) -> None:
         """The trainer emits EvalLogged itself; with no validation rows it has nothing to emit."""
@@ -512,7 +514,7 @@ class Worker:
         before, warned = self._evaluations, self._warnings
         self._session.evaluate()
         if self._evaluations == before and self._warnings == warned:  # not skipped for memory either
-            self.emit(ev.WorkerFailed(kind="data", fatal=False, message=(
+            self.emit(ev.WarningRaised(kind="data", message=(
                 "nothing to evaluate: the run has no validation rows; set data.val_fraction or give "
                 "the data a split column with 1 for validation rows")))
 
@@ -534,7 +536,7 @@ class Worker:
             if not for_training:
                 self._session.load_trained_adapter()
         except Exception as exc:
-            self._report(exc, fatal=True)
+            self._report(exc)
             self.state = WorkerState.FAILED
             return False
         self.model_loaded = True
@@ -551,7 +553,7 @@ class Worker:
         try:
             self._session.train(resume=resume)
         except Exception as exc:
-            self._report(exc, fatal=True)
+            self._report(exc)
             self.state = WorkerState.FAILED
             return
         finally:
@@ -579,7 +581,7 @@ class Worker:
             self.emit(ev.GenerationFinished(request_id=request, adapter=command.adapter, text=result.text,
                                             new_tokens=result.new_tokens, tokens_per_s=result.tokens_per_s))
 
-        if not self._guarded(run):
+        if not self._guarded(run, "Generate"):
             self.emit(ev.GenerationFinished(request_id=request, adapter=command.adapter))
 
     # ------------------------------------------------------------------------ between steps
@@ -621,7 +623,7 @@ class Worker:
             elif isinstance(command, ev.Shutdown):
                 self._exit_reason = "shutdown requested"
             elif isinstance(command, (ev.StartTraining, ev.LoadModel)):
-                self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, message=(
+                self._reply(peer, ev.WorkerFailed(kind="config", fatal=False, request=type(command).__name__, message=(
                     f"run {self.run.id} is already {self.state}; pause, resume or stop it instead")))
             else:
                 self._serve_anytime(peer, command)

@@ -29,6 +29,7 @@ from studio.core import chat as chats
 from studio.core import events as ev
 from studio.core import prompt as prompts
 from studio.core.config import PromptConfig
+from studio.core.datastats import template_column_issues
 from studio.core.preference import is_preference
 from studio.core.shapes import TRL_STANDARD_TEMPLATE
 from studio.ui.host import Pane
@@ -270,6 +271,7 @@ class TemplatePane(Pane, Vertical):
         except prompts.TemplateError as exc:
             self.query_one("#template-render", Static).update(
                 Content.from_markup("[b $error]cannot render this conversation:[/] $m", m=str(exc)))
+            self._show_lint(text)
             return
         raw = config.prompt.template == prompts.RAW_TEXT
         # Raw text is cut into blocks of max_seq_length tokens for training, never truncated.
@@ -322,8 +324,10 @@ class TemplatePane(Pane, Vertical):
             issues = [i for i in issues if i.kind != "unknown_field"]
         if text == TRL_STANDARD_TEMPLATE.replace("{chosen}", "{" + config.prompt.response_field + "}"):
             # TRL's standard pairs join prompt and answer as they are: the data's prompt ends with
-            # its own separator, as TRL expects it to.
+            # its own separator, as TRL expects it to; its rejected column is the pair's other side.
             issues = [i for i in issues if i.kind != "no_separator"]
+        elif self._columns is not None:
+            issues += template_column_issues(config, self._columns, conversations=self._conversations)
         lint = self.query_one("#template-lint", Static)
         lint.set_class(any(i.severity == "error" for i in issues), "-error")
         if not issues:
@@ -422,7 +426,7 @@ class TemplatePane(Pane, Vertical):
                 label.update(Content.from_markup("$done · [b $warning]note:[/] $m", done=done, m=self._note)
                              if self._note else done)
                 self._request = None
-            elif isinstance(event, ev.WorkerFailed) and self._request and not event.fatal:
+            elif isinstance(event, ev.WarningRaised) and self._request:
                 # A warning (rows truncated, no 4-bit on this machine): the answer is still coming.
                 self._note = event.message
                 label.update(Content.from_markup("[b $warning]note:[/] $m", m=event.message))
