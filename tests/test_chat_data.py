@@ -112,4 +112,4 @@ def test_the_chat_sample_has_a_config_that_fits_every_conversation(capsys) -> No
     assert len(too_long(load_config(sample_data_dir() / "sample_config.yaml").data.max_seq_length)) == 24
     assert studio(["config", "check", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "ok:" in out and "conversations through the model's chat template" in out and "warning" not in out
+    assert "ok:" in out and "conversations (OpenAI messages), through the model's chat template" in out and "warning" not in out

@@ -488,7 +488,10 @@ def lint_template(
                 "response_not_at_end", f"text after {{{response_field}}} is trained on as part of the "
                 "answer; end the template with the response placeholder", after[0].offset))
     preceded_by_field = at is not None and at > 0 and pieces[at - 1].field is not None
-    if preceded_by_field or (before and not before[-1].isspace() and before[-1] != ":"):
+    # TRL's standard pairs join ``{prompt}{answer}`` as they are: the data's prompt carries its own
+    # separator, as TRL expects it to.
+    trl_join = template == "{prompt}{" + response_field + "}"
+    if not trl_join and (preceded_by_field or (before and not before[-1].isspace() and before[-1] != ":")):
         issues.append(TemplateIssue(
             "no_separator", f"nothing separates the prompt from the response; put a newline or "
             f"'### Response:' before {{{response_field}}}", response_offset))

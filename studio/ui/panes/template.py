@@ -322,11 +322,8 @@ class TemplatePane(Pane, Vertical):
             # Conversations fill the chat template's turns themselves; its {field} form is for
             # instruction rows, so the data's columns are not its fields.
             issues = [i for i in issues if i.kind != "unknown_field"]
-        if text == TRL_STANDARD_TEMPLATE.replace("{chosen}", "{" + config.prompt.response_field + "}"):
-            # TRL's standard pairs join prompt and answer as they are: the data's prompt ends with
-            # its own separator, as TRL expects it to; its rejected column is the pair's other side.
-            issues = [i for i in issues if i.kind != "no_separator"]
-        elif self._columns is not None:
+        trl_pairs = text == TRL_STANDARD_TEMPLATE.replace("{chosen}", "{" + config.prompt.response_field + "}")
+        if self._columns is not None and not trl_pairs:  # TRL's rejected column is the pair's other side
             issues += template_column_issues(config, self._columns, conversations=self._conversations)
         lint = self.query_one("#template-lint", Static)
         lint.set_class(any(i.severity == "error" for i in issues), "-error")
