@@ -38,6 +38,16 @@ def main(args: argparse.Namespace) -> int:
             raise ConfigError(f"{args.config}: prompt.template: {errors[0].message}")
     counts = splits.counts()
     chat = bool(splits.train) and is_chat_row(splits.train[0])
+    if config.trainer.method == "grpo":
+        from studio.core import rewards
+
+        try:  # the user's reward code runs here, on one row, before any model is loaded
+            checked = rewards.check_on_row(config, splits.train[0], base_dir)
+        except (rewards.RewardError, rewards.RewardFailed) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{args.config}: rewards ok on one row: "
+              + ", ".join(f"{r.label} (weight {r.weight:g})" for r in checked))
     rendered = ("conversations through the model's chat template" if chat
                 else f"template fields {', '.join(fields)}")
     print(f"{args.config}: ok: {counts['train']} training, {counts['validation']} validation and "

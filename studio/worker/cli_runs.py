@@ -21,7 +21,7 @@ from pathlib import Path
 from studio.core import events as ev
 from studio.core.cells import cell
 from studio.core.config import ConfigError
-from studio.core.report import describe, format_duration
+from studio.core.report import StepLines, describe, format_duration
 from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
 from studio.core.storage import LOW_SPACE_BYTES, disk_full_message, free_bytes
 from studio.worker.client import (
@@ -201,8 +201,8 @@ def resume_run(run: RunDir, from_scratch: bool = False) -> Outcome:
 # ------------------------------------------------------------------------------------- attach
 
 
-def _print_event(event: ev.Event) -> None:
-    line = describe(event)
+def _print_event(event: ev.Event, lines: Callable[[ev.Event], str | None] = describe) -> None:
+    line = lines(event)
     if line is not None:
         stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
         print(f"{stamp}  {line}", flush=True)
@@ -219,24 +219,25 @@ def attach(args: argparse.Namespace) -> int:
     Ctrl-C detaches; the run goes on."""
     run = find_run(getattr(args, "run", None), _runs_root(args))
     client = WorkerClient(run)
+    lines = StepLines()  # a GRPO step's metrics join its step line
     try:
         print(f"run {run.id}  ({run.path})", flush=True)
         for event in client.catch_up():
-            _print_event(event)
+            _print_event(event, lines)
         if client.status is not None and not client.status.state.in_training or \
                 client.status is None and not _starting(run):
             client.close()
             return _explain_not_live(run)
         while True:
             for event in client.poll(1.0):
-                _print_event(event)
+                _print_event(event, lines)
                 if _ends_follow(event):
                     client.close()
                     return 1 if isinstance(event, ev.WorkerFailed) else 0
             if not client.connected and run.worker_pid() is None:
                 client.close()
                 for event in client.poll(0):
-                    _print_event(event)
+                    _print_event(event, lines)
                 return _explain_not_live(run)
     except KeyboardInterrupt:
         client.close()

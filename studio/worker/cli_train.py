@@ -52,6 +52,10 @@ def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
         config.model.base_model = args.model
     if getattr(args, "gpus", None):
         config.distributed.gpus = args.gpus
+    if config.trainer.method == "grpo":
+        from studio.core.rewards import resolve_paths
+
+        resolve_paths(config, Path(args.config).resolve().parent)  # reward files, like the data
     if config.data.path:
         found = resolve_path(config.data.path, base_dir)
         if found is not None:
@@ -72,6 +76,7 @@ class ConsolePrinter:
         self.saw_disk_full = False
         """Whether the console showed the worker's disk-full failure."""
         self._bar_shown = False
+        self._lines = report.StepLines()
         self._lock = threading.Lock()  # the console thread and Ctrl-C's message share the lines
 
     def line(self, text: str) -> None:
@@ -100,11 +105,11 @@ class ConsolePrinter:
                 self.memory = event  # shown on the next step's line (rank 0's card on several GPUs)
         elif isinstance(event, ev.StepLogged):
             memory = f"  mem {report.memory_text(self.memory)}" if self.memory is not None else ""
-            self.line(report.step_line(event) + memory)
+            self.line(f"{self._lines(event)}{memory}")
             self.draw_bar(event.step, event.total_steps, event.eta_s)
         elif not isinstance(event, (ev.TokenGenerated, ev.GenerationStarted, ev.GenerationFinished,
                                     ev.WorkerStarted, ev.WorkerStopped, ev.StatusReported)):
-            line = report.describe(event)
+            line = self._lines(event)
             if isinstance(event, ev.WorkerFailed) and event.kind == "disk":
                 self.saw_disk_full = True
             if line is not None:
