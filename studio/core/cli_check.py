@@ -38,6 +38,10 @@ def main(args: argparse.Namespace) -> int:
             raise ConfigError(f"{args.config}: prompt.template: {errors[0].message}")
     counts = splits.counts()
     chat = bool(splits.train) and is_chat_row(splits.train[0])
+    rendered = ("conversations through the model's chat template" if chat
+                else f"template fields {', '.join(fields)}")
+    print(f"{args.config}: ok: {counts['train']} training, {counts['validation']} validation and "
+          f"{counts['test']} test rows from {config.data.path}; {rendered}")
     if config.trainer.method == "grpo":
         from studio.core import rewards
 
@@ -48,8 +52,4 @@ def main(args: argparse.Namespace) -> int:
             return 2
         print(f"{args.config}: rewards ok on one row: "
               + ", ".join(f"{r.label} (weight {r.weight:g})" for r in checked))
-    rendered = ("conversations through the model's chat template" if chat
-                else f"template fields {', '.join(fields)}")
-    print(f"{args.config}: ok: {counts['train']} training, {counts['validation']} validation and "
-          f"{counts['test']} test rows from {config.data.path}; {rendered}")
     return 0

@@ -53,8 +53,11 @@ class Reader:
 
     def where(self, path: tuple[str, ...]) -> str:
         line = self.lines.get(path)
-        if line is None and path and path[-1].isdigit():  # a bare list item: the list's own line
-            line = self.lines.get(path[:-1])
+        if line is None and path and path[-1].isdigit():
+            # A list item: its first key's line (a mapping), else the list's own (a bare value).
+            known = self.lines._lines if isinstance(self.lines, KeyLines) else self.lines
+            inside = [n for p, n in known.items() if p[:len(path)] == path]
+            line = min(inside) if inside else self.lines.get(path[:-1])
         return f"{self.source}: line {line}" if line else self.source
 
     def fail(self, path: tuple[str, ...], message: str) -> ConfigError:
