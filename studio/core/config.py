@@ -395,8 +395,12 @@ class RunConfig:
         return self.lora is None
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as plain data, every default filled in."""
-        return dataclasses.asdict(self)
+        """The config as plain data, every default filled in (the ``grpo`` section only when
+        ``trainer.method`` is grpo: other runs do not read it)."""
+        data = dataclasses.asdict(self)
+        if self.trainer.method != "grpo":
+            del data["grpo"]
+        return data
 
     def to_yaml(self) -> str:
         """The config as YAML that :func:`load_config` reads back unchanged."""

@@ -27,10 +27,12 @@ from studio.core import chat as chats
 from studio.core import events as ev
 from studio.core import prompt as prompts
 from studio.core.config import PromptConfig
+from studio.core.grpo_data import is_grpo
 from studio.core.preference import is_preference
 from studio.ui.host import Hosted
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged, WorkerEvents
 from studio.ui.widgets.pair_view import pair_preview, pair_row
+from studio.ui.widgets.policy_prompt import policy_preview
 from studio.ui.widgets.prompt_preview import count_line, legend, measure, preview_content
 from studio.ui.widgets.template_editor import TemplateEditor
 
@@ -263,9 +265,18 @@ class TemplatePane(Hosted, Vertical):
             return
         measured = measure(rendered, app.counter, config.data.max_seq_length, config.prompt.add_eos)
         where = f"row {selected[0]:,}" if selected else "example row (open a dataset to use yours)"
+        counts = count_line(measured, app.counter)
+        if is_grpo(config):
+            counts = Content.from_markup("[b]a GRPO prompt: the policy writes the answer[/]\n[dim]$label[/]",
+                                         label=app.counter.label)
         self.query_one("#template-counts", Static).update(
-            Content.from_markup("[b $accent]$where[/] · ", where=where) + count_line(measured, app.counter))
-        if is_preference(config) and selected:
+            Content.from_markup("[b $accent]$where[/] · ", where=where) + counts)
+        if is_grpo(config):
+            # GRPO: no answer to learn; the prompt as the policy reads it, and what the rewards get.
+            column = next((k for k, v in row.items() if chats.shape_of(v) is not None), None)
+            content = policy_preview(text, row, config, app.counter, conversation_of(row, config.data.columns),
+                                     column)
+        elif is_preference(config) and selected:
             # A DPO / ORPO row trains on two texts: the chosen answer's and the rejected one's.
             content = pair_preview(text, pair_row(row, config, self._fields()[0]), config, app.counter)
         else:
@@ -291,6 +302,9 @@ class TemplatePane(Hosted, Vertical):
             # Conversations fill the chat template's turns themselves; its {field} form is for
             # instruction rows, so the data's columns are not its fields.
             issues = [i for i in issues if i.kind != "unknown_field"]
+        if is_grpo(config):  # the model writes the response: a template without one is right
+            issues = [i for i in issues if i.kind not in ("no_response", "response_not_at_end", "no_eos",
+                                                          "double_eos", "no_separator")]
         lint = self.query_one("#template-lint", Static)
         lint.set_class(any(i.severity == "error" for i in issues), "-error")
         if not issues:
