@@ -192,15 +192,19 @@ def _first_batch(session):
 
 
 @pytest.mark.slow
-def test_the_tiny_model_learns_to_copy_words_from_rewards_alone(tiny_model: Path, tmp_path: Path) -> None:
+def test_the_tiny_model_learns_to_copy_words_from_rewards_alone(tiny_model: Path, tmp_path: Path,
+                                                                 studio_env: dict, python: str) -> None:
     """40 steps of 8 prompts x 8 completions: the mean exact-match reward of the sampled completions
-    goes from at most 0.2 to at least 0.8, and the greedy answers to held-out prompts from 0.2 to 0.8."""
+    goes from at most 0.2 to at least 0.8, and the greedy answers to held-out prompts from 0.2 to 0.8;
+    `studio eval` shows each reward's mean over held-out prompts, base -> fine-tuned, and the
+    prompts with both answers and their rewards."""
     from studio.engine.session import Session
 
     config = _config(tiny_model, tmp_path / "runs")
     config.trainer.eval_interval = 40
     events: list[ev.Event] = []
-    Session(config, create_run(config), events.append).train()
+    run = create_run(config)
+    Session(config, run, events.append).train()
     steps = [e for e in events if isinstance(e, ev.GrpoStepLogged) and e.split == "train"]
     assert [e.step for e in steps] == list(range(1, 41))
     exact = [e.rewards["exact_match"] for e in steps]
@@ -213,8 +217,30 @@ def test_the_tiny_model_learns_to_copy_words_from_rewards_alone(tiny_model: Path
     groups = [e for e in events if isinstance(e, ev.GrpoGroupSampled)]
     assert len(groups) == 40 and set(groups[-1].completions[0]["scores"]) == {"exact_match", "letters_right"}
 
+    done = subprocess.run([python, "-m", "studio.cli", "eval", run.id, "--runs-dir", str(tmp_path / "runs"),
+                           "--rows", "12"], cwd=tmp_path, env=studio_env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["#", "prompt", "base", "reward", "fine-tuned", "reward"] and len(lines) >= 12
+    assert lines[1].split()[1] == report_row_input(run)  # the part of the prompt that differs
+    assert "12 test prompts, mean reward base -> fine-tuned:" in done.stdout
+    report = json.loads((run.path / "eval.json").read_text())
+    base, tuned = report["rewards"]["base"], report["rewards"]["fine_tuned"]
+    assert set(base) == {"exact_match", "letters_right", "total"}
+    assert base["exact_match"] <= 0.2 and tuned["exact_match"] >= 0.8 and tuned["total"] > base["total"]
+    first = report["results"][0]
+    assert first["tuned_rewards"]["total"] == pytest.approx(
+        first["tuned_rewards"]["exact_match"] + first["tuned_rewards"]["letters_right"])
+    assert first["prompt"].startswith("### Instruction:\nRepeat the letters of the word.")
+
 
 # ------------------------------------------------------------------------------------ resilience
+
+
+def report_row_input(run: RunDir) -> str:
+    """The input of the first held-out row `studio eval` scored."""
+    return json.loads((run.path / "eval.json").read_text())["results"][0]["fields"]["input"]
 
 
 def _run_metrics(events: list[ev.Event]) -> dict[int, tuple[float, float, float]]:

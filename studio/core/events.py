@@ -410,6 +410,11 @@ class HeldOutRowScored(Event):
     """Preference runs: the base model's log p(chosen) - log p(rejected); above 0 it prefers chosen."""
     tuned_margin: float | None = None
     """Preference runs: the same for the fine-tune."""
+    base_rewards: dict[str, float | None] | None = None
+    """GRPO runs: each reward's score of the base model's answer (None: it did not apply), and its
+    weighted total under ``total``."""
+    tuned_rewards: dict[str, float | None] | None = None
+    """GRPO runs: the same for the fine-tune's answer."""
 
 
 @dataclass(frozen=True)
@@ -432,6 +437,10 @@ class HeldOutFinished(Event):
     """Preference runs: the fraction of pairs the base model prefers the chosen answer of."""
     tuned_preference_accuracy: float | None = None
     """Preference runs: the same for the fine-tune."""
+    base_rewards: dict[str, float | None] | None = None
+    """GRPO runs: each reward's mean over the rows' base answers (and the weighted total's, ``total``)."""
+    tuned_rewards: dict[str, float | None] | None = None
+    """GRPO runs: the same for the fine-tune's answers."""
 
 
 class FailureKind(StrEnum):

@@ -280,6 +280,11 @@ def describe(event: ev.Event) -> str | None:
                 tuned += f", prefers chosen: base {event.base_preference_accuracy:.1%}" + (
                     f" fine-tuned {event.tuned_preference_accuracy:.1%}"
                     if event.tuned_preference_accuracy is not None else "")
+            if event.base_rewards is not None:  # GRPO: the rewards' total, base -> fine-tuned
+                after = (event.tuned_rewards or {}).get("total")
+                return (f"held-out: {event.rows} {event.split} prompts, mean reward base "
+                        f"{event.base_rewards.get('total') or 0:.3f}"
+                        + (f" -> fine-tuned {after:.3f}" if after is not None else "") + f" -> {event.path}")
             return (f"held-out: {event.rows} {event.split} rows, base exact {event.base_exact_match:.1%} "
                     f"similarity {event.base_similarity:.2f}{tuned} -> {event.path}")
         case ev.StatusReported():

@@ -140,7 +140,7 @@ class GrpoObjective:
 
     def __init__(self, config: RunConfig, model: Any, tokenizer: Any, device: torch.device,
                  compute_dtype: torch.dtype, emit: Callable[[ev.Event], Any], stops: Sequence[int],
-                 base_dir: str | Path | None = None):
+                 render: Callable[[dict], str], bos: int | None, base_dir: str | Path | None = None):
         self.config = config
         self.settings = config.grpo
         self.model = model
@@ -149,6 +149,9 @@ class GrpoObjective:
         self.compute_dtype = compute_dtype
         self.emit = emit
         self.base_dir = base_dir
+        self.render = render
+        """A data row -> the prompt text the policy reads (the session's template or chat template)."""
+        self.bos = bos
         self.rewards: list[rw.Reward] = []
         self.sampler = GroupSampler(model, device, tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                                     else (tokenizer.eos_token_id or 0), stops, compute_dtype,
@@ -386,6 +389,22 @@ class GrpoObjective:
             results.append(rw.score_group(self.rewards, example.prompt, [completion],
                                           grpo_data.reward_columns(example.row), shown_prompt=example.text))
         return results
+
+    def encode(self, rows: Sequence[dict[str, Any]]) -> list[PromptExample]:
+        """Data rows as prompts (:func:`encode_prompts` with the run's renderer and tokenizer)."""
+        return encode_prompts(rows, self.config, self.tokenizer, self.render, self.bos)
+
+    def answer(self, row: dict[str, Any], adapter: bool = True) -> str:
+        """The greedy completion of one data row's prompt, by the fine-tune or (``adapter`` False) the
+        base through ``disable_adapter()`` (held-out scoring)."""
+        return self.complete(self.encode([row]), 1, adapter=adapter)[0][0]
+
+    def score_row(self, row: dict[str, Any], answer: str) -> tuple[dict[str, float | None], float]:
+        """One answer to a data row's prompt, scored by every reward: (reward label -> score, total)."""
+        if not self.rewards:
+            self.load_rewards()
+        result = self.score_answers(self.encode([row]), [answer])[0]
+        return {name: values[0] for name, values in result.scores.items()}, result.totals[0]
 
     def evaluate(self, examples: Sequence[PromptExample], step: int, batch_prompts: int) -> ev.GrpoStepLogged:
         """The rewards of one greedy completion per held-out prompt (GrpoStepLogged, split validation)."""

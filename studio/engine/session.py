@@ -197,7 +197,7 @@ class Session:
     def _encode_grpo(self, splits: Any, template: str) -> TrainingData:
         """A GRPO run's prompts (studio/engine/grpo.py), and its objective."""
         from studio.core import grpo_data, prompt
-        from studio.engine.grpo import GrpoObjective, encode_prompts
+        from studio.engine.grpo import GrpoObjective
 
         field = self.config.prompt.response_field
 
@@ -208,12 +208,11 @@ class Session:
             return prompt.render(template, {**fields, field: ""}, field).prompt
 
         self.grpo = GrpoObjective(self.config, self.model, self.tokenizer, self.device, self.base.compute_dtype,
-                                  self.emit, gen.stop_ids(self.model, self.tokenizer))
-        bos = gen.bos_to_add(self.tokenizer)
-        train = encode_prompts(list(splits.train), self.config, self.tokenizer, render, bos)
+                                  self.emit, gen.stop_ids(self.model, self.tokenizer), render,
+                                  gen.bos_to_add(self.tokenizer))
+        train = self.grpo.encode(list(splits.train))
         validation_rows = list(splits.validation)[: self.config.trainer.eval_max_rows]
-        return TrainingData(train=train, validation=encode_prompts(validation_rows, self.config, self.tokenizer,
-                                                                   render, bos),
+        return TrainingData(train=train, validation=self.grpo.encode(validation_rows),
                             test_rows=list(splits.test), validation_rows=validation_rows, template=template,
                             truncated=sum(1 for e in train if e.truncated),
                             chat=any(grpo_data.conversation(row) is not None for row in splits.train[:1]))
