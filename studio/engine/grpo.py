@@ -154,8 +154,7 @@ class GrpoObjective:
         self.bos = bos
         self.rewards: list[rw.Reward] = []
         self.sampler = GroupSampler(model, device, tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                                    else (tokenizer.eos_token_id or 0), stops, compute_dtype,
-                                    graphs=config.lora is None or config.lora.dropout == 0)
+                                    else (tokenizer.eos_token_id or 0), stops, compute_dtype)
         self.seed = config.trainer.seed
         """The sampler's seed: the run's, or a restored checkpoint's."""
         self._step = 0

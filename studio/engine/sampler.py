@@ -147,8 +147,8 @@ def _forward_arguments(model: Any) -> tuple[str, bool, bool]:
 class GroupSampler:
     """Samples completions of many prompts at once with ``model`` (the session's PEFT model).
 
-    ``graphs``: capture the decode step as a CUDA graph (CUDA only; the caller turns it off when
-    the step cannot be captured, e.g. adapter dropout masks drawn per call)."""
+    ``graphs``: capture the decode step as a CUDA graph (CUDA only; the model samples in eval
+    mode, so adapter dropout draws no masks there)."""
 
     def __init__(self, model: Any, device: torch.device, pad_id: int, stops: Sequence[int],
                  compute_dtype: torch.dtype, graphs: bool = True):
@@ -287,8 +287,7 @@ class GroupSampler:
             with torch.cuda.graph(graph):
                 step()
         except Exception as exc:  # any capture failure: the eager step is still correct
-            self.graphs_failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-            torch.cuda.synchronize(self.device)
+            self.graphs_failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
             return step
         return graph.replay
 
