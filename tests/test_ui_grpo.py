@@ -136,6 +136,8 @@ async def test_template_pane_shows_the_prompt_as_the_policy_reads_it(tmp_path: P
             in render and "then writes 8 completions" in render
         assert "Q: What is 6 x 7?\nA:▌the policy writes from here (up to 256 tokens)" in render
         assert "the rewards also get: question='What is 6 x 7?'  answer=42  source='tables'" in render
+        settings = str(app.query_one("#template-settings", Static).render())
+        assert settings == "GRPO: 8 completions of up to 256 tokens · max 300 tokens"
         counts = str(app.query_one("#template-counts", Static).render())
         assert "a GRPO prompt: the policy writes the answer" in counts
         lint = str(app.query_one("#template-lint", Static).render())

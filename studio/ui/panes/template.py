@@ -231,9 +231,12 @@ class TemplatePane(Hosted, Vertical):
         """Tell the editor which fields the data has (unknown ones are coloured)."""
         config = self.host.config
         self.editor.set_fields(self._known_fields(), config.prompt.response_field)
-        self.query_one("#template-settings", Static).update(
-            f"response: {{{config.prompt.response_field}}} · EOS {'on' if config.prompt.add_eos else 'off'}"
-            f" · max {config.data.max_seq_length} tokens")
+        settings = (f"response: {{{config.prompt.response_field}}} · EOS {'on' if config.prompt.add_eos else 'off'}"
+                    f" · max {config.data.max_seq_length} tokens")
+        if is_grpo(config):  # the policy writes the response: what it samples instead
+            settings = (f"GRPO: {config.grpo.num_generations} completions of up to "
+                        f"{config.grpo.max_completion_length} tokens · max {config.data.max_seq_length} tokens")
+        self.query_one("#template-settings", Static).update(settings)
 
     def _known_fields(self) -> list[str] | None:
         """Field names a row provides: its columns, plus fields mapped onto them; None without data."""
