@@ -121,7 +121,7 @@ async def test_training_pane_plots_rewards_and_browses_the_sampled_groups(tmp_pa
             "TrainingPane").state.grpo.groups) == 6
 
 
-async def test_template_pane_shows_the_prompt_as_the_policy_reads_it(tmp_path: Path, monkeypatch) -> None:
+async def test_dataset_and_template_panes_show_a_grpo_prompt_as_the_policy_reads_it(tmp_path: Path, monkeypatch) -> None:
     workdir(tmp_path, monkeypatch)
     data = _write(tmp_path / "q.jsonl", [{"question": "What is 6 x 7?", "answer": 42, "source": "tables"}] * 3)
     config = _config(data)
@@ -129,6 +129,9 @@ async def test_template_pane_shows_the_prompt_as_the_policy_reads_it(tmp_path: P
     app = StudioApp(config, settings=False)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
+        lint = str(app.query_one("#lint-summary", Static).render())
+        # No answer column and three rows with one prompt: right for GRPO, so lint says nothing of it.
+        assert "empty output" not in lint and "different answers" not in lint, lint
         await pilot.press("2")
         await settle(pilot, rounds=1)
         render = str(app.query_one("#template-render", Static).render())

@@ -90,3 +90,11 @@ def conversation(row: Mapping[str, Any]) -> list[dict[str, str]] | None:
 def reward_columns(row: Mapping[str, Any]) -> dict[str, Any]:
     """The row's columns as the reward functions receive them (the prompt itself excluded)."""
     return {k: v for k, v in row.items() if k not in NOT_COLUMNS}
+
+
+def grpo_lint(issues: list[Any]) -> list[Any]:
+    """The dataset pane's lint for a GRPO run: a row has no answer to learn, so an empty or missing
+    response, several rows with one prompt, and a conversation that ends with the user (the shape
+    GRPO wants) are not problems; the other findings (too long, empty turns) are kept."""
+    return [i for i in issues if i.kind not in ("empty_output", "duplicate_prompt")
+            and not (i.kind == "role_order" and "last turn is not the assistant's" in i.message)]
