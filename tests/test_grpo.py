@@ -107,6 +107,38 @@ def test_a_sampled_completion_depends_on_its_key_not_on_its_batch(tiny_model: Pa
     assert [other.row(r) for r in range(12)] != [whole.row(r) for r in range(12)]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("nf4", [False, True], ids=["bf16", "nf4"])
+def test_the_decode_step_replayed_as_a_cuda_graph_samples_what_eager_steps_do(tiny_model: Path, nf4: bool) -> None:
+    """On a GPU the decode step is captured once and replayed: the completions are those of the eager
+    step, greedy and sampled, with a LoRA (peft) on the bf16 or the NF4 base, and no capture failed."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    kwargs: dict = {"dtype": torch.bfloat16}
+    if nf4:
+        pytest.importorskip("bitsandbytes")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_compute_dtype=torch.bfloat16)
+        kwargs["device_map"] = {"": 0}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, **kwargs)
+    model = get_peft_model(model if nf4 else model.cuda(), LoraConfig(r=8, target_modules="all-linear"))
+    prompts = _prompts(tok, ["s-t-o-n-e", "a-b", "q-u-i-c-k-l-y"]) * 2
+    device = torch.device("cuda")
+    runs = {}
+    for graphs in (False, True):
+        sampler = GroupSampler(model, device, tok.pad_token_id, [tok.eos_token_id], torch.bfloat16, graphs=graphs)
+        runs[graphs] = [sampler.sample(prompts, list(range(6)), seed=3, max_new=24, temperature=t) for t in (0.0, 1.0)]
+        assert sampler.graphs_failed == ""
+    for eager, graphed in zip(runs[False], runs[True], strict=True):
+        assert [eager.row(r) for r in range(6)] == [graphed.row(r) for r in range(6)]
+        assert eager.lengths == graphed.lengths
+
+
 def test_the_noise_samples_the_softmax_at_the_temperature() -> None:
     """Gumbel-max with the hashed noise: over many keys each token comes up as often as its
     probability at the temperature says (within sampling error)."""
@@ -181,7 +213,7 @@ def test_grpo_and_dr_grpo_normalise_as_their_papers_say(tiny_model: Path, tmp_pa
 
 def _first_batch(session):
     from studio.engine.batching import Cursor
-    from studio.engine.grpo import PromptStream
+    from studio.engine.grpo_prompts import PromptStream
 
     stream = PromptStream(session.data.train, 0, 64, session.grpo.per_prompt)
     units, _ = stream.take(Cursor(), 8)

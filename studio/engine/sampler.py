@@ -134,14 +134,13 @@ class Sampled:
         return self.tokens[index, : self.lengths[index]].tolist()
 
 
-def _forward_arguments(model: Any) -> tuple[str, bool, bool]:
+def _forward_arguments(model: Any) -> tuple[str, bool]:
     """How this transformers version's causal LM takes a cache (``cache`` or ``past_key_values``),
-    and whether it takes ``logits_to_keep`` and ``cache_position``."""
+    and whether it takes ``logits_to_keep``. No ``cache_position`` is passed: the positions and the
+    4D mask say everything, and the cache writes where the sampler points it."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     parameters = inspect.signature(base.forward).parameters
-    inner = inspect.signature(getattr(base, "model", base).forward).parameters
-    name = "cache" if "cache" in parameters else "past_key_values"
-    return name, "logits_to_keep" in parameters, "cache_position" in inner or "cache_position" in parameters
+    return "cache" if "cache" in parameters else "past_key_values", "logits_to_keep" in parameters
 
 
 class GroupSampler:
@@ -160,7 +159,7 @@ class GroupSampler:
         self.graphs = graphs and device.type == "cuda"
         self.graphs_failed = ""
         """Why a CUDA graph capture failed (sampling then runs eagerly from there on); '' if none did."""
-        self._cache_name, self._logits_to_keep, self._cache_position = _forward_arguments(model)
+        self._cache_name, self._logits_to_keep = _forward_arguments(model)
         self._vocab_hash: torch.Tensor | None = None
         impl = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
         self._additive_mask = impl == "eager"  # eager attention adds its mask; SDPA takes booleans
@@ -179,12 +178,10 @@ class GroupSampler:
         return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=enabled, cache_enabled=False)
 
     def _call(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: SlotCache,
-              last_only: bool, cache_position: torch.Tensor | None) -> torch.Tensor:
+              last_only: bool) -> torch.Tensor:
         kwargs: dict[str, Any] = {self._cache_name: cache, "use_cache": True}
         if last_only and self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        if self._cache_position and cache_position is not None:
-            kwargs["cache_position"] = cache_position
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits
         return logits[:, -1]
 
@@ -224,8 +221,7 @@ class GroupSampler:
         allowed = (causal[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)[None]
         cache = SlotCache(slots)
         dtype = self.compute_dtype if device.type == "cuda" else torch.float32
-        logits = self._call(ids, self._mask(allowed[:, None], dtype), positions, cache, True,
-                            torch.arange(width, device=device))
+        logits = self._call(ids, self._mask(allowed[:, None], dtype), positions, cache, True)
         if self._vocab_hash is None or self._vocab_hash.shape[0] < logits.shape[-1]:
             self._vocab_hash = vocab_hashes(logits.shape[-1], device)
         state = _DecodeState(
@@ -247,7 +243,7 @@ class GroupSampler:
         def step() -> None:
             state.seen.index_fill_(1, state.slot, True)
             logits = self._call(state.token, self._mask(state.seen[:, None, None, :], dtype), state.token_positions,
-                                cache, False, state.slot)
+                                cache, False)
             chosen = choose(logits, temperature, state.seed, state.keys, state.position, self._vocab_hash)
             chosen = torch.where(state.done, torch.full_like(chosen, self.pad_id), chosen)
             state.out.index_copy_(1, state.position, chosen[:, None])

@@ -45,7 +45,7 @@ from studio.engine import checkpoint, oom
 from studio.engine import distributed as dist
 from studio.engine import fast as fastpath
 from studio.engine.batching import Cursor, DataStream, MicroBatch, eval_batches
-from studio.engine.grpo import PromptStream
+from studio.engine.grpo_prompts import PromptStream
 from studio.engine.memory import MemorySampler
 from studio.engine.optim import build_optimizer, build_scheduler
 from studio.engine.preference import PairStream
@@ -550,7 +550,7 @@ class Trainer:
             return event
         if self.session.grpo is not None:
             # GRPO has no loss to hold out: the rewards of one greedy completion per held-out prompt.
-            self.emit(self.session.grpo.evaluate(examples, self.step, self.micro_batch_size))
+            self._evaluate_grpo(examples)
             return ev.EvalLogged(step=self.step, loss=float("nan"), perplexity=float("nan"), rows=len(examples))
         if self.session.preference is not None:
             event, metrics = self.session.preference.evaluate(examples, self.step, self.micro_batch_size,
@@ -576,6 +576,31 @@ class Trainer:
                               token_accuracy=correct / max(1, total), rows=len(examples))
         self.emit(event)
         return event
+
+    def _evaluate_grpo(self, examples: list[Any]) -> None:
+        """A GRPO run's evaluation (engine/grpo.py), its sampling batch halved on out-of-memory as
+        an SFT evaluation's is; skipped with a warning when even one prompt at a time does not fit."""
+        assert self.session.grpo is not None
+        size = min(self.micro_batch_size, self._eval_batch_cap or self.micro_batch_size)
+        while True:
+            event = None
+            try:
+                event = self.session.grpo.evaluate(examples, self.step, size)
+            except oom.OutOfMemory:
+                pass
+            if event is not None:
+                self.emit(event)
+                return
+            oom.free(self.device)  # outside the except block: the failed batch is unreferenced now
+            if size <= 1:
+                oom.warn(self.emit, (f"out of memory evaluating at step {self.step} even one prompt at a time: "
+                                     "this evaluation is skipped, training goes on; lower trainer.eval_max_rows "
+                                     "or grpo.max_completion_length"))
+                return
+            old, size = size, max(1, size // 2)
+            self._eval_batch_cap = size
+            oom.warn(self.emit, (f"out of memory evaluating at step {self.step} in batches of {old} prompts: "
+                                 f"retrying in batches of {size}; training is not affected"))
 
     def _evaluate_in_batches(self, examples: list[Any], size: int) -> tuple[float, int, int] | None:
         """:meth:`_eval_pass`, halving the batch on out-of-memory; None (and a warning) when even one
