@@ -231,6 +231,30 @@ def test_an_instruction_row_needs_only_the_prompts_fields(tmp_path: Path) -> Non
     assert set(reward_columns(row)) == {"instruction", "input", "word", "split"} and "output" not in row
 
 
+# ---------------------------------------------------------------------------------- the console
+
+
+def test_a_grpo_step_is_one_console_line_with_its_rewards_length_and_kl() -> None:
+    """`studio train` and `studio attach` word a GRPO step's metrics into that step's line; the group
+    gets no line; an evaluation gets its own."""
+    from studio.core import events as ev
+    from studio.core.report import StepLines
+
+    lines = StepLines()
+    grpo = ev.GrpoStepLogged(step=3, rewards={"exact_match": 0.25, "format_ok": None}, reward=0.5, reward_std=0.2,
+                             completion_length=41.5, truncated=0.125, kl=0.0123, completions=16, prompts=2)
+    assert lines(grpo) is None and lines(ev.GrpoGroupSampled(step=3, prompt="p", completions=[])) is None
+    line = lines(ev.StepLogged(step=3, total_steps=10, loss=0.01, learning_rate=1e-5))
+    assert line == ("step 3/10  loss 0.0100  lr 1.00e-05  reward 0.500 (exact_match 0.250, format_ok --)  "
+                    "spread 0.200  length 41.5  cut 12%  kl 0.0123")
+    assert lines(ev.StepLogged(step=4, total_steps=10, loss=0.01, learning_rate=1e-5)) == \
+        "step 4/10  loss 0.0100  lr 1.00e-05"  # an SFT step, or a GRPO step without its metrics
+    held_out = ev.GrpoStepLogged(step=0, split="validation", rewards={"exact_match": 0.0}, reward=0.0,
+                                 completion_length=9.0, prompts=16)
+    assert lines(held_out) == ("grpo eval of the base model (step 0): reward 0.000 (exact_match 0.000)  "
+                               "length 9.0 (16 prompts)")
+
+
 # ---------------------------------------------------------------------------------- config check
 
 

@@ -46,7 +46,8 @@ def main(args: argparse.Namespace) -> int:
         from studio.core import rewards
 
         try:  # the user's reward code runs here, on one row, before any model is loaded
-            checked = rewards.check_on_row(config, splits.train[0], base_dir)
+            # reward files are relative to the config file, wherever --data points
+            checked = rewards.check_on_row(config, splits.train[0], Path(args.config).resolve().parent)
         except (rewards.RewardError, rewards.RewardFailed) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -48,7 +48,7 @@ ADVANTAGE_EPS = 1e-4
 """Added to a group's standard deviation before dividing (TRL's value): a group whose rewards barely
 differ does not blow its advantages up."""
 
-GROUP_TEXT_CHARS = 2000
+GROUP_TEXT_CHARS = 1000
 """Most characters of a completion kept in a GrpoGroupSampled event (the run's log stays small)."""
 
 

@@ -588,6 +588,10 @@ class Trainer:
                 event = self.session.grpo.evaluate(examples, self.step, size)
             except oom.OutOfMemory:
                 pass
+            except RewardFailed as exc:  # a held-out row the training rows never hit: training goes on
+                self.emit(ev.WorkerFailed(kind=ev.FailureKind.REWARD, fatal=False, message=(
+                    f"{exc}; this evaluation is skipped, training goes on")))
+                return
             if event is not None:
                 self.emit(event)
                 return
