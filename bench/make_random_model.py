@@ -7,6 +7,7 @@ so the folder loads like any checkpoint, 4-bit included.
 
     python bench/make_random_model.py --arch llama2-7b --out /tmp/llama2-7b-random
     python bench/make_random_model.py --arch smollm2-135m --out /tmp/smollm2-135m-random
+    python bench/make_random_model.py --arch llama3-8b --out /tmp/llama3-8b-random
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ ARCHS = {
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
+    # Llama-3-8B: 32 layers, hidden 4096, MLP 14336, 32 heads over 8 KV heads, vocab 128256, untied head.
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
     # SmolLM2-135M: 30 layers, hidden 576, MLP 1536, 9 heads over 3 KV heads, vocab 49152, tied head.
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,

@@ -43,6 +43,9 @@ class FakeTrainer:
     preference = None
     """An SFT run: no preference pairs to score."""
 
+    grpo = None
+    """Nor a GRPO run: no rewards to score answers with."""
+
     def __init__(self, config: RunConfig, run: RunDir, emit: Callable[[ev.Event], object],
                  between_steps: BetweenSteps | None = None):
         self.config, self.run, self.emit, self.between_steps = config, run, emit, between_steps

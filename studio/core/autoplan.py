@@ -261,7 +261,7 @@ def plan(config: RunConfig, info: ModelInfo, capacity: int, headroom: int | None
         ckpts = [bool(t.gradient_checkpointing)]
     else:
         ckpts = [True] if path == "fast" else [True, False]
-    sequences = 2 if t.method in ("dpo", "orpo") else 1
+    sequences = 2 if t.method in ("dpo", "orpo") else config.grpo.num_generations if t.method == "grpo" else 1
     candidates = []
     for micro in micros:
         for ckpt in ckpts:

@@ -51,20 +51,34 @@ def main(args: argparse.Namespace) -> int:
         errors = [i for i in issues if i.severity == "error"]
         if errors:
             raise ConfigError(f"{args.config}: prompt.template: {errors[0].message}")
-    # Columns no placeholder reads: for the shapes a template renders (pairs and raw text have theirs).
-    if table is not None and splits.shape.kind in (shapes.INSTRUCTION, shapes.CHAT):
+    # Columns no placeholder reads: for the shapes a template renders (pairs and raw text have theirs;
+    # a GRPO run's other columns are its rewards').
+    if table is not None and splits.shape.kind in (shapes.INSTRUCTION, shapes.CHAT) and config.trainer.method != "grpo":
         issues += template_column_issues(adapted, table.column_names, conversations=splits.shape.kind == shapes.CHAT,
                                          filled=filled_counts(table))
     for issue in issues:
         if issue.severity == "warning":
             print(f"warning: {args.config}: prompt.template: {issue.message}")
-    tokens = _trained_tokens(args.config, adapted, splits)
+    # A GRPO row trains on the completions the policy samples, not on tokens of its own.
+    tokens = _trained_tokens(args.config, adapted, splits) if config.trainer.method != "grpo" else ""
     if tokens is None:
         return 2
     counts = splits.counts()
     print(f"{args.config}: ok: {counts['train']} training, {counts['validation']} validation and "
           f"{counts['test']} test rows from {config.data.path}; {shapes.describe(splits.shape, config)}")
-    print(tokens)
+    if tokens:
+        print(tokens)
+    if config.trainer.method == "grpo":
+        from studio.core import rewards
+
+        try:  # the user's reward code runs here, on one row, before any model is loaded
+            # reward files are relative to the config file, wherever --data points
+            checked = rewards.check_on_row(config, splits.train[0], Path(args.config).resolve().parent)
+        except (rewards.RewardError, rewards.RewardFailed) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{args.config}: rewards ok on one row: "
+              + ", ".join(f"{r.label} (weight {r.weight:g})" for r in checked))
     return 0
 
 

@@ -252,8 +252,10 @@ class TrainerConfig:
 
     method: str = "sft"
     """``sft`` (learn the responses), ``dpo`` (direct preference optimisation: prefer the chosen answer
-    over the rejected one, against the base as reference) or ``orpo`` (odds-ratio preference plus the
-    chosen answer's loss; no reference). Preference data: docs/preference.md."""
+    over the rejected one, against the base as reference), ``orpo`` (odds-ratio preference plus the
+    chosen answer's loss; no reference) or ``grpo`` (reinforcement learning from rewards your code
+    computes on sampled answers: the ``grpo`` section). Preference data: docs/preference.md; GRPO:
+    docs/grpo.md."""
 
     beta: float = 0.1
     """Preference strength. DPO: the temperature of the implicit reward (0.1-0.5 typical; lower
@@ -322,6 +324,61 @@ class GenerationConfig:
 
 
 @dataclass
+class RewardConfig:
+    """One reward of a GRPO run (docs/grpo.md): a built-in or your own Python function. In YAML a
+    bare name (``- exact_match``, ``- my_rewards.py:format_ok``) stands for ``{name: ...}``."""
+
+    name: str = ""
+    """A built-in (``exact_match``, ``regex``, ``number_match``, ``length``) or your own function as
+    ``file.py:function`` (relative to the config file) or ``package.module:function``, with TRL's
+    signature ``f(completions, prompts, **columns) -> list[float | None]`` (None: does not apply)."""
+
+    weight: float = 1.0
+    """How much this reward counts: a completion's total is the sum of weight x score."""
+
+    column: str | None = None
+    """``exact_match`` and ``number_match``: the data column holding the right answer."""
+
+    pattern: str | None = None
+    """``regex``: a Python regular expression; 1.0 when it is found in the completion (anchor it with
+    ^ and $ to match the whole completion), else 0.0."""
+
+    max_chars: int | None = None
+    """``length``: 1.0 for a completion of at most this many characters, falling linearly to 0.0 at
+    twice as many."""
+
+
+@dataclass
+class GrpoConfig:
+    """Group relative policy optimisation (``trainer.method: grpo``; docs/grpo.md): for each prompt
+    the policy (the model with its LoRA) samples a group of completions, the rewards score them, and
+    each completion is pushed up or down by how it scored against its group."""
+
+    num_generations: int = 8
+    """Completions sampled for each prompt (the group). A step's prompts are
+    ``trainer.effective_batch_size``; ``micro_batch_size`` counts prompts too."""
+
+    max_completion_length: int = 256
+    """Most tokens a completion may have. Prompts are cut from their start to fit
+    ``data.max_seq_length`` minus this."""
+
+    temperature: float = 1.0
+    """Sampling temperature of the completions (above 0; 1.0 samples the policy as it is)."""
+
+    beta: float = 0.0
+    """Weight of the KL divergence to the base model (the adapters switched off); 0 skips the
+    reference pass, as current GRPO recipes do."""
+
+    loss: str = "grpo"
+    """``grpo``: each completion's token losses averaged over its own length, then over the
+    completions; ``dr_grpo``: summed over every token and divided by completions x
+    ``max_completion_length`` (no preference for short or long answers)."""
+
+    rewards: list[RewardConfig] = field(default_factory=list)
+    """The reward functions; each completion's reward is their weighted sum."""
+
+
+@dataclass
 class RunConfig:
     """Everything one fine-tuning run needs; saved as ``runs/<id>/config.yaml``."""
 
@@ -350,6 +407,9 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """How many GPUs train it."""
 
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    """GRPO's sampling, loss and rewards (used when ``trainer.method`` is grpo)."""
+
     output_dir: str = "runs"
     """Folder under which each run gets its own directory."""
 
@@ -366,8 +426,12 @@ class RunConfig:
         return self.lora is None
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as plain data, every default filled in."""
-        return dataclasses.asdict(self)
+        """The config as plain data, every default filled in (the ``grpo`` section only when
+        ``trainer.method`` is grpo: other runs do not read it)."""
+        data = dataclasses.asdict(self)
+        if self.trainer.method != "grpo":
+            del data["grpo"]
+        return data
 
     def to_yaml(self) -> str:
         """The config as YAML that :func:`load_config` reads back unchanged."""
@@ -394,7 +458,8 @@ _CHOICES = {
     ("quantization", "on_cpu"): ("full", "keep"),
     ("trainer", "scheduler"): ("cosine", "linear", "constant"),
     ("trainer", "optimizer"): ("adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"),
-    ("trainer", "method"): ("sft", "dpo", "orpo"),
+    ("trainer", "method"): ("sft", "dpo", "orpo", "grpo"),
+    ("grpo", "loss"): ("grpo", "dr_grpo"),
 }
 
 _SEED_LIMIT = 2**32
@@ -429,6 +494,10 @@ _RANGES: list[tuple[str, str, typing.Callable[[Any], bool], str]] = [
     ("generation", "max_new_tokens", lambda v: v > 0, "greater than 0"),
     ("generation", "temperature", lambda v: 0 <= v <= 100, "in [0, 100] (0 is greedy; typical: 0.7)"),
     ("generation", "top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("grpo", "num_generations", lambda v: v >= 2, "at least 2 (a group is compared within itself)"),
+    ("grpo", "max_completion_length", lambda v: v > 0, "greater than 0 (tokens)"),
+    ("grpo", "temperature", lambda v: 0 < v <= 100, "in (0, 100] (typical: 1.0)"),
+    ("grpo", "beta", lambda v: v >= 0, "0 (no reference pass) or more (typical: 0.04)"),
 ]
 
 
@@ -468,7 +537,7 @@ def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines |
         reader.report(("prompt", "response_field"), f"'prompt.response_field' is "
                       f"{config.prompt.response_field!r}; use a name of letters, digits and _ "
                       "(map a column named otherwise with data.columns)")
-    if config.trainer.method != "sft" and (config.prompt.rejected_field == config.prompt.response_field
+    if config.trainer.method in ("dpo", "orpo") and (config.prompt.rejected_field == config.prompt.response_field
                                            or not _FIELD_NAME.fullmatch(config.prompt.rejected_field)):
         reader.report(("prompt", "rejected_field"), (
             f"'prompt.rejected_field' is {config.prompt.rejected_field!r} and 'prompt.response_field' is "
@@ -486,8 +555,23 @@ def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines |
                       "(1 or more) or 'all'")
     _check_full_finetune(config, reader)
     _check_template(config, reader)
+    if config.trainer.method == "grpo":
+        _check_grpo(config, reader)
     reader.check()
     return config
+
+
+def _check_grpo(config: RunConfig, reader: Reader) -> None:
+    """A GRPO run's rewards (studio/core/rewards.py) and room for a prompt beside the completion."""
+    from studio.core.rewards import check_configs
+
+    check_configs(config, reader)
+    g, max_len = config.grpo, config.data.max_seq_length
+    if max_len <= g.max_completion_length:
+        reader.report(("data", "max_seq_length"), (
+            f"'data.max_seq_length' is {max_len} but 'grpo.max_completion_length' is {g.max_completion_length}: "
+            "a prompt and its completion must fit in data.max_seq_length; raise it (e.g. to "
+            f"{g.max_completion_length + 256}) or lower grpo.max_completion_length"))
 
 
 def _check_full_finetune(config: RunConfig, reader: Reader) -> None:
@@ -505,8 +589,8 @@ def _check_full_finetune(config: RunConfig, reader: Reader) -> None:
     if config.trainer.method != "sft":
         reader.report(("trainer", "method"), (
             f"'trainer.method' is {config.trainer.method} but 'lora' is null (full fine-tuning): preference "
-            "runs compare against the base with the adapter switched off; give a lora section, or use "
-            "trainer.method: sft"))
+            "and GRPO runs compare against the base with the adapter switched off; give a lora section, or "
+            "use trainer.method: sft"))
     gpus = config.distributed.gpus
     if gpus != 1:
         reader.report(("distributed", "gpus"), (
@@ -614,7 +698,7 @@ def _full_finetune_spelling(raw: dict[str, Any], reader: Reader) -> None:
         raw["quantization"] = {**quantization, "bits": None}
 
 
-_SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation", "distributed")
+_SECTIONS = ("model", "quantization", "lora", "prompt", "data", "trainer", "generation", "distributed", "grpo")
 
 
 _MAX_CONFIG_BYTES = 2**20

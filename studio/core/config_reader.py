@@ -84,6 +84,11 @@ class Reader:
 
     def where(self, path: tuple[str, ...]) -> str:
         line = self.lines.get(path)
+        if line is None and path and path[-1].isdigit():
+            # A list item: its first key's line (a mapping), else the list's own (a bare value).
+            known = self.lines._lines if isinstance(self.lines, KeyLines) else self.lines
+            inside = [n for p, n in known.items() if p[:len(path)] == path]
+            line = min(inside) if inside else self.lines.get(path[:-1])
         return f"{self.source}: line {line}" if line else self.source
 
     def fail(self, path: tuple[str, ...], message: str) -> ConfigError:
@@ -149,6 +154,15 @@ class Reader:
                 self.report((*path, key), str(bad))
         return cls(**values)
 
+    def build_item(self, cls: type, value: Any, path: tuple[str, ...]) -> Any:
+        """One section of a list of sections (``grpo.rewards``): a mapping, or a bare value that
+        stands for the section's first field (``- exact_match`` is ``- {name: exact_match}``)."""
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = {dataclasses.fields(cls)[0].name: value}
+        elif not isinstance(value, dict):
+            raise self.fail(path, f"'{'.'.join(path)}' must be a mapping of keys to values or a name, got {value!r}")
+        return self.build(cls, value, path)
+
     def coerce(self, hint: Any, value: Any, path: tuple[str, ...]) -> Any:
         """``value`` as the type ``hint`` names; raises _Unreadable (reported by :meth:`build`)."""
         if dataclasses.is_dataclass(hint):
@@ -164,6 +178,9 @@ class Reader:
                 continue
             if dataclasses.is_dataclass(option):  # an optional section (``lora: null``)
                 return self.build(option, value, path)
+            item = typing.get_args(option)[0] if typing.get_origin(option) is list else None
+            if dataclasses.is_dataclass(item) and isinstance(value, list):
+                return [self.build_item(item, v, (*path, str(i))) for i, v in enumerate(value)]
             ok, converted = _convert(option, value)
             if ok:
                 return converted

@@ -52,6 +52,8 @@ def template_fields_for(config: RunConfig) -> tuple[list[str], set[str]]:
     fields, optional = _template_fields(config)
     if is_preference(config) and config.prompt.rejected_field not in fields:
         fields.append(config.prompt.rejected_field)  # the pair's other side, rendered like the response
+    if config.trainer.method == "grpo":  # the model writes the response: only the prompt's fields
+        fields = [f for f in fields if f != config.prompt.response_field]
     return fields, optional
 
 
@@ -141,13 +143,17 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
         dataset = flatten_table(dataset, config, template_fields_for(config)[0][0])
     total = len(dataset)
     chat = None if preference or shape.kind == shapes.TEXT else chat_column(dataset, data.columns)
-    if shape.kind == shapes.CHAT_PAIRS:
+    if chat is not None and config.prompt.template != "chat":
+        raise DataError(f"{source}: column '{chat[0]}' holds conversations ({chat[1]} shape); they are "
+                        "rendered with the model's chat template: set prompt.template: chat")
+    if config.trainer.method == "grpo":
+        from studio.core import grpo_data
+
+        table_rows = grpo_data.table_rows(dataset, config, source, chat)
+    elif shape.kind == shapes.CHAT_PAIRS:
         table_rows = conversation_pairs(dataset, config, source)
     elif chat is not None:
         table_rows = chat_rows(dataset, chat[0], source, chats.find_tools_column(dataset.column_names, data.columns))
-        if config.prompt.template != "chat":
-            raise DataError(f"{source}: column '{chat[0]}' holds conversations ({chat[1]} shape); they are "
-                            "rendered with the model's chat template: set prompt.template: chat")
     else:
         fields, optional = template_fields_for(config)
         values = field_columns(dataset, fields, data.columns, source, optional,

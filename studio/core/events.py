@@ -170,6 +170,45 @@ class PreferenceLogged(Event):
 
 
 @dataclass(frozen=True)
+class GrpoStepLogged(Event):
+    """A GRPO run's step (its sampled groups; emitted just before the step's StepLogged) or
+    evaluation (one greedy completion per held-out prompt). Rewards are means over the completions."""
+
+    step: int = 0
+    split: str = "train"
+    """``train`` (the optimizer step's groups) or ``validation`` (the evaluation's prompts)."""
+    rewards: dict[str, float | None] = field(default_factory=dict)
+    """Each reward's mean (over the completions it applied to; None if it applied to none), by label."""
+    reward: float = 0.0
+    """Mean total reward (each completion's weighted sum of its rewards)."""
+    reward_std: float = 0.0
+    """Mean standard deviation of the total within a group (0 on validation): the spread GRPO learns from."""
+    zero_spread: float = 0.0
+    """Fraction of groups whose completions all scored the same: they teach nothing this step."""
+    completion_length: float = 0.0
+    """Mean completion length in tokens (the stop token included)."""
+    truncated: float = 0.0
+    """Fraction of completions cut at ``grpo.max_completion_length``."""
+    kl: float | None = None
+    """Mean per-token KL divergence from the base model (None when ``grpo.beta`` is 0: not computed)."""
+    completions: int = 0
+    prompts: int = 0
+
+
+@dataclass(frozen=True)
+class GrpoGroupSampled(Event):
+    """One prompt's group from a GRPO step: its completions with each reward's score (the newest
+    group of every logged step, so the run's history can be browsed back)."""
+
+    step: int = 0
+    prompt: str = ""
+    """The prompt as the policy saw it."""
+    completions: list[dict[str, Any]] = field(default_factory=list)
+    """Per completion: ``text``, ``total``, ``scores`` (label -> value or None), ``advantage``,
+    ``tokens`` and ``stopped`` (False: cut at the length limit)."""
+
+
+@dataclass(frozen=True)
 class MemorySampled(Event):
     """Device memory, in bytes: totals from the allocator and a breakdown by category.
 
@@ -375,6 +414,11 @@ class HeldOutRowScored(Event):
     """Preference runs: the base model's log p(chosen) - log p(rejected); above 0 it prefers chosen."""
     tuned_margin: float | None = None
     """Preference runs: the same for the fine-tune."""
+    base_rewards: dict[str, float | None] | None = None
+    """GRPO runs: each reward's score of the base model's answer (None: it did not apply), and its
+    weighted total under ``total``."""
+    tuned_rewards: dict[str, float | None] | None = None
+    """GRPO runs: the same for the fine-tune's answer."""
 
 
 @dataclass(frozen=True)
@@ -397,6 +441,10 @@ class HeldOutFinished(Event):
     """Preference runs: the fraction of pairs the base model prefers the chosen answer of."""
     tuned_preference_accuracy: float | None = None
     """Preference runs: the same for the fine-tune."""
+    base_rewards: dict[str, float | None] | None = None
+    """GRPO runs: each reward's mean over the rows' base answers (and the weighted total's, ``total``)."""
+    tuned_rewards: dict[str, float | None] | None = None
+    """GRPO runs: the same for the fine-tune's answers."""
 
 
 class FailureKind(StrEnum):
@@ -412,6 +460,8 @@ class FailureKind(StrEnum):
     """Anything else: a bug, with its traceback in worker.log."""
     DISK = "disk"
     """The disk is full."""
+    REWARD = "reward"
+    """A GRPO reward function (the user's Python) raised or returned values that are not numbers."""
 
 
 class ReportedFailure(RuntimeError):

@@ -20,7 +20,8 @@ from studio.core.gpus import GB
 MB = 10**6
 """Decimal megabyte, for sizes under a gigabyte."""
 
-_FAILURE_LABELS = {"oom": "Out of memory", "data": "Data error", "config": "Config error"}
+_FAILURE_LABELS = {"oom": "Out of memory", "data": "Data error", "config": "Config error",
+                   "reward": "Reward error"}
 
 
 def format_bytes(count: int | None) -> str:
@@ -111,6 +112,59 @@ def preference_line(event: ev.PreferenceLogged) -> str:
             f"{event.rejected_logp:.2f} ({event.pairs} pairs)")
 
 
+def grpo_metrics(event: ev.GrpoStepLogged) -> str:
+    """``reward 0.812 (exact_match 0.750, format_ok 0.938)  spread 0.214  length 18.4  kl 0.0123``."""
+    parts = [f"reward {event.reward:.3f}"]
+    if event.rewards:
+        each = ", ".join(f"{name} {'--' if value is None else f'{value:.3f}'}" for name, value in event.rewards.items())
+        parts[0] += f" ({each})"
+    if event.split == "train":
+        parts.append(f"spread {event.reward_std:.3f}")
+    parts.append(f"length {event.completion_length:.1f}")
+    if event.truncated:
+        parts.append(f"cut {event.truncated:.0%}")
+    if event.kl is not None:
+        parts.append(f"kl {event.kl:.4f}")
+    return "  ".join(parts)
+
+
+def grpo_line(event: ev.GrpoStepLogged) -> str:
+    """``grpo step 40: reward ...`` (``grpo eval at step 40: ...`` for the held-out prompts)."""
+    where = (f"eval {'of the base model (step 0)' if event.step == 0 else f'at step {event.step}'}"
+             if event.split == "validation" else f"step {event.step}")
+    return f"grpo {where}: {grpo_metrics(event)} ({event.prompts} prompts)"
+
+
+class StepLines:
+    """Lines for a stream of events, as :func:`describe` words them, except that a step's memory
+    sample (rank 0's, logged just before the step) and a GRPO step's metrics (GrpoStepLogged,
+    emitted just before its StepLogged) join that step's line: one line a step. Used by
+    ``studio attach`` and the foreground ``studio train``."""
+
+    def __init__(self) -> None:
+        self._grpo: ev.GrpoStepLogged | None = None
+        self._memory: ev.MemorySampled | None = None
+
+    def __call__(self, event: ev.Event) -> str | None:
+        """The line for ``event``; None when it has none (yet)."""
+        if isinstance(event, ev.MemorySampled) and event.rank == 0:
+            self._memory = event
+            return None
+        if isinstance(event, ev.GrpoStepLogged) and event.split == "train":
+            self._grpo = event
+            return None
+        if isinstance(event, ev.GrpoGroupSampled):
+            return None  # a group is for browsing (the TUI's group view), not a console line
+        if isinstance(event, ev.StepLogged):
+            grpo, self._grpo = self._grpo, None
+            memory = self._memory if self._memory is not None and self._memory.step == event.step else None
+            line = step_line(event, memory)
+            if grpo is not None and grpo.step == event.step:
+                line += "  " + grpo_metrics(grpo)
+            return line
+        return describe(event)
+
+
 def batch_reduced_line(event: ev.BatchSizeReduced) -> str:
     """What an out-of-memory halving did, and that training goes on."""
     text = (f"step {event.step}: out of memory; micro-batch {event.old_micro_batch_size} -> "
@@ -191,6 +245,12 @@ def describe(event: ev.Event) -> str | None:
             return eval_line(event)
         case ev.PreferenceLogged():
             return preference_line(event)
+        case ev.GrpoStepLogged():
+            return grpo_line(event)
+        case ev.GrpoGroupSampled():
+            best = max(event.completions, key=lambda c: c.get("total", 0.0), default=None)
+            return (f"grpo group at step {event.step}: {cell(event.prompt, 40)!r} -> best {best['total']:.3f} "
+                    f"{cell(best.get('text', ''), 60)!r}") if best else f"grpo group at step {event.step}: empty"
         case ev.TokenGenerated():
             return None
         case ev.GenerationStarted():
@@ -249,6 +309,11 @@ def describe(event: ev.Event) -> str | None:
                 tuned += f", prefers chosen: base {event.base_preference_accuracy:.1%}" + (
                     f" fine-tuned {event.tuned_preference_accuracy:.1%}"
                     if event.tuned_preference_accuracy is not None else "")
+            if event.base_rewards is not None:  # GRPO: the rewards' total, base -> fine-tuned
+                after = (event.tuned_rewards or {}).get("total")
+                return (f"held-out: {event.rows} {event.split} prompts, mean reward base "
+                        f"{event.base_rewards.get('total') or 0:.3f}"
+                        + (f" -> fine-tuned {after:.3f}" if after is not None else "") + f" -> {event.path}")
             return (f"held-out: {event.rows} {event.split} rows, base exact {event.base_exact_match:.1%} "
                     f"similarity {event.base_similarity:.2f}{tuned} -> {event.path}")
         case ev.StatusReported():

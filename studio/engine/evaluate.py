@@ -36,6 +36,9 @@ Generate = Callable[[dict[str, str], bool, int | None], str]
 Margin = Callable[[dict[str, str], bool], float]
 """``margin(row, adapter) -> log p(chosen) - log p(rejected)``: a preference run's pair, by one model."""
 
+Rewards = Callable[[dict, str], tuple[dict[str, float | None], float]]
+"""``rewards(row, answer) -> (reward label -> score, total)``: a GRPO run's rewards of one answer."""
+
 
 def held_out_rows(config: RunConfig) -> tuple[str, list[dict], RunConfig, str]:
     """The test split, or the validation split when there is no test split: (name, rows, the
@@ -83,14 +86,17 @@ class HeldOutScoring:
 
     def __init__(self, run: RunDir, request: ev.ScoreHeldOut, generate: Generate,
                  emit: Callable[[ev.Event], object], render: Callable[[dict[str, str]], str] | None = None,
-                 margin: Margin | None = None):
+                 margin: Margin | None = None, rewards: Rewards | None = None):
         self.run, self.request, self.emit = run, request, emit
-        self._generate, self._render, self._margin = generate, render, margin
+        self._generate, self._render, self._margin, self._rewards = generate, render, margin, rewards
+        """A GRPO run (``rewards`` given): ``generate`` and ``render`` take the data row itself, and
+        both answers are scored by the run's rewards; the target shown is the first reward's column."""
         self.split, rows, config, kind = held_out_rows(run.config())
         self.response_field = config.prompt.response_field
         self.rejected_field = config.prompt.rejected_field if margin is not None else None
         """Preference runs (``margin`` given): each row is also a pair, scored by both models' margin."""
         self.raw_text = kind == "text"
+        self.target_column = next((r.column for r in config.grpo.rewards if r.column), None) if rewards else None
         self.rows = rows[:max(0, request.rows)]
         if not self.rows:
             raise ValueError(f"{config.data.path}: no held-out rows (test or validation split) to "
@@ -115,8 +121,11 @@ class HeldOutScoring:
         fields, target = prompt_and_target({k: v for k, v in row.items() if k != self.rejected_field},
                                            self.response_field, self.raw_text)
         max_new = self.request.max_new_tokens
-        base = self._generate(fields, False, max_new).strip()
-        tuned = self._generate(fields, True, max_new).strip() if self.request.adapter else None
+        source = row if self._rewards is not None else fields  # GRPO rows render from their columns
+        if self._rewards is not None:
+            target = str(row.get(self.target_column, "")) if self.target_column else ""
+        base = self._generate(source, False, max_new).strip()
+        tuned = self._generate(source, True, max_new).strip() if self.request.adapter else None
         b = score(base, target)
         t = score(tuned, target) if tuned is not None else None
         pair: dict[str, Any] = {}
@@ -124,9 +133,12 @@ class HeldOutScoring:
             pair = {"rejected": str(row.get(self.rejected_field, "")),
                     "base_margin": round(self._margin(row, False), 4),
                     "tuned_margin": round(self._margin(row, True), 4) if self.request.adapter else None}
+        if self._rewards is not None:
+            pair = {"base_rewards": self._scored(row, base),
+                    "tuned_rewards": self._scored(row, tuned) if tuned is not None else None}
         result = ev.HeldOutRowScored(
             request_id=self.request.request_id, index=index, total=len(self.rows), split=self.split,
-            fields=fields, prompt=self._render(fields) if self._render else "", target=target,
+            fields=fields, prompt=self._render(source) if self._render else "", target=target,
             base=base, tuned=tuned, base_exact=b.exact, base_similarity=round(b.similarity, 4),
             tuned_exact=t.exact if t else None, tuned_similarity=round(t.similarity, 4) if t else None,
             **pair)
@@ -135,6 +147,11 @@ class HeldOutScoring:
         if self.done:
             self._finish()
         return self.done
+
+    def _scored(self, row: dict, answer: str) -> dict[str, float | None]:
+        assert self._rewards is not None
+        scores, total = self._rewards(row, answer)
+        return {**{k: (round(v, 6) if v is not None else None) for k, v in scores.items()}, "total": round(total, 6)}
 
     def report(self) -> dict[str, Any]:
         """Totals and rows, as saved in ``eval.json``."""
@@ -146,8 +163,12 @@ class HeldOutScoring:
         if self.rejected_field is not None:
             preference = {"base_accuracy": _preferred(r.base_margin for r in self.results),
                           "fine_tuned_accuracy": _preferred(r.tuned_margin for r in self.results)}
+        rewards = None
+        if self._rewards is not None:
+            rewards = {"base": _means(r.base_rewards for r in self.results),
+                       "fine_tuned": _means(r.tuned_rewards for r in self.results) if self.request.adapter else None}
         return {
-            "run": self.run.id, "split": self.split, "rows": len(self.results),
+            "run": self.run.id, "split": self.split, "rows": len(self.results), "rewards": rewards,
             "seconds": round(time.monotonic() - self._start, 1),
             "base": {"exact_match": base.exact_match, "similarity": base.similarity},
             "fine_tuned": {"exact_match": tuned.exact_match, "similarity": tuned.similarity} if tuned else None,
@@ -156,7 +177,8 @@ class HeldOutScoring:
                          "base": r.base, "tuned": r.tuned, "base_exact": r.base_exact,
                          "tuned_exact": r.tuned_exact, "base_similarity": r.base_similarity,
                          "tuned_similarity": r.tuned_similarity, "rejected": r.rejected,
-                         "base_margin": r.base_margin, "tuned_margin": r.tuned_margin} for r in self.results],
+                         "base_margin": r.base_margin, "tuned_margin": r.tuned_margin,
+                         "base_rewards": r.base_rewards, "tuned_rewards": r.tuned_rewards} for r in self.results],
         }
 
     def _finish(self) -> None:
@@ -172,7 +194,9 @@ class HeldOutScoring:
             base_similarity=report["base"]["similarity"], tuned_exact_match=tuned.get("exact_match"),
             tuned_similarity=tuned.get("similarity"), seconds=report["seconds"],
             base_preference_accuracy=preference.get("base_accuracy"),
-            tuned_preference_accuracy=preference.get("fine_tuned_accuracy")))
+            tuned_preference_accuracy=preference.get("fine_tuned_accuracy"),
+            base_rewards=(report["rewards"] or {}).get("base"),
+            tuned_rewards=(report["rewards"] or {}).get("fine_tuned")))
 
     def _write_csv(self) -> None:
         """One line a row: its prompt fields, the target, then each model's answer and scores."""
@@ -183,11 +207,25 @@ class HeldOutScoring:
                           tuned_answer=r.tuned, tuned_exact=r.tuned_exact, tuned_similarity=r.tuned_similarity)
             if self.rejected_field is not None:
                 record.update(rejected=r.rejected, base_margin=r.base_margin, tuned_margin=r.tuned_margin)
+            if r.base_rewards is not None:
+                record.update({f"base_{k}": v for k, v in r.base_rewards.items()})
+                record.update({f"tuned_{k}": v for k, v in (r.tuned_rewards or {}).items()})
             records.append(record)
         with open(self.run.path / EVAL_CSV, "w", newline="", encoding="utf-8") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(records[0]))
             writer.writeheader()
             writer.writerows(records)
+
+
+def _means(rows: Any) -> dict[str, float | None]:
+    """Each reward's mean over the rows' scores (None where it applied to none of them)."""
+    sums: dict[str, list[float]] = {}
+    for scores in rows:
+        for name, value in (scores or {}).items():
+            sums.setdefault(name, [])
+            if value is not None:
+                sums[name].append(value)
+    return {name: round(sum(v) / len(v), 6) if v else None for name, v in sums.items()}
 
 
 def _preferred(margins: Any) -> float | None:

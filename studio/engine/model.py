@@ -198,7 +198,10 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
         # peft still calls transformers' deprecated gradient_checkpointing_* names; not ours to fix.
         warnings.simplefilter("ignore", FutureWarning)
         kbit = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
-        if kbit and not fast_path_ahead(model, config):
+        # GRPO keeps the base's embeddings, head and residual stream in the compute dtype too: its
+        # sampling KV cache and the scored pass's logits would otherwise be fp32 (core/memory/plan.py's
+        # kbit_upcast).
+        if kbit and not fast_path_ahead(model, config) and config.trainer.method != "grpo":
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
                                                     gradient_checkpointing_kwargs=ckpt_kwargs)
         else:

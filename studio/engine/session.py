@@ -31,6 +31,7 @@ import torch
 
 from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig
+from studio.core.grpo_data import is_grpo
 from studio.core.preference import is_preference
 from studio.core.runs import RunDir
 from studio.engine import checkpoint, oom, planning
@@ -49,6 +50,7 @@ from studio.engine.model import (
 from studio.engine.preference import Pair, PreferenceObjective
 
 if TYPE_CHECKING:
+    from studio.engine.grpo import GrpoObjective
     from studio.engine.train import Trainer
 
 Emit = Callable[[ev.Event], None]
@@ -97,6 +99,8 @@ class Session:
         """The fast training path (studio/engine/fast.py), or None for the plain transformers one."""
         self.preference: PreferenceObjective | None = None
         """A DPO / ORPO run's loss (studio/engine/preference.py); None for SFT."""
+        self.grpo: GrpoObjective | None = None
+        """A GRPO run's sampling, rewards and loss (studio/engine/grpo.py); None otherwise."""
         self.trainer: Trainer | None = None
         """The Trainer of the latest :meth:`train`, or None before any."""
         self.auto_plan: Any = None
@@ -138,6 +142,8 @@ class Session:
             splits = load_splits(self.config)
             # TRL's preference shapes and raw text bring their own prompt settings (core/shapes.py).
             self.config = splits.shape.adapt(self.config)
+            if is_grpo(self.config):
+                self._check_rewards(splits.train[0] if splits.train else {})
             checkpoint.seed_everything(self.config.trainer.seed)
             # auto micro-batch / checkpointing: numbers before the model is prepared (engine/planning.py)
             self.config, self.auto_plan = planning.resolve(
@@ -173,11 +179,50 @@ class Session:
                                  dtype=str(self.base.compute_dtype).removeprefix("torch."),
                                  quantization=self.base.quantization, total_params=total,
                                  trainable_params=trainable, load_seconds=round(self.base.seconds, 2)))
-        if self.data.truncated:
+        if self.data.truncated and self.grpo is not None:
+            room = self.config.data.max_seq_length - self.config.grpo.max_completion_length
+            self.emit(ev.WarningRaised(kind="data", message=(
+                f"{self.data.truncated} training prompts are longer than data.max_seq_length minus "
+                f"grpo.max_completion_length ({room} tokens) and lost their start; raise data.max_seq_length "
+                "if the prompts' beginnings matter")))
+        elif self.data.truncated:
             self.emit(ev.WarningRaised(kind="data", message=(
                 f"{self.data.truncated} training rows are longer than data.max_seq_length "
                 f"({self.config.data.max_seq_length} tokens) and were truncated; raise it if answers "
                 "get cut off")))
+
+    def _check_rewards(self, row: dict) -> None:
+        """Import the rewards and call each on one training row, before the model loads: a reward
+        that cannot run fails the run in a second, not after the load."""
+        from studio.core import rewards
+
+        try:
+            rewards.check_on_row(self.config, row)
+        except (rewards.RewardError, rewards.RewardFailed) as exc:
+            self.fail(ev.FailureKind.REWARD, f"{exc}; fix it and train again (the model did not load)")
+
+    def _encode_grpo(self, splits: Any, template: str) -> TrainingData:
+        """A GRPO run's prompts (studio/engine/grpo.py), and its objective."""
+        from studio.core import grpo_data, prompt
+        from studio.engine.grpo import GrpoObjective
+
+        field = self.config.prompt.response_field
+
+        def render(row: dict) -> str:
+            if grpo_data.conversation(row) is not None:
+                return self.render_prompt(row)  # the chat template and its generation prompt
+            fields = grpo_data.template_row(row, self.config)
+            return prompt.render(template, {**fields, field: ""}, field).prompt
+
+        self.grpo = GrpoObjective(self.config, self.model, self.tokenizer, self.device, self.base.compute_dtype,
+                                  self.emit, gen.stop_ids(self.model, self.tokenizer), render,
+                                  gen.bos_to_add(self.tokenizer))
+        train = self.grpo.encode(list(splits.train))
+        validation_rows = list(splits.validation)[: self.config.trainer.eval_max_rows]
+        return TrainingData(train=train, validation=self.grpo.encode(validation_rows),
+                            test_rows=list(splits.test), validation_rows=validation_rows, template=template,
+                            truncated=sum(1 for e in train if e.truncated),
+                            chat=any(grpo_data.conversation(row) is not None for row in splits.train[:1]))
 
     def _encode_data(self, splits: Any) -> TrainingData:
         """The splits as training examples (core/encoding.py's RowEncoder with this tokenizer); a
@@ -189,6 +234,8 @@ class Session:
         encoder = self.row_encoder(kind)
         # Conversational pairs render through the chat template itself (and say so if there is none).
         template = encoder.template if kind != "chat_pairs" else self.config.prompt.template
+        if is_grpo(self.config):
+            return self._encode_grpo(splits, template)
         if is_preference(self.config):
             tc = self.config.trainer
             self.preference = PreferenceObjective(tc.method, tc.beta, self.model, self.device, self.base.compute_dtype,

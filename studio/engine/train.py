@@ -38,12 +38,14 @@ import torch.nn.functional as F
 
 from studio.core import events as ev
 from studio.core.prompt import IGNORE_INDEX
+from studio.core.rewards import RewardError, RewardFailed
 from studio.core.runs import ADAPTER_STEP_FILE
 from studio.core.storage import DiskFull, is_disk_full
 from studio.engine import checkpoint, oom
 from studio.engine import distributed as dist
 from studio.engine import fast as fastpath
 from studio.engine.batching import Cursor, DataStream, MicroBatch, eval_batches
+from studio.engine.grpo_prompts import PromptStream
 from studio.engine.memory import MemorySampler
 from studio.engine.optim import build_optimizer, build_scheduler
 from studio.engine.preference import PairStream
@@ -135,6 +137,9 @@ class Trainer:
             tc = self.config.trainer
             if self.session.preference is not None:
                 self.stream = PairStream(self.session.data.train, tc.seed, self.config.data.max_seq_length)
+            elif self.session.grpo is not None:
+                self.stream = PromptStream(self.session.data.train, tc.seed, self.config.data.max_seq_length,
+                                           self.session.grpo.per_prompt)
             else:
                 self.stream = DataStream(self.session.data.train, tc.seed, tc.packing, self.config.data.max_seq_length)
 
@@ -168,6 +173,11 @@ class Trainer:
         self.total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * units_per_epoch / self.units_per_step))
         self.optimizer = build_optimizer(self.model, tc, self.device, self.emit)
         self.scheduler = build_scheduler(self.optimizer, tc, self.total_steps)
+        if self.session.grpo is not None:
+            try:  # imported again at every start: a reward fixed since a failure is read anew
+                self.session.grpo.load_rewards()
+            except RewardError as exc:
+                self._fail(ev.FailureKind.REWARD, str(exc))
         resumed_from = 0
         if resume:
             self._restore_newest_loadable()
@@ -214,6 +224,8 @@ class Trainer:
                 reset_peak(self.device)
             if self.session.preference is not None:
                 self.session.preference.start_step()
+            if self.session.grpo is not None:
+                self.session.grpo.start_step(self.step)
             # The next step's batches are collated while the GPU still runs this one.
             ahead = next_cursor if self.step + 1 < self.total_steps else None
             result = self._optimizer_step(batches, prepare=ahead, sample=logged)
@@ -235,6 +247,10 @@ class Trainer:
                 sampled, self._step_sample = self._step_sample, None
                 for sample in self.group.gather(sampled if sampled is not None else self.memory_event()) or []:
                     self.emit(sample)
+                if self.session.grpo is not None:  # before StepLogged: a console line joins them
+                    every_rank = self.group.gather(self.session.grpo.sums())
+                    for event in self.session.grpo.logged(self.step, every_rank) if self.group.leader else []:
+                        self.emit(event)
                 self.emit(ev.StepLogged(step=self.step, total_steps=self.total_steps,
                                         epoch=round(self.stream.epoch_progress(self.cursor), 4), loss=loss,
                                         learning_rate=lr, grad_norm=grad_norm, tokens_per_s=round(rate, 1),
@@ -355,6 +371,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         out_of_memory = False
+        reward_failed = ""
         try:
             for batch in batches:
                 with phase("studio.forward_backward"):
@@ -370,6 +387,12 @@ class Trainer:
                 del loss
         except torch.cuda.OutOfMemoryError:
             out_of_memory = True
+        except RewardFailed as exc:
+            reward_failed = str(exc)
+        if self.session.grpo is not None:
+            if self.group.any(bool(reward_failed)):
+                self._reward_failed(reward_failed)
+            step_tokens = self.group.sum_counts(self.session.grpo.step_tokens)[0]  # known once sampled
         if self.group.any(out_of_memory):  # every rank halves, and redoes the step, together
             # Outside the except block, so the traceback no longer pins the step's tensors.
             self._handle_oom()
@@ -439,6 +462,8 @@ class Trainer:
         test can wrap it (``trainer.forward = ...``), e.g. to raise a simulated out-of-memory."""
         if self.session.preference is not None:
             return self.session.preference.forward(batch)  # DPO / ORPO: studio/engine/preference.py
+        if self.session.grpo is not None:
+            return self.session.grpo.forward(batch)  # GRPO: studio/engine/grpo.py
         fast = self.session.fast
         if fast is not None and torch.is_grad_enabled():
             # Training step on the fast path: the loss only (argmax hits are an evaluation metric).
@@ -464,12 +489,34 @@ class Trainer:
         correct = (picked.argmax(-1) == wanted).sum()
         return loss, correct
 
+    def _reward_failed(self, message: str) -> None:
+        """A reward function failed on this rank or another: the step is dropped, the state before
+        it saved as a checkpoint (the sampler is counter-based, so a resume samples the same step
+        again), and the run fails in one line naming the reward, the prompt and the problem."""
+        assert self.optimizer is not None
+        messages = self.group.gather(message)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._saved_step != self.step:
+            self.save_checkpoint()
+        first = next((m for m in messages or [message] if m),
+                     "a reward function failed on another GPU (see worker.log)")
+        self._fail(ev.FailureKind.REWARD, (
+            f"{first}; the run is saved at step {self.step}: fix the reward, then continue with "
+            f"'studio train --resume {self.run.id}'"))
+
     def _handle_oom(self) -> None:
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        if self.micro_batch_size <= 1 and self.session.grpo is not None:
+            g = self.config.grpo
+            self._fail("oom", (
+                f"out of GPU memory at step {self.step + 1} even with micro_batch_size 1 (one prompt, "
+                f"{g.num_generations} completions); lower grpo.num_generations (now {g.num_generations}), "
+                f"grpo.max_completion_length (now {g.max_completion_length}) or data.max_seq_length (now "
+                f"{self.config.data.max_seq_length}), turn on trainer.gradient_checkpointing, or use a smaller model"))
         if self.micro_batch_size <= 1:
             self._fail("oom", (
                 f"out of GPU memory at step {self.step + 1} even with micro_batch_size 1; lower "
@@ -497,6 +544,10 @@ class Trainer:
         if not examples:
             event = ev.EvalLogged(step=self.step, loss=float("nan"), perplexity=float("nan"), rows=0)
             return event
+        if self.session.grpo is not None:
+            # GRPO has no loss to hold out: the rewards of one greedy completion per held-out prompt.
+            self._evaluate_grpo(examples)
+            return ev.EvalLogged(step=self.step, loss=float("nan"), perplexity=float("nan"), rows=len(examples))
         if self.session.preference is not None:
             event, metrics = self.session.preference.evaluate(examples, self.step, self.micro_batch_size,
                                                               self.tokenizer.pad_token_id)
@@ -521,6 +572,35 @@ class Trainer:
                               token_accuracy=correct / max(1, total), rows=len(examples))
         self.emit(event)
         return event
+
+    def _evaluate_grpo(self, examples: list[Any]) -> None:
+        """A GRPO run's evaluation (engine/grpo.py), its sampling batch halved on out-of-memory as
+        an SFT evaluation's is; skipped with a warning when even one prompt at a time does not fit."""
+        assert self.session.grpo is not None
+        size = min(self.micro_batch_size, self._eval_batch_cap or self.micro_batch_size)
+        while True:
+            event = None
+            try:
+                event = self.session.grpo.evaluate(examples, self.step, size)
+            except oom.OutOfMemory:
+                pass
+            except RewardFailed as exc:  # a held-out row the training rows never hit: training goes on
+                self.emit(ev.WarningRaised(kind=ev.FailureKind.REWARD, message=(
+                    f"{exc}; this evaluation is skipped, training goes on")))
+                return
+            if event is not None:
+                self.emit(event)
+                return
+            oom.free(self.device)  # outside the except block: the failed batch is unreferenced now
+            if size <= 1:
+                oom.warn(self.emit, (f"out of memory evaluating at step {self.step} even one prompt at a time: "
+                                     "this evaluation is skipped, training goes on; lower trainer.eval_max_rows "
+                                     "or grpo.max_completion_length"))
+                return
+            old, size = size, max(1, size // 2)
+            self._eval_batch_cap = size
+            oom.warn(self.emit, (f"out of memory evaluating at step {self.step} in batches of {old} prompts: "
+                                 f"retrying in batches of {size}; training is not affected"))
 
     def _evaluate_in_batches(self, examples: list[Any], size: int) -> tuple[float, int, int] | None:
         """:meth:`_eval_pass`, halving the batch on out-of-memory; None (and a warning) when even one
@@ -583,6 +663,8 @@ class Trainer:
             "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed, "seed": self.config.trainer.seed,
             "processes": self.group.world,
         }
+        if self.session.grpo is not None:
+            state["grpo_sampler"] = self.session.grpo.sampler_state()
         for attempt in (1, 2):
             failed = False
             try:
@@ -649,6 +731,8 @@ class Trainer:
             self.emit(ev.WarningRaised(kind="config", message=dist.resume_note(
                 saved_on, self.group.world, self.units_per_step, self.accumulation_steps)))
         self.best_eval_loss = state.get("best_eval_loss")
+        if self.session.grpo is not None:
+            self.session.grpo.restore_sampler(state.get("grpo_sampler"))
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.elapsed = float(state.get("elapsed_s", 0.0))
 

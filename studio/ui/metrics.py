@@ -11,10 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from studio.core import events as ev
 from studio.core import report
 from studio.core.report import format_duration
+
+if TYPE_CHECKING:
+    from studio.ui.grpo_metrics import GrpoCurves
 
 DEFAULT_SMOOTHING = 0.9
 """EMA weight of the past in the smoothed loss curve (TensorBoard's default is 0.6; a noisy
@@ -93,6 +97,12 @@ class PreferenceCurves:
         return report.preference_line(event) if event is not None else ""
 
 
+def _grpo_curves() -> GrpoCurves:
+    from studio.ui.grpo_metrics import GrpoCurves  # it builds on Series, defined above
+
+    return GrpoCurves()
+
+
 def ema(values: Iterable[float], smoothing: float = DEFAULT_SMOOTHING) -> list[float]:
     """Exponential moving average with bias correction, so the first points are not pulled to 0."""
     out: list[float] = []
@@ -133,6 +143,8 @@ class TrainingState:
     last_eval: ev.EvalLogged | None = None
     preference: PreferenceCurves = field(default_factory=PreferenceCurves)
     """DPO / ORPO runs' curves (empty for SFT)."""
+    grpo: GrpoCurves = field(default_factory=_grpo_curves)
+    """GRPO runs' rewards, lengths, KL and sampled groups (empty otherwise)."""
     base_eval: ev.EvalLogged | None = None
     """The base model's evaluation (step 0, before training): the "before" of the eval curve."""
     memory: ev.MemorySampled | None = None
@@ -203,6 +215,7 @@ class TrainingState:
             for series in (self.loss, self.eval_loss, self.learning_rate):
                 series.truncate(event.resumed_from_step)
             self.preference.truncate(event.resumed_from_step)
+            self.grpo.truncate(event.resumed_from_step)
             self.step = event.resumed_from_step
             self.notices.append(f"resumed from the checkpoint at step {event.resumed_from_step}")
         else:
@@ -240,6 +253,12 @@ class TrainingState:
 
     def _on_PreferenceLogged(self, event: ev.PreferenceLogged) -> None:
         self.preference.add(event)
+
+    def _on_GrpoStepLogged(self, event: ev.GrpoStepLogged) -> None:
+        self.grpo.add(event)
+
+    def _on_GrpoGroupSampled(self, event: ev.GrpoGroupSampled) -> None:
+        self.grpo.add_group(event)
 
     def _on_MemorySampled(self, event: ev.MemorySampled) -> None:
         if event.rank == 0:  # a multi-GPU run's other cards are the VRAM pane's
@@ -313,6 +332,8 @@ class TrainingState:
         """The last evaluation: loss, perplexity and token accuracy."""
         if self.preference.active:
             return self.preference.eval_line()
+        if self.grpo.active:
+            return self.grpo.eval_line()
         if self.last_eval is None:
             return "eval: none yet"
         return report.eval_line(self.last_eval)

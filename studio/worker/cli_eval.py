@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +26,10 @@ from studio.worker.launch import GpuLock
 
 
 def format_table(report: dict[str, Any], width: int = 28) -> str:
-    """The report as a plain-text table: target, base answer, fine-tuned answer, marks."""
+    """The report as a plain-text table: target, base answer, fine-tuned answer, marks (a GRPO run:
+    :func:`rewards_table`)."""
+    if report.get("rewards"):
+        return rewards_table(report, width)
     # Answers start after a two-character mark column (a tick for an exact match).
     lines = [f"{'#':>3}  {'target':<{width}}  {'  base':<{width}}  {'  fine-tuned':<{width}}  sim b/t"]
     for r in report["results"]:
@@ -43,6 +47,46 @@ def format_table(report: dict[str, Any], width: int = 28) -> str:
     if preference:
         lines.append(_preference_table(report["results"], preference, report["split"]))
     return "\n".join(lines)
+
+
+def rewards_table(report: dict[str, Any], width: int = 28) -> str:
+    """A GRPO run's held-out prompts: each model's answer with its total reward, then each reward's
+    mean, base -> fine-tuned."""
+    lines = [f"{'#':>3}  {'prompt':<{width}}  {'base':<{width}}  {'reward':>6}  {'fine-tuned':<{width}}  "
+             f"{'reward':>6}"]
+    prompts = _varying([r.get("prompt") or _fields_text(r["fields"]) for r in report["results"]])
+    for r, prompt in zip(report["results"], prompts, strict=True):
+        base, tuned = r.get("base_rewards") or {}, r.get("tuned_rewards") or {}
+        lines.append(f"{r['index']:>3}  {cell(prompt, width):<{width}}  "
+                     f"{cell(r['base'], width):<{width}}  {_reward(base.get('total')):>6}  "
+                     f"{cell(r['tuned'], width):<{width}}  {_reward(tuned.get('total')):>6}")
+    rewards = report["rewards"]
+    base, tuned = rewards["base"], rewards.get("fine_tuned") or {}
+    lines.append("")
+    lines.append(f"{report['rows']} {report['split']} prompts, mean reward base -> fine-tuned:")
+    for name in base:
+        lines.append(f"  {name:<24} {_reward(base[name]):>8} -> {_reward(tuned.get(name))}")
+    return "\n".join(lines)
+
+
+def _reward(value: float | None) -> str:
+    """A reward as a table shows it; ``-`` where it did not apply."""
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _varying(texts: list[str]) -> list[str]:
+    """Each text without what every one of them starts and ends with (a template's scaffolding),
+    so a narrow column shows what differs; several texts only, and never down to nothing."""
+    if len(texts) < 2:
+        return texts
+    head = len(os.path.commonprefix(texts))
+    tail = len(os.path.commonprefix([t[head:][::-1] for t in texts]))
+    cut = [t[head:len(t) - tail] for t in texts]
+    return cut if all(c.strip() for c in cut) else texts
+
+
+def _fields_text(fields: dict[str, str]) -> str:
+    return " ".join(str(v) for v in fields.values())
 
 
 def _preference_table(results: list[dict[str, Any]], preference: dict[str, Any], split: str) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 from studio.core import events as ev
 from studio.core.cells import cell
 from studio.core.config import ConfigError
-from studio.core.report import describe, format_duration, step_line
+from studio.core.report import StepLines, describe, format_duration
 from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
 from studio.core.storage import LOW_SPACE_BYTES, disk_full_message, free_bytes
 from studio.worker.client import (
@@ -201,26 +201,11 @@ def resume_run(run: RunDir, from_scratch: bool = False) -> Outcome:
 # ------------------------------------------------------------------------------------- attach
 
 
-class _EventPrinter:
-    """``studio attach``'s lines: each event's, with its time. A step's memory sample (logged just
-    before the step) goes on the step's line, as ``studio train`` prints it, not on a line of its own
-    that repeats the step; another GPU's sample of a data-parallel run keeps its own line."""
-
-    def __init__(self) -> None:
-        self.memory: ev.MemorySampled | None = None
-
-    def __call__(self, event: ev.Event) -> None:
-        if isinstance(event, ev.MemorySampled) and event.rank == 0:
-            self.memory = event
-            return
-        if isinstance(event, ev.StepLogged):
-            memory = self.memory if self.memory is not None and self.memory.step == event.step else None
-            line: str | None = step_line(event, memory)
-        else:
-            line = describe(event)
-        if line is not None:
-            stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
-            print(f"{stamp}  {line}", flush=True)
+def _print_event(event: ev.Event, lines: Callable[[ev.Event], str | None] = describe) -> None:
+    line = lines(event)
+    if line is not None:
+        stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+        print(f"{stamp}  {line}", flush=True)
 
 
 def _ends_follow(event: ev.Event) -> bool:
@@ -234,25 +219,25 @@ def attach(args: argparse.Namespace) -> int:
     Ctrl-C detaches; the run goes on."""
     run = find_run(getattr(args, "run", None), _runs_root(args))
     client = WorkerClient(run)
-    show = _EventPrinter()
+    lines = StepLines()  # a step's memory and GRPO metrics join its step line
     try:
         print(f"run {run.id}  ({run.path})", flush=True)
         for event in client.catch_up():
-            show(event)
+            _print_event(event, lines)
         if client.status is not None and not client.status.state.in_training or \
                 client.status is None and not _starting(run):
             client.close()
             return _explain_not_live(run)
         while True:
             for event in client.poll(1.0):
-                show(event)
+                _print_event(event, lines)
                 if _ends_follow(event):
                     client.close()
                     return 1 if isinstance(event, ev.WorkerFailed) else 0
             if not client.connected and run.worker_pid() is None:
                 client.close()
                 for event in client.poll(0):
-                    show(event)
+                    _print_event(event, lines)
                 return _explain_not_live(run)
     except KeyboardInterrupt:
         client.close()

@@ -56,6 +56,10 @@ def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
         config.model.base_model = args.model
     if getattr(args, "gpus", None):
         config.distributed.gpus = args.gpus
+    if config.trainer.method == "grpo":
+        from studio.core.rewards import resolve_paths
+
+        resolve_paths(config, Path(args.config).resolve().parent)  # reward files, like the data
     if config.data.path:
         found = resolve_path(config.data.path, base_dir)
         if found is not None:
@@ -74,10 +78,10 @@ class ConsolePrinter:
         # Looked up now, not at import: sys.stdout may have been replaced since (tests, redirects).
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.bar = self.err.isatty()
-        self.memory: ev.MemorySampled | None = None
         self.saw_disk_full = False
         """Whether the console showed the worker's disk-full failure."""
         self._bar_shown = False
+        self._lines = report.StepLines()
         self._lock = threading.Lock()  # the console thread and Ctrl-C's message share the lines
 
     def line(self, text: str) -> None:
@@ -102,14 +106,13 @@ class ConsolePrinter:
 
     def __call__(self, event: ev.Event) -> None:
         if isinstance(event, ev.MemorySampled):
-            if event.rank == 0:
-                self.memory = event  # shown on the next step's line (rank 0's card on several GPUs)
+            self._lines(event)  # rank 0's card goes on the next step's line
         elif isinstance(event, ev.StepLogged):
-            self.line(report.step_line(event, self.memory))
+            self.line(self._lines(event) or "")
             self.draw_bar(event.step, event.total_steps, event.eta_s)
         elif not isinstance(event, (ev.TokenGenerated, ev.GenerationStarted, ev.GenerationFinished,
                                     ev.WorkerStarted, ev.WorkerStopped, ev.StatusReported)):
-            line = report.describe(event)
+            line = self._lines(event)
             if isinstance(event, ev.WorkerFailed) and event.kind == "disk":
                 self.saw_disk_full = True
             if line is not None:

@@ -447,10 +447,15 @@ class Worker:
         def generate(row: dict[str, str], adapter: bool, max_new_tokens: int | None) -> str:
             return session.generate(row, adapter=adapter, max_new_tokens=max_new_tokens, temperature=0.0).text
 
+        grpo = session.grpo  # GRPO: greedy answers to each row's prompt, scored by the run's rewards
         try:
             preference = session.preference  # DPO / ORPO: pairs scored by margin too
-            self._scoring = HeldOutScoring(self.run, command, generate, self.emit, render=session.render_prompt,
-                                           margin=preference.margin if preference is not None else None)
+            if grpo is not None:
+                self._scoring = HeldOutScoring(self.run, command, lambda row, adapter, _n: grpo.answer(row, adapter),
+                                               self.emit, render=grpo.render, rewards=grpo.score_row)
+            else:
+                self._scoring = HeldOutScoring(self.run, command, generate, self.emit, render=session.render_prompt,
+                                               margin=preference.margin if preference is not None else None)
         except (OSError, ValueError) as exc:  # DataError is a ValueError: a message a person can act on
             refuse(str(exc))
 

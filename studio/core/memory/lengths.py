@@ -63,6 +63,8 @@ def data_lengths(config: RunConfig, rows: Iterable[dict] | None = None,
 
     if is_preference(config):
         return (), "preference pairs are sized as max_seq_length rows"
+    if config.trainer.method == "grpo":
+        return (), "GRPO's rows (a prompt and a completion) are sized as max_seq_length rows"
     try:
         tok = load_tokenizer_info(config.model.base_model, config.model.revision)
     except (TokenizerNotFound, OSError, ValueError) as exc:

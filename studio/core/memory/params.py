@@ -78,7 +78,7 @@ def weight_bytes(info: ModelInfo, plan: Plan) -> int:
     if plan.lora_r is None:  # full fine-tuning: everything in the weights' dtype (int8: illustrative)
         other_bytes = DTYPE_BYTES[plan.compute if plan.quantized else plan.weights]
     else:
-        other_bytes = 4 if plan.quantized else DTYPE_BYTES[plan.compute]
+        other_bytes = 4 if plan.upcast else DTYPE_BYTES[plan.compute]
     return int(info.layers * linear + other * other_bytes)
 
 

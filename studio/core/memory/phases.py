@@ -23,7 +23,15 @@ micro-batch 32 under a 15 GB cap and died in its final evaluation):
   (:attr:`PhasePeak.host_kv`, which the engine reads: engine/session.py) and the card holds
   :data:`KV_LAYERS_ON_CARD` layers of it at a time;
 - **checkpoint save**: the adapter and the optimizer state are copied to the host tensor by tensor;
-  nothing beyond what persists on the card.
+  nothing beyond what persists on the card;
+- **GRPO sampling** (a GRPO run's, engine/sampler.py): a micro-batch's prompts, each
+  ``num_generations`` times, sampled together: the KV cache of every row for ``data.max_seq_length``
+  slots (prompt room plus ``max_completion_length``, allocated whole), the prefill's working set of
+  one layer over every row's prompt, one weight dequantized by bitsandbytes, the last position's
+  logits with the sampling noise (int64 hashes and fp32 draws of a row x the vocabulary), and on a
+  GPU the decode step's CUDA graph pool, about one more dequantized weight; the gradients of the
+  step's earlier micro-batches are alive. A GRPO run's evaluation is the same greedy sampling of
+  held-out prompts, so its evaluation phase is this one.
 
 What persists through all of them: the weights, the adapters, the optimizer state (gradients are
 freed after every optimizer step: ``zero_grad(set_to_none=True)``), on the fast path its shared
@@ -44,7 +52,7 @@ from studio.core.memory.fast import dequant_buffer_bytes, dequantizes, graph_poo
 from studio.core.memory.params import compute_bytes
 from studio.core.memory.plain import stream_bytes
 from studio.core.memory.plan import Plan
-from studio.core.memory.result import PHASES, Estimate, PhasePeak
+from studio.core.memory.result import GRPO_SAMPLING, Estimate, PhasePeak
 from studio.core.model_info import ModelInfo
 from studio.core.plan import graphs_for
 
@@ -100,7 +108,7 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
     # fp32 after prepare_model_for_kbit_training on the plain one
     stream = c if fast_path else stream_bytes(plan)
     head_copy = 0
-    if not fast_path and plan.quantized and plan.lora_r is not None and c < 4:
+    if not fast_path and plan.upcast and c < 4:
         head_copy = c * info.head_params()  # autocast's bf16 copy of the fp32 output head, per call
     dequant = max(a * b for a, b in info.linear_shapes().values()) * 2 if plan.quantized else 0
 
@@ -143,12 +151,33 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
         generation = peak(answer + on_card, (f"KV cache of {prompt} + {plan.generate_new_tokens} tokens "
                                              f"({kv / 1e9:.2f} GB) on the host, {KV_LAYERS_ON_CARD} layers "
                                              "of it on the card; last logits only"), host_kv=True)
-    return {"training step": PhasePeak(step.peak_allocated, step.peak_reserved, "the step's activations"),
-            "evaluation": peak(evaluation, eval_held),
-            "generation": generation,
-            "checkpoint save": peak(0, "adapter and optimizer state copied to the host")}
+    phases = {"training step": PhasePeak(step.peak_allocated, step.peak_reserved, "the step's activations"),
+              "evaluation": peak(evaluation, eval_held),
+              "generation": generation,
+              "checkpoint save": peak(0, "adapter and optimizer state copied to the host")}
+    if plan.grpo_completion:
+        grads = kept["gradients"] if plan.accumulation > 1 else 0
+        work, held = grpo_sampling(info, plan, stream, dequant)
+        phases[GRPO_SAMPLING] = peak(work + grads, held)
+        phases["evaluation"] = peak(work, f"greedy completions of held-out prompts: {held}")
+    return phases
+
+
+def grpo_sampling(info: ModelInfo, plan: Plan, stream: int, dequant: float) -> tuple[float, str]:
+    """Bytes a GRPO micro-batch's sampling holds beyond what persists, and what they are in words."""
+    rows = plan.micro_batch * plan.sequences_per_example
+    prompt = max(1, plan.seq_len - plan.grpo_completion)
+    kv = info.layers * 2 * info.kv_heads * info.head_width * rows * plan.seq_len * stream
+    tokens = rows * prompt
+    prefill = tokens * stream * info.hidden * 2 + tokens * _layer_forward(info, stream) + rows * prompt * prompt
+    # the last position's logits (compute dtype, fp32) and the noise: int64 hashes, fp32 draws
+    choose = rows * info.vocab * (compute_bytes(plan) + 4 + 3 * 8 + 4)
+    graph_pool = dequant  # the decode step's captured working set, about one dequantized weight
+    return (kv + prefill + dequant + choose + graph_pool,
+            f"KV cache of {rows} rows x {plan.seq_len} slots ({kv / 1e9:.2f} GB), the prefill of "
+            f"{rows} x {prompt} prompt tokens, last logits only")
 
 
 def peak_phase(phases: dict[str, PhasePeak]) -> str:
     """The phase that sets the run's peak reserved memory (the training step on a tie)."""
-    return max(PHASES, key=lambda name: (phases[name].reserved, name == "training step"))
+    return max(phases, key=lambda name: (phases[name].reserved, name == "training step"))

@@ -51,7 +51,7 @@ def stream_bytes(plan: Plan) -> int:
     """
     if plan.lora_r is None:
         return dtype_bytes(plan.compute) if plan.quantized else dtype_bytes(plan.weights)
-    return 4 if plan.quantized else dtype_bytes(plan.compute)
+    return 4 if plan.upcast else dtype_bytes(plan.compute)
 
 
 def _input_saved(n: int, dtype: int, modules: tuple[str, ...], plan: Plan) -> float:
@@ -77,7 +77,7 @@ def _input_saved(n: int, dtype: int, modules: tuple[str, ...], plan: Plan) -> fl
         total += c * (plan.lora_r or 0)  # lora_A's output, kept by lora_B
         if plan.lora_dropout > 0:
             total += n + c * n  # CUDA dropout keeps a one-byte mask; lora_A keeps its own input copy
-        elif dtype != c or (not plan.quantized and c != 4):
+        elif dtype != c or (not plan.upcast and c != 4):
             # autocast casts per call (PEFT's plain LoRA first casts to its fp32 weights)
             total += c * n
         else:
@@ -187,6 +187,20 @@ def _loss_bytes_per_token(info: ModelInfo, plan: Plan) -> float:
     return max(c + 8, 12) * info.vocab + 4 * info.hidden  # + the final norm's input
 
 
+GRPO_SLICE_BYTES = 2 * 4 * 2**25
+"""engine/token_logps.py works through the logits a slice of 2**25 of them at a time in fp32: the
+slice and the softmax made from it in backward."""
+
+
+def grpo_logit_bytes(info: ModelInfo, plan: Plan) -> float:
+    """The loss moment of GRPO's scored pass (engine/grpo.py): logits of the completion positions
+    only (``logits_to_keep``: completion + 1 a row) in the compute dtype, kept for backward by
+    engine/token_logps.py (no fp32 copy), their gradient in backward, and its fp32 slices."""
+    c = dtype_bytes(plan.compute)
+    rows = plan.micro_batch * plan.sequences_per_example
+    return rows * (plan.grpo_completion + 1) * info.vocab * 2 * c + GRPO_SLICE_BYTES + plan.tokens * 4 * info.hidden
+
+
 @dataclass(frozen=True)
 class Moments:
     """Activation bytes (beyond parameters and optimizer state) at the three candidate peaks, and
@@ -209,12 +223,13 @@ def moments(info: ModelInfo, plan: Plan, grads: int) -> Moments:
     # LLM.int8 keeps its inputs past checkpointing (int8_kept_bytes); without it they are in per_layer
     kept = int8_kept_bytes(info, plan) if plan.checkpointing else 0.0
     saved = t * info.layers * (rs * info.hidden + kept if plan.checkpointing else per_layer)
-    head_dtype = 4 if plan.quantized and plan.lora_r is not None else rs
+    head_dtype = 4 if plan.upcast else rs
     # autocast's bf16 copies of fp32 weights that need a gradient path stay in the graph
     head_copy = c * (info.embedding_params() if info.tied else info.head_params()) if head_dtype != c else 0
     lora_copy = c * trainable_params(info, plan) if plan.lora_r is not None and c < 4 else 0
     fixed = CUBLAS_WORKSPACE_BYTES + lora_copy
-    loss = saved + t * _loss_bytes_per_token(info, plan) + head_copy + fixed
+    logits = grpo_logit_bytes(info, plan) if plan.grpo_completion else t * _loss_bytes_per_token(info, plan)
+    loss = saved + logits + head_copy + fixed
     if plan.accumulation > 1:
         loss += grads  # gradients of earlier micro-batches are alive through this forward
     shapes = info.linear_shapes().values()
@@ -375,7 +390,7 @@ def plain_step(info: ModelInfo, plan: Plan) -> Estimate:
     if paged:
         notes.append("paged optimizer state lives in unified memory: it spills to host RAM under "
                      "pressure and torch.cuda's counters do not see it")
-    if plan.sequences_per_example == 2:
+    if plan.sequences_per_example == 2 and not plan.grpo_completion:
         notes.append("a preference pair is two sequences (chosen, rejected): the micro-batch counts pairs"
                      + ("; DPO's reference pass (adapter off, no gradients) adds a forward's time, not memory"
                         if plan.reference_pass else ""))

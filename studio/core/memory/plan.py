@@ -96,6 +96,22 @@ class Plan:
     generate_new_tokens: int = 128
     """The generation phase's answer length (``generation.max_new_tokens``)."""
 
+    kbit_upcast: bool = True
+    """A k-bit QLoRA base prepared by PEFT's ``prepare_model_for_kbit_training``, which casts the
+    embeddings, the output head and the norms to fp32 (and so the residual stream); False where the
+    engine keeps them in the compute dtype (GRPO runs: engine/model.py)."""
+
+    grpo_completion: int = 0
+    """GRPO runs: ``grpo.max_completion_length`` (0: not a GRPO run). A micro-batch is prompts, each
+    ``sequences_per_example`` (the group) rows of prompt + completion; the scored pass takes logits
+    of the completion positions only, and the run has a sampling phase (core/memory/phases.py)."""
+
+    @property
+    def upcast(self) -> bool:
+        """Whether the base's unquantized parts and residual stream are fp32 (:attr:`kbit_upcast`
+        applied to a quantized LoRA base)."""
+        return self.quantized and self.lora_r is not None and self.kbit_upcast
+
     @property
     def data_sized(self) -> bool:
         """Whether the step is sized from the data's token lengths (unpacked SFT with lengths known)
@@ -150,6 +166,7 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
     else:
         names = ALL_LINEAR if targets == "all-linear" else tuple(t for t in targets)
     accumulation = config.trainer.accumulation_steps()
+    grpo = config.trainer.method == "grpo"
     return Plan(weights=weights, double_quant=q.double_quant, compute=compute,
                 lora_r=lora.r if lora is not None else None, lora_targets=names,
                 lora_dropout=lora.dropout if lora is not None else 0.0,
@@ -159,6 +176,8 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
                 optimizer=config.trainer.optimizer, accumulation=accumulation, attention=attention,
                 expandable_segments=(expandable_segments_from_env(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
                                      if expandable_segments is None else expandable_segments),
-                sequences_per_example=2 if config.trainer.method in ("dpo", "orpo") else 1,
+                sequences_per_example=(2 if config.trainer.method in ("dpo", "orpo") else
+                                       config.grpo.num_generations if grpo else 1),
                 reference_pass=config.trainer.method == "dpo", packing=config.trainer.packing,
-                lengths=tuple(lengths), generate_new_tokens=config.generation.max_new_tokens)
+                lengths=tuple(lengths), generate_new_tokens=config.generation.max_new_tokens,
+                kbit_upcast=not grpo, grpo_completion=config.grpo.max_completion_length if grpo else 0)

@@ -14,7 +14,11 @@ CATEGORIES = ("weights", "lora", "gradients", "optimizer", "activations", "overh
 """Category keys, in drawing order; engine/memory.py measures the same ones."""
 
 PHASES = ("training step", "evaluation", "generation", "checkpoint save")
-"""The phases of a run, in the order a run meets them; the estimate's peak is the largest."""
+"""The phases of a run, in the order a run meets them; the estimate's peak is the largest. A GRPO
+run has one more, :data:`GRPO_SAMPLING`."""
+
+GRPO_SAMPLING = "GRPO sampling"
+"""A GRPO run's phase that samples the group's completions (core/memory/phases.py)."""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from studio.core import chat, shapes
 from studio.core import data as datalib
 from studio.core import prompt as prompts
 from studio.core.cells import cell
+from studio.core.grpo_data import grpo_lint, is_grpo
 from studio.core.preference import is_preference, pair_lint
 from studio.ui.host import Pane
 from studio.ui.messages import ConfigChanged, TokenizerChanged
@@ -455,6 +456,8 @@ class DatasetPane(Pane, Vertical):
                                        add_eos=config.prompt.add_eos, chat_template=counter.chat_template)
             if is_preference(config):
                 issues = pair_lint(table.dataset, config, issues)
+            elif is_grpo(config):
+                issues = grpo_lint(issues)
         except (datalib.DataError, ValueError) as exc:
             app.call_from_thread(self._show_lint_error, str(exc))
         else:

@@ -30,11 +30,13 @@ from studio.core import events as ev
 from studio.core import prompt as prompts
 from studio.core.config import PromptConfig
 from studio.core.datastats import template_column_issues
+from studio.core.grpo_data import is_grpo
 from studio.core.preference import is_preference
 from studio.core.shapes import TRL_STANDARD_TEMPLATE
 from studio.ui.host import Pane
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged, WorkerEvents
 from studio.ui.widgets.pair_view import pair_preview
+from studio.ui.widgets.policy_prompt import policy_preview
 from studio.ui.widgets.prompt_preview import count_line, legend, measure, preview_content, untrained_note
 from studio.ui.widgets.template_editor import TemplateEditor
 
@@ -240,9 +242,12 @@ class TemplatePane(Pane, Vertical):
         """Tell the editor which fields the data has (unknown ones are coloured)."""
         config = self.host.config
         self.editor.set_fields(self._known_fields(), config.prompt.response_field)
-        self.query_one("#template-settings", Static).update(
-            f"response: {{{config.prompt.response_field}}} · EOS {'on' if config.prompt.add_eos else 'off'}"
-            f" · max {config.data.max_seq_length} tokens")
+        settings = (f"response: {{{config.prompt.response_field}}} · EOS {'on' if config.prompt.add_eos else 'off'}"
+                    f" · max {config.data.max_seq_length} tokens")
+        if is_grpo(config):  # the policy writes the response: what it samples instead
+            settings = (f"GRPO: {config.grpo.num_generations} completions of up to "
+                        f"{config.grpo.max_completion_length} tokens · max {config.data.max_seq_length} tokens")
+        self.query_one("#template-settings", Static).update(settings)
 
     def _known_fields(self) -> list[str] | None:
         """Field names a row provides: its columns, plus fields mapped onto them; None without data."""
@@ -283,7 +288,14 @@ class TemplatePane(Pane, Vertical):
             blocks = -(-measured.total // config.data.max_seq_length)
             counts += Content(f"\n{blocks} blocks of data.max_seq_length ({config.data.max_seq_length}) tokens "
                               "train it; nothing is cut")
-        if is_preference(config) and selected:
+        if is_grpo(config):
+            counts = Content.from_markup("[b $accent]$where[/] · [b]a GRPO prompt: the policy writes the "
+                                         "answer[/]\n[dim]$label[/]", where=where, label=app.counter.label)
+            # GRPO: no answer to learn; the prompt as the policy reads it, and what the rewards get.
+            column = next((k for k, v in row.items() if chats.shape_of(v) is not None), None)
+            content = policy_preview(text, row, config, app.counter, conversation_of(row, config.data.columns),
+                                     column)
+        elif is_preference(config) and selected:
             # A DPO / ORPO row trains on two texts: the chosen answer's and the rejected one's.
             try:
                 content = pair_preview(text, row, config, app.counter)
@@ -323,7 +335,10 @@ class TemplatePane(Pane, Vertical):
             # instruction rows, so the data's columns are not its fields.
             issues = [i for i in issues if i.kind != "unknown_field"]
         trl_pairs = text == TRL_STANDARD_TEMPLATE.replace("{chosen}", "{" + config.prompt.response_field + "}")
-        if self._columns is not None and not trl_pairs:  # TRL's rejected column is the pair's other side
+        if is_grpo(config):  # the model writes the response: a template without one is right
+            issues = [i for i in issues if i.kind not in ("no_response", "response_not_at_end", "no_eos",
+                                                          "double_eos", "no_separator")]
+        elif self._columns is not None and not trl_pairs:  # TRL's rejected column is the pair's other side
             issues += template_column_issues(config, self._columns, conversations=self._conversations)
         lint = self.query_one("#template-lint", Static)
         lint.set_class(any(i.severity == "error" for i in issues), "-error")

@@ -26,6 +26,9 @@ from studio.ui.host import Pane
 from studio.ui.messages import MemorySample, WorkerEvents
 from studio.ui.metrics import TrainingState, format_duration
 from studio.ui.widgets.dialogs import ConfirmScreen, ExportScreen
+from studio.ui.widgets.group_view import GroupView
+from studio.ui.widgets.grpo_plot import KINDS as GRPO_PLOTS
+from studio.ui.widgets.grpo_plot import GrpoPlot
 from studio.ui.widgets.loss_plot import LearningRatePlot, LossPlot
 from studio.ui.widgets.preference_plot import PreferencePlot
 
@@ -63,6 +66,9 @@ class TrainingPane(Pane, Vertical):
     TrainingPane #training-loss-plot { width: 2fr; }
     TrainingPane #training-lr-plot { width: 1fr; }
     TrainingPane PreferencePlot { width: 1fr; display: none; }
+    TrainingPane GrpoPlot { display: none; }
+    TrainingPane #training-grpo-rewards { width: 2fr; }
+    TrainingPane GroupView { display: none; }
     """
 
     BINDINGS = [
@@ -78,6 +84,10 @@ class TrainingPane(Pane, Vertical):
                 tooltip="Pick a past run to open, or two to compare their loss curves"),
         Binding("e", "export", "Export", id="training.export",
                 tooltip="Save the adapter (with a model card), merge it into the base (bf16), or write GGUF"),
+        Binding("[", "older_group", "Older group", id="training.older_group",
+                tooltip="GRPO: the group view shows the group sampled before this one"),
+        Binding("]", "newer_group", "Newer group", id="training.newer_group",
+                tooltip="GRPO: the next group, back to following the run live"),
     ]
 
     def __init__(self, **kwargs) -> None:
@@ -120,6 +130,10 @@ class TrainingPane(Pane, Vertical):
             # A DPO / ORPO run shows its preference curves in place of the learning rate.
             yield PreferencePlot("logps", id="training-pref-logps")
             yield PreferencePlot("margin", id="training-pref-margin")
+            # A GRPO run shows its rewards, spread, length and KL in place of the loss and rate.
+            for kind in GRPO_PLOTS:
+                yield GrpoPlot(kind, id=f"training-grpo-{kind}")
+        yield GroupView(id="training-group")
 
     def on_mount(self) -> None:
         run = self.host.current_run
@@ -234,14 +248,26 @@ class TrainingPane(Pane, Vertical):
             lines.append(self._export_line)
         self._set_line("#training-alert", "\n".join(line for line in lines if line))
         self.query_one("#training-alert", Static).set_class(state.status == "failed", "failed")
-        self.query_one(LossPlot).show(state)
+        grpo = state.grpo.active
+        loss_plot = self.query_one(LossPlot)
+        if loss_plot.display == grpo:  # a layout change only when the run's kind changes
+            loss_plot.display = not grpo
+            for widget in (*self.query(GrpoPlot), self.query_one(GroupView)):
+                widget.display = grpo
+            self.refresh_bindings()  # the group view's keys show for a GRPO run only
+        if grpo:
+            for plot in self.query(GrpoPlot):
+                plot.show(state)
+            self.query_one(GroupView).show(state.grpo.groups)
+        else:
+            loss_plot.show(state)
         preference = state.preference.active
         lr_plot, pref_plots = self.query_one(LearningRatePlot), list(self.query(PreferencePlot))
-        if lr_plot.display == preference:  # a layout change only when the run's kind changes
-            lr_plot.display = not preference
+        if lr_plot.display != (not preference and not grpo):  # a layout change only when the kind changes
+            lr_plot.display = not preference and not grpo
             for plot in pref_plots:
                 plot.display = preference
-        for plot in pref_plots if preference else [lr_plot]:
+        for plot in pref_plots if preference else [] if grpo else [lr_plot]:
             plot.show(state)
         self._sync_buttons()
         self.redraws += 1
@@ -288,7 +314,17 @@ class TrainingPane(Pane, Vertical):
             return True if status in ("training", "paused", "loading") else None
         if action == "export":
             return True if self.host.current_run is not None and not active else None
+        if action in ("older_group", "newer_group"):
+            return self.state.grpo.active  # hidden from the footer unless the run is a GRPO run
         return True
+
+    def action_older_group(self) -> None:
+        """The group view: show the group logged before the one shown (a GRPO run)."""
+        self.query_one(GroupView).older()
+
+    def action_newer_group(self) -> None:
+        """The group view: show the group logged after the one shown; at the newest, follow the run."""
+        self.query_one(GroupView).newer()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         actions = {"training-start": "start_training", "training-pause": "pause_training",
