@@ -34,7 +34,7 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,9 @@ from studio.core import events as ev
 from studio.core.memory.phases import SCORE_TOKENS
 from studio.core.prompt import IGNORE_INDEX, Encoded
 from studio.engine.batching import DataStream, MicroBatch, collate
+
+if TYPE_CHECKING:
+    from studio.engine.fast import FastModel
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class PreferenceObjective:
         self.compute_dtype = compute_dtype
         self.encode = encode
         """Row -> Pair with the run's template and tokenizer (held-out margins use it)."""
-        self.fast: Any = None
+        self.fast: FastModel | None = None
         """The session's fast path (engine/fast's FastModel) once it is built, or None: the log-probs
         then come from its fused layers and loss instead of the PEFT model's logits."""
         self._sums: dict[str, torch.Tensor] = {}
@@ -148,6 +151,9 @@ class PreferenceObjective:
 
     def _reference_logps(self, batch: MicroBatch) -> torch.Tensor:
         """The base model's summed log-probs: adapter off, no gradients, no dropout."""
+        if self.fast is not None:  # no adapter runs, so no dropout either: the modules' mode can stay
+            with torch.no_grad():
+                return self._logps(batch, reference=True)[0]
         was_training = self.model.training
         self.model.eval()
         try:

@@ -103,25 +103,26 @@ def next_token_targets(labels: torch.Tensor, position_ids: torch.Tensor) -> torc
     return targets
 
 
-def sequence_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor, n_rows: int,
+def sequence_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, wanted: torch.Tensor,
                    liger: dict | None, hits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per row of a batch: the summed log-prob (fp32) of its target tokens under ``h @ weight.T``,
     with its gradient to ``h``, and with ``hits`` (for evaluation: no gradient, no liger) how many of
     them are the argmax (else None).
 
     ``h`` ([N, hidden]) and ``targets`` ([N], IGNORE_INDEX where none) are a flat stream of tokens
-    (FastModel's); ``rows`` ([K]) names the row of each of its K target tokens, in the stream's order.
-    Only the target tokens go through the vocabulary (a DPO prompt's tokens never do), and the sums
-    are one segment sum over the stream."""
+    (FastModel's); ``wanted`` ([rows, width], bool) marks the batch's target tokens, which the
+    stream holds in the same (row-major) order. Only the target tokens go through the vocabulary (a
+    DPO prompt's tokens never do). Their log-probs are scattered back into their rows and summed
+    there: a segment sum in a fixed order (no atomic additions), so a step's numbers repeat."""
     keep = targets != IGNORE_INDEX
     h, targets = h[keep], targets[keep]
-    sums = torch.zeros(n_rows, dtype=torch.float32, device=h.device)
+    rows = torch.zeros(wanted.shape, dtype=torch.float32, device=h.device)
     if not h.shape[0]:  # no target token: zeros, still a function of h for autograd
-        return sums + h.sum().float() * 0, (sums.clone() if hits else None)
+        return rows.sum(1) + h.sum().float() * 0, (rows.sum(1) if hits else None)
     if hits:
         logps, correct = chunked_token_logps(h, weight, targets)
-        return sums.index_add(0, rows, logps), torch.zeros_like(sums).index_add(0, rows, correct.float())
-    return sums.index_add(0, rows, token_logps(h, weight, targets, liger)), None
+        return rows.masked_scatter(wanted, logps).sum(1), rows.masked_scatter(wanted, correct.float()).sum(1)
+    return rows.masked_scatter(wanted, token_logps(h, weight, targets, liger)).sum(1), None
 
 
 def token_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, liger: dict | None) -> torch.Tensor:

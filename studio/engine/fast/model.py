@@ -125,8 +125,7 @@ class FastModel:
         if attention_mask is not None:
             wanted &= attention_mask.bool()
         scoring = not torch.is_grad_enabled() and not reference
-        sums, hits = sequence_logps(h, self.head.weight, targets, wanted.nonzero()[:, 0], labels.shape[0],
-                                    self.liger, hits=scoring)
+        sums, hits = sequence_logps(h, self.head.weight, targets, wanted, self.liger, hits=scoring)
         return sums, wanted.sum(1).float(), hits if hits is not None else torch.zeros_like(sums)
 
     def _hidden(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
