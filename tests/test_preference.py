@@ -343,6 +343,22 @@ def test_the_fast_estimate_of_dpo_counts_its_reference_pass_beside_the_graph() -
     assert big_dpo.peak_reserved == big_orpo.peak_reserved
 
 
+def test_studio_estimate_on_the_dpo_sample_says_fast(capsys: pytest.CaptureFixture, monkeypatch) -> None:
+    """`studio estimate` on the bundled DPO config (an 8B model, offline): the fast path, with its
+    per-answer log-probs and the reference pass through the same layers, and the pair note."""
+    from argparse import Namespace
+
+    from studio.core.cli_estimate import main
+
+    monkeypatch.delenv("STUDIO_FAST_PATH", raising=False)
+    config = SAMPLE.parent / "preference" / "preference_config.yaml"
+    assert main(Namespace(config=str(config), gpu_gb=24.0, json=False, model="meta-llama/Llama-3.1-8B")) == 0
+    out = capsys.readouterr().out
+    assert "path: fast (" in out and "each answer's log-prob from the fused cross-entropy" in out, out
+    assert "the reference pass through the same layers with the adapters off" in out
+    assert "a preference pair is two sequences" in out
+
+
 def test_the_training_state_folds_preference_curves_and_words_them() -> None:
     """The training pane's state: a preference run's curves, its eval line in place of the SFT
     one, and a resume that drops the redone steps' points."""
