@@ -1,8 +1,8 @@
 """DPO and ORPO on the fast path (studio/engine/fast/): each answer's log-prob from the fused loss
 equals the plain path's full-logits one, the reference pass through the same layers with the
 adapters off is the base model's, and the DPO and ORPO losses and every LoRA gradient equal the
-plain path's (CPU, fp32). On a CUDA GPU: liger's per-token kernel, and the policy's pass replayed
-as a CUDA graph on a pair batch's 2n rows."""
+plain path's (CPU, fp32), also with the pair batch laid out as a CUDA graph takes it. On a CUDA GPU:
+liger's per-token kernel, and the policy's pass replayed as a CUDA graph on a pair batch's 2n rows."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_fast_path import ALL, _examples, _peft_model
 
 from studio.engine import fast
@@ -110,6 +111,64 @@ def test_preference_losses_and_lora_gradients_equal_the_plain_path(tiny_model: P
     assert grads.keys() == expected.keys() and len(grads) == 2 * len(ALL) * 2  # A and B, 2 layers
     for name, grad in expected.items():
         assert grad.abs().sum() > 0, name
+        rel = (grads[name] - grad).norm() / grad.norm()
+        assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
+
+
+def _varlen_on_the_cpu(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True):
+    """flash-attention's varlen entry point as the CPU can run it: causal SDPA inside each example
+    of the flat stream (empty examples, the layout's spare slots, have no token)."""
+    bounds = cu_q.tolist()
+    pieces = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                             is_causal=is_causal).transpose(0, 1)
+              for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+    return torch.cat(pieces)
+
+
+class _LayoutsReplayedEagerly:
+    """engine/fast/graphs.py's Graphs as far as the CPU goes: each step's batch is laid out as a
+    captured graph would take it (FastModel._static_layout: the stream padded to 256 tokens, example
+    slots in powers of two), then run eagerly."""
+
+    failed = ""
+
+    def __init__(self, fast_model):
+        self.fast_model, self.layouts = fast_model, []
+
+    def fit(self, total: int, slots: int, max_len: int) -> tuple[int, int]:
+        return slots, max_len
+
+    def run(self, h, cos, sin, seg):
+        self.layouts.append((h.shape[1], seg.cu.numel() - 1, seg.max_len))
+        return self.fast_model.stack(h, cos, sin, seg)
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo"])
+def test_the_graphed_layout_takes_a_pair_batch(tiny_model: Path, method: str) -> None:
+    """A pair batch's 2n padded rows as the CUDA-graph layout lays them out (one flat stream padded
+    with examples that take no loss, spare example slots), on the CPU with varlen attention
+    emulated: the same losses and LoRA gradients as the plain path, the reference pass eager."""
+    model = _peft_model(tiny_model, None, ALL)
+    batch = _pairs_batch(model)
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    varlen = (_varlen_on_the_cpu, {"is_causal": True}, False)
+    fast_model.varlen = varlen
+    for layer in fast_model.layers:
+        layer.varlen = varlen
+    fast_model._graphs = _LayoutsReplayedEagerly(fast_model)
+    results = []
+    for path in (None, fast_model):
+        objective = PreferenceObjective(method, 0.1, model, CPU, torch.float32, encode=None)
+        objective.fast = path
+        model.zero_grad(set_to_none=True)
+        loss, _ = objective.forward(batch)
+        loss.backward()
+        results.append((loss.detach(), _lora_grads(model)))
+    assert fast_model._graphs.layouts == [(256, 32, 128)], "4 rows of 61 tokens: one flat stream of 256, 32 slots"
+    (plain, expected), (got, grads) = results
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
+    for name, grad in expected.items():
         rel = (grads[name] - grad).norm() / grad.norm()
         assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
 
