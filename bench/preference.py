@@ -1,15 +1,26 @@
 """DPO speed: Studio's preference training against TRL's DPOTrainer, same model, data and settings.
 
-In one call it builds (or reuses) the model, writes the preference pairs, then trains DPO with
-Studio (its Session + Trainer, the plain path: the fast path computes SFT's loss only) and with
-TRL's ``DPOTrainer`` (1.15.0), each in its own process so that each one's peak memory is its own,
-and writes one JSON with tokens/s, the ratio, peak allocated/reserved, the losses, the GPU, the
-package versions and the exact command.
+In one call per model shape it builds (or reuses) the model with random weights, writes the
+preference pairs, then trains DPO with Studio (its Session + Trainer, on the path its engine takes:
+the fast one where it covers the model, which the result records with its reason) and with TRL's
+``DPOTrainer`` (1.15.0), each in its own process so that each one's peak memory is its own, and
+writes one JSON with tokens/s, the ratio, peak allocated/reserved (GiB), the losses, the GPU, the
+commit, the package versions and the exact command. The bar (issue 39): Studio at least 1.3x TRL's
+tokens/s with at most its peak reserved memory (``summary.meets_bar``).
 
-    # on the GPU machine (TRL's wheels carried as ../shared/GPU.md says):
-    python bench/preference.py --out $OUT/preference.json --steps 30
-    # on a CPU, the tiny model (a check that Studio's side runs; TRL's needs Triton, so a GPU):
+    # on the GPU machine (TRL's, liger's and bitsandbytes' wheels carried as DEVELOPERS.md says),
+    # one call each (about 5 minutes on an H100: the model built and saved, then each side loads it):
+    python bench/preference.py --shape llama3-8b --commit <sha> --out $OUT/dpo_llama3_8b.json
+    python bench/preference.py --shape qwen3-8b --commit <sha> --out $OUT/dpo_qwen3_8b.json
+    # on a CPU, the tiny model on the fast path (a check that Studio's side runs; TRL's DPO needs
+    # Triton, so a GPU):
     python bench/preference.py --tiny --out /tmp/preference-tiny.json --steps 4
+
+Shapes: the bundled config.json of sample_data/model_configs/ (Llama-3.1-8B's for ``llama3-8b``:
+Llama-3-8B's dimensions with 3.1's RoPE scaling, which costs nothing; Qwen3-8B's; Llama-2-7B's),
+built on the GPU in bf16 with random weights (the weights' values do not change the cost) and the
+project's tiny byte-level tokenizer (its ids are below every vocabulary; a ``qwen3`` folder encodes
+with it too, which :func:`pair_tokens` checks).
 
 Both sides: LoRA r16 / alpha 32 on the seven projections (dropout 0), beta 0.1, sigmoid loss, the
 reference is the base with the adapter disabled (neither keeps a second copy), AdamW at a constant
@@ -29,6 +40,7 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -36,6 +48,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+SHAPES = {"llama3-8b": "meta-llama/Llama-3.1-8B", "qwen3-8b": "Qwen/Qwen3-8B", "llama2-7b": "meta-llama/Llama-2-7b-hf"}
+"""Model shapes by name: their config.json under sample_data/model_configs/."""
+GIB = 2**30
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BETA = 0.1
@@ -60,8 +76,10 @@ def write_pairs(path: Path, rows: int, prompt_tokens: int, answer_tokens: int, s
                                   "rejected": text(answer_tokens), "split": 0}) + "\n")
 
 
-def pair_tokens(model_dir: str, data: Path) -> list[int]:
-    """Tokens of each pair as both sides train on it: prompt + answer + EOS, twice."""
+def pair_tokens(model_dir: str, data: Path, expected: int) -> list[int]:
+    """Tokens of each pair as both sides train on it: prompt + answer + EOS, twice. Refuses a
+    tokenizer that does not make ``expected`` tokens of a pair (a tokenizer class picked by the
+    model's type can encode the tiny tokenizer's text to nothing: ../shared/GPU.md)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -70,7 +88,36 @@ def pair_tokens(model_dir: str, data: Path) -> list[int]:
         row = json.loads(line)
         out.append(sum(len(tokenizer(row["prompt"] + row[side], add_special_tokens=False).input_ids) + 1
                        for side in ("chosen", "rejected")))
+    if out[0] != expected:
+        raise SystemExit(f"{model_dir}: a pair is {out[0]} tokens with its tokenizer ({type(tokenizer).__name__}), "
+                         f"not {expected}: the benchmark's pairs are one token a letter or dash")
     return out
+
+
+def build_model(shape: str, out: Path) -> None:
+    """The shape's architecture with random weights, built on the GPU in bf16 and saved with the
+    tiny model's tokenizer (reused when ``out`` has both)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from studio.engine.tiny import build_tiny_model
+
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        print(f"{out} exists; reusing it", flush=True)
+        return
+    config = AutoConfig.from_pretrained(ROOT / "sample_data" / "model_configs" / SHAPES[shape])
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size="4GB")
+    tokenizer = build_tiny_model()
+    for f in tokenizer.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, out / f.name)
+    print(f"built and saved {shape} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters) "
+          f"in {time.perf_counter() - start:.0f} s", flush=True)
 
 
 # ------------------------------------------------------------------------------------ Studio
@@ -116,7 +163,9 @@ def run_studio(args: argparse.Namespace) -> dict:
     session.train()
     losses = [e.loss for e in events if type(e).__name__ == "PreferenceLogged" and e.split == "train"]
     notes = [e.message for e in events if type(e).__name__ == "WorkerFailed"]
+    loaded = next(e for e in events if type(e).__name__ == "ModelLoaded")
     return {"step_times": [b - a for a, b in zip(times, times[1:], strict=False)], "losses": losses,
+            "path": getattr(loaded, "path", ""), "path_reason": getattr(loaded, "path_reason", ""),
             "notes": notes, **_peaks(torch)}
 
 
@@ -180,10 +229,12 @@ def run_trl(args: argparse.Namespace) -> dict:
 
 
 def _peaks(torch) -> dict:
+    """Peak allocated and reserved memory since the side's reset (after loading), in GiB, and the GPU."""
     if not torch.cuda.is_available():
-        return {"peak_allocated_gb": None, "peak_reserved_gb": None}
-    return {"peak_allocated_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3),
-            "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 3)}
+        return {"peak_allocated_gib": None, "peak_reserved_gib": None, "device": "cpu"}
+    return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 3),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 3),
+            "device": torch.cuda.get_device_name(0)}
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -193,7 +244,8 @@ def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "peft", "trl", "accelerate", "bitsandbytes", "datasets"):
+    for name in ("torch", "transformers", "peft", "trl", "accelerate", "bitsandbytes", "datasets", "liger-kernel",
+                 "triton"):
         try:
             out[name] = version(name)
         except PackageNotFoundError:
@@ -215,6 +267,8 @@ def _side(args: argparse.Namespace, side: str) -> dict:
                "--out", str(result)] + (["--tiny"] if args.tiny else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if args.tiny and side == "studio":
+        env["STUDIO_FAST_PATH"] = "1"  # the fast path on the CPU: what the GPU runs, checked here
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     (args.work / f"{side}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
@@ -222,54 +276,65 @@ def _side(args: argparse.Namespace, side: str) -> dict:
     return json.loads(result.read_text())
 
 
+def _commit(given: str | None) -> str:
+    """The commit measured: ``--commit``, else this tree's HEAD, else said to be unknown."""
+    if given:
+        return given
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return done.stdout.strip() if done.returncode == 0 else "unknown (no git here: pass --commit)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments; run one side (``--side``) or the whole comparison."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON result")
     parser.add_argument("--tiny", action="store_true", help="the tiny test model on the CPU (a check, not a timing)")
-    parser.add_argument("--model", help="a model folder (default: the random Llama-2-7B, built if missing; "
-                        "with --tiny, the tiny model)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b",
+                        help="the model shape, built with random weights in /tmp when missing")
+    parser.add_argument("--model", help="a model folder instead of --shape (with --tiny: the tiny model)")
+    parser.add_argument("--commit", help="the commit this tree is (default: git rev-parse HEAD)")
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps")
     parser.add_argument("--pairs", type=int, default=4, help="pairs a micro-batch (and a step)")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens of every pair")
     parser.add_argument("--answer", type=int, default=128, help="tokens of each answer")
-    parser.add_argument("--side", choices=("studio", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=("studio", "trl", "build"), help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.side == "build":
+        build_model(args.shape, Path(args.model))
+        return 0
     if args.side:
         result = (run_studio if args.side == "studio" else run_trl)(args)
         args.out.write_text(json.dumps(result))
         return 0
 
+    start = time.perf_counter()
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     args.work = args.out.parent / (args.out.stem + "-work")
     args.work.mkdir(parents=True, exist_ok=True)
+    shape = "tiny" if args.tiny else args.shape
     if args.tiny:
         from studio.engine.tiny import build_tiny_model
 
         args.model = args.model or str(build_tiny_model())
     elif not args.model:
-        args.model = "/tmp/llama2-7b-random"
-        if not (Path(args.model) / "config.json").exists():
-            subprocess.run([sys.executable, str(ROOT / "bench" / "make_random_model.py"), "--arch", "llama2-7b",
-                            "--out", args.model], check=True)
+        # Built in a process of its own: this one keeps no CUDA context or cached blocks beside the sides.
+        args.model = f"/tmp/{args.shape}-random"
+        subprocess.run([sys.executable, __file__, "--side", "build", "--shape", args.shape, "--model", args.model,
+                        "--out", str(args.out)], check=True)
     args.data = args.work / "pairs.jsonl"
     write_pairs(args.data, args.pairs * (args.warmup + args.steps + 2), args.prompt, args.answer, seed=0)
-    tokens = pair_tokens(args.model, args.data)
+    tokens = pair_tokens(args.model, args.data, expected=2 * (args.prompt + args.answer + 1))
     per_step = args.pairs * sum(tokens) / len(tokens)
-    report: dict = {"command": command, "versions": _versions(), "model": args.model,
+    report: dict = {"command": command, "commit": _commit(args.commit), "versions": _versions(), "shape": shape,
+                    "model": args.model,
                     "settings": {"pairs_per_step": args.pairs, "prompt_tokens": args.prompt,
                                  "answer_tokens": args.answer, "tokens_per_step": per_step, "beta": BETA,
                                  "steps_timed": args.steps, "warmup_steps": args.warmup,
+                                 "lora": "r16 alpha 32 on the seven projections, dropout 0",
                                  "quantization": None if args.tiny else "nf4 double-quant, bf16 compute"}}
-    try:
-        import torch
-
-        report["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except Exception as exc:  # noqa: BLE001 - the report still says what ran
-        report["device"] = f"unknown ({exc})"
     for side in ("studio", "trl"):
         result = _side(args, side)
         timed = result.get("step_times", [])[args.warmup:]
@@ -277,12 +342,23 @@ def main(argv: list[str] | None = None) -> int:
             result["tokens_per_s"] = round(per_step * len(timed) / sum(timed), 1)
         result.pop("step_times", None)
         report[side] = result
-    if report["studio"].get("tokens_per_s") and report["trl"].get("tokens_per_s"):
-        report["ratio_studio_over_trl"] = round(report["studio"]["tokens_per_s"] / report["trl"]["tokens_per_s"], 3)
+    report["device"] = report["studio"].get("device") or report["trl"].get("device") or "unknown"
+    studio, trl = report["studio"], report["trl"]
+    summary = {"studio_path": studio.get("path"), "studio_tokens_per_s": studio.get("tokens_per_s"),
+               "trl_tokens_per_s": trl.get("tokens_per_s"), "studio_peak_reserved_gib": studio.get("peak_reserved_gib"),
+               "trl_peak_reserved_gib": trl.get("peak_reserved_gib")}
+    if studio.get("tokens_per_s") and trl.get("tokens_per_s"):
+        summary["ratio_studio_over_trl"] = round(studio["tokens_per_s"] / trl["tokens_per_s"], 3)
+        if studio.get("peak_reserved_gib") is not None and trl.get("peak_reserved_gib") is not None:
+            summary["meets_bar"] = (summary["ratio_studio_over_trl"] >= 1.3
+                                    and studio["peak_reserved_gib"] <= trl["peak_reserved_gib"])
+    report["summary"] = {f"{shape}_dpo": summary}
+    report["wall_s"] = round(time.perf_counter() - start, 1)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: report.get(k) for k in ("device", "ratio_studio_over_trl")} |
-                     {s: {k: report[s].get(k) for k in ("tokens_per_s", "peak_reserved_gb", "error", "skipped")}
-                      for s in ("studio", "trl")}, indent=1))
+    print(json.dumps({"device": report["device"], "commit": report["commit"], **report["summary"],
+                      "errors": {s: report[s].get("error", report[s].get("skipped"))[-600:]
+                                 for s in ("studio", "trl") if report[s].get("error") or report[s].get("skipped")}},
+                     indent=1))
     return 0
 
 

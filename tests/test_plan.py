@@ -42,15 +42,24 @@ def test_a_llama_qlora_run_on_a_gpu_takes_the_fast_path_with_graphs() -> None:
     ({"lora_targets": ("q_proj", "lm_head")}, "lm_head"),
     ({"lora_targets": ()}, "no LoRA"),
     ({"env": "0"}, "STUDIO_FAST_PATH=0"),
-    ({"method": "dpo"}, "trainer.method is dpo"),
+    ({"method": "grpo"}, "trainer.method is grpo"),
     ({"dora": True}, "DoRA"),
-    ({"method": "orpo"}, "SFT's loss only"),
     ({"model_blocker": model_blocker(QWEN3)}, "q/k norms"),
     ({"model_blocker": model_blocker({"model_type": "gpt2", "activation_function": "gelu"})}, "gpt2"),
 ])
 def test_what_rules_the_fast_path_out_is_named(changes: dict, words: str) -> None:
     choice = choose_path(_facts(**changes))
     assert choice.path == "plain" and words in choice.reason
+
+
+def test_preference_runs_take_the_fast_path_and_say_how() -> None:
+    """DPO and ORPO train on the fast path (their per-answer log-probs from the fused loss); DPO's
+    reason names its reference pass, ORPO (no reference) does not; SFT's names its loss."""
+    dpo, orpo, sft = (choose_path(_facts(method=m)) for m in ("dpo", "orpo", "sft"))
+    assert (dpo.path, orpo.path, dpo.cuda_graphs) == ("fast", "fast", True)
+    assert "log-prob from the fused cross-entropy" in dpo.reason and "reference pass" in dpo.reason
+    assert "log-prob" in orpo.reason and "reference" not in orpo.reason
+    assert sft.reason.endswith("fused cross-entropy") and "log-prob" not in sft.reason
 
 
 def test_the_fast_path_settings_reach_the_decision() -> None:

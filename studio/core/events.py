@@ -114,6 +114,10 @@ class ModelLoaded(Event):
     total_params: int = 0
     trainable_params: int = 0
     load_seconds: float = 0.0
+    path: str = ""
+    """The training path: "fast" (studio/engine/fast) or "plain" (transformers + PEFT)."""
+    path_reason: str = ""
+    """Why that path (core/plan.py's choose_path): what the fast path runs, or what rules it out."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,10 @@ sets it True once its layers run every feature of core/decoder/features.py."""
 FAST_DECODER_FEATURES: frozenset[str] = DECODER_FEATURES if FAST_FAMILIES else frozenset()
 """What the fast path runs beyond a Llama layer, by the names of core/decoder/features.py."""
 
+FAST_METHODS = ("sft", "dpo", "orpo")
+"""``trainer.method`` values the fast path computes the loss of: SFT's cross-entropy, and DPO's and
+ORPO's per-answer log-probs (engine/preference.py through ``FastModel.sequence_logps``)."""
+
 FAST_WEIGHTS = ("nf4", "fp4", "bf16", "fp16", "fp32")
 """Base-weight formats the fast path dequantizes or reads (LLM.int8 is not covered)."""
 
@@ -92,7 +96,7 @@ class PathFacts:
     """``lora.use_dora``: DoRA's magnitude vectors are not part of the fast path's fused product."""
 
     method: str = "sft"
-    """``trainer.method``: the fast path computes the SFT loss only (DPO / ORPO take the plain one)."""
+    """``trainer.method``: the fast path computes the losses of :data:`FAST_METHODS`."""
 
     full_finetune: bool = False
     """``lora: null``: every weight trains and there is no adapter; the fast path fuses LoRA products
@@ -186,8 +190,9 @@ def choose_path(facts: PathFacts) -> PathChoice:
         return PathChoice("plain", f"{FAST_PATH_ENV}=0")
     if facts.dora:
         return PathChoice("plain", "DoRA adapters (the fast path's fused LoRA product has no magnitude vector)")
-    if facts.method != "sft":
-        return PathChoice("plain", f"trainer.method is {facts.method}; the fast path computes SFT's loss only")
+    if facts.method not in FAST_METHODS:
+        return PathChoice("plain", f"trainer.method is {facts.method}; the fast path computes the "
+                          f"{', '.join(m.upper() for m in FAST_METHODS)} losses only")
     if not facts.cuda and facts.env != "1":
         return PathChoice("plain", "not on a CUDA device")
     if facts.full_finetune:
@@ -209,8 +214,14 @@ def choose_path(facts: PathFacts) -> PathChoice:
         what += f", CUDA graphs up to {GRAPH_TOKEN_LIMIT} tokens a micro-batch"
     if offload:
         what += ", layer inputs in host memory"
-    return PathChoice("fast", what + ", per-layer checkpointing, fused cross-entropy", cuda_graphs=graphs,
-                      host_offload=offload)
+    what += ", per-layer checkpointing"
+    if facts.method == "sft":
+        what += ", fused cross-entropy"
+    else:
+        what += ", each answer's log-prob from the fused cross-entropy"
+        if facts.method == "dpo":
+            what += ", the reference pass through the same layers with the adapters off"
+    return PathChoice("fast", what, cuda_graphs=graphs, host_offload=offload)
 
 
 def lora_targets(targets: str | Iterable[str]) -> tuple[str, ...]:

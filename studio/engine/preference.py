@@ -11,29 +11,41 @@ Each answer's log-prob is the sum of its response tokens' log-probs (``log p(y |
 
 - DPO (Rafailov et al. 2023): with ``r = beta * (log p(y|x) - log p_ref(y|x))``, the loss of a pair
   is ``-log sigmoid(r_chosen - r_rejected)``. The reference is the base model itself, the adapter
-  switched off through peft's ``disable_adapter()`` (no second copy of the weights), run without
-  gradients and without dropout.
+  switched off (no second copy of the weights), run without gradients and without dropout, before
+  the policy's pass (whose saved activations are then not alive beside its working set).
 - ORPO (Hong et al. 2024): with ``a`` an answer's *mean* token log-prob and ``odds = p / (1 - p)``
   taken at ``p = exp(a)``, the loss of a pair is ``-a_chosen - beta * log sigmoid(log odds_chosen -
   log odds_rejected)``: the chosen answer's language-model loss plus the odds-ratio term. No
   reference model.
+
+Two paths compute the log-probs. The plain one (:func:`sequence_logps`) runs the PEFT model to its
+logits and switches the adapter off with peft's ``disable_adapter()``. The fast one
+(studio/engine/fast/, when the session built it) runs ``FastModel.sequence_logps``: the fused
+layers (the policy's pass replayed as a CUDA graph on a GPU), only the answer tokens through the
+vocabulary, fused with the output projection (no ``tokens x vocab`` logits), and the reference pass
+through the same layers with every adapter off.
 
 Metrics (PreferenceLogged) are kept on the device during a step and read once at its end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from studio.core import events as ev
+from studio.core.memory.phases import SCORE_TOKENS
 from studio.core.prompt import IGNORE_INDEX, Encoded
 from studio.engine.batching import DataStream, MicroBatch, collate
+
+if TYPE_CHECKING:
+    from studio.engine.fast import FastModel
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,9 @@ class PreferenceObjective:
         self.compute_dtype = compute_dtype
         self.encode = encode
         """Row -> Pair with the run's template and tokenizer (held-out margins use it)."""
+        self.fast: FastModel | None = None
+        """The session's fast path (engine/fast's FastModel) once it is built, or None: the log-probs
+        then come from its fused layers and loss instead of the PEFT model's logits."""
         self._sums: dict[str, torch.Tensor] = {}
         self._pairs = 0
 
@@ -114,13 +129,36 @@ class PreferenceObjective:
         self._sums = {}
         self._pairs = 0
 
+    def _logps(self, batch: MicroBatch, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row: the summed log-prob of its answer, its token count and its argmax hits, by the
+        fine-tune or (``reference``, under no_grad) the base, on the session's path. The fast path
+        scores an evaluation's rows a few at a time, as its SFT evaluation does
+        (``FastModel.score``: at most SCORE_TOKENS tokens a pass)."""
+        fast = self.fast
+        if fast is None:
+            off = self.model.disable_adapter() if reference else contextlib.nullcontext()
+            with off, self._autocast():
+                return sequence_logps(self.model, batch)
+        if reference or torch.is_grad_enabled():
+            return fast.sequence_logps(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids,
+                                       reference=reference)
+        rows = max(1, SCORE_TOKENS // max(1, batch.input_ids.shape[1]))
+        mask = batch.attention_mask
+        parts = [fast.sequence_logps(batch.input_ids[i:i + rows], batch.labels[i:i + rows],
+                                     None if mask is None else mask[i:i + rows], batch.position_ids[i:i + rows])
+                 for i in range(0, batch.input_ids.shape[0], rows)]
+        return tuple(torch.cat(values) for values in zip(*parts, strict=True))
+
     def _reference_logps(self, batch: MicroBatch) -> torch.Tensor:
         """The base model's summed log-probs: adapter off, no gradients, no dropout."""
+        if self.fast is not None:  # no adapter runs, so no dropout either: the modules' mode can stay
+            with torch.no_grad():
+                return self._logps(batch, reference=True)[0]
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), self.model.disable_adapter(), self._autocast():
-                return sequence_logps(self.model, batch)[0]
+            with torch.no_grad():
+                return self._logps(batch, reference=True)[0]
         finally:
             if was_training:
                 self.model.train()
@@ -129,11 +167,10 @@ class PreferenceObjective:
         """The summed loss of the micro-batch's pairs and how many of them rank chosen first; the
         Trainer calls this in place of its cross-entropy for preference runs."""
         n = batch.label_tokens
-        with self._autocast():
-            sums, counts, hits = sequence_logps(self.model, batch)
+        reference = self._reference_logps(batch) if self.method == "dpo" else None
+        sums, counts, hits = self._logps(batch)
         chosen, rejected = sums[:n], sums[n:]
-        if self.method == "dpo":
-            reference = self._reference_logps(batch)
+        if reference is not None:
             chosen_reward = self.beta * (chosen - reference[:n])
             rejected_reward = self.beta * (rejected - reference[n:])
             losses = -F.logsigmoid(chosen_reward - rejected_reward)
@@ -195,12 +232,8 @@ class PreferenceObjective:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), self._autocast():
-                if adapter:
-                    sums = sequence_logps(self.model, batch)[0]
-                else:
-                    with self.model.disable_adapter():
-                        sums = sequence_logps(self.model, batch)[0]
+            with torch.no_grad():
+                sums = self._logps(batch, reference=not adapter)[0]
         finally:
             if was_training:
                 self.model.train()

@@ -32,12 +32,14 @@ import torch
 from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig
 from studio.core.grpo_data import is_grpo
+from studio.core.plan import choose_path
 from studio.core.preference import is_preference
 from studio.core.runs import RunDir
 from studio.engine import checkpoint, oom, planning
 from studio.engine import distributed as dist
 from studio.engine import fast as fastpath
 from studio.engine import generate as gen
+from studio.engine.fast.build import path_facts
 from studio.engine.model import (
     BaseModel,
     ModelLoadError,
@@ -174,11 +176,17 @@ class Session:
         if self.fast is None and self.device.type == "cuda":
             self.emit(ev.WarningRaised(kind="config", message=(
                 f"the fast training path is off ({why}); training runs on the slower plain path")))
+        if self.fast is not None:
+            why = choose_path(path_facts(self.model, self.device, self.config.trainer.method,
+                                         self.config.trainer.fast_path)).reason
+        if self.preference is not None:
+            self.preference.fast = self.fast  # DPO / ORPO's log-probs through the fast layers
         total, trainable = count_parameters(self.model)
         self.emit(ev.ModelLoaded(base_model=base_model, device=str(self.device),
                                  dtype=str(self.base.compute_dtype).removeprefix("torch."),
                                  quantization=self.base.quantization, total_params=total,
-                                 trainable_params=trainable, load_seconds=round(self.base.seconds, 2)))
+                                 trainable_params=trainable, load_seconds=round(self.base.seconds, 2),
+                                 path="plain" if self.fast is None else "fast", path_reason=why))
         if self.data.truncated and self.grpo is not None:
             room = self.config.data.max_seq_length - self.config.grpo.max_completion_length
             self.emit(ev.WarningRaised(kind="data", message=(

@@ -17,6 +17,10 @@ fp32 residual stream, no per-module saved inputs, no logits. What today's engine
 - overhead: the CUDA context; with CUDA graphs (micro-batches of up to core/plan.py's
   GRAPH_TOKEN_LIMIT tokens), the free blocks of the graph's private pool.
 
+Preference runs (DPO, ORPO) take the same step on the pair batch's 2n rows (``Plan.tokens``), their
+answers' log-probs from the fused loss (no logits either); DPO adds its reference pass, an eager
+forward without gradients through the same layers before the policy's (:func:`reference_pass_bytes`).
+
 The two fitted constants below (``LAYER_WORKING_SET``, ``GRAPH_POOL_PER_TOKEN``) are searched by
 bench/refit_vram_fast.py on the in-sample rows of a measurement of the engine
 (tests/data/vram_measured.json, made by bench/vram_measure.py); docs/memory.md keeps their history.
@@ -181,6 +185,17 @@ def allocator_slack(info: ModelInfo, tokens: int, compute: int, graphs: bool, de
     return slack
 
 
+def reference_pass_bytes(info: ModelInfo, tokens: int, compute: int) -> int:
+    """DPO's reference pass on the fast path (engine/preference.py, ``FastModel.sequence_logps`` with
+    the adapters off): a forward without gradients, layer by layer, whose widest moment is the MLP's
+    (the layer's input and its normed copy, the gate/up product and the SwiGLU product of it), then
+    the final hidden states, the answer rows gathered from them and the fused loss's chunk of logits
+    (no larger than those rows: engine/fast/loss.py). It runs eagerly before the policy's pass, when
+    none of the step's activations exist yet; beside a CUDA graph its blocks stay in the allocator's
+    general pool, which the graph's private pool does not share."""
+    return tokens * compute * (2 * info.hidden + 3 * info.intermediate + 3 * info.hidden)
+
+
 def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     """The training step's :class:`~studio.core.memory.result.Estimate` of ``plan`` on ``info`` on
     the fast path; core/memory/estimate.py adds the other phases and the card."""
@@ -232,6 +247,15 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
         slack += second_pool
     eager_extra = 0 if graphs else (STEP_WORKSPACES - 1) * workspace  # mapped too
     need = max(held + eager_extra + slack, peak_allocated)
+    reference = reference_pass_bytes(info, tokens, c) if plan.reference_pass else 0
+    if reference:
+        # The pass's moment: the step's persistent bytes (earlier micro-batches' gradients with
+        # accumulation) and its working set, before any of the step's activations.
+        at_reference = (weights + lora + on_device_optimizer + (grads if plan.accumulation > 1 else 0)
+                        + dequant + reference + workspace)
+        peak_allocated = int(max(peak_allocated, at_reference))
+        # Eager, its blocks are the step's to reuse; beside a graph they are reserved on top of its pool.
+        need = need + reference if graphs else max(need, at_reference + slack)
     if graphs:
         # The capture's own moment reserves its allocated peak, the free blocks its private pool has
         # by then and the allocator's fixed slack (a later step's other holes, the dequantized weights'
@@ -248,6 +272,11 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     total = sum(categories.values())
     notes = ["fast path (studio/engine/fast): every layer checkpointed, fused cross-entropy, "
              + ("CUDA graphs" if graphs else "eager steps with the layer inputs in host memory")]
+    if plan.sequences_per_example == 2:
+        notes.append("a preference pair is two sequences (chosen, rejected): the micro-batch counts pairs"
+                     + ("; DPO's reference pass (adapters off, no gradients) runs eagerly before the policy's, "
+                        + ("its working set reserved beside the CUDA graph's pool" if graphs else
+                           "in memory the step reuses") if plan.reference_pass else ""))
     if graphs and peak_allocated < held:
         notes.append("allocated peaks at the first step's CUDA-graph capture, before the optimizer has "
                      "state (the categories are a later step's)")

@@ -9,8 +9,10 @@ micro-batch 32 under a 15 GB cap and died in its final evaluation):
   row when a row is longer) and goes through the vocabulary in chunks whose fp32 logits are no larger
   than those tokens' hidden states in fp32 (engine/fast/loss.py); held: the pass's hidden states
   and residual, one layer's no-gradient working set, one layer's hoisted adapters, the chunk's logits
-  (bf16 and fp32) and the gathered target rows. The plain path's evaluation is its model's forward
-  on the whole micro-batch with the logits (compute dtype, their fp32 copy and log-softmax);
+  (bf16 and fp32) and the gathered target rows; a DPO evaluation's reference pass runs a whole
+  micro-batch (core/memory/fast.py's ``reference_pass_bytes``). The plain path's evaluation is its
+  model's forward on the whole micro-batch with the logits (compute dtype, their fp32 copy and
+  log-softmax);
 - **generation** (``Session.generate``, what chat and the held-out comparison call): a prompt of
   :attr:`~studio.core.memory.plan.Plan.generate_prompt_tokens` (a training row's length unless said) and
   ``generation.max_new_tokens`` new ones, through the transformers modules on both paths: the KV cache
@@ -48,7 +50,13 @@ from __future__ import annotations
 import math
 
 from studio.core.memory.allocator import CUBLAS_WORKSPACE_BYTES, PAGE, SLACK_FLOOR, STEP_WORKSPACES
-from studio.core.memory.fast import dequant_buffer_bytes, dequantizes, graph_pool_bytes, hoisted_adapter_bytes
+from studio.core.memory.fast import (
+    dequant_buffer_bytes,
+    dequantizes,
+    graph_pool_bytes,
+    hoisted_adapter_bytes,
+    reference_pass_bytes,
+)
 from studio.core.memory.params import compute_bytes
 from studio.core.memory.plain import stream_bytes
 from studio.core.memory.plan import Plan
@@ -120,6 +128,8 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
                       + t * _layer_forward(info, c) + chunk
                       + hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c) / info.layers)
         eval_held = f"{t} tokens a pass, vocabulary in chunks"
+        if plan.reference_pass:  # DPO's evaluation runs the reference pass on a whole micro-batch
+            evaluation = max(evaluation, reference_pass_bytes(info, plan.real_tokens, c))
     else:
         evaluation = (t * stream * info.hidden * 2 + t * _layer_forward(info, stream)
                       + t * info.vocab * (c + 8) + head_copy + dequant)

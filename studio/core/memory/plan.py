@@ -76,10 +76,11 @@ class Plan:
     """2 for preference runs (DPO, ORPO): a pair is its chosen and its rejected answer, padded rows."""
 
     reference_pass: bool = False
-    """DPO: one more forward per micro-batch, through the base (adapter off) without gradients. It
-    runs after the policy's forward, and its logits (compute dtype plus an fp32 copy of the answer
+    """DPO: one more forward per micro-batch, through the base (adapter off) without gradients,
+    before the policy's. On the plain path its logits (compute dtype plus an fp32 copy of the answer
     positions) are smaller than the loss moment's, which also holds the gradients of the fp32 logits:
-    it costs time, not peak memory."""
+    it costs time, not peak memory; on the fast path beside a CUDA graph its working set is reserved
+    apart from the graph's pool (core/memory/fast.py's ``reference_pass_bytes``)."""
 
     packing: bool = True
     """``trainer.packing``: rows packed into ``seq_len``-long streams (every micro-batch full), or

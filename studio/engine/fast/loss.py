@@ -5,6 +5,11 @@ projection and the loss in chunks, gradients written in place). Evaluation needs
 no gradient: :func:`chunked_scores` walks the target tokens in chunks whose fp32 logits are no
 larger than the batch's hidden states in fp32, so scoring a batch never needs more memory than the
 training step on it did.
+
+Preference training (DPO, ORPO) needs each answer's log-prob, not one loss: :func:`sequence_logps`
+sums the target tokens' log-probs per row of the batch (a segment sum over the flat stream of
+tokens), the per-token values coming from liger's kernel with ``reduction="none"`` or, without it,
+from :class:`TokenLogps`, which walks the target rows in the same chunks.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ def warm_cases(flce, h: torch.Tensor, weight: torch.Tensor, reduction: str) -> N
     every batch, so a run meets the second case at some later step, which then waits for a compile
     (0.3 s on an H200 with Triton's cache empty: one step of a benchmark's timed window on a fresh
     machine, bench/results/h200_v18_cold_*.json). Two small losses here, with 16 and 17 target rows,
-    compile both at the first step; each shape, dtype and reduction is warmed once a process. The
+    compile both at the first step (with ``reduction="none"``, whose gradient liger computes in its
+    backward, that backward too); each shape, dtype and reduction is warmed once a process. The
     weight goes in detached: a trainable head would otherwise have liger allocate its gradient
     (vocabulary x hidden) for these throwaway losses; the kernels compiled do not depend on it.
     """
@@ -54,7 +60,9 @@ def warm_cases(flce, h: torch.Tensor, weight: torch.Tensor, reduction: str) -> N
     _WARM.add(key)
     for rows in (16, 17):
         x = torch.zeros(rows, h.shape[-1], dtype=h.dtype, device=h.device, requires_grad=h.requires_grad)
-        _fused(flce, x, weight.detach(), torch.zeros(rows, dtype=torch.long, device=h.device), reduction)
+        loss = _fused(flce, x, weight.detach(), torch.zeros(rows, dtype=torch.long, device=h.device), reduction)
+        if reduction == "none" and x.requires_grad:
+            loss.sum().backward()  # per-token losses: liger computes their gradient in its backward
 
 
 def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
@@ -83,3 +91,99 @@ def chunked_scores(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor)
         hits += (logits.argmax(-1) == target).sum()
         del logits
     return loss, hits
+
+
+def next_token_targets(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Each position's target: ``labels`` shifted left by one, IGNORE_INDEX at a row's end and where
+    the next token starts a new example (its position id is 0), so that no example of a packed row
+    is trained to predict the next one."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    targets[:, :-1].masked_fill_(position_ids[:, 1:] == 0, IGNORE_INDEX)
+    return targets
+
+
+def sequence_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, wanted: torch.Tensor,
+                   liger: dict | None, hits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row of a batch: the summed log-prob (fp32) of its target tokens under ``h @ weight.T``,
+    with its gradient to ``h``, and with ``hits`` (for evaluation: no gradient, no liger) how many of
+    them are the argmax (else None).
+
+    ``h`` ([N, hidden]) and ``targets`` ([N], IGNORE_INDEX where none) are a flat stream of tokens
+    (FastModel's); ``wanted`` ([rows, width], bool) marks the batch's target tokens, which the
+    stream holds in the same (row-major) order. Only the target tokens go through the vocabulary (a
+    DPO prompt's tokens never do). Their log-probs are scattered back into their rows and summed
+    there: a segment sum in a fixed order (no atomic additions), so a step's numbers repeat."""
+    keep = targets != IGNORE_INDEX
+    h, targets = h[keep], targets[keep]
+    rows = torch.zeros(wanted.shape, dtype=torch.float32, device=h.device)
+    if not h.shape[0]:  # no target token: zeros, still a function of h for autograd
+        return rows.sum(1) + h.sum().float() * 0, (rows.sum(1) if hits else None)
+    if hits:
+        logps, correct = chunked_token_logps(h, weight, targets)
+        return rows.masked_scatter(wanted, logps).sum(1), rows.masked_scatter(wanted, correct.float()).sum(1)
+    return rows.masked_scatter(wanted, token_logps(h, weight, targets, liger)).sum(1), None
+
+
+def token_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, liger: dict | None) -> torch.Tensor:
+    """log p(target) of each row of ``h @ weight.T`` ([N], fp32; every target real), with its
+    gradient to ``h``: liger's fused kernel with ``reduction="none"`` where ``liger`` has it (its
+    per-token loss is ``-log p``; with a gradient wanted, liger 0.8.5 goes through the vocabulary
+    again in its backward, the per-token gradient folded in), else :class:`TokenLogps`."""
+    if liger and weight.dtype == h.dtype:
+        warm_cases(liger["flce"], h, weight, "none")
+        return -_fused(liger["flce"], h, weight, targets, "none")
+    return TokenLogps.apply(h, weight, targets)
+
+
+class TokenLogps(torch.autograd.Function):
+    """log p(target) of each row of ``h @ weight.T``, the target rows walked in chunks of
+    :func:`chunk_rows` (one chunk's fp32 logits alive at a time). A row's log-prob depends on its
+    own row of ``h`` only, so the forward computes each row's gradient too (``(onehot - softmax) @
+    weight``: the vocabulary gone through once) and the backward scales it by that row's incoming
+    gradient. The logits are in ``h``'s dtype and the softmax in fp32, as the plain path's."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logps, grad, _ = _walk(h, weight, targets, grad=ctx.needs_input_grad[0], hits=False)
+        ctx.save_for_backward(grad)
+        return logps
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad * g[:, None].to(grad.dtype), None, None
+
+
+@torch.no_grad()
+def chunked_token_logps(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) of each row of ``h @ weight.T`` and whether the target is the argmax, for
+    evaluation: no gradient, one chunk's logits at a time (as :func:`chunked_scores`)."""
+    logps, _, hits = _walk(h, weight, targets, grad=False, hits=True)
+    return logps, hits
+
+
+def _walk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad: bool, hits: bool):
+    """The chunked pass of :class:`TokenLogps` and :func:`chunked_token_logps`: per target row its
+    log-prob, its gradient to ``h`` (``grad``) and whether it is the argmax (``hits``)."""
+    w = weight.to(h.dtype)
+    step = chunk_rows(h.shape[0], h.shape[-1], w.shape[0])
+    logps = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    dh = torch.empty_like(h) if grad else None
+    hit = torch.empty(h.shape[0], dtype=torch.bool, device=h.device) if hits else None
+    for start in range(0, h.shape[0], step):
+        part = slice(start, start + step)
+        logits = (h[part] @ w.t()).float()
+        target = targets[part, None]
+        if hit is not None:
+            hit[part] = logits.argmax(-1) == target[:, 0]
+        logp = logits.log_softmax(-1)
+        del logits
+        logps[part] = logp.gather(-1, target)[:, 0]
+        if dh is not None:
+            d = logp.exp_().neg_()  # d log p(y) / d logits = onehot(y) - softmax, in place of logp
+            d.scatter_add_(-1, target, torch.ones_like(target, dtype=d.dtype))
+            dh[part] = d.to(h.dtype) @ w
+        del logp
+    return logps, dh, hit

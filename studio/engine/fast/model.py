@@ -14,7 +14,7 @@ from studio.core.plan import graphs_for, offload_for
 from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import GradSink, Graphs
 from studio.engine.fast.layer import Layer, Segments
-from studio.engine.fast.loss import IGNORE_INDEX, chunked_scores, cross_entropy
+from studio.engine.fast.loss import IGNORE_INDEX, chunked_scores, cross_entropy, next_token_targets, sequence_logps
 from studio.engine.fast.offload import HostInputs, OffloadedLayer, flatten
 
 
@@ -110,10 +110,28 @@ class FastModel:
             hits = piece_hits if hits is None else hits + piece_hits
         return loss, hits
 
+    def sequence_logps(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
+                       position_ids: torch.Tensor, reference: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row: the summed log-prob of its target tokens (``labels`` shifted as in :meth:`loss`),
+        how many there are, and, without gradients, how many of them are the argmax (zeros with
+        them): what engine/preference.py's DPO and ORPO take, without a ``tokens x vocab`` logits
+        tensor (loss.py's :func:`~studio.engine.fast.loss.sequence_logps`). ``reference``: through
+        the same layers with every adapter off, the base model (DPO's reference pass, under no_grad)."""
+        if self._seed is not None and torch.is_grad_enabled() and not reference:
+            self._seed.advance()
+        h, targets = self._hidden(input_ids, labels, attention_mask, position_ids, reference)
+        wanted = next_token_targets(labels, position_ids) != IGNORE_INDEX
+        if attention_mask is not None:
+            wanted &= attention_mask.bool()
+        scoring = not torch.is_grad_enabled() and not reference
+        sums, hits = sequence_logps(h, self.head.weight, targets, wanted, self.liger, hits=scoring)
+        return sums, wanted.sum(1).float(), hits if hits is not None else torch.zeros_like(sums)
+
     def _hidden(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                position_ids: torch.Tensor | None, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The final normed hidden states ``[N, hidden]`` of the batch's real tokens, and their
-        targets ``[N]`` (IGNORE_INDEX where no loss is taken)."""
+        targets ``[N]`` (IGNORE_INDEX where no loss is taken); ``reference``: the adapters off."""
         b, t = input_ids.shape
         device = input_ids.device
         if position_ids is None:
@@ -121,9 +139,7 @@ class FastModel:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
             else:
                 position_ids = torch.arange(t, device=device).expand(b, t)
-        targets = torch.full_like(labels, IGNORE_INDEX)
-        targets[:, :-1] = labels[:, 1:]
-        targets[:, :-1].masked_fill_(position_ids[:, 1:] == 0, IGNORE_INDEX)
+        targets = next_token_targets(labels, position_ids)
 
         # Host syncs, once per micro-batch: the batch's shape decides the attention layout.
         padded = attention_mask is not None and not bool(attention_mask.all())
@@ -142,7 +158,7 @@ class FastModel:
 
         # Large micro-batches run eagerly: the graph would cost its private pool and gain nothing
         # (core/plan.py's graphs_for, which the estimator follows too).
-        graphed = (self._graphs is not None and torch.is_grad_enabled() and seg.mask is None
+        graphed = (self._graphs is not None and torch.is_grad_enabled() and seg.mask is None and not reference
                    and graphs_for(ids.numel(), 0.0, True))
         if graphed:
             ids, pos, targets, seg = self._static_layout(ids, pos, targets, seg, t)
@@ -154,21 +170,22 @@ class FastModel:
         else:
             offload = (self._host is not None and torch.is_grad_enabled()
                        and offload_for(ids.numel(), 0.0, True))
-            h = self.stack(h, cos, sin, seg, self._host if offload else None)
+            h = self.stack(h, cos, sin, seg, self._host if offload else None, reference=reference)
         return h.reshape(-1, h.shape[-1]), targets.reshape(-1)
 
     def stack(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
-              host: HostInputs | None = None, sink: GradSink | None = None) -> torch.Tensor:
+              host: HostInputs | None = None, sink: GradSink | None = None, reference: bool = False) -> torch.Tensor:
         """The decoder layers and the final norm, each layer checkpointed (recomputed in the
         backward); with ``host``, each layer's saved input waits in that host memory
         (:class:`HostInputs`) instead of on the device; with ``sink``, the adapters are built from
-        what it maps each parameter to (graphs.py's gradient sink)."""
+        what it maps each parameter to (graphs.py's gradient sink); with ``reference``, every
+        projection gets no adapter (the fused products then run the frozen base only)."""
         if host is not None:
             host.reset(len(self.layers))
         for index, layer in enumerate(self.layers):
             # Built outside the checkpoint: the recomputation then reuses them (fewer small ops),
             # and OffloadedLayer hands the adapters their gradients through them.
-            adapters = layer.adapters(sink)
+            adapters = tuple((None, None, 1.0) for _ in layer.projections()) if reference else layer.adapters(sink)
             if host is not None:
                 spec, tensors = flatten(adapters)
                 h = OffloadedLayer.apply(h, cos, sin, layer, seg, index, host, spec, *tensors)
