@@ -16,27 +16,39 @@ IGNORE_INDEX = -100
 
 
 def cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
-                  liger: dict | None) -> torch.Tensor:
+                  liger: dict | None, softcap: float | None = None) -> torch.Tensor:
     """Cross-entropy of ``h @ weight.T`` against ``targets`` (rows of IGNORE_INDEX skipped), fused
-    with the product by liger's kernel where ``liger`` (ops.liger_kernels) has it."""
+    with the product by liger's kernel where ``liger`` (ops.liger_kernels) has it. ``softcap``: the
+    logits become ``tanh(z / cap) * cap`` first (Gemma 2's final soft-capping)."""
     if liger and weight.dtype == h.dtype:
-        warm_cases(liger["flce"], h, weight, reduction)
-        return _fused(liger["flce"], h, weight, targets, reduction)
+        warm_cases(liger["flce"], h, weight, reduction, softcap)
+        return _fused(liger["flce"], h, weight, targets, reduction, softcap)
     keep = targets != IGNORE_INDEX  # only target rows go through the fp32 softmax
     logits = (h[keep] @ weight.to(h.dtype).t()).float()
+    if softcap is not None:
+        logits = capped(logits, softcap)
     return F.cross_entropy(logits, targets[keep], reduction=reduction)
 
 
-def _fused(flce, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+def capped(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``tanh(logits / cap) * cap`` (transformers' final logit soft-capping)."""
+    return torch.tanh(logits / cap) * cap
+
+
+def _fused(flce, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
+           softcap: float | None = None) -> torch.Tensor:
     # Positional arguments: liger's autograd function takes no keywords.
-    loss = flce.apply(h, weight, targets, None, None, IGNORE_INDEX, 0.0, 0.0, reduction)
+    if softcap is None:
+        loss = flce.apply(h, weight, targets, None, None, IGNORE_INDEX, 0.0, 0.0, reduction)
+    else:
+        loss = flce.apply(h, weight, targets, None, None, IGNORE_INDEX, 0.0, 0.0, reduction, softcap)
     return loss[0] if isinstance(loss, tuple) else loss
 
 
 _WARM: set[tuple] = set()
 
 
-def warm_cases(flce, h: torch.Tensor, weight: torch.Tensor, reduction: str) -> None:
+def warm_cases(flce, h: torch.Tensor, weight: torch.Tensor, reduction: str, softcap: float | None = None) -> None:
     """Compile both of liger's cross-entropy kernels that a run will need, at its first loss.
 
     liger hands its kernel the count of target rows as an integer, and Triton compiles a kernel
@@ -48,13 +60,13 @@ def warm_cases(flce, h: torch.Tensor, weight: torch.Tensor, reduction: str) -> N
     weight goes in detached: a trainable head would otherwise have liger allocate its gradient
     (vocabulary x hidden) for these throwaway losses; the kernels compiled do not depend on it.
     """
-    key = (h.shape[-1], tuple(weight.shape), h.dtype, weight.dtype, h.device, reduction, h.requires_grad)
+    key = (h.shape[-1], tuple(weight.shape), h.dtype, weight.dtype, h.device, reduction, h.requires_grad, softcap)
     if key in _WARM:
         return
     _WARM.add(key)
     for rows in (16, 17):
         x = torch.zeros(rows, h.shape[-1], dtype=h.dtype, device=h.device, requires_grad=h.requires_grad)
-        _fused(flce, x, weight.detach(), torch.zeros(rows, dtype=torch.long, device=h.device), reduction)
+        _fused(flce, x, weight.detach(), torch.zeros(rows, dtype=torch.long, device=h.device), reduction, softcap)
 
 
 def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
@@ -64,8 +76,10 @@ def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
 
 
 @torch.no_grad()
-def chunked_scores(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross-entropy and the count of argmax hits over the target rows of ``h`` ([N, hidden]).
+def chunked_scores(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy and the count of argmax hits over the target rows of ``h`` ([N, hidden]),
+    the logits soft-capped first with ``softcap``.
 
     The same numbers as a full fp32 softmax (logits in the compute dtype, softmax in fp32), with at
     most one chunk's logits alive.
@@ -78,6 +92,8 @@ def chunked_scores(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor)
     hits = torch.zeros((), dtype=torch.long, device=h.device)
     for start in range(0, rows.shape[0], step):
         logits = (rows[start:start + step] @ w.t()).float()
+        if softcap is not None:
+            logits = capped(logits, softcap)
         target = wanted[start:start + step]
         loss += F.cross_entropy(logits, target, reduction="sum")
         hits += (logits.argmax(-1) == target).sum()
