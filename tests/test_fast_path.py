@@ -462,6 +462,9 @@ def test_trainer_evaluation_on_the_fast_path_matches_the_plain_path(tiny_config,
         session = Session(tiny_config, create_run(tiny_config), events.append)
         session.load()
         assert (session.fast is not None) == (wanted == "1")
+        loaded = next(e for e in events if isinstance(e, ev.ModelLoaded))  # recorded on a CPU too
+        assert (loaded.path, bool(loaded.path_reason)) == ("fast" if wanted == "1" else "plain", True)
+        assert wanted == "1" or loaded.path_reason == f"{fast.FAST_PATH_ENV}=0"
         results[wanted] = session.evaluate()
         assert any(isinstance(e, ev.EvalLogged) for e in events)
     assert calls, "the fast path's chunked scores served the evaluation"

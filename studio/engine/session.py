@@ -170,7 +170,8 @@ class Session:
         self.emit(ev.ModelLoaded(base_model=base_model, device=str(self.device),
                                  dtype=str(self.base.compute_dtype).removeprefix("torch."),
                                  quantization=self.base.quantization, total_params=total,
-                                 trainable_params=trainable, load_seconds=round(self.base.seconds, 2)))
+                                 trainable_params=trainable, load_seconds=round(self.base.seconds, 2),
+                                 path="fast" if self.fast is not None else "plain", path_reason=why))
         if self.data.truncated:
             self.emit(ev.WorkerFailed(kind="data", fatal=False, message=(
                 f"{self.data.truncated} training rows are longer than data.max_seq_length "
