@@ -68,12 +68,12 @@ def _multimodal_config():
         num_hidden_layers=1, image_size=28, patch_size=14))
 
 
-def _peft(config, rate: float = 0.0, targets: list[str] | None = None):
+def _peft(config, rate: float = 0.0, targets: list[str] | None = None, dtype: torch.dtype = torch.float32):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).float()
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
     if targets is None:
         targets = lora_targets(getattr(config, "text_config", config).model_type)
         if config.model_type == "gemma3":  # the text tower's projections, not the vision tower's
@@ -228,3 +228,34 @@ def test_mixture_of_experts_state_space_and_encoder_decoder_models_are_refused_i
     fast_model, why = fast.prepare(model)
     assert fast_model is None
     assert why.startswith(f"{model_type}: ") and kind in why and "\n" not in why, why
+
+
+@pytest.mark.parametrize("name", ["qwen2", "olmo2", "phi3", "granite"])
+def test_studio_s_own_kernels_train_these_families_as_without_them(name: str, kernel_device) -> None:
+    """Studio's Triton kernels (engine/fast/update.py: the LoRA update added inside SwiGLU and the
+    residual's add; norm.py: Llama's norm with the stream's gradient) where a family uses them:
+    biases in the products (Qwen2), post-norms and no pre-norms (OLMo 2, no residual fused),
+    fused gate_up and qkv modules (Phi-3), a residual multiplier (Granite). In bf16 with the kernels
+    on and off against fp32: the kernels' loss and gradients as close to fp32's as the products'
+    own order (Triton's interpreter on the CPU, compiled on CUDA)."""
+    pytest.importorskip("triton")
+    batch = _batch(packing=True).to(kernel_device)
+    runs = {}
+    for dtype, on in ((torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)):
+        model = _peft(_config(name), dtype=dtype).to(kernel_device)
+        fast_model, why = fast.prepare(model, FastPathConfig(kernels=on, cuda_graphs=False))
+        assert fast_model is not None, why
+        layer = fast_model.layers[0]
+        assert layer.gate_up.in_kernel is on and layer.norm_with_stream is (on and name != "olmo2")
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+        runs[dtype, on] = (loss.item(), _grads(model))
+    ref_loss, ref = runs[torch.float32, False]
+    errors = {}
+    for on in (True, False):
+        loss, grads = runs[torch.bfloat16, on]
+        assert abs(loss - ref_loss) < 0.005 * abs(ref_loss)
+        errors[on] = [((grads[n].float() - g).norm() / g.norm()).item() for n, g in ref.items()]
+    mean_on, mean_off = (sum(e) / len(e) for e in (errors[True], errors[False]))
+    assert mean_on < 1.5 * mean_off + 0.005, (mean_on, mean_off)
+    assert max(errors[True]) < 0.08, max(errors[True])
