@@ -156,9 +156,12 @@ def test_the_fast_path_gives_transformers_loss_and_lora_gradients(name: str, mon
 
 def test_the_text_tower_of_a_gemma_3_multimodal_checkpoint(monkeypatch) -> None:
     """Gemma3ForConditionalGeneration: the decoder at model.language_model, the head at the top."""
-    model = _peft(_multimodal_config())
+    config = _multimodal_config()
+    model = _peft(config)
     assert "nested_decoder" in describe(model).features
     _check_family(model, monkeypatch)
+    # the trainer's MFU on a GPU reads the text decoder's sizes (the outer config has none)
+    assert fast.model_flops_per_token(config, 64) == fast.model_flops_per_token(config.get_text_config(), 64)
 
 
 def test_every_feature_of_the_description_is_exercised_by_a_family_here() -> None:
