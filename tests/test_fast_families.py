@@ -35,6 +35,7 @@ CASES: dict[str, tuple[str, dict, set[str]]] = {
     "llama3": ("llama", dict(rope_parameters=LLAMA3_ROPE), set()),
     "mistral": ("mistral", dict(sliding_window=8), {"sliding_window"}),  # shorter than the rows
     "qwen2": ("qwen2", {}, {"linear_bias"}),
+    "llama_biases": ("llama", dict(attention_bias=True, mlp_bias=True), {"linear_bias"}),  # on every projection
     "qwen3": ("qwen3", {}, {"qk_norm_head"}),
     "gemma2": ("gemma2", {}, {"attn_softcap", "final_softcap", "sliding_window", "post_norms", "norm_offset",
                               "norm_cast_after_scale", "gelu_tanh", "embed_scale"}),
@@ -154,6 +155,15 @@ def test_the_fast_path_gives_transformers_loss_and_lora_gradients(name: str, mon
     _check_family(model, monkeypatch)
 
 
+@pytest.mark.parametrize("targets", [["o_proj", "up_proj"], ["k_proj", "down_proj"]])
+def test_biases_are_added_with_or_without_an_adapter_on_their_projections(targets, monkeypatch) -> None:
+    """Qwen2's q/k/v biases, added by the products of a q/k/v group with no adapter at all, and of
+    one whose adapter sits on k alone; a Llama's biases on every projection (attention_bias and
+    mlp_bias), o's and down's added with the residual stream, gate/up's before SwiGLU."""
+    _check_family(_peft(_config("qwen2"), targets=targets), monkeypatch)
+    _check_family(_peft(_config("llama_biases"), targets=targets), monkeypatch)
+
+
 def test_the_text_tower_of_a_gemma_3_multimodal_checkpoint(monkeypatch) -> None:
     """Gemma3ForConditionalGeneration: the decoder at model.language_model, the head at the top."""
     config = _multimodal_config()
@@ -233,11 +243,11 @@ def test_mixture_of_experts_state_space_and_encoder_decoder_models_are_refused_i
     assert why.startswith(f"{model_type}: ") and kind in why and "\n" not in why, why
 
 
-@pytest.mark.parametrize("name", ["qwen2", "olmo2", "phi3", "granite"])
+@pytest.mark.parametrize("name", ["qwen2", "llama_biases", "olmo2", "phi3", "granite"])
 def test_studio_s_own_kernels_train_these_families_as_without_them(name: str, kernel_device) -> None:
     """Studio's Triton kernels (engine/fast/update.py: the LoRA update added inside SwiGLU and the
     residual's add; norm.py: Llama's norm with the stream's gradient) where a family uses them:
-    biases in the products (Qwen2), post-norms and no pre-norms (OLMo 2, no residual fused),
+    biases in the products (Qwen2's q/k/v; o's and down's with the residual's kernel), post-norms and no pre-norms (OLMo 2, no residual fused),
     fused gate_up and qkv modules (Phi-3), a residual multiplier (Granite). In bf16 with the kernels
     on and off against fp32: the kernels' loss and gradients as close to fp32's as the products'
     own order (Triton's interpreter on the CPU, compiled on CUDA)."""

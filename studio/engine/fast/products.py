@@ -152,16 +152,19 @@ def _shaped(dx: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
 
 def _biased(weights: FrozenWeights, x2: torch.Tensor, xa: torch.Tensor | None, bt: torch.Tensor | None,
             scale: float, r2: torch.Tensor | None, in_kernel: bool) -> torch.Tensor:
-    """``r2 + ((bias + x2 W^T) + scale xa bt)`` for weights with a frozen bias, in transformers' and
-    PEFT's order: the base layer's product with its bias, the update added to it, the stream last
-    (the update by update.py's kernel with the stream, where it runs)."""
+    """``r2 + (x2 W^T + (bias + scale xa bt))`` for weights with a frozen bias: the bias is the base
+    of the update's product, which writes the output, and the base product adds itself in its
+    epilogue (the order of the module's docstring); the stream comes last (with the update, by
+    update.py's kernel where it runs)."""
     if xa is not None and r2 is not None and in_kernel:
         y = _update_then_residual(weights, x2, xa, bt, scale, r2)
         if y is not None:
             return y
-    y = weights.biased_product(x2)
-    if xa is not None:
-        y.addmm_(xa, bt, alpha=scale)
+    if xa is None:
+        y = weights.biased_product(x2)
+    else:
+        y = torch.addmm(weights.bias, xa, bt, alpha=scale)
+        weights.forward_product(x2, into=y)
     if r2 is not None:
         y.add_(r2)
     return y
@@ -265,10 +268,11 @@ class SeparateLoraProduct(torch.autograd.Function):
             if index != held:  # a weight split in groups (Phi-3's qkv_proj) is dequantized once
                 whole, held = weights.piece(index), index
             w = (whole if rows is None else whole[rows]).t()
-            if weights.bias is not None:  # the base layer's product with its bias, then the update
+            if weights.bias is not None and xa is not None:  # the bias the base of the update's product
+                y = torch.addmm(weights.bias[cols], xa, bt[:, cols], alpha=scale)
+                y.addmm_(x2, w)
+            elif weights.bias is not None:
                 y = torch.addmm(weights.bias[cols], x2, w)
-                if xa is not None:
-                    y.addmm_(xa, bt[:, cols], alpha=scale)
             elif xa is not None:
                 y = x2.new_empty(x2.shape[0], cols.stop - cols.start)
                 y.addmm_(xa, bt[:, cols], beta=0, alpha=scale)  # beta 0: y's contents are never read
