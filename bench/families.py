@@ -458,7 +458,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: Studio and the HF loop")
     parser.add_argument("--models-dir", help="where the built models go (reused when there)")
     parser.add_argument("--commit", help="the commit this tree is (default: git rev-parse HEAD)")
-    parser.add_argument("--budget-s", type=float, default=440.0, help="start no side after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=400.0, help="start no side after this many seconds")
     parser.add_argument("--child", choices=("studio", "hf", "unsloth"), help=argparse.SUPPRESS)
     parser.add_argument("--workloads", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
