@@ -170,6 +170,15 @@ def test_the_text_tower_of_a_gemma_3_multimodal_checkpoint(monkeypatch) -> None:
     model = _peft(config)
     assert "nested_decoder" in describe(model).features
     _check_family(model, monkeypatch)
+    # PEFT's all-linear adapts the vision tower too, which text never runs through: the path
+    # decision counts the text decoder's adapters (as the estimator does), so the run is fast
+    from studio.core.plan import choose_path
+    from studio.engine.fast.build import path_facts
+
+    everything = _peft(config, targets="all-linear")
+    assert any("vision_tower" in name for name, _ in everything.named_parameters() if "lora_A" in name)
+    monkeypatch.setenv(fast.FAST_PATH_ENV, "1")
+    assert choose_path(path_facts(everything, torch.device("cpu"))).path == "fast"
     # the trainer's MFU on a GPU reads the text decoder's sizes (the outer config has none)
     assert fast.model_flops_per_token(config, 64) == fast.model_flops_per_token(config.get_text_config(), 64)
 

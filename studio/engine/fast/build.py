@@ -239,7 +239,10 @@ def path_facts(model: nn.Module, device: torch.device, method: str = "sft",
     config_dict = config.to_dict() if hasattr(config, "to_dict") else {}
     adapter = getattr(model, "active_adapter", "default")
     adapter = adapter[0] if isinstance(adapter, (list, tuple)) and adapter else adapter
-    targets = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if has_adapter(m, adapter)})
+    # The adapters the text decoder runs (its layers and the head): a multimodal checkpoint's vision
+    # tower, which PEFT's all-linear adapts too, sees no text and trains on neither path.
+    named = [*found[0].named_modules(), ("lm_head", found[1])] if found is not None else model.named_modules()
+    targets = sorted({name.rsplit(".", 1)[-1] for name, m in named if has_adapter(m, adapter)})
     peft_config = getattr(model, "peft_config", {}).get(adapter)
     weights = "bf16"
     first = _first_projection(found[2][0]) if found is not None and len(found[2]) else None
