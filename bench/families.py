@@ -198,9 +198,10 @@ def studio_side(folder: Path, workload: str, seq: int, micro_batch: int, steps: 
     return out
 
 
-def _loop(model, batches: list[dict], warmup: int, cuda: bool) -> dict:
+def _loop(model, batches: list[dict], warmup: int, cuda: bool, autocast: bool = True) -> dict:
     """The plain training loop over ``batches``: per-step losses, tokens/s after ``warmup`` steps,
-    peak reserved memory (from the caller's reset)."""
+    peak reserved memory (from the caller's reset). ``autocast``: bf16 autocast on CUDA (the HF
+    recipe's; Unsloth's model computes in bf16 itself)."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -210,7 +211,7 @@ def _loop(model, batches: list[dict], warmup: int, cuda: bool) -> dict:
     start = time.perf_counter()
     for batch in batches:
         mask = batch["attention_mask"]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and autocast):
             loss = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device),
                          attention_mask=None if mask is None else mask.to(device),
                          position_ids=batch["position_ids"].to(device), use_cache=False).loss
@@ -315,7 +316,7 @@ def unsloth_side(folder: Path, workloads: list[str], warmup: int, work: Path) ->
                 if name in init:
                     p.copy_(init[name])
         _fresh(True)
-        out["workloads"][workload] = _loop(model, torch.load(batches_file), warmup, True)
+        out["workloads"][workload] = _loop(model, torch.load(batches_file), warmup, True, autocast=False)
     return out
 
 
