@@ -40,7 +40,7 @@ PUBLISHED = {
     "microsoft/Phi-4-mini-instruct": 3.836, "allenai/OLMo-2-1124-7B": 7.30, "HuggingFaceTB/SmolLM3-3B-Base": 3.08,
 }
 
-# What each bundled model needs beyond a Llama layer: what keeps it off today's fast path.
+# What each bundled model needs beyond a Llama layer (the fast path runs all of it).
 NEEDS = {
     "meta-llama/Llama-2-7b-hf": set(), "meta-llama/Llama-3.1-8B": set(), "mistralai/Mistral-7B-Instruct-v0.3": set(),
     "Qwen/Qwen2.5-7B": {"linear_bias"},
@@ -245,24 +245,25 @@ def test_what_is_not_described_is_refused_in_one_line_naming_the_family(config, 
 
 
 @pytest.mark.parametrize("ref", sorted(PUBLISHED))
-def test_the_fast_path_takes_llama_shaped_models_only_until_the_engine_runs_the_families(ref, monkeypatch):
+def test_the_fast_path_takes_every_bundled_family(ref, monkeypatch):
     config = bundled(ref)
-    today = plan.model_blocker(config)
-    assert (today == "") == (not NEEDS[ref])
-    if NEEDS[ref]:
-        assert today.startswith(described(config).family + "'s ") and "not in the fast path yet" in today
-    monkeypatch.setattr(plan, "FAST_DECODER_FEATURES", DECODER_FEATURES)  # what FAST_FAMILIES = True makes
+    assert plan.FAST_DECODER_FEATURES == DECODER_FEATURES  # FAST_FAMILIES: the engine runs them all
     assert plan.model_blocker(config) == ""
     assert from_config_dict(config, ref).fast_path_blocker == ""
+    # what a feature the engine did not run would say (the switch off: Llama-shaped decoders only)
+    monkeypatch.setattr(plan, "FAST_DECODER_FEATURES", frozenset())
+    blocked = plan.model_blocker(config)
+    assert (blocked == "") == (not NEEDS[ref])
+    if NEEDS[ref]:
+        assert blocked.startswith(described(config).family + "'s ") and "not in the fast path yet" in blocked
 
 
-def test_with_the_families_on_phi_3s_fused_modules_are_fast_targets_and_odd_activations_still_are_not(
-        monkeypatch):
-    assert "qkv_proj" not in plan.fast_targets()
-    monkeypatch.setattr(plan, "FAST_DECODER_FEATURES", DECODER_FEATURES)
+def test_phi_3s_fused_modules_are_fast_targets_and_odd_activations_still_are_not(monkeypatch):
     assert plan.fast_targets()[-2:] == ("qkv_proj", "gate_up_proj")
     relu = dict(FAMILY_CONFIGS["llama"], hidden_act="relu")
     assert plan.model_blocker(relu) == "Llama's relu-gated MLPs: not in the fast path yet"
+    monkeypatch.setattr(plan, "FAST_DECODER_FEATURES", frozenset())
+    assert "qkv_proj" not in plan.fast_targets()
 
 
 @pytest.mark.parametrize(("ref", "folder"), [
@@ -296,12 +297,13 @@ def test_studio_estimate_sizes_qwen3_8b_offline_on_the_path_the_engine_takes(tmp
                       "data: {max_seq_length: 1024}\ntrainer: {micro_batch_size: 4}\n")
     args = Namespace(config=str(config), gpu_gb=24.0, json=True, model="Qwen/Qwen3-8B")
     assert cli_estimate.main(args) == 0
-    today = json.loads(capsys.readouterr().out)
-    assert today["path"] == "plain" and today["plan"]["reason"] == "Qwen3's per-head q/k norms: not in the fast path yet"
-    monkeypatch.setattr(plan, "FAST_DECODER_FEATURES", DECODER_FEATURES)
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["path"] == "fast"
+    monkeypatch.setattr(plan, "FAST_DECODER_FEATURES", frozenset())  # the engine before it ran Qwen3
     assert cli_estimate.main(args) == 0
-    families_on = json.loads(capsys.readouterr().out)
-    assert families_on["path"] == "fast" and families_on["total"] < today["total"]
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["path"] == "plain" and plain["plan"]["reason"] == "Qwen3's per-head q/k norms: not in the fast path yet"
+    assert fast["total"] < plain["total"]
 
 
 @pytest.mark.parametrize(("version", "activation"), [("5.17.0", "gelu"), ("5.18.0", "gelu_pytorch_tanh"),

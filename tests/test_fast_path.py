@@ -178,18 +178,20 @@ def test_q_k_v_kept_on_the_host_give_the_recomputation_the_same_gradients(tmp_pa
             torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7)
 
 
-def test_rope_unrotation_is_the_rotation_s_backward() -> None:
+@pytest.mark.parametrize("rotary", [8, 6])
+def test_rope_unrotation_is_the_rotation_s_backward(rotary: int) -> None:
     """ops.unrotate_torch (what KeptQKV's backward applies on the CPU) equals autograd's gradient
-    through rope_torch."""
-    from studio.engine.fast.ops import rope_torch, unrotate_torch
+    through rope_torch, and through rope_partial_torch where only the first values of each head
+    rotate (Phi-4-mini)."""
+    from studio.engine.fast.ops import rope_partial_torch, rope_torch, unrotate_torch
 
     torch.manual_seed(0)
     q = torch.randn(2, 5, 4, 8, requires_grad=True)
     k = torch.randn(2, 5, 2, 8, requires_grad=True)
-    angles = torch.randn(2, 5, 8)
+    angles = torch.randn(2, 5, rotary)
     cos, sin = angles.cos(), angles.sin()
     dq, dk = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
-    rq, rk = rope_torch(q, k, cos, sin)
+    rq, rk = (rope_torch if rotary == 8 else rope_partial_torch)(q, k, cos, sin)
     gq, gk = torch.autograd.grad((rq, rk), (q, k), (dq, dk))
     uq, uk = unrotate_torch(dq, dk, cos, sin)
     torch.testing.assert_close(uq, gq, rtol=0, atol=1e-6)
@@ -462,6 +464,9 @@ def test_trainer_evaluation_on_the_fast_path_matches_the_plain_path(tiny_config,
         session = Session(tiny_config, create_run(tiny_config), events.append)
         session.load()
         assert (session.fast is not None) == (wanted == "1")
+        loaded = next(e for e in events if isinstance(e, ev.ModelLoaded))  # recorded on a CPU too
+        assert (loaded.path, bool(loaded.path_reason)) == ("fast" if wanted == "1" else "plain", True)
+        assert wanted == "1" or loaded.path_reason == f"{fast.FAST_PATH_ENV}=0"
         results[wanted] = session.evaluate()
         assert any(isinstance(e, ev.EvalLogged) for e in events)
     assert calls, "the fast path's chunked scores served the evaluation"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from studio.core.config import parse_config
+from studio.core.decoder.families import reads_gelu_as_tanh
 from studio.core.gpus import GB
 from studio.core.memory import estimate, walkthrough
 from studio.core.memory.params import lora_params
@@ -80,7 +81,9 @@ def test_gemma_ties_its_embeddings_and_reads_head_dim_from_the_config():
     assert gemma.tied and gemma.head_params() == 0
     assert gemma.head_width == 256 and gemma.linear_shapes()["q_proj"] == (3072, 16 * 256)  # not 3072 / 16
     assert gemma.vocab == 256000
-    assert gemma.fast_path_blocker  # GeLU MLP: the plain path
+    # its config's "gelu" is the tanh approximation from transformers 5.18 on (the fast path's GeGLU);
+    # 5.17 runs exact GELU, which the fast path does not
+    assert (gemma.fast_path_blocker == "") == reads_gelu_as_tanh()
 
 
 def test_gemma3_nested_text_config_takes_the_config_class_defaults_and_counts_the_vision_tower():

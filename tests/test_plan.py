@@ -44,7 +44,7 @@ def test_a_llama_qlora_run_on_a_gpu_takes_the_fast_path_with_graphs() -> None:
     ({"env": "0"}, "STUDIO_FAST_PATH=0"),
     ({"method": "grpo"}, "trainer.method is grpo"),
     ({"dora": True}, "DoRA"),
-    ({"model_blocker": model_blocker(QWEN3)}, "q/k norms"),
+    ({"model_blocker": model_blocker(dict(QWEN3, hidden_act="relu"))}, "relu-gated MLPs"),
     ({"model_blocker": model_blocker({"model_type": "gpt2", "activation_function": "gelu"})}, "gpt2"),
 ])
 def test_what_rules_the_fast_path_out_is_named(changes: dict, words: str) -> None:

@@ -141,3 +141,18 @@ def test_foreground_train_prints_the_shared_lines() -> None:
         printer(event)
     assert out.getvalue().splitlines() == [
         f"{step_line(STEP)}  mem {memory_text(MEMORY)}", describe(EVAL), describe(OOM), describe(FAILED)]
+
+
+def test_the_model_loaded_line_says_which_training_path_the_run_takes() -> None:
+    """`studio train` and `studio attach` print ModelLoaded through describe(): the path and why;
+    an event log written before the path was recorded reads as before."""
+    loaded = dict(base_model="Qwen/Qwen3-8B", device="cuda", dtype="bfloat16", quantization="nf4",
+                  total_params=8_000_000, trainable_params=40_000, load_seconds=12.0)
+    fast = describe(ev.ModelLoaded(**loaded, path="fast", path_reason="fused 4-bit LoRA products"))
+    assert fast.endswith("; fast path: fused 4-bit LoRA products")
+    plain = describe(ev.ModelLoaded(**loaded, path="plain", path_reason="not on a CUDA device"))
+    assert plain.endswith("; plain path: not on a CUDA device")
+    assert "path" not in describe(ev.ModelLoaded(**loaded))
+    state = fold([ev.ModelLoaded(**loaded, path="plain", path_reason="DoRA adapters")])
+    assert state.path == "plain path: DoRA adapters"  # the training pane's words: why not fast
+    assert fold([ev.ModelLoaded(**loaded, path="fast", path_reason="fused LoRA products")]).path == "fast path"

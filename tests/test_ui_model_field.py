@@ -11,7 +11,6 @@ from textual.widgets import Select
 from ui_helpers import idle_workers, make_config, settle, workdir
 
 from studio.core import gpus, plan
-from studio.core.decoder import DECODER_FEATURES
 from studio.core.gpus import GB
 from studio.ui.app import StudioApp
 from studio.ui.panes.vram import VramPane
@@ -132,7 +131,7 @@ async def test_a_phi3_folder_is_sized_with_its_fused_modules_and_the_config_is_u
         await enter_model(pilot, "phi3")
         assert text(app, "#vram-model-line").startswith("Model: phi3, from model folder")
         summary = text(app, "#vram-summary")
-        assert "LoRA r16" in summary and "plain path" in summary  # fused modules: not the fast path
+        assert "LoRA r16" in summary and "fast path" in summary  # fused modules run on the fast path
         assert pane.current.plan.lora_targets == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         assert app.config.lora.target_modules == "all-linear"
 
@@ -159,12 +158,12 @@ async def test_qwen3_8b_offline_is_sized_from_its_bundled_config_on_the_path_the
         await enter_model(pilot, "Qwen/Qwen3-8B")
         assert text(app, "#vram-model-line").startswith(
             "Model: Qwen/Qwen3-8B, from Studio's bundled config.json (the Hub could not be reached: offline?)")
-        assert "plain path" in text(app, "#vram-summary")  # per-head q/k norms: not in today's fast path
+        assert "fast path" in text(app, "#vram-summary")  # the engine runs Qwen3's per-head q/k norms
         assert pane.current.plan.lora_targets[0] == "q_proj"
-        monkeypatch.setattr(plan, "FAST_DECODER_FEATURES", DECODER_FEATURES)  # the engine runs the families
+        monkeypatch.setattr(plan, "FAST_DECODER_FEATURES", frozenset())  # the engine before it ran them
         await pick_card(pilot, "T4 16 GB")  # a new (config, card) pair: estimated afresh
         for _ in range(600):  # the card's change reaches the pane, then its estimate, in their own time
             if "T4 16 GB" in text(app, "#vram-summary"):
                 break
             await pilot.pause(0.05)
-        assert "fast path" in text(app, "#vram-summary") and "T4 16 GB" in text(app, "#vram-summary")
+        assert "plain path" in text(app, "#vram-summary") and "T4 16 GB" in text(app, "#vram-summary")

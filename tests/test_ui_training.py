@@ -204,6 +204,21 @@ async def test_the_status_line_names_the_loading_stage_once(tmp_path):
         assert "loading loading" not in status
 
 
+async def test_the_status_line_says_which_training_path_the_run_takes(tmp_path):
+    """ModelLoaded's path: "fast path", or "plain path" with what rules the fast one out."""
+    app, worker = harness(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pane_ready(pilot)
+        worker.feed([ev.ModelLoading(stage="loading the weights", fraction=0.2),
+                     ev.ModelLoaded(base_model="tiny", device="cpu", path="plain", path_reason="not on a CUDA device")])
+        await events_drawn(pilot)
+        assert "plain path: not on a CUDA device" in text_of(app, "#training-status")
+        worker.feed([ev.ModelLoaded(base_model="tiny", device="cuda", path="fast", path_reason="fused LoRA products")])
+        await events_drawn(pilot)
+        status = text_of(app, "#training-status")
+        assert "fast path" in status and "plain path" not in status
+
+
 async def test_export_asks_the_worker_for_each_format(tmp_path):
     """Export offers what `studio export` does (adapter with its model card, merged, GGUF), each done
     by the worker; the pane shows the worker's answer."""

@@ -281,7 +281,7 @@ def test_phi3_all_linear_is_estimated_with_its_fused_module_names(tmp_path, caps
     config = parse_config(f"model: {{base_model: {folder}}}\nlora: {{target_modules: all-linear}}\n"
                           "trainer: {micro_batch_size: 2}\n")
     result = estimate(config, info)
-    assert result.plan.lora_targets == info.lora_targets("all-linear") and result.path == "plain"
+    assert result.plan.lora_targets == info.lora_targets("all-linear") and result.path == "fast"
     assert len(walkthrough(config, info)) == 7
     path = tmp_path / "phi3.yaml"
     path.write_text(f"model: {{base_model: {folder}}}\nlora: {{target_modules: all-linear}}\n")

@@ -105,6 +105,16 @@ def lora_targets(model_type: str) -> list[str]:
     return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def tiny_config(name: str, vocab_size: int = 300, **overrides: Any):  # -> PretrainedConfig
+    """Family ``name``'s tiny config (the sizes and overrides above, then ``overrides``) without a
+    tokenizer: a vocabulary of ``vocab_size`` ids, for tests that need token ids only."""
+    from transformers import AutoConfig
+
+    spec = FAMILIES[name]
+    settings = {**_SIZE, **spec["config"], **overrides}
+    return AutoConfig.for_model(spec["model_type"], vocab_size=vocab_size, **settings)
+
+
 def spm_tokenizer(prefix_space: bool):  # -> PreTrainedTokenizerFast
     """A tiny SentencePiece-style tokenizer: BPE with byte fallback over ``▁``-joined words."""
     import json

@@ -115,9 +115,10 @@ class ModelLoaded(Event):
     trainable_params: int = 0
     load_seconds: float = 0.0
     path: str = ""
-    """The training path: "fast" (studio/engine/fast) or "plain" (transformers + PEFT)."""
+    """The training path the run takes: ``fast`` (studio/engine/fast) or ``plain`` (transformers +
+    PEFT); '' in event logs written before Studio recorded it."""
     path_reason: str = ""
-    """Why that path (core/plan.py's choose_path): what the fast path runs, or what rules it out."""
+    """Why: what the fast path runs, or what rules it out (core/plan.py's choose_path)."""
 
 
 @dataclass(frozen=True)

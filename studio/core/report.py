@@ -218,6 +218,12 @@ def warning_line(event: ev.WarningRaised) -> str:
     return f"warning ({event.kind}): {event.message}"
 
 
+def path_line(event: ev.ModelLoaded) -> str:
+    """Which training path a run takes and why, as ``studio train``, ``studio attach`` and the
+    training pane say it ("fast path: ..." or "plain path: ...")."""
+    return f"{event.path} path: {event.path_reason}" if event.path_reason else f"{event.path} path"
+
+
 def finished_line(event: ev.TrainingFinished) -> str:
     """``training finished at step 300: train loss 0.1234, best eval loss 0.2345, adapter -> DIR (5m02s)``."""
     how = "stopped" if event.stopped else "finished"
@@ -266,9 +272,10 @@ def describe(event: ev.Event) -> str | None:
             return f"loading model: {event.stage} {event.fraction:.0%}"
         case ev.ModelLoaded():
             quant = f", {event.quantization}" if event.quantization else ""
-            return (f"model loaded: {event.base_model} on {event.device or '?'} ({event.dtype or '?'}{quant}), "
+            line = (f"model loaded: {event.base_model} on {event.device or '?'} ({event.dtype or '?'}{quant}), "
                     f"{event.trainable_params:,} trainable of {event.total_params:,} params, "
                     f"{format_duration(event.load_seconds)}")
+            return line + (f"; {path_line(event)}" if event.path else "")
         case ev.MemorySampled():
             card = f", GPU {event.rank}" if event.rank else ""
             return f"memory at step {event.step} ({event.device}{card}): {memory_text(event)}"

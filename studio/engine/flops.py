@@ -28,6 +28,8 @@ def model_flops_per_token(config, seq_len: float, full: bool = False) -> float:
     3 x 2 x 2 x layers x seq x hidden / 2). LoRA's own products are under 1% and left out.
     A full fine-tune (``full``) also computes every weight's gradient: 2N more.
     """
+    if hasattr(config, "get_text_config"):  # a multimodal checkpoint's (Gemma 3): its text decoder's
+        config = config.get_text_config()
     h = config.hidden_size
     inter = getattr(config, "intermediate_size", 4 * h)
     layers = config.num_hidden_layers

@@ -151,6 +151,9 @@ class TrainingState:
     loading_stage: str = ""
     loading_fraction: float = 0.0
     device: str = ""
+    path: str = ""
+    """The run's training path as the pane says it: "fast path", or "plain path" and what rules the
+    fast one out (its ModelLoaded); '' before the model loads."""
     failure: ev.WorkerFailed | None = None
     notices: list[str] = field(default_factory=list)
     adapter_path: str = ""
@@ -198,6 +201,8 @@ class TrainingState:
         self.loading_stage, self.loading_fraction = "", 1.0
         self.base_model = event.base_model or self.base_model
         self.device = self.device or event.device
+        if event.path:
+            self.path = report.path_line(event) if event.path == "plain" else f"{event.path} path"
         if self.status == "loading":
             self.status = "idle"
 

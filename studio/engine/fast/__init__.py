@@ -1,4 +1,4 @@
-"""The fast training path: a lean forward/backward for Llama-style QLoRA models.
+"""The fast training path: a lean forward/backward for QLoRA on every dense decoder core/decoder/ describes.
 
 The plain path (``model(**batch).loss`` through transformers + PEFT + bitsandbytes) spends most of
 a step outside the matrix products: per-module Python, fp32 casts of the residual stream, a dropout
@@ -7,7 +7,8 @@ kernel per adapter, each 4-bit weight dequantized through several small kernels,
 one concern a module (the imports point down this list):
 
 - ``build``: which models are covered (:func:`prepare`), and when the trainer uses it
-  (:func:`enable`, with the run's ``trainer.fast_path`` settings);
+  (:func:`enable`, with the run's ``trainer.fast_path`` settings); a model's layers are built from
+  its description (core/decoder's DecoderSpec) and its loaded modules, so a family is data here;
 - ``model``: :class:`FastModel`, the loss: padding removed before the model (packed rows become one
   flat stream of examples), the residual stream in the compute dtype (bf16) from embedding to loss,
   each layer checkpointed, the stack replayed as CUDA graphs or run eagerly;
@@ -15,13 +16,17 @@ one concern a module (the imports point down this list):
   batch layout, the adapters' gradients added inside the graph (``GradSink``);
 - ``offload``: each checkpointed layer's input, and its rotated q, k and v, waiting in pinned host
   memory between the forward and the backward, copied behind the compute;
-- ``layer``: one decoder layer as one function: norms, fused projections, RoPE, attention per
-  example of the flat stream (flash-attention varlen on CUDA, a block-diagonal mask elsewhere),
-  SwiGLU;
-- ``projection``: the linears that share an input (q/k/v, o, gate/up, down), with their PEFT
-  adapters, run as one fused product;
+- ``layer``: one decoder layer as one function, for every family: norms (pre, post or sandwich;
+  Llama's or Gemma's casting), fused projections, q/k norms, RoPE (partial, per layer type, or
+  none), the gated MLP (SwiGLU, GeGLU), residual multipliers; each a branch only where the
+  description asks for it;
+- ``attention``: causal attention per example of the flat stream (flash-attention varlen on CUDA,
+  a block-diagonal mask elsewhere), with the layer's scale and sliding window; soft-capped scores
+  in plain torch, recomputed in the backward;
+- ``projection``: the linears that share an input (q/k/v, o, gate/up, down; Phi-3's fused
+  modules), with their PEFT adapters, run as one fused product;
 - ``products``: the fused QLoRA products as autograd functions, with hand-written backwards that
-  dequantize the frozen weights again instead of keeping them;
+  dequantize the frozen weights again instead of keeping them; frozen biases added by the products;
 - ``frozen``: the frozen base weights, multiplied one projection at a time, 4-bit ones dequantized
   into one buffer the whole model shares;
 - ``dequant`` (kernel in ``dequant_kernel``): an NF4 weight dequantized by one Triton kernel, its
@@ -34,10 +39,11 @@ one concern a module (the imports point down this list):
   warning, once they fail;
 - ``dropout``: adapter dropout whose masks are a function of (micro-batch seed, adapter, element),
   so graphs replay each step's masks and recomputed layers regenerate them (nothing saved);
-- ``ops``: RMSNorm, RoPE and its inverse in plain torch, and where liger-kernel's Triton versions
-  and the flash-attention varlen entry point come from;
+- ``ops``: RMSNorm (both castings), RoPE (full and partial) and its inverse in plain torch, and
+  where liger-kernel's Triton versions and the flash-attention varlen entry point come from;
 - ``loss``: the cross-entropy over the vocabulary without a ``tokens x vocab`` logits tensor, for
-  training (fused with the output projection) and for evaluation (chunked, with argmax hits).
+  training (fused with the output projection) and for evaluation (chunked, with argmax hits), with
+  a final logit soft-cap where the model has one.
 
 The trainable parameters are PEFT's own ``lora_A`` / ``lora_B`` weights, so the optimizer, the
 checkpoints and ``save_pretrained`` are untouched; only the loss computation changes.

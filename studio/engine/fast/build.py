@@ -1,7 +1,15 @@
-"""Which models the fast path covers, and building it for one: :func:`prepare` and :func:`enable`."""
+"""Which models the fast path covers, and building it for one: :func:`prepare` and :func:`enable`.
+
+A model's layers are built from two things: its description (core/decoder's :class:`DecoderSpec`
+of its config: norms and where they sit, q/k norms, activation, fused modules, scales, soft-caps,
+each layer's window and RoPE) and its loaded modules (the weights, biases, norm weights and eps,
+PEFT's adapters). Every family the description covers runs through the same :class:`Layer`; adding
+one is an entry in core/decoder/families.py and its tests, nothing here.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 from functools import partial
 
@@ -9,101 +17,136 @@ import torch
 from torch import nn
 
 from studio.core.config import FastPathConfig
-from studio.core.plan import FAST_PATH_ENV, PathFacts, choose_path, model_blocker
+from studio.core.decoder import DecoderSpec, Refusal, describe_decoder
+from studio.core.plan import FAST_PATH_ENV, PathFacts, choose_path, decoder_blocker, model_blocker
 from studio.engine.fast import norm
+from studio.engine.fast.attention import LLAMA, Span
 from studio.engine.fast.frozen import Workspace, is_4bit
-from studio.engine.fast.layer import Layer
-from studio.engine.fast.model import FastModel
+from studio.engine.fast.layer import LLAMA_NORM, Layer, NormKind
+from studio.engine.fast.model import Ends, FastModel
 from studio.engine.fast.ops import liger_kernels, varlen_attention
 from studio.engine.fast.projection import Projection, has_adapter
 
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
 
 
-def _find(model: nn.Module):
-    """The decoder stack, final norm and LM head of a PEFT-wrapped Llama-style model, or a reason."""
+def describe(model: nn.Module) -> DecoderSpec | Refusal:
+    """The description of a loaded (PEFT-wrapped) model, from its config."""
+    config = getattr(model, "config", None)
+    return describe_decoder(config.to_dict() if hasattr(config, "to_dict") else {})
+
+
+def _find(model: nn.Module, path: tuple[str, ...] = ("model",)):
+    """The decoder stack, final norm and LM head of a PEFT-wrapped model whose decoder sits at
+    ``path`` (the description's ``decoder_path``), or a reason."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    backbone = getattr(inner, "model", None)
+    backbone = inner
+    for name in path:
+        backbone = getattr(backbone, name, None)
     head = getattr(inner, "lm_head", None)
     layers = getattr(backbone, "layers", None)
     if backbone is None or head is None or layers is None:
-        return None, "not a decoder-only model with model.layers and lm_head"
+        return None, f"not a decoder-only model with {'.'.join(path)}.layers and lm_head"
     for name in ("embed_tokens", "norm", "rotary_emb"):
         if not hasattr(backbone, name):
             return None, f"the backbone has no {name}"
     return (backbone, head, layers), ""
 
 
+def projection_groups(spec: DecoderSpec) -> tuple[tuple[str, ...], ...]:
+    """The module names of a layer's four fused products (q/k/v, o, gate/up, down): Llama's, or the
+    fused modules that hold their rows (Phi-3's qkv_proj and gate_up_proj)."""
+    fused = {parts: name for name, parts in spec.fused}
+    return ((fused[QKV],) if QKV in fused else QKV, ("o_proj",),
+            (fused[GATE_UP],) if GATE_UP in fused else GATE_UP, ("down_proj",))
+
+
 def _lora_module(module: nn.Module, adapter: str) -> str:
     """Why ``module`` cannot go through the fused product ('' when it can)."""
     if not has_adapter(module, adapter):
         if isinstance(module, nn.Linear) or is_4bit(module):
-            return "projections with a bias" if getattr(module, "bias", None) is not None else ""
+            return ""
         return f"a {type(module).__name__} projection"
     if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
         return "an adapter that is merged or disabled"
     if getattr(module, "use_dora", {}).get(adapter, False):
         return "DoRA adapters"
-    base = module.get_base_layer()
-    if getattr(base, "bias", None) is not None:
-        return "projections with a bias"
-    weight = getattr(base, "weight", None)
-    if weight is None or (not is_4bit(base) and weight.dtype not in (torch.bfloat16, torch.float16,
-                                                                      torch.float32)):
+    weight = getattr(module.get_base_layer(), "weight", None)
+    if weight is None or (not is_4bit(module.get_base_layer()) and weight.dtype not in (
+            torch.bfloat16, torch.float16, torch.float32)):
         return "8-bit base weights"
     return ""
+
+
+def _eps(module: nn.Module, default: float) -> float:
+    """An RMSNorm module's eps (transformers names it variance_epsilon or eps)."""
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return default
 
 
 def prepare(model: nn.Module, options: FastPathConfig | None = None) -> tuple[FastModel | None, str]:
     """Build the fast path for a PEFT LoRA model, or return (None, why not). ``options``: the run's
     ``trainer.fast_path`` (default: everything on).
 
-    Covered: Llama-architecture decoders (Llama, Mistral-style GQA, SmolLM, ...) without attention
-    biases, LoRA on all seven projections (q, k, v, o, gate, up, down), base weights in 4-bit
-    (bitsandbytes NF4/FP4) or a float dtype. Frozen float parameters kept in fp32 by
-    ``prepare_model_for_kbit_training`` (norms, embeddings, head) are cast back to the compute dtype:
-    they were loaded from it, so no information is lost, and the stream then stays in it.
+    Covered: the dense decoders core/decoder/ describes whose features the fast path runs
+    (core/plan.py's ``decoder_blocker``), LoRA on any of their linear projections (Phi-3's fused
+    modules as PEFT names them), base weights in 4-bit (bitsandbytes NF4/FP4) or a float dtype.
+    Frozen float parameters kept in fp32 by ``prepare_model_for_kbit_training`` (norms, embeddings,
+    head, biases) are cast back to the compute dtype: they were loaded from it, so no information
+    is lost, and the stream then stays in it.
     """
     options = options or FastPathConfig()
-    found, why = _find(model)
+    spec = describe(model)
+    if isinstance(spec, Refusal):
+        return None, str(spec)
+    blocked = decoder_blocker(spec)
+    if blocked:
+        return None, blocked
+    found, why = _find(model, spec.decoder_path)
     if found is None:
         return None, why
     backbone, head, layers = found
+    if len(layers) != spec.num_layers:
+        return None, f"the model has {len(layers)} layers where its config describes {spec.num_layers}"
     adapter = getattr(model, "active_adapter", "default")
     if isinstance(adapter, (list, tuple)):
         if len(adapter) != 1:
             return None, "more than one active adapter"
         adapter = adapter[0]
-    config = getattr(model, "config", None) or getattr(backbone, "config", None)
-    if not hasattr(config, "rms_norm_eps"):
-        return None, f"model type {getattr(config, 'model_type', '?')!r} is not covered (no RMSNorm)"
-    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "attention_bias", False) \
-            or getattr(config, "mlp_bias", False):
-        return None, "only SiLU-gated MLPs without biases are covered"
-    for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or mlp is None or hasattr(attn, "q_norm"):
-            return None, "a decoder layer that is not Llama-shaped"
-        for name in ATTN:
-            why = _lora_module(getattr(attn, name, None) or nn.Identity(), adapter)
-            if why:
-                return None, f"{why} ({name})"
-        for name in MLP:
-            why = _lora_module(getattr(mlp, name, None) or nn.Identity(), adapter)
-            if why:
-                return None, f"{why} ({name})"
+    groups = projection_groups(spec)
 
-    if not any(has_adapter(getattr(layer.self_attn, n), adapter) for layer in layers for n in ATTN) and \
-            not any(has_adapter(getattr(layer.mlp, n), adapter) for layer in layers for n in MLP):
+    def module(layer: nn.Module, name: str) -> nn.Module | None:
+        return getattr(getattr(layer, spec.parent(name), None), name, None)
+
+    for layer in layers:
+        for name in (n for group in groups for n in group):
+            why = _lora_module(module(layer, name) or nn.Identity(), adapter)
+            if why:
+                return None, f"{why} ({name})"
+        for name in (*spec.norms.names(), *((("q_norm", "k_norm")) if spec.qk_norm != "none" else ())):
+            found_norm = module(layer, name) if name in ("q_norm", "k_norm") else getattr(layer, name, None)
+            if getattr(found_norm, "weight", None) is None:
+                return None, f"a decoder layer without its {name}"
+    if not any(has_adapter(m, adapter) for layer in layers for group in groups for n in group
+               if (m := module(layer, n)) is not None):
         return None, "no LoRA adapter on the decoder's projections"
-    dtype = _compute_dtype(layers[0])
-    for module in (backbone.embed_tokens, backbone.norm, head, *[m for layer in layers for m in
-                                                                 (layer.input_layernorm,
-                                                                  layer.post_attention_layernorm)]):
-        for p in module.parameters(recurse=False):
-            if not p.requires_grad and p.dtype == torch.float32 and dtype != torch.float32 \
-                    and _exact_in(p, dtype):
+
+    dtype = _compute_dtype(module(layers[0], groups[0][0]))
+    frozen = [backbone.embed_tokens, backbone.norm, head]
+    for layer in layers:
+        frozen += [getattr(layer, name) for name in spec.norms.names()]
+        if spec.qk_norm != "none":
+            frozen += [module(layer, "q_norm"), module(layer, "k_norm")]
+        for name in (n for group in groups for n in group):
+            m = module(layer, name)
+            frozen.append(m.get_base_layer() if hasattr(m, "get_base_layer") else m)
+    for m in frozen:
+        for p in m.parameters(recurse=False):
+            if not p.requires_grad and p.dtype == torch.float32 and dtype != torch.float32 and _exact_in(p, dtype):
                 p.data = p.data.to(dtype)
 
     half = dtype in (torch.bfloat16, torch.float16)
@@ -111,29 +154,56 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None) -> tuple[Fa
     device = backbone.embed_tokens.weight.device
     # Flash-attention kernels take half precision only: an fp32 model on CUDA keeps SDPA.
     varlen = varlen_attention() if device.type == "cuda" and half else None
-    stream_norm = options.kernels and norm.available(device, dtype)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    kind = NormKind(spec.norm.offset, spec.norm.cast == "scaled")
+    # NormBranch's kernel computes Llama's casting only
+    stream_norm = options.kernels and norm.available(device, dtype) and kind == LLAMA_NORM
+    head_dim = spec.head_dim
+    # One RoPE table per layer type where the rotary module takes the type (Gemma 3), stacked
+    keys = tuple(dict.fromkeys(s.rope_key for s in spec.layers if s.rope is not None and s.rope_key is not None))
+    scale = None if math.isclose(spec.attention_scale, head_dim ** -0.5, rel_tol=1e-9) else spec.attention_scale
+    q_width, kv_width = spec.heads * head_dim, spec.kv_heads * head_dim
     built = []
     workspace = Workspace()
     proj = partial(Projection, adapter=adapter, dtype=dtype, workspace=workspace, kernels=options.kernels)
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
+    for layer, described in zip(layers, spec.layers, strict=True):
+        qkv, o, gate_up, down = ([module(layer, n) for n in group] for group in groups)
+        norms = {role: getattr(layer, name) if name else None for role, name in (
+            ("attn_in", spec.norms.attn_in), ("attn_out", spec.norms.attn_out), ("mlp_in", spec.norms.mlp_in),
+            ("mlp_out", spec.norms.mlp_out))}
+        first_norm = next(m for m in norms.values() if m is not None)
+        q_norm = module(layer, "q_norm") if spec.qk_norm != "none" else None
+        k_norm = module(layer, "k_norm") if spec.qk_norm != "none" else None
+        rope = described.rope
+        span = Span(scale=scale, window=described.window, softcap=spec.attn_softcap)
         built.append(Layer(
-            qkv=proj([attn.q_proj, attn.k_proj, attn.v_proj]),
-            o=proj([attn.o_proj]),
-            gate_up=proj([mlp.gate_proj, mlp.up_proj]),
-            down=proj([mlp.down_proj]),
-            ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-            eps=float(getattr(layer.input_layernorm, "variance_epsilon", config.rms_norm_eps)),
-            heads=int(config.num_attention_heads),
-            kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
-            head_dim=head_dim, liger=liger, varlen=varlen, norm_with_stream=stream_norm))
+            qkv=proj(qkv, split=[q_width, kv_width, kv_width] if len(qkv) == 1 else None),
+            o=proj(o), gate_up=proj(gate_up), down=proj(down),
+            ln1=_weight(norms["attn_in"]), ln2=_weight(norms["mlp_in"]),
+            eps=_eps(first_norm, spec.norm.eps),
+            heads=spec.heads, kv_heads=spec.kv_heads, head_dim=head_dim, liger=liger, varlen=varlen,
+            norm_with_stream=stream_norm, norm_kind=kind,
+            attn_out=_weight(norms["attn_out"]), mlp_out=_weight(norms["mlp_out"]),
+            qk_norm=spec.qk_norm, q_norm=_weight(q_norm), k_norm=_weight(k_norm),
+            qk_eps=_eps(q_norm, spec.norm.eps) if q_norm is not None else 0.0,
+            rope=rope is not None, partial=rope is not None and rope.rotary_dim < head_dim,
+            table=keys.index(described.rope_key) if keys and rope is not None else None,
+            span=span if span != Span() else LLAMA, activation=spec.activation,
+            residual_scale=spec.residual_scale))
     workspace.allocate(dtype, device)
-    return FastModel(model, built, backbone, head, dtype, options, liger, varlen), ""
+    # Gemma's embedding modules scale their output themselves; Granite's model multiplies it.
+    scales_itself = hasattr(backbone.embed_tokens, "embed_scale")
+    ends = Ends(embed_scale=None if spec.embed_scale == 1.0 or scales_itself else spec.embed_scale,
+                embed_scale_rounded=spec.embed_scale_rounded, rope_keys=keys,
+                final_eps=_eps(backbone.norm, spec.norm.eps), logits_divisor=spec.logits_divisor,
+                final_softcap=spec.final_softcap)
+    return FastModel(model, built, backbone, head, dtype, options, liger, varlen, ends), ""
 
 
-def _compute_dtype(layer: nn.Module) -> torch.dtype:
-    module = layer.self_attn.q_proj
+def _weight(module: nn.Module | None) -> torch.Tensor | None:
+    return None if module is None else module.weight
+
+
+def _compute_dtype(module: nn.Module) -> torch.dtype:
     base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
     if is_4bit(base):
         dtype = getattr(base, "compute_dtype", None)
@@ -147,21 +217,36 @@ def _exact_in(p: torch.Tensor, dtype: torch.dtype) -> bool:
         return bool(torch.equal(p.data.to(dtype).to(p.dtype), p.data))
 
 
+def _first_projection(layer: nn.Module) -> nn.Module | None:
+    """The first linear module of a decoder layer (LoRA-wrapped or not): its base weights' format
+    is the model's."""
+    for m in layer.modules():
+        if hasattr(m, "get_base_layer"):
+            return m
+        if isinstance(m, nn.Linear) or is_4bit(m):
+            return m
+    return None
+
+
 def path_facts(model: nn.Module, device: torch.device, method: str = "sft",
                options: FastPathConfig | None = None) -> PathFacts:
     """What :func:`studio.core.plan.choose_path` decides on, read off the loaded PEFT model and the
     run's ``trainer.fast_path`` (the estimator reads the same facts off the config files)."""
     options = options or FastPathConfig()
-    found, _ = _find(model)
+    spec = describe(model)
+    found, _ = _find(model, spec.decoder_path if isinstance(spec, DecoderSpec) else ("model",))
     config = getattr(model, "config", None)
     config_dict = config.to_dict() if hasattr(config, "to_dict") else {}
     adapter = getattr(model, "active_adapter", "default")
     adapter = adapter[0] if isinstance(adapter, (list, tuple)) and adapter else adapter
-    targets = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if has_adapter(m, adapter)})
+    # The adapters the text decoder runs (its layers and the head): a multimodal checkpoint's vision
+    # tower, which PEFT's all-linear adapts too, sees no text and trains on neither path.
+    named = [*found[0].named_modules(), ("lm_head", found[1])] if found is not None else model.named_modules()
+    targets = sorted({name.rsplit(".", 1)[-1] for name, m in named if has_adapter(m, adapter)})
     peft_config = getattr(model, "peft_config", {}).get(adapter)
     weights = "bf16"
-    if found is not None:
-        first = found[2][0].self_attn.q_proj
+    first = _first_projection(found[2][0]) if found is not None and len(found[2]) else None
+    if first is not None:
         base = first.get_base_layer() if hasattr(first, "get_base_layer") else first
         if is_4bit(base):
             weights = str(base.weight.quant_state.quant_type)
@@ -184,8 +269,9 @@ def enable(model: nn.Module, device: torch.device, method: str = "sft",
     """The fast path for a trainer's model, where :func:`studio.core.plan.choose_path` (the function
     the estimator uses too) picks it: on CUDA for covered models, off on CPU (where it is no faster);
     the environment variable ``STUDIO_FAST_PATH`` overrides. ``options``: the run's
-    ``trainer.fast_path``. Returns (None, why) when off."""
+    ``trainer.fast_path``. Returns the fast model and what it runs, or (None, why not)."""
     choice = choose_path(path_facts(model, device, method, options))
     if choice.path != "fast":
         return None, choice.reason
-    return prepare(model, options)
+    fast, why = prepare(model, options)
+    return (fast, choice.reason) if fast is not None else (None, why)

@@ -56,11 +56,25 @@ class FrozenWeights:
     it covers the weight and the device, else through bitsandbytes.
     """
 
-    def __init__(self, bases: Sequence[nn.Module], dtype: torch.dtype, workspace: Workspace, kernel: bool = True):
+    def __init__(self, bases: Sequence[nn.Module], dtype: torch.dtype, workspace: Workspace, kernel: bool = True,
+                 split: Sequence[int] | None = None):
         self.bases = list(bases)
         self.dtype = dtype
         self.out_features = [int(b.out_features) for b in self.bases]
         self.in_features = int(self.bases[0].in_features)
+        self.split = list(split) if split is not None else None
+        """The output's widths, in order, where one weight holds several projections' rows (Phi-3's
+        qkv_proj: q, k, v): :meth:`groups` gives each its rows; None: a group per weight."""
+        assert self.split is None or (len(self.bases) == 1 and sum(self.split) == self.out_features[0])
+        biases = [getattr(b, "bias", None) for b in self.bases]
+        self.bias: torch.Tensor | None = None
+        """The frozen biases of the whole output (zeros for a weight without one) in the compute
+        dtype, added by the products (:meth:`biased_product`); None where no weight has one."""
+        if any(b is not None for b in biases):
+            with torch.no_grad():
+                self.bias = torch.cat([b.detach().to(dtype) if b is not None else
+                                       torch.zeros(n, dtype=dtype, device=self.bases[0].weight.device)
+                                       for b, n in zip(biases, self.out_features, strict=True)])
         self.quantized = [is_4bit(b) for b in self.bases]
         self.workspace = workspace if any(self.quantized) else None
         if self.workspace is not None:
@@ -88,6 +102,28 @@ class FrozenWeights:
         for index, n in enumerate(self.out_features):
             yield index, slice(row, row + n)
             row += n
+
+    def groups(self) -> Iterator[tuple[int, slice | None, slice]]:
+        """Each output read apart (q, k and v): the weight's index, its rows of that weight (None:
+        all of them) and its columns of the fused output. A group per weight (:meth:`columns`), or
+        per width of :attr:`split`."""
+        if self.split is None:
+            for index, cols in self.columns():
+                yield index, None, cols
+            return
+        row = 0
+        for n in self.split:
+            yield 0, slice(row, row + n), slice(row, row + n)
+            row += n
+
+    def biased_product(self, x2: torch.Tensor) -> torch.Tensor:
+        """``bias + x2 @ W^T`` (a new tensor), each weight's bias the base of its product."""
+        if len(self.bases) == 1:
+            return torch.addmm(self.bias, x2, self.piece(0).t())
+        y = x2.new_empty(x2.shape[0], sum(self.out_features))
+        for index, cols in self.columns():
+            torch.addmm(self.bias[cols], x2, self.piece(index).t(), out=y[:, cols])
+        return y
 
     def forward_product(self, x2: torch.Tensor, into: torch.Tensor | None = None,
                         base: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,14 +153,17 @@ class FrozenWeights:
         if len(self.bases) == 1:
             w = self.piece(0)
             return dy2 @ w if into is None else into.addmm_(dy2, w)
-        return self.backward_blocks([dy2[:, cols] for _, cols in self.columns()], into)
+        return self.backward_blocks([dy2[:, cols] for _, _, cols in self.groups()], into)
 
     def backward_blocks(self, blocks: Sequence[torch.Tensor], into: torch.Tensor | None = None) -> torch.Tensor:
-        """``sum_j blocks[j] @ W_j``: the input gradient from each projection's output gradient
-        (added to ``into`` in place when given)."""
+        """``sum_j blocks[j] @ W_j``: the input gradient from each output group's gradient
+        (:meth:`groups`; added to ``into`` in place when given)."""
         dx = into
-        for index, block in enumerate(blocks):
-            w = self.piece(index)
+        held = None
+        for (index, rows, _), block in zip(self.groups(), blocks, strict=True):
+            if index != held:  # a weight split in groups is dequantized once for all of them
+                whole, held = self.piece(index), index
+            w = whole if rows is None else whole[rows]
             if dx is None:
                 dx = block @ w
             else:

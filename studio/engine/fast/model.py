@@ -1,7 +1,9 @@
-"""FastModel: the loss of a PEFT Llama-style model through the fast layers, with the batch laid out
+"""FastModel: the loss of a PEFT decoder model through the fast layers, with the batch laid out
 as one flat stream of real tokens and the cross-entropy fused with the output projection."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,15 +20,39 @@ from studio.engine.fast.loss import IGNORE_INDEX, chunked_scores, cross_entropy,
 from studio.engine.fast.offload import HostInputs, OffloadedLayer, flatten
 
 
+@dataclass(frozen=True)
+class Ends:
+    """What the model does before its first layer and after its last, beyond a Llama's (from its
+    description, core/decoder); the defaults are a Llama's."""
+
+    embed_scale: float | None = None
+    """The embeddings are multiplied by this (Granite's embedding_multiplier); None: as the embedding
+    module gives them (Gemma's scale its output themselves)."""
+    embed_scale_rounded: bool = False
+    """The scale is rounded to the embeddings' dtype first."""
+    rope_keys: tuple[str, ...] = ()
+    """The layer types the rotary module computes a table for (Gemma 3), stacked in this order
+    (layer.py's ``table``); (): it computes one table."""
+    final_eps: float | None = None
+    """The final norm's eps; None: the first layer's."""
+    logits_divisor: float = 1.0
+    """The logits are divided by this (Granite's logits_scaling): folded into the hidden states."""
+    final_softcap: float | None = None
+    """Logits become ``tanh(z / cap) * cap`` before the loss (Gemma 2); None: not capped."""
+
+
 class FastModel:
-    """A PEFT Llama-style model's loss, computed by the fast path. Build it with :func:`prepare`."""
+    """A PEFT decoder model's loss, computed by the fast path. Build it with :func:`prepare`."""
 
     _slots_floor = 0
     """The fewest example slots a CUDA-graph layout gets (:meth:`expect_examples`)."""
 
     def __init__(self, peft_model: nn.Module, layers: list[Layer], backbone: nn.Module, head: nn.Module,
-                 dtype: torch.dtype, options: FastPathConfig, liger: dict | None, varlen: tuple | None):
+                 dtype: torch.dtype, options: FastPathConfig, liger: dict | None, varlen: tuple | None,
+                 ends: Ends | None = None):
         self.peft_model = peft_model
+        self.ends = ends or Ends()
+        """What comes before the first layer and after the last (:class:`Ends`)."""
         self.layers = layers
         self.backbone = backbone
         self.head = head
@@ -36,7 +62,7 @@ class FastModel:
         self.liger = liger
         """liger-kernel's kernels (ops.liger_kernels), or None: torch's operations."""
         self.varlen = varlen
-        """Flash-attention's varlen entry point (ops.varlen_attention), or None: SDPA."""
+        """Flash-attention's varlen entry point (ops.Varlen), or None: SDPA."""
         device = backbone.embed_tokens.weight.device
         # Adapter dropout draws its masks from one seed tensor (engine/fast/dropout.py): graphs replay
         # them, recomputation regenerates them, and no RNG state is saved around a layer.
@@ -87,7 +113,7 @@ class FastModel:
         if self._seed is not None and torch.is_grad_enabled():
             self._seed.advance()  # this micro-batch's adapter-dropout masks
         h, targets = self._hidden(input_ids, labels, attention_mask, position_ids)
-        return cross_entropy(h, self.head.weight, targets, reduction, self.liger)
+        return cross_entropy(h, self.head.weight, targets, reduction, self.liger, softcap=self.ends.final_softcap)
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -105,7 +131,7 @@ class FastModel:
             h, targets = self._hidden(input_ids[part], labels[part],
                                       None if attention_mask is None else attention_mask[part],
                                       None if position_ids is None else position_ids[part])
-            piece_loss, piece_hits = chunked_scores(h, self.head.weight, targets)
+            piece_loss, piece_hits = chunked_scores(h, self.head.weight, targets, softcap=self.ends.final_softcap)
             loss = piece_loss if loss is None else loss + piece_loss
             hits = piece_hits if hits is None else hits + piece_hits
         return loss, hits
@@ -125,13 +151,16 @@ class FastModel:
         if attention_mask is not None:
             wanted &= attention_mask.bool()
         scoring = not torch.is_grad_enabled() and not reference
-        sums, hits = sequence_logps(h, self.head.weight, targets, wanted, self.liger, hits=scoring)
+        sums, hits = sequence_logps(h, self.head.weight, targets, wanted, self.liger, hits=scoring,
+                                    softcap=self.ends.final_softcap)
         return sums, wanted.sum(1).float(), hits if hits is not None else torch.zeros_like(sums)
 
     def _hidden(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor | None, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The final normed hidden states ``[N, hidden]`` of the batch's real tokens, and their
-        targets ``[N]`` (IGNORE_INDEX where no loss is taken); ``reference``: the adapters off."""
+        targets ``[N]`` (IGNORE_INDEX where no loss is taken); ``reference``: the adapters off. Their
+        product with the head's weight is the logits (a logits divisor folded in), before any final
+        soft-cap (``ends.final_softcap``)."""
         b, t = input_ids.shape
         device = input_ids.device
         if position_ids is None:
@@ -162,16 +191,35 @@ class FastModel:
                    and graphs_for(ids.numel(), 0.0, True))
         if graphed:
             ids, pos, targets, seg = self._static_layout(ids, pos, targets, seg, t)
-        h = self.backbone.embed_tokens(ids).to(self.dtype)
-        cos, sin = self.backbone.rotary_emb(h, pos)
-        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        h = self._embed(ids)
+        cos, sin = self._rope(h, pos)
         if graphed:
             h = self._graphs.run(h, cos, sin, seg)
         else:
             offload = (self._host is not None and torch.is_grad_enabled()
                        and offload_for(ids.numel(), 0.0, True))
             h = self.stack(h, cos, sin, seg, self._host if offload else None, reference=reference)
+        if self.ends.logits_divisor != 1.0:
+            h = h / self.ends.logits_divisor
         return h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``ids`` in the compute dtype, scaled as the model scales them."""
+        h = self.backbone.embed_tokens(ids)
+        scale = self.ends.embed_scale
+        if scale is not None:
+            h = h * (torch.tensor(scale, dtype=h.dtype) if self.ends.embed_scale_rounded else scale)
+        return h.to(self.dtype)
+
+    def _rope(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables (cos, sin) the layers read: the rotary module's one table ``[B, T, D]``,
+        or one per layer type stacked ``[types, B, T, D]`` (``ends.rope_keys``)."""
+        if not self.ends.rope_keys:
+            cos, sin = self.backbone.rotary_emb(h, pos)
+            return cos.to(self.dtype), sin.to(self.dtype)
+        tables = [self.backbone.rotary_emb(h, pos, key) for key in self.ends.rope_keys]
+        return (torch.stack([cos.to(self.dtype) for cos, _ in tables]),
+                torch.stack([sin.to(self.dtype) for _, sin in tables]))
 
     def stack(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
               host: HostInputs | None = None, sink: GradSink | None = None, reference: bool = False) -> torch.Tensor:
@@ -196,7 +244,7 @@ class FastModel:
                 h = layer.forward(h, cos, sin, seg, adapters)
         if host is not None:
             host.finish()
-        return self.layers[0].norm(h, self.backbone.norm.weight) if self.layers else h
+        return self.layers[0].norm(h, self.backbone.norm.weight, self.ends.final_eps) if self.layers else h
 
     def _static_layout(self, ids, pos, targets, seg: Segments, width: int):
         """Pad a flat stream to a layout that few CUDA graphs cover: its length rounded up to 256

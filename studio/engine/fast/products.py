@@ -110,7 +110,9 @@ class LoraProduct(torch.autograd.Function):
         r2 = residual.reshape(-1, width) if residual is not None else None
         xa = _adapter_input(x2, a, drop) if a is not None else None
         y = None
-        if value and xa is not None and in_kernel and r2 is not None:
+        if value and weights.bias is not None:
+            y = _biased(weights, x2, xa, bt, scale, r2, in_kernel)
+        elif value and xa is not None and in_kernel and r2 is not None:
             y = _update_then_residual(weights, x2, xa, bt, scale, r2)
         if y is None:
             if not value:
@@ -148,14 +150,35 @@ def _shaped(dx: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
     return None if dx is None else dx.view(shape)
 
 
+def _biased(weights: FrozenWeights, x2: torch.Tensor, xa: torch.Tensor | None, bt: torch.Tensor | None,
+            scale: float, r2: torch.Tensor | None, in_kernel: bool) -> torch.Tensor:
+    """``r2 + (x2 W^T + (bias + scale xa bt))`` for weights with a frozen bias: the bias is the base
+    of the update's product, which writes the output, and the base product adds itself in its
+    epilogue (the order of the module's docstring); the stream comes last (with the update, by
+    update.py's kernel where it runs)."""
+    if xa is not None and r2 is not None and in_kernel:
+        y = _update_then_residual(weights, x2, xa, bt, scale, r2)
+        if y is not None:
+            return y
+    if xa is None:
+        y = weights.biased_product(x2)
+    else:
+        y = torch.addmm(weights.bias, xa, bt, alpha=scale)
+        weights.forward_product(x2, into=y)
+    if r2 is not None:
+        y.add_(r2)
+    return y
+
+
 def _update_then_residual(weights: FrozenWeights, x2: torch.Tensor, xa: torch.Tensor, bt: torch.Tensor,
                           scale: float, r2: torch.Tensor) -> torch.Tensor | None:
-    """``r2 + (x2 W^T + scale xa bt)`` with the base product writing the output alone and one kernel
-    adding the update, then the stream (engine/fast/update.py), where the update's product would
-    write it first; None where the kernels cannot run here."""
+    """``r2 + (x2 W^T + scale xa bt)`` (the bias, where the weights have one, the base of their
+    product) with the base product writing the output alone and one kernel adding the update,
+    then the stream (engine/fast/update.py), where the update's product would write it first;
+    None where the kernels cannot run here."""
     if update.broken():
         return None
-    y = weights.forward_product(x2)
+    y = weights.biased_product(x2) if weights.bias is not None else weights.forward_product(x2)
     done, _ = update.KERNELS.attempt(lambda: update.add_update_and_residual_(y, xa, bt, scale, r2))
     return y if done else None
 
@@ -186,7 +209,7 @@ def _blocks_backward(ctx, saved, blocks: Sequence[torch.Tensor]):
     """:func:`_fused_backward` from each projection's output gradient apart
     (:class:`SeparateLoraProduct`)."""
     x2 = saved[0]
-    columns = [cols for _, cols in ctx.weights.columns()]
+    columns = [cols for _, _, cols in ctx.weights.groups()]
     a = bt = xa = dyb = dbt = None
     if len(saved) > 1:
         _, a, bt, xa = saved
@@ -216,7 +239,7 @@ class DeferredLoraProduct(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xa = _adapter_input(x2, a, drop)
-        y = weights.forward_product(x2)
+        y = weights.biased_product(x2) if weights.bias is not None else weights.forward_product(x2)
         ctx.save_for_backward(x2, a, bt, xa)
         ctx.weights, ctx.scale, ctx.shape, ctx.drop = weights, scale, shape, drop
         ctx.mark_non_differentiable(xa)
@@ -240,9 +263,17 @@ class SeparateLoraProduct(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         xa = _adapter_input(x2, a, drop) if a is not None else None
         outs = []
-        for index, cols in weights.columns():
-            w = weights.piece(index).t()
-            if xa is not None:
+        held = None
+        for index, rows, cols in weights.groups():
+            if index != held:  # a weight split in groups (Phi-3's qkv_proj) is dequantized once
+                whole, held = weights.piece(index), index
+            w = (whole if rows is None else whole[rows]).t()
+            if weights.bias is not None and xa is not None:  # the bias the base of the update's product
+                y = torch.addmm(weights.bias[cols], xa, bt[:, cols], alpha=scale)
+                y.addmm_(x2, w)
+            elif weights.bias is not None:
+                y = torch.addmm(weights.bias[cols], x2, w)
+            elif xa is not None:
                 y = x2.new_empty(x2.shape[0], cols.stop - cols.start)
                 y.addmm_(xa, bt[:, cols], beta=0, alpha=scale)  # beta 0: y's contents are never read
                 y.addmm_(x2, w)
@@ -269,7 +300,9 @@ class KeptQKV(torch.autograd.Function):
     ones, so the recomputation runs neither the product (a third of its products on a 7B model)
     nor RoPE, and the backward is theirs: RoPE's inverse rotation of the q and k gradients, then
     :class:`SeparateLoraProduct`'s backward. ``kept`` is the tuple ``(q, k, v)``,
-    ``[B, T, heads, head_dim]``; ``unrotate(dq, dk, cos, sin)`` is RoPE's backward."""
+    ``[B, T, heads, head_dim]``; ``unrotate(dq, dk, cos, sin)`` is RoPE's backward. With ``unrotate``
+    None, ``kept`` are the product's outputs as they were (a layer with q/k norms between the
+    product and RoPE, or no RoPE: it runs those again on them) and the backward is the product's."""
 
     @staticmethod
     def forward(ctx, x, weights: FrozenWeights, a, bt, scale: float, drop: AdapterDropout | None,
@@ -286,7 +319,8 @@ class KeptQKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        dq, dk = ctx.unrotate(dq, dk, ctx.cos, ctx.sin)
+        if ctx.unrotate is not None:
+            dq, dk = ctx.unrotate(dq, dk, ctx.cos, ctx.sin)
         blocks = [d.reshape(-1, d.shape[-2] * d.shape[-1]) for d in (dq, dk, dv)]
         dx, da, dbt = _blocks_backward(ctx, ctx.saved_tensors, blocks)
         return _shaped(dx, ctx.shape), None, da, dbt, None, None, None, None, None, None

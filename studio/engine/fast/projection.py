@@ -32,10 +32,12 @@ class Projection:
     that reads the product's output adds the update (:attr:`in_kernel`)."""
 
     def __init__(self, modules: Sequence[nn.Module], adapter: str, dtype: torch.dtype, workspace: Workspace,
-                 kernels: bool = True):
+                 kernels: bool = True, split: Sequence[int] | None = None):
         self.modules = list(modules)
         bases = [m.get_base_layer() if hasattr(m, "get_base_layer") else m for m in modules]
-        self.weights = FrozenWeights(bases, dtype, workspace, kernel=kernels)
+        # split: the output widths of a module holding several projections (Phi-3's qkv_proj), which
+        # :meth:`separately` returns apart; the frozen biases, where there are any, go with the weights.
+        self.weights = FrozenWeights(bases, dtype, workspace, kernel=kernels, split=split)
         self.dtype = dtype
         adapted = [m for m in modules if has_adapter(m, adapter)]
         self.present = [has_adapter(m, adapter) for m in modules]
@@ -99,7 +101,8 @@ class Projection:
                                  self.in_kernel, handoff)
 
     def separately(self, x: torch.Tensor, adapters: tuple | None = None) -> tuple[torch.Tensor, ...]:
-        """Each projection's output as a tensor of its own (:class:`SeparateLoraProduct`: q, k, v)."""
+        """Each projection's output as a tensor of its own (:class:`SeparateLoraProduct`: q, k, v;
+        a fused module's by its ``split``)."""
         a, bt, scale = adapters if adapters is not None else self.adapters()
         return SeparateLoraProduct.apply(x, self.weights, a, bt, scale, self._dropout())
 
@@ -134,7 +137,8 @@ class Projection:
 
     def from_kept(self, x: torch.Tensor, kept: tuple, cos: torch.Tensor, sin: torch.Tensor, unrotate,
                   adapters: tuple | None = None) -> tuple:
-        """A recomputation's q, k and v, rotated, from the forward's kept copies (:class:`KeptQKV`):
-        the values are ``kept``, the backward is the product's and RoPE's."""
+        """A recomputation's q, k and v from the forward's kept copies (:class:`KeptQKV`): the values
+        are ``kept``, the backward is the product's and, with ``unrotate``, RoPE's (None: ``kept``
+        are the product's outputs, not rotated)."""
         a, bt, scale = adapters if adapters is not None else self.adapters()
         return KeptQKV.apply(x, self.weights, a, bt, scale, self._dropout(), tuple(kept), cos, sin, unrotate)

@@ -215,6 +215,8 @@ class TrainingPane(Pane, Vertical):
                          Path(state.base_model).is_absolute() else state.base_model)
         if state.device:
             parts.append(state.device)
+        if state.path:
+            parts.append(state.path)
         if state.micro_batch_size:
             batch = f"micro-batch {state.micro_batch_size} × {state.gradient_accumulation_steps}"
             if state.gpus > 1:

@@ -1,0 +1,170 @@
+"""Causal attention inside each example of a flat token stream, as a decoder layer's description
+asks for it: its scale, a sliding window, soft-capped scores.
+
+- flash attention's varlen entry point on CUDA (:class:`~studio.engine.fast.ops.Varlen`): the scale
+  and the window (``window_size=(W - 1, 0)``: a query sees itself and the W - 1 tokens before it)
+  go to the kernel; rows without example boundaries get boundaries of their own when a window
+  applies (the kernel's window is the only one on CUDA);
+- SDPA elsewhere (the CPU, fp32 models): a block-diagonal causal mask, narrowed to the window;
+- soft-capped scores (Gemma 2: ``tanh(s / cap) * cap`` before the mask) have no flash kernel in
+  torch: :class:`SoftcappedAttention` computes them one key/value head at a time in plain torch
+  and again in the backward, so that it keeps no ``tokens x tokens`` tensor between the two and
+  runs inside a CUDA graph (no host sync: the mask comes from the boundaries on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from studio.engine.fast.ops import Varlen
+
+
+@dataclass
+class Segments:
+    """Where examples start in a flat token stream (attention stays inside each)."""
+
+    cu: torch.Tensor | None = None
+    """int32 [n+1] cumulative example lengths (varlen attention), or None for full causal rows."""
+    max_len: int = 0
+    mask: torch.Tensor | None = None
+    """bool [1, 1, T, T] block-diagonal causal mask for the SDPA fallback."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """What a layer's attention does beyond Llama's: the description's scale, window and soft-cap."""
+
+    scale: float | None = None
+    """What q.k is multiplied by; None: 1 / sqrt(head_dim), every kernel's default."""
+    window: int | None = None
+    """A query sees itself and the ``window - 1`` tokens before it; None: every earlier token."""
+    softcap: float | None = None
+    """Scores become ``tanh(s / cap) * cap`` before the mask; None: not capped."""
+
+
+LLAMA = Span()
+"""A Llama layer's attention."""
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, varlen: Varlen | None,
+           span: Span = LLAMA) -> torch.Tensor:
+    """Causal attention inside each example of ``q``, ``k``, ``v`` (``[B, T, heads, head_dim]``,
+    fewer key/value heads allowed), as ``span`` says; returns ``[B, T, heads, head_dim]``."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    t = q.shape[1]
+    window = span.window if span.window is not None and span.window < t else None  # else it hides nothing
+    if span.softcap is not None:
+        scale = span.scale if span.scale is not None else q.shape[-1] ** -0.5
+        return SoftcappedAttention.apply(q, k, v, _keep(seg, t, q.device, window), scale, span.softcap)
+    if varlen is not None and (seg.cu is not None or window is not None) and (window is None or varlen.window):
+        return _varlen(q, k, v, seg, varlen, span.scale, window)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if kv_heads != heads:
+        rep = heads // kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    extra = {} if span.scale is None else {"scale": span.scale}
+    if window is not None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=_keep(seg, t, q.device, window), **extra)
+    elif seg.mask is not None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, **extra)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
+    return out.transpose(1, 2)
+
+
+def _varlen(q, k, v, seg: Segments, varlen: Varlen, scale: float | None, window: int | None) -> torch.Tensor:
+    b, t, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    cu, max_len = seg.cu, seg.max_len
+    if cu is None:  # full rows, each an example: boundaries of their own, made on the device
+        cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)
+        max_len = t
+    q, k, v = (x.reshape(b * t, x.shape[2], head_dim) for x in (q, k, v))
+    kw = dict(varlen.causal)
+    if window is not None:
+        kw["window_size"] = (window - 1, 0)
+    if scale is not None:
+        if varlen.scale:
+            kw["scale"] = scale
+        else:  # the kernel's own scale is 1 / sqrt(head_dim): fold the rest into q
+            q = q * (scale * head_dim ** 0.5)
+    if kv_heads != heads:
+        if varlen.gqa:
+            kw["enable_gqa"] = True
+        else:
+            rep = heads // kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = varlen.fn(q, k, v, cu, cu, max_len, max_len, **kw)
+    return out.view(b, t, heads, head_dim)
+
+
+def _keep(seg: Segments, t: int, device: torch.device, window: int | None) -> torch.Tensor:
+    """bool ``[1, 1, T, T]``: which key each of ``t`` queries sees: the earlier tokens of its own
+    example, within ``window`` when given."""
+    pos = torch.arange(t, device=device)
+    if seg.mask is not None:
+        keep = seg.mask
+    else:
+        keep = pos[:, None] >= pos[None, :]
+        if seg.cu is not None:
+            # each token's example from the boundaries on the device (no host sync: graph-safe)
+            example = torch.searchsorted(seg.cu[1:], pos.to(seg.cu.dtype), right=True)
+            keep = keep & (example[:, None] == example[None, :])
+        keep = keep[None, None]
+    if window is not None:
+        keep = keep & (pos[:, None] - pos[None, :] < window)
+    return keep
+
+
+class SoftcappedAttention(torch.autograd.Function):
+    """Attention with soft-capped scores, ``softmax(mask(tanh(q k^T s / cap) * cap)) v``, one key/value
+    head (and the query heads sharing it) at a time: the scores in fp32, the weights rounded to
+    v's dtype before their product (transformers' eager attention's order). The backward computes
+    the scores again instead of keeping them. ``keep``: bool ``[B or 1, 1, T, T]``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, scale: float, cap: float):
+        out = torch.empty_like(q)
+        for g, qg, kg, vg in _groups(q, k, v):
+            _, p = _weights(qg, kg, keep, scale, cap)
+            rep = qg.shape[1]
+            out[:, :, g * rep:(g + 1) * rep] = (p.to(vg.dtype) @ vg).transpose(1, 2)
+        ctx.save_for_backward(q, k, v, keep)
+        ctx.scale, ctx.cap = scale, cap
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, keep = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for g, qg, kg, vg in _groups(q, k, v):
+            capped, p = _weights(qg, kg, keep, ctx.scale, ctx.cap)
+            rep = qg.shape[1]
+            dog = dout[:, :, g * rep:(g + 1) * rep].transpose(1, 2)  # [B, rep, T, D]
+            dv[:, :, g] = (p.to(vg.dtype).transpose(-1, -2) @ dog).sum(1)
+            dp = (dog @ vg.transpose(-1, -2)).float()
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+            # d(cap * tanh(s / cap)) / ds = 1 - tanh^2; masked scores have p = 0
+            ds = (ds * (1 - capped * capped) * ctx.scale).to(q.dtype)
+            dq[:, :, g * rep:(g + 1) * rep] = (ds @ kg).transpose(1, 2)
+            dk[:, :, g] = (ds.transpose(-1, -2) @ qg).sum(1)
+        return dq, dk, dv, None, None, None
+
+
+def _groups(q, k, v):
+    """Per key/value head ``g``: its query heads ``[B, rep, T, D]`` and its key and value ``[B, 1, T, D]``."""
+    rep = q.shape[2] // k.shape[2]
+    for g in range(k.shape[2]):
+        yield (g, q[:, :, g * rep:(g + 1) * rep].transpose(1, 2), k[:, :, g:g + 1].transpose(1, 2),
+               v[:, :, g:g + 1].transpose(1, 2))
+
+
+def _weights(qg, kg, keep, scale: float, cap: float):
+    """``tanh(q k^T scale / cap)`` and the attention weights (fp32) of one key/value head's queries."""
+    scores = (qg @ kg.transpose(-1, -2)).float() * scale
+    capped = torch.tanh(scores / cap)
+    scores = (capped * cap).masked_fill_(~keep, float("-inf"))
+    return capped, torch.softmax(scores, dim=-1)
