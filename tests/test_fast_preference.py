@@ -16,6 +16,7 @@ from test_fast_path import ALL, _examples, _peft_model
 
 from studio.engine import fast
 from studio.engine.batching import MicroBatch, collate
+from studio.engine.fast.ops import Varlen
 from studio.engine.preference import PreferenceObjective, sequence_logps
 
 CPU = torch.device("cpu")
@@ -152,7 +153,7 @@ def test_the_graphed_layout_takes_a_pair_batch(tiny_model: Path, method: str) ->
     batch = _pairs_batch(model)
     fast_model, why = fast.prepare(model)
     assert fast_model is not None, why
-    varlen = (_varlen_on_the_cpu, {"is_causal": True}, False)
+    varlen = Varlen(_varlen_on_the_cpu, {"is_causal": True}, gqa=False, scale=False, window=False)
     fast_model.varlen = varlen
     for layer in fast_model.layers:
         layer.varlen = varlen
@@ -286,3 +287,29 @@ def test_the_graphed_policy_pass_equals_the_eager_one_on_pair_batches(tiny_model
             assert grad.abs().sum() > 0, name
             rel = (step_graph[name] - grad).norm() / grad.norm()
             assert rel < 2e-2, f"{name}: relative gradient error {rel:.2e}"  # bf16
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen3", "phi3"])
+def test_each_answer_s_log_prob_on_other_families(family: str) -> None:
+    """The same per-answer log-probs and their gradients on families whose layers differ from
+    Llama's: Gemma 2 (soft-capped attention and final logits: the per-answer log-probs go through
+    the cap as the loss does), Qwen3 (q/k norms), Phi-3 (fused projections)."""
+    from test_fast_families import _config, _peft
+
+    model = _peft(_config(family))
+    batch = _pairs_batch(model)
+    sums, counts, _ = sequence_logps(model, batch)
+    sums.sum().backward()
+    expected = _lora_grads(model)
+    model.zero_grad()
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    got, got_counts, _ = fast_model.sequence_logps(batch.input_ids, batch.labels, batch.attention_mask,
+                                                   batch.position_ids)
+    torch.testing.assert_close(got, sums.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_counts, counts)
+    got.sum().backward()
+    for name, grad in _lora_grads(model).items():
+        assert expected[name].abs().sum() > 0, name
+        rel = (grad - expected[name]).norm() / expected[name].norm()
+        assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
