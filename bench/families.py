@@ -423,7 +423,7 @@ def measure_family(family: str, args: argparse.Namespace, env: dict, start: floa
     entry["config"] = json.loads((folder / "config.json").read_text())
     common = ["--model-dir", str(folder), "--work", str(work), "--steps", str(args.steps), "--warmup",
               str(args.warmup)] + (["--tiny"] if args.tiny else [])
-    workloads = list(WORKLOADS)
+    workloads = args.only.split(",") if args.only else list(WORKLOADS)
     studio = {}
     for workload in workloads:
         if time.perf_counter() - start > args.budget_s:
@@ -460,6 +460,7 @@ def main() -> int:
     parser.add_argument("--models-dir", help="where the built models go (reused when there)")
     parser.add_argument("--commit", help="the commit this tree is (default: git rev-parse HEAD)")
     parser.add_argument("--budget-s", type=float, default=400.0, help="start no side after this many seconds")
+    parser.add_argument("--only", help=f"comma-separated workloads to run (default: all of {', '.join(WORKLOADS)})")
     parser.add_argument("--child", choices=("studio", "hf", "unsloth"), help=argparse.SUPPRESS)
     parser.add_argument("--workloads", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)

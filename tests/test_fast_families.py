@@ -74,7 +74,9 @@ def _peft(config, rate: float = 0.0, targets: list[str] | None = None, dtype: to
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    # Eager attention: the exact reference (an SDPA reference leaves Gemma 2's soft-cap out in some
+    # transformers versions, 5.17 among them).
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(dtype)
     if targets is None:
         targets = lora_targets(getattr(config, "text_config", config).model_type)
         if config.model_type == "gemma3":  # the text tower's projections, not the vision tower's
