@@ -159,7 +159,7 @@ def test_nothing_fits_names_the_keys_to_change():
 
 
 def _estimate_cli(tmp_path, text: str, *args: str, capsys) -> str:
-    from studio.core import cli_estimate
+    from studio.cli import estimate as cli_estimate
 
     path = tmp_path / "c.yaml"
     path.write_text(text)

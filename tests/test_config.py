@@ -160,7 +160,7 @@ def test_config_dump_error_has_no_traceback(tmp_path):
 
 
 def test_the_effective_batch_is_what_trains_and_counts_every_gpu() -> None:
-    from studio.core.cli_estimate import batch_line
+    from studio.cli.estimate import batch_line
 
     config = RunConfig()
     t = config.trainer

@@ -14,9 +14,9 @@ import resource
 import subprocess
 from pathlib import Path
 
+from studio.cli.app import initial_config
 from studio.core import events as ev
 from studio.core.runs import RunDir
-from studio.ui.cli_app import initial_config
 
 
 def test_sample_config_trains_on_cpu_and_improves_held_out(tiny_model: Path, reverse_data: Path, tmp_path: Path,

@@ -254,8 +254,8 @@ def test_the_run_records_the_prompt_settings_its_data_trains_with(tmp_path: Path
     template from it); the worker reading that config back finds the same shape."""
     import argparse
 
+    from studio.cli.train import prepare_config
     from studio.core.runs import create_run
-    from studio.worker.cli_train import prepare_config
 
     _write(tmp_path / "pairs.jsonl", STANDARD)
     (tmp_path / "run.yaml").write_text(f"model:\n  base_model: {tiny_model}\ndata:\n  path: pairs.jsonl\n"

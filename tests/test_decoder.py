@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from studio.core import cli_estimate, plan
+from studio.cli import estimate as cli_estimate
+from studio.core import plan
 from studio.core.decoder import DECODER_FEATURES, DecoderSpec, Refusal, describe_decoder
 from studio.core.decoder.families import reads_gelu_as_tanh
 from studio.core.decoder.spec import POST_NORM, PRE_NORM, SANDWICH

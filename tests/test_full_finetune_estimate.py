@@ -8,7 +8,7 @@ from argparse import Namespace
 
 import pytest
 
-from studio.core.cli_estimate import main as estimate_main
+from studio.cli.estimate import main as estimate_main
 from studio.core.config import parse_config
 from studio.core.gpus import GB
 from studio.core.memory import CATEGORIES, estimate, plan_for, walkthrough

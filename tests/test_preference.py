@@ -288,7 +288,7 @@ def test_dpo_through_the_worker_learns_the_case_preference(tiny_model: Path, tmp
     print(f"preference: {report['preference']}, {time.monotonic() - start:.0f} s")
     assert 0.3 <= report["preference"]["base_accuracy"] <= 0.7
     assert report["preference"]["fine_tuned_accuracy"] >= 0.9
-    from studio.worker.cli_eval import format_table
+    from studio.cli.evaluate import format_table
 
     table = format_table(report)
     tuned = report["preference"]["fine_tuned_accuracy"]  # 100% here, 96.7% on the GPU box's CPU
@@ -349,7 +349,7 @@ def test_studio_estimate_on_the_dpo_sample_says_fast(capsys: pytest.CaptureFixtu
     per-answer log-probs and the reference pass through the same layers, and the pair note."""
     from argparse import Namespace
 
-    from studio.core.cli_estimate import main
+    from studio.cli.estimate import main
 
     monkeypatch.delenv("STUDIO_FAST_PATH", raising=False)
     config = SAMPLE.parent / "preference" / "preference_config.yaml"

@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("huggingface_hub")
 
+from studio.cli.export import PushError, upload  # noqa: E402
 from studio.core.runs import RunDir, create_run  # noqa: E402
-from studio.push import PushError, upload  # noqa: E402
 
 
 class FakeHub(BaseHTTPRequestHandler):

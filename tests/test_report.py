@@ -133,7 +133,7 @@ def test_attach_prints_the_shared_lines(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_foreground_train_prints_the_shared_lines() -> None:
-    from studio.worker.cli_train import ConsolePrinter
+    from studio.cli.train import ConsolePrinter
 
     out = io.StringIO()
     printer = ConsolePrinter(out=out, err=io.StringIO())

@@ -294,7 +294,7 @@ def test_eval_table_prints_no_control_characters_from_the_data_or_the_answers(fa
 
 
 def test_attach_prints_held_out_progress_in_one_short_line() -> None:
-    from studio.worker.cli_runs import describe
+    from studio.cli.runs import describe
 
     row = describe(ev.HeldOutRowScored(index=1, total=3, split="test", target="cba", base="abc", tuned="cba",
                                        fields={"instruction": "x" * 500}))

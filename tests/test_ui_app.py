@@ -15,6 +15,7 @@ import pytest
 from textual.widgets import TabbedContent, TextArea
 from ui_helpers import PlayedWorker, events_drawn, make_config, settle, workdir
 
+from studio.cli.app import initial_config
 from studio.core import events as ev
 from studio.core.config import load_config
 from studio.core.data import resolve_path
@@ -22,7 +23,6 @@ from studio.core.paths import themes_dir
 from studio.core.runs import create_run
 from studio.ui import theme as themes
 from studio.ui.app import PANES, StudioApp
-from studio.ui.cli_app import initial_config
 from studio.ui.commands import palette_entries
 from studio.ui.messages import MemorySample
 from studio.ui.panes.template import TemplatePane
@@ -40,7 +40,7 @@ def test_the_running_app_never_imports_torch(tmp_path):
     script = textwrap.dedent("""
         import asyncio, sys
         from studio.ui.app import StudioApp
-        from studio.ui.cli_app import initial_config
+        from studio.cli.app import initial_config
         from studio.ui.panes.dataset import DatasetPane
 
         async def main():

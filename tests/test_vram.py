@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from studio.core.cli_estimate import main as estimate_main
+from studio.cli.estimate import main as estimate_main
 from studio.core.config import RunConfig, parse_config
 from studio.core.gpus import GB, gpu_for_size
 from studio.core.memory import ALL_LINEAR, CATEGORIES, Plan, estimate, estimate_plan, plan_for, walkthrough
@@ -183,7 +183,7 @@ def test_cli_errors_name_the_file_and_do_not_trace(tmp_path, capsys):
 
 
 def test_estimator_does_not_import_torch():
-    code = ("import sys, studio.core.memory, studio.core.cli_estimate, studio.core.gpus; "
+    code = ("import sys, studio.core.memory, studio.cli.estimate, studio.core.gpus; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

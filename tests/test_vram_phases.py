@@ -188,7 +188,7 @@ def test_evaluation_on_the_fast_path_scores_512_tokens_a_pass():
 def test_studio_estimate_says_which_phase_sets_the_peak(tmp_path, capsys):
     from argparse import Namespace
 
-    from studio.core.cli_estimate import main
+    from studio.cli.estimate import main
 
     path = tmp_path / "run.yaml"
     path.write_text("model: {base_model: meta-llama/Llama-2-7b-hf}\ndata: {max_seq_length: 4096}\n"
@@ -217,7 +217,7 @@ def test_unpacked_steps_are_sized_from_the_datas_token_lengths(tiny_config, caps
 
     import yaml
 
-    from studio.core.cli_estimate import main
+    from studio.cli.estimate import main
     from studio.core.memory import estimate
     from studio.core.memory.lengths import data_lengths
     from studio.core.model_info import load_model_info
@@ -265,7 +265,7 @@ def test_phi3_all_linear_is_estimated_with_its_fused_module_names(tmp_path, caps
     qkv_proj / gate_up_proj through ModelInfo.lora_targets, the function the VRAM pane uses too."""
     from argparse import Namespace
 
-    from studio.core.cli_estimate import main
+    from studio.cli.estimate import main
     from studio.core.config import parse_config
     from studio.core.memory import estimate, walkthrough
     from studio.core.model_info import from_config_dict

@@ -118,8 +118,8 @@ def start_detached(config_path: str, runs_dir: str | Path | None = None, *, data
     goes (default: the config's ``output_dir``); the rest override the config as ``studio train``'s
     options do. Raises ConfigError for the config, RunCommandFailed for the rest (no dataset, the
     device busy, the worker not starting); a busy device refuses before any run folder is made."""
+    from studio.cli.train import prepare_config
     from studio.core.multigpu import GpuCountError, plan_devices
-    from studio.worker.cli_train import prepare_config
 
     overrides = argparse.Namespace(config=config_path, data=data, model=model, max_steps=max_steps, gpus=gpus)
     config, _ = prepare_config(overrides)
@@ -156,7 +156,7 @@ def _print_outcome(command: Callable[[], Outcome]) -> int:
 def resume_run(run: RunDir, from_scratch: bool = False) -> Outcome:
     """Continue ``run`` from its latest checkpoint (a paused run: where it is), in its live worker or
     in a new one; ``from_scratch``: start a run that saved no checkpoint again from step 0."""
-    from studio.worker.cli_train import resume_refusal
+    from studio.cli.train import resume_refusal
 
     summary = summarize(run)
     if summary.status == "finished":

@@ -1,4 +1,6 @@
-"""`studio config check CONFIG [--data PATH]`: read the config, the data and the template, load no model.
+"""`studio config check` and `studio config dump`.
+
+`studio config check CONFIG [--data PATH]` reads the config, the data and the template, and loads no model.
 
 Everything `studio train` would refuse before the model loads, found in seconds and without making
 a run folder: the config's keys and ranges (every mistake at once), the data file (encoding,
@@ -7,6 +9,8 @@ conversations, TRL's preference pairs, raw text), the template against the data'
 ``warning:`` line for each thing it does wrong with them), and, with the model's tokenizer on this
 machine (core/tokens.py, no torch), the training rows that would train on no token: counted always,
 refused as the run would refuse them when all or most are such. Plain Python (no torch).
+
+`studio config dump [CONFIG]` prints the resolved config: every default filled in, Ludwig keys translated.
 """
 
 from __future__ import annotations
@@ -16,13 +20,20 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from studio.core.config import ConfigError, RunConfig, load_config
+from studio.core.config import ConfigError, RunConfig, default_config, load_config
 
 if TYPE_CHECKING:
     from studio.core.datasplit import Splits
 
 
-def main(args: argparse.Namespace) -> int:
+def dump(args: argparse.Namespace) -> int:
+    """Handler for ``studio config dump``: the resolved config as YAML (the sample config without one)."""
+    config = load_config(args.config) if args.config else default_config()
+    sys.stdout.write(config.to_yaml())
+    return 0
+
+
+def check(args: argparse.Namespace) -> int:
     """Handler for ``studio config check``: 0 and a summary when training could start (after a
     ``warning:`` line for each thing the template does wrong with the data), else 2 and one line a
     problem naming the file, line or key."""

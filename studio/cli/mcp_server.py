@@ -1,8 +1,8 @@
 """``studio mcp``: Studio's run commands as an MCP server over stdio, for an AI agent.
 
 A front end like the CLI: each tool calls the function its ``studio`` command calls
-(studio/worker/cli_runs.py, studio/worker/cli_eval.py, studio/cli_export.py,
-studio/core/cli_estimate.py), so a job that loads a model goes to the run's worker, started
+(studio/cli/runs.py, studio/cli/evaluate.py, studio/cli/export.py,
+studio/cli/estimate.py), so a job that loads a model goes to the run's worker, started
 detached when none runs, and this process never imports torch. Starting, pausing, resuming and
 stopping a run are tools the client calls explicitly; reading a resource only reads the run
 directory, and nothing starts from a read. A mistake comes back as a tool error whose text is the
@@ -29,17 +29,17 @@ from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, Field
 
+from studio.cli import runs as cli_runs
 from studio.cli import studio_version
-from studio.cli_export import ExportFailed, export_through_worker
+from studio.cli.estimate import EstimateFailed, estimate_config
+from studio.cli.evaluate import EvalFailed, evaluate_run
+from studio.cli.export import ExportFailed, export_through_worker
 from studio.core import events as ev
 from studio.core import runs as run_dirs
-from studio.core.cli_estimate import EstimateFailed, estimate_config
 from studio.core.config import ConfigError, ConfigNote, load_config, parse_config
 from studio.core.report import describe, format_duration, memory_text
 from studio.core.runs import RunDir, RunSummary, find_run, parse_event_line, summarize
 from studio.core.storage import DiskFull
-from studio.worker import cli_runs
-from studio.worker.cli_eval import EvalFailed, evaluate_run
 from studio.worker.client import WorkerClient, WorkerUnavailable
 
 EVENT_LINES = 100

@@ -1,7 +1,11 @@
 """`studio`: the command line. Each subcommand hands its parsed arguments to one handler.
 
-Handlers are imported only when their subcommand runs, so `studio runs` or `studio estimate` never
-pay for importing torch, and the TUI paints before anything heavy loads.
+This module declares every command and its typed arguments and routes each to its handler, one
+module of this package per command group: app (`studio`, `studio chat`), train, runs (`train
+--detach`, attach, runs, pause, resume, stop), evaluate (`eval`), export (export, embed, push),
+estimate, config (check, dump), pull, and mcp_server (`studio mcp`, whose tools call the same
+functions). Handlers are imported only when their subcommand runs, so `studio runs` or `studio
+estimate` never pay for importing torch, and the TUI paints before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -16,23 +20,23 @@ from collections.abc import Callable, Sequence
 
 # subcommand -> "module:function"
 _HANDLERS = {
-    "app": "studio.ui.cli_app:main",
-    "train": "studio.worker.cli_train:main",
-    "train-detached": "studio.worker.cli_runs:train_detached",
-    "estimate": "studio.core.cli_estimate:main",
-    "eval": "studio.worker.cli_eval:main",
-    "attach": "studio.worker.cli_runs:attach",
-    "runs": "studio.worker.cli_runs:runs",
-    "stop": "studio.worker.cli_runs:stop",
-    "pause": "studio.worker.cli_runs:pause",
-    "resume": "studio.worker.cli_runs:resume",
-    "pull": "studio.engine.pull:main",
-    "config-dump": "studio.cli:config_dump",
-    "config-check": "studio.core.cli_check:main",
-    "export": "studio.cli_export:export",
-    "embed": "studio.cli_export:embed",
-    "push": "studio.push:main",
-    "mcp": "studio.mcp_server:main",
+    "app": "studio.cli.app:main",
+    "train": "studio.cli.train:main",
+    "train-detached": "studio.cli.runs:train_detached",
+    "estimate": "studio.cli.estimate:main",
+    "eval": "studio.cli.evaluate:main",
+    "attach": "studio.cli.runs:attach",
+    "runs": "studio.cli.runs:runs",
+    "stop": "studio.cli.runs:stop",
+    "pause": "studio.cli.runs:pause",
+    "resume": "studio.cli.runs:resume",
+    "pull": "studio.cli.pull:main",
+    "config-dump": "studio.cli.config:dump",
+    "config-check": "studio.cli.config:check",
+    "export": "studio.cli.export:export",
+    "embed": "studio.cli.export:embed",
+    "push": "studio.cli.export:push",
+    "mcp": "studio.cli.mcp_server:main",
 }
 
 # subcommand -> (the package it needs, the extra that installs it), for commands behind an optional extra
@@ -175,15 +179,6 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="config YAML")
     check.add_argument("--data", help="dataset path or hub id (overrides data.path)")
     return parser
-
-
-def config_dump(args: argparse.Namespace) -> int:
-    """Print the resolved config as YAML: every default filled in, Ludwig keys translated."""
-    from studio.core.config import default_config, load_config
-
-    config = load_config(args.config) if args.config else default_config()
-    sys.stdout.write(config.to_yaml())
-    return 0
 
 
 def _show_notes(message: warnings.WarningMessage | Warning | str, category: type[Warning], filename: str,
