@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.vram_accuracy import ARCHS, Case, _rel, predicted_peaks, summarize  # noqa: E402
 from studio.core.memory import estimate_plan  # noqa: E402
-from studio.core.model_info import from_config_dict  # noqa: E402
+from studio.core.model.info import from_config_dict  # noqa: E402
 
 GB = 1e9
 

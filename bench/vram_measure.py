@@ -172,7 +172,7 @@ def predict(row: dict, models: dict, alloc_conf: str | None = None) -> dict:
 
     from studio.core.config import parse_config
     from studio.core.memory import estimate, estimate_plan
-    from studio.core.model_info import from_config_dict
+    from studio.core.model.info import from_config_dict
 
     config = parse_config(yaml.safe_dump(row["config"]))
     info = from_config_dict(dict(models[row["model"]]), row["model"])

@@ -14,14 +14,13 @@ import pytest
 import torch
 from ui_helpers import make_config, settle, workdir
 
-from studio.core import autoplan
 from studio.core import events as ev
 from studio.core.config import AUTO, ConfigError, parse_config
-from studio.core.gpus import GB, GIB, gpu_for_size
-from studio.core.memory import estimate
-from studio.core.model_info import from_config_dict
-from studio.core.report import describe
+from studio.core.memory import autoplan, estimate
+from studio.core.memory.gpus import GB, GIB, gpu_for_size
+from studio.core.model.info import from_config_dict
 from studio.core.runs import create_run
+from studio.core.runs.report import describe
 
 LLAMA2_7B_CONFIG_JSON = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -320,8 +319,8 @@ def test_report_words_the_plan_and_the_miss():
 
 @pytest.mark.anyio
 async def test_the_vram_pane_shows_the_plan_and_what_it_rejected(tmp_path, monkeypatch):
-    from studio.core.gpus import KNOWN_GPUS
-    from studio.core.model_info import load_model_info
+    from studio.core.memory.gpus import KNOWN_GPUS
+    from studio.core.model.info import load_model_info
     from studio.ui.app import StudioApp
     from studio.ui.panes import vram as vram_pane
     from studio.ui.panes.vram import VramPane

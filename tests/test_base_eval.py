@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from studio.core import events as ev
-from studio.core import report
+from studio.core.runs import report
 from studio.ui.metrics import fold
 from studio.ui.plot_process import render_figure
 from studio.ui.widgets.loss_plot import LossPlot

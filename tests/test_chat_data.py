@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from studio.core import chat
 from studio.core.data import load_table
-from studio.core.datasplit import chat_column
-from studio.core.datastats import lint_rows
+from studio.core.data.split import chat_column
+from studio.core.data.stats import lint_rows
 from studio.core.paths import sample_data_dir
+from studio.core.prompt import chat
 
 SHAREGPT = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi?"},
             {"from": "gpt", "value": "Hello."}]

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from studio.core import chat, prompt
+from studio.core import prompt
 from studio.core.config import RunConfig
-from studio.core.datasplit import Splits
+from studio.core.data.split import Splits
+from studio.core.prompt import chat
 
 # Meta-Llama-3-8B-Instruct's chat_template, as published in its tokenizer_config.json.
 LLAMA3_TEMPLATE = (

@@ -14,7 +14,7 @@ from worker_fakes import FakeTrainer
 
 from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig
-from studio.core.dataload import DataError
+from studio.core.data.load import DataError
 from studio.core.runs import RunDir, create_run
 from studio.worker.client import WorkerClient
 from studio.worker.eventlog import EventLog

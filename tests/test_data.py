@@ -1,4 +1,4 @@
-"""core/data.py: loading every format, the errors a person reads, splits, statistics, lint, browsing."""
+"""core/data/__init__.py: loading every format, the errors a person reads, splits, statistics, lint, browsing."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from studio.core import data, dataload
+from studio.core import data
 from studio.core.config import RunConfig, default_config
 from studio.core.data import DataError, Table, column_stats, lint_rows, load_splits, load_table
+from studio.core.data import load as dataload
 from studio.core.paths import sample_data_dir
 
 ROWS = [
@@ -44,7 +45,7 @@ def test_importing_data_keeps_torch_and_datasets_out(tmp_path):
     """The UI imports core.data while painting: no torch ever, and datasets only once data is loaded."""
     path = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     code = (
-        "import sys, studio.core.data as d, studio.core.prompt, studio.core.tokens\n"
+        "import sys, studio.core.data as d, studio.core.prompt, studio.core.prompt.tokens\n"
         "assert 'torch' not in sys.modules and 'datasets' not in sys.modules, 'imported at import time'\n"
         f"t = d.Table.open({str(path)!r}); d.lint_rows(t); d.column_stats(t); d.search(t, 'hi')\n"
         "assert 'torch' not in sys.modules, 'loading data imported torch'\n"
@@ -479,7 +480,7 @@ def test_a_template_that_drops_a_column_or_ignores_the_conversations_is_linted(t
     column empty everywhere, the split column and a template on conversations are judged too."""
     from studio.cli import main as studio
     from studio.core.config import load_config
-    from studio.core.datastats import filled_counts, template_column_issues
+    from studio.core.data.stats import filled_counts, template_column_issues
 
     path = sample_data_dir() / "sample_config.yaml"
     config = load_config(path)

@@ -14,9 +14,9 @@ from studio.cli import main as studio_main
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.data import load_splits
-from studio.core.encoding import RowEncoder, Vocab
-from studio.core.preference import split_shared_start
-from studio.core.tokens import load_tokenizer_info
+from studio.core.data.encoding import RowEncoder, Vocab
+from studio.core.data.pairs import split_shared_start
+from studio.core.prompt.tokens import load_tokenizer_info
 
 pytestmark = pytest.mark.usefixtures("on_cpu")
 

@@ -17,7 +17,7 @@ from studio.core import plan
 from studio.core.decoder import DECODER_FEATURES, DecoderSpec, Refusal, describe_decoder
 from studio.core.decoder.families import reads_gelu_as_tanh
 from studio.core.decoder.spec import POST_NORM, PRE_NORM, SANDWICH
-from studio.core.model_info import ModelInfoError, bundled_config, from_config_dict, load_model_info
+from studio.core.model.info import ModelInfoError, bundled_config, from_config_dict, load_model_info
 from studio.core.paths import sample_data_dir
 
 BUNDLED = sorted(sample_data_dir().glob("model_configs/*/*/config.json"))

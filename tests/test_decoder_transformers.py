@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.activations import ACT2FN
 
 from studio.core.decoder import DecoderSpec, describe_decoder
-from studio.core.model_info import from_config_dict
+from studio.core.model.info import from_config_dict
 
 
 def build(config: AutoConfig, device: str = "meta", dtype: torch.dtype = torch.float32) -> torch.nn.Module:

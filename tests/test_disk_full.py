@@ -192,7 +192,7 @@ def test_foreground_train_on_a_full_disk_then_resume(tiny_config, small_disk: Pa
 
 
 def test_the_event_log_stays_whole_when_an_append_finds_the_disk_full(small_disk: Path) -> None:
-    from studio.core.storage import DiskFull
+    from studio.core.runs.storage import DiskFull
     from studio.worker.eventlog import EventLog
 
     log = EventLog(small_disk / "events.jsonl", "RUN")
@@ -210,7 +210,7 @@ def test_the_event_log_stays_whole_when_an_append_finds_the_disk_full(small_disk
 
 
 def test_an_adapter_save_on_a_full_disk_keeps_the_previous_adapter(small_disk: Path) -> None:
-    from studio.core.storage import is_disk_full
+    from studio.core.runs.storage import is_disk_full
     from studio.engine.model import save_adapter
 
     class Model:
@@ -235,7 +235,7 @@ def test_an_adapter_save_on_a_full_disk_keeps_the_previous_adapter(small_disk: P
 
 
 def test_replacing_a_folder_swaps_the_whole_folder_in_and_leaves_nothing_beside_it(tmp_path: Path) -> None:
-    from studio.core.storage import replace_folder, sync_tree
+    from studio.core.runs.storage import replace_folder, sync_tree
 
     final = tmp_path / "step-5"
     for version in ("first", "second"):  # the second lands on a folder already there (saved twice)

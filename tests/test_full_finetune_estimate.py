@@ -10,9 +10,9 @@ import pytest
 
 from studio.cli.estimate import main as estimate_main
 from studio.core.config import parse_config
-from studio.core.gpus import GB
 from studio.core.memory import CATEGORIES, estimate, plan_for, walkthrough
-from studio.core.model_info import KNOWN_MODELS
+from studio.core.memory.gpus import GB
+from studio.core.model.info import KNOWN_MODELS
 from studio.core.plan import PathFacts, choose_path
 
 LLAMA7 = KNOWN_MODELS["meta-llama/Llama-2-7b-hf"]

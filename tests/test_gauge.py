@@ -7,7 +7,7 @@ from textual.app import App, ComposeResult
 
 from studio.core import events as ev
 from studio.core.config import RunConfig, parse_config
-from studio.core.gpus import GB, KNOWN_GPUS, Gpu
+from studio.core.memory.gpus import GB, KNOWN_GPUS, Gpu
 from studio.ui.messages import MemorySample
 from studio.ui.panes import vram as vram_pane
 from studio.ui.panes.vram import VramPane

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from studio.core import rewards as rw
 from studio.core.config import ConfigError, RewardConfig, RunConfig, load_config, parse_config
 from studio.core.data import load_splits
-from studio.core.grpo_data import conversation, reward_columns
+from studio.core.grpo import rewards as rw
+from studio.core.grpo.rows import conversation, reward_columns
 from studio.core.paths import sample_data_dir
 
 ISSUE_YAML = """\
@@ -238,7 +238,7 @@ def test_a_grpo_step_is_one_console_line_with_its_rewards_length_and_kl() -> Non
     """`studio train` and `studio attach` word a GRPO step's metrics into that step's line; the group
     gets no line; an evaluation gets its own."""
     from studio.core import events as ev
-    from studio.core.report import StepLines
+    from studio.core.runs.report import StepLines
 
     lines = StepLines()
     grpo = ev.GrpoStepLogged(step=3, rewards={"exact_match": 0.25, "format_ok": None}, reward=0.5, reward_std=0.2,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from studio.core.autoplan import plan_or_smallest
 from studio.core.config import parse_config
 from studio.core.memory import CUDA_CONTEXT_BYTES, PHASES, estimate
+from studio.core.memory.autoplan import plan_or_smallest
 from studio.core.memory.result import GRPO_SAMPLING
-from studio.core.model_info import KNOWN_MODELS
+from studio.core.model.info import KNOWN_MODELS
 
 LLAMA3_8B = KNOWN_MODELS["meta-llama/Meta-Llama-3-8B"]
 T4 = 15_360 * 2**20

@@ -48,7 +48,7 @@ def test_dora_and_rslora_reach_peft(tiny_config, use_dora, use_rslora):
 
 def test_the_estimate_counts_dora_magnitudes_and_paged_adamw_state(tiny_config):
     from studio.core.memory import estimate
-    from studio.core.model_info import load_model_info
+    from studio.core.model.info import load_model_info
 
     info = load_model_info(tiny_config.model.base_model)
     plain = estimate(tiny_config, info, None)

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from studio.core.memory import Plan, estimate_plan  # noqa: E402
-from studio.core.model_info import from_config_dict  # noqa: E402
+from studio.core.model.info import from_config_dict  # noqa: E402
 from studio.engine.memory import measure_memory  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from studio.core import events as ev
-from studio.core import scoring
-from studio.core.runs import iter_events
+from studio.core.runs import iter_events, scoring
 from studio.ui.metrics import Series, TrainingState, ema, fold, format_duration
 
 RECORDED = Path(__file__).parent / "data" / "recorded_events.jsonl"
@@ -86,7 +85,7 @@ def test_oom_and_failures_are_explained():
 
 
 def test_memory_line():
-    # Decimal GB, the VRAM gauge's unit, as every front end prints it (studio/core/report.py).
+    # Decimal GB, the VRAM gauge's unit, as every front end prints it (studio/core/runs/report.py).
     gb = 10**9
     state = fold([ev.MemorySampled(device="cuda", allocated=3 * gb, peak_allocated=4 * gb, capacity=80 * gb)])
     assert state.memory_line() == "memory (cuda): 3.00 GB in use, peak 4.00 GB of 80.00 GB"

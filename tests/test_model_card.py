@@ -8,7 +8,7 @@ import pytest
 
 from studio.core import events as ev
 from studio.core.config import RunConfig
-from studio.core.model_card import model_card
+from studio.core.export.model_card import model_card
 
 REPORT = {
     "rows": 2, "split": "test",

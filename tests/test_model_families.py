@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from studio.core.config import parse_config
-from studio.core.gpus import GB
 from studio.core.memory import estimate, walkthrough
+from studio.core.memory.gpus import GB
 from studio.core.memory.params import lora_params
-from studio.core.model_info import ModelInfoError, from_config_dict
+from studio.core.model.info import ModelInfoError, from_config_dict
 
 # config.json values of public checkpoints (the keys the shape needs; sliding windows, RoPE and
 # token ids left out). Where each was read:

@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from studio.core.model_info import ModelInfoError
-from studio.core.model_source import bundled_config, cached_config, find_model
+from studio.core.model.info import ModelInfoError
+from studio.core.model.source import bundled_config, cached_config, find_model
 
 QWEN = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
         "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
@@ -136,7 +136,7 @@ def test_the_offline_hint_names_a_command_huggingface_hub_installs() -> None:
     import sys
     from pathlib import Path
 
-    from studio.core.model_info import load_model_info
+    from studio.core.model.info import load_model_info
 
     with pytest.raises(ModelInfoError) as refused:
         load_model_info("no-such-owner/no-such-model")

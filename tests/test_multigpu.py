@@ -17,7 +17,7 @@ from conftest import engine_on_cpu
 
 from studio.core import events as ev
 from studio.core.config import RunConfig, parse_config
-from studio.core.multigpu import GpuCountError, plan_devices
+from studio.core.memory.multigpu import GpuCountError, plan_devices
 from studio.core.runs import iter_events, list_runs
 
 pytestmark = pytest.mark.usefixtures("on_cpu")  # thresholds calibrated in fp32 (conftest.on_cpu)
@@ -244,7 +244,7 @@ def test_config_reads_gpus_and_ludwig_backend_strategy_gets_a_note() -> None:
 
 
 def test_each_card_gets_a_gauge_line_and_the_batch_line_counts_the_gpus() -> None:
-    from studio.core.report import batch_text
+    from studio.core.runs.report import batch_text
     from studio.ui.panes.vram import CARD_SQUARES, cards_text
 
     gb = 10**9

@@ -18,7 +18,7 @@ import pytest
 from studio.cli import main as studio_main
 from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig, parse_config
-from studio.core.preference import difference, flatten_pair, lint_pairs
+from studio.core.data.pairs import difference, flatten_pair, lint_pairs
 from studio.core.runs import RunDir, iter_events
 from studio.engine.tiny import TINY_TEMPLATE
 
@@ -305,7 +305,7 @@ def test_the_estimate_counts_two_sequences_a_pair(monkeypatch: pytest.MonkeyPatc
     that fits is counted in pairs (about half the SFT one), and the note says so, on the fast path
     (the default on a GPU) and on the plain one (STUDIO_FAST_PATH=0)."""
     from studio.core.memory import estimate
-    from studio.core.model_info import KNOWN_MODELS
+    from studio.core.model.info import KNOWN_MODELS
 
     llama = KNOWN_MODELS["meta-llama/Llama-2-7b-hf"]
     sft = RunConfig()
@@ -329,7 +329,7 @@ def test_the_fast_estimate_of_dpo_counts_its_reference_pass_beside_the_graph() -
     says fast for both, and that DPO's reference pass runs through the same layers."""
     from studio.core.memory import estimate
     from studio.core.memory.fast import reference_pass_bytes
-    from studio.core.model_info import KNOWN_MODELS
+    from studio.core.model.info import KNOWN_MODELS
     from studio.core.plan import GRAPH_TOKEN_LIMIT
 
     llama = KNOWN_MODELS["meta-llama/Llama-2-7b-hf"]
@@ -363,7 +363,7 @@ def test_studio_estimate_on_the_dpo_sample_says_fast(capsys: pytest.CaptureFixtu
 def test_the_training_state_folds_preference_curves_and_words_them() -> None:
     """The training pane's state: a preference run's curves, its eval line in place of the SFT
     one, and a resume that drops the redone steps' points."""
-    from studio.core import report
+    from studio.core.runs import report
     from studio.ui.metrics import fold
 
     def logged(step: int, accuracy: float, split: str = "train") -> ev.PreferenceLogged:

@@ -1,4 +1,4 @@
-"""core/prompt.py: rendering with response spans, exact loss masks, truncation, presets, lint."""
+"""core/prompt/template.py: rendering with response spans, exact loss masks, truncation, presets, lint."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import pytest
 
 from studio.core.config import PromptConfig
 from studio.core.prompt import (
-    ALPACA,
-    ALPACA_NO_INPUT,
     IGNORE_INDEX,
     TemplateError,
     encode,
@@ -17,6 +15,7 @@ from studio.core.prompt import (
     resolve_template,
     template_fields,
 )
+from studio.core.prompt.template import ALPACA, ALPACA_NO_INPUT
 
 ROW = {"instruction": "Reverse the word", "input": "stone", "output": "enots"}
 CHATML = (

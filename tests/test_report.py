@@ -1,4 +1,4 @@
-"""Events as text (studio/core/report.py): units, and the same words in the CLI and the TUI."""
+"""Events as text (studio/core/runs/report.py): units, and the same words in the CLI and the TUI."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from studio.cli import main as studio
 from studio.core import events as ev
 from studio.core.config import RunConfig
-from studio.core.report import describe, format_bytes, format_duration, memory_text, step_line
 from studio.core.runs import create_run
+from studio.core.runs.report import describe, format_bytes, format_duration, memory_text, step_line
 from studio.ui.metrics import fold
 from studio.worker.eventlog import EventLog
 
@@ -28,7 +28,7 @@ WARNED = ev.WarningRaised(kind="config", message="using torch AdamW")
 
 
 def test_sizes_are_decimal_gigabytes_like_the_gauge() -> None:
-    from studio.core.gpus import GB as gauge_gb
+    from studio.core.memory.gpus import GB as gauge_gb
 
     assert gauge_gb == GB
     assert [format_bytes(n) for n in (None, 0, 456 * 10**6, 3 * GB, 79_600_000_000)] == [

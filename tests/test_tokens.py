@@ -1,4 +1,4 @@
-"""core/tokens.py: the tokenizer from a folder, Studio's cache or the hub cache; no torch, no download."""
+"""core/prompt/tokens.py: the tokenizer from a folder, Studio's cache or the hub cache; no torch, no download."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from studio.core.tokens import TokenizerNotFound, count_tokens, load_tokenizer, load_tokenizer_info
+from studio.core.prompt.tokens import TokenizerNotFound, count_tokens, load_tokenizer, load_tokenizer_info
 
 CHAT = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
@@ -107,7 +107,7 @@ def test_count_tokens_reports_progress_per_batch(tmp_path):
 def test_tokens_never_imports_torch_or_transformers(tmp_path):
     folder = make_model_folder(tmp_path / "model")
     code = (
-        "import sys\nfrom studio.core.tokens import load_tokenizer_info, count_tokens\n"
+        "import sys\nfrom studio.core.prompt.tokens import load_tokenizer_info, count_tokens\n"
         f"info = load_tokenizer_info({str(folder)!r}); count_tokens(info.tokenizer, ['a b'])\n"
         "assert not {'torch', 'transformers'} & set(sys.modules), 'heavy import'\n"
     )

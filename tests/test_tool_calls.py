@@ -18,9 +18,9 @@ import pytest
 import tool_templates
 from test_chat_templates import _family, _session, _smol_tokenizer
 
-from studio.core import chat
 from studio.core.config import RunConfig
-from studio.core.datasplit import Splits, load_splits
+from studio.core.data.split import Splits, load_splits
+from studio.core.prompt import chat
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",

@@ -11,11 +11,11 @@ from test_worker import fake_worker_env, make_run, wait_for  # noqa: F401  (a fi
 from worker_fakes import fake_loss
 
 from studio.core import events as ev
-from studio.core import trackers
 from studio.core.config import RunConfig
 from studio.core.runs import RunDir, create_run
-from studio.core.trackers import TrackerHub, check_report_to, metrics_of
+from studio.worker import trackers
 from studio.worker.client import WorkerClient, start_worker
+from studio.worker.trackers import TrackerHub, check_report_to, metrics_of
 
 LOSSES = [2.5, 2.0, 1.6, 1.3, 1.1]
 
@@ -201,7 +201,7 @@ def test_the_worker_sends_its_training_metrics_to_tensorboard(tmp_path: Path, fa
 def test_loss_chart_falls_back_to_text_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from studio.core.model_card import loss_chart, loss_curve
+    from studio.core.export.model_card import loss_chart, loss_curve
 
     curve = loss_curve([ev.StepLogged(step=s, loss=loss) for s, loss in enumerate(LOSSES, start=1)] +
                        [ev.EvalLogged(step=5, loss=1.4)])

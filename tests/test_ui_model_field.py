@@ -10,9 +10,10 @@ import pytest
 from textual.widgets import Select
 from ui_helpers import idle_workers, make_config, settle, workdir
 
-from studio.core import gpus, plan
+from studio.core import plan
 from studio.core.decoder import DECODER_FEATURES
-from studio.core.gpus import GB
+from studio.core.memory import gpus
+from studio.core.memory.gpus import GB
 from studio.ui.app import StudioApp
 from studio.ui.panes.vram import VramPane
 from studio.ui.widgets.block_gauge import BlockGauge

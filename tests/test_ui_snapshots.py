@@ -14,7 +14,7 @@ import shutil
 import pytest
 from ui_helpers import idle_workers, make_config, no_blink, workdir
 
-from studio.core import gpus
+from studio.core.memory import gpus
 from studio.ui.app import StudioApp
 from studio.ui.panes.vram import VramPane
 from studio.ui.widgets.block_gauge import BlockGauge

@@ -19,7 +19,7 @@ import pytest
 from studio.cli import main as studio_main
 from studio.core import events as ev
 from studio.core.config import RunConfig
-from studio.core.encoding import RowEncoder, Vocab, refusal, untrained
+from studio.core.data.encoding import RowEncoder, Vocab, refusal, untrained
 
 pytestmark = pytest.mark.usefixtures("on_cpu")
 

@@ -17,9 +17,9 @@ import pytest
 
 from studio.cli.estimate import main as estimate_main
 from studio.core.config import RunConfig, parse_config
-from studio.core.gpus import GB, gpu_for_size
 from studio.core.memory import ALL_LINEAR, CATEGORIES, Plan, estimate, estimate_plan, plan_for, walkthrough
 from studio.core.memory.allocator import CUBLAS_WORKSPACE_BYTES, PAGE, expandable_segments_from_env
+from studio.core.memory.gpus import GB, gpu_for_size
 from studio.core.memory.params import lora_params, weight_bytes
 from studio.core.memory.plain import (
     INT8_THRESHOLD,
@@ -29,7 +29,7 @@ from studio.core.memory.plain import (
     swiglu_tail,
     workspace_pins_loss_expandable,
 )
-from studio.core.model_info import KNOWN_MODELS, ModelInfoError, load_model_info
+from studio.core.model.info import KNOWN_MODELS, ModelInfoError, load_model_info
 from studio.core.plan import graphs_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,7 +183,7 @@ def test_cli_errors_name_the_file_and_do_not_trace(tmp_path, capsys):
 
 
 def test_estimator_does_not_import_torch():
-    code = ("import sys, studio.core.memory, studio.cli.estimate, studio.core.gpus; "
+    code = ("import sys, studio.core.memory, studio.cli.estimate, studio.core.memory.gpus; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -196,7 +196,8 @@ def test_the_estimators_modules_import_each_other_in_one_direction():
 
     import studio.core.memory as memory
 
-    order = ["allocator", "plan", "params", "result", "plain", "fast", "phases", "estimate", "walkthrough", "lengths"]
+    order = ["gpus", "allocator", "plan", "params", "result", "plain", "fast", "phases", "estimate", "walkthrough",
+             "lengths", "autoplan", "multigpu"]
     folder = Path(memory.__file__).parent
     assert sorted(order) == sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
     for name in order:
@@ -325,7 +326,7 @@ def test_workspace_rules_match_every_h100_allocator_trace():
     """Where the backward's cuBLAS workspace landed in 20 allocator traces on the H100
     (tests/data/allocator_workspace_traces.json): in the loss's freed logits range exactly where the
     rule for the run's allocator mode says the forward left no block large enough."""
-    from studio.core.model_info import from_config_dict
+    from studio.core.model.info import from_config_dict
 
     traces = json.loads((REPO / "tests/data/allocator_workspace_traces.json").read_text())
     infos = {name: from_config_dict(dict(config), name) for name, config in traces["models"].items()}

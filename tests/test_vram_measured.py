@@ -20,7 +20,7 @@ import yaml
 
 from studio.core.config import parse_config
 from studio.core.memory import Estimate, estimate, estimate_plan
-from studio.core.model_info import from_config_dict
+from studio.core.model.info import from_config_dict
 
 MEASURED = Path(__file__).resolve().parent / "data" / "vram_measured.json"
 

@@ -121,7 +121,7 @@ def test_the_session_keeps_an_answers_cache_on_the_card_off_cuda(tiny_config):
 # ---------------------------------------------------------------------------------- the estimate
 
 def _llama7():
-    from studio.core.model_info import KNOWN_MODELS
+    from studio.core.model.info import KNOWN_MODELS
 
     return KNOWN_MODELS["meta-llama/Llama-2-7b-hf"]
 
@@ -220,7 +220,7 @@ def test_unpacked_steps_are_sized_from_the_datas_token_lengths(tiny_config, caps
     from studio.cli.estimate import main
     from studio.core.memory import estimate
     from studio.core.memory.lengths import data_lengths
-    from studio.core.model_info import load_model_info
+    from studio.core.model.info import load_model_info
 
     lengths, why = data_lengths(tiny_config)
     assert why == "" and len(lengths) == 2920 and list(lengths) == sorted(lengths, reverse=True)
@@ -268,7 +268,7 @@ def test_phi3_all_linear_is_estimated_with_its_fused_module_names(tmp_path, caps
     from studio.cli.estimate import main
     from studio.core.config import parse_config
     from studio.core.memory import estimate, walkthrough
-    from studio.core.model_info import from_config_dict
+    from studio.core.model.info import from_config_dict
     from studio.ui.panes.vram import model_for_estimate
     from tests.test_model_families import CONFIGS
 
@@ -301,7 +301,7 @@ def test_the_estimator_and_the_loader_build_path_facts_in_one_place(tiny_model, 
     from studio.core import plan as core_plan
     from studio.core.config import parse_config
     from studio.core.memory import path_choice
-    from studio.core.model_info import load_model_info
+    from studio.core.model.info import load_model_info
     from studio.engine.model import fast_path_ahead
 
     made = []

@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(missing, file=sys.stderr)
         return 1
     from studio.core.config import ConfigError
-    from studio.core.config_reader import error_lines
+    from studio.core.config.reader import error_lines
 
     try:
         return _run(_HANDLERS[command], args)
@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as exc:
-        from studio.core.storage import DiskFull, is_disk_full
+        from studio.core.runs.storage import DiskFull, is_disk_full
 
         if not is_disk_full(exc):
             raise

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from studio.core.config import ConfigError, RunConfig, default_config, load_config
-from studio.core.config_reader import error_lines
+from studio.core.config.reader import error_lines
 from studio.core.paths import sample_data_dir
 
 

@@ -4,10 +4,10 @@
 
 Everything `studio train` would refuse before the model loads, found in seconds and without making
 a run folder: the config's keys and ranges (every mistake at once), the data file (encoding,
-format, columns, split), what the data holds (studio/core/shapes.py: instruction rows,
+format, columns, split), what the data holds (studio/core/data/shapes.py: instruction rows,
 conversations, TRL's preference pairs, raw text), the template against the data's columns (a
 ``warning:`` line for each thing it does wrong with them), and, with the model's tokenizer on this
-machine (core/tokens.py, no torch), the training rows that would train on no token: counted always,
+machine (core/prompt/tokens.py, no torch), the training rows that would train on no token: counted always,
 refused as the run would refuse them when all or most are such. Plain Python (no torch).
 
 `studio config dump [CONFIG]` prints the resolved config: every default filled in, Ludwig keys translated.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from studio.core.config import ConfigError, RunConfig, default_config, load_config
 
 if TYPE_CHECKING:
-    from studio.core.datasplit import Splits
+    from studio.core.data.split import Splits
 
 
 def dump(args: argparse.Namespace) -> int:
@@ -37,10 +37,10 @@ def check(args: argparse.Namespace) -> int:
     """Handler for ``studio config check``: 0 and a summary when training could start (after a
     ``warning:`` line for each thing the template does wrong with the data), else 2 and one line a
     problem naming the file, line or key."""
-    from studio.core import prompt, shapes
-    from studio.core.data import DataError, load_splits, template_fields_for
-    from studio.core.dataload import load_table
-    from studio.core.datastats import filled_counts, template_column_issues
+    from studio.core import prompt
+    from studio.core.data import DataError, load_splits, shapes, template_fields_for
+    from studio.core.data.load import load_table
+    from studio.core.data.stats import filled_counts, template_column_issues
 
     config = load_config(args.config)
     base_dir: Path | None = Path(args.config).resolve().parent
@@ -80,7 +80,7 @@ def check(args: argparse.Namespace) -> int:
     if tokens:
         print(tokens)
     if config.trainer.method == "grpo":
-        from studio.core import rewards
+        from studio.core.grpo import rewards
 
         try:  # the user's reward code runs here, on one row, before any model is loaded
             # reward files are relative to the config file, wherever --data points
@@ -96,9 +96,9 @@ def check(args: argparse.Namespace) -> int:
 def _trained_tokens(source: str, config: RunConfig, splits: Splits) -> str | None:
     """The line on the training rows that would train on no token, counted with the model's
     tokenizer when this machine has it; None (the run's own refusal printed) when all or most would."""
-    from studio.core import encoding
+    from studio.core.data import encoding
     from studio.core.prompt import TemplateError
-    from studio.core.tokens import TokenizerNotFound, load_tokenizer_info
+    from studio.core.prompt.tokens import TokenizerNotFound, load_tokenizer_info
 
     model = config.model
     try:

@@ -1,7 +1,7 @@
 """`studio estimate CONFIG [--gpu-gb 16] [--json] [--model M]`: predicted GPU memory by category.
 
 With ``trainer.micro_batch_size`` or ``gradient_checkpointing`` left ``auto`` (the default), the
-estimate is of the plan a run would choose on the card (core/autoplan.py), and the report shows that
+estimate is of the plan a run would choose on the card (core/memory/autoplan.py), and the report shows that
 plan and the alternatives rejected, with why (``--json``: ``"auto_plan"``).
 
 Plain Python (no torch): it answers in a fraction of a second on a laptop with no GPU.
@@ -15,13 +15,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from studio.core import autoplan
 from studio.core.config import ConfigError, RunConfig, load_config
-from studio.core.gpus import GB, detect_gpus, gpu_for_size
-from studio.core.memory import CATEGORIES, Estimate, estimate
+from studio.core.memory import CATEGORIES, Estimate, autoplan, estimate
+from studio.core.memory.gpus import GB, detect_gpus, gpu_for_size
 from studio.core.memory.lengths import data_lengths
-from studio.core.model_info import ModelInfoError, load_model_info
-from studio.core.multigpu import requested_gpus
+from studio.core.memory.multigpu import requested_gpus
+from studio.core.model.info import ModelInfoError, load_model_info
 
 DEFAULT_GPU_GB = 24.0
 """Capacity assumed when no card is detected and none is given: the common 24 GB cards."""

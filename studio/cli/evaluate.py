@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from studio.core import events as ev
-from studio.core.cells import cell
 from studio.core.runs import RunDir, find_run
+from studio.core.runs.cells import cell
 from studio.worker.client import WorkerClient, WorkerStartError, WorkerUnavailable, connect_or_start
 from studio.worker.launch import GpuLock
 

@@ -37,9 +37,9 @@ from studio.cli.export import ExportFailed, export_through_worker
 from studio.core import events as ev
 from studio.core import runs as run_dirs
 from studio.core.config import ConfigError, ConfigNote, load_config, parse_config
-from studio.core.report import describe, format_duration, memory_text
 from studio.core.runs import RunDir, RunSummary, find_run, parse_event_line, summarize
-from studio.core.storage import DiskFull
+from studio.core.runs.report import describe, format_duration, memory_text
+from studio.core.runs.storage import DiskFull
 from studio.worker.client import WorkerClient, WorkerUnavailable
 
 EVENT_LINES = 100

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from studio.core import events as ev
-from studio.core.cells import cell
 from studio.core.config import ConfigError
-from studio.core.report import StepLines, describe, format_duration
 from studio.core.runs import RunDir, create_run, find_run, list_runs, summarize
-from studio.core.storage import LOW_SPACE_BYTES, disk_full_message, free_bytes
+from studio.core.runs.cells import cell
+from studio.core.runs.report import StepLines, describe, format_duration
+from studio.core.runs.storage import LOW_SPACE_BYTES, disk_full_message, free_bytes
 from studio.worker.client import (
     DeviceBusy,
     WorkerClient,
@@ -84,7 +84,7 @@ def train_detached(args: argparse.Namespace) -> int:
     """``studio train CONFIG --detach`` (or ``--resume RUN --detach``): start the background worker,
     print the run id and return at once; the run survives this terminal."""
     if getattr(args, "resume", None):
-        from studio.core.multigpu import GpuCountError, plan_devices
+        from studio.core.memory.multigpu import GpuCountError, plan_devices
 
         run = find_run(args.resume, _runs_root(args))
         if getattr(args, "gpus", None):
@@ -119,7 +119,7 @@ def start_detached(config_path: str, runs_dir: str | Path | None = None, *, data
     options do. Raises ConfigError for the config, RunCommandFailed for the rest (no dataset, the
     device busy, the worker not starting); a busy device refuses before any run folder is made."""
     from studio.cli.train import prepare_config
-    from studio.core.multigpu import GpuCountError, plan_devices
+    from studio.core.memory.multigpu import GpuCountError, plan_devices
 
     overrides = argparse.Namespace(config=config_path, data=data, model=model, max_steps=max_steps, gpus=gpus)
     config, _ = prepare_config(overrides)

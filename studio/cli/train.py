@@ -26,22 +26,21 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from studio.core import events as ev
-from studio.core import report
 from studio.core.config import ConfigError, RunConfig, load_config
-from studio.core.config_reader import error_lines
-from studio.core.multigpu import GpuCountError, plan_devices, requested_gpus
-from studio.core.runs import RunDir, create_run, find_run, iter_events, summarize
-from studio.core.storage import DiskFull, is_disk_full
+from studio.core.config.reader import error_lines
+from studio.core.memory.multigpu import GpuCountError, plan_devices, requested_gpus
+from studio.core.runs import RunDir, create_run, find_run, iter_events, report, summarize
+from studio.core.runs.storage import DiskFull, is_disk_full
 from studio.worker.client import WorkerClient, WorkerStartError, claim_device
 from studio.worker.launch import become_worker
 
 
 def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
     """The config with the command line's overrides applied, the data path made absolute and, for
-    data that brings its own prompt settings (TRL's preference shapes, raw text: core/shapes.py),
+    data that brings its own prompt settings (TRL's preference shapes, raw text: core/data/shapes.py),
     those settings, so that the run's config.yaml says what trains."""
     from studio.core.data import resolve_path
-    from studio.core.shapes import adapt_to_data
+    from studio.core.data.shapes import adapt_to_data
 
     config = load_config(args.config)
     base_dir = Path(args.config).resolve().parent
@@ -57,7 +56,7 @@ def prepare_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
     if getattr(args, "gpus", None):
         config.distributed.gpus = args.gpus
     if config.trainer.method == "grpo":
-        from studio.core.rewards import resolve_paths
+        from studio.core.grpo.rewards import resolve_paths
 
         resolve_paths(config, Path(args.config).resolve().parent)  # reward files, like the data
     if config.data.path:

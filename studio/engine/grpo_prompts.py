@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from studio.core import grpo_data
 from studio.core.config import RunConfig
+from studio.core.grpo import rows as grpo_data
 from studio.engine.batching import Cursor, DataStream
 
 

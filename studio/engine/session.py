@@ -31,9 +31,9 @@ import torch
 
 from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig
-from studio.core.grpo_data import is_grpo
+from studio.core.data.pairs import is_preference
+from studio.core.grpo.rows import is_grpo
 from studio.core.plan import choose_path
-from studio.core.preference import is_preference
 from studio.core.runs import RunDir
 from studio.engine import checkpoint, oom, planning
 from studio.engine import distributed as dist
@@ -76,7 +76,7 @@ class TrainingData:
     chat: bool = False
     """Whether the rows are conversations (rendered with the tokenizer's chat template)."""
     kind: str = "instruction"
-    """The data's shape (studio/core/shapes.py): instruction, chat, pairs, chat_pairs or text."""
+    """The data's shape (studio/core/data/shapes.py): instruction, chat, pairs, chat_pairs or text."""
 
 
 class Session:
@@ -106,7 +106,7 @@ class Session:
         self.trainer: Trainer | None = None
         """The Trainer of the latest :meth:`train`, or None before any."""
         self.auto_plan: Any = None
-        """The plan that resolved ``auto`` in the config at load (core/autoplan.py's AutoPlan), or None."""
+        """The plan that resolved ``auto`` in the config at load (core/memory/autoplan.py's AutoPlan), or None."""
         self._sampler = torch.Generator()
         self._chat: Any = None
         """The chat template renderer for conversation rows, made on first use."""
@@ -117,7 +117,7 @@ class Session:
         """A full fine-tune's untouched base, loaded on the first base answer (there is no adapter to
         switch off: the trained weights are the base's own)."""
         self._shape: Any = None
-        """The base model's ModelInfo (core/model_info.py) for the answer's memory plan, read once;
+        """The base model's ModelInfo (core/model/info.py) for the answer's memory plan, read once;
         False when it cannot be read."""
 
     # ------------------------------------------------------------------------------------ loading
@@ -142,7 +142,7 @@ class Session:
             # The data first: a bad path or column fails in a second, not after the model loads.
             self.emit(ev.ModelLoading(stage="reading the data", fraction=0.0))
             splits = load_splits(self.config)
-            # TRL's preference shapes and raw text bring their own prompt settings (core/shapes.py).
+            # TRL's preference shapes and raw text bring their own prompt settings (core/data/shapes.py).
             self.config = splits.shape.adapt(self.config)
             if is_grpo(self.config):
                 self._check_rewards(splits.train[0] if splits.train else {})
@@ -202,7 +202,7 @@ class Session:
     def _check_rewards(self, row: dict) -> None:
         """Import the rewards and call each on one training row, before the model loads: a reward
         that cannot run fails the run in a second, not after the load."""
-        from studio.core import rewards
+        from studio.core.grpo import rewards
 
         try:
             rewards.check_on_row(self.config, row)
@@ -211,7 +211,8 @@ class Session:
 
     def _encode_grpo(self, splits: Any, template: str) -> TrainingData:
         """A GRPO run's prompts (studio/engine/grpo.py), and its objective."""
-        from studio.core import grpo_data, prompt
+        from studio.core import prompt
+        from studio.core.grpo import rows as grpo_data
         from studio.engine.grpo import GrpoObjective
 
         field = self.config.prompt.response_field
@@ -233,10 +234,11 @@ class Session:
                             chat=any(grpo_data.conversation(row) is not None for row in splits.train[:1]))
 
     def _encode_data(self, splits: Any) -> TrainingData:
-        """The splits as training examples (core/encoding.py's RowEncoder with this tokenizer); a
+        """The splits as training examples (core/data/encoding.py's RowEncoder with this tokenizer); a
         run whose training rows would train on no token is refused here, before any step."""
-        from studio.core import chat, encoding, prompt
-        from studio.core.data import DataError
+        from studio.core import prompt
+        from studio.core.data import DataError, encoding
+        from studio.core.prompt import chat
 
         kind = splits.shape.kind
         encoder = self.row_encoder(kind)
@@ -284,9 +286,9 @@ class Session:
                             kind=kind)
 
     def row_encoder(self, kind: str = "instruction") -> Any:
-        """core/encoding.py's RowEncoder for this run's config and tokenizer: how a row is rendered
+        """core/data/encoding.py's RowEncoder for this run's config and tokenizer: how a row is rendered
         and encoded, the same code ``studio config check`` counts trained tokens with."""
-        from studio.core.encoding import RowEncoder, Vocab
+        from studio.core.data.encoding import RowEncoder, Vocab
 
         tok = self.tokenizer
 
@@ -298,8 +300,8 @@ class Session:
         return RowEncoder(self.config, vocab, kind)
 
     def chat_renderer(self) -> Any:
-        """The tokenizer's chat template as a :class:`~studio.core.chat.ChatRenderer` (made once)."""
-        from studio.core.chat import ChatRenderer
+        """The tokenizer's chat template as a :class:`~studio.core.prompt.chat.ChatRenderer` (made once)."""
+        from studio.core.prompt.chat import ChatRenderer
 
         if self._chat is None:
             tok = self.tokenizer
@@ -405,8 +407,7 @@ class Session:
         through the run's template, up to where the response starts. A chat row (``messages``, with
         its ``tools``) and, on chat data, a plain message are rendered with the chat template plus its
         generation prompt. On raw text the prompt is a document's start, given as it is."""
-        from studio.core import chat
-        from studio.core.prompt import render, template_fields
+        from studio.core.prompt import chat, render, template_fields
 
         template = self.data.template if self.data else self.config.prompt.template
         field = self.config.prompt.response_field
@@ -480,7 +481,7 @@ class Session:
         from dataclasses import replace
 
         from studio.core.memory import estimate_plan, plan_for
-        from studio.core.model_info import ModelInfoError, load_model_info
+        from studio.core.model.info import ModelInfoError, load_model_info
 
         if self.device is None or self.device.type != "cuda":
             return False

@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from studio.core import events as ev
+from studio.core.grpo.rewards import RewardError, RewardFailed
 from studio.core.prompt import IGNORE_INDEX
-from studio.core.rewards import RewardError, RewardFailed
 from studio.core.runs import ADAPTER_STEP_FILE
-from studio.core.storage import DiskFull, is_disk_full
+from studio.core.runs.storage import DiskFull, is_disk_full
 from studio.engine import checkpoint, oom
 from studio.engine import distributed as dist
 from studio.engine import fast as fastpath

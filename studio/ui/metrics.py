@@ -3,7 +3,7 @@
 A :class:`TrainingState` is a fold over a run's events: feed it every event of ``events.jsonl`` in
 order (then the live ones) and it holds the step, the ETA, the loss curves and the last failure.
 Replaying a whole log and following it live give the same state, which is what lets a UI quit and
-come back to the full history. Its lines are worded by studio/core/report.py, as the CLI's are.
+come back to the full history. Its lines are worded by studio/core/runs/report.py, as the CLI's are.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from studio.core import events as ev
-from studio.core import report
-from studio.core.report import format_duration
+from studio.core.runs import report
+from studio.core.runs.report import format_duration
 
 if TYPE_CHECKING:
     from studio.ui.grpo_metrics import GrpoCurves

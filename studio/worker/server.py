@@ -35,15 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 from studio.core import events as ev
 from studio.core.config import ConfigError
-from studio.core.dataload import DataError
+from studio.core.data.load import DataError
 from studio.core.events import FailureKind, WorkerState
 from studio.core.runs import RunDir
-from studio.core.storage import DiskFull, is_disk_full, make_private
-from studio.core.trackers import TrackerHub, start_trackers
+from studio.core.runs.storage import DiskFull, is_disk_full, make_private
 from studio.worker.engine_session import EngineSession, SessionFactory, StepHook
 from studio.worker.eventlog import EventLog
 from studio.worker.jobs import JOBS, serve_job
 from studio.worker.launch import WorkerListener
+from studio.worker.trackers import TrackerHub, start_trackers
 
 if TYPE_CHECKING:
     from studio.engine.evaluate import HeldOutScoring

@@ -14,11 +14,11 @@ from typing import Any
 
 from textual.content import Content
 
-from studio.core import chat as chats
-from studio.core import grpo_data
 from studio.core import prompt as prompts
-from studio.core.cells import cell
 from studio.core.config import RunConfig
+from studio.core.grpo import rows as grpo_data
+from studio.core.prompt import chat as chats
+from studio.core.runs.cells import cell
 from studio.ui.widgets.token_counter import TokenCounter
 
 

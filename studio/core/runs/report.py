@@ -2,7 +2,7 @@
 
 ``studio train``, ``studio attach`` and the TUI's training pane all print events through these
 functions, so the same event reads the same everywhere. Memory is in decimal gigabytes
-(``studio.core.gpus.GB``, 10^9 bytes), the unit of the VRAM gauge's squares and of card sizes;
+(``studio.core.memory.gpus.GB``, 10^9 bytes), the unit of the VRAM gauge's squares and of card sizes;
 durations read ``2m05s``; rates ``1,234 tok/s``; losses four decimals.
 
 Plain Python: no Textual, no torch.
@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 
 from studio.core import events as ev
-from studio.core.cells import cell
 from studio.core.config import effective_batch
-from studio.core.gpus import GB
+from studio.core.memory.gpus import GB
+from studio.core.runs.cells import cell
 
 MB = 10**6
 """Decimal megabyte, for sizes under a gigabyte."""

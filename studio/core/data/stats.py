@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from studio.core import prompt as prompts
-from studio.core.databrowse import arrow_table, column_values, row_count
-from studio.core.datasplit import as_text
+from studio.core.data.browse import arrow_table, column_values, row_count
+from studio.core.data.split import as_text
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -83,7 +83,7 @@ def column_stats(
     ``tokenizers.Tokenizer`` (fast, batched) or any ``str -> ids`` callable. ``progress(done, total)``
     reports the texts tokenized so far, over all columns.
     """
-    from studio.core.tokens import count_tokens
+    from studio.core.prompt.tokens import count_tokens
 
     values = _columns_of(source, columns)
     total = sum(len(texts) for texts in values.values())
@@ -170,7 +170,7 @@ def lint_rows(
     """
     mapping = dict(columns or {})
     if not isinstance(source, list):
-        from studio.core.datasplit import chat_column
+        from studio.core.data.split import chat_column
 
         found = chat_column(source, mapping)
         if found is not None:
@@ -231,7 +231,7 @@ def _too_long(values: dict[str, list[str]], total: int, response_field: str, tok
     by their UTF-8 size: every token of a real tokenizer covers at least one byte (plus, at most, one
     leading word-start marker), so a row whose byte count fits certainly fits and is never tokenized.
     """
-    from studio.core.tokens import count_tokens
+    from studio.core.prompt.tokens import count_tokens
 
     names = list(values)
     extra = 1 if add_eos else 0
@@ -271,10 +271,9 @@ def lint_conversations(
     progress: Callable[[int, int], None] | None = None,
 ) -> list[DataIssue]:
     """Conversations that would hurt a fine-tune: a value that is no conversation, empty turns,
-    turns out of order (see :func:`studio.core.chat.conversation_issues`), and conversations longer
+    turns out of order (see :func:`studio.core.prompt.chat.conversation_issues`), and conversations longer
     than ``max_seq_length`` tokens (rendered through ``chat_template``, else their turns joined)."""
-    from studio.core import chat
-    from studio.core.prompt import TemplateError
+    from studio.core.prompt import TemplateError, chat
 
     issues: list[DataIssue] = []
     conversations: dict[int, list[chat.Turn]] = {}
@@ -288,7 +287,7 @@ def lint_conversations(
         for kind, message in chat.conversation_issues(turns):
             issues.append(DataIssue(kind, index, f"row {index}: {message}"))
     if tokenize is not None and max_seq_length:
-        from studio.core.tokens import count_tokens
+        from studio.core.prompt.tokens import count_tokens
 
         renderer = chat.ChatRenderer(chat_template) if chat_template else None
 
@@ -326,7 +325,7 @@ def template_column_issues(config: RunConfig, columns: Sequence[str], *, convers
       ``alpaca_no_input`` preset): the model never sees it. The split column and columns whose rows
       are all empty (``filled``: rows with text per column, when counted) are not flagged.
     """
-    from studio.core.datasplit import template_fields_for
+    from studio.core.data.split import template_fields_for
 
     prompt = config.prompt
     fields, _optional = template_fields_for(config)

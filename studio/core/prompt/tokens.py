@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from studio.core.model_ref import local_problem
+from studio.core.model.ref import local_problem
 from studio.core.paths import cache_dir
 
 

@@ -5,7 +5,7 @@ the response field's placeholder to the end is the *response*: the preview colou
 is computed on it only, so one :class:`Rendered` drives both. Presets: ``alpaca`` (falls back to the
 no-input wording on rows whose input is empty), ``alpaca_no_input``, ``chat`` (the tokenizer's own
 chat template, rendered with Jinja into a ``{field}`` template once) and ``text`` (raw text: the
-response field alone, every token trained; studio/core/shapes.py sets the field to ``text``).
+response field alone, every token trained; studio/core/data/shapes.py sets the field to ``text``).
 
 Plain Python (plus jinja2 for chat templates): the UI imports this. A little past 400 lines, kept
 whole: parsing, rendering, encoding and lint are one concept (the template) and share the parser.
@@ -80,7 +80,7 @@ class Rendered:
 
     template: str = ""
     """The literal template actually used (the no-input variant on rows without input); ``chat`` for
-    a conversation rendered by :class:`studio.core.chat.ChatRenderer`."""
+    a conversation rendered by :class:`studio.core.prompt.chat.ChatRenderer`."""
 
     loss_spans: tuple[tuple[int, int], ...] = ()
     """A conversation's assistant turns (character offsets, end exclusive): loss is taken on these
@@ -125,7 +125,7 @@ class TemplateIssue:
     kind: str
     """``brace`` (a ``{`` or ``}`` that is no placeholder), ``unknown_field``, ``no_separator``,
     ``response_not_at_end``, ``double_eos``, ``no_eos`` or ``no_response``; against the data
-    (:func:`studio.core.datastats.template_column_issues`): ``not_for_conversations``,
+    (:func:`studio.core.data.stats.template_column_issues`): ``not_for_conversations``,
     ``conversation_turns`` or ``unused_column``."""
 
     message: str
@@ -235,7 +235,7 @@ def resolve_template(prompt_cfg: Any, chat_template: str | None = None, **chat_v
     """The literal template for ``prompt.template``: a preset name is replaced by its text.
 
     ``prompt_cfg`` is a :class:`~studio.core.config.PromptConfig` or the template string itself.
-    ``chat`` needs the tokenizer's ``chat_template`` (see :mod:`studio.core.tokens`); extra keyword
+    ``chat`` needs the tokenizer's ``chat_template`` (see :mod:`studio.core.prompt.tokens`); extra keyword
     arguments (``bos_token``, ``eos_token``) are passed to the Jinja template.
     """
     name = prompt_cfg if isinstance(prompt_cfg, str) else prompt_cfg.template
@@ -282,7 +282,7 @@ def without_input(template: str) -> str:
 def _render_chat(chat_template: str, user: str, response_field: str, chat_vars: dict[str, Any]) -> str:
     from jinja2 import TemplateError as JinjaError
 
-    from studio.core.chat import compile_chat_template
+    from studio.core.prompt.chat import compile_chat_template
 
     # Sentinels that survive any template (no braces, no whitespace) are swapped for placeholders
     # after rendering, so braces that the chat template itself writes stay literal.
@@ -363,7 +363,7 @@ def encode(
     boundary, as ``\n\n`` before an answer can, it counts as response). ``bos_id`` (when given) starts
     the prompt; ``eos_id`` (when given) ends the response (pass :func:`eos_to_append`'s answer).
     ``tokenize`` must not add special tokens itself. A conversation (``rendered.loss_spans``) is encoded by
-    :func:`studio.core.chat.encode_turns`: loss on every assistant turn, no EOS added.
+    :func:`studio.core.prompt.chat.encode_turns`: loss on every assistant turn, no EOS added.
 
     Truncation to ``max_len``: the response's tail goes first (and the EOS with it: a cut answer
     should not teach the model to stop there). If the prompt alone leaves no room, the prompt loses
@@ -374,7 +374,7 @@ def encode(
     if max_len < 2:
         raise ValueError("max_len must be at least 2")
     if rendered.loss_spans:
-        from studio.core.chat import encode_turns
+        from studio.core.prompt.chat import encode_turns
 
         return encode_turns(rendered, tokenize, max_len, bos_id)
     whole = list(tokenize(rendered.text))

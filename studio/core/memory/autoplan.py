@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from studio.core.config import AUTO, RunConfig
-from studio.core.gpus import GB, GIB
-from studio.core.model_info import ModelInfo
+from studio.core.memory.gpus import GB, GIB
+from studio.core.model.info import ModelInfo
 
 HEADROOM_FRACTION = 0.10
 """Part of the card the plan leaves free. The fast path's estimate of peak reserved memory is within
@@ -248,7 +248,7 @@ def plan(config: RunConfig, info: ModelInfo, capacity: int, headroom: int | None
     (core/memory/lengths.py; unpacked runs are sized from them). Raises :class:`AutoPlanError`
     (naming the keys to change) when none fits, and ValueError (as core/memory/ ``estimate`` does) for a
     LoRA target the model lacks."""
-    from studio.core.memory import estimate  # the estimator imports config; keep this module light to import
+    from studio.core.memory.estimate import estimate  # the estimator imports config; keep this module light to import
 
     headroom = headroom_for(capacity) if headroom is None else headroom
     budget = capacity - headroom

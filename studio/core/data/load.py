@@ -144,7 +144,7 @@ def _load_file(path: Path) -> datasets.Dataset:
 def _text_documents(paths: list[Path], root: Path) -> datasets.Dataset:
     """Plain-text files as rows: each file is one document (``text``, read as UTF-8, a byte-order
     mark dropped) with its name relative to ``root`` (``file``). Training cuts a long document into
-    blocks of data.max_seq_length tokens rather than dropping its tail (studio/core/encoding.py)."""
+    blocks of data.max_seq_length tokens rather than dropping its tail (studio/core/data/encoding.py)."""
     import datasets
 
     texts: list[str] = []

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from studio.core.dataload import load_table
+from studio.core.data.load import load_table
 
 if TYPE_CHECKING:
     import datasets

@@ -8,7 +8,7 @@ nearest known key.
 
 Plain Python and PyYAML only: the UI imports this. Past 400 lines because every field carries its
 docstring (this file is the config's reference); reading YAML into the dataclasses is in
-:mod:`studio.core.config_reader`, the YAML itself in :mod:`studio.core.safe_yaml`.
+:mod:`studio.core.config.reader`, the YAML itself in :mod:`studio.core.config.safe_yaml`.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from typing import Any
 
 import yaml
 
-from studio.core.config_reader import ConfigError as ConfigError  # re-exported: callers import it from here
-from studio.core.config_reader import ConfigNote as ConfigNote
-from studio.core.config_reader import KeyLines, Reader
-from studio.core.ludwig import from_ludwig
+from studio.core.config.ludwig import from_ludwig
+from studio.core.config.reader import ConfigError as ConfigError  # re-exported: callers import it from here
+from studio.core.config.reader import ConfigNote as ConfigNote
+from studio.core.config.reader import KeyLines, Reader
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 AUTO = "auto"
 """The value of ``trainer.micro_batch_size`` / ``trainer.gradient_checkpointing`` that lets Studio
-plan them for the card at the start of a run (studio/core/autoplan.py)."""
+plan them for the card at the start of a run (studio/core/memory/autoplan.py)."""
 
 CPU_MICRO_BATCH_SIZE = 4
 """What ``micro_batch_size: auto`` means without a CUDA card (and until a run has planned it): the
@@ -562,8 +562,8 @@ def validate(config: RunConfig, source: str = "config", lines: dict | KeyLines |
 
 
 def _check_grpo(config: RunConfig, reader: Reader) -> None:
-    """A GRPO run's rewards (studio/core/rewards.py) and room for a prompt beside the completion."""
-    from studio.core.rewards import check_configs
+    """A GRPO run's rewards (studio/core/grpo/rewards.py) and room for a prompt beside the completion."""
+    from studio.core.grpo.rewards import check_configs
 
     check_configs(config, reader)
     g, max_len = config.grpo, config.data.max_seq_length
@@ -635,10 +635,10 @@ def _check_template(config: RunConfig, reader: Reader) -> None:
 def parse_config(text: str, source: str = "config") -> RunConfig:
     """Read a config from YAML text (Studio or Ludwig layout). ``source`` names it in errors.
 
-    Other tools' key names (``lora_alpha``, ``num_train_epochs``: see :mod:`studio.core.aliases`) are
+    Other tools' key names (``lora_alpha``, ``num_train_epochs``: see :mod:`studio.core.config.aliases`) are
     read as Studio's, each with a :class:`ConfigNote`.
     """
-    from studio.core import aliases, safe_yaml
+    from studio.core.config import aliases, safe_yaml
 
     try:
         raw, found = safe_yaml.load(text, source)
@@ -683,7 +683,7 @@ def _full_finetune_spelling(raw: dict[str, Any], reader: Reader) -> None:
         value = value.strip().lower()
     if value not in _NO_ADAPTER:
         return
-    from studio.core import aliases
+    from studio.core.config import aliases
 
     for key in list(raw):
         if aliases.ALIASES.get(key, ("",))[0] == "lora":

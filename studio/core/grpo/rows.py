@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from studio.core import chat as chats
-from studio.core.datasplit import as_text, field_columns, template_fields_for
+from studio.core.data.split import as_text, field_columns, template_fields_for
+from studio.core.prompt import chat as chats
 
 if TYPE_CHECKING:
     from studio.core.config import RunConfig
@@ -44,8 +44,8 @@ def table_rows(dataset: Any, config: RunConfig, source: str, chat: tuple[str, st
     """Every row of ``dataset`` as a GRPO row: its columns as the data holds them, plus for a
     conversation its turns under ``messages`` (the conversation column itself left out). Raises
     DataError naming a missing template field's column or a malformed conversation."""
-    from studio.core.databrowse import arrow_table, column_values
-    from studio.core.dataload import DataError
+    from studio.core.data.browse import arrow_table, column_values
+    from studio.core.data.load import DataError
 
     names = arrow_table(dataset).column_names
     if chat is None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from studio.core.decoder import DecoderSpec, Refusal, describe_decoder
 from studio.core.decoder.spec import PHI3_FUSED, linear_shapes, lora_modules
-from studio.core.model_ref import local_problem
+from studio.core.model.ref import local_problem
 from studio.core.paths import sample_data_dir
 from studio.core.plan import decoder_blocker
 

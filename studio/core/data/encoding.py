@@ -1,7 +1,7 @@
 """Training rows -> token ids and labels, for every data shape, as the engine trains them.
 
 One place renders and encodes a training row, whichever tokenizer encodes it: the engine's
-(transformers') when it trains, ``tokenizers``' (studio/core/tokens.py) when ``studio config check``
+(transformers') when it trains, ``tokenizers``' (studio/core/prompt/tokens.py) when ``studio config check``
 or the estimator reads the data without a model. A row gives a list of examples:
 
 - an instruction row: one (its template's text, loss on the response);
@@ -25,14 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from studio.core import chat as chats
 from studio.core import prompt as prompts
+from studio.core.data.shapes import CHAT_PAIRS, PAIRS, TEXT, TRL_PROMPT
 from studio.core.prompt import IGNORE_INDEX
-from studio.core.shapes import CHAT_PAIRS, PAIRS, TEXT, TRL_PROMPT
+from studio.core.prompt import chat as chats
 
 if TYPE_CHECKING:
     from studio.core.config import RunConfig
-    from studio.core.tokens import TokenizerInfo
+    from studio.core.prompt.tokens import TokenizerInfo
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,8 @@ class Vocab:
 
     @classmethod
     def of(cls, info: TokenizerInfo) -> Vocab:
-        """The vocabulary of a tokenizer read by studio/core/tokens.py (no torch)."""
-        from studio.core.tokens import make_tokenize
+        """The vocabulary of a tokenizer read by studio/core/prompt/tokens.py (no torch)."""
+        from studio.core.prompt.tokens import make_tokenize
 
         return cls(make_tokenize(info.tokenizer), info.eos_id, info.eos_token,
                    info.bos_id if info.add_bos else None, info.bos_token, info.chat_template)
@@ -61,7 +61,7 @@ class Vocab:
 
 class RowEncoder:
     """Renders and encodes the training rows of ``config`` (adapted to its data's shape, see
-    studio/core/shapes.py) whose shape is ``kind``."""
+    studio/core/data/shapes.py) whose shape is ``kind``."""
 
     def __init__(self, config: RunConfig, vocab: Vocab, kind: str):
         self.config = config

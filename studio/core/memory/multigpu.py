@@ -47,7 +47,7 @@ def _driver_gpu_count() -> int:
     ``nvidia-smi -L``; 0 without a driver."""
     if DRIVER_GPUS.is_dir():
         return len(list(DRIVER_GPUS.iterdir()))
-    from studio.core.gpus import detect_gpus
+    from studio.core.memory.gpus import detect_gpus
 
     found = detect_gpus()
     if found:

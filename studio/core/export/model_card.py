@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from studio.core import events as ev
-from studio.core.cells import cell
 from studio.core.config import RunConfig
+from studio.core.runs.cells import cell
 
 CHART_FILE = "loss.png"
 
@@ -80,7 +80,7 @@ def _text_chart(curve: LossCurve) -> str:
 
 
 def _cell(text: Any, width: int = 40) -> str:
-    """A markdown table cell: :func:`~studio.core.cells.cell`, with its pipes escaped."""
+    """A markdown table cell: :func:`~studio.core.runs.cells.cell`, with its pipes escaped."""
     return cell(text, width).replace("|", "\\|")
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from studio.core import events as ev
 from studio.core.config import RunConfig, load_config
-from studio.core.storage import DIR_MODE, FILE_MODE, DiskFull, is_disk_full
+from studio.core.runs.storage import DIR_MODE, FILE_MODE, DiskFull, is_disk_full
 
 ADAPTER_CONFIG = "adapter_config.json"
 """The file that makes a folder a PEFT adapter (``PeftModel.from_pretrained`` reads it first)."""
@@ -299,7 +299,7 @@ def create_run(config: RunConfig, root: str | Path | None = None) -> RunDir:
 
     Built as a hidden temp folder and renamed into place when complete, so a failure half way (a
     full disk) leaves nothing that looks like a run; private to its owner (0700, the config 0600).
-    Raises :class:`~studio.core.storage.DiskFull` when the disk is full, other OSErrors as they are.
+    Raises :class:`~studio.core.runs.storage.DiskFull` when the disk is full, other OSErrors as they are.
     """
     import shutil
 

@@ -2,13 +2,13 @@
 
 Each concept has its own module; this one gathers their public names so callers import one place:
 
-- :mod:`studio.core.dataload`: read CSV / TSV / JSON / JSONL / Parquet / saved / hub datasets
+- :mod:`studio.core.data.load`: read CSV / TSV / JSON / JSONL / Parquet / saved / hub datasets
   (``load_table``, ``DataError``, ``FORMATS``, ``SPLIT_NAMES``, ``resolve_path``)
-- :mod:`studio.core.databrowse`: slices, columns and search (``Table``, ``rows``, ``search``, ...)
-- :mod:`studio.core.datasplit`: template fields and the train / validation / test split
+- :mod:`studio.core.data.browse`: slices, columns and search (``Table``, ``rows``, ``search``, ...)
+- :mod:`studio.core.data.split`: template fields and the train / validation / test split
   (``load_splits``, ``Splits``, ``template_fields_for``, ``field_columns``, ``split_counts``,
-  ``chat_column``: the column of a chat dataset, see :mod:`studio.core.chat`)
-- :mod:`studio.core.datastats`: length statistics and lint (imported from here only when asked for,
+  ``chat_column``: the column of a chat dataset, see :mod:`studio.core.prompt.chat`)
+- :mod:`studio.core.data.stats`: length statistics and lint (imported from here only when asked for,
   since it is the heaviest)
 """
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from studio.core.databrowse import Table, arrow_table, column_values, row_count, rows, search
-from studio.core.dataload import FORMATS, SPLIT_NAMES, DataError, load_table
-from studio.core.datasplit import (
+from studio.core.data.browse import Table, arrow_table, column_values, row_count, rows, search
+from studio.core.data.load import FORMATS, SPLIT_NAMES, DataError, load_table
+from studio.core.data.split import (
     Splits,
     as_text,
     chat_column,
@@ -41,9 +41,9 @@ _STATS = ("LengthStats", "length_stats", "ColumnStats", "column_stats", "DataIss
 
 
 def __getattr__(name: str) -> Any:
-    """Statistics and lint live in :mod:`studio.core.datastats`; they are importable from here too."""
+    """Statistics and lint live in :mod:`studio.core.data.stats`; they are importable from here too."""
     if name in _STATS:
-        from studio.core import datastats
+        from studio.core.data import stats as datastats
 
         return getattr(datastats, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

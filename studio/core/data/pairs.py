@@ -78,7 +78,7 @@ def flatten_pair(row: Mapping[str, Any], prompt_field: str, chosen: str, rejecte
 def flatten_table(dataset: Any, config: RunConfig, prompt_field: str) -> Any:
     """``dataset`` with chat-shaped pair columns replaced by text columns (:func:`flatten_pair`), as a
     new Dataset; unchanged (the same object) when its pairs are flat already."""
-    from studio.core.databrowse import arrow_table, column_values
+    from studio.core.data.browse import arrow_table, column_values
 
     columns = config.data.columns
     chosen = columns.get(config.prompt.response_field, config.prompt.response_field)
@@ -103,7 +103,7 @@ def _replace_columns(dataset: Any, columns: dict[str, list[str]]) -> Any:
     from datasets import Dataset
     from datasets.table import InMemoryTable
 
-    from studio.core.databrowse import arrow_table
+    from studio.core.data.browse import arrow_table
 
     table = arrow_table(dataset)
     for name, values in columns.items():
@@ -135,8 +135,8 @@ def shared_prompt(dataset: Any, config: RunConfig, source: str) -> Any:
     """TRL's standard pairs with no prompt column: each row's prompt is the start its chosen and
     rejected texts share (:func:`split_shared_start`), written into a ``prompt`` column; the answers
     keep the rest."""
-    from studio.core.databrowse import column_values
-    from studio.core.dataload import DataError
+    from studio.core.data.browse import column_values
+    from studio.core.data.load import DataError
 
     columns = config.data.columns
     chosen = columns.get(config.prompt.response_field, config.prompt.response_field)
@@ -161,8 +161,8 @@ def conversation_pair(row: Mapping[str, Any], prompt_field: str, chosen: str, re
     """One of TRL's conversational pairs as ``{prompt_field: [messages], chosen: [messages],
     rejected: [messages]}``: text answers become one assistant turn, a text prompt one user turn,
     and with no prompt the turns ``chosen`` and ``rejected`` share at their start are the prompt.
-    Raises :class:`~studio.core.chat.ChatFormatError` naming ``where`` for a value that is neither."""
-    from studio.core.chat import ChatFormatError, parse_turns
+    Raises :class:`~studio.core.prompt.chat.ChatFormatError` naming ``where`` for a value that is neither."""
+    from studio.core.prompt.chat import ChatFormatError, parse_turns
 
     def turns(value: Any, role: str, side: str) -> list[dict[str, Any]]:
         if isinstance(value, str):
@@ -225,9 +225,9 @@ def pair_lint(dataset: Any, config: RunConfig, issues: Sequence[Any]) -> list[An
     pairs flattened first) in place of the SFT lint's empty-answer and same-prompt findings (several
     pairs for one prompt are normal preference data) and its turn-order findings (a pair's prompt
     ends before the answer, with the user); the other findings (too long) are kept."""
-    from studio.core.databrowse import column_values
-    from studio.core.datasplit import template_fields_for
-    from studio.core.datastats import DataIssue
+    from studio.core.data.browse import column_values
+    from studio.core.data.split import template_fields_for
+    from studio.core.data.stats import DataIssue
 
     columns = config.data.columns
     names = [columns.get(f, f) for f in (config.prompt.response_field, config.prompt.rejected_field)]

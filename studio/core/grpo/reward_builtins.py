@@ -1,7 +1,7 @@
 """GRPO's built-in rewards: exact match, a regular expression, the last number (GSM8K-style), length.
 
-Each is made from its config entry (studio/core/config.py's RewardConfig) as a function with TRL's
-signature, as your own rewards are (studio/core/rewards.py calls them all the same way). A
+Each is made from its config entry (studio/core/config/sections.py's RewardConfig) as a function with TRL's
+signature, as your own rewards are (studio/core/grpo/rewards.py calls them all the same way). A
 completion may be text or a conversational completion (a list of messages): its text is read by
 :func:`completion_text`.
 

@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from studio.core import events as ev
-from studio.core import report
 from studio.core.config import RunConfig
-from studio.core.gpus import GB
-from studio.core.runs import RunDir
+from studio.core.memory.gpus import GB
+from studio.core.runs import RunDir, report
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """report_to name -> the Python package it needs."""

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from studio.core import chat as chats
 from studio.core import prompt as prompts
-from studio.core import shapes
-from studio.core.databrowse import arrow_table, column_values
-from studio.core.dataload import SPLIT_NAMES, DataError, load_table
-from studio.core.preference import conversation_pair, flatten_table, is_preference, shared_prompt
+from studio.core.data import shapes
+from studio.core.data.browse import arrow_table, column_values
+from studio.core.data.load import SPLIT_NAMES, DataError, load_table
+from studio.core.data.pairs import conversation_pair, flatten_table, is_preference, shared_prompt
+from studio.core.prompt import chat as chats
 
 if TYPE_CHECKING:
     import datasets
@@ -147,7 +147,7 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
         raise DataError(f"{source}: column '{chat[0]}' holds conversations ({chat[1]} shape); they are "
                         "rendered with the model's chat template: set prompt.template: chat")
     if config.trainer.method == "grpo":
-        from studio.core import grpo_data
+        from studio.core.grpo import rows as grpo_data
 
         table_rows = grpo_data.table_rows(dataset, config, source, chat)
     elif shape.kind == shapes.CHAT_PAIRS:
@@ -196,7 +196,7 @@ def chat_column(dataset: Any, columns: Mapping[str, str] | None = None) -> tuple
 
     Only each column's first non-empty value is looked at (a slice, cheap on any size).
     """
-    from studio.core.databrowse import first_value
+    from studio.core.data.browse import first_value
 
     return chats.find_chat_column(arrow_table(dataset).column_names, lambda name: first_value(dataset, name), columns)
 

@@ -2,7 +2,7 @@
 Ollama's TEMPLATE, and the stop sequences.
 
 A run that trained through the model's chat template (``prompt.template: chat``) gets that chat
-template as Ollama's Go template (:mod:`studio.core.ollama_chat`): the model is then used as the
+template as Ollama's Go template (:mod:`studio.core.export.ollama_chat`): the model is then used as the
 chat model it is, system prompt and earlier turns included. Any other run gets its own template.
 
 For the run's template, Studio's chat sends a person's text as the template's first field (the
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import re
 
-from studio.core.ollama_chat import chat_turns, go_template
-from studio.core.prompt import _preset, parse, render, template_fields
+from studio.core.export.ollama_chat import chat_turns, go_template
+from studio.core.prompt.template import _preset, parse, render, template_fields
 
 _SENTINEL = "\x00PROMPT\x00"
 _END_MARKER = re.compile(r"<[^<>\s{}]+>")

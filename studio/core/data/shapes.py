@@ -4,7 +4,7 @@ Five shapes:
 
 - ``instruction``: template fields (``instruction`` / ``input`` / ``output``, or a template's own);
 - ``chat``: conversations (``messages`` or ShareGPT's ``conversations``), tools and tool calls too
-  (studio/core/chat.py);
+  (studio/core/prompt/chat.py);
 - ``pairs``: preference pairs, TRL's standard shape: ``prompt``, ``chosen`` and ``rejected`` text;
 - ``chat_pairs``: TRL's conversational shape: ``prompt``, ``chosen`` and ``rejected`` as lists of
   messages, or ``chosen`` and ``rejected`` whole conversations that share the prompt as their start;
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from studio.core import chat as chats
-from studio.core.preference import CONVERSATION_COLUMNS, is_messages, is_preference
+from studio.core.data.pairs import CONVERSATION_COLUMNS, is_messages, is_preference
 from studio.core.prompt import PRESETS, RAW_TEXT
+from studio.core.prompt import chat as chats
 
 if TYPE_CHECKING:
     from studio.core.config import PromptConfig, RunConfig
@@ -80,7 +80,7 @@ def detect(dataset: Any, config: RunConfig) -> DataShape:
 
     Only each column's first non-empty value is read (cheap on any size).
     """
-    from studio.core.databrowse import arrow_table, first_value
+    from studio.core.data.browse import arrow_table, first_value
 
     names = [c for c in arrow_table(dataset).column_names if c != config.data.split_column]
     return shape_of(names, lambda name: chats.decoded(first_value(dataset, name)), config)
@@ -151,7 +151,7 @@ def adapt_to_data(config: RunConfig, base_dir: str | Path | None = None) -> RunC
     """``config`` with the prompt settings its data's shape brings, for the run's config.yaml to
     record what trains (exports read the template from it); unchanged when the data cannot be read
     here (the worker then says why, in its one line)."""
-    from studio.core.dataload import DataError, load_table
+    from studio.core.data.load import DataError, load_table
 
     if not config.data.path:
         return config
@@ -164,7 +164,7 @@ def adapt_to_data(config: RunConfig, base_dir: str | Path | None = None) -> RunC
 
 def describe(shape: DataShape, config: RunConfig) -> str:
     """One phrase for ``studio config check``: the shape and how its rows render."""
-    from studio.core.datasplit import template_fields_for
+    from studio.core.data.split import template_fields_for
 
     adapted = shape.adapt(config)
     if shape.kind == TEXT:

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from studio.core.model_info import ModelInfo, ModelInfoError, _hub_cache_config, _known, bundled_config, read_config
-from studio.core.model_ref import looks_local
+from studio.core.model.info import ModelInfo, ModelInfoError, _hub_cache_config, _known, bundled_config, read_config
+from studio.core.model.ref import looks_local
 from studio.core.paths import cache_dir
 
 HUB_TIMEOUT_S = 10.0

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from studio.core.cells import cell
-from studio.core.reward_builtins import BUILTINS, NEEDS, builtin, completion_text
+from studio.core.grpo.reward_builtins import BUILTINS, NEEDS, builtin, completion_text
+from studio.core.runs.cells import cell
 
 if TYPE_CHECKING:
     from studio.core.config import RewardConfig, RunConfig
-    from studio.core.config_reader import Reader
+    from studio.core.config.reader import Reader
 
 
 ARGUMENTS = ("prompts", "completions", "completion_ids")
@@ -338,8 +338,8 @@ def check_on_row(config: RunConfig, row: Mapping[str, Any], base_dir: str | Path
     the row's own answer (its response field's or a reward's column, when it has one), before any
     model loads (``studio config check``, and a worker before it loads the model). Raises
     :class:`RewardError` or :class:`RewardFailed` with the line to show; returns the rewards."""
-    from studio.core import grpo_data
     from studio.core import prompt as prompts
+    from studio.core.grpo import rows as grpo_data
 
     rewards = load_rewards(config, base_dir)
     columns = grpo_data.reward_columns(row)
