@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from studio.core.data import load_table
-from studio.core.data.split import chat_column
+from studio.core.data.fields import chat_column
 from studio.core.data.stats import lint_rows
 from studio.core.paths import sample_data_dir
 from studio.core.prompt import chat

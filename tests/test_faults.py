@@ -163,8 +163,8 @@ def test_out_of_memory_in_every_phase_is_caught_where_it_happens(tiny_config, mo
 
 def test_resume_skips_a_checkpoint_that_does_not_load_and_refuses_without_one(
         tiny_config, capsys: pytest.CaptureFixture) -> None:
-    from studio.engine.session import Session, TrainingError
-    from studio.engine.train import Trainer
+    from studio.engine.session import Session
+    from studio.engine.train import Trainer, TrainingError
 
     tiny_config.trainer.max_steps = 6
     tiny_config.trainer.checkpoint_interval = 2

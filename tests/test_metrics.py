@@ -8,7 +8,8 @@ import pytest
 
 from studio.core import events as ev
 from studio.core.runs import iter_events, scoring
-from studio.ui.metrics import Series, TrainingState, ema, fold, format_duration
+from studio.ui.metrics import TrainingState, ema, fold, format_duration
+from studio.ui.series import Series
 
 RECORDED = Path(__file__).parent / "data" / "recorded_events.jsonl"
 

@@ -9,7 +9,7 @@ import tiny_families
 
 from studio.core.export.modelfile import modelfile, ollama_template, stop_sequences
 from studio.core.export.ollama_chat import chat_turns, go_template
-from studio.core.prompt.chat import compile_chat_template
+from studio.core.prompt.jinja import compile_chat_template
 
 CHATML = ("<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\n{instruction}\n\n{input}<|im_end|>\n"
           "<|im_start|>assistant\n{output}<|im_end|>\n")

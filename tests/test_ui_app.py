@@ -22,9 +22,10 @@ from studio.core.data import resolve_path
 from studio.core.paths import themes_dir
 from studio.core.runs import create_run
 from studio.ui import theme as themes
-from studio.ui.app import PANES, StudioApp
+from studio.ui.app import StudioApp
 from studio.ui.commands import palette_entries
 from studio.ui.messages import MemorySample
+from studio.ui.pane_slot import PANES
 from studio.ui.panes.template import TemplatePane
 from studio.ui.panes.vram import VramPane
 from studio.ui.widgets.block_gauge import BlockGauge

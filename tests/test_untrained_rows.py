@@ -74,8 +74,8 @@ def test_empty_responses_blame_the_template_and_a_few_are_counted_not_refused() 
 
 def test_a_run_on_a_deaf_tokenizer_is_refused_before_its_first_step(deaf_model: Path, tmp_path: Path) -> None:
     from studio.core.runs import create_run
-    from studio.engine.session import Session, TrainingError
-    from studio.engine.train import Trainer
+    from studio.engine.session import Session
+    from studio.engine.train import Trainer, TrainingError
 
     config = RunConfig()
     config.model.base_model, config.quantization.bits = str(deaf_model), None

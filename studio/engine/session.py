@@ -50,17 +50,12 @@ from studio.engine.model import (
     prepare_full_finetune,
 )
 from studio.engine.preference import Pair, PreferenceObjective
+from studio.engine.train import BetweenSteps, Trainer, TrainingError
 
 if TYPE_CHECKING:
     from studio.engine.grpo import GrpoObjective
-    from studio.engine.train import Trainer
 
 Emit = Callable[[ev.Event], None]
-BetweenSteps = Callable[["Trainer"], "str | None"]
-
-
-class TrainingError(ev.ReportedFailure):
-    """The engine cannot go on; a WorkerFailed event with this ``kind`` has already been emitted."""
 
 
 @dataclass
@@ -378,8 +373,6 @@ class Session:
 
     def new_trainer(self) -> Trainer:
         """A Trainer on this session (a test wraps this to install hooks on the trainer)."""
-        from studio.engine.train import Trainer
-
         return Trainer(self, self.between_steps)
 
     def train(self, resume: bool = False) -> ev.TrainingFinished:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from studio.core import events as ev
 from studio.core.runs import report
-from studio.ui.metrics import Series
+from studio.ui.series import Series
 
 
 @dataclass

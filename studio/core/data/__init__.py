@@ -1,15 +1,19 @@
-"""Datasets: one import for loading, browsing, splitting, statistics and lint.
+"""Datasets: loading, browsing, what a dataset holds, template fields, splits, statistics and lint.
 
-Each concept has its own module; this one gathers their public names so callers import one place:
+Modules, each importing only those above it:
 
-- :mod:`studio.core.data.load`: read CSV / TSV / JSON / JSONL / Parquet / saved / hub datasets
-  (``load_table``, ``DataError``, ``FORMATS``, ``SPLIT_NAMES``, ``resolve_path``)
-- :mod:`studio.core.data.browse`: slices, columns and search (``Table``, ``rows``, ``search``, ...)
-- :mod:`studio.core.data.split`: template fields and the train / validation / test split
-  (``load_splits``, ``Splits``, ``template_fields_for``, ``field_columns``, ``split_counts``,
-  ``chat_column``: the column of a chat dataset, see :mod:`studio.core.prompt.chat`)
-- :mod:`studio.core.data.stats`: length statistics and lint (imported from here only when asked for,
-  since it is the heaviest)
+- ``load``: read CSV / TSV / JSON / JSONL / Parquet / saved / hub datasets (``load_table``, ``DataError``)
+- ``browse``: slices, columns and search (``Table``, ``rows``, ``search``, ...)
+- ``pairs``: preference pairs (DPO / ORPO): the chat shape flattened, pair lint, the word difference
+- ``fields``: the template fields a run needs, read from their columns (``template_fields_for``,
+  ``field_columns``, ``chat_column``: the column of a chat dataset)
+- ``shapes``: what a dataset holds (instruction rows, conversations, TRL's pairs, raw text) and the
+  prompt settings each trains with
+- ``stats``: length statistics and lint (imported from here only when asked for: the heaviest)
+- ``split``: the train / validation / test split (``load_splits``, ``Splits``, ``split_counts``)
+- ``encoding``: training rows -> token ids and labels for every shape (the engine's and config check's)
+
+This module gathers the public names callers use, so they import one place.
 """
 
 from __future__ import annotations
@@ -17,16 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 from studio.core.data.browse import Table, arrow_table, column_values, row_count, rows, search
+from studio.core.data.fields import as_text, chat_column, field_columns, template_fields_for
 from studio.core.data.load import FORMATS, SPLIT_NAMES, DataError, load_table
-from studio.core.data.split import (
-    Splits,
-    as_text,
-    chat_column,
-    field_columns,
-    load_splits,
-    split_counts,
-    template_fields_for,
-)
+from studio.core.data.split import Splits, load_splits, split_counts
 from studio.core.paths import resolve_path
 
 __all__ = [

@@ -137,7 +137,7 @@ def trained_tokens(encoded: prompts.Encoded) -> int:
 TEMPLATE, TOKENIZER = "template", "tokenizer"
 """Why a row trains nothing: the template leaves it no response, or the tokenizer encodes its text
 to no tokens. Truncation never is: past data.max_seq_length an example loses its prompt's start
-before its whole response (prompt.encode, chat.encode_turns), and raw text is cut into blocks."""
+before its whole response (prompt.encode, prompt.labels.encode_turns), and raw text is cut into blocks."""
 
 
 def why_untrained(rendered: prompts.Rendered, examples: Sequence[prompts.Encoded], encoder: RowEncoder

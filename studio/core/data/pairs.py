@@ -220,25 +220,6 @@ def lint_pairs(chosen: Sequence[str], rejected: Sequence[str], chosen_name: str 
     return issues
 
 
-def pair_lint(dataset: Any, config: RunConfig, issues: Sequence[Any]) -> list[Any]:
-    """The dataset pane's lint for a preference run: :func:`lint_pairs` on every row (chat-shaped
-    pairs flattened first) in place of the SFT lint's empty-answer and same-prompt findings (several
-    pairs for one prompt are normal preference data) and its turn-order findings (a pair's prompt
-    ends before the answer, with the user); the other findings (too long) are kept."""
-    from studio.core.data.browse import column_values
-    from studio.core.data.split import template_fields_for
-    from studio.core.data.stats import DataIssue
-
-    columns = config.data.columns
-    names = [columns.get(f, f) for f in (config.prompt.response_field, config.prompt.rejected_field)]
-    flat = flatten_table(dataset, config, template_fields_for(config)[0][0])
-    present = flat.column_names
-    values = [[str(v or "") for v in column_values(flat, n)] if n in present else [""] * len(flat) for n in names]
-    found = [DataIssue(i.kind, i.row, i.message) for i in lint_pairs(values[0], values[1], *names)]
-    kept = [i for i in issues if i.kind not in ("empty_output", "duplicate_prompt", "role_order")]
-    return sorted([*kept, *found], key=lambda issue: issue.row)
-
-
 # ----------------------------------------------------------------------------------------- diff
 
 _WORDS = re.compile(r"\S+|\s+")

@@ -164,7 +164,7 @@ def adapt_to_data(config: RunConfig, base_dir: str | Path | None = None) -> RunC
 
 def describe(shape: DataShape, config: RunConfig) -> str:
     """One phrase for ``studio config check``: the shape and how its rows render."""
-    from studio.core.data.split import template_fields_for
+    from studio.core.data.fields import template_fields_for
 
     adapted = shape.adapt(config)
     if shape.kind == TEXT:

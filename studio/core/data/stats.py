@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from studio.core import prompt as prompts
 from studio.core.data.browse import arrow_table, column_values, row_count
-from studio.core.data.split import as_text
+from studio.core.data.fields import as_text, template_fields_for
+from studio.core.data.pairs import flatten_table, lint_pairs
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -170,7 +171,7 @@ def lint_rows(
     """
     mapping = dict(columns or {})
     if not isinstance(source, list):
-        from studio.core.data.split import chat_column
+        from studio.core.data.fields import chat_column
 
         found = chat_column(source, mapping)
         if found is not None:
@@ -325,7 +326,6 @@ def template_column_issues(config: RunConfig, columns: Sequence[str], *, convers
       ``alpaca_no_input`` preset): the model never sees it. The split column and columns whose rows
       are all empty (``filled``: rows with text per column, when counted) are not flagged.
     """
-    from studio.core.data.split import template_fields_for
 
     prompt = config.prompt
     fields, _optional = template_fields_for(config)
@@ -358,3 +358,18 @@ def filled_counts(source: Any) -> dict[str, int]:
     text (for :func:`template_column_issues`)."""
     return {name: sum(1 for value in values if isinstance(value, str) and value.strip())
             for name, values in _columns_of(source, None).items()}
+
+
+def pair_lint(dataset: Any, config: RunConfig, issues: Sequence[Any]) -> list[Any]:
+    """The dataset pane's lint for a preference run: :func:`lint_pairs` on every row (chat-shaped
+    pairs flattened first) in place of the SFT lint's empty-answer and same-prompt findings (several
+    pairs for one prompt are normal preference data) and its turn-order findings (a pair's prompt
+    ends before the answer, with the user); the other findings (too long) are kept."""
+    columns = config.data.columns
+    names = [columns.get(f, f) for f in (config.prompt.response_field, config.prompt.rejected_field)]
+    flat = flatten_table(dataset, config, template_fields_for(config)[0][0])
+    present = flat.column_names
+    values = [[str(v or "") for v in column_values(flat, n)] if n in present else [""] * len(flat) for n in names]
+    found = [DataIssue(i.kind, i.row, i.message) for i in lint_pairs(values[0], values[1], *names)]
+    kept = [i for i in issues if i.kind not in ("empty_output", "duplicate_prompt", "role_order")]
+    return sorted([*kept, *found], key=lambda issue: issue.row)

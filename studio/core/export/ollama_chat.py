@@ -92,7 +92,7 @@ def chat_turns(chat_template: str, **chat_vars: Any) -> ChatTurns | None:
     the GGUF's ``add_bos_token``), or None when the template is not a plain per-message wrapper."""
     from jinja2 import TemplateError as JinjaError
 
-    from studio.core.prompt.chat import compile_chat_template
+    from studio.core.prompt.jinja import compile_chat_template
 
     template = compile_chat_template(chat_template)
     values = {"eos_token": "", **chat_vars, "bos_token": ""}

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from studio.core.data.split import as_text, field_columns, template_fields_for
+from studio.core.data.fields import as_text, field_columns, template_fields_for
 from studio.core.prompt import chat as chats
 
 if TYPE_CHECKING:

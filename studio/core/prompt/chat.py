@@ -28,10 +28,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
-from studio.core.prompt import IGNORE_INDEX, Encoded, Rendered, Span, TemplateError, token_boundary
+from studio.core.prompt.jinja import compile_chat_template
+from studio.core.prompt.rendered import Rendered, Span, TemplateError
 
 CHAT_FIELD = "messages"
 """The field a chat row carries its turns in (after reading either shape)."""
@@ -280,37 +280,6 @@ def conversation_issues(turns: Sequence[Turn]) -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------------ rendering
 
 
-def jinja_environment() -> Any:
-    """A Jinja environment like the one transformers renders chat templates in."""
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(f"the chat template refused the conversation: {message}")
-
-    def strftime_now(fmt: str) -> str:
-        import datetime
-
-        return datetime.datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
-    return env
-
-
-@lru_cache(maxsize=8)
-def compile_chat_template(chat_template: str) -> Any:
-    """The compiled Jinja template (cached: compiling costs far more than rendering)."""
-    from jinja2 import TemplateError as JinjaError
-
-    try:
-        return jinja_environment().from_string(chat_template)
-    except JinjaError as exc:
-        raise TemplateError(f"the tokenizer's chat template does not compile: {exc}") from None
-
-
 class ChatRenderer:
     """Renders conversations with one tokenizer's chat template. ``chat_vars`` (``bos_token``,
     ``eos_token``) are passed to the template, as transformers passes the special tokens."""
@@ -409,35 +378,3 @@ def _turn_length(upto: str, head: str, full: str, said: Sequence[str]) -> int:
     return 0
 
 
-def encode_turns(rendered: Rendered, tokenize: Callable[[str], Sequence[int]], max_len: int,
-                 bos_id: int | None = None) -> Encoded:
-    """Token ids and labels for a rendered conversation: loss on the loss spans only.
-
-    The whole text is tokenized once (the ids ``apply_chat_template`` gives); a span edge falls after
-    the tokens that the text before it, tokenized alone, shares with the whole. No EOS is appended
-    (the template's end of turn is part of each assistant span). Over ``max_len`` the tail is cut;
-    when that would leave no assistant token, the conversation is encoded as its last assistant turn
-    after a prompt that loses its start instead (see :func:`prompt.encode`).
-    """
-    from studio.core.prompt import encode
-
-    whole = list(tokenize(rendered.text))
-    # Each span edge's token index: the tokens the text before it shares with the whole text.
-    at = {0: 0, len(rendered.text): len(whole)}
-    for edge in sorted({e for span in rendered.loss_spans for e in span} - set(at)):
-        at[edge] = token_boundary(whole, tokenize(rendered.text[:edge]))
-    labels = [IGNORE_INDEX] * len(whole)
-    for start, end in rendered.loss_spans:
-        labels[at[start]:at[end]] = whole[at[start]:at[end]]
-    ids = ([bos_id] if bos_id is not None else []) + whole
-    labels = ([IGNORE_INDEX] if bos_id is not None else []) + labels
-    total = len(ids)
-    first_label = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), total)
-    if total > max_len and first_label >= max_len and rendered.loss_spans:
-        start, end = rendered.loss_spans[-1]
-        last = Rendered(rendered.text[:end], start)
-        cut = encode(last, tokenize, max_len, None, bos_id)
-        return Encoded(cut.input_ids, cut.labels, True, cut.prompt_tokens, total)
-    if total > max_len:
-        ids, labels = ids[:max_len], labels[:max_len]
-    return Encoded(ids, labels, total > max_len, min(first_label, len(ids)), total)

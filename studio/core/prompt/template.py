@@ -7,17 +7,20 @@ no-input wording on rows whose input is empty), ``alpaca_no_input``, ``chat`` (t
 chat template, rendered with Jinja into a ``{field}`` template once) and ``text`` (raw text: the
 response field alone, every token trained; studio/core/data/shapes.py sets the field to ``text``).
 
-Plain Python (plus jinja2 for chat templates): the UI imports this. A little past 400 lines, kept
-whole: parsing, rendering, encoding and lint are one concept (the template) and share the parser.
+Encoding the rendered text is studio/core/prompt/labels.py. Plain Python (plus jinja2 for chat
+templates): the UI imports this.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from studio.core.prompt.jinja import compile_chat_template
+from studio.core.prompt.rendered import Rendered, Span, TemplateError
 
 ALPACA = (
     "Below is an instruction that describes a task, paired with an input that provides further "
@@ -50,72 +53,6 @@ _TOKEN = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # field name, an opening brace never closed on its line, a closing brace that closes nothing.
 _BRACES = re.compile(r"\{\{|\}\}|\{[A-Za-z_][A-Za-z0-9_]*\}|(\{[^{}\n]*\})|(\{)|(\})")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-class TemplateError(ValueError):
-    """A template that cannot be used (an unknown preset, a chat template that fails to render)."""
-
-
-@dataclass(frozen=True)
-class Span:
-    """Where one field's text sits in the rendered text (character offsets, end exclusive)."""
-
-    field: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class Rendered:
-    """A row rendered through a template."""
-
-    text: str
-    """The full training text: prompt then response."""
-
-    response_start: int
-    """Character offset where the response begins; loss is computed from here to the end."""
-
-    spans: tuple[Span, ...] = ()
-    """Where each field's text landed, for colouring the preview."""
-
-    template: str = ""
-    """The literal template actually used (the no-input variant on rows without input); ``chat`` for
-    a conversation rendered by :class:`studio.core.prompt.chat.ChatRenderer`."""
-
-    loss_spans: tuple[tuple[int, int], ...] = ()
-    """A conversation's assistant turns (character offsets, end exclusive): loss is taken on these
-    only. Empty for a single-turn row, whose response runs from ``response_start`` to the end."""
-
-    @property
-    def prompt(self) -> str:
-        """The part the model is given."""
-        return self.text[: self.response_start]
-
-    @property
-    def response(self) -> str:
-        """The part the model learns to produce."""
-        return self.text[self.response_start:]
-
-
-IGNORE_INDEX = -100
-"""The label of a token that takes no loss (the prompt, padding): PyTorch's cross-entropy default,
-which transformers' models and Studio's fast path use too."""
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """Token ids and labels for one example; labels are :data:`IGNORE_INDEX` where no loss is taken."""
-
-    input_ids: list[int]
-    labels: list[int]
-    truncated: bool
-    """True when max_len cut tokens off (the response tail, or the prompt's start)."""
-
-    prompt_tokens: int
-    """How many leading tokens are prompt (labels :data:`IGNORE_INDEX`), BOS included."""
-
-    total_tokens: int = 0
-    """Tokens before truncation (prompt + response + EOS): what max_len is compared against."""
 
 
 @dataclass(frozen=True)
@@ -282,8 +219,6 @@ def without_input(template: str) -> str:
 def _render_chat(chat_template: str, user: str, response_field: str, chat_vars: dict[str, Any]) -> str:
     from jinja2 import TemplateError as JinjaError
 
-    from studio.core.prompt.chat import compile_chat_template
-
     # Sentinels that survive any template (no braces, no whitespace) are swapped for placeholders
     # after rendering, so braces that the chat template itself writes stay literal.
     names = ("instruction", "input", response_field)
@@ -347,96 +282,6 @@ def render(template: str, row: Mapping[str, Any], response_field: str = "output"
         spans.append(Span(response_field, length, length + len(answer)))
         parts.append(answer)
     return Rendered("".join(parts), response_start, tuple(spans), template)
-
-
-def encode(
-    rendered: Rendered,
-    tokenize: Callable[[str], Sequence[int]],
-    max_len: int,
-    eos_id: int | None,
-    bos_id: int | None = None,
-) -> Encoded:
-    """Token ids and labels for a rendered row, with loss on the response only.
-
-    The whole text is tokenized once, as ``apply_chat_template`` and inference tokenize it; the labels
-    start at the first token that the prompt tokenized alone does not share (where a token spans the
-    boundary, as ``\n\n`` before an answer can, it counts as response). ``bos_id`` (when given) starts
-    the prompt; ``eos_id`` (when given) ends the response (pass :func:`eos_to_append`'s answer).
-    ``tokenize`` must not add special tokens itself. A conversation (``rendered.loss_spans``) is encoded by
-    :func:`studio.core.prompt.chat.encode_turns`: loss on every assistant turn, no EOS added.
-
-    Truncation to ``max_len``: the response's tail goes first (and the EOS with it: a cut answer
-    should not teach the model to stop there). If the prompt alone leaves no room, the prompt loses
-    tokens from its start (BOS kept) so that the response keeps its first
-    ``min(len(response), max(1, max_len // 4))`` tokens: an example with no response tokens would
-    train nothing.
-    """
-    if max_len < 2:
-        raise ValueError("max_len must be at least 2")
-    if rendered.loss_spans:
-        from studio.core.prompt.chat import encode_turns
-
-        return encode_turns(rendered, tokenize, max_len, bos_id)
-    whole = list(tokenize(rendered.text))
-    cut = token_boundary(whole, tokenize(rendered.prompt))
-    prompt, response = whole[:cut], whole[cut:]
-    bos = [bos_id] if bos_id is not None else []
-    eos = [eos_id] if eos_id is not None else []
-    total = len(bos) + len(prompt) + len(response) + len(eos)
-    truncated = total > max_len
-    if truncated:
-        if len(bos) + len(prompt) < max_len:
-            response = response[: max_len - len(bos) - len(prompt)]
-        else:
-            keep = min(len(response), max(1, max_len // 4))
-            response = response[:keep]
-            room = max_len - len(bos) - keep
-            prompt = prompt[len(prompt) - room:] if room > 0 else []
-        eos = []
-    prompt_ids = bos + prompt
-    answer = response + eos
-    return Encoded(
-        input_ids=prompt_ids + answer,
-        labels=[IGNORE_INDEX] * len(prompt_ids) + answer,
-        truncated=truncated,
-        prompt_tokens=len(prompt_ids),
-        total_tokens=total,
-    )
-
-
-def token_boundary(whole: Sequence[int], head: Sequence[int]) -> int:
-    """How many leading tokens of ``whole`` (a text's tokens) belong to ``head`` (its start's tokens
-    alone): their common prefix."""
-    n = 0
-    for a, b in zip(whole, head, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
-def eos_to_append(rendered: Rendered, eos_id: int | None, eos_token: str | None, add_eos: bool = True
-                  ) -> int | None:
-    """The EOS id :func:`encode` should append to ``rendered``'s response, or None.
-
-    None when ``prompt.add_eos`` is off, for a conversation (the chat template ends each assistant
-    turn itself), and when the response already holds the EOS token's text: a chat template's
-    end of turn (``<|im_end|>``) is the EOS of an instruct model, and a second one would teach the
-    model to emit it twice (what ``apply_chat_template`` renders has one).
-    """
-    if not add_eos or eos_id is None or rendered.loss_spans:
-        return None
-    if eos_token and eos_token in rendered.response:
-        return None
-    return eos_id
-
-
-def bos_to_prepend(text: str, bos_id: int | None, bos_token: str | None) -> int | None:
-    """``bos_id``, unless ``text`` starts with the BOS token's text already (a chat template that
-    writes ``{{ bos_token }}``, as Llama 3's does): one BOS, as ``apply_chat_template`` makes."""
-    if bos_id is None or (bos_token and text.startswith(bos_token)):
-        return None
-    return bos_id
 
 
 # ---------------------------------------------------------------------------------------- lint

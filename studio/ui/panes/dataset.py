@@ -7,7 +7,7 @@ config's ``data.path`` and the column mapping its ``data.columns``.
 
 Longer than ~400 lines on purpose: what is here is the wiring of one cursor and one page between the
 table, the filter and the side views (row, statistics, lint, column mapping); the work itself already
-lives elsewhere (core/data*.py, widgets/page_table.py, column_stats.py, column_map.py).
+lives elsewhere (core/data/, widgets/page_table.py, column_stats.py, column_map.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from textual.widgets.option_list import Option
 from studio.core import data as datalib
 from studio.core import prompt as prompts
 from studio.core.data import shapes
-from studio.core.data.pairs import is_preference, pair_lint
+from studio.core.data.pairs import is_preference
+from studio.core.data.stats import pair_lint
 from studio.core.grpo.rows import grpo_lint, is_grpo
 from studio.core.prompt import chat
 from studio.core.runs.cells import cell
