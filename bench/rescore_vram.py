@@ -5,7 +5,7 @@ each case's Plan and ModelInfo exactly as that benchmark does (``Case.plan()`` a
 config) and calls the same ``estimate_plan``. The estimator models today's engine only: a file
 measured on an older engine (its ``code`` or command says which) scores as history, and the HF loop's
 rows (transformers' own loss) as if Studio's Trainer computed the loss. The estimator's accuracy on
-today's engine is bench/vram_measure.py's file, which tests/test_vram_measured.py checks.
+today's engine is bench/vram_measure.py's file, which tests/core/test_vram_measured.py checks.
 
     PYTHONPATH=. python bench/rescore_vram.py --results bench/results/current/vram_accuracy_h100_v3.json \\
         --out /tmp/rescored.json
