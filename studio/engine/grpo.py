@@ -39,7 +39,7 @@ import torch
 from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.grpo import rewards as rw
-from studio.core.grpo import rows as grpo_data
+from studio.core.grpo import rows as grpo_rows
 from studio.engine.grpo_prompts import PromptBatch, PromptExample, encode_prompts
 from studio.engine.sampler import GroupSampler, Sampled, step_seed
 from studio.engine.token_logps import token_logps
@@ -176,10 +176,10 @@ class GrpoObjective:
         scores: list[rw.GroupScores] = []
         for i, example in enumerate(examples):
             group = texts[i * g:(i + 1) * g]
-            conversational = grpo_data.conversation(example.row) is not None
+            conversational = grpo_rows.conversation(example.row) is not None
             completions: list[Any] = [[{"role": "assistant", "content": t}] for t in group] if conversational \
                 else group
-            result = rw.score_group(self.rewards, example.prompt, completions, grpo_data.reward_columns(example.row),
+            result = rw.score_group(self.rewards, example.prompt, completions, grpo_rows.reward_columns(example.row),
                                     [sampled.row(r) for r in range(i * g, (i + 1) * g)], shown_prompt=example.text)
             totals.extend(result.totals)
             scores.append(result)
@@ -326,10 +326,10 @@ class GrpoObjective:
         """Each prompt's one answer scored by every reward (a group of one)."""
         results = []
         for example, text in zip(examples, texts, strict=True):
-            conversational = grpo_data.conversation(example.row) is not None
+            conversational = grpo_rows.conversation(example.row) is not None
             completion: Any = [{"role": "assistant", "content": text}] if conversational else text
             results.append(rw.score_group(self.rewards, example.prompt, [completion],
-                                          grpo_data.reward_columns(example.row), shown_prompt=example.text))
+                                          grpo_rows.reward_columns(example.row), shown_prompt=example.text))
         return results
 
     def encode(self, rows: Sequence[dict[str, Any]]) -> list[PromptExample]:

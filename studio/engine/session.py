@@ -207,15 +207,15 @@ class Session:
     def _encode_grpo(self, splits: Any, template: str) -> TrainingData:
         """A GRPO run's prompts (studio/engine/grpo.py), and its objective."""
         from studio.core import prompt
-        from studio.core.grpo import rows as grpo_data
+        from studio.core.grpo import rows as grpo_rows
         from studio.engine.grpo import GrpoObjective
 
         field = self.config.prompt.response_field
 
         def render(row: dict) -> str:
-            if grpo_data.conversation(row) is not None:
+            if grpo_rows.conversation(row) is not None:
                 return self.render_prompt(row)  # the chat template and its generation prompt
-            fields = grpo_data.template_row(row, self.config)
+            fields = grpo_rows.template_row(row, self.config)
             return prompt.render(template, {**fields, field: ""}, field).prompt
 
         self.grpo = GrpoObjective(self.config, self.model, self.tokenizer, self.device, self.base.compute_dtype,
@@ -226,7 +226,7 @@ class Session:
         return TrainingData(train=train, validation=self.grpo.encode(validation_rows),
                             test_rows=list(splits.test), validation_rows=validation_rows, template=template,
                             truncated=sum(1 for e in train if e.truncated),
-                            chat=any(grpo_data.conversation(row) is not None for row in splits.train[:1]))
+                            chat=any(grpo_rows.conversation(row) is not None for row in splits.train[:1]))
 
     def _encode_data(self, splits: Any) -> TrainingData:
         """The splits as training examples (core/data/encoding.py's RowEncoder with this tokenizer); a

@@ -40,7 +40,7 @@ _STATS = ("LengthStats", "length_stats", "ColumnStats", "column_stats", "DataIss
 def __getattr__(name: str) -> Any:
     """Statistics and lint live in :mod:`studio.core.data.stats`; they are importable from here too."""
     if name in _STATS:
-        from studio.core.data import stats as datastats
+        from studio.core.data import stats
 
-        return getattr(datastats, name)
+        return getattr(stats, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

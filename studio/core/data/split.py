@@ -81,9 +81,9 @@ def load_splits(config: RunConfig, base_dir: str | Path | None = None,
         raise DataError(f"{source}: column '{chat[0]}' holds conversations ({chat[1]} shape); they are "
                         "rendered with the model's chat template: set prompt.template: chat")
     if config.trainer.method == "grpo":
-        from studio.core.grpo import rows as grpo_data
+        from studio.core.grpo import rows as grpo_rows
 
-        table_rows = grpo_data.table_rows(dataset, config, source, chat)
+        table_rows = grpo_rows.table_rows(dataset, config, source, chat)
     elif shape.kind == shapes.CHAT_PAIRS:
         table_rows = conversation_pairs(dataset, config, source)
     elif chat is not None:

@@ -339,21 +339,21 @@ def check_on_row(config: RunConfig, row: Mapping[str, Any], base_dir: str | Path
     model loads (``studio config check``, and a worker before it loads the model). Raises
     :class:`RewardError` or :class:`RewardFailed` with the line to show; returns the rewards."""
     from studio.core import prompt as prompts
-    from studio.core.grpo import rows as grpo_data
+    from studio.core.grpo import rows as grpo_rows
 
     rewards = load_rewards(config, base_dir)
-    columns = grpo_data.reward_columns(row)
+    columns = grpo_rows.reward_columns(row)
     needed_columns(rewards, list(columns), str(config.data.path or "the data"))
     names = [config.prompt.response_field, *(spec.column for spec in config.grpo.rewards if spec.column)]
     answer = next((str(columns[name]) for name in names if columns.get(name) is not None), "")
     texts = ["", answer]
-    messages = grpo_data.conversation(row)
+    messages = grpo_rows.conversation(row)
     if messages is not None:
         prompt: Any = messages
         shown = str(messages[-1].get("content", "")) if messages else ""
         completions: list[Any] = [[{"role": "assistant", "content": text}] for text in texts]
     else:
-        fields = grpo_data.template_row(row, config)
+        fields = grpo_rows.template_row(row, config)
         template = config.prompt.template
         shown = ("\n\n".join(v for v in fields.values() if v) if template == "chat"  # needs the tokenizer
                  else prompts.render(template, fields, config.prompt.response_field).prompt)
