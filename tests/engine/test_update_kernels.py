@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from tests.test_fast_path import _examples, _grads, _peft_model  # noqa: E402
+from test_fast_path import _examples, _grads, _peft_model  # noqa: E402
 
 from studio.core.config import FastPathConfig  # noqa: E402
 from studio.engine import fast  # noqa: E402

@@ -265,7 +265,7 @@ def test_phi3_all_linear_is_estimated_with_its_fused_module_names(tmp_path, caps
     qkv_proj / gate_up_proj through ModelInfo.lora_targets, the function the VRAM pane uses too."""
     from argparse import Namespace
 
-    from tests.test_model_families import CONFIGS
+    from helpers.model_configs import CONFIGS
 
     from studio.cli.estimate import main
     from studio.core.config import parse_config
