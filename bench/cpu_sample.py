@@ -1,6 +1,6 @@
 """The bundled sample config on a CPU: how long `studio` takes to fine-tune it, and what it gains.
 
-Runs the config exactly as bare `studio` opens it (studio/ui/cli_app.initial_config: the bundled
+Runs the config exactly as bare `studio` opens it (studio/cli/app.initial_config: the bundled
 sample_data/sample_config.yaml, its data path made absolute) through `studio train` with CUDA hidden,
 then `studio eval` on held-out rows (base vs fine-tuned answers, greedy). Writes one JSON with the
 command, the machine (CPU model, cores usable, load average before / during / after: this machine
@@ -155,8 +155,8 @@ def main() -> int:
     if args.held_out_only:
         return held_out_only(Path(args.held_out_only), args)
 
+    from studio.cli.app import initial_config
     from studio.core.events import EvalLogged, TrainingFinished, from_json
-    from studio.ui.cli_app import initial_config
 
     config, _ = initial_config(None, None)
     work = Path(tempfile.mkdtemp(prefix="studio-cpu-sample-"))

@@ -48,12 +48,12 @@ def run(case: str) -> str:
     if case == "kernel_cold_shape":  # a size not seen before (Triton specializes on n % 16)
         y = torch.randn(4097, 511, device="cuda", dtype=torch.bfloat16)
         return _capture(lambda: module.dropout(y, 0.1, seed, 7))
-    if case.startswith("test_sequence"):  # tests/test_fast_dropout.py's CUDA test, step by step
+    if case.startswith("test_sequence"):  # tests/engine/test_fast_dropout.py's CUDA test, step by step
         return _sequence(float(case.split("_")[2]), eager_first=not case.endswith("graphs_only"),
                          offload=not case.endswith("no_offload"), collect=case.endswith("collect"),
                          release=case.endswith("released"))
     if case == "model_graphs":
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
         from test_fast_dropout import _batch, _model  # noqa: PLC0415
 
         from studio.engine import fast
@@ -75,7 +75,7 @@ def _sequence(rate: float, eager_first: bool, offload: bool = True, collect: boo
               release: bool = False) -> str:
     """The eager steps, then the graphed ones, on one model; the last loss stays alive from one
     micro-batch to the next (as a loop variable does) unless ``release``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
     from test_fast_dropout import _batch, _model  # noqa: PLC0415
 
     from studio.core.config import FastPathConfig

@@ -18,7 +18,7 @@ VARIANTS = ("sink", "sink_no_offload", "sink_mid_window")
 
 
 def run(variant: str) -> str:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "engine"))
     from test_fast_dropout import _batch, _model  # noqa: PLC0415
 
     from studio.core.config import FastPathConfig

@@ -3,7 +3,7 @@ recorded batches, once per variant, each against a baseline's losses already mea
 
 The HF + PEFT loop's losses on bench/speed.py's recorded batches are reproducible between machines
 (to about 2e-4 relative), so they are read from a committed speed.py result instead of re-run.
-A variant is either some ``trainer.fast_path`` settings switched (``name=JSON``, core/config.py's
+A variant is either some ``trainer.fast_path`` settings switched (``name=JSON``, core/config/sections.py's
 FastPathConfig) or another checkout of the code (``name=@folder``: that folder's studio/ and bench/
 run instead of these; the way to compare with an order of the engine that is gone):
 

@@ -5,7 +5,7 @@ each case's Plan and ModelInfo exactly as that benchmark does (``Case.plan()`` a
 config) and calls the same ``estimate_plan``. The estimator models today's engine only: a file
 measured on an older engine (its ``code`` or command says which) scores as history, and the HF loop's
 rows (transformers' own loss) as if Studio's Trainer computed the loss. The estimator's accuracy on
-today's engine is bench/vram_measure.py's file, which tests/test_vram_measured.py checks.
+today's engine is bench/vram_measure.py's file, which tests/core/test_vram_measured.py checks.
 
     PYTHONPATH=. python bench/rescore_vram.py --results bench/results/current/vram_accuracy_h100_v3.json \\
         --out /tmp/rescored.json
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.vram_accuracy import ARCHS, Case, _rel, predicted_peaks, summarize  # noqa: E402
 from studio.core.memory import estimate_plan  # noqa: E402
-from studio.core.model_info import from_config_dict  # noqa: E402
+from studio.core.model.info import from_config_dict  # noqa: E402
 
 GB = 1e9
 

@@ -95,7 +95,7 @@ LEVERS = {
     "no_kernels": {"kernels": False},
     "no_offload": {"host_offload": False},
 }
-"""Each lever: ``trainer.fast_path`` settings (core/config.py's FastPathConfig) switched from their
+"""Each lever: ``trainer.fast_path`` settings (core/config/sections.py's FastPathConfig) switched from their
 defaults. The comparisons with earlier orders of the engine (the levers that turned one change off
 at a time) went with those orders in issue 38; their results are in bench/results and NOTES.md."""
 
@@ -629,7 +629,7 @@ def main() -> int:
     parser.add_argument("--gaps", default="", help="micro-batches: the Trainer against the loop (gaps_driver)")
     parser.add_argument("--code", default="", help="what code ran (the device's git metadata is stale)")
     parser.add_argument("--fast-options", default="",
-                        help="trainer worker: trainer.fast_path settings as JSON (core/config.py's FastPathConfig)")
+                        help="trainer worker: trainer.fast_path settings as JSON (core/config/sections.py's FastPathConfig)")
     args = parser.parse_args()
     if args.gaps and not args.worker:
         return gaps_driver(args)

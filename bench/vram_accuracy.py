@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.engines import GENERATE_NEW_TOKENS  # noqa: E402
 from studio.core.memory import ALL_LINEAR, Plan, estimate_plan  # noqa: E402
-from studio.core.model_info import load_model_info  # noqa: E402
+from studio.core.model.info import load_model_info  # noqa: E402
 from studio.core.plan import PathFacts, choose_path  # noqa: E402
 
 ARCHS = {
@@ -147,7 +147,7 @@ def short_lengths(seq: int) -> tuple[int, ...]:
     from studio.core.config import RunConfig
     from studio.core.memory.lengths import row_lengths
     from studio.core.paths import cache_dir
-    from studio.core.tokens import TokenizerNotFound, load_tokenizer_info
+    from studio.core.prompt.tokens import TokenizerNotFound, load_tokenizer_info
 
     try:
         tok = load_tokenizer_info(cache_dir() / "tiny-llama")
@@ -517,7 +517,7 @@ def speed_grid(micro_batches: tuple[int, ...] = (1, 4, 16),
 def _predict_only(args, cases: list[Case]) -> int:
     """The estimator's peaks for each Trainer row over every phase a Trainer row measures (steps,
     final evaluation, adapter save, one chat answer), from the architectures' configs alone."""
-    from studio.core.model_info import from_config_dict
+    from studio.core.model.info import from_config_dict
 
     rows = []
     for case in cases:

@@ -9,7 +9,7 @@ fresh process, ``--parallel`` at a time (the peaks are per process). Each row ke
 it trained with, the path the engine took, the peaks of the training steps, of the whole run and
 of the chat answer, where the answer's KV cache lived and the longest examples; the file keeps the
 command, the commit (the engine version every row was measured on), the GPU and the versions.
-tests/test_vram_measured.py checks the estimate (``studio estimate`` of each row's config) against it.
+tests/core/test_vram_measured.py checks the estimate (``studio estimate`` of each row's config) against it.
 
     # the GPU box, from the repository root (wheels as docs/testing.md says): 7-8 minutes on an H100 (not timed
     # yet: the earlier Trainer grids took about 17 s a row three at a time, plus the models' builds)
@@ -165,14 +165,14 @@ def _engine_environment(alloc_conf: str | None):
 
 
 def predict(row: dict, models: dict, alloc_conf: str | None = None) -> dict:
-    """What ``studio estimate`` says of a row's run config (the same call tests/test_vram_measured.py
+    """What ``studio estimate`` says of a row's run config (the same call tests/core/test_vram_measured.py
     makes): the path, the peaks over every phase of the run, the phase that sets them, and where the
     chat answer's KV cache goes for the prompt the row measured (the session's own question)."""
     import yaml
 
     from studio.core.config import parse_config
     from studio.core.memory import estimate, estimate_plan
-    from studio.core.model_info import from_config_dict
+    from studio.core.model.info import from_config_dict
 
     config = parse_config(yaml.safe_dump(row["config"]))
     info = from_config_dict(dict(models[row["model"]]), row["model"])
@@ -310,7 +310,7 @@ def measure(args: argparse.Namespace) -> int:
         env["CUDA_VISIBLE_DEVICES"] = ""
     result = {"what": "peaks of Studio's Trainer on today's engine, one fresh process a row: the training steps, "
                       "the whole run (final evaluation, adapter save) and one chat answer of a prompt as long as a "
-                      "training row; tests/test_vram_measured.py checks the estimate against them",
+                      "training row; tests/core/test_vram_measured.py checks the estimate against them",
               "engine": commit[:12], "commit": commit,
               "command": " ".join(["python3", "bench/vram_measure.py", *sys.argv[1:]]),
               "gpu": _gpu_name(), "versions": _versions(), "cpu_only": args.cpu,

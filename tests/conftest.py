@@ -6,23 +6,19 @@ cache; set ``STUDIO_TEST_CACHE=DIR`` to keep the built tiny model between sessio
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import REPO
+from helpers.engine import tiny_run_config
 
 from studio.core.config import RunConfig
-from studio.engine.tiny import TINY_TEMPLATE
-
-REPO = Path(__file__).resolve().parents[1]
-
-
 
 # Folders this process made for itself, removed when it ends (a cache holds a converted 0.5 GB
 # model; left behind, every run of the suite would cost the disk that much again).
@@ -97,7 +93,7 @@ def reverse_data(tmp_path_factory: pytest.TempPathFactory, reverse_rows: list[di
 def make_tiny_config(tiny_model: Path, reverse_data: Path) -> Callable[[Path], RunConfig]:
     """``make(out_dir)``: a fresh :func:`tiny_config`-style config whose runs go under ``out_dir``
     (for module-scoped fixtures, which cannot use ``tmp_path``)."""
-    return lambda out_dir: _tiny_config(tiny_model, reverse_data, out_dir)
+    return lambda out_dir: tiny_run_config(tiny_model, reverse_data, out_dir)
 
 
 @pytest.fixture
@@ -107,34 +103,7 @@ def tiny_config(tiny_model: Path, reverse_data: Path, tmp_path: Path) -> RunConf
     No quantization (fp32), LoRA r16 on every linear layer, lr 6e-3, 20 steps of 8 rows, evaluation
     and a checkpoint every 10 steps, runs under ``tmp_path/runs``. Tests change what they need.
     """
-    return _tiny_config(tiny_model, reverse_data, tmp_path / "runs")
-
-
-def _tiny_config(tiny_model: Path, reverse_data: Path, out_dir: Path) -> RunConfig:
-    config = RunConfig()
-    config.model.base_model = str(tiny_model)
-    config.quantization.bits = None
-    config.lora.r, config.lora.alpha, config.lora.dropout = 16, 32, 0.0
-    # q_proj/v_proj alone barely move this 2-layer model in 300 steps; every linear layer does.
-    config.lora.target_modules = "all-linear"
-    config.prompt.template = TINY_TEMPLATE  # what the tiny model was pre-trained with
-    config.data.path = str(reverse_data)
-    config.data.max_seq_length = 64
-    t = config.trainer
-    t.learning_rate = 6e-3
-    t.max_steps = 20
-    t.micro_batch_size = 8
-    t.effective_batch_size = 8
-    t.warmup_fraction = 0.05
-    t.gradient_checkpointing = False
-    t.packing = False
-    t.eval_interval = 10
-    t.eval_max_rows = 40
-    t.checkpoint_interval = 10
-    t.log_interval = 1
-    config.generation.max_new_tokens = 16
-    config.output_dir = str(out_dir)
-    return config
+    return tiny_run_config(tiny_model, reverse_data, tmp_path / "runs")
 
 
 @pytest.fixture(scope="session")
@@ -150,14 +119,6 @@ def studio_env() -> dict[str, str]:
 def python() -> str:
     """The interpreter running the tests (for subprocesses)."""
     return sys.executable
-
-
-@contextlib.contextmanager
-def engine_on_cpu() -> Iterator[None]:
-    """:func:`on_cpu` for a block of code (module-scoped fixtures train before any function fixture)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("STUDIO_DEVICE", "cpu")
-        yield
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ def letters_right(completions: list[str], word: list[str], **kwargs) -> list[flo
     """The fraction of the word's letters the completion has in their place (dashes between them):
     partial credit, so that a group whose completions are all wrong still ranks them."""
     scores = []
-    for completion, answer in zip(completions, word):
+    for completion, answer in zip(completions, word, strict=True):
         got, want = completion.strip().split("-"), answer.split("-")
-        right = sum(1 for a, b in zip(got, want) if a == b)
+        right = sum(1 for a, b in zip(got, want, strict=False) if a == b)
         scores.append(right / max(len(got), len(want)))
     return scores

@@ -273,7 +273,7 @@ class BatchSizeReduced(Event):
 @dataclass(frozen=True)
 class AutoPlanChosen(Event):
     """``trainer.micro_batch_size`` / ``gradient_checkpointing: auto`` resolved on a CUDA card at
-    the start of a run (core/autoplan.py): the plan chosen and the faster ones rejected, with why."""
+    the start of a run (core/memory/autoplan.py): the plan chosen and the faster ones rejected, with why."""
 
     micro_batch_size: int = 0
     gradient_accumulation_steps: int = 0
@@ -396,7 +396,7 @@ class ExportFinished(Event):
 @dataclass(frozen=True)
 class HeldOutRowScored(Event):
     """One held-out row of a :class:`ScoreHeldOut` request, answered greedily by the base model
-    and (``tuned`` not None) the fine-tune, each scored against ``target`` (studio/core/scoring.py)."""
+    and (``tuned`` not None) the fine-tune, each scored against ``target`` (studio/core/runs/scoring.py)."""
 
     request_id: str = ""
     index: int = 0

@@ -32,7 +32,7 @@ FAST_FAMILIES = True
 """Whether the fast path (studio/engine/fast) runs every family core/decoder/ describes (Qwen2/3,
 Gemma 1-3, Phi-3, OLMo 2, SmolLM3, Granite, Mistral with a sliding window) or, False, Llama-shaped
 decoders only (Llama 2/3 with any RoPE scaling, Mistral without a window, SmolLM2...). True: the
-engine's layers run every feature of core/decoder/features.py (tests/test_fast_families.py)."""
+engine's layers run every feature of core/decoder/features.py (tests/engine/test_fast_families.py)."""
 
 FAST_DECODER_FEATURES: frozenset[str] = DECODER_FEATURES if FAST_FAMILIES else frozenset()
 """What the fast path runs beyond a Llama layer, by the names of core/decoder/features.py."""

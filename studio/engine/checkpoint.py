@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from studio.core.runs import RunDir
-from studio.core.storage import replace_folder, sync_tree
+from studio.core.runs.storage import replace_folder, sync_tree
 
 STATE_FILE = "trainer_state.json"
 

@@ -5,7 +5,7 @@ both ``studio eval`` and the chat pane's Held-out table send that command. The r
 split, or the validation split when the data has no test split (the report says which). Answers are
 greedy, from the worker's one copy of the weights (the base through peft's ``disable_adapter()``),
 prompts rendered with the run's own template; scores are exact match and difflib similarity
-(studio/core/scoring.py). A conversation is judged on its last assistant turn, with every turn
+(studio/core/runs/scoring.py). A conversation is judged on its last assistant turn, with every turn
 before it as the prompt. Results go to ``RUN_DIR/eval.json`` (totals and every row) and
 ``RUN_DIR/eval.csv`` (one line a row).
 
@@ -21,11 +21,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from studio.core import chat
 from studio.core import events as ev
 from studio.core.config import RunConfig
+from studio.core.prompt import chat
 from studio.core.runs import RunDir
-from studio.core.scoring import Score, score, totals
+from studio.core.runs.scoring import Score, score, totals
 
 EVAL_FILE = "eval.json"
 EVAL_CSV = "eval.csv"
@@ -42,7 +42,7 @@ Rewards = Callable[[dict, str], tuple[dict[str, float | None], float]]
 
 def held_out_rows(config: RunConfig) -> tuple[str, list[dict], RunConfig, str]:
     """The test split, or the validation split when there is no test split: (name, rows, the
-    config adapted to the data's shape, the shape's kind; see studio/core/shapes.py)."""
+    config adapted to the data's shape, the shape's kind; see studio/core/data/shapes.py)."""
     from studio.core.data import load_splits
 
     splits = load_splits(config)

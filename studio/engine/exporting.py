@@ -81,7 +81,7 @@ def export_adapter_folder(run: RunDir, dest: Path, progress: Callable[[str, floa
     template and config; returns a note on how the loss chart was drawn."""
     from transformers import AutoTokenizer
 
-    from studio.core.model_card import model_card
+    from studio.core.export.model_card import model_card
     from studio.core.runs import copy_adapter
 
     config = run.config()
@@ -151,8 +151,8 @@ def export_merged_folder(run: RunDir, dest: Path, dtype: str, progress: Callable
 def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, float], None]) -> str:
     """The merged model as GGUF, the LoRA-only GGUF adapter and an Ollama Modelfile in ``dest``;
     returns the names of the GGUF files written."""
-    from studio.core.modelfile import modelfile
-    from studio.core.tokens import load_tokenizer_info
+    from studio.core.export.modelfile import modelfile
+    from studio.core.prompt.tokens import load_tokenizer_info
     from studio.engine.merge import check_causal_lm
 
     if quant not in QUANTS:

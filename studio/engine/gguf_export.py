@@ -168,7 +168,7 @@ def _add_tokenizer(writer: Any, model_dir: Path, n_vocab: int) -> int:
     special = g.SpecialVocab(model_dir, load_merges=vocab.needs_merges, n_vocab=len(vocab.tokens))
     if "bos" not in special.add_special_token:
         # Not in tokenizer_config.json: say what the tokenizer does, so readers add BOS exactly as training did.
-        from studio.core.tokens import load_tokenizer_info
+        from studio.core.prompt.tokens import load_tokenizer_info
 
         special.add_special_token["bos"] = load_tokenizer_info(model_dir).add_bos
     special.add_to_gguf(writer, quiet=True)

@@ -7,7 +7,7 @@ in for the cross-entropy. For a micro-batch it
 
 1. samples ``num_generations`` completions of every prompt with the policy (the model with its
    LoRA, eval mode, no gradients), all rows at once with a KV cache (engine/sampler.py);
-2. scores them with every reward (studio/core/rewards.py), one group at a time;
+2. scores them with every reward (studio/core/grpo/rewards.py), one group at a time;
 3. turns each completion's total into its advantage within its group,
    ``A = (r - mean(group)) / (std(group) + 1e-4)``;
 4. runs the scored pass: prompt + completion through the policy (training mode), each completion
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from studio.core import events as ev
-from studio.core import grpo_data
-from studio.core import rewards as rw
 from studio.core.config import RunConfig
+from studio.core.grpo import rewards as rw
+from studio.core.grpo import rows as grpo_rows
 from studio.engine.grpo_prompts import PromptBatch, PromptExample, encode_prompts
 from studio.engine.sampler import GroupSampler, Sampled, step_seed
 from studio.engine.token_logps import token_logps
@@ -169,17 +169,17 @@ class GrpoObjective:
 
     def _score(self, examples: Sequence[PromptExample], sampled: Sampled, texts: list[str]
                ) -> tuple[list[float], list[rw.GroupScores]]:
-        """Every group's rewards (studio/core/rewards.py): each completion's total, and per group
+        """Every group's rewards (studio/core/grpo/rewards.py): each completion's total, and per group
         each reward's values."""
         g = len(sampled.lengths) // max(1, len(examples))
         totals: list[float] = []
         scores: list[rw.GroupScores] = []
         for i, example in enumerate(examples):
             group = texts[i * g:(i + 1) * g]
-            conversational = grpo_data.conversation(example.row) is not None
+            conversational = grpo_rows.conversation(example.row) is not None
             completions: list[Any] = [[{"role": "assistant", "content": t}] for t in group] if conversational \
                 else group
-            result = rw.score_group(self.rewards, example.prompt, completions, grpo_data.reward_columns(example.row),
+            result = rw.score_group(self.rewards, example.prompt, completions, grpo_rows.reward_columns(example.row),
                                     [sampled.row(r) for r in range(i * g, (i + 1) * g)], shown_prompt=example.text)
             totals.extend(result.totals)
             scores.append(result)
@@ -326,10 +326,10 @@ class GrpoObjective:
         """Each prompt's one answer scored by every reward (a group of one)."""
         results = []
         for example, text in zip(examples, texts, strict=True):
-            conversational = grpo_data.conversation(example.row) is not None
+            conversational = grpo_rows.conversation(example.row) is not None
             completion: Any = [{"role": "assistant", "content": text}] if conversational else text
             results.append(rw.score_group(self.rewards, example.prompt, [completion],
-                                          grpo_data.reward_columns(example.row), shown_prompt=example.text))
+                                          grpo_rows.reward_columns(example.row), shown_prompt=example.text))
         return results
 
     def encode(self, rows: Sequence[dict[str, Any]]) -> list[PromptExample]:

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from studio.core import grpo_data
 from studio.core.config import RunConfig
+from studio.core.grpo import rows as grpo_rows
 from studio.engine.batching import Cursor, DataStream
 
 
@@ -84,7 +84,7 @@ def encode_prompts(rows: Sequence[dict[str, Any]], config: RunConfig, tokenizer:
     room = max(1, config.data.max_seq_length - config.grpo.max_completion_length)
     out = []
     for row in rows:
-        messages = grpo_data.conversation(row)
+        messages = grpo_rows.conversation(row)
         text = render(row)
         ids = tokenizer.encode(text, add_special_tokens=False)
         first = bos_to_prepend(text, bos, tokenizer.bos_token)

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from studio.core.config import ConfigError, RunConfig
-from studio.core.model_ref import local_problem
-from studio.core.storage import replace_folder, sync_tree
+from studio.core.model.ref import local_problem
+from studio.core.runs.storage import replace_folder, sync_tree
 
 Progress = Callable[[str, float], None]
 """progress(stage, fraction 0..1): what the loader is doing."""

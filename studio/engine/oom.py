@@ -50,7 +50,7 @@ def estimate_for(config: RunConfig, micro_batch: int, device: torch.device | Non
     halving's event to say how wrong the estimate was. (0, 0) off CUDA or when the model's shape is
     unknown: a missing number, never a wrong one."""
     from studio.core.memory import estimate
-    from studio.core.model_info import ModelInfoError, load_model_info
+    from studio.core.model.info import ModelInfoError, load_model_info
 
     if device is None or device.type != "cuda":
         return 0, 0

@@ -1,4 +1,4 @@
-"""``auto`` resolved at the start of a run: the card's memory now, core/autoplan.py's choice.
+"""``auto`` resolved at the start of a run: the card's memory now, core/memory/autoplan.py's choice.
 
 On a CUDA card the plan is made against what is free on the card (plus this process's own CUDA
 context, which the estimate counts and the driver already subtracted), announced as an
@@ -13,12 +13,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from studio.core import autoplan
 from studio.core import events as ev
 from studio.core.config import RunConfig
-from studio.core.memory import CUDA_CONTEXT_BYTES
+from studio.core.memory import CUDA_CONTEXT_BYTES, autoplan
 from studio.core.memory.lengths import data_lengths
-from studio.core.model_info import ModelInfoError, load_model_info
+from studio.core.model.info import ModelInfoError, load_model_info
 from studio.core.runs import RunDir
 
 

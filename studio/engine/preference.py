@@ -1,6 +1,6 @@
 """Preference training (DPO, ORPO): pairs of answers, their log-probs, the losses and the metrics.
 
-A pair is one prompt rendered twice (studio/core/encoding.py): with the chosen answer as the
+A pair is one prompt rendered twice (studio/core/data/encoding.py): with the chosen answer as the
 response and with the rejected one, through the run's template or, for TRL's conversational pairs,
 the chat template. A micro-batch of ``n`` pairs is ``2n`` padded rows, the chosen
 answers first; its ``label_tokens`` is ``n``, so the Trainer's step loss (summed over micro-batches,

@@ -8,10 +8,8 @@ it is converted once into an ordinary safetensors folder in Studio's cache.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -135,22 +133,3 @@ def pull(ref: str, say: Say) -> Path:
                                "check the name and the network, or give a local folder") from None
         say(f"hub unavailable ({type(exc).__name__}); using the copy shipped in {GGUF_PACKAGE}")
     return convert_gguf(progress=say)
-
-
-def main(args: argparse.Namespace) -> int:
-    """``studio pull [MODEL] [--tiny]``: fetch (or build) a model into the local cache."""
-    def say(msg: str) -> None:
-        print(msg, flush=True)
-
-    try:
-        if getattr(args, "tiny", False):
-            from studio.engine.tiny import build_tiny_model
-
-            path = build_tiny_model(progress=say)
-        else:
-            path = pull(getattr(args, "model", None) or DEFAULT_MODEL, say)
-    except (RuntimeError, FileNotFoundError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(path)
-    return 0

@@ -31,9 +31,9 @@ import torch
 
 from studio.core import events as ev
 from studio.core.config import ConfigError, RunConfig
-from studio.core.grpo_data import is_grpo
+from studio.core.data.pairs import is_preference
+from studio.core.grpo.rows import is_grpo
 from studio.core.plan import choose_path
-from studio.core.preference import is_preference
 from studio.core.runs import RunDir
 from studio.engine import checkpoint, oom, planning
 from studio.engine import distributed as dist
@@ -50,17 +50,12 @@ from studio.engine.model import (
     prepare_full_finetune,
 )
 from studio.engine.preference import Pair, PreferenceObjective
+from studio.engine.train import BetweenSteps, Trainer, TrainingError
 
 if TYPE_CHECKING:
     from studio.engine.grpo import GrpoObjective
-    from studio.engine.train import Trainer
 
 Emit = Callable[[ev.Event], None]
-BetweenSteps = Callable[["Trainer"], "str | None"]
-
-
-class TrainingError(ev.ReportedFailure):
-    """The engine cannot go on; a WorkerFailed event with this ``kind`` has already been emitted."""
 
 
 @dataclass
@@ -76,7 +71,7 @@ class TrainingData:
     chat: bool = False
     """Whether the rows are conversations (rendered with the tokenizer's chat template)."""
     kind: str = "instruction"
-    """The data's shape (studio/core/shapes.py): instruction, chat, pairs, chat_pairs or text."""
+    """The data's shape (studio/core/data/shapes.py): instruction, chat, pairs, chat_pairs or text."""
 
 
 class Session:
@@ -106,7 +101,7 @@ class Session:
         self.trainer: Trainer | None = None
         """The Trainer of the latest :meth:`train`, or None before any."""
         self.auto_plan: Any = None
-        """The plan that resolved ``auto`` in the config at load (core/autoplan.py's AutoPlan), or None."""
+        """The plan that resolved ``auto`` in the config at load (core/memory/autoplan.py's AutoPlan), or None."""
         self._sampler = torch.Generator()
         self._chat: Any = None
         """The chat template renderer for conversation rows, made on first use."""
@@ -117,7 +112,7 @@ class Session:
         """A full fine-tune's untouched base, loaded on the first base answer (there is no adapter to
         switch off: the trained weights are the base's own)."""
         self._shape: Any = None
-        """The base model's ModelInfo (core/model_info.py) for the answer's memory plan, read once;
+        """The base model's ModelInfo (core/model/info.py) for the answer's memory plan, read once;
         False when it cannot be read."""
 
     # ------------------------------------------------------------------------------------ loading
@@ -142,7 +137,7 @@ class Session:
             # The data first: a bad path or column fails in a second, not after the model loads.
             self.emit(ev.ModelLoading(stage="reading the data", fraction=0.0))
             splits = load_splits(self.config)
-            # TRL's preference shapes and raw text bring their own prompt settings (core/shapes.py).
+            # TRL's preference shapes and raw text bring their own prompt settings (core/data/shapes.py).
             self.config = splits.shape.adapt(self.config)
             if is_grpo(self.config):
                 self._check_rewards(splits.train[0] if splits.train else {})
@@ -202,7 +197,7 @@ class Session:
     def _check_rewards(self, row: dict) -> None:
         """Import the rewards and call each on one training row, before the model loads: a reward
         that cannot run fails the run in a second, not after the load."""
-        from studio.core import rewards
+        from studio.core.grpo import rewards
 
         try:
             rewards.check_on_row(self.config, row)
@@ -211,15 +206,16 @@ class Session:
 
     def _encode_grpo(self, splits: Any, template: str) -> TrainingData:
         """A GRPO run's prompts (studio/engine/grpo.py), and its objective."""
-        from studio.core import grpo_data, prompt
+        from studio.core import prompt
+        from studio.core.grpo import rows as grpo_rows
         from studio.engine.grpo import GrpoObjective
 
         field = self.config.prompt.response_field
 
         def render(row: dict) -> str:
-            if grpo_data.conversation(row) is not None:
+            if grpo_rows.conversation(row) is not None:
                 return self.render_prompt(row)  # the chat template and its generation prompt
-            fields = grpo_data.template_row(row, self.config)
+            fields = grpo_rows.template_row(row, self.config)
             return prompt.render(template, {**fields, field: ""}, field).prompt
 
         self.grpo = GrpoObjective(self.config, self.model, self.tokenizer, self.device, self.base.compute_dtype,
@@ -230,13 +226,14 @@ class Session:
         return TrainingData(train=train, validation=self.grpo.encode(validation_rows),
                             test_rows=list(splits.test), validation_rows=validation_rows, template=template,
                             truncated=sum(1 for e in train if e.truncated),
-                            chat=any(grpo_data.conversation(row) is not None for row in splits.train[:1]))
+                            chat=any(grpo_rows.conversation(row) is not None for row in splits.train[:1]))
 
     def _encode_data(self, splits: Any) -> TrainingData:
-        """The splits as training examples (core/encoding.py's RowEncoder with this tokenizer); a
+        """The splits as training examples (core/data/encoding.py's RowEncoder with this tokenizer); a
         run whose training rows would train on no token is refused here, before any step."""
-        from studio.core import chat, encoding, prompt
-        from studio.core.data import DataError
+        from studio.core import prompt
+        from studio.core.data import DataError, encoding
+        from studio.core.prompt import chat
 
         kind = splits.shape.kind
         encoder = self.row_encoder(kind)
@@ -284,9 +281,9 @@ class Session:
                             kind=kind)
 
     def row_encoder(self, kind: str = "instruction") -> Any:
-        """core/encoding.py's RowEncoder for this run's config and tokenizer: how a row is rendered
+        """core/data/encoding.py's RowEncoder for this run's config and tokenizer: how a row is rendered
         and encoded, the same code ``studio config check`` counts trained tokens with."""
-        from studio.core.encoding import RowEncoder, Vocab
+        from studio.core.data.encoding import RowEncoder, Vocab
 
         tok = self.tokenizer
 
@@ -298,8 +295,8 @@ class Session:
         return RowEncoder(self.config, vocab, kind)
 
     def chat_renderer(self) -> Any:
-        """The tokenizer's chat template as a :class:`~studio.core.chat.ChatRenderer` (made once)."""
-        from studio.core.chat import ChatRenderer
+        """The tokenizer's chat template as a :class:`~studio.core.prompt.chat.ChatRenderer` (made once)."""
+        from studio.core.prompt.chat import ChatRenderer
 
         if self._chat is None:
             tok = self.tokenizer
@@ -376,8 +373,6 @@ class Session:
 
     def new_trainer(self) -> Trainer:
         """A Trainer on this session (a test wraps this to install hooks on the trainer)."""
-        from studio.engine.train import Trainer
-
         return Trainer(self, self.between_steps)
 
     def train(self, resume: bool = False) -> ev.TrainingFinished:
@@ -405,8 +400,7 @@ class Session:
         through the run's template, up to where the response starts. A chat row (``messages``, with
         its ``tools``) and, on chat data, a plain message are rendered with the chat template plus its
         generation prompt. On raw text the prompt is a document's start, given as it is."""
-        from studio.core import chat
-        from studio.core.prompt import render, template_fields
+        from studio.core.prompt import chat, render, template_fields
 
         template = self.data.template if self.data else self.config.prompt.template
         field = self.config.prompt.response_field
@@ -480,7 +474,7 @@ class Session:
         from dataclasses import replace
 
         from studio.core.memory import estimate_plan, plan_for
-        from studio.core.model_info import ModelInfoError, load_model_info
+        from studio.core.model.info import ModelInfoError, load_model_info
 
         if self.device is None or self.device.type != "cuda":
             return False

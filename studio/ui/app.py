@@ -36,7 +36,7 @@ from studio.ui import theme as themes
 from studio.ui.frame_timer import FrameTimer
 from studio.ui.host import Pane
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged
-from studio.ui.pane_slot import PaneSlot
+from studio.ui.pane_slot import CONFIG_PANE, PANES, PaneSlot
 from studio.ui.run_choice import RunChoice
 from studio.ui.widgets.footer import StudioFooter
 from studio.ui.widgets.token_counter import TokenCounter, approximate_counter, load_token_counter
@@ -48,18 +48,6 @@ if TYPE_CHECKING:  # imported where used: not needed for the first frame (see Pa
     from studio.core import events as ev
     from studio.core.runs import RunDir
     from studio.ui.widgets.config_editor import ConfigEditor
-
-# (tab id, tab title, module under studio/ui/panes, class): the order is the key order 1..5.
-PANES = (
-    ("dataset", "Dataset", "dataset", "DatasetPane"),
-    ("template", "Template", "template", "TemplatePane"),
-    ("vram", "VRAM", "vram", "VramPane"),
-    ("training", "Training", "training", "TrainingPane"),
-    ("chat", "Chat", "chat", "ChatPane"),
-)
-CONFIG_PANE = ("config", "Config", "studio.ui.widgets.config_editor", "ConfigEditor")
-"""The sixth tab: the config as YAML (a widget, not a pane module)."""
-
 
 def _studio_commands() -> type[Provider]:
     """The palette's provider, imported when the palette first opens (textual.command is not
@@ -177,10 +165,10 @@ class StudioApp(App[None]):
             # first): they cost nothing before the person sees the app.
             for n, (tab, title, module, cls) in enumerate(PANES, start=1):
                 with TabPane(f"{n} {title}", id=tab):
-                    yield PaneSlot(tab, module, cls, first=tab == initial)
+                    yield PaneSlot(tab, module, cls, first=tab == initial, on_mounted=self.pane_mounted)
             tab, _, module, cls = CONFIG_PANE
             with TabPane("6 Config", id=tab):
-                yield PaneSlot(tab, module, cls, first=initial == tab)
+                yield PaneSlot(tab, module, cls, first=initial == tab, on_mounted=self.pane_mounted)
         yield StudioFooter()
 
     def on_mount(self) -> None:

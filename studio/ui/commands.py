@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+from studio.ui.pane_slot import CONFIG_PANE, PANES, pane_class
 
 if TYPE_CHECKING:
     from studio.ui.app import StudioApp
@@ -29,9 +31,6 @@ class PaletteEntry:
 
 def palette_entries(app: StudioApp) -> list[PaletteEntry]:
     """Every action of the app and its panes, each once."""
-    from studio.ui.app import CONFIG_PANE, PANES
-    from studio.ui.pane_slot import pane_class
-
     entries: list[PaletteEntry] = []
     seen: set[tuple[str, str]] = set()
 
@@ -65,10 +64,8 @@ class StudioCommands(Provider):
     """Studio's actions for the command palette."""
 
     def _entries(self) -> list[PaletteEntry]:
-        from studio.ui.app import StudioApp
-
-        # Registered only by StudioApp (its COMMANDS); another app has no Studio entries.
-        return palette_entries(self.app) if isinstance(self.app, StudioApp) else []
+        # Registered only by StudioApp (its COMMANDS), so the app is one.
+        return palette_entries(cast("StudioApp", self.app))
 
     async def discover(self) -> Hits:
         for entry in self._entries():

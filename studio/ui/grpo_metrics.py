@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from studio.core import events as ev
-from studio.core import report
-from studio.ui.metrics import Series
+from studio.core.runs import report
+from studio.ui.series import Series
 
 
 @dataclass

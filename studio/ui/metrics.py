@@ -3,7 +3,7 @@
 A :class:`TrainingState` is a fold over a run's events: feed it every event of ``events.jsonl`` in
 order (then the live ones) and it holds the step, the ETA, the loss curves and the last failure.
 Replaying a whole log and following it live give the same state, which is what lets a UI quit and
-come back to the full history. Its lines are worded by studio/core/report.py, as the CLI's are.
+come back to the full history. Its lines are worded by studio/core/runs/report.py, as the CLI's are.
 """
 
 from __future__ import annotations
@@ -11,47 +11,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from studio.core import events as ev
-from studio.core import report
-from studio.core.report import format_duration
-
-if TYPE_CHECKING:
-    from studio.ui.grpo_metrics import GrpoCurves
+from studio.core.runs import report
+from studio.core.runs.report import format_duration
+from studio.ui.grpo_metrics import GrpoCurves
+from studio.ui.series import Series
 
 DEFAULT_SMOOTHING = 0.9
 """EMA weight of the past in the smoothed loss curve (TensorBoard's default is 0.6; a noisy
 small-batch fine-tune reads better with more)."""
-
-
-@dataclass
-class Series:
-    """One curve: x (optimizer steps) and y values, kept in step order."""
-
-    steps: list[float] = field(default_factory=list)
-    values: list[float] = field(default_factory=list)
-
-    def add(self, step: float, value: float) -> None:
-        """Append a point; a point at or before the last step replaces the tail (a resumed run)."""
-        while self.steps and self.steps[-1] >= step:
-            self.steps.pop()
-            self.values.pop()
-        self.steps.append(step)
-        self.values.append(value)
-
-    def truncate(self, after_step: float) -> None:
-        """Drop points past ``after_step`` (a run resumed from an earlier checkpoint redoes them)."""
-        while self.steps and self.steps[-1] > after_step:
-            self.steps.pop()
-            self.values.pop()
-
-    def __len__(self) -> int:
-        return len(self.steps)
-
-    def last(self) -> float | None:
-        """The newest value, or None when empty."""
-        return self.values[-1] if self.values else None
 
 
 @dataclass
@@ -97,12 +66,6 @@ class PreferenceCurves:
         return report.preference_line(event) if event is not None else ""
 
 
-def _grpo_curves() -> GrpoCurves:
-    from studio.ui.grpo_metrics import GrpoCurves  # it builds on Series, defined above
-
-    return GrpoCurves()
-
-
 def ema(values: Iterable[float], smoothing: float = DEFAULT_SMOOTHING) -> list[float]:
     """Exponential moving average with bias correction, so the first points are not pulled to 0."""
     out: list[float] = []
@@ -143,7 +106,7 @@ class TrainingState:
     last_eval: ev.EvalLogged | None = None
     preference: PreferenceCurves = field(default_factory=PreferenceCurves)
     """DPO / ORPO runs' curves (empty for SFT)."""
-    grpo: GrpoCurves = field(default_factory=_grpo_curves)
+    grpo: GrpoCurves = field(default_factory=GrpoCurves)
     """GRPO runs' rewards, lengths, KL and sampled groups (empty otherwise)."""
     base_eval: ev.EvalLogged | None = None
     """The base model's evaluation (step 0, before training): the "before" of the eval curve."""

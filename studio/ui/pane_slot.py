@@ -8,10 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+from collections.abc import Callable
 
 from textual.containers import Container
 
 from studio.ui.host import Pane
+
+# (tab id, tab title, module under studio/ui/panes, class): the order is the key order 1..5.
+PANES = (
+    ("dataset", "Dataset", "dataset", "DatasetPane"),
+    ("template", "Template", "template", "TemplatePane"),
+    ("vram", "VRAM", "vram", "VramPane"),
+    ("training", "Training", "training", "TrainingPane"),
+    ("chat", "Chat", "chat", "ChatPane"),
+)
+CONFIG_PANE = ("config", "Config", "studio.ui.widgets.config_editor", "ConfigEditor")
+"""The sixth tab: the config as YAML (a widget, not a pane module)."""
 
 HIDDEN_PANES_DELAY_S = 0.6
 """Hidden panes are imported and mounted this long after start: after the shown pane is painted."""
@@ -40,12 +52,15 @@ class PaneSlot(Container):
 
     DEFAULT_CSS = "PaneSlot { height: 1fr; }"
 
-    def __init__(self, tab: str, module: str, cls: str, first: bool = False) -> None:
+    def __init__(self, tab: str, module: str, cls: str, first: bool = False,
+                 on_mounted: Callable[[str], None] | None = None) -> None:
         """Pane ``tab`` will be class ``cls`` of ``module`` (see :func:`make_pane`); ``first``: it is
-        the shown one, mounted right after the first frame."""
+        the shown one, mounted right after the first frame; ``on_mounted`` is told the tab once the
+        pane is mounted (the app's ``pane_mounted``)."""
         super().__init__()
         self.spec = (tab, module, cls)
         self.first = first
+        self.on_mounted = on_mounted
         self.filled = False
         self._mounted = asyncio.Event()
 
@@ -64,8 +79,5 @@ class PaneSlot(Container):
         self.filled = True
         await self.mount(make_pane(*self.spec))
         self._mounted.set()
-        from studio.ui.app import StudioApp  # (a cycle at import time: the app composes slots)
-
-        app = self.app
-        if isinstance(app, StudioApp):
-            app.pane_mounted(self.spec[0])
+        if self.on_mounted is not None:
+            self.on_mounted(self.spec[0])

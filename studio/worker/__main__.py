@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 def _devices(run: RunDir) -> list[str] | None:
     """The device lock keys of a multi-GPU run's processes, [] for a one-GPU run, None after printing
     why the machine cannot run it."""
-    from studio.core.multigpu import GpuCountError, plan_devices, requested_gpus
+    from studio.core.memory.multigpu import GpuCountError, plan_devices, requested_gpus
 
     config = run.config()
     if requested_gpus(config) <= 1:

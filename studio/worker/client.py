@@ -107,7 +107,7 @@ def start_worker(run: RunDir, train: bool = False, resume: bool = False, timeout
     continues from the latest checkpoint. Raises WorkerStartError with the worker's reason.
     """
     from studio.core.config import ConfigError
-    from studio.core.multigpu import requested_gpus
+    from studio.core.memory.multigpu import requested_gpus
 
     try:
         if requested_gpus(run.config()) > 1:

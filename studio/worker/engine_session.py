@@ -1,7 +1,7 @@
 """What the worker asks of the engine: the one interface between studio/worker and studio/engine.
 
 The engine's :class:`studio.engine.session.Session` implements it; so does the torch-free stand-in
-the tests drive the worker with (tests/worker_fakes.py), which is why it is written down here as a
+the tests drive the worker with (tests/helpers/worker_fakes.py), which is why it is written down here as a
 Protocol rather than read off the engine's class.
 
 Plain Python: the worker imports this before the engine (and torch) is loaded.

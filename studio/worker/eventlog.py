@@ -2,7 +2,7 @@
 
 The log is the run's truth, so a write that fails (a full disk) must not leave half a line for the
 next writer to continue: the file is cut back to the end of the last whole event, which needs no
-free space, and :class:`~studio.core.storage.DiskFull` says where. A torn last line left by a kill
+free space, and :class:`~studio.core.runs.storage.DiskFull` says where. A torn last line left by a kill
 is cut before the first append, so every writer starts on a line of its own.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from studio.core import events as ev
 from studio.core.runs import drop_torn_tail, iter_events
-from studio.core.storage import FILE_MODE, DiskFull, is_disk_full
+from studio.core.runs.storage import FILE_MODE, DiskFull, is_disk_full
 
 
 class EventLog:

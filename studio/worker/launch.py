@@ -20,7 +20,7 @@ from pathlib import Path
 
 from studio.core.paths import cache_dir
 from studio.core.runs import RunDir
-from studio.core.storage import FILE_MODE, PRIVATE_UMASK, DiskFull, is_disk_full
+from studio.core.runs.storage import FILE_MODE, PRIVATE_UMASK, DiskFull, is_disk_full
 
 
 class WorkerStartError(RuntimeError):
@@ -227,7 +227,7 @@ def write_pid(run: RunDir) -> None:
 def become_worker(run: RunDir, lock: GpuLock | None = None) -> tuple[GpuLock, WorkerListener]:
     """Make this process ``run``'s worker: take the device lock, make sure no other worker serves
     the run, write a fresh key, listen, record the pid. Raises WorkerStartError with the reason
-    (:class:`~studio.core.storage.DiskFull` when the disk is full; another OSError as it is);
+    (:class:`~studio.core.runs.storage.DiskFull` when the disk is full; another OSError as it is);
     release the returned lock when the worker is done (exiting does it too). Rank 0 of a
     multi-GPU run passes an unacquired ``lock``: its launcher holds the devices' locks.
 

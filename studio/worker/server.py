@@ -23,7 +23,6 @@ import dataclasses
 import os
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
@@ -35,103 +34,19 @@ from typing import TYPE_CHECKING, Any
 
 from studio.core import events as ev
 from studio.core.config import ConfigError
-from studio.core.dataload import DataError
+from studio.core.data.load import DataError
 from studio.core.events import FailureKind, WorkerState
 from studio.core.runs import RunDir
-from studio.core.storage import DiskFull, is_disk_full, make_private
-from studio.core.trackers import TrackerHub, start_trackers
+from studio.core.runs.storage import DiskFull, is_disk_full, make_private
 from studio.worker.engine_session import EngineSession, SessionFactory, StepHook
 from studio.worker.eventlog import EventLog
 from studio.worker.jobs import JOBS, serve_job
 from studio.worker.launch import WorkerListener
+from studio.worker.peer import Peer
+from studio.worker.trackers import TrackerHub, start_trackers
 
 if TYPE_CHECKING:
     from studio.engine.evaluate import HeldOutScoring
-
-_CLIENT_BACKLOG = 20000  # events queued for one client before it is dropped as too slow
-_MAX_COMMAND_BYTES = 1 << 20
-
-
-class _Peer:
-    """One connected client: a reader thread feeding the command queue and a sender thread."""
-
-    def __init__(self, conn: Connection, commands: queue.Queue, on_close: Callable[[_Peer], None]):
-        self.conn = conn
-        self.outbox: queue.Queue[bytes | None] = queue.Queue(maxsize=_CLIENT_BACKLOG)
-        self._commands = commands
-        self._on_close = on_close
-        self._closed = threading.Event()
-
-    def start(self) -> None:
-        self._reader = threading.Thread(target=self._read, name="worker-client-reader", daemon=True)
-        self._sender = threading.Thread(target=self._send, name="worker-client-sender", daemon=True)
-        self._reader.start()
-        self._sender.start()
-
-    def finish(self, timeout: float) -> None:
-        """Send what is queued, then hang up (waits at most ``timeout`` seconds)."""
-        try:
-            self.outbox.put(None, timeout=timeout)
-        except queue.Full:
-            pass
-        self._sender.join(timeout)
-        self.close()
-
-    def offer(self, line: bytes) -> None:
-        """Queue ``line`` for this client; a client that stopped reading is disconnected."""
-        try:
-            self.outbox.put_nowait(line)
-        except queue.Full:
-            self.close()
-
-    def reply(self, event: ev.Event) -> None:
-        """Send an unlogged event (seq -1) to this client only."""
-        self.offer(ev.to_json(ev.with_seq(event, -1)).encode())
-
-    def _read(self) -> None:
-        try:
-            while True:
-                data = self.conn.recv_bytes(_MAX_COMMAND_BYTES)
-                try:
-                    command = ev.from_json(data.decode())
-                    if not isinstance(command, ev.Command):
-                        raise ValueError(f"{type(command).__name__} is an event, not a command")
-                except (ValueError, TypeError, UnicodeDecodeError) as exc:
-                    self.reply(ev.WorkerFailed(kind="config", fatal=False, request="message",
-                                               message=f"ignored a message the worker cannot read: {exc}"))
-                    continue
-                self._commands.put((self, command))
-        except (EOFError, OSError):
-            pass
-        finally:
-            self.close()
-
-    def _send(self) -> None:
-        try:
-            while (line := self.outbox.get()) is not None:
-                self.conn.send_bytes(line)
-        except OSError:
-            pass
-        finally:
-            self.close()
-            self._reader.join()
-            self.conn.close()  # both threads are done with it now
-
-    def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self._on_close(self)
-        try:
-            self.outbox.put_nowait(None)
-        except queue.Full:
-            pass
-        try:
-            # shutdown (not close) wakes the reader blocked in recv in the other thread.
-            with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
 
 def out_of_memory(exc: BaseException) -> bool:
@@ -189,7 +104,7 @@ class Worker:
         """Set when an event could not be logged for want of space."""
         self.disk_failure: str | None = None
         """The one line said when a write failed for want of space (the worker then exits)."""
-        self.commands: queue.Queue[tuple[_Peer | None, ev.Command]] = queue.Queue()
+        self.commands: queue.Queue[tuple[Peer | None, ev.Command]] = queue.Queue()
         self.state = WorkerState.IDLE
         self.step = 0
         self.total_steps = 0
@@ -197,7 +112,7 @@ class Worker:
         self.linger_s = linger_s
         self._trainer_factory = trainer_factory
         self._session: EngineSession | None = None
-        self._peers: set[_Peer] = set()
+        self._peers: set[Peer] = set()
         # Orders log writes with client registration; re-entrant because dropping a slow client
         # from inside emit() unregisters it.
         self._lock = threading.RLock()
@@ -296,7 +211,7 @@ class Worker:
         except Exception:  # AuthenticationError, EOFError, OSError: not a client of ours
             conn.close()
             return
-        peer = _Peer(conn, self.commands, self._forget)
+        peer = Peer(conn, self.commands, self._forget)
         with self._lock:
             if self._closing:  # exiting: no new client now
                 conn.close()
@@ -309,7 +224,7 @@ class Worker:
             # threads it cannot join yet.
             peer.start()
 
-    def _forget(self, peer: _Peer) -> None:
+    def _forget(self, peer: Peer) -> None:
         with self._lock:
             self._peers.discard(peer)
             if not self._peers:
@@ -395,7 +310,7 @@ class Worker:
             path.unlink(missing_ok=True)
         self.log.close()
 
-    def _handle_idle(self, peer: _Peer | None, command: ev.Command) -> None:
+    def _handle_idle(self, peer: Peer | None, command: ev.Command) -> None:
         """A command while not training."""
         if isinstance(command, ev.Shutdown):
             self._exit_reason = "shutdown requested"
@@ -410,7 +325,7 @@ class Worker:
         else:
             self._serve_anytime(peer, command)
 
-    def _serve_anytime(self, peer: _Peer | None, command: ev.Command) -> None:
+    def _serve_anytime(self, peer: Peer | None, command: ev.Command) -> None:
         """Commands served the same way idle or between steps: generate, evaluate, status."""
         if isinstance(command, ev.Status):
             self._reply(peer, self.status())
@@ -478,7 +393,7 @@ class Worker:
         finally:
             self.state = previous
 
-    def _reply(self, peer: _Peer | None, event: ev.Event) -> None:
+    def _reply(self, peer: Peer | None, event: ev.Event) -> None:
         if peer is not None:
             peer.reply(event)
         elif isinstance(event, ev.WorkerFailed):

@@ -6,7 +6,7 @@
 - ``refusals``: what is not described (mixture-of-experts, state-space, encoder-decoder, unknown);
 - ``families``: one entry per model_type, and :func:`describe_decoder`.
 
-The estimator (core/model_info.py, core/memory/), the path decision (core/plan.py) and the fast
+The estimator (core/model/info.py, core/memory/), the path decision (core/plan.py) and the fast
 path (studio/engine/fast) read the same description. Plain Python: nothing here imports torch.
 """
 

@@ -4,7 +4,7 @@ An entry is its config class's defaults (transformers' models/<family>/configura
 the same in 5.17 and 5.24; where the two read a key differently, :func:`reads_gelu_as_tanh` says
 which is installed) and a small function saying how the family's layer differs from Llama's
 (models/<family>/modeling_<family>.py), over the shared reading of core/decoder/values.py. Adding a
-family is one entry and its tests (tests/test_decoder.py).
+family is one entry and its tests (tests/core/test_decoder.py).
 
 Plain Python: the UI imports this.
 """

@@ -1,7 +1,7 @@
 """A decoder-only causal LM described as data: :class:`DecoderSpec` and the parts it is made of.
 
 One frozen value per model, built from its config.json by core/decoder/families.py. The estimator
-counts parameters and activations from it (core/model_info.py, core/memory/), core/plan.py decides
+counts parameters and activations from it (core/model/info.py, core/memory/), core/plan.py decides
 from it whether the fast path runs the model, and the fast path (studio/engine/fast) builds its
 layers from it and the loaded modules. Every fact here is one transformers' modelling code reads
 from the config (transformers 5.17 to 5.24); the module names are the ones transformers gives.

@@ -1,7 +1,9 @@
-"""The memory estimate: where a run's GPU memory goes, by category and by phase, before it loads.
+"""The memory estimate: where a run's GPU memory goes, by category and by phase, before it loads; the
+automatic plan built on it; the cards of this machine.
 
 Modules, each importing only those above it:
 
+- ``gpus``: GPU cards Studio knows by size, and detection of this machine's through NVML;
 - ``allocator``: the CUDA context, cuBLAS workspaces and the caching allocator's pages;
 - ``plan``: :class:`Plan`, a training setup as the estimator sees it, and ``plan_for`` a run config;
 - ``params``: bytes of what lives through the run (weights, adapters, gradients, optimizer state);
@@ -11,9 +13,12 @@ Modules, each importing only those above it:
 - ``phases``: evaluation, generation and checkpoint save around the step;
 - ``estimate``: :func:`estimate` of a run config on the path the engine takes (core/plan.py);
 - ``walkthrough``: the VRAM pane's story, from a full fp32 fine-tune to paged QLoRA;
-- ``lengths``: the training data's token lengths, for sizing unpacked steps (reads a tokenizer).
+- ``lengths``: the training data's token lengths, for sizing unpacked steps (reads a tokenizer);
+- ``autoplan``: ``micro_batch_size`` / ``gradient_checkpointing: auto`` -> the fastest plan that fits
+  the card less headroom (``studio estimate``, the VRAM pane, engine/planning.py);
+- ``multigpu``: how many GPUs a run trains on, and which (``distributed.gpus`` against this machine).
 
-The automatic plan built on the estimate is core/autoplan.py. Plain Python: nothing here imports torch.
+Plain Python: nothing here imports torch.
 """
 
 from studio.core.memory.allocator import CUDA_CONTEXT_BYTES

@@ -22,7 +22,7 @@ from studio.core.memory.phases import peak_phase, phase_peaks
 from studio.core.memory.plain import plain_step
 from studio.core.memory.plan import Plan, plan_for
 from studio.core.memory.result import Estimate
-from studio.core.model_info import ModelInfo
+from studio.core.model.info import ModelInfo
 from studio.core.plan import PathChoice, PathFacts, choose_path
 
 

@@ -41,7 +41,7 @@ from studio.core.memory.allocator import (
 from studio.core.memory.params import compute_bytes, linear_bytes, optimizer_bytes, trainable_params
 from studio.core.memory.plan import Plan
 from studio.core.memory.result import Estimate
-from studio.core.model_info import ModelInfo
+from studio.core.model.info import ModelInfo
 from studio.core.plan import graphs_for
 
 LAYER_WORKING_SET = 1.2

@@ -14,7 +14,7 @@ Rows are rendered and tokenized as engine/session.py encodes them (the template 
 template, BOS where the tokenizer puts one, EOS after an instruction row's response), then capped
 at ``data.max_seq_length`` as the encoder truncates them.
 
-Plain Python: the tokenizer is read with ``tokenizers`` (core/tokens.py), never torch.
+Plain Python: the tokenizer is read with ``tokenizers`` (core/prompt/tokens.py), never torch.
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from studio.core.config import RunConfig
-from studio.core.tokens import TokenizerInfo
+from studio.core.prompt.tokens import TokenizerInfo
 
 
 def row_lengths(rows: Iterable[dict], config: RunConfig, tok: TokenizerInfo) -> tuple[int, ...]:
     """Token lengths of ``rows`` as the engine encodes them, each capped at ``data.max_seq_length``,
     longest first. Raises :class:`~studio.core.prompt.TemplateError` for a template that does not
     render."""
-    from studio.core import chat, prompt
+    from studio.core import prompt
+    from studio.core.prompt import chat
 
     template = prompt.resolve_template(config.prompt, tok.chat_template, bos_token=tok.bos_token or "",
                                        eos_token=tok.eos_token or "")
@@ -58,8 +59,8 @@ def data_lengths(config: RunConfig, rows: Iterable[dict] | None = None,
     """The training rows' token lengths (:func:`row_lengths`) and ''; or () and why they could not
     be had (no data path, the data or the tokenizer not readable here, a preference run). ``rows``:
     the training split when the caller has it loaded; ``base_dir``: the config file's folder."""
-    from studio.core.preference import is_preference
-    from studio.core.tokens import TokenizerNotFound, load_tokenizer_info
+    from studio.core.data.pairs import is_preference
+    from studio.core.prompt.tokens import TokenizerNotFound, load_tokenizer_info
 
     if is_preference(config):
         return (), "preference pairs are sized as max_seq_length rows"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from studio.core.memory.plan import Plan
-from studio.core.model_info import ModelInfo
+from studio.core.model.info import ModelInfo
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5, "fp4": 0.5}
 """Bytes an element of each storage format takes (4-bit formats pack two a byte)."""

@@ -61,7 +61,7 @@ from studio.core.memory.params import compute_bytes
 from studio.core.memory.plain import stream_bytes
 from studio.core.memory.plan import Plan
 from studio.core.memory.result import GRPO_SAMPLING, Estimate, PhasePeak
-from studio.core.model_info import ModelInfo
+from studio.core.model.info import ModelInfo
 from studio.core.plan import graphs_for
 
 SCORE_TOKENS = 512

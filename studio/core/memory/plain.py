@@ -37,7 +37,7 @@ from studio.core.memory.params import (
 )
 from studio.core.memory.plan import Plan
 from studio.core.memory.result import Estimate
-from studio.core.model_info import ModelInfo
+from studio.core.model.info import ModelInfo
 
 # ----------------------------------------------------------------------------------- activations
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from studio.core.config import RunConfig
 from studio.core.decoder.spec import PROJECTIONS
 from studio.core.memory.allocator import expandable_segments_from_env
-from studio.core.model_info import ModelInfo
+from studio.core.model.info import ModelInfo
 
 ALL_LINEAR = PROJECTIONS
 """What PEFT's ``all-linear`` means for a Llama-architecture model (lm_head excluded)."""

@@ -12,7 +12,7 @@ from studio.core.config import RunConfig
 from studio.core.memory.estimate import estimate_plan
 from studio.core.memory.plan import plan_for
 from studio.core.memory.result import Estimate
-from studio.core.model_info import ModelInfo
+from studio.core.model.info import ModelInfo
 
 
 @dataclass(frozen=True)

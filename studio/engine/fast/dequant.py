@@ -9,7 +9,7 @@ their 8-bit scales, and writes the compute-dtype weight.
 
 The values are bitsandbytes' to the bit: the same fp32 table lookups, the same products, the same
 order (a scale is ``code2[q] * absmax2`` then ``+ offset``, with no fused multiply-add that would
-round once instead of twice), one rounding to bf16/fp16 at the end. tests/test_dequant.py checks
+round once instead of twice), one rounding to bf16/fp16 at the end. tests/engine/test_dequant.py checks
 this against bitsandbytes itself, in Triton's interpreter on the CPU and compiled on the GPU.
 
 Used by :func:`studio.engine.fast.frozen.dequantize_into` for NF4 weights on CUDA when Triton is

@@ -170,7 +170,7 @@ class Graphs:
                 return self.fast.stack(h, cos, sin, seg)
             # Autograd may warn once that a gradient accumulator made inside a capture (which
             # make_graphed_callables keeps) is fed from another stream: expected, the capture and
-            # the replays are correct (tests/test_fast_graphs.py).
+            # the replays are correct (tests/engine/test_fast_graphs.py).
             quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
             if quiet is not None:
                 quiet(False)

@@ -12,7 +12,7 @@ row per ``HeldOutRowScored`` event, and the worker saves ``eval.json`` and ``eva
 
 Longer than ~400 lines on purpose: free chat and held-out mode share the prompt settings, the request
 ids and the run the events belong to, so splitting them would put one request's bookkeeping in two
-places; the scoring itself is the engine's (engine/evaluate.py) and core/scoring.py's.
+places; the scoring itself is the engine's (engine/evaluate.py) and core/runs/scoring.py's.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Checkbox, DataTable, Input, Label, Static
 
-from studio.core import chat, scoring
 from studio.core import events as ev
-from studio.core.cells import cell
 from studio.core.config import RunConfig
-from studio.core.preference import is_preference
-from studio.core.runs import RunDir
+from studio.core.data.pairs import is_preference
+from studio.core.prompt import chat
+from studio.core.runs import RunDir, scoring
+from studio.core.runs.cells import cell
 from studio.ui.host import Pane
 from studio.ui.messages import WorkerEvents
 

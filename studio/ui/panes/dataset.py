@@ -7,7 +7,7 @@ config's ``data.path`` and the column mapping its ``data.columns``.
 
 Longer than ~400 lines on purpose: what is here is the wiring of one cursor and one page between the
 table, the filter and the side views (row, statistics, lint, column mapping); the work itself already
-lives elsewhere (core/data*.py, widgets/page_table.py, column_stats.py, column_map.py).
+lives elsewhere (core/data/, widgets/page_table.py, column_stats.py, column_map.py).
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ from textual.timer import Timer
 from textual.widgets import Button, Input, OptionList, ProgressBar, Static, TabbedContent, TabPane
 from textual.widgets.option_list import Option
 
-from studio.core import chat, shapes
 from studio.core import data as datalib
 from studio.core import prompt as prompts
-from studio.core.cells import cell
-from studio.core.grpo_data import grpo_lint, is_grpo
-from studio.core.preference import is_preference, pair_lint
+from studio.core.data import shapes
+from studio.core.data.pairs import is_preference
+from studio.core.data.stats import pair_lint
+from studio.core.grpo.rows import grpo_lint, is_grpo
+from studio.core.prompt import chat
+from studio.core.runs.cells import cell
 from studio.ui.host import Pane
 from studio.ui.messages import ConfigChanged, TokenizerChanged
 from studio.ui.widgets.column_map import ColumnMap
@@ -96,7 +98,7 @@ class DatasetPane(Pane, Vertical):
         self.chat_column: str | None = None
         """The column holding conversations when the dataset is a chat dataset."""
         self.shape: shapes.DataShape | None = None
-        """What the open dataset holds (core/shapes.py), shown beside the page count."""
+        """What the open dataset holds (core/data/shapes.py), shown beside the page count."""
         self._filter_timer: Timer | None = None
         self._lint_timer: Timer | None = None
         self._page_rows: list[int] = []
@@ -223,7 +225,7 @@ class DatasetPane(Pane, Vertical):
 
     def _use_shape(self, shape: shapes.DataShape) -> None:
         """TRL's preference shapes and raw text train with prompt settings of their own
-        (core/shapes.py): make them the config's, as training will, and say what the data is."""
+        (core/data/shapes.py): make them the config's, as training will, and say what the data is."""
         app = self.host
         adapted = shape.adapt(app.config)
         if adapted.prompt != app.config.prompt or adapted.data.columns != app.config.data.columns:

@@ -25,14 +25,14 @@ from textual.content import Content
 from textual.timer import Timer
 from textual.widgets import Button, Label, ProgressBar, Select, Static, TextArea
 
-from studio.core import chat as chats
 from studio.core import events as ev
 from studio.core import prompt as prompts
 from studio.core.config import PromptConfig
-from studio.core.datastats import template_column_issues
-from studio.core.grpo_data import is_grpo
-from studio.core.preference import is_preference
-from studio.core.shapes import TRL_STANDARD_TEMPLATE
+from studio.core.data.pairs import is_preference
+from studio.core.data.shapes import TRL_STANDARD_TEMPLATE
+from studio.core.data.stats import template_column_issues
+from studio.core.grpo.rows import is_grpo
+from studio.core.prompt import chat as chats
 from studio.ui.host import Pane
 from studio.ui.messages import ConfigChanged, DatasetChanged, RowChanged, TokenizerChanged, WorkerEvents
 from studio.ui.widgets.pair_view import pair_preview

@@ -6,7 +6,7 @@ It estimates from ``app.config`` (when mounted, when the config changes, and on
 happens per sample: they arrive every logged step); and tells the memory story step by step:
 full fp32 -> bf16 -> 8-bit -> LoRA -> NF4 QLoRA -> + checkpointing -> + paged 8-bit AdamW.
 With ``auto`` micro-batch or checkpointing (the defaults) the estimate is of the plan a run would
-choose on the card (core/autoplan.py), whose choice and rejected alternatives are listed under the gauge.
+choose on the card (core/memory/autoplan.py), whose choice and rejected alternatives are listed under the gauge.
 
 The model field sizes another model with the config's other settings, without touching the config
 (``u`` makes it the run's model): a hub id (its config.json fetched in a thread, cached; offline, a
@@ -28,14 +28,13 @@ from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Input, Select, Static
 
-from studio.core import autoplan
 from studio.core import events as ev
 from studio.core.config import RunConfig
-from studio.core.gpus import GB, Gpu, capacity_choices, gpu_for_size
-from studio.core.memory import Estimate, WalkStep, estimate, walkthrough
-from studio.core.model_info import ModelInfo, ModelInfoError, load_model_info
-from studio.core.model_ref import looks_local
-from studio.core.model_source import find_model
+from studio.core.memory import Estimate, WalkStep, autoplan, estimate, walkthrough
+from studio.core.memory.gpus import GB, Gpu, capacity_choices, gpu_for_size
+from studio.core.model.info import ModelInfo, ModelInfoError, load_model_info
+from studio.core.model.ref import looks_local
+from studio.core.model.source import find_model
 from studio.ui.host import Pane
 from studio.ui.messages import MemorySample, WorkerEvents
 from studio.ui.widgets.block_gauge import BlockGauge
@@ -130,7 +129,7 @@ class VramPane(Pane, VerticalScroll):
         """(repr of the config, card, model field) -> (estimate or why none, walkthrough, which model
         it is for, the automatic plan's text), oldest first."""
         self.plan_text = ""
-        """The automatic plan for the card (core/autoplan.py's lines), '' when the config sets both keys."""
+        """The automatic plan for the card (core/memory/autoplan.py's lines), '' when the config sets both keys."""
         self.cards: dict[int, ev.MemorySampled] = {}
         """The latest sample of each card (rank) of the run."""
         self.measured_device = ""
@@ -435,7 +434,7 @@ def model_for_estimate(config: RunConfig, model_ref: str) -> tuple[ModelInfo, st
 
 def planned(config: RunConfig, info: object, capacity: int) -> tuple[RunConfig, str]:
     """``config`` as a run would train it on a card of ``capacity`` bytes (``auto`` planned by
-    core/autoplan.py), and the plan's lines; with nothing fitting, the smallest plan and why."""
+    core/memory/autoplan.py), and the plan's lines; with nothing fitting, the smallest plan and why."""
     resolved = autoplan.plan_or_smallest(config, info, capacity)
     return resolved.config, "\n".join(resolved.lines())
 

@@ -19,8 +19,8 @@ from textual.color import Color
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from studio.core.gpus import GB
 from studio.core.memory import CATEGORIES
+from studio.core.memory.gpus import GB
 
 CATEGORY_COLOURS = {
     "weights": "primary",

@@ -14,7 +14,7 @@ from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
 from studio.core import events as ev
-from studio.core.cells import cell
+from studio.core.runs.cells import cell
 
 TEXT_WIDTH = 80
 """Characters of a completion shown in its row (the whole text is in the run's events.jsonl)."""

@@ -3,7 +3,7 @@ both rendered through the template.
 
 The dataset pane's row view shows :class:`PairView` under the row's fields; the template pane shows
 :func:`pair_preview` (the chosen answer's training text, then the rejected one's). Chat-shaped rows
-render as training renders them (studio/core/preference.py): TRL's conversational pairs through
+render as training renders them (studio/core/data/pairs.py): TRL's conversational pairs through
 the chat template under the chat preset, flattened to text under a template of your own.
 """
 
@@ -16,11 +16,11 @@ from textual.containers import Horizontal
 from textual.content import Content
 from textual.widgets import Static
 
-from studio.core import chat as chats
 from studio.core import prompt as prompts
 from studio.core.config import RunConfig
-from studio.core.preference import Piece, conversation_pair, difference, flatten_pair, is_messages
-from studio.core.shapes import TRL_PROMPT
+from studio.core.data.pairs import Piece, conversation_pair, difference, flatten_pair, is_messages
+from studio.core.data.shapes import TRL_PROMPT
+from studio.core.prompt import chat as chats
 from studio.ui.widgets.prompt_preview import measure, preview_content, untrained_note
 from studio.ui.widgets.token_counter import TokenCounter
 

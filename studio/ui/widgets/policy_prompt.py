@@ -14,11 +14,11 @@ from typing import Any
 
 from textual.content import Content
 
-from studio.core import chat as chats
-from studio.core import grpo_data
 from studio.core import prompt as prompts
-from studio.core.cells import cell
 from studio.core.config import RunConfig
+from studio.core.grpo import rows as grpo_rows
+from studio.core.prompt import chat as chats
+from studio.core.runs.cells import cell
 from studio.ui.widgets.token_counter import TokenCounter
 
 
@@ -27,9 +27,9 @@ def policy_text(template: str, row: dict[str, Any], config: RunConfig, counter: 
     """The prompt text the policy is given for ``row`` (``turns``: its conversation, if it is one)."""
     if turns is not None:
         renderer = chats.ChatRenderer(counter.chat_template or "", eos_token=counter.eos_token or "")
-        return renderer.prompt(grpo_data.prompt_turns(list(turns)))
+        return renderer.prompt(grpo_rows.prompt_turns(list(turns)))
     field = config.prompt.response_field
-    fields = grpo_data.template_row(row, config)
+    fields = grpo_rows.template_row(row, config)
     return prompts.render(template, {**fields, field: ""}, field).prompt
 
 
@@ -56,7 +56,7 @@ def policy_preview(template: str, row: dict[str, Any], config: RunConfig, counte
     parts.append(Content.styled(f"▌the policy writes from here (up to {g.max_completion_length} tokens)",
                                 "bold reverse $studio-response"))
     skip = {conversation_column} if conversation_column else set()
-    columns = {k: v for k, v in grpo_data.reward_columns(row).items() if k not in skip}
+    columns = {k: v for k, v in grpo_rows.reward_columns(row).items() if k not in skip}
     if columns:
         listed = "  ".join(f"{name}={cell(repr(value), 40)}" for name, value in columns.items())
         parts.append(Content.from_markup("\n\n[dim]the rewards also get:[/] $listed", listed=listed))

@@ -87,7 +87,7 @@ def count_line(m: Measured, counter: TokenCounter) -> Content:
 
 def untrained_note(m: Measured) -> Content | None:
     """``✗ trains on no token: why`` for an example whose response has no token to learn (a run is
-    refused when most of its rows are such: studio/core/encoding.py), else None."""
+    refused when most of its rows are such: studio/core/data/encoding.py), else None."""
     if m.response_tokens > 0:
         return None
     said = "".join(m.rendered.text[a:b] for a, b in m.rendered.loss_spans) if m.rendered.loss_spans \

@@ -19,8 +19,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Static
 
-from studio.core.cells import cell
 from studio.core.runs import RunDir, RunSummary, iter_events, list_runs, summarize
+from studio.core.runs.cells import cell
 from studio.ui.metrics import TrainingState, fold
 from studio.ui.widgets.loss_plot import LossPlot
 

@@ -78,8 +78,8 @@ def approximate_counter(note: str = "", model: str = "") -> TokenCounter:
 
 
 def load_token_counter(model: str, revision: str | None = None) -> TokenCounter:
-    """The counter for ``model`` through studio.core.tokens (no torch); the approximation if none."""
-    from studio.core import tokens
+    """The counter for ``model`` through studio.core.prompt.tokens (no torch); the approximation if none."""
+    from studio.core.prompt import tokens
 
     try:
         info = tokens.load_tokenizer_info(model, revision)

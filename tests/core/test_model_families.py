@@ -1,0 +1,97 @@
+"""ModelInfo on each family Studio models, against the published parameter counts, and the refusal
+(naming what is missing) for what it cannot model."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.model_configs import CONFIGS
+
+from studio.core.config import parse_config
+from studio.core.decoder.families import reads_gelu_as_tanh
+from studio.core.memory import estimate, walkthrough
+from studio.core.memory.gpus import GB
+from studio.core.memory.params import lora_params
+from studio.core.model.info import ModelInfoError, from_config_dict
+
+# Published sizes: the model cards' "Number of Parameters" or the Hub's safetensors total.
+PUBLISHED = {
+    "llama-2-7b": 6.74e9, "mistral-7b-v0.1": 7.24e9, "qwen2.5-7b": 7.61e9, "qwen3-8b": 8.19e9,
+    "gemma-7b": 8.54e9, "gemma-2-9b": 9.24e9, "gemma-3-1b": 1.0e9, "gemma-3-4b": 4.30e9, "phi-3-mini": 3.82e9,
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parameter_count_matches_the_published_size(name):
+    info = from_config_dict(CONFIGS[name], name)
+    assert info.total_params() == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+def test_gemma_ties_its_embeddings_and_reads_head_dim_from_the_config():
+    gemma = from_config_dict(CONFIGS["gemma-7b"], "gemma")
+    assert gemma.tied and gemma.head_params() == 0
+    assert gemma.head_width == 256 and gemma.linear_shapes()["q_proj"] == (3072, 16 * 256)  # not 3072 / 16
+    assert gemma.vocab == 256000
+    # its config's "gelu" is the tanh approximation from transformers 5.18 on (the fast path's GeGLU);
+    # 5.17 runs exact GELU, which the fast path does not
+    assert (gemma.fast_path_blocker == "") == reads_gelu_as_tanh()
+
+
+def test_gemma3_nested_text_config_takes_the_config_class_defaults_and_counts_the_vision_tower():
+    info = from_config_dict(CONFIGS["gemma-3-4b"], "gemma-3-4b")
+    assert (info.hidden, info.layers, info.heads, info.kv_heads, info.head_width, info.vocab) == (
+        2560, 34, 8, 4, 256, 262208)
+    assert info.tied and info.qk_norm and info.norms_per_layer == 4
+    assert 0.41e9 < info.vision_params < 0.43e9  # SigLIP-So400m's encoder and the projector
+
+
+def test_phi3_linear_shapes_are_the_fused_modules_and_lora_targets_map_onto_them():
+    info = from_config_dict(CONFIGS["phi-3-mini"], "phi3")
+    assert info.linear_shapes() == {"qkv_proj": (3072, 3 * 3072), "o_proj": (3072, 3072),
+                                     "gate_up_proj": (3072, 2 * 8192), "down_proj": (8192, 3072)}
+    assert info.lora_modules(("q_proj", "v_proj")) == ("qkv_proj",)
+    assert info.lora_modules(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) == (
+        "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    # r16 on all four: r x (in + out) per module, 32 layers
+    assert lora_params(info, 16, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")) == 32 * 16 * (
+        (3072 + 9216) + (3072 + 3072) + (3072 + 16384) + (8192 + 3072))
+    with pytest.raises(ValueError, match="qkv_proj"):  # Llama names do not exist in Phi-3
+        lora_params(info, 16, ("q_proj",))
+
+
+def test_qwen2_counts_its_qkv_biases_and_qwen3_its_qk_norms():
+    qwen2 = from_config_dict(CONFIGS["qwen2.5-7b"], "qwen2")
+    llama_like = from_config_dict({**CONFIGS["qwen2.5-7b"], "model_type": "llama"}, "as-llama")
+    assert qwen2.norm_params() - llama_like.norm_params() == 28 * (3584 + 2 * 512)
+    qwen3 = from_config_dict(CONFIGS["qwen3-8b"], "qwen3")
+    assert qwen3.norm_params() == 36 * (2 * 4096 + 2 * 128) + 4096
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_family_gets_an_estimate_and_the_whole_walkthrough(name):
+    info = from_config_dict(CONFIGS[name], name)
+    config = parse_config("lora: {target_modules: [" + ", ".join(info.linear_shapes()) + "]}\n")
+    result = estimate(config, info, 80 * GB)
+    assert result.total > info.total_params() * 0.5  # at least the 4-bit weights
+    steps = walkthrough(config, info, 80 * GB)
+    assert len(steps) == 7
+    totals = [step.estimate.total for step in steps]
+    assert totals == sorted(totals, reverse=True)  # every step of the story saves memory
+    assert totals[0] > 16 * info.total_params()  # full fp32: 4 + 4 + 8 bytes a parameter, plus activations
+    assert totals[0] > 2 * totals[-1]
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    ({"model_type": "mixtral", "hidden_size": 4096, "num_local_experts": 8}, "num_local_experts: 8"),
+    ({"model_type": "qwen2_moe", "num_experts": 60}, "mixture-of-experts"),
+    ({"model_type": "mamba", "hidden_size": 768, "state_size": 16}, "state-space"),
+    ({"model_type": "t5", "d_model": 512, "is_encoder_decoder": True}, "encoder-decoder"),
+    ({"model_type": "gpt_neox", "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
+      "num_attention_heads": 8, "vocab_size": 50304}, "model_type 'gpt_neox'"),
+    ({"model_type": "llama", "hidden_size": 64, "vocab_size": 100},
+     "no intermediate_size, num_hidden_layers, num_attention_heads"),
+    ({"n_embd": 768, "n_layer": 12, "n_head": 12}, "no hidden_size, intermediate_size, num_hidden_layers"),
+])
+def test_what_cannot_be_modelled_is_refused_naming_what_is_missing(config, named):
+    with pytest.raises(ModelInfoError, match=named.replace("(", r"\(")) as caught:
+        from_config_dict(config, "some/model")
+    assert str(caught.value).startswith("some/model: ")

@@ -1,0 +1,160 @@
+"""The fast path's CUDA graphs (studio/engine/fast/graphs.py), on a CUDA GPU: replayed steps equal
+eager ones over gradient accumulation and zeroed gradients; a capture after eager steps works when
+their losses were released, and fails while one is alive (docs/speed.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO
+
+from studio.core.config import FastPathConfig
+from studio.engine import fast
+from studio.engine.batching import collate
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")]
+
+ROOT = REPO
+
+
+def _run(model, batches, options: FastPathConfig, steps: int = 3):
+    fast_model, why = fast.prepare(model, options=options)
+    assert fast_model is not None, why
+    losses, grads = [], []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        for batch in batches:  # micro-batches accumulate into one step's gradients
+            loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+            loss.backward()
+            losses.append(loss.item())
+            del loss  # as the Trainer does: an alive loss breaks a later layout's capture
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    return fast_model, losses, grads
+
+
+def test_graphed_steps_equal_eager_ones(tiny_model: Path) -> None:
+    from test_fast_path import _examples, _peft_model
+
+    # bf16: packed rows are graphed only with flash-attention's varlen kernel (half precision only)
+    model = _peft_model(tiny_model, 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                        dtype=torch.bfloat16)
+    device = next(p for p in model.parameters() if p.requires_grad).device
+    model.to(device)
+    # The second micro-batch holds more examples than the first one's layout has slots (31 rows, 30
+    # of them with a padding example after theirs: 61): its layout replaces the first one, and the
+    # third fits in it (one graph for all three, empty slots in it).
+    batches = [collate([[e] for e in _examples(lengths, seed=s)], pad_id=0, packing=True).to(device)
+               for s, lengths in enumerate(([21, 14, 9], [6] + [5] * 30, [30, 6, 8]))]
+    _, eager_losses, eager_grads = _run(model, batches, FastPathConfig(cuda_graphs=False))
+    graphed, graph_losses, graph_grads = _run(model, batches, FastPathConfig())
+    assert graphed._graphs is not None and not graphed._graphs.failed, graphed._graphs.failed
+    assert [key[1] for key in graphed._graphs.graphed] == [65], graphed._graphs.graphed.keys()
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=1e-4, atol=1e-4)
+    for step_eager, step_graph in zip(eager_grads, graph_grads, strict=True):
+        for name, grad in step_eager.items():
+            assert grad.abs().sum() > 0, name
+            rel = (step_graph[name] - grad).norm() / grad.norm()
+            assert rel < 1e-2, f"{name}: relative gradient error {rel:.2e}"  # bf16: atomics flip last bits
+
+
+def test_core_plan_decides_which_micro_batches_are_graphed(tiny_model: Path, monkeypatch) -> None:
+    """core/plan.py's graphs_for (the rule the estimator follows too) decides per micro-batch: one it
+    refuses (more tokens than its limit) runs eagerly, one it allows is captured."""
+    from test_fast_path import _examples, _peft_model
+
+    model = _peft_model(tiny_model, 4, ["q_proj", "v_proj", "down_proj"], dtype=torch.bfloat16)
+    device = next(p for p in model.parameters() if p.requires_grad).device
+    model.to(device)
+    batch = collate([[e] for e in _examples([21, 14, 9])], pad_id=0, packing=True).to(device)
+    tokens = batch.input_ids.numel()  # packed: the flat stream the decision counts
+    for limit, captured in ((tokens - 1, False), (tokens, True)):
+        monkeypatch.setattr("studio.engine.fast.model.graphs_for",
+                            lambda n, dropout, cuda, limit=limit: cuda and n <= limit)
+        fast_model, _, _ = _run(model, [batch], FastPathConfig(), steps=1)
+        assert bool(fast_model._graphs.graphed) is captured, (limit, fast_model._graphs.graphed.keys())
+
+
+def _diag(case: str) -> str:
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "diag_capture.py"), case],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_a_capture_after_eager_steps_whose_losses_are_released() -> None:
+    """Eager training steps, then the first capture, on one model: it captures when each spent loss
+    was released after its backward (as the Trainer does). In its own process: a failed capture
+    leaves that process's CUDA generator unusable."""
+    out = _diag("test_sequence_0.0_released")
+    assert "test_sequence_0.0_released: ok" in out, out[-2000:]
+
+
+def test_a_capture_while_an_earlier_loss_is_alive() -> None:
+    """The fault the Trainer steps around (docs/speed.md): with an earlier forward's loss still alive,
+    its gradient accumulators belong to the default stream and a backward capture that ends at them
+    fails; the step falls back to eager. Through the gradient sink (graphs.GradSink) the captured
+    backward ends at the sink's anchor instead, and on the H100 this passes; the expected failure
+    stays in case a torch brings the fault back."""
+    out = _diag("test_sequence_0.0")
+    if "FAILED: capture failed" in out and "cudaErrorStreamCapture" in out:
+        pytest.xfail("known: a capture while an earlier loss is alive (docs/speed.md)")
+    assert "test_sequence_0.0: ok" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["inputs_on_host", "inputs_in_pool"])
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_trainer_captures_its_graphs_and_keeps_them(tiny_config, packing: bool, offload: bool,
+                                                        monkeypatch) -> None:
+    """Through the real Trainer (evaluation, checkpoint and accumulation between graphed steps):
+    each layout is captured and replayed and no capture fails, with the layer inputs on the host or
+    in the graph's pool (``trainer.fast_path.host_offload``). (Autograd's warning that an accumulator crosses streams is expected once a
+    process with make_graphed_callables and is silenced by engine/fast/graphs.py: measured on an H100,
+    every variant warned at its first replay and trained at full speed.)"""
+    import warnings
+
+    from studio.core import events as ev
+    from studio.core.runs import create_run
+    from studio.engine.session import Session
+    from studio.engine.train import Trainer
+
+    t = tiny_config.trainer
+    t.fast_path.host_offload = offload
+    t.max_steps, t.micro_batch_size, t.effective_batch_size = 6, 4, 8  # two micro-batches a step
+    t.packing, t.eval_interval, t.checkpoint_interval = packing, 3, 3
+    events: list[ev.Event] = []
+    timeline: list[str] = []
+    graphed: list[int] = []
+    layouts: list[bool] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        def between_steps(trainer):
+            fast = trainer.session.fast
+            graphed.append(len(fast._graphs.graphed))
+            lengths = [key[0][1] for key in fast._graphs.graphed if key[1] > 1]
+            layouts.append(len(lengths) == len(set(lengths)))  # one flat layout a length (widened)
+            timeline.append(f"step {trainer.step}: {len(fast._graphs.graphed)} graphed")
+
+        trainer = Trainer(Session(tiny_config, create_run(tiny_config), events.append), between_steps)
+        trainer.train()
+    fast = trainer.session.fast
+    assert fast is not None and fast._graphs is not None, "the fast path with CUDA graphs did not run"
+    assert not fast.graphs_failed, fast.graphs_failed
+    assert max(graphed) >= 1, timeline  # (given back when training ends)
+    assert all(layouts), timeline
+    assert not fast._graphs.graphed
+    # and really gone, private pools with them: the graphs' autograd classes sit in reference cycles,
+    # which release() collects (else the pool outlived the graphs into the final evaluation)
+    import gc
+
+    assert not [o for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)]
+    assert (fast._host is not None) is offload and fast._graphs.offload is offload
+    failures = [e.message for e in events if isinstance(e, (ev.WorkerFailed, ev.WarningRaised))]
+    assert not failures, failures
+    crossings = [str(w.message)[:120] for w in caught if "AccumulateGrad" in str(w.message)]
+    assert not crossings, (timeline, crossings)  # silenced: see the docstring
