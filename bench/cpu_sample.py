@@ -15,7 +15,7 @@ training's CPU seconds by the threads used, what the same work takes on that man
 two threads on a busy machine, each thread also burns CPU time waiting for the other (OpenMP spins),
 so a shared machine is measured with ``--threads 1``:
 
-    python bench/cpu_sample.py --threads 1 --rows 4 --out bench/results/cpu_sample_smollm2_1thread.json
+    python bench/cpu_sample.py --threads 1 --rows 4 --out bench/results/current/cpu_sample_smollm2_1thread.json
 """
 
 from __future__ import annotations

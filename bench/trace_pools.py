@@ -10,7 +10,7 @@ peak reserved = large high-water + small high-water, and the gap to peak allocat
 For every trace it also finds the 32 MiB cuBLAS workspaces (allocated once, never freed) and prints
 what they landed in: the hole (expandable) or the segment (fixed segments) and its size.
 
-    python bench/trace_pools.py bench/results/traces/*.json.gz
+    python bench/trace_pools.py bench/results/archive/traces/*.json.gz
 
 These are the numbers bench/NOTES.md quotes for the expandable-segments model in studio/core/memory/plain.py.
 """

@@ -47,7 +47,7 @@ FAST_WEIGHTS = ("nf4", "fp4", "bf16", "fp16", "fp32")
 
 GRAPH_TOKEN_LIMIT = 4096
 """Micro-batches of more tokens than this run without CUDA graphs. Measured on an H100 (Llama-2-7B
-NF4 r16, 8192 tokens a micro-batch, bench/results/h100_vram_trainer.json): graphs gave no speed
+NF4 r16, 8192 tokens a micro-batch, bench/results/archive/h100_vram_trainer.json): graphs gave no speed
 (11,787 vs 11,959 tokens/s without) and cost 1.07 GiB of reserved memory (their private pool);
 at 512 tokens they are what makes the step fast (the host's per-operation cost dominates there)."""
 

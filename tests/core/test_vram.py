@@ -394,7 +394,7 @@ def test_the_fast_paths_layer_keeps_inputs_and_qkv_on_the_host():
 
 
 def test_a_graphed_step_peaks_at_its_capture_with_five_cublas_workspaces():
-    """The allocator's history of two Trainer rows on the H100 (bench/results/h100_v7_attribution.json)
+    """The allocator's history of two Trainer rows on the H100 (bench/results/archive/h100_v7_attribution.json)
     peaked in the first step's CUDA-graph capture, before the optimizer had state, holding five 32 MiB
     cuBLAS workspaces: the step's allocated peak is its weights, adapters, gradients and activations
     (one workspace among them) with four more workspaces, and no optimizer state."""
@@ -431,7 +431,7 @@ def test_a_graphed_steps_capture_reserves_its_pools_free_blocks_too():
     step: where the state is the smaller (SmolLM2-135M r8 on q and v: 3.5 MB of it), the capture is
     the peak of reserved memory as well, and its private pool's free blocks and the allocator's fixed
     slack come on top of its allocated peak there (the allocator's history of that row on the H100,
-    bench/results/h100_v7_attribution.json: 109 MB reserved beyond allocated at the reserved peak)."""
+    bench/results/archive/h100_v7_attribution.json: 109 MB reserved beyond allocated at the reserved peak)."""
     from studio.core.memory.fast import FIXED_SLACK, graph_pool_free_bytes
 
     plan = replace(FAST7, lora_r=8, lora_targets=("q_proj", "v_proj"), micro_batch=1, seq_len=4096)
@@ -446,7 +446,7 @@ def test_adapter_dropout_holds_one_masked_copy_of_the_widest_input():
     """engine/fast/weights.py's AdapterDropout masks the input gradient's product straight into the
     layer's input gradient and frees it before it regenerates the masked input for the adapter's own
     gradient: one ``tokens x fan_in`` copy at a time. On the H100 in one call
-    (bench/results/h100_v7_speed_c.json: Llama-2-7B r16 on all projections, 4 x 512 tokens), dropout
+    (bench/results/archive/h100_v7_speed_c.json: Llama-2-7B r16 on all projections, 4 x 512 tokens), dropout
     0.05 allocated 0.042 GiB more than none: one 2048 x 11008 bf16 tensor, which the estimate adds."""
     from studio.core.memory.fast import dropout_bytes
 

@@ -13,7 +13,7 @@ CUDA_CONTEXT_BYTES = 758 * 2**20
 """CUDA context, library handles and loaded kernels: on the card (nvidia-smi shows it) but outside
 torch's counters. Measured through NVML on an H100 (torch 2.11, CUDA 13): 610 MiB for the bare
 context, 676 MiB once cuBLAS is up, 758 MiB in both QLoRA training runs of
-bench/results/vram_overhead_check_h100.json. Other drivers and cards differ by some 100 MiB."""
+bench/results/current/vram_overhead_check_h100.json. Other drivers and cards differ by some 100 MiB."""
 
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 """cuBLAS workspace, allocated through torch's caching allocator on the first matmul."""

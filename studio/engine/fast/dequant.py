@@ -3,7 +3,7 @@
 bitsandbytes dequantizes a double-quantized NF4 weight in three kernels: the 8-bit scales to fp32
 (``dequantize_blockwise``), the offset added to them, and the 4-bit values times their block's
 scale. The last one ran at about 58% of an H100's memory bandwidth in the fast path's profiles
-(bench/results/h100_v8_profile_c.json: 23-26 ms of a step's dequantizations, every step, whatever
+(bench/results/archive/h100_v8_profile_c.json: 23-26 ms of a step's dequantizations, every step, whatever
 the batch). This kernel does all three in one pass: each program reads a run of 4-bit blocks and
 their 8-bit scales, and writes the compute-dtype weight.
 
@@ -28,7 +28,7 @@ BLOCKS_PER_PROGRAM = 64
 block size of 64."""
 NUM_WARPS = 2
 """Warps a program runs on. With the blocks above, the fastest of 20 choices over a 7B layer's seven
-weights on an H100 (bench/dequant_speed.py --sweep, bench/results/h100_v11_dequant_sweep.json)."""
+weights on an H100 (bench/dequant_speed.py --sweep, bench/results/archive/h100_v11_dequant_sweep.json)."""
 
 
 KERNELS = OwnKernels("dequant_kernel", ("nf4_dequantize",), "NF4 dequantization kernel",

@@ -60,7 +60,7 @@ def warm_cases(flce, h: torch.Tensor, weight: torch.Tensor, reduction: str, soft
     apart for an integer that is a multiple of 16 and for one that is not. The count changes with
     every batch, so a run meets the second case at some later step, which then waits for a compile
     (0.3 s on an H200 with Triton's cache empty: one step of a benchmark's timed window on a fresh
-    machine, bench/results/h200_v18_cold_*.json). Two small losses here, with 16 and 17 target rows,
+    machine, bench/results/archive/h200_v18_cold_*.json). Two small losses here, with 16 and 17 target rows,
     compile both at the first step (with ``reduction="none"``, whose gradient liger computes in its
     backward, that backward too); each shape, dtype and reduction is warmed once a process. The
     weight goes in detached: a trainable head would otherwise have liger allocate its gradient

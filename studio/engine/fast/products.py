@@ -95,7 +95,7 @@ class LoraProduct(torch.autograd.Function):
     its output to), in the order of the module's docstring. The residual is added last, in a pass
     of its own: folded into the update's product (the eighth session's order) it met the update
     before the base product did, and in bf16 a small update added to the large stream rounds away
-    (the per-step losses lagged the HF loop's by up to 3.3%; bench/results/h100_v10_loss_bisect.json).
+    (the per-step losses lagged the HF loop's by up to 3.3%; bench/results/archive/h100_v10_loss_bisect.json).
     With ``in_kernel`` and a residual, the base product writes the output alone and update.py's
     kernel adds the update, then the stream. With ``value`` False only the backward is real: the
     output is a zero that owns no memory, and no product runs (layer.py's recomputation)."""

@@ -3,7 +3,7 @@
 A fused LoRA product (products.LoraProduct) writes its output twice: the update's product
 ``scale * (x A^T) B^T`` (inner size the rank) writes all of it, and the base product then adds
 itself in its epilogue. On a 7B step at micro-batch 16 the update's writes are about 20 ms
-(bench/results/h100_v16_profile.json), most of them gate/up's two 11008-wide outputs. Here the
+(bench/results/archive/h100_v16_profile.json), most of them gate/up's two 11008-wide outputs. Here the
 base product writes the output alone, and the kernel that reads it next adds the update tile by
 tile from ``x A^T`` (``[tokens, rank]``) and ``B^T`` (``[rank, columns]``):
 
@@ -33,7 +33,7 @@ BLOCK_M = 32
 BLOCK_N = 128
 NUM_WARPS = 4
 """Rows, columns and warps of a tile: the forward's and the residual's fastest of eight shapes on an
-H100 (bench/update_kernels.py --sweep, bench/results/h100_v16_update_kernels_c.json)."""
+H100 (bench/update_kernels.py --sweep, bench/results/archive/h100_v16_update_kernels_c.json)."""
 BACKWARD_BLOCK = (16, 256)
 """The SwiGLU backward's tile (rows, columns): its fastest there (4% ahead of 32 x 128)."""
 
