@@ -61,8 +61,9 @@ mapping steps of the allocator (fitted)."""
 GRAPH_POOL_PER_TOKEN = 0.375
 """With CUDA graphs, the captured step's private pool keeps free blocks worth this many times one
 layer's forward outputs per token: the layer's transients the capture freed, which the pool cannot
-hand to anything outside the graph (fitted with ``LAYER_WORKING_SET`` on the same rows; 0.5 before
-the repeated keys and values joined the layer's outputs)."""
+hand to anything outside the graph. Fitted with ``LAYER_WORKING_SET`` on the in-sample rows of
+tests/data/vram_measured.json (9058222's engine); 0.5 before the repeated keys and values joined the
+layer's outputs."""
 
 CAPTURE_WORKSPACES = 5
 """cuBLAS workspaces (core/memory/allocator.py's CUBLAS_WORKSPACE_BYTES each) alive when a CUDA
