@@ -11,9 +11,9 @@ of the chat answer, where the answer's KV cache lived and the longest examples; 
 command, the commit (the engine version every row was measured on), the GPU and the versions.
 tests/core/test_vram_measured.py checks the estimate (``studio estimate`` of each row's config) against it.
 
-    # the GPU box, from the repository root (wheels as docs/testing.md says): 7-8 minutes on an H100 (not timed
-    # yet: the earlier Trainer grids took about 17 s a row three at a time, plus the models' builds)
-    python3 bench/vram_measure.py --commit $(git rev-parse HEAD) --out $OUT/vram_measured.json
+    # the GPU box, from the repository root (wheels as docs/testing.md says): 323 s for the 24 rows at
+    # --parallel 4 on an H200 (9058222, the models' builds included)
+    python3 bench/vram_measure.py --commit $(git rev-parse HEAD) --parallel 4 --out $OUT/vram_measured.json
     # then here: cp <files_at>/vram_measured.json tests/data/vram_measured.json
     python3 bench/vram_measure.py --dry-run              # the rows and today's predictions; runs nothing
     python3 bench/vram_measure.py --cpu --out /tmp/v.json  # the whole pipeline on tiny shapes, on the CPU
@@ -51,7 +51,7 @@ MODELS = {
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                          max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True),
-    # Qwen3-0.6B's config.json: per-head q/k norms (the plain path today), head_dim 128 over a 1024 stream
+    # Qwen3-0.6B's config.json: per-head q/k norms, head_dim 128 over a 1024 stream, 16 query heads on 8 kv
     "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True),
@@ -105,8 +105,8 @@ class Row:
 
 
 def _rows() -> list[Row]:
-    """Both paths (4-bit and bf16 Llama-shaped bases take the fast one, 8-bit bases and Qwen3 the
-    plain one), 256-16384 tokens a micro-batch, graphed and eager fast steps, ranks 8-64 on q/v
+    """Both paths (4-bit and bf16 bases take the fast one, Qwen3's included; 8-bit bases the plain
+    one), 256-16384 tokens a micro-batch, graphed and eager fast steps, ranks 8-64 on q/v
     and on every projection, dropout, 8-bit AdamW, checkpointing off, long, packed and padded rows."""
     l2, l3, smol, qwen = "llama2-7b", "llama3-8b", "smollm2-135m", "qwen3-0.6b"
     rows = [

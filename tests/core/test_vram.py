@@ -393,6 +393,42 @@ def test_the_fast_paths_layer_keeps_inputs_and_qkv_on_the_host():
         - fast.hoisted_adapter_bytes(LLAMA7, 16, ALL_LINEAR, 2)  # only the adapters grow with depth
 
 
+def test_grouped_query_attention_keeps_the_repeated_keys_and_values_in_the_recomputed_layer():
+    """With fewer key/value heads than query heads, engine/fast/attention.py repeats k and v to the
+    query heads' count where the kernel cannot take fewer (SDPA rows; torch 2.11's varlen attention)
+    and the attention saves both for its backward: SmolLM2-135M's 9 query heads on 3 key/value heads
+    hold two more 576-wide tensors a token in the recomputed layer than its own k and v. This was the
+    16384-token SmolLM2 row of tests/data/vram_measured.json, 7.3% under before it was counted."""
+    from studio.core.memory import fast
+
+    h, i, q, kv = SMOL.hidden, SMOL.intermediate, SMOL.heads * SMOL.head_width, SMOL.kv_heads * SMOL.head_width
+    assert (q, kv) == (576, 192)
+    assert fast.layer_outputs_per_token(SMOL, 2) == 2 * (2 * h + (q + 2 * kv) + 2 * q + q + h + 3 * i)
+    same_heads = replace(SMOL, kv_heads=SMOL.heads)
+    assert fast.layer_outputs_per_token(same_heads, 2) == 2 * (2 * h + 3 * q + q + h + 3 * i)  # no copies
+
+
+def test_an_eager_step_frees_each_layers_adapters_as_its_gradients_appear():
+    """A step too large for a CUDA graph runs eagerly after the gradients were set to None: each
+    layer's hoisted adapters (saved by engine/fast/offload.py's OffloadedLayer) are freed as that
+    layer's backward writes its gradients, so the peak holds two layers' adapters beside the other
+    layers' gradients, and a deeper model's activations at the peak do not grow. A graphed step
+    (gradients in fixed tensors from the start) or a later micro-batch of an accumulated step holds
+    every layer's adapters beside every gradient: there they grow with the depth."""
+    from studio.core.memory import fast
+
+    deep = replace(LLAMA7, layers=64)
+    extra_adapters = fast.hoisted_adapter_bytes(deep, 16, ALL_LINEAR, 2) - fast.hoisted_adapter_bytes(
+        LLAMA7, 16, ALL_LINEAR, 2)
+    eager = replace(FAST7, micro_batch=16)
+    assert not graphs_for(eager.real_tokens, eager.lora_dropout, cuda=True)
+    for plan, growth in ((eager, 0), (replace(eager, accumulation=2), extra_adapters), (FAST7, extra_adapters)):
+        step = estimate_plan(LLAMA7, plan).step_categories
+        deeper = estimate_plan(deep, plan).step_categories
+        assert deeper["gradients"] == 2 * step["gradients"]
+        assert abs(deeper["activations"] - step["activations"] - growth) <= 1, plan
+
+
 def test_a_graphed_step_peaks_at_its_capture_with_five_cublas_workspaces():
     """The allocator's history of two Trainer rows on the H100 (bench/results/archive/h100_v7_attribution.json)
     peaked in the first step's CUDA-graph capture, before the optimizer had state, holding five 32 MiB

@@ -11,9 +11,11 @@ fp32 residual stream, no per-module saved inputs, no logits. What today's engine
   layer's input and its rotated q, k and v wait in pinned host memory (engine/fast/offload.py): on
   the device at a backward's start are two layer inputs (the one being recomputed and the next,
   prefetched) and the next layer's q, k and v; the stacked bf16 adapters of every layer (hoisted out
-  of the checkpoints), one recomputed layer's working set in its backward, and the fused
-  cross-entropy's gradient of the hidden states (the logits are never materialised); the shared
-  buffer every 4-bit weight is dequantized into (as large as the widest single projection);
+  of the checkpoints; an eager step frees each layer's as its backward ends, while the gradients
+  appear: :func:`adapters_at_peak`), one recomputed layer's working set in its backward (with a
+  model's fewer key/value heads, the key and value repeated to the query heads' count among it), and
+  the fused cross-entropy's gradient of the hidden states (the logits are never materialised); the
+  shared buffer every 4-bit weight is dequantized into (as large as the widest single projection);
 - overhead: the CUDA context; with CUDA graphs (micro-batches of up to core/plan.py's
   GRAPH_TOKEN_LIMIT tokens), the free blocks of the graph's private pool.
 
@@ -23,7 +25,8 @@ forward without gradients through the same layers before the policy's (:func:`re
 
 The two fitted constants below (``LAYER_WORKING_SET``, ``GRAPH_POOL_PER_TOKEN``) are searched by
 bench/refit_vram_fast.py on the in-sample rows of a measurement of the engine
-(tests/data/vram_measured.json, made by bench/vram_measure.py); docs/memory.md keeps their history.
+(tests/data/vram_measured.json, made by bench/vram_measure.py at 9058222); bench/NOTES.md keeps their
+history.
 
 Plain Python: it must never import torch.
 """
@@ -47,17 +50,20 @@ from studio.core.plan import graphs_for
 LAYER_WORKING_SET = 1.2
 """One recomputed layer's backward holds about this many times its forward outputs
 (:func:`layer_outputs_per_token`: with few of them, the gradients beside them are a large share).
-Fitted with ``GRAPH_POOL_PER_TOKEN`` to the in-sample Trainer rows of the H100 grid of 09fac3a's
-engine, the first with this recomputed layer (bench/results/h100_vram_trainer_v5_*.json)."""
+Fitted with ``GRAPH_POOL_PER_TOKEN`` by bench/refit_vram_fast.py on the 15 in-sample fast-path rows
+of tests/data/vram_measured.json (9058222's engine, one H200); the search kept 1.2, the value first
+fitted on 09fac3a's H100 grid."""
 
 FIXED_SLACK = 32 * 2**20
 """Reserved beyond the allocated peak that no mechanism below explains: small-pool pages and 20 MiB
 mapping steps of the allocator (fitted)."""
 
-GRAPH_POOL_PER_TOKEN = 0.5
+GRAPH_POOL_PER_TOKEN = 0.375
 """With CUDA graphs, the captured step's private pool keeps free blocks worth this many times one
 layer's forward outputs per token: the layer's transients the capture freed, which the pool cannot
-hand to anything outside the graph (fitted with ``LAYER_WORKING_SET``)."""
+hand to anything outside the graph. Fitted with ``LAYER_WORKING_SET`` on the in-sample rows of
+tests/data/vram_measured.json (9058222's engine); 0.5 before the repeated keys and values joined the
+layer's outputs."""
 
 CAPTURE_WORKSPACES = 5
 """cuBLAS workspaces (core/memory/allocator.py's CUBLAS_WORKSPACE_BYTES each) alive when a CUDA
@@ -78,14 +84,20 @@ def layer_outputs_per_token(info: ModelInfo, compute: int) -> float:
     (RoPE rotates them where they are: no copies; q/k norms write normed copies of q and k first),
     attention, o_proj's output written onto the residual stream (one tensor: the LoRA update's
     product adds the residual, the base product adds itself in place), the gate/up product and the
-    gated activation; the recomputation skips down_proj, whose value nothing reads. The description
-    (core/decoder/) changes nothing else at the lengths Studio trains: a sliding window masks scores
-    the flash kernels never keep, soft-caps and scales act inside the kernels."""
+    gated activation; the recomputation skips down_proj, whose value nothing reads. With fewer
+    key/value heads than query heads (grouped-query attention), engine/fast/attention.py repeats k
+    and v to the query heads' count (``repeat_interleave``: two new ``tokens x heads x head_width``
+    tensors) wherever its kernel cannot take fewer: always on the SDPA path (rows without example
+    boundaries), and on flash-attention's varlen path where torch's ``varlen_attn`` takes no
+    ``enable_gqa`` (torch 2.11, the GPU box's); the attention keeps both for its backward. The
+    description (core/decoder/) changes nothing else at the lengths Studio trains: a sliding window
+    masks scores the flash kernels never keep, soft-caps and scales act inside the kernels."""
     h, i = info.hidden, info.intermediate
     q = info.heads * info.head_width
     kv = info.kv_heads * info.head_width
     qk_normed = q + kv if info.qk_norm else 0
-    return compute * (info.norms_per_layer * h + (q + 2 * kv) + qk_normed + q + h + 2 * i + i)
+    repeated = 2 * q if info.kv_heads != info.heads else 0
+    return compute * (info.norms_per_layer * h + (q + 2 * kv) + qk_normed + repeated + q + h + 2 * i + i)
 
 
 def hoisted_adapter_bytes(info: ModelInfo, r: int, targets: tuple[str, ...], compute: int) -> int:
@@ -104,6 +116,29 @@ def hoisted_adapter_bytes(info: ModelInfo, r: int, targets: tuple[str, ...], com
         outs = sum(shapes[name][1] for name in group)
         total += n * r * (fan_in + outs)
     return info.layers * total * compute
+
+
+def adapters_at_peak(layers: int, hoisted: float, grads: float, eager_fresh: bool) -> float:
+    """Bytes of the hoisted adapters and of the adapters' gradients alive together at the backward's
+    peak, from ``hoisted`` and ``grads``, every layer's of each.
+
+    Each layer's hoisted adapters are inputs of its recomputing autograd function
+    (engine/fast/offload.py's ``OffloadedLayer``), saved until that layer's backward has run. A step
+    captured as a CUDA graph adds its gradients into tensors that exist before it starts
+    (engine/fast/graphs.py's ``GradSink``), and a later micro-batch of an accumulated step finds the
+    earlier ones' gradients in place: either way every gradient and every layer's adapters are there
+    when the backward starts. A fresh eager step (``eager_fresh``: the first micro-batch of an
+    optimizer step, after engine/train.py's ``zero_grad(set_to_none=True)``) starts its backward with
+    no gradient, and as each layer's backward ends autograd frees that layer's hoisted adapters and
+    writes its fp32 gradients. So while layer ``L`` runs its backward the layers up to ``L`` hold
+    their adapters and those above it their gradients, an amount linear in ``L``: the peak is at the
+    first layer the backward runs (``L = N - 1``: every layer's adapters, no gradient) or at the
+    second-to-last (``L = 1``: two layers' adapters, the other layers' gradients). The very last
+    (``L = 0``) prefetches no layer below it, one layer input and q, k, v fewer, and stays lower."""
+    if not eager_fresh or layers < 2:
+        return hoisted + grads
+    per_hoisted, per_grads = hoisted / layers, grads / layers
+    return max(layers * per_hoisted, 2 * per_hoisted + (layers - 2) * per_grads)
 
 
 def dequant_buffer_bytes(info: ModelInfo, compute: int) -> int:
@@ -211,15 +246,19 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     graphs = graphs_for(tokens, plan.lora_dropout, cuda=True)  # the engine's own rule (core/plan.py)
     dequantized = dequantizes(plan.weights)
     dequant = dequant_buffer_bytes(info, c) if dequantized else 0  # the shared dequantization buffer
-    activations = (step_activations(info, tokens, c)
-                   + hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c)
-                   + dequant
-                   + CUBLAS_WORKSPACE_BYTES
-                   + dropout_bytes(info, tokens, c, plan.lora_dropout, plan.lora_targets))
-    # Gradients exist through the whole step (the graphs' backward adds into them in place) and the
-    # optimizer's foreach temporary comes after the activations are gone: the backward is the peak.
+    hoisted = hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c)
+    working = (step_activations(info, tokens, c)
+               + dequant
+               + CUBLAS_WORKSPACE_BYTES
+               + dropout_bytes(info, tokens, c, plan.lora_dropout, plan.lora_targets))
+    activations = working + hoisted
+    # The hoisted adapters and the gradients at the backward's peak: all of both with graphs (their
+    # backward adds into fixed gradient tensors) or accumulated gradients, fewer in a fresh eager step.
+    adapters = adapters_at_peak(info.layers, hoisted, grads, eager_fresh=not graphs and plan.accumulation == 1)
+    # The optimizer's foreach temporary comes after the activations are gone, every gradient there:
+    # the backward is the peak. (The categories keep every gradient; activations are the rest.)
     temp = n_train * 4 if plan.optimizer == "adamw" else 0
-    held = int(weights + lora + on_device_optimizer + grads + max(activations, temp))
+    held = int(weights + lora + on_device_optimizer + max(working + adapters, grads + temp))
     # unpadded rows of varying lengths come in several layouts; packed ones widen the one they have
     layouts = plan.data_sized
     workspace = CUBLAS_WORKSPACE_BYTES
@@ -237,7 +276,7 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     else:
         # Eager steps: every product-running thread has its workspace (activations count one).
         extra = (STEP_WORKSPACES - 1) * workspace
-        peak_allocated = int(weights + lora + on_device_optimizer + grads + max(activations + extra, temp))
+        peak_allocated = int(weights + lora + on_device_optimizer + max(working + adapters + extra, grads + temp))
     slack = allocator_slack(info, tokens, c, graphs, dequantized)
     second_pool = 0.0
     if graphs and layouts:
