@@ -69,7 +69,7 @@ CAPTURE_WORKSPACES = 5
 """cuBLAS workspaces (core/memory/allocator.py's CUBLAS_WORKSPACE_BYTES each) alive when a CUDA
 graph is captured: beside the default stream's (STEP_WORKSPACES), the capture's warm-up and capture
 streams, on the main and the autograd thread, have theirs. Counted in the allocator's history at the
-peak of two H100 Trainer rows (bench/results/h100_v7_attribution.json: five 32 MiB blocks, one from
+peak of two H100 Trainer rows (bench/results/archive/h100_v7_attribution.json: five 32 MiB blocks, one from
 the first product of the run, four from the fused products' first calls on the capture's streams);
 the engine frees the capture's once it is done."""
 
@@ -179,7 +179,7 @@ def dropout_bytes(info: ModelInfo, tokens: int, compute: int, rate: float, targe
     AdapterDropout), ``tokens x fan_in`` of the widest adapted input: one at a time, since the input
     gradient's product is masked straight into the layer's input gradient (the kernel accumulates
     into it) and freed before the adapter's own gradient regenerates the masked input. Measured on the
-    H100 in one call (bench/results/h100_v7_speed_c.json, Llama-2-7B r16 on all projections, 2048
+    H100 in one call (bench/results/archive/h100_v7_speed_c.json, Llama-2-7B r16 on all projections, 2048
     tokens): dropout 0.05 allocated 0.042 GiB more than none, one 2048 x 11008 bf16 tensor."""
     if rate <= 0:
         return 0
@@ -301,7 +301,7 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
         # and the prefetched inputs', are not there yet: torch.cuda.graph empties the cache before it
         # captures). It is the peak where the optimizer's state is smaller than the capture's four
         # extra cuBLAS workspaces: SmolLM2-135M r8 on q and v keeps 3.5 MB of state, and its H100 row
-        # reserved 109 MB beyond allocated at the capture (bench/results/h100_v7_attribution.json).
+        # reserved 109 MB beyond allocated at the capture (bench/results/archive/h100_v7_attribution.json).
         need = max(need, at_capture + FIXED_SLACK + graph_pool_free_bytes(info, tokens, c) + second_pool)
     peak_reserved = int(math.ceil(need / PAGE) * PAGE)
     overhead = peak_reserved - held + CUDA_CONTEXT_BYTES
