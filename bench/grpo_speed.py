@@ -5,8 +5,9 @@ GRPO with Studio (its Session + Trainer: the batched sampler with the slot KV ca
 step as a CUDA graph, then the scored pass), with TRL's ``GRPOTrainer`` (1.15.0, generation by
 transformers' ``generate``, no vLLM) and with Unsloth's GRPO (its patched GRPOTrainer, no vLLM),
 each in its own process so that each one's peak memory is its own, and writes one JSON with steps/s,
-the ratio to TRL, peak allocated / reserved, the completions' mean length, the GPU, the commit, the
-package versions and the exact command.
+the ratio to TRL, peak allocated / reserved (Studio's also per phase: the sampling, and the scored
+pass with the update), the completions' mean length, the GPU, the commit, the package versions and
+the exact command.
 
     # on the GPU machine (TRL's and Unsloth's wheels carried as ../shared/GPU.md says):
     python bench/grpo_speed.py --out $OUT/grpo_speed.json --steps 10
@@ -68,6 +69,30 @@ def _peaks(torch) -> dict:
             "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 3)}
 
 
+class PhasePeaks:
+    """Peak allocated and reserved bytes per phase of Studio's step (the sampling; the scored pass
+    with the update), read and reset at each phase's end: the run's peak is the largest of them, as
+    one reading at the end would give, and the JSON says which phase set it."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.peaks: dict[str, list[int]] = {}
+
+    def close(self, phase: str) -> None:
+        """The peaks since the last call belong to ``phase``."""
+        cuda = self.torch.cuda
+        seen = self.peaks.setdefault(phase, [0, 0])
+        seen[0] = max(seen[0], cuda.max_memory_allocated())
+        seen[1] = max(seen[1], cuda.max_memory_reserved())
+        cuda.reset_peak_memory_stats()
+
+    def report(self) -> dict:
+        """``_peaks``' two numbers over every phase, and each phase's."""
+        gb = {name: [round(b / 1e9, 3) for b in pair] for name, pair in self.peaks.items()}
+        return {"peak_allocated_gb": max(a for a, _ in gb.values()), "peak_reserved_gb": max(r for _, r in gb.values()),
+                "phase_peaks_gb": {name: {"allocated": a, "reserved": r} for name, (a, r) in gb.items()}}
+
+
 # ------------------------------------------------------------------------------------ Studio
 
 
@@ -109,17 +134,30 @@ def run_studio(args: argparse.Namespace) -> dict:
 
     session = Session(config, create_run(config), events.append, between_steps)
     session.load()
-    if session.device.type == "cuda":
+    phases = PhasePeaks(torch) if session.device.type == "cuda" else None
+    if phases is not None:
         torch.cuda.reset_peak_memory_stats()
+        sample = session.grpo.sampler.sample
+
+        def sample_marked(*args, **kwargs):
+            phases.close("scored pass and update")  # what ran since the last sampling
+            try:
+                return sample(*args, **kwargs)
+            finally:
+                phases.close("sampling")
+
+        session.grpo.sampler.sample = sample_marked
     times.append(time.perf_counter())
     session.train()
+    if phases is not None:
+        phases.close("scored pass and update")
     steps = [e for e in events if type(e).__name__ == "GrpoStepLogged" and e.split == "train"]
     notes = [e.message for e in events if type(e).__name__ == "WorkerFailed"]
     return {"step_times": [b - a for a, b in zip(times, times[1:], strict=False)],
             "mean_completion_length": [round(e.completion_length, 1) for e in steps],
             "rewards": [round(e.reward, 3) for e in steps],
             "graphs": not session.grpo.sampler.graphs_failed and session.device.type == "cuda",
-            "notes": notes, **_peaks(torch)}
+            "notes": notes, **(phases.report() if phases is not None else _peaks(torch))}
 
 
 # ------------------------------------------------------------------------------------ TRL / Unsloth

@@ -28,3 +28,29 @@ def test_grpo_speed_tiny_runs_studios_side(tmp_path: Path, studio_env: dict, pyt
     assert studio["steps_per_s"] > 0 and len(studio["mean_completion_length"]) == 3
     assert all(0 < n <= 16 for n in studio["mean_completion_length"])
     assert "skipped" in report["unsloth"] and ("skipped" in report["trl"] or "steps_per_s" in report["trl"])
+
+
+def test_phase_peaks_attribute_the_run_s_peak_to_the_phase_that_set_it() -> None:
+    """Studio's side reads and resets the peaks at each phase's end: the run's peak is the largest
+    of the phases' (what one reading at the end gives), and each phase keeps its own largest."""
+    from types import SimpleNamespace
+
+    from bench.grpo_speed import PhasePeaks
+
+    # each phase's (allocated, reserved) peaks: sampling, scored, sampling, scored
+    readings = [(7e9, 8e9), (9e9, 9.5e9), (7.5e9, 8.5e9), (8e9, 9e9)]
+    phase = [0]  # a reset starts the next phase's readings
+
+    def reset() -> None:
+        phase[0] += 1
+
+    torch = SimpleNamespace(cuda=SimpleNamespace(max_memory_allocated=lambda: readings[phase[0]][0],
+                                                 max_memory_reserved=lambda: readings[phase[0]][1],
+                                                 reset_peak_memory_stats=reset))
+    phases = PhasePeaks(torch)
+    for name in ("sampling", "scored pass and update") * 2:
+        phases.close(name)
+    report = phases.report()
+    assert report["peak_allocated_gb"] == 9.0 and report["peak_reserved_gb"] == 9.5
+    assert report["phase_peaks_gb"] == {"sampling": {"allocated": 7.5, "reserved": 8.5},
+                                        "scored pass and update": {"allocated": 9.0, "reserved": 9.5}}
