@@ -71,20 +71,32 @@ def _peaks(torch) -> dict:
 
 class PhasePeaks:
     """Peak allocated and reserved bytes per phase of Studio's step (the sampling; the scored pass
-    with the update), read and reset at each phase's end: the run's peak is the largest of them, as
-    one reading at the end would give, and the JSON says which phase set it."""
+    with the update) over the whole run. Studio's Trainer starts a new peak window at every logged
+    step (engine/memory.py's ``reset_peak``), so a single reading at the end would see the last
+    step only: every reset, the Trainer's and the phase ends', first folds the window's peaks into
+    the phase it belongs to. The run's peak is the largest phase's, as TRL's and Unsloth's sides read
+    theirs over the whole run."""
 
-    def __init__(self, torch):
-        self.torch = torch
+    def __init__(self, torch, phase: str):
+        self.cuda = torch.cuda
         self.peaks: dict[str, list[int]] = {}
+        self.phase = phase
+        """The phase the current peak window belongs to."""
+        self._reset = torch.cuda.reset_peak_memory_stats
+        torch.cuda.reset_peak_memory_stats = self._fold_and_reset
+        self._reset()
 
-    def close(self, phase: str) -> None:
-        """The peaks since the last call belong to ``phase``."""
-        cuda = self.torch.cuda
-        seen = self.peaks.setdefault(phase, [0, 0])
-        seen[0] = max(seen[0], cuda.max_memory_allocated())
-        seen[1] = max(seen[1], cuda.max_memory_reserved())
-        cuda.reset_peak_memory_stats()
+    def _fold_and_reset(self, *args, **kwargs) -> None:
+        seen = self.peaks.setdefault(self.phase, [0, 0])
+        seen[0] = max(seen[0], self.cuda.max_memory_allocated())
+        seen[1] = max(seen[1], self.cuda.max_memory_reserved())
+        self._reset(*args, **kwargs)
+
+    def close(self, phase: str, then: str) -> None:
+        """The window so far belongs to ``phase``; the next one to ``then``."""
+        self.phase = phase
+        self._fold_and_reset()
+        self.phase = then
 
     def report(self) -> dict:
         """``_peaks``' two numbers over every phase, and each phase's."""
@@ -134,23 +146,23 @@ def run_studio(args: argparse.Namespace) -> dict:
 
     session = Session(config, create_run(config), events.append, between_steps)
     session.load()
-    phases = PhasePeaks(torch) if session.device.type == "cuda" else None
+    scored, sampling = "scored pass and update", "sampling"
+    phases = PhasePeaks(torch, scored) if session.device.type == "cuda" else None
     if phases is not None:
-        torch.cuda.reset_peak_memory_stats()
         sample = session.grpo.sampler.sample
 
         def sample_marked(*args, **kwargs):
-            phases.close("scored pass and update")  # what ran since the last sampling
+            phases.close(scored, then=sampling)  # what ran since the last sampling
             try:
                 return sample(*args, **kwargs)
             finally:
-                phases.close("sampling")
+                phases.close(sampling, then=scored)
 
         session.grpo.sampler.sample = sample_marked
     times.append(time.perf_counter())
     session.train()
     if phases is not None:
-        phases.close("scored pass and update")
+        phases.close(scored, then=scored)
     steps = [e for e in events if type(e).__name__ == "GrpoStepLogged" and e.split == "train"]
     notes = [e.message for e in events if type(e).__name__ == "WorkerFailed"]
     return {"step_times": [b - a for a, b in zip(times, times[1:], strict=False)],
