@@ -5,8 +5,9 @@ GRPO with Studio (its Session + Trainer: the batched sampler with the slot KV ca
 step as a CUDA graph, then the scored pass), with TRL's ``GRPOTrainer`` (1.15.0, generation by
 transformers' ``generate``, no vLLM) and with Unsloth's GRPO (its patched GRPOTrainer, no vLLM),
 each in its own process so that each one's peak memory is its own, and writes one JSON with steps/s,
-the ratio to TRL, peak allocated / reserved, the completions' mean length, the GPU, the commit, the
-package versions and the exact command.
+the ratio to TRL, peak allocated / reserved (Studio's also per phase: the sampling, and the scored
+pass with the update), the completions' mean length, the GPU, the commit, the package versions and
+the exact command.
 
     # on the GPU machine (TRL's and Unsloth's wheels carried as ../shared/GPU.md says):
     python bench/grpo_speed.py --out $OUT/grpo_speed.json --steps 10
@@ -68,6 +69,42 @@ def _peaks(torch) -> dict:
             "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 3)}
 
 
+class PhasePeaks:
+    """Peak allocated and reserved bytes per phase of Studio's step (the sampling; the scored pass
+    with the update) over the whole run. Studio's Trainer starts a new peak window at every logged
+    step (engine/memory.py's ``reset_peak``), so a single reading at the end would see the last
+    step only: every reset, the Trainer's and the phase ends', first folds the window's peaks into
+    the phase it belongs to. The run's peak is the largest phase's, as TRL's and Unsloth's sides read
+    theirs over the whole run."""
+
+    def __init__(self, torch, phase: str):
+        self.cuda = torch.cuda
+        self.peaks: dict[str, list[int]] = {}
+        self.phase = phase
+        """The phase the current peak window belongs to."""
+        self._reset = torch.cuda.reset_peak_memory_stats
+        torch.cuda.reset_peak_memory_stats = self._fold_and_reset
+        self._reset()
+
+    def _fold_and_reset(self, *args, **kwargs) -> None:
+        seen = self.peaks.setdefault(self.phase, [0, 0])
+        seen[0] = max(seen[0], self.cuda.max_memory_allocated())
+        seen[1] = max(seen[1], self.cuda.max_memory_reserved())
+        self._reset(*args, **kwargs)
+
+    def close(self, phase: str, then: str) -> None:
+        """The window so far belongs to ``phase``; the next one to ``then``."""
+        self.phase = phase
+        self._fold_and_reset()
+        self.phase = then
+
+    def report(self) -> dict:
+        """``_peaks``' two numbers over every phase, and each phase's."""
+        gb = {name: [round(b / 1e9, 3) for b in pair] for name, pair in self.peaks.items()}
+        return {"peak_allocated_gb": max(a for a, _ in gb.values()), "peak_reserved_gb": max(r for _, r in gb.values()),
+                "phase_peaks_gb": {name: {"allocated": a, "reserved": r} for name, (a, r) in gb.items()}}
+
+
 # ------------------------------------------------------------------------------------ Studio
 
 
@@ -109,17 +146,30 @@ def run_studio(args: argparse.Namespace) -> dict:
 
     session = Session(config, create_run(config), events.append, between_steps)
     session.load()
-    if session.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    scored, sampling = "scored pass and update", "sampling"
+    phases = PhasePeaks(torch, scored) if session.device.type == "cuda" else None
+    if phases is not None:
+        sample = session.grpo.sampler.sample
+
+        def sample_marked(*args, **kwargs):
+            phases.close(scored, then=sampling)  # what ran since the last sampling
+            try:
+                return sample(*args, **kwargs)
+            finally:
+                phases.close(sampling, then=scored)
+
+        session.grpo.sampler.sample = sample_marked
     times.append(time.perf_counter())
     session.train()
+    if phases is not None:
+        phases.close(scored, then=scored)
     steps = [e for e in events if type(e).__name__ == "GrpoStepLogged" and e.split == "train"]
     notes = [e.message for e in events if type(e).__name__ == "WorkerFailed"]
     return {"step_times": [b - a for a, b in zip(times, times[1:], strict=False)],
             "mean_completion_length": [round(e.completion_length, 1) for e in steps],
             "rewards": [round(e.reward, 3) for e in steps],
             "graphs": not session.grpo.sampler.graphs_failed and session.device.type == "cuda",
-            "notes": notes, **_peaks(torch)}
+            "notes": notes, **(phases.report() if phases is not None else _peaks(torch))}
 
 
 # ------------------------------------------------------------------------------------ TRL / Unsloth

@@ -11,8 +11,10 @@ in for the cross-entropy. For a micro-batch it
 3. turns each completion's total into its advantage within its group,
    ``A = (r - mean(group)) / (std(group) + 1e-4)``;
 4. runs the scored pass: prompt + completion through the policy (training mode), each completion
-   token's log-prob ``log p``; with ``beta`` > 0, the same through the base (the adapters switched
-   off, no gradients) for the KL term ``exp(ref - log p) - (ref - log p) - 1``;
+   token's log-prob ``log p`` (the decoder, then the output head a chunk of tokens at a time:
+   engine/chunked_head.py; no logits of every completion token); with ``beta`` > 0, the same
+   through the base (the adapters switched off, no gradients) for the KL term
+   ``exp(ref - log p) - (ref - log p) - 1``;
 5. returns the summed loss of the tokens ``-A * exp(log p - stopgrad(log p)) + beta * KL`` (one
    policy update per sampling, so the ratio is 1 with the gradient of ``log p``): ``grpo`` sums
    each completion's mean over its tokens, ``dr_grpo`` every token. The micro-batch's
@@ -40,6 +42,7 @@ from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.grpo import rewards as rw
 from studio.core.grpo import rows as grpo_rows
+from studio.engine.chunked_head import find_head
 from studio.engine.grpo_prompts import PromptBatch, PromptExample, encode_prompts
 from studio.engine.sampler import GroupSampler, Sampled, step_seed
 from studio.engine.token_logps import token_logps
@@ -96,6 +99,9 @@ class GrpoObjective:
         """A data row -> the prompt text the policy reads (the session's template or chat template)."""
         self.bos = bos
         self.rewards: list[rw.Reward] = []
+        self._head, _ = find_head(model)
+        """The decoder and output head of the scored pass (engine/chunked_head.py); None: the
+        model's own logits instead."""
         self.sampler = GroupSampler(model, device, tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                                     else (tokenizer.eos_token_id or 0), stops, compute_dtype)
         self.seed = config.trainer.seed
@@ -139,9 +145,12 @@ class GrpoObjective:
         self._group = None
         self.step_tokens = 0
 
+    @property
+    def _autocast_on(self) -> bool:
+        return self.device.type == "cuda" and self.compute_dtype != torch.float32
+
     def _autocast(self) -> Any:
-        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype,
-                              enabled=self.device.type == "cuda" and self.compute_dtype != torch.float32)
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype, enabled=self._autocast_on)
 
     def forward(self, batch: PromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample, score and return the summed loss of one micro-batch of prompts (and a zero in
@@ -206,8 +215,28 @@ class GrpoObjective:
         return ids, attention, positions, answer
 
     def _completion_logps(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
-                          length: int) -> torch.Tensor:
-        """Log-probs of the last ``length`` tokens of every row (the completion), fp32."""
+                          answer: torch.Tensor) -> torch.Tensor:
+        """Log-probs (fp32) of the completion tokens, the last ``answer.shape[1]`` of every row; 0
+        where ``answer`` marks no token. Through the decoder and the output head a chunk of tokens at
+        a time (engine/chunked_head.py) where the model allows, else from the model's logits of the
+        completion positions."""
+        length = answer.shape[1]
+        if self._head is None:
+            return self._logits_logps(ids, attention, positions, length)
+        with self._autocast():
+            hidden = self._head.hidden(ids, attention, positions)
+        wanted = answer.bool()
+        # position t's hidden state predicts token t + 1: the completion's tokens are predicted from
+        # the last prompt token on, and the row's last position predicts nothing
+        h = hidden[:, -(length + 1):-1][wanted]
+        dtype = self.compute_dtype if self._autocast_on else self._head.head.weight.dtype
+        logps = self._head.logps(h, ids[:, -length:][wanted], dtype)
+        return torch.zeros(wanted.shape, dtype=torch.float32, device=logps.device).masked_scatter(wanted, logps)
+
+    def _logits_logps(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
+                      length: int) -> torch.Tensor:
+        """:meth:`_completion_logps` from the model's own forward: the logits of the completion
+        positions (``logits_to_keep``), whose log-softmax engine/token_logps.py takes in slices."""
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         keep = {"logits_to_keep": length + 1} if "logits_to_keep" in inspect.signature(base.forward).parameters \
             else {}
@@ -221,13 +250,13 @@ class GrpoObjective:
         return token_logps(logits, targets)[:, :length]
 
     def _reference_logps(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
-                         length: int) -> torch.Tensor:
+                         answer: torch.Tensor) -> torch.Tensor:
         """The base model's log-probs of the completions: adapters off, no gradients, no dropout."""
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad(), self.model.disable_adapter():
-                return self._completion_logps(ids, attention, positions, length)
+                return self._completion_logps(ids, attention, positions, answer)
         finally:
             if was_training:
                 self.model.train()
@@ -236,11 +265,10 @@ class GrpoObjective:
                      ) -> tuple[torch.Tensor, tuple[float, int] | None]:
         """The micro-batch's summed loss and, with ``beta`` > 0, its summed KL and token count."""
         ids, attention, positions, answer = self._rows(prompts, sampled)
-        length = answer.shape[1]
         self.step_tokens += int(attention.sum())
         beta = self.settings.beta
-        reference = self._reference_logps(ids, attention, positions, length) if beta > 0 else None
-        logps = self._completion_logps(ids, attention, positions, length)
+        reference = self._reference_logps(ids, attention, positions, answer) if beta > 0 else None
+        logps = self._completion_logps(ids, attention, positions, answer)
         mask = answer.float()
         per_token = -torch.exp(logps - logps.detach()) * advantages.to(logps.device)[:, None]
         kl = None

@@ -16,6 +16,10 @@ not on which other rows share its batch: a step redone after an out-of-memory ha
 over several GPUs and a resumed run sample the same completions. The hash runs on the device, inside
 the graph.
 
+A sampling whose decode step ran as a graph gives its memory back before it returns (the graph's
+private pool, the KV cache's pages, the cuBLAS workspaces of the capture's streams): the scored pass
+that comes next needs it, and no allocation outside a graph can use a graph's pool.
+
 The adapters are on unless the caller switches them off (peft's ``disable_adapter()``); the model is
 put in eval mode for the sampling and handed back as it came.
 """
@@ -161,6 +165,10 @@ class GroupSampler:
         """Why a CUDA graph capture failed (sampling then runs eagerly from there on); '' if none did."""
         self._cache_name, self._logits_to_keep = _forward_arguments(model)
         self._vocab_hash: torch.Tensor | None = None
+        self._side: Any = None
+        """The stream every capture's warm-up runs on (a torch.cuda.Stream, made at the first)."""
+        self._captured_pool = False
+        """A decode step was captured since the last :meth:`_release`."""
         impl = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
         self._additive_mask = impl == "eager"  # eager attention adds its mask; SDPA takes booleans
 
@@ -197,10 +205,12 @@ class GroupSampler:
         model.eval()
         try:
             with off, self._autocast():
-                return self._sample(prompts, keys, seed, max_new, temperature)
+                sampled = self._sample(prompts, keys, seed, max_new, temperature)
         finally:
             if was_training:
                 model.train()
+        self._release()
+        return sampled
 
     def _sample(self, prompts: Sequence[Sequence[int]], keys: Sequence[int], seed: int, max_new: int,
                 temperature: float) -> Sampled:
@@ -273,7 +283,12 @@ class GroupSampler:
     def _captured(self, step: Any) -> Any:
         """``step`` run once eagerly on a side stream (the warm-up a capture needs), then captured;
         the graph's replay, or ``step`` itself when the capture fails (said in :attr:`graphs_failed`)."""
-        side = torch.cuda.Stream(self.device)
+        if self._side is None:
+            # One side stream for every warm-up: cuBLAS keeps a workspace per stream it ran on (32
+            # MiB on a Hopper card) until it is told to let go, and a new stream each call would
+            # be a new one each step (torch hands out up to 32 different streams).
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             step()
@@ -285,7 +300,24 @@ class GroupSampler:
         except Exception as exc:  # any capture failure: the eager step is still correct
             self.graphs_failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
             return step
+        self._captured_pool = True
         return graph.replay
+
+    def _release(self) -> None:
+        """After a sampling that captured its decode step: give back what it leaves behind, before
+        the scored pass asks for its own memory. The graph is gone by now (nothing keeps it past
+        :meth:`_decode`), but its private pool stays reserved, usable by no other allocation, until
+        the caching allocator is emptied; so do the KV cache's freed pages and the cuBLAS workspaces
+        of the warm-up's side stream and of the capture's stream (the latter inside the dead
+        graph's pool, which it would keep mapped)."""
+        if not self._captured_pool:
+            return
+        self._captured_pool = False
+        torch.cuda.synchronize(self.device)  # nothing in flight still uses a workspace freed here
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()  # the default stream's workspace comes back at its next product
+        torch.cuda.empty_cache()
 
     def _finish(self, out: torch.Tensor) -> Sampled:
         stop_at = torch.isin(out, self.stops)

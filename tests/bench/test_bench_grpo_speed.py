@@ -28,3 +28,33 @@ def test_grpo_speed_tiny_runs_studios_side(tmp_path: Path, studio_env: dict, pyt
     assert studio["steps_per_s"] > 0 and len(studio["mean_completion_length"]) == 3
     assert all(0 < n <= 16 for n in studio["mean_completion_length"])
     assert "skipped" in report["unsloth"] and ("skipped" in report["trl"] or "steps_per_s" in report["trl"])
+
+
+def test_phase_peaks_attribute_the_run_s_peak_to_the_phase_that_set_it() -> None:
+    """Studio's side folds the peaks into the phase they belong to at each phase's end and at each
+    reset the Trainer makes (a new window every logged step): the run's peak is the largest over
+    the whole run, not the last window's, and each phase keeps its own largest."""
+    from types import SimpleNamespace
+
+    from bench.grpo_speed import PhasePeaks
+
+    # each window's (allocated, reserved) peaks: the first is before the run and is not read
+    readings = [(0, 0), (7e9, 8e9), (9e9, 9.5e9), (6e9, 7e9), (7.5e9, 8.5e9), (8e9, 9e9)]
+    window = [0]
+
+    def reset(*args) -> None:
+        window[0] += 1
+
+    torch = SimpleNamespace(cuda=SimpleNamespace(max_memory_allocated=lambda: readings[window[0]][0],
+                                                 max_memory_reserved=lambda: readings[window[0]][1],
+                                                 reset_peak_memory_stats=reset))
+    phases = PhasePeaks(torch, "scored")
+    phases.close("sampling", then="scored")
+    torch.cuda.reset_peak_memory_stats("cuda")  # the Trainer, at the next step's start
+    phases.close("scored", then="sampling")
+    phases.close("sampling", then="scored")
+    phases.close("scored", then="scored")
+    report = phases.report()
+    assert report["peak_allocated_gb"] == 9.0 and report["peak_reserved_gb"] == 9.5
+    assert report["phase_peaks_gb"] == {"sampling": {"allocated": 7.5, "reserved": 8.5},
+                                        "scored": {"allocated": 9.0, "reserved": 9.5}}

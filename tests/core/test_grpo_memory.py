@@ -57,17 +57,46 @@ def test_the_sampling_phase_grows_with_the_group_and_the_completion() -> None:
     assert GRPO_SAMPLING not in sft.phases
 
 
-def test_the_scored_pass_takes_logits_of_the_completion_only_and_keeps_the_base_in_bf16() -> None:
-    """GRPO's scored pass over 8 x 512-token rows keeps bf16 logits of 257 positions a row where the
-    plain path's SFT loss takes fp32 logits of all 512; and a GRPO base is not upcast to fp32 by
-    PEFT's k-bit preparation (embeddings and head stay bf16: engine/model.py)."""
-    from studio.core.memory import estimate_plan
-
+def _scored_pass_plan():
     grpo = parse_config(GRPO.replace("trainer: {method: grpo}", "trainer: {method: grpo, micro_batch_size: 1, "
                                      "gradient_checkpointing: true}"))
     g = estimate(grpo, LLAMA3_8B)
     assert g.plan.path == "plain" and g.plan.tokens == 8 * 512 and not g.plan.upcast
-    every_logit = estimate_plan(LLAMA3_8B, replace(g.plan, grpo_completion=0))
+    return g
+
+
+def test_the_scored_pass_holds_no_logits_and_keeps_the_base_in_bf16() -> None:
+    """GRPO's scored pass over 8 x 512-token rows goes through the output head a chunk of tokens at
+    a time (engine/chunked_head.py): its loss holds neither the 8 x 257 completion positions' bf16
+    logits nor their gradient (2 x 0.53 GB), which it does where the head trains (a full fine-tune
+    takes the model's own logits), and the step peaks in a layer's backward, not at the loss. A GRPO
+    base is not upcast to fp32 by PEFT's k-bit preparation (embeddings and head stay bf16:
+    engine/model.py)."""
+    from studio.core.memory import estimate_plan
+    from studio.core.memory.plain import grpo_loss_bytes, moments
+
+    g = _scored_pass_plan()
+    logits = 8 * 257 * LLAMA3_8B.vocab * 2  # bf16
+    chunked = grpo_loss_bytes(LLAMA3_8B, g.plan)
+    assert grpo_loss_bytes(LLAMA3_8B, replace(g.plan, lora_r=None)) - chunked > 2 * logits
+    assert chunked < logits / 2
+    step = moments(LLAMA3_8B, g.plan, g.categories["gradients"])
+    assert step.layer_backward > step.loss
+    assert g.phases["training step"].allocated == g.peak_allocated
+    every_logit = estimate_plan(LLAMA3_8B, replace(g.plan, grpo_completion=0))  # SFT's loss: fp32, every position
     assert g.phases["training step"].allocated < every_logit.phases["training step"].allocated - 4e9
     upcast = estimate_plan(LLAMA3_8B, replace(g.plan, kbit_upcast=True))
     assert g.categories["weights"] < upcast.categories["weights"] - 1.5e9  # 128k x 4096 embeddings and head
+
+
+def test_lora_reads_a_k_bit_base_s_bf16_stream_as_it_is() -> None:
+    """PEFT's bitsandbytes LoRA layers do not cast their input to the adapters' fp32 under autocast
+    (its plain LoRA layers over a bf16 base do): on GRPO's k-bit base q, k and v keep their input
+    once, gate and up theirs once, so a layer keeps two hidden-width bf16 copies a token fewer
+    than over a bf16 base, and three fewer than with the stream upcast to fp32."""
+    from studio.core.memory.plain import layer_activation_bytes
+
+    plan = _scored_pass_plan().plan
+    nf4 = layer_activation_bytes(LLAMA3_8B, plan)
+    bf16_base = layer_activation_bytes(LLAMA3_8B, replace(plan, weights="bf16"))
+    assert bf16_base - nf4 == 3 * 2 * LLAMA3_8B.hidden

@@ -10,10 +10,12 @@ exact); the rewards (exact match on the ``word`` column, and sample_data/grpo/re
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shutil
 import subprocess
+import weakref
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ from studio.core import events as ev
 from studio.core.config import RewardConfig, RunConfig
 from studio.core.paths import sample_data_dir
 from studio.core.runs import RunDir, create_run, iter_events
-from studio.engine.sampler import GroupSampler, choose, vocab_hashes
+from studio.engine.sampler import GroupSampler, SlotCache, choose, vocab_hashes
 from studio.engine.tiny import TINY_TEMPLATE
 from studio.engine.token_logps import token_logps
 
@@ -140,6 +142,84 @@ def test_the_decode_step_replayed_as_a_cuda_graph_samples_what_eager_steps_do(ti
         assert eager.lengths == graphed.lengths
 
 
+def test_the_prefill_computes_the_last_position_s_logits_only(tiny_model: Path) -> None:
+    """The prompts' pass asks the model for the logits of the last position alone (its others would
+    be rows x prompt x vocabulary, 0.5 GB for 8 prompts of 128 tokens with Llama 3's vocabulary), as
+    does every decode step."""
+    model, tok = _model(tiny_model)
+    seen: list[tuple[int, ...]] = []
+    model.lm_head.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    prompts = _prompts(tok, ["s-t-o-n-e", "a-b", "q-u-i-c-k-l-y"])
+    sampler = GroupSampler(model, torch.device("cpu"), tok.pad_token_id, [tok.eos_token_id], torch.float32)
+    sampler.sample(prompts, [0, 1, 2], seed=0, max_new=6, temperature=1.0)
+    assert len(seen) == 6 and all(shape[:2] == (3, 1) for shape in seen)
+
+
+def _kv_cache_watch(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref]:
+    """Weak references to every key and value tensor a sampling's SlotCache allocates."""
+    refs: list[weakref.ref] = []
+    update = SlotCache.update
+
+    def watched(self, *args, **kwargs):
+        fresh = len(self.keys)
+        out = update(self, *args, **kwargs)
+        if len(self.keys) > fresh:
+            layer = next(reversed(self.keys))
+            refs.extend([weakref.ref(self.keys[layer]), weakref.ref(self.values[layer])])
+        return out
+
+    monkeypatch.setattr(SlotCache, "update", watched)
+    return refs
+
+
+def test_the_kv_cache_is_freed_when_sampling_returns(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing keeps the sampling's KV cache once the completions are back (no reference cycle
+    either: the cyclic collector is not needed), so the scored pass can use its memory."""
+    model, tok = _model(tiny_model)
+    refs = _kv_cache_watch(monkeypatch)
+    sampler = GroupSampler(model, torch.device("cpu"), tok.pad_token_id, [tok.eos_token_id], torch.float32)
+    gc.disable()
+    try:
+        sampled = sampler.sample(_prompts(tok, ["s-t-o-n-e", "a-b"]), [0, 1], seed=0, max_new=6, temperature=1.0)
+        assert len(refs) == 2 * model.config.num_hidden_layers
+        assert all(ref() is None for ref in refs)
+    finally:
+        gc.enable()
+    assert sampled.tokens.shape[0] == 2
+
+
+def test_a_captured_sampling_gives_its_memory_back_before_returning(tiny_model: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a sampling whose decode step ran as a CUDA graph, the sampler waits for the GPU, lets go
+    of cuBLAS's workspaces and empties the caching allocator: the graph's private pool (which no
+    other allocation can use) and the KV cache's pages go back before the scored pass. The graph
+    and the cache are dead by then. A sampling that captured nothing gives nothing back. (The
+    capture and the CUDA calls are stand-ins here: this runs on the CPU.)"""
+    model, tok = _model(tiny_model)
+    refs = _kv_cache_watch(monkeypatch)
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("workspaces"), raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache",
+                        lambda: calls.append("empty_cache" if all(r() is None for r in refs) else "cache alive"))
+    sampler = GroupSampler(model, torch.device("cpu"), tok.pad_token_id, [tok.eos_token_id], torch.float32)
+    sampler.graphs = True
+
+    def captured(step):
+        step()  # the warm-up
+        sampler._captured_pool = True
+        return step
+
+    monkeypatch.setattr(sampler, "_captured", captured)
+    prompts = _prompts(tok, ["s-t-o-n-e", "a-b"])
+    sampler.sample(prompts, [0, 1], seed=0, max_new=6, temperature=1.0)
+    assert calls == ["synchronize", "workspaces", "empty_cache"]
+    calls.clear()
+    sampler.graphs = False
+    sampler.sample(prompts, [0, 1], seed=0, max_new=6, temperature=1.0)
+    assert calls == []
+
+
 def test_the_noise_samples_the_softmax_at_the_temperature() -> None:
     """Gumbel-max with the hashed noise: over many keys each token comes up as often as its
     probability at the temperature says (within sampling error)."""
@@ -210,6 +290,57 @@ def test_grpo_and_dr_grpo_normalise_as_their_papers_say(tiny_model: Path, tmp_pa
     grpo.start_step(1)
     grpo.forward(_first_batch(session))
     assert grpo.sums().kl / grpo.sums().kl_tokens > 1e-4
+
+
+def test_the_scored_pass_takes_the_model_s_log_probs_without_its_logits(tiny_model: Path, tmp_path: Path) -> None:
+    """The scored pass runs the decoder and the output head a chunk of tokens at a time: the output
+    head's module never runs (no completions x vocabulary logits, nor their gradient), and each
+    completion token's log-prob and every LoRA gradient are those of the plain computation from the
+    model's logits (a log-softmax of every position); padding after a completion gets 0."""
+    from studio.engine.session import Session
+
+    session = Session(_config(tiny_model, tmp_path / "run"), create_run(_config(tiny_model, tmp_path / "run")),
+                      lambda e: None)
+    session.load()
+    grpo, model = session.grpo, session.model
+    assert grpo._head is not None
+    with torch.no_grad():  # a trained-looking LoRA: every adapter's gradient is non-zero
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    batch = _first_batch(session)
+    prompts = [e.input_ids for e in batch.examples for _ in range(3)]
+    sampled = grpo.sampler.sample(prompts, list(range(len(prompts))), 7, 16, 1.0)
+    assert len(set(sampled.lengths)) > 1  # completions of several lengths: padding after the shorter
+    ids, attention, positions, answer = grpo._rows(prompts, sampled)
+    weights = torch.randn(answer.shape, generator=torch.Generator().manual_seed(0))
+    model.train()
+
+    def run(chunked: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        if chunked:
+            logps = grpo._completion_logps(ids, attention, positions, answer)
+        else:
+            logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False).logits
+            length = answer.shape[1]
+            logps = logits[:, -(length + 1):-1].log_softmax(-1).gather(-1, ids[:, -length:, None])[..., 0]
+            logps = logps * answer
+        (logps * weights).sum().backward()
+        return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    head_ran: list[bool] = []
+    hook = model.get_base_model().lm_head.register_forward_hook(lambda *args: head_ran.append(True))
+    got, got_grads = run(chunked=True)
+    assert not head_ran
+    hook.remove()
+    expected, expected_grads = run(chunked=False)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert bool((got[~answer.bool()] == 0).all())
+    assert got_grads.keys() == expected_grads.keys() and len(got_grads) > 0
+    for name, grad in expected_grads.items():
+        assert grad.abs().sum() > 0, name
+        rel = (got_grads[name] - grad).norm() / grad.norm()
+        assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
 
 
 def _first_batch(session):

@@ -32,8 +32,10 @@ micro-batch 32 under a 15 GB cap and died in its final evaluation):
   one layer over every row's prompt, one weight dequantized by bitsandbytes, the last position's
   logits with the sampling noise (int64 hashes and fp32 draws of a row x the vocabulary), and on a
   GPU the decode step's CUDA graph pool, about one more dequantized weight; the gradients of the
-  step's earlier micro-batches are alive. A GRPO run's evaluation is the same greedy sampling of
-  held-out prompts, so its evaluation phase is this one.
+  step's earlier micro-batches are alive. The sampler gives the pool and the cache back before the
+  scored pass (engine/sampler.py), so neither sits beside the training step's own memory. A GRPO
+  run's evaluation is the same greedy sampling of held-out prompts, so its evaluation phase is this
+  one.
 
 What persists through all of them: the weights, the adapters, the optimizer state (gradients are
 freed after every optimizer step: ``zero_grad(set_to_none=True)``), on the fast path its shared

@@ -77,8 +77,10 @@ def _input_saved(n: int, dtype: int, modules: tuple[str, ...], plan: Plan) -> fl
         total += c * (plan.lora_r or 0)  # lora_A's output, kept by lora_B
         if plan.lora_dropout > 0:
             total += n + c * n  # CUDA dropout keeps a one-byte mask; lora_A keeps its own input copy
-        elif dtype != c or (not plan.upcast and c != 4):
-            # autocast casts per call (PEFT's plain LoRA first casts to its fp32 weights)
+        elif dtype != c or (not plan.upcast and c != 4 and not plan.quantized):
+            # autocast casts per call (PEFT's plain LoRA first casts to its fp32 weights; its
+            # bitsandbytes LoRA layers do not under autocast, so a k-bit base whose stream stays in
+            # the compute dtype, GRPO's, hands lora_A its input as it is)
             total += c * n
         else:
             shared = True
@@ -192,13 +194,27 @@ GRPO_SLICE_BYTES = 2 * 4 * 2**25
 slice and the softmax made from it in backward."""
 
 
-def grpo_logit_bytes(info: ModelInfo, plan: Plan) -> float:
-    """The loss moment of GRPO's scored pass (engine/grpo.py): logits of the completion positions
-    only (``logits_to_keep``: completion + 1 a row) in the compute dtype, kept for backward by
-    engine/token_logps.py (no fp32 copy), their gradient in backward, and its fp32 slices."""
+def grpo_loss_bytes(info: ModelInfo, plan: Plan) -> float:
+    """The loss moment of GRPO's scored pass (engine/grpo.py) beyond the saved activations, every
+    completion taken as ``grpo_completion`` long, the final norm's fp32 input included.
+
+    With a LoRA (a frozen output head without an adapter: the estimate knows no LoRA on lm_head),
+    the output head goes a chunk of tokens at a time (engine/chunked_head.py): the decoder's output,
+    the completion tokens' rows gathered from it and each one's gradient (computed in the forward
+    and kept), and one chunk of rows whose fp32 logits are no larger than the completion tokens'
+    hidden states in fp32 (engine/fast/loss.py's ``chunk_rows``), with its fp32 log-softmax. A full
+    fine-tune trains the head and takes the model's own logits: the completion positions' logits
+    (``logits_to_keep``) in the compute dtype, kept for backward by engine/token_logps.py (no fp32
+    copy), their gradient in backward, and its fp32 slices."""
     c = dtype_bytes(plan.compute)
     rows = plan.micro_batch * plan.sequences_per_example
-    return rows * (plan.grpo_completion + 1) * info.vocab * 2 * c + GRPO_SLICE_BYTES + plan.tokens * 4 * info.hidden
+    norm_input = plan.tokens * 4 * info.hidden
+    if plan.lora_r is None:
+        return rows * (plan.grpo_completion + 1) * info.vocab * 2 * c + GRPO_SLICE_BYTES + norm_input
+    completion_tokens = rows * plan.grpo_completion
+    chunk = max(16, completion_tokens * info.hidden // max(info.vocab, 1))
+    return (norm_input + plan.tokens * c * info.hidden + 2 * completion_tokens * c * info.hidden
+            + chunk * info.vocab * 8)
 
 
 @dataclass(frozen=True)
@@ -228,7 +244,7 @@ def moments(info: ModelInfo, plan: Plan, grads: int) -> Moments:
     head_copy = c * (info.embedding_params() if info.tied else info.head_params()) if head_dtype != c else 0
     lora_copy = c * trainable_params(info, plan) if plan.lora_r is not None and c < 4 else 0
     fixed = CUBLAS_WORKSPACE_BYTES + lora_copy
-    logits = grpo_logit_bytes(info, plan) if plan.grpo_completion else t * _loss_bytes_per_token(info, plan)
+    logits = grpo_loss_bytes(info, plan) if plan.grpo_completion else t * _loss_bytes_per_token(info, plan)
     loss = saved + logits + head_copy + fixed
     if plan.accumulation > 1:
         loss += grads  # gradients of earlier micro-batches are alive through this forward
