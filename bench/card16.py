@@ -367,18 +367,21 @@ def run_case(case: str, model: Path, steps: int, work: Path, env: dict, args: ar
     entry["attach_exit"], _ = _studio(["attach", run.id, "--runs-dir", str(folder / "runs")], env, budget, log)
     trained = time.time()
     worker = run.worker_pid()
-    answer_start = time.time()
-    entry["eval_exit"], report = _studio(["eval", run.id, "--rows", "1", "--json", "--runs-dir", str(folder / "runs")],
-                                         env, max(30.0, args.case_timeout_s - (answer_start - start)), log)
-    answer_end = time.time()
-    entry["answer_by_the_training_worker"] = worker is not None and run.worker_pid() == worker
-    try:
-        answers = json.loads(report)["results"]
-        entry["answer"] = {"rows": len(answers), "tuned_answer_chars": len(answers[0].get("tuned") or "")}
-    except (ValueError, KeyError, IndexError):
-        entry["answer"] = None
-    if entry["attach_exit"] == 124:  # over its time, still training: stopped with a checkpoint, then gone
+    answer_start = answer_end = time.time()
+    entry["eval_exit"], entry["answer"] = None, None
+    if entry["attach_exit"] == 124:  # over its time, still training: stopped with a checkpoint, no answer asked
         _end_worker(run)
+    else:
+        entry["eval_exit"], report = _studio(
+            ["eval", run.id, "--rows", "1", "--json", "--runs-dir", str(folder / "runs")], env,
+            max(30.0, args.case_timeout_s - (answer_start - start)), log)
+        answer_end = time.time()
+        try:
+            answers = json.loads(report)["results"]
+            entry["answer"] = {"rows": len(answers), "tuned_answer_chars": len(answers[0].get("tuned") or "")}
+        except (ValueError, KeyError, IndexError):
+            pass
+    entry["answer_by_the_training_worker"] = worker is not None and run.worker_pid() == worker
     try:
         claim_device(timeout=60)  # shuts the idle worker down, as the next start would
     except Exception as exc:  # noqa: BLE001 - a worker that would not go is the result's note
@@ -390,9 +393,11 @@ def run_case(case: str, model: Path, steps: int, work: Path, env: dict, args: ar
                        "case": round(time.time() - start, 1)}
     entry["card_used_bytes_by_phase"] = card_phases(samples, marks, (answer_start, answer_end),
                                                     (start, answer_end), free_at_start)
+    # From the run's own events (attach's status only says how following it ended) and the answer.
     entry["every_phase_finished"] = bool(
-        entry["attach_exit"] == 0 and found["finished"] and found["evaluations"] >= 1 and entry["eval_exit"] == 0
-        and entry["answer"] and not found["batch_size_reduced"] and not found["failures"])
+        found["finished"] and found["steps"] == steps and found["evaluations"] >= 1 and entry["eval_exit"] == 0
+        and entry["answer"] and entry["answer_by_the_training_worker"] and not found["batch_size_reduced"]
+        and not found["failures"])
     if case == "sft" and not args.cpu:
         micro = (found["plan"] or {}).get("micro_batch_size") or 0
         entry["meets_bar"] = entry["every_phase_finished"] and micro >= 4
@@ -441,8 +446,13 @@ def build_models(cases: list[str], args: argparse.Namespace, env: dict) -> dict[
                     f"from bench.families import build_model; build_model('qwen3-8b', Path({str(folder)!r}), False)")
             subprocess.run([sys.executable, "-c", code], check=True, env=env)
         else:
+            # The tiny tokenizer as build_tokenizer makes it: the tiny model's own would be pretrained first.
+            from studio.engine.tiny import build_tokenizer
+
+            tokenizer = Path(tempfile.mkdtemp(prefix="card16_tokenizer_"))
+            build_tokenizer().save_pretrained(tokenizer)
             subprocess.run([sys.executable, str(ROOT / "bench" / "make_random_model.py"), "--arch", "llama3-8b",
-                            "--out", str(folder)], check=True, env=env)
+                            "--out", str(folder), "--tokenizer", str(tokenizer)], check=True, env=env)
     return {case: folders[case] for case in cases}
 
 
