@@ -368,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             result["tokens_per_s"] = round(per_step * len(timed) / sum(timed), 1)
         result.pop("step_times", None)
         report[side] = result
+        args.out.write_text(json.dumps(report, indent=1) + "\n")  # kept if the call's time runs out next
     report["device"] = report["studio"].get("device") or report["trl"].get("device") or "unknown"
     studio, trl = report["studio"], report["trl"]
     summary = {"studio_path": studio.get("path"), "studio_path_reason": studio.get("path_reason"),
