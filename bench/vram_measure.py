@@ -29,12 +29,13 @@ values come from), each family's third row out of sample. Its predictions are co
 runs (bench/predictions/); the default grid's 24 rows, labels and order stay as they are.
 
     python3 bench/vram_measure.py --grid families --dry-run --json bench/predictions/vram_families_<commit>.json
-    # the GPU box: 24 rows, ~45 s a row 4 at a time plus the builds (~45 GB of bf16 folders): ~300 s
-    python3 bench/vram_measure.py --grid families --parallel 4 --budget-s 450 --commit <commit> \\
-        --models-dir /tmp/models --out $OUT/vram_measured_families.json
+    # the GPU box: 24 rows x ~35-45 s, 4 at a time, while the 8 models build two at a time (~45 GB of
+    # bf16 folders): ~250-300 s (bench/NEXT_GPU.md's call 3)
+    python3 bench/vram_measure.py --grid families --parallel 4 --budget-s 250 --commit <commit> \\
+        --models-dir /tmp/grid --out $OUT/vram_measured_families.json
     python3 bench/vram_measure.py --grid families --score vram_measured_families.json \\
         --predictions bench/predictions/vram_families_<commit>.json   # today's estimate and the committed one
-    python3 bench/vram_measure.py --grid families --cpu --out /tmp/f.json  # a tiny row of each family, CPU
+    python3 bench/vram_measure.py --grid families --cpu --out /tmp/f.json  # a tiny row a family, ~2 min
 """
 
 from __future__ import annotations
@@ -439,9 +440,9 @@ def measure(args: argparse.Namespace) -> int:
 
 
 def saved_config(shape: dict) -> dict:
-    """The config.json that :func:`build_model` saves for ``shape`` (transformers writes the keys that
-    differ from its config class's defaults), made here without weights: what a prediction before
-    the run sizes, as the scoring after it reads the saved file."""
+    """The config.json that :func:`build_model` saves for ``shape`` (with the keys this transformers
+    version writes there), made here without weights: a prediction before the run sizes what the
+    scoring after it reads from the saved file."""
     from transformers import AutoConfig
 
     fields = dict(shape)
