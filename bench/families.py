@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -405,8 +406,11 @@ def summarize(family: str, studio: dict, hf: dict, unsloth: dict) -> dict:
     return out
 
 
-def measure_family(family: str, args: argparse.Namespace, env: dict, start: float) -> dict:
-    """Build the family's model, run Studio (a process a workload), the HF loop and Unsloth."""
+def measure_family(family: str, args: argparse.Namespace, env: dict, start: float,
+                   progress: Callable[[dict], None] = lambda entry: None) -> dict:
+    """Build the family's model, run Studio (a process a workload), the HF loop and Unsloth;
+    ``progress`` gets the entry so far after each side (a call cut short by its time limit keeps
+    the sides that finished)."""
     work = Path(tempfile.mkdtemp(prefix=f"families_{family}_"))
     folder = Path(args.models_dir or work) / f"{family}{'-tiny' if args.tiny else ''}"
     entry: dict = {"family": family, "config_from": FAMILIES[family]}
@@ -433,7 +437,14 @@ def measure_family(family: str, args: argparse.Namespace, env: dict, start: floa
         studio[workload] = _run(me + ["--child", "studio", "--workloads", workload] + common, env,
                                 work / f"studio_{workload}.log")
         studio[workload]["wall_s"] = round(time.perf_counter() - t0, 1)
-    sides = {"hf": {}, "unsloth": {}}
+    sides: dict[str, dict] = {"hf": {}, "unsloth": {}}
+
+    def report() -> dict:
+        entry.update(studio=studio, baseline=sides["hf"], unsloth=sides["unsloth"], logs=str(work),
+                     summary=summarize(family, studio, sides["hf"], sides["unsloth"]))
+        return entry
+
+    progress(report())
     for side in ("hf", "unsloth"):
         if side == "unsloth" and args.tiny:
             sides[side] = {"skipped": "--tiny: Unsloth needs a GPU"}
@@ -445,9 +456,8 @@ def measure_family(family: str, args: argparse.Namespace, env: dict, start: floa
         sides[side] = _run(me + ["--child", side, "--workloads", ",".join(workloads)] + common, env,
                            work / f"{side}.log")
         sides[side]["wall_s"] = round(time.perf_counter() - t0, 1)
-    entry.update(studio=studio, baseline=sides["hf"], unsloth=sides["unsloth"], logs=str(work),
-                 summary=summarize(family, studio, sides["hf"], sides["unsloth"]))
-    return entry
+        progress(report())
+    return report()
 
 
 def main() -> int:
@@ -488,13 +498,17 @@ def main() -> int:
               "gpu": _gpu_name(), "versions": _versions(), "tiny": args.tiny, "steps": args.steps,
               "warmup": args.warmup, "workloads": TINY_WORKLOADS if args.tiny else WORKLOADS,
               "families": {}, "summary": {}}
-    for family in families:
-        entry = measure_family(family, args, env, start)
-        result["families"][family] = entry
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def write(entry: dict) -> None:
+        result["families"][entry["family"]] = entry
         result["summary"].update(entry.get("summary", {}))
         result["wall_s"] = round(time.perf_counter() - start, 1)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    for family in families:
+        entry = measure_family(family, args, env, start, write)
+        write(entry)
         for key, row in entry.get("summary", {}).items():
             print(f"{key}: studio {row['studio_tokens_per_s'] or 0:.0f} tok/s ({row['studio_path']}), unsloth "
                   f"{row['unsloth_tokens_per_s'] or 0:.0f}, baseline {row['baseline_tokens_per_s'] or 0:.0f}; peak "

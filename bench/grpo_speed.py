@@ -9,8 +9,11 @@ the ratio to TRL, peak allocated / reserved (Studio's also per phase: the sampli
 pass with the update), the completions' mean length, the GPU, the commit, the package versions and
 the exact command.
 
-    # on the GPU machine (TRL's and Unsloth's wheels carried as ../shared/GPU.md says):
-    python bench/grpo_speed.py --out $OUT/grpo_speed.json --steps 10
+    # on the GPU machine (TRL's and Unsloth's wheels carried as ../shared/GPU.md says); --commit always:
+    python bench/grpo_speed.py --out $OUT/grpo_speed.json --steps 10 --commit <sha>
+    # one side a process with its own timeout (the JSON is written at the end), as bench/NEXT_GPU.md runs it:
+    timeout 170 python3 bench/grpo_speed.py --model /tmp/llama3-8b-random --sides studio --steps 4 --warmup 1 \\
+        --commit <sha> --out $OUT/grpo_studio.json
     # on a CPU, the tiny model: a check that Studio's side (and TRL's, where it is installed) runs
     python bench/grpo_speed.py --tiny --out /tmp/grpo-tiny.json --steps 2 --warmup 1
 
@@ -256,7 +259,10 @@ def _versions() -> dict:
     return out
 
 
-def _commit() -> str:
+def _commit(given: str | None = None) -> str:
+    """``--commit`` when given (git on the GPU box answers a stale commit), else this tree's HEAD."""
+    if given:
+        return given
     try:
         done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         return done.stdout.strip() or "unknown"
@@ -305,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     parser.add_argument("--completion", type=int, default=256, help="most tokens of a completion")
     parser.add_argument("--sides", default=",".join(SIDES), help="which sides to run (comma-separated)")
+    parser.add_argument("--commit", help="the commit this tree is (default: git rev-parse HEAD, stale on the GPU box)")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
@@ -329,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                             "--out", args.model], check=True)
     args.data = args.work / "prompts.jsonl"
     write_prompts(args.data, args.warmup + args.steps + 4, args.prompt, seed=0)
-    report: dict = {"command": command, "commit": _commit(), "versions": _versions(), "model": args.model,
+    report: dict = {"command": command, "commit": _commit(args.commit), "versions": _versions(), "model": args.model,
                     "settings": {"prompts_per_step": 1, "generations": args.generations,
                                  "prompt_tokens": args.prompt, "max_completion_tokens": args.completion,
                                  "steps_timed": args.steps, "warmup_steps": args.warmup, "beta": 0.0,

@@ -21,6 +21,21 @@ tests/core/test_vram_measured.py checks the estimate (``studio estimate`` of eac
 
 A third of the rows (every third) is out of sample: the estimator's constants are never fitted on
 them (bench/refit_vram_fast.py fits on the others).
+
+``--grid families`` is a second grid (issue 39): three rows on a small real shape of each family the
+fast path covers beside Llama and Qwen3 (Qwen2.5-0.5B, Gemma-3-1B, Gemma-2-2B, Phi-4-mini,
+OLMo-2-1B, SmolLM3-3B, Granite-3.1-2B, Mistral-7B; bench/family_shapes.py says where each shape's
+values come from), each family's third row out of sample. Its predictions are committed before it
+runs (bench/predictions/); the default grid's 24 rows, labels and order stay as they are.
+
+    python3 bench/vram_measure.py --grid families --dry-run --json bench/predictions/vram_families_<commit>.json
+    # the GPU box: 24 rows x ~35-45 s, 4 at a time, while the 8 models build two at a time (~45 GB of
+    # bf16 folders): ~250-300 s (bench/NEXT_GPU.md's call 3)
+    python3 bench/vram_measure.py --grid families --parallel 4 --budget-s 250 --commit <commit> \\
+        --models-dir /tmp/grid --out $OUT/vram_measured_families.json
+    python3 bench/vram_measure.py --grid families --score vram_measured_families.json \\
+        --predictions bench/predictions/vram_families_<commit>.json   # today's estimate and the committed one
+    python3 bench/vram_measure.py --grid families --cpu --out /tmp/f.json  # a tiny row a family, ~2 min
 """
 
 from __future__ import annotations
@@ -43,7 +58,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.family_shapes import FAMILY_MODELS, FAMILY_TINY  # noqa: E402
+
 PINNED = ROOT / "tests" / "data" / "vram_measured.json"
+PINNED_FAMILIES = ROOT / "tests" / "data" / "vram_measured_families.json"
+"""Where ``--grid families`` writes by default (no test reads it yet)."""
 WARMUP_STEPS = 3
 """Steps before the tokens/s clock starts (the CUDA-graph capture is in the first)."""
 
@@ -139,6 +158,45 @@ def _rows() -> list[Row]:
 
 
 ROWS = _rows()
+
+
+def _family_rows() -> list[Row]:
+    """Three rows a family (bench/family_shapes.py), the third out of sample: NF4 and bf16 bases,
+    256-4096 tokens a micro-batch, ranks 8-64, q/v and every projection (Phi-3's fused modules take
+    every projection only: q_proj and v_proj are not modules there), dropout, 8-bit AdamW."""
+    rows = [
+        Row("qwen2.5-0.5b", "nf4", 16, ALL, 1024, 4),
+        Row("qwen2.5-0.5b", "bf16", 16, QV, 512, 8),
+        Row("qwen2.5-0.5b", "nf4", 32, ALL, 2048, 2, dropout=0.05),
+        Row("gemma-3-1b", "nf4", 16, ALL, 2048, 2),
+        Row("gemma-3-1b", "bf16", 8, QV, 1024, 4),
+        Row("gemma-3-1b", "nf4", 16, ALL, 4096, 1),
+        Row("gemma-2-2b", "nf4", 16, ALL, 1024, 4),
+        Row("gemma-2-2b", "nf4", 8, QV, 4096, 1),
+        Row("gemma-2-2b", "bf16", 16, ALL, 512, 4),
+        Row("phi-4-mini", "nf4", 16, ALL, 1024, 4),
+        Row("phi-4-mini", "bf16", 8, ALL, 512, 2),
+        Row("phi-4-mini", "nf4", 32, ALL, 2048, 1),
+        Row("olmo-2-1b", "nf4", 16, ALL, 2048, 2),
+        Row("olmo-2-1b", "bf16", 16, QV, 1024, 4, dropout=0.05),
+        Row("olmo-2-1b", "nf4", 64, ALL, 512, 8),
+        Row("smollm3-3b", "nf4", 16, ALL, 1024, 4),
+        Row("smollm3-3b", "nf4", 8, QV, 4096, 1),
+        Row("smollm3-3b", "bf16", 16, ALL, 2048, 1),
+        Row("granite-3.1-2b", "nf4", 16, ALL, 1024, 4),
+        Row("granite-3.1-2b", "bf16", 32, ALL, 512, 8),
+        Row("granite-3.1-2b", "nf4", 8, QV, 2048, 2),
+        Row("mistral-7b", "nf4", 16, ALL, 1024, 2),
+        Row("mistral-7b", "nf4", 8, QV, 4096, 1),
+        Row("mistral-7b", "nf4", 16, ALL, 512, 8, optimizer="adamw_8bit"),
+    ]
+    return [replace(row, out_of_sample=i % 3 == 2) for i, row in enumerate(rows)]
+
+
+FAMILY_ROWS = _family_rows()
+
+GRIDS = {"default": (ROWS, MODELS, TINY, PINNED), "families": (FAMILY_ROWS, FAMILY_MODELS, FAMILY_TINY, PINNED_FAMILIES)}
+"""``--grid``: its rows, the shapes they train, the tiny shapes of ``--cpu`` and where the file goes."""
 
 
 # ------------------------------------------------------------------------------- the estimate
@@ -293,11 +351,11 @@ def measure(args: argparse.Namespace) -> int:
     """Build the models, run the rows, write the file after every row (a run cut short keeps its rows)."""
     start = time.perf_counter()
     commit = _commit(args.commit)
-    rows = ROWS
-    models = MODELS
+    grid_rows, grid_models, tiny_models, _ = GRIDS[args.grid]
+    rows, models = grid_rows, grid_models
     if args.cpu:  # a row of each family on its tiny shape, a few tokens, no bitsandbytes: the pipeline, not peaks
-        models = TINY
-        firsts = {MODELS[r.model]["model_type"]: r for r in reversed(ROWS)}
+        models = tiny_models
+        firsts = {grid_models[r.model]["model_type"]: r for r in reversed(grid_rows)}
         rows = [replace(r, model=family, weights="bf16", seq=64, micro_batch=2) for family, r in firsts.items()]
     if args.only:
         rows = [r for r in rows if any(part in r.label for part in args.only.split(","))]
@@ -306,12 +364,14 @@ def measure(args: argparse.Namespace) -> int:
     for key in ("PYTORCH_CUDA_ALLOC_CONF", "STUDIO_FAST_PATH"):  # the engine's own defaults
         env.pop(key, None)
     env["HF_HUB_OFFLINE"] = "1"  # every model is a local folder
-    if args.cpu:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    if args.cpu:  # the fast path, which the GPU rows take, forced on (a CPU takes the plain one otherwise)
+        env.update(CUDA_VISIBLE_DEVICES="", STUDIO_FAST_PATH="1")
+    checked_by = ("tests/core/test_vram_measured.py checks the estimate against them" if args.grid == "default"
+                  else "bench/vram_measure.py --grid families --score scores the estimate against them")
     result = {"what": "peaks of Studio's Trainer on today's engine, one fresh process a row: the training steps, "
                       "the whole run (final evaluation, adapter save) and one chat answer of a prompt as long as a "
-                      "training row; tests/core/test_vram_measured.py checks the estimate against them",
-              "engine": commit[:12], "commit": commit,
+                      f"training row; {checked_by}",
+              "grid": args.grid, "engine": commit[:12], "commit": commit,
               "command": " ".join(["python3", "bench/vram_measure.py", *sys.argv[1:]]),
               "gpu": _gpu_name(), "versions": _versions(), "cpu_only": args.cpu,
               "environment": {"PYTORCH_CUDA_ALLOC_CONF": None, "note": "unset: the engine sets expandable_segments:True"},
@@ -379,26 +439,80 @@ def measure(args: argparse.Namespace) -> int:
     return 0
 
 
-def dry_run() -> int:
-    """Every row with today's prediction from its run config alone (full-length rows where the row
-    is short: the data's lengths come from the run), and the rows' coverage."""
+def saved_config(shape: dict) -> dict:
+    """The config.json that :func:`build_model` saves for ``shape`` (with the keys this transformers
+    version writes there), made here without weights: a prediction before the run sizes what the
+    scoring after it reads from the saved file."""
+    from transformers import AutoConfig
+
+    fields = dict(shape)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        return json.loads((Path(folder) / "config.json").read_text())
+
+
+def dry_run(grid: str, json_out: str | None = None, commit: str | None = None) -> int:
+    """Every row of ``grid`` with today's prediction from its run config alone (full-length rows where
+    the row is short: the data's lengths come from the run), and the rows' coverage; with
+    ``json_out``, the same as a file: the predictions committed before a GPU run."""
     from bench.engines import trainer_config
 
-    paths = []
-    for row in ROWS:
+    rows, shapes, _, _ = GRIDS[grid]
+    # The default grid's shapes as written (its earlier predictions were made so); the family grid's
+    # as the build will save them.
+    models = {name: saved_config(shape) for name, shape in shapes.items()} if grid == "families" else shapes
+    paths, entries = [], []
+    for row in rows:
         config = trainer_config(row, Path("/models") / row.model, Path("rows.jsonl"), 5, cuda=True)
-        predicted = predict({"config": config.to_dict(), "model": row.model}, MODELS)
+        predicted = predict({"config": config.to_dict(), "model": row.model}, models)
         paths.append(predicted["path"])
+        entries.append({"label": row.label, "model": row.model, "out_of_sample": row.out_of_sample,
+                        "predicted": predicted, "config": config.to_dict()})
         print(f"{'OOS' if row.out_of_sample else '   '} {row.label:62} {predicted['path']:5} "
               f"{predicted['peak_reserved'] / 2**30:6.2f} GiB reserved ({predicted['peak_phase']})")
-    print(f"{len(ROWS)} rows, {sum(r.out_of_sample for r in ROWS)} out of sample, {paths.count('fast')} fast, "
-          f"{paths.count('plain')} plain, models {', '.join(sorted({r.model for r in ROWS}))}")
+    print(f"{len(rows)} rows, {sum(r.out_of_sample for r in rows)} out of sample, {paths.count('fast')} fast, "
+          f"{paths.count('plain')} plain, models {', '.join(sorted({r.model for r in rows}))}")
+    if json_out:
+        made = {"what": f"bench/vram_measure.py --grid {grid}: each row's estimate before the GPU run, from its run "
+                        "config and the config.json its model's build saves; the data's lengths are the full rows "
+                        "the run trains on, the chat answer's prompt as long as a training row",
+                "grid": grid, "estimator_commit": _commit(commit), "command": " ".join(["python3", *sys.argv]),
+                "versions": {k: v for k, v in _versions().items() if k in ("python", "transformers")},
+                "environment": {"PYTORCH_CUDA_ALLOC_CONF": None, "STUDIO_FAST_PATH": None},
+                "models": models, "rows": entries}
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(made, indent=1) + "\n")
+        print(f"wrote {json_out}")
     return 0
+
+
+def score_committed(predictions: dict, measured: dict) -> dict:
+    """The committed predictions (:func:`dry_run`'s file) against a measured file, row by row by
+    label: the reserved error of each, and the median and worst over all rows and out of sample."""
+    by_label = {r["label"]: r for r in measured["rows"] if "peak_reserved" in r.get("measured", {})}
+    rows = []
+    for entry in predictions["rows"]:
+        got = by_label.get(entry["label"])
+        if got is not None:
+            error = entry["predicted"]["peak_reserved"] / got["measured"]["peak_reserved"] - 1
+            rows.append({"label": entry["label"], "out_of_sample": entry["out_of_sample"], "reserved_error": error,
+                         "path_agrees": entry["predicted"]["path"] == got["measured"]["path"]})
+    summary: dict = {"rows": len(rows), "of": len(predictions["rows"]), "paths_agree": sum(r["path_agrees"] for r in rows)}
+    for part, chosen in (("all", rows), ("out_of_sample", [r for r in rows if r["out_of_sample"]])):
+        errors = [abs(r["reserved_error"]) for r in chosen]
+        if errors:
+            summary[part] = {"median_abs_error": round(statistics.median(errors), 4),
+                             "worst_abs_error": round(max(errors), 4),
+                             "meets_bar": statistics.median(errors) <= 0.03 and max(errors) <= 0.07}
+    return {"rows": rows, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(PINNED), help="where the measured file goes")
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="default",
+                        help="the rows: the estimator's pinned grid, or three rows a family (issue 39)")
+    parser.add_argument("--out", default=None, help="where the measured file goes (default: tests/data/, by grid)")
     parser.add_argument("--commit", default=None, help="the commit of this tree (no git on the GPU box)")
     parser.add_argument("--steps", type=int, default=5, help="training steps a row")
     parser.add_argument("--parallel", type=int, default=3, help="rows at a time (peaks are per process)")
@@ -407,17 +521,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="only rows whose label holds one of these (comma-separated)")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU: the pipeline, no peaks")
     parser.add_argument("--dry-run", action="store_true", help="print the rows and today's predictions")
+    parser.add_argument("--json", default=None, help="with --dry-run: also write the predictions to this file")
     parser.add_argument("--score", default=None, help="score a measured file with the estimator as it stands")
+    parser.add_argument("--predictions", default=None,
+                        help="with --score: also score this committed predictions file (--dry-run --json's)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return _child(args)
     if args.dry_run:
-        return dry_run()
+        return dry_run(args.grid, args.json, args.commit)
     if args.score:
-        print_score(score(json.loads(Path(args.score).read_text())))
+        measured = json.loads(Path(args.score).read_text())
+        print_score(score(measured))
+        if args.predictions:
+            committed = score_committed(json.loads(Path(args.predictions).read_text()), measured)
+            for r in committed["rows"]:
+                print(f"{'OOS' if r['out_of_sample'] else '   '} {r['label']:62} committed estimate "
+                      f"reserved {r['reserved_error']:+6.1%}{'' if r['path_agrees'] else '  PATH DIFFERS'}")
+            print(json.dumps({"committed_predictions": committed["summary"]}, indent=1))
         return 0
+    args.out = args.out or str(GRIDS[args.grid][3])
     return measure(args)
 
 
