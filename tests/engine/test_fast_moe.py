@@ -181,3 +181,20 @@ def test_the_path_decision_runs_moe_eagerly_and_the_balance_loss_without_host_of
     balanced = choose_path(PathFacts(**{**path_facts(model, torch.device("cpu"), router_aux_loss_coef=0.01).__dict__,
                                         "cuda": True}))
     assert balanced.path == "fast" and not balanced.host_offload
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_estimator_counts_the_parameters_transformers_builds(name: str) -> None:
+    """core/model/info.py's view of the config: every parameter of transformers' model (experts,
+    routers and Qwen3-MoE's dense layer), and the linear modules a LoRA on all-linear adapts."""
+    from transformers import AutoModelForCausalLM
+
+    from studio.core.model.info import from_config_dict
+
+    config = _config(name)
+    info = from_config_dict(config.to_dict(), name)
+    model = AutoModelForCausalLM.from_config(config)
+    assert info.total_params() == sum(p.numel() for p in model.parameters())
+    assert info.expert_params() == sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n}
+    assert set(info.lora_targets("all-linear")) == linear
