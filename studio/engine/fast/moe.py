@@ -321,7 +321,8 @@ class SparseMlp:
         # Each token's k copies in expert order; stable, so each expert's rows keep token order.
         order = torch.argsort(flat, stable=True)
         rows = order // k
-        counts = torch.bincount(flat, minlength=self.spec.experts)
+        # scatter_add, not bincount: bincount reads its input's maximum back to the host on CUDA
+        counts = flat.new_zeros(self.spec.experts).scatter_add_(0, flat, torch.ones_like(flat))
         groups = Groups(counts, loop=self.loop)
         balance = self.log.balance and torch.is_grad_enabled()
         self.log.record(self.index, Routing(counts, probs.sum(0) if balance else None, x2.shape[0]))
