@@ -136,6 +136,9 @@ class StepLogged(Event):
     elapsed_s: float = 0.0
     eta_s: float = 0.0
     mfu: float = 0.0
+    expert_tokens: list[int] = field(default_factory=list)
+    """A mixture of experts on the fast path: the token copies each expert took since the last
+    StepLogged, summed over the sparse layers (a balanced router gives each about the same); [] otherwise."""
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from studio.core.decoder import DECODER_FEATURES, DecoderSpec, Refusal, describe_decoder, in_words
-from studio.core.decoder.spec import PHI3_FUSED, PROJECTIONS
+from studio.core.decoder import DECODER_FEATURES, DecoderSpec, MoeSpec, Refusal, describe_decoder, in_words
+from studio.core.decoder.spec import EXPERT_PARAMETERS, EXPERTS, PHI3_FUSED, PROJECTIONS
 
 if TYPE_CHECKING:
     from studio.core.config import RunConfig
 
 FAST_PATH_ENV = "STUDIO_FAST_PATH"
 """``1`` forces the fast path on (also on CPU, for tests), ``0`` forces the plain path."""
+
+EXPERT_TARGETS = tuple(f"{EXPERTS}.{name}" for name in EXPERT_PARAMETERS)
+"""An expert adapter's target as the path decision names it (PEFT's ``target_parameters`` entry
+``mlp.experts.gate_up_proj`` is ``experts.gate_up_proj`` here)."""
 
 FUSED_PROJECTIONS = tuple(name for name, _ in PHI3_FUSED)
 """Phi-3's fused modules: LoRA targets of the fast path once it runs ``fused_projections``."""
@@ -34,8 +38,13 @@ Gemma 1-3, Phi-3, OLMo 2, SmolLM3, Granite, Mistral with a sliding window) or, F
 decoders only (Llama 2/3 with any RoPE scaling, Mistral without a window, SmolLM2...). True: the
 engine's layers run every feature of core/decoder/features.py (tests/engine/test_fast_families.py)."""
 
-FAST_DECODER_FEATURES: frozenset[str] = DECODER_FEATURES if FAST_FAMILIES else frozenset()
-"""What the fast path runs beyond a Llama layer, by the names of core/decoder/features.py."""
+SLOW_FEATURES = frozenset({"router_jitter", "qkv_clip"})
+"""Features of core/decoder/features.py the fast path does not run: Mixtral's router jitter noise
+and OLMoE's q/k/v clipping (no published checkpoint of either family sets them)."""
+
+FAST_DECODER_FEATURES: frozenset[str] = DECODER_FEATURES - SLOW_FEATURES if FAST_FAMILIES else frozenset()
+"""What the fast path runs beyond a Llama layer, by the names of core/decoder/features.py: every
+family described, mixture-of-experts MLPs (Qwen3-MoE, OLMoE, Mixtral) included."""
 
 FAST_METHODS = ("sft", "dpo", "orpo")
 """``trainer.method`` values the fast path computes the loss of: SFT's cross-entropy, and DPO's and
@@ -108,15 +117,23 @@ class PathFacts:
     host_offload: bool = True
     """``trainer.fast_path.host_offload``: the fast path keeps its layer inputs in host memory."""
 
+    moe: bool = False
+    """The model has mixture-of-experts layers: the fast path runs them eagerly (no CUDA graphs)."""
+
+    router_aux: bool = False
+    """A load-balancing loss is added (``trainer.router_aux_loss_coef``, or the model's own): its
+    gradient reaches the layers through torch's checkpointing, so the layer inputs stay on the GPU."""
+
     @classmethod
     def from_config(cls, config: RunConfig, *, cuda: bool, weights: str, model_blocker: str,
-                    targets: tuple[str, ...] | None = None) -> PathFacts:
+                    targets: tuple[str, ...] | None = None, moe: MoeSpec | None = None) -> PathFacts:
         """The facts a run config gives (its LoRA section, method, ``STUDIO_FAST_PATH``) with what
         only the caller knows: the device, the base weights' format (from the quantization section,
         or read off the loaded model) and the architecture's :func:`model_blocker`. ``targets``: the
         LoRA targets as the model's module names when the caller has mapped them (default: the
         config's, ``all-linear`` spelled out). The estimator (core/memory/) and the engine's loader
-        (engine/model.py ``fast_path_ahead``) both build their facts here."""
+        (engine/model.py ``fast_path_ahead``) both build their facts here. ``moe``: the model's
+        sparse MLP where its layers have one (:func:`moe_facts`)."""
         lora = config.lora
         if targets is None:
             targets = lora_targets(lora.target_modules) if lora is not None else ()
@@ -125,7 +142,7 @@ class PathFacts:
                    lora_dropout=float(lora.dropout) if lora is not None else 0.0, model_blocker=model_blocker,
                    env=os.environ.get(FAST_PATH_ENV, ""), dora=bool(lora.use_dora) if lora is not None else False,
                    method=config.trainer.method, full_finetune=lora is None, cuda_graphs=fast.cuda_graphs,
-                   host_offload=fast.host_offload)
+                   host_offload=fast.host_offload, **moe_facts(moe, config.trainer.router_aux_loss_coef))
 
 
 @dataclass(frozen=True)
@@ -156,6 +173,17 @@ class PathChoice:
                 "checkpointing": self.checkpointing, "host_offload": self.host_offload}
 
 
+def moe_facts(moe: MoeSpec | None, router_aux_loss_coef: float | None) -> dict[str, bool]:
+    """:class:`PathFacts`' ``moe`` and ``router_aux`` for a model with this sparse MLP (None: a dense
+    model; :func:`sparse_mlp` of its description) and a run's ``trainer.router_aux_loss_coef``."""
+    return {"moe": moe is not None, "router_aux": moe is not None and moe.aux_coef(router_aux_loss_coef) > 0}
+
+
+def sparse_mlp(spec: DecoderSpec | Refusal) -> MoeSpec | None:
+    """The sparse MLP of a description whose layers have one (None: dense, or not described)."""
+    return spec.moe if isinstance(spec, DecoderSpec) and spec.sparse_layers else None
+
+
 def model_blocker(config: Mapping) -> str:
     """Why the fast path does not run a model with this config.json, or a loaded model's
     ``config.to_dict()`` ('' when it does): why Studio does not describe it (core/decoder/), or the
@@ -178,10 +206,13 @@ def decoder_blocker(spec: DecoderSpec) -> str:
 
 
 def fast_targets() -> tuple[str, ...]:
-    """The modules a LoRA adapter may sit on for the fast path: the seven Llama projections, and
-    Phi-3's fused qkv_proj and gate_up_proj once the fast path runs fused projections."""
+    """The modules a LoRA adapter may sit on for the fast path: the seven Llama projections,
+    Phi-3's fused qkv_proj and gate_up_proj once the fast path runs fused projections, and the
+    experts' parameters (PEFT's ``target_parameters``, named ``experts.<parameter>``) once it runs
+    mixtures of experts."""
     fused = FUSED_PROJECTIONS if "fused_projections" in FAST_DECODER_FEATURES else ()
-    return PROJECTIONS + fused
+    experts = EXPERT_TARGETS if "mixture_of_experts" in FAST_DECODER_FEATURES else ()
+    return PROJECTIONS + fused + experts
 
 
 def choose_path(facts: PathFacts) -> PathChoice:
@@ -207,8 +238,8 @@ def choose_path(facts: PathFacts) -> PathChoice:
         return PathChoice("plain", f"LoRA on {', '.join(others)} (the fast path covers {', '.join(covered)})")
     if not facts.lora_targets:
         return PathChoice("plain", "no LoRA adapter on the decoder's projections")
-    graphs = facts.cuda and facts.cuda_graphs
-    offload = facts.cuda and facts.host_offload
+    graphs = facts.cuda and facts.cuda_graphs and not facts.moe
+    offload = facts.cuda and facts.host_offload and not facts.router_aux
     what = "fused 4-bit LoRA products" if facts.weights in ("nf4", "fp4") else "fused LoRA products"
     if graphs:
         what += f", CUDA graphs up to {GRAPH_TOKEN_LIMIT} tokens a micro-batch"

@@ -167,7 +167,8 @@ def fast_path_ahead(model: Any, config: RunConfig) -> bool:
     """Whether the trainer will take the fast path for this freshly loaded base and config: the
     same decision (core/plan.py's choose_path) that engine/fast/build.enable takes on the model
     with its adapter, made from the config before the adapter is attached."""
-    from studio.core.plan import PathFacts, choose_path, model_blocker
+    from studio.core.decoder import describe_decoder
+    from studio.core.plan import PathFacts, choose_path, model_blocker, sparse_mlp
 
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
     if getattr(model, "is_loaded_in_4bit", False):
@@ -179,7 +180,8 @@ def fast_path_ahead(model: Any, config: RunConfig) -> bool:
     device = next(model.parameters()).device
     config_dict = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
     facts = PathFacts.from_config(config, cuda=device.type == "cuda", weights=weights,
-                                  model_blocker=model_blocker(config_dict))
+                                  model_blocker=model_blocker(config_dict),
+                                  moe=sparse_mlp(describe_decoder(config_dict)))
     return choose_path(facts).path == "fast"
 
 

@@ -166,14 +166,15 @@ class Session:
             self.fail("data", str(exc))
         except (ValueError, FileNotFoundError) as exc:  # template and tokenizer problems
             self.fail("config", f"{base_model}: {exc}")
-        self.fast, why = fastpath.enable(self.model, self.device, self.config.trainer.method,
-                                            self.config.trainer.fast_path)
+        trainer = self.config.trainer
+        self.fast, why = fastpath.enable(self.model, self.device, trainer.method, trainer.fast_path,
+                                         trainer.router_aux_loss_coef)
         if self.fast is None and self.device.type == "cuda":
             self.emit(ev.WarningRaised(kind="config", message=(
                 f"the fast training path is off ({why}); training runs on the slower plain path")))
         if self.fast is not None:
-            why = choose_path(path_facts(self.model, self.device, self.config.trainer.method,
-                                         self.config.trainer.fast_path)).reason
+            why = choose_path(path_facts(self.model, self.device, trainer.method, trainer.fast_path,
+                                         trainer.router_aux_loss_coef)).reason
         if self.preference is not None:
             self.preference.fast = self.fast  # DPO / ORPO's log-probs through the fast layers
         total, trainable = count_parameters(self.model)

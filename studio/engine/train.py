@@ -272,7 +272,9 @@ class Trainer(Validation):
                                         tokens_seen=self.tokens_seen, elapsed_s=round(self.elapsed, 2),
                                         eta_s=round(per_step * (self.total_steps - self.step), 1),
                                         mfu=round(rate * self._flops_per_token / self._peak_flops, 4)
-                                        if self._peak_flops else 0.0))
+                                        if self._peak_flops else 0.0,
+                                        expert_tokens=self.session.fast.take_expert_tokens()
+                                        if self.session.fast is not None else []))
                 if self.session.preference is not None:
                     self.emit(self.session.preference.logged(self.step))
                 window_tokens, window_time = 0, 0.0

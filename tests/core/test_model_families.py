@@ -81,7 +81,7 @@ def test_every_family_gets_an_estimate_and_the_whole_walkthrough(name):
 
 
 @pytest.mark.parametrize(("config", "named"), [
-    ({"model_type": "mixtral", "hidden_size": 4096, "num_local_experts": 8}, "num_local_experts: 8"),
+    ({"model_type": "gpt_oss", "hidden_size": 2880, "num_local_experts": 32}, "num_local_experts: 32"),
     ({"model_type": "qwen2_moe", "num_experts": 60}, "mixture-of-experts"),
     ({"model_type": "mamba", "hidden_size": 768, "state_size": 16}, "state-space"),
     ({"model_type": "t5", "d_model": 512, "is_encoder_decoder": True}, "encoder-decoder"),
@@ -95,3 +95,24 @@ def test_what_cannot_be_modelled_is_refused_naming_what_is_missing(config, named
     with pytest.raises(ModelInfoError, match=named.replace("(", r"\(")) as caught:
         from_config_dict(config, "some/model")
     assert str(caught.value).startswith("some/model: ")
+
+
+def test_qwen3_30b_a3b_is_sized_with_its_experts_and_their_weights_stay_16_bit() -> None:
+    """Qwen3-30B-A3B's config.json keys (num_experts as the Hub spells it): 30.5B parameters, of
+    which the experts' 3-D tensors, which bitsandbytes' 4-bit loading leaves in bf16, are 29B."""
+    from studio.core.memory.params import expert_bytes, weight_bytes
+    from studio.core.memory.plan import plan_for
+    from studio.core.model.info import from_config_dict
+
+    config = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+              "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+              "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
+    info = from_config_dict(config, "Qwen/Qwen3-30B-A3B")
+    assert info.fast_path_blocker == ""
+    assert 30.4e9 < info.total_params() < 30.6e9
+    assert info.expert_params() == 48 * 128 * 3 * 2048 * 768
+    assert info.lora_targets("all-linear") == ("q_proj", "k_proj", "v_proj", "o_proj")
+    plan = plan_for(parse_config("model: {base_model: Qwen/Qwen3-30B-A3B}\n"), info=info)  # NF4, bf16
+    assert expert_bytes(info, plan) == 2 * (info.expert_params() + info.router_params())
+    assert weight_bytes(info, plan) > expert_bytes(info, plan) > 0.9 * weight_bytes(info, plan)

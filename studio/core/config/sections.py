@@ -255,6 +255,13 @@ class TrainerConfig:
     """Preference strength. DPO: the temperature of the implicit reward (0.1-0.5 typical; lower
     strays further from the base). ORPO: the weight of the odds-ratio term (the paper's lambda)."""
 
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-experts models: the weight of the router's load-balancing loss added to the
+    training loss (transformers' ``load_balancing_loss_func``; 0.001-0.01 typical). None (the
+    default): as transformers trains the model, its config's ``router_aux_loss_coef`` where its
+    ``output_router_logits`` is set, else none. Keeping it on with a GPU's fast path keeps the
+    layer inputs on the GPU (their gradient needs torch's checkpointing)."""
+
     fast_path: FastPathConfig = field(default_factory=FastPathConfig)
     """Which parts of the fast training path run (CUDA only; ``STUDIO_FAST_PATH=0`` turns the whole
     path off)."""

@@ -17,7 +17,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from studio.core.decoder.refusals import Refusal, refusal
-from studio.core.decoder.spec import PHI3_FUSED, POST_NORM, PRE_NORM, SANDWICH, DecoderSpec, LayerSpec, NormSpec
+from studio.core.decoder.spec import (
+    PHI3_FUSED,
+    POST_NORM,
+    PRE_NORM,
+    SANDWICH,
+    DecoderSpec,
+    LayerSpec,
+    MoeSpec,
+    NormSpec,
+)
 from studio.core.decoder.values import Values, layer_type_tables, rope_table, typed_layers, uniform_layers
 
 
@@ -167,6 +176,52 @@ def _granite(v: Values) -> DecoderSpec:
                  logits_divisor=v.float("logits_scaling"))
 
 
+def _moe(v: Values, experts_key: str, intermediate_key: str, renormalize: bool) -> MoeSpec:
+    """The sparse MLP of an MoE family's config (its router: softmax over every expert, the top k,
+    renormalised where ``renormalize``)."""
+    return MoeSpec(experts=v.int(experts_key), top_k=v.int("num_experts_per_tok"), intermediate=v.int(intermediate_key),
+                   renormalize=renormalize, aux_loss_coef=v.float("router_aux_loss_coef"),
+                   aux_loss_on=v.flag("output_router_logits"))
+
+
+def _sparse(layers: tuple[LayerSpec, ...], which) -> tuple[LayerSpec, ...]:
+    return tuple(replace(layer, sparse=bool(which(i))) for i, layer in enumerate(layers))
+
+
+def _experts_key(v: Values) -> str:
+    # Qwen3MoeConfig maps num_experts onto num_local_experts (OLMoE the other way round): the Hub's
+    # config.json spells num_experts, transformers 5.x's to_dict() Qwen3-MoE's num_local_experts
+    return "num_local_experts" if "num_local_experts" in v.text else "num_experts"
+
+
+def _qwen3_moe(v: Values) -> DecoderSpec:
+    # every layer attends within sliding_window when use_sliding_window (no max_window_layers here);
+    # layer i is sparse unless listed in mlp_only_layers or off the decoder_sparse_step
+    window = _window(v.get("sliding_window")) if v.flag("use_sliding_window") else None
+    moe = _moe(v, _experts_key(v), "moe_intermediate_size", v.flag("norm_topk_prob"))
+    dense = set(v.get("mlp_only_layers") or ())  # type: ignore[call-overload]
+    step = v.int("decoder_sparse_step")
+    layers = _sparse(uniform_layers(v, rope_table(v, v.head_dim()), window),
+                     lambda i: moe.experts > 0 and i not in dense and (i + 1) % step == 0)
+    return _base(v, biases=v.biases(mlp=()), qk_norm="head", layers=layers, moe=moe)
+
+
+def _olmoe(v: Values) -> DecoderSpec:
+    # OLMo's q/k norms over the whole projection on a pre-norm layer; every MLP sparse
+    moe = _moe(v, _experts_key(v), "intermediate_size", v.flag("norm_topk_prob"))
+    return _base(v, qk_norm="projection", biases=v.biases(mlp=()), moe=moe,
+                 layers=_sparse(uniform_layers(v, rope_table(v, v.head_dim())), lambda i: True),
+                 qkv_clip=v.optional_float("clip_qkv"))
+
+
+def _mixtral(v: Values) -> DecoderSpec:
+    # the top k of the router's logits, softmaxed among themselves: renormalised top-k probabilities
+    moe = _moe(v, "num_local_experts", "intermediate_size", True)
+    layers = uniform_layers(v, rope_table(v, v.head_dim()), _window(v.get("sliding_window")))
+    return _base(v, layers=_sparse(layers, lambda i: True), moe=moe,
+                 router_jitter=v.float("router_jitter_noise"))
+
+
 def vision_tower_params(config: Mapping, text_hidden: int) -> int:
     """Parameters of Gemma 3's SigLIP vision tower and its projector into the text model (0 without
     a vision_config), with SiglipVisionConfig's defaults: per layer q/k/v/o and a two-matrix MLP with
@@ -215,6 +270,14 @@ OLMO2 = {**_COMMON, "num_key_value_heads": None, "max_position_embeddings": 2048
 SMOLLM3 = {**_COMMON, "num_key_value_heads": 4, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
            "use_sliding_window": False, "sliding_window": None, "no_rope_layers": None, "no_rope_layer_interval": 4,
            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True, "rope_theta": 2_000_000.0}
+_MOE = {"output_router_logits": False, "norm_topk_prob": False}
+QWEN3_MOE = {**QWEN2, **_MOE, "attention_bias": False, "decoder_sparse_step": 1, "moe_intermediate_size": 768,
+             "num_experts_per_tok": 8, "num_experts": 128, "router_aux_loss_coef": 0.001, "mlp_only_layers": None,
+             "num_key_value_heads": 4}
+OLMOE = {**OLMO2, **_MOE, "max_position_embeddings": 4096, "clip_qkv": None, "num_experts_per_tok": 8,
+         "num_experts": 64, "router_aux_loss_coef": 0.01}
+MIXTRAL = {**MISTRAL, "output_router_logits": False, "sliding_window": None, "num_experts_per_tok": 2,
+           "num_local_experts": 8, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}
 GRANITE = {**LLAMA, "embedding_multiplier": 1.0, "logits_scaling": 1.0, "residual_multiplier": 1.0,
            "attention_multiplier": 1.0}
 
@@ -256,6 +319,9 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family("OLMo 2", OLMO2, _olmo2),
     "smollm3": Family("SmolLM3", SMOLLM3, _smollm3),
     "granite": Family("Granite", GRANITE, _granite),
+    "qwen3_moe": Family("Qwen3-MoE", QWEN3_MOE, _qwen3_moe),
+    "olmoe": Family("OLMoE", OLMOE, _olmoe),
+    "mixtral": Family("Mixtral", MIXTRAL, _mixtral),
 }
 """model_type -> its entry (a config.json that names no model_type is sized as Llama's)."""
 

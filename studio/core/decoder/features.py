@@ -38,6 +38,9 @@ FEATURES: dict[str, str] = {
     "residual_scale": "scaled residual branches",
     "logits_scale": "scaled logits",
     "nested_decoder": "a text decoder inside a multimodal model",
+    "mixture_of_experts": "mixture-of-experts MLPs",
+    "router_jitter": "router jitter noise",
+    "qkv_clip": "clipped q/k/v projections",
 }
 """Every feature a DecoderSpec can need beyond Llama's, and how a person reads it. An activation
 other than SiLU and GELU-tanh is ``activation:<name>``, which is not here: nothing runs it fast."""
@@ -90,6 +93,12 @@ def features_of(spec: DecoderSpec) -> frozenset[str]:
         found.add("logits_scale")
     if spec.decoder_path != ("model",):
         found.add("nested_decoder")
+    if spec.moe is not None and spec.sparse_layers:
+        found.add("mixture_of_experts")
+    if spec.router_jitter:
+        found.add("router_jitter")
+    if spec.qkv_clip is not None:
+        found.add("qkv_clip")
     return frozenset(found)
 
 

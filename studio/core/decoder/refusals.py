@@ -1,7 +1,8 @@
 """What Studio does not describe, and the one line that says so: :class:`Refusal`.
 
-Mixture-of-experts, state-space / recurrent and encoder-decoder models, and any model_type without
-an entry in core/decoder/families.py. A model Studio cannot describe is never sized or run as if it
+Mixture-of-experts models other than the families core/decoder/families.py describes (gpt-oss,
+Qwen2-MoE, DeepSeek...), state-space / recurrent and encoder-decoder models, and any model_type
+without an entry there. A model Studio cannot describe is never sized or run as if it
 were a Llama.
 
 Plain Python: the UI imports this.
@@ -18,6 +19,9 @@ ENCODER_DECODER = {"t5", "mt5", "umt5", "longt5", "bart", "mbart", "pegasus", "m
 STATE_SPACE = {"mamba", "mamba2", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2", "recurrent_gemma",
                "bamba", "falcon_h1", "nemotron_h", "lfm2", "xlstm", "qwen3_next", "granitemoehybrid"}
 MIXTURE_OF_EXPERTS = {"mixtral", "dbrx", "deepseek_v2", "deepseek_v3", "gpt_oss", "arctic", "jetmoe"}
+SPARSE_DETAILS = {"gpt_oss": " with attention sinks, biased experts and MXFP4 weights",
+                  "qwen2_moe": " with a shared expert", "deepseek_v3": " with shared experts and grouped routing"}
+"""What an MoE family Studio does not describe has beyond the ones it does, for the refusal's line."""
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 STATE_KEYS = ("ssm_cfg", "state_size", "mamba_d_state", "ssm_state_size", "linear_num_value_heads")
 
@@ -49,10 +53,11 @@ def refusal(config: Mapping, text: Mapping, model_type: str, described: Collecti
         return Refusal(model_type, f"state-space / recurrent layers{what} are not described; Studio describes "
                                    f"attention decoders ({supported})")
     experts = next((k for k in EXPERT_KEYS if text.get(k)), None)
-    if experts or "moe" in model_type or model_type in MIXTURE_OF_EXPERTS:
+    if (experts or "moe" in model_type or model_type in MIXTURE_OF_EXPERTS) and model_type not in described:
         what = f" ({experts}: {text[experts]})" if experts else ""
-        return Refusal(model_type, f"mixture-of-experts layers{what} are not described; Studio describes dense "
-                                   f"decoders ({supported})")
+        what += SPARSE_DETAILS.get(model_type, "")
+        return Refusal(model_type, f"mixture-of-experts layers{what} are not described; Studio describes "
+                                   f"{supported}")
     if model_type not in described:
         return Refusal(model_type, f"model_type {model_type!r} has no entry in Studio's decoder description (its "
                                    f"layers may not be Llama's); it describes {supported}")

@@ -44,6 +44,18 @@ a Llama-style model (lm_head excluded), and what the fast path fuses LoRA produc
 PHI3_FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 """Phi-3's fused modules and the Llama modules whose rows they hold, in order ([q; k; v], [gate; up])."""
 
+ROUTER = "gate"
+"""A sparse MLP's router module (``mlp.gate``: a ``[experts, hidden]`` weight) in every MoE family here."""
+
+EXPERTS = "experts"
+"""A sparse MLP's experts module (``mlp.experts``), whose 3-D parameters transformers 5.x stores as
+``gate_up_proj [experts, 2 x intermediate, hidden]`` (gate's rows first) and ``down_proj [experts,
+hidden, intermediate]``."""
+
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+"""The experts module's parameters, by the names PEFT's ``target_parameters`` takes
+(``mlp.experts.gate_up_proj``): one LoRA adapter per expert, stacked in one A and one B."""
+
 
 @dataclass(frozen=True)
 class NormSpec:
@@ -106,6 +118,52 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """A sparse (mixture-of-experts) MLP: a router picks ``top_k`` of ``experts`` gated MLPs for each
+    token and sums their outputs weighted by its probabilities (transformers' ``*SparseMoeBlock``:
+    Qwen3-MoE, OLMoE, Mixtral)."""
+
+    experts: int
+    """Experts in each sparse layer (``num_experts``, or Mixtral's ``num_local_experts``)."""
+
+    top_k: int
+    """Experts each token goes through (``num_experts_per_tok``)."""
+
+    intermediate: int
+    """Width of one expert's gate and up outputs (``moe_intermediate_size``; Mixtral and OLMoE:
+    ``intermediate_size``)."""
+
+    renormalize: bool
+    """The router's softmax over all experts, then the top k, then (True) those k probabilities
+    divided by their sum (``norm_topk_prob``; Mixtral always); False: the k probabilities as they are."""
+
+    aux_loss_coef: float
+    """``router_aux_loss_coef``: the load-balancing loss' weight where it is added."""
+
+    aux_loss_on: bool
+    """``output_router_logits``: transformers adds the load-balancing loss to a training loss."""
+
+    shared_experts: int = 0
+    """Experts every token goes through besides the routed ones (none in the families here)."""
+
+    def aux_coef(self, setting: float | None) -> float:
+        """The load-balancing loss' weight a run adds: ``trainer.router_aux_loss_coef`` where set,
+        else what transformers adds when it trains the model (the config's coefficient where
+        ``output_router_logits``, else none)."""
+        if setting is not None:
+            return float(setting)
+        return self.aux_loss_coef if self.aux_loss_on else 0.0
+
+    def routed_params(self, hidden: int) -> int:
+        """Parameters of one sparse layer's experts (gate, up and down of each)."""
+        return self.experts * 3 * hidden * self.intermediate
+
+    def router_params(self, hidden: int) -> int:
+        """Parameters of one sparse layer's router."""
+        return self.experts * hidden
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """What differs from one decoder layer to the next: its attention span and its RoPE."""
 
@@ -122,6 +180,10 @@ class LayerSpec:
     rope_key: str | None
     """The ``layer_type`` argument the model's rotary module takes for this layer's table
     (Gemma 3: ``rotary_emb(x, position_ids, layer_type)``); None where it takes none."""
+
+    sparse: bool = False
+    """The layer's MLP is the decoder's mixture of experts (:class:`MoeSpec`), not a dense gated MLP
+    (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step`` keep some dense)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +281,21 @@ class DecoderSpec:
     extra_params: int = 0
     """Parameters outside the text decoder that load with it (Gemma 3's vision tower and projector)."""
 
+    moe: MoeSpec | None = None
+    """The sparse MLP of the layers whose :attr:`LayerSpec.sparse` is set; None: a dense decoder."""
+
+    router_jitter: float = 0.0
+    """Mixtral's ``router_jitter_noise``: in training, the sparse MLP's input is multiplied by noise
+    drawn from [1 - j, 1 + j] (0: none)."""
+
+    qkv_clip: float | None = None
+    """OLMoE's ``clip_qkv``: q, k and v are clamped to [-clip, clip] (None: not clamped)."""
+
+    @property
+    def sparse_layers(self) -> int:
+        """Layers whose MLP is the mixture of experts."""
+        return sum(1 for layer in self.layers if layer.sparse)
+
     @property
     def num_layers(self) -> int:
         """``num_hidden_layers``."""
@@ -230,7 +307,11 @@ class DecoderSpec:
         return features_of(self)
 
     def linear_modules(self) -> tuple[str, ...]:
-        """A layer's linear modules in the order it runs them, as named in the model (and by PEFT)."""
+        """A layer's linear modules in the order it runs them, as named in the model (and by PEFT);
+        a decoder whose every MLP is sparse has the attention's only (its router and experts are
+        not linear modules)."""
+        if self.layers and all(layer.sparse for layer in self.layers):
+            return ATTENTION_PROJECTIONS
         return linear_modules(self.fused)
 
     def parent(self, module: str) -> str:
@@ -245,7 +326,10 @@ class DecoderSpec:
                              self.kv_heads * self.head_dim, self.fused)
 
     def lora_modules(self, targets: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-        """A config's ``lora.target_modules`` as this model's module names (:func:`lora_modules`)."""
+        """A config's ``lora.target_modules`` as this model's module names (:func:`lora_modules`;
+        ``all-linear`` is :meth:`linear_modules`)."""
+        if targets == "all-linear" or list(targets) == ["all-linear"]:
+            return self.linear_modules()
         return lora_modules(targets, self.fused)
 
     def qk_norm_widths(self) -> tuple[int, int]:

@@ -34,13 +34,14 @@ def compute_bytes(plan: Plan) -> int:
 
 
 def lora_params(info: ModelInfo, r: int, targets: tuple[str, ...]) -> int:
-    """Adapter parameters: r x (in + out) per targeted linear module, in every layer."""
+    """Adapter parameters: r x (in + out) per targeted linear module, in every layer that has it
+    (a sparse layer's MLP has no linear module)."""
     shapes = info.linear_shapes()
     unknown = [t for t in targets if t not in shapes]
     if unknown:
         raise ValueError(f"lora.target_modules: {', '.join(unknown)} not in the model "
                          f"(known: {', '.join(shapes)}, or all-linear)")
-    return info.layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets)
+    return sum(info.layers_with(t) * r * (shapes[t][0] + shapes[t][1]) for t in targets)
 
 
 def quant_constants(n: int, plan: Plan) -> float:
@@ -56,12 +57,22 @@ def quant_constants(n: int, plan: Plan) -> float:
 
 
 def linear_bytes(info: ModelInfo, plan: Plan) -> float:
-    """Bytes of one decoder layer's linear weights as stored: packed data plus their constants."""
+    """Bytes of one decoder layer's frozen weights as stored: the linear modules' packed data plus
+    their constants; where some layers are sparse, the mean over the layers, their experts and
+    router included (:func:`expert_bytes`), so that ``layers x`` this is the whole stack's."""
     total = 0.0
-    for fan_in, fan_out in info.linear_shapes().values():
+    for name, (fan_in, fan_out) in info.linear_shapes().items():
         n = fan_in * fan_out
-        total += n * DTYPE_BYTES[plan.weights] + quant_constants(n, plan)
-    return total
+        total += info.layers_with(name) * (n * DTYPE_BYTES[plan.weights] + quant_constants(n, plan))
+    return (total + expert_bytes(info, plan)) / max(1, info.layers)
+
+
+def expert_bytes(info: ModelInfo, plan: Plan) -> float:
+    """Bytes of every sparse layer's experts and router: in the compute dtype where the linear
+    modules are quantized (bitsandbytes' loading quantizes linear modules, not the experts' 3-D
+    tensors), else in the weights' dtype. 0 for a dense model."""
+    stored = DTYPE_BYTES[plan.compute if plan.quantized else plan.weights]
+    return (info.expert_params() + info.router_params()) * stored
 
 
 def weight_bytes(info: ModelInfo, plan: Plan) -> int:
@@ -72,8 +83,9 @@ def weight_bytes(info: ModelInfo, plan: Plan) -> int:
     4-bit and 8-bit), which casts all of it to fp32.
     """
     linear = linear_bytes(info, plan)
-    if plan.weights == "int8":
-        linear += 4 * sum(fan_out for _, fan_out in info.linear_shapes().values())  # fp32 scale per row (SCB)
+    if plan.weights == "int8":  # fp32 scale per row (SCB)
+        rows = sum(info.layers_with(t) * fan_out for t, (_, fan_out) in info.linear_shapes().items())
+        linear += 4 * rows / info.layers
     other = info.embedding_params() + info.head_params() + info.norm_params() + info.vision_params
     if plan.lora_r is None:  # full fine-tuning: everything in the weights' dtype (int8: illustrative)
         other_bytes = DTYPE_BYTES[plan.compute if plan.quantized else plan.weights]
@@ -94,7 +106,7 @@ def dora_params(info: ModelInfo, plan: Plan) -> int:
     if not plan.dora or plan.lora_r is None:
         return 0
     shapes = info.linear_shapes()
-    return info.layers * sum(shapes[t][1] for t in plan.lora_targets if t in shapes)
+    return sum(info.layers_with(t) * shapes[t][1] for t in plan.lora_targets if t in shapes)
 
 
 def trainable_dtype_bytes(plan: Plan) -> int:

@@ -6,8 +6,9 @@ from a local folder, from the Hugging Face cache, or, offline with an empty cach
 config.json files Studio bundles (sample_data/model_configs/) and a small table of well-known shapes.
 
 Families described: Llama, Mistral, Qwen2, Qwen3, Gemma 1-3 (Gemma 3's text_config nesting and its
-SigLIP vision tower), Phi-3 (fused qkv_proj and gate_up_proj), OLMo 2, SmolLM3, Granite. Anything
-else (mixture of experts, state-space layers, encoder-decoders, an unknown model_type) raises
+SigLIP vision tower), Phi-3 (fused qkv_proj and gate_up_proj), OLMo 2, SmolLM3, Granite, and the
+mixtures of experts Qwen3-MoE, OLMoE and Mixtral. Anything else (other mixtures of experts,
+state-space layers, encoder-decoders, an unknown model_type) raises
 ModelInfoError naming what is missing or not described: the estimator would otherwise draw a number
 for layers it does not know.
 
@@ -22,10 +23,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from studio.core.decoder import DecoderSpec, Refusal, describe_decoder
-from studio.core.decoder.spec import PHI3_FUSED, linear_shapes, lora_modules
+from studio.core.decoder.spec import ATTENTION_PROJECTIONS, PHI3_FUSED, linear_shapes, lora_modules
 from studio.core.model.ref import local_problem
 from studio.core.paths import sample_data_dir
 from studio.core.plan import decoder_blocker
+
+ATTENTION_MODULES = (*ATTENTION_PROJECTIONS, "qkv_proj")
+"""A layer's attention projections, fused or not: a sparse layer's only linear modules."""
 
 
 class ModelInfoError(ValueError):
@@ -94,6 +98,19 @@ class ModelInfo:
     """Parameters outside the decoder that load with it (Gemma 3's SigLIP vision tower and
     projector); frozen, counted with the embeddings."""
 
+    sparse_layers: int = 0
+    """Layers whose MLP is a mixture of experts (Qwen3-MoE, OLMoE, Mixtral); their linear modules
+    are the attention's only."""
+
+    experts: int = 0
+    """Experts in each sparse layer."""
+
+    expert_intermediate: int = 0
+    """Width of one expert's gate and up outputs."""
+
+    top_k: int = 0
+    """Experts each token goes through in a sparse layer."""
+
     @property
     def head_width(self) -> int:
         """Width of one attention head."""
@@ -115,6 +132,8 @@ class ModelInfo:
         linear module of a decoder layer (lm_head excluded, as PEFT reads it), and Llama names map
         onto Phi-3's fused modules (:meth:`lora_modules`). ``studio estimate`` and the VRAM pane
         both go through this."""
+        if self.sparse_layers == self.layers and (targets == "all-linear" or list(targets) == ["all-linear"]):
+            return ATTENTION_PROJECTIONS  # every MLP sparse: the attention's are the only linear modules
         return lora_modules(targets, PHI3_FUSED if self.fused else ())
 
     def qk_norm_params(self) -> int:
@@ -125,9 +144,24 @@ class ModelInfo:
             return (self.heads + self.kv_heads) * self.head_width
         return 0
 
+    def layers_with(self, module: str) -> int:
+        """Layers holding linear module ``module``: every layer for the attention's, the dense ones
+        for the MLP's."""
+        return self.layers if module in ATTENTION_MODULES else self.layers - self.sparse_layers
+
     def linear_params(self) -> int:
-        """Parameters in all decoder layers' linear modules (what 4-bit / 8-bit quantize)."""
-        return self.layers * sum(a * b for a, b in self.linear_shapes().values())
+        """Parameters in all decoder layers' linear modules (what 4-bit / 8-bit quantize): every
+        module of a dense layer, the attention's of a sparse one."""
+        return sum(self.layers_with(name) * a * b for name, (a, b) in self.linear_shapes().items())
+
+    def expert_params(self) -> int:
+        """Parameters of every sparse layer's experts (3-D tensors that bitsandbytes' loading leaves
+        in the compute dtype)."""
+        return self.sparse_layers * self.experts * 3 * self.hidden * self.expert_intermediate
+
+    def router_params(self) -> int:
+        """Parameters of every sparse layer's router (frozen, in the compute dtype)."""
+        return self.sparse_layers * self.experts * self.hidden
 
     def embedding_params(self) -> int:
         """The input embedding matrix."""
@@ -148,7 +182,7 @@ class ModelInfo:
     def total_params(self) -> int:
         """Every parameter of the model (a vision tower included)."""
         return (self.linear_params() + self.embedding_params() + self.head_params() + self.norm_params()
-                + self.vision_params)
+                + self.vision_params + self.expert_params() + self.router_params())
 
 
 def _known(ref: str) -> ModelInfo | None:
@@ -182,7 +216,9 @@ def from_spec(spec: DecoderSpec, name: str, init_std: float = 0.02) -> ModelInfo
         head_dim=spec.head_dim, init_std=init_std, fast_path_blocker=decoder_blocker(spec),
         model_type=spec.model_type, fused=bool(spec.fused), norms_per_layer=len(spec.norms.names()),
         qk_norm="" if spec.qk_norm == "none" else spec.qk_norm, bias_outputs=spec.biases,
-        vision_params=spec.extra_params)
+        vision_params=spec.extra_params, sparse_layers=spec.sparse_layers if spec.moe else 0,
+        experts=spec.moe.experts if spec.moe else 0, expert_intermediate=spec.moe.intermediate if spec.moe else 0,
+        top_k=spec.moe.top_k if spec.moe else 0)
 
 
 def _table_entry(name: str, model_type: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,

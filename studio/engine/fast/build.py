@@ -18,12 +18,29 @@ from torch import nn
 
 from studio.core.config import FastPathConfig
 from studio.core.decoder import DecoderSpec, Refusal, describe_decoder
-from studio.core.plan import FAST_PATH_ENV, PathFacts, choose_path, decoder_blocker, model_blocker
+from studio.core.decoder.spec import EXPERT_PARAMETERS, EXPERTS, MLP, ROUTER
+from studio.core.plan import (
+    FAST_PATH_ENV,
+    PathFacts,
+    choose_path,
+    decoder_blocker,
+    model_blocker,
+    moe_facts,
+    sparse_mlp,
+)
 from studio.engine.fast import norm
 from studio.engine.fast.attention import LLAMA, Span
 from studio.engine.fast.frozen import Workspace, is_4bit
 from studio.engine.fast.layer import LLAMA_NORM, Layer, NormKind
 from studio.engine.fast.model import Ends, FastModel
+from studio.engine.fast.moe import (
+    ExpertProjection,
+    RouterLog,
+    SparseMlp,
+    expert_problem,
+    experts_adapted,
+    experts_base,
+)
 from studio.engine.fast.ops import liger_kernels, varlen_attention
 from studio.engine.fast.projection import Projection, has_adapter
 
@@ -88,13 +105,18 @@ def _eps(module: nn.Module, default: float) -> float:
     return default
 
 
-def prepare(model: nn.Module, options: FastPathConfig | None = None) -> tuple[FastModel | None, str]:
+def prepare(model: nn.Module, options: FastPathConfig | None = None,
+            router_aux_loss_coef: float | None = None) -> tuple[FastModel | None, str]:
     """Build the fast path for a PEFT LoRA model, or return (None, why not). ``options``: the run's
-    ``trainer.fast_path`` (default: everything on).
+    ``trainer.fast_path`` (default: everything on); ``router_aux_loss_coef``: the run's
+    ``trainer.router_aux_loss_coef`` (a mixture of experts' load-balancing loss; None: as
+    transformers trains the model, core/decoder's ``MoeSpec.aux_coef``).
 
-    Covered: the dense decoders core/decoder/ describes whose features the fast path runs
-    (core/plan.py's ``decoder_blocker``), LoRA on any of their linear projections (Phi-3's fused
-    modules as PEFT names them), base weights in 4-bit (bitsandbytes NF4/FP4) or a float dtype.
+    Covered: the decoders core/decoder/ describes whose features the fast path runs
+    (core/plan.py's ``decoder_blocker``; mixture-of-experts layers through engine/fast/moe.py),
+    LoRA on any of their linear projections (Phi-3's fused modules as PEFT names them) and on the
+    experts' 3-D parameters (PEFT's ``target_parameters``), base weights in 4-bit (bitsandbytes
+    NF4/FP4) or a float dtype (experts: a float dtype).
     Frozen float parameters kept in fp32 by ``prepare_model_for_kbit_training`` (norms, embeddings,
     head, biases) are cast back to the compute dtype: they were loaded from it, so no information
     is lost, and the stream then stays in it.
@@ -122,28 +144,46 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None) -> tuple[Fa
     def module(layer: nn.Module, name: str) -> nn.Module | None:
         return getattr(getattr(layer, spec.parent(name), None), name, None)
 
-    for layer in layers:
-        for name in (n for group in groups for n in group):
+    def linear(described) -> tuple[str, ...]:
+        """The linear modules of a layer: a sparse one's MLP has none (its experts run apart)."""
+        return tuple(n for group in (groups[:2] if described.sparse else groups) for n in group)
+
+    for layer, described in zip(layers, spec.layers, strict=True):
+        for name in linear(described):
             why = _lora_module(module(layer, name) or nn.Identity(), adapter)
             if why:
                 return None, f"{why} ({name})"
+        if described.sparse:
+            mlp = getattr(layer, MLP, None)
+            if getattr(getattr(mlp, ROUTER, None), "weight", None) is None or not hasattr(mlp, EXPERTS):
+                return None, f"a sparse layer without {MLP}.{ROUTER}.weight and {MLP}.{EXPERTS}"
+            why = expert_problem(getattr(mlp, EXPERTS), adapter)
+            if why:
+                return None, why
         for name in (*spec.norms.names(), *((("q_norm", "k_norm")) if spec.qk_norm != "none" else ())):
             found_norm = module(layer, name) if name in ("q_norm", "k_norm") else getattr(layer, name, None)
             if getattr(found_norm, "weight", None) is None:
                 return None, f"a decoder layer without its {name}"
-    if not any(has_adapter(m, adapter) for layer in layers for group in groups for n in group
-               if (m := module(layer, n)) is not None):
+    if not any(has_adapter(m, adapter) for layer, described in zip(layers, spec.layers, strict=True)
+               for n in linear(described) if (m := module(layer, n)) is not None) and not any(
+            experts_adapted(layer.mlp.experts, adapter) for layer, described in zip(layers, spec.layers, strict=True)
+            if described.sparse):
         return None, "no LoRA adapter on the decoder's projections"
 
     dtype = _compute_dtype(module(layers[0], groups[0][0]))
+    moe = spec.moe if spec.sparse_layers else None
+    router = RouterLog(moe.experts, moe.top_k, moe.aux_coef(router_aux_loss_coef) > 0) if moe else None
     frozen = [backbone.embed_tokens, backbone.norm, head]
     for layer in layers:
         frozen += [getattr(layer, name) for name in spec.norms.names()]
         if spec.qk_norm != "none":
             frozen += [module(layer, "q_norm"), module(layer, "k_norm")]
-        for name in (n for group in groups for n in group):
+    for layer, described in zip(layers, spec.layers, strict=True):
+        for name in linear(described):
             m = module(layer, name)
             frozen.append(m.get_base_layer() if hasattr(m, "get_base_layer") else m)
+        if described.sparse:  # the router and the experts' 3-D weights
+            frozen += [layer.mlp.gate, experts_base(layer.mlp.experts)]
     for m in frozen:
         for p in m.parameters(recurse=False):
             if not p.requires_grad and p.dtype == torch.float32 and dtype != torch.float32 and _exact_in(p, dtype):
@@ -165,8 +205,14 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None) -> tuple[Fa
     built = []
     workspace = Workspace()
     proj = partial(Projection, adapter=adapter, dtype=dtype, workspace=workspace, kernels=options.kernels)
-    for layer, described in zip(layers, spec.layers, strict=True):
+    for index, (layer, described) in enumerate(zip(layers, spec.layers, strict=True)):
         qkv, o, gate_up, down = ([module(layer, n) for n in group] for group in groups)
+        sparse = None
+        if described.sparse:
+            gate_up, down = (ExpertProjection(layer.mlp.experts, n, adapter, dtype) for n in EXPERT_PARAMETERS)
+            sparse = SparseMlp(layer.mlp.gate.weight, gate_up, down, moe, router, index)
+        else:
+            gate_up, down = proj(gate_up), proj(down)
         norms = {role: getattr(layer, name) if name else None for role, name in (
             ("attn_in", spec.norms.attn_in), ("attn_out", spec.norms.attn_out), ("mlp_in", spec.norms.mlp_in),
             ("mlp_out", spec.norms.mlp_out))}
@@ -177,7 +223,7 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None) -> tuple[Fa
         span = Span(scale=scale, window=described.window, softcap=spec.attn_softcap)
         built.append(Layer(
             qkv=proj(qkv, split=[q_width, kv_width, kv_width] if len(qkv) == 1 else None),
-            o=proj(o), gate_up=proj(gate_up), down=proj(down),
+            o=proj(o), gate_up=gate_up, down=down, moe=sparse,
             ln1=_weight(norms["attn_in"]), ln2=_weight(norms["mlp_in"]),
             eps=_eps(first_norm, spec.norm.eps),
             heads=spec.heads, kv_heads=spec.kv_heads, head_dim=head_dim, liger=liger, varlen=varlen,
@@ -196,7 +242,8 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None) -> tuple[Fa
                 embed_scale_rounded=spec.embed_scale_rounded, rope_keys=keys,
                 final_eps=_eps(backbone.norm, spec.norm.eps), logits_divisor=spec.logits_divisor,
                 final_softcap=spec.final_softcap)
-    return FastModel(model, built, backbone, head, dtype, options, liger, varlen, ends), ""
+    aux = moe.aux_coef(router_aux_loss_coef) if moe else 0.0
+    return FastModel(model, built, backbone, head, dtype, options, liger, varlen, ends, router, aux), ""
 
 
 def _weight(module: nn.Module | None) -> torch.Tensor | None:
@@ -229,9 +276,10 @@ def _first_projection(layer: nn.Module) -> nn.Module | None:
 
 
 def path_facts(model: nn.Module, device: torch.device, method: str = "sft",
-               options: FastPathConfig | None = None) -> PathFacts:
+               options: FastPathConfig | None = None, router_aux_loss_coef: float | None = None) -> PathFacts:
     """What :func:`studio.core.plan.choose_path` decides on, read off the loaded PEFT model and the
-    run's ``trainer.fast_path`` (the estimator reads the same facts off the config files)."""
+    run's ``trainer.fast_path`` and ``trainer.router_aux_loss_coef`` (the estimator reads the same
+    facts off the config files)."""
     options = options or FastPathConfig()
     spec = describe(model)
     found, _ = _find(model, spec.decoder_path if isinstance(spec, DecoderSpec) else ("model",))
@@ -242,7 +290,9 @@ def path_facts(model: nn.Module, device: torch.device, method: str = "sft",
     # The adapters the text decoder runs (its layers and the head): a multimodal checkpoint's vision
     # tower, which PEFT's all-linear adapts too, sees no text and trains on neither path.
     named = [*found[0].named_modules(), ("lm_head", found[1])] if found is not None else model.named_modules()
-    targets = sorted({name.rsplit(".", 1)[-1] for name, m in named if has_adapter(m, adapter)})
+    # An expert adapter (PEFT's ParamWrapper, nested one a parameter) by the parameter it adapts
+    targets = sorted({f"{EXPERTS}.{m.parameter_name}" if hasattr(m, "parameter_name") else name.rsplit(".", 1)[-1]
+                      for name, m in named if has_adapter(m, adapter)})
     peft_config = getattr(model, "peft_config", {}).get(adapter)
     weights = "bf16"
     first = _first_projection(found[2][0]) if found is not None and len(found[2]) else None
@@ -261,17 +311,18 @@ def path_facts(model: nn.Module, device: torch.device, method: str = "sft",
                      env=os.environ.get(FAST_PATH_ENV, ""), method=method,
                      dora=bool(getattr(peft_config, "use_dora", False)),
                      full_finetune=not hasattr(model, "peft_config"), cuda_graphs=options.cuda_graphs,
-                     host_offload=options.host_offload)
+                     host_offload=options.host_offload, **moe_facts(sparse_mlp(spec), router_aux_loss_coef))
 
 
-def enable(model: nn.Module, device: torch.device, method: str = "sft",
-           options: FastPathConfig | None = None) -> tuple[FastModel | None, str]:
+def enable(model: nn.Module, device: torch.device, method: str = "sft", options: FastPathConfig | None = None,
+           router_aux_loss_coef: float | None = None) -> tuple[FastModel | None, str]:
     """The fast path for a trainer's model, where :func:`studio.core.plan.choose_path` (the function
     the estimator uses too) picks it: on CUDA for covered models, off on CPU (where it is no faster);
     the environment variable ``STUDIO_FAST_PATH`` overrides. ``options``: the run's
-    ``trainer.fast_path``. Returns the fast model and what it runs, or (None, why not)."""
-    choice = choose_path(path_facts(model, device, method, options))
+    ``trainer.fast_path``; ``router_aux_loss_coef``: its ``trainer.router_aux_loss_coef``. Returns
+    the fast model and what it runs, or (None, why not)."""
+    choice = choose_path(path_facts(model, device, method, options, router_aux_loss_coef))
     if choice.path != "fast":
         return None, choice.reason
-    fast, why = prepare(model, options)
+    fast, why = prepare(model, options, router_aux_loss_coef)
     return (fast, choice.reason) if fast is not None else (None, why)

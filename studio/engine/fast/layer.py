@@ -1,8 +1,9 @@
 """One decoder layer as one function: norms, fused projections, RoPE, attention inside each example
-of a flat token stream, the gated MLP. One implementation for every family core/decoder/ describes:
-what a family does beyond a Llama layer is a field here (engine/fast/build.py fills them in from the
-description and the loaded modules), and each is a branch taken only where a field says so; a Llama
-layer's fields are the defaults, and it runs the operations it always ran, in their order."""
+of a flat token stream, the gated MLP or a mixture of experts (engine/fast/moe.py). One
+implementation for every family core/decoder/ describes: what a family does beyond a Llama layer
+is a field here (engine/fast/build.py fills them in from the description and the loaded modules),
+and each is a branch taken only where a field says so; a Llama layer's fields are the defaults, and
+it runs the operations it always ran, in their order."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from studio.engine.fast import norm
 from studio.engine.fast.attention import LLAMA, Segments, Span, attend
+from studio.engine.fast.moe import ExpertProjection, SparseMlp
 from studio.engine.fast.ops import (
     rms_norm_scaled_torch,
     rms_norm_torch,
@@ -50,8 +52,9 @@ class Layer:
 
     qkv: Projection
     o: Projection
-    gate_up: Projection
-    down: Projection
+    gate_up: Projection | ExpertProjection
+    """The gated MLP's gate/up, or a sparse layer's experts' (:attr:`moe`)."""
+    down: Projection | ExpertProjection
     ln1: torch.Tensor | None
     """The norm before attention (``attn_in``); None: the stream goes in as it is (OLMo 2)."""
     ln2: torch.Tensor | None
@@ -93,6 +96,8 @@ class Layer:
     """The gated MLP's activation: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (GeGLU)."""
     residual_scale: float = 1.0
     """Each branch's output is multiplied by this before the residual add (Granite)."""
+    moe: SparseMlp | None = None
+    """The layer's MLP is this mixture of experts (its gate_up and down are the experts'); None: dense."""
 
     def norm(self, x: torch.Tensor, w: torch.Tensor, eps: float | None = None, in_place: bool = True) -> torch.Tensor:
         """RMSNorm of ``x`` with weight ``w`` (liger's kernel where it is on). ``in_place``: liger's
@@ -166,6 +171,9 @@ class Layer:
         else:
             h = h + self._branch_output(self.o(attn, o_ad), self.attn_out)
         x, h = self.branch(h, self.ln2)
+        if self.moe is not None:
+            out = self._branch_output(self.moe(x, gu_ad, down_ad), self.mlp_out)
+            return (h, out) if recompute else h + out
         # The update added inside SwiGLU's kernel where it can be (engine/fast/update.py), and down's
         # LoRA input-gradient term handed to SwiGLU's backward.
         silu = self.activation == "silu"

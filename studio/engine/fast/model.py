@@ -17,6 +17,7 @@ from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import GradSink, Graphs
 from studio.engine.fast.layer import Layer, Segments
 from studio.engine.fast.loss import IGNORE_INDEX, chunked_scores, cross_entropy, next_token_targets, sequence_logps
+from studio.engine.fast.moe import RouterLog
 from studio.engine.fast.offload import HostInputs, OffloadedLayer, flatten
 
 
@@ -49,8 +50,12 @@ class FastModel:
 
     def __init__(self, peft_model: nn.Module, layers: list[Layer], backbone: nn.Module, head: nn.Module,
                  dtype: torch.dtype, options: FastPathConfig, liger: dict | None, varlen: tuple | None,
-                 ends: Ends | None = None):
+                 ends: Ends | None = None, router: RouterLog | None = None, aux_coef: float = 0.0):
         self.peft_model = peft_model
+        self.router = router
+        """A mixture of experts' routing of the micro-batch (engine/fast/moe.py); None: dense layers."""
+        self.aux_coef = aux_coef
+        """The load-balancing loss' weight in the training loss (0: not added)."""
         self.ends = ends or Ends()
         """What comes before the first layer and after the last (:class:`Ends`)."""
         self.layers = layers
@@ -73,8 +78,11 @@ class FastModel:
                 for k, proj in enumerate(layer.projections()):
                     proj.use_dropout(self._seed.tensor, first_site=(index * 4 + k) * 8)
         cuda = device.type == "cuda"
-        offloading = options.host_offload and cuda
-        self._graphs = Graphs(self, offloading) if options.cuda_graphs and cuda else None
+        # The load-balancing loss' gradient reaches the layers through torch's checkpointing only
+        # (not through the host-offloaded layers' own backward); a mixture of experts runs eagerly
+        # (its routing is logged from the step). core/plan.py's choose_path says the same.
+        offloading = options.host_offload and cuda and not aux_coef
+        self._graphs = Graphs(self, offloading) if options.cuda_graphs and cuda and router is None else None
         self._host = HostInputs(device) if offloading else None
         """The eager steps' host buffers (each graphed layout has its own: graphs.py)."""
 
@@ -113,7 +121,22 @@ class FastModel:
         if self._seed is not None and torch.is_grad_enabled():
             self._seed.advance()  # this micro-batch's adapter-dropout masks
         h, targets = self._hidden(input_ids, labels, attention_mask, position_ids)
-        return cross_entropy(h, self.head.weight, targets, reduction, self.liger, softcap=self.ends.final_softcap)
+        loss = cross_entropy(h, self.head.weight, targets, reduction, self.liger, softcap=self.ends.final_softcap)
+        if self.router is None:
+            return loss
+        if torch.is_grad_enabled():
+            self.router.tally()
+        balance = self.router.balance_loss() if self.aux_coef else None
+        if balance is not None:
+            # transformers adds coef x aux to the mean loss: a sum carries it once per target
+            weight = (targets != IGNORE_INDEX).sum() if reduction == "sum" else 1
+            loss = loss + self.aux_coef * balance * weight
+        return loss
+
+    def take_expert_tokens(self) -> list[int]:
+        """Token copies each expert took, summed over the sparse layers, in the training micro-batches
+        since the last call ([] for a dense model): what a step logs."""
+        return self.router.take_tokens() if self.router is not None else []
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -169,6 +192,8 @@ class FastModel:
             else:
                 position_ids = torch.arange(t, device=device).expand(b, t)
         targets = next_token_targets(labels, position_ids)
+        if self.router is not None:
+            self.router.reset()
 
         # Host syncs, once per micro-batch: the batch's shape decides the attention layout.
         padded = attention_mask is not None and not bool(attention_mask.all())
@@ -196,7 +221,7 @@ class FastModel:
         if graphed:
             h = self._graphs.run(h, cos, sin, seg)
         else:
-            offload = (self._host is not None and torch.is_grad_enabled()
+            offload = (self._host is not None and torch.is_grad_enabled() and not self.aux_coef
                        and offload_for(ids.numel(), 0.0, True))
             h = self.stack(h, cos, sin, seg, self._host if offload else None, reference=reference)
         if self.ends.logits_divisor != 1.0:

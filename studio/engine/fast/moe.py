@@ -1,0 +1,335 @@
+"""A mixture-of-experts MLP as the fast path runs it: the router, the tokens sorted by expert, one
+grouped product per projection, and the routing weights applied in the activation's pass.
+
+transformers 5.x stores a sparse layer's experts as two 3-D parameters of one module
+(``mlp.experts.gate_up_proj [experts, 2 x intermediate, hidden]``, gate's rows first, and
+``mlp.experts.down_proj [experts, hidden, intermediate]``) and loops over the experts in Python.
+Here each token's ``top_k`` copies are sorted by expert, so every expert's tokens are one run of
+rows, and each projection is one grouped product over those runs (:class:`Groups`): torch's
+``grouped_mm`` where it takes the operands (bf16 on a CUDA card of compute capability 8.0 or more;
+the CPU build's kernel in any float dtype, for 16-byte aligned strides), else one product per
+expert, a loop used on the CPU and for fp16 / fp32 on CUDA only.
+
+LoRA on the experts is PEFT's ``target_parameters`` adapter (``lora.ParamWrapper``: one A and one
+B per expert, stacked in ``lora_A [r x experts, in]`` and ``lora_B [out, r x experts]``), so an
+adapter trained here loads with ``PeftModel``. The router is frozen; its input still gets the
+gradient that flows through the routing weights, as in transformers.
+
+:class:`RouterLog` keeps each sparse layer's routing of the micro-batch: the tokens each expert
+took (logged per step) and, when the load-balancing loss is on, the router's probabilities summed
+per expert, from which :meth:`RouterLog.balance_loss` computes transformers'
+``load_balancing_loss_func``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from studio.core.decoder import MoeSpec
+
+_KERNEL = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+"""torch's grouped product (``torch.nn.functional.grouped_mm`` from 2.10, ``torch._grouped_mm``
+before), or None in a build without one."""
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s address and its non-unit strides are multiples of 16 bytes (the kernel's rule)."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s, n in zip(t.stride(), t.shape, strict=True)
+                                           if s != 1 and n > 1)
+
+
+def kernel_takes(*operands: torch.Tensor) -> bool:
+    """Whether torch's grouped product runs on these operands (:data:`_KERNEL`'s rules)."""
+    if _KERNEL is None:
+        return False
+    device = operands[0].device
+    if device.type == "cuda":
+        if operands[0].dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (8, 0):
+            return False
+    elif device.type != "cpu":
+        return False
+    return all(_aligned(t) for t in operands)
+
+
+class Groups:
+    """Rows sorted by expert: expert ``e``'s rows are ``offs[e - 1]:offs[e]``. Products over each
+    expert's rows, as one grouped product or (where the kernel does not take them) a loop."""
+
+    def __init__(self, counts: torch.Tensor, loop: bool = False):
+        self.counts = counts
+        """Rows of each expert ``[experts]`` (int64)."""
+        self.offs = counts.cumsum(0).to(torch.int32)
+        """Where each expert's rows end, as the kernel takes them."""
+        self.loop = loop
+        """Always the per-expert loop (the reference the kernel is tested against)."""
+        self._bounds: list[tuple[int, int]] | None = None
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """Each expert's first and past-last row (a host sync, once)."""
+        if self._bounds is None:
+            ends = self.offs.tolist()
+            self._bounds = list(zip([0, *ends[:-1]], ends, strict=True))
+        return self._bounds
+
+    def mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x[rows of e] @ w[e]`` for every expert: ``x [rows, k]``, ``w [experts, k, n]`` -> ``[rows, n]``."""
+        if not self.loop and kernel_takes(x, w):
+            return _KERNEL(x, w, offs=self.offs)
+        out = x.new_zeros(x.shape[0], w.shape[2])
+        for e, (start, end) in enumerate(self.bounds()):
+            if end > start:
+                torch.mm(x[start:end], w[e], out=out[start:end])
+        return out
+
+    def outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a[rows of e]^T @ b[rows of e]`` for every expert: ``a [rows, m]``, ``b [rows, n]`` ->
+        ``[experts, m, n]`` (zeros for an expert without rows): the weight gradients."""
+        at = a.t()
+        if not self.loop and kernel_takes(at, b):
+            return _KERNEL(at, b, offs=self.offs)
+        out = a.new_zeros(self.counts.shape[0], a.shape[1], b.shape[1])
+        for e, (start, end) in enumerate(self.bounds()):
+            if end > start:
+                torch.mm(at[:, start:end], b[start:end], out=out[e])
+        return out
+
+
+class ExpertWeights:
+    """One projection's frozen expert weights ``[experts, out, in]`` (a 3-D parameter of the model's
+    experts module), read in the compute dtype."""
+
+    def __init__(self, param: torch.Tensor, dtype: torch.dtype):
+        self.param = param
+        self.dtype = dtype
+        self.experts, self.out_features, self.in_features = (int(n) for n in param.shape)
+
+    def stacked(self) -> torch.Tensor:
+        """Every expert's weight ``[experts, out, in]`` in the compute dtype."""
+        return self.param.detach().to(self.dtype)
+
+
+class ExpertProduct(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] @ W_e^T + scale * x[rows of e] @ A_e^T @ B_e^T`` over the sorted
+    rows, with a backward that reads the frozen weights again (nothing of them saved) and gives A
+    and B their gradients with grouped products too."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weights: ExpertWeights, groups: Groups, a: torch.Tensor | None,
+                b: torch.Tensor | None, scale: float) -> torch.Tensor:
+        y = groups.mm(x, weights.stacked().transpose(1, 2))
+        xa = None
+        if a is not None:
+            xa = groups.mm(x, a.transpose(1, 2))
+            y.add_(groups.mm(xa, b.transpose(1, 2)), alpha=scale)
+        ctx.weights, ctx.groups, ctx.scale = weights, groups, scale
+        ctx.save_for_backward(x if a is not None else None, xa, a, b)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, xa, a, b = ctx.saved_tensors
+        groups, scale = ctx.groups, ctx.scale
+        dy = dy.contiguous()
+        dx = groups.mm(dy, ctx.weights.stacked()) if ctx.needs_input_grad[0] else None
+        da = db = None
+        if a is not None:
+            dyb = groups.mm(dy, b)
+            if dx is not None:
+                dx.add_(groups.mm(dyb, a), alpha=scale)
+            if ctx.needs_input_grad[3]:
+                da = groups.outer(dyb, x).mul_(scale)
+            if ctx.needs_input_grad[4]:
+                db = groups.outer(dy, xa).mul_(scale)
+        return dx, None, None, da, db, None
+
+
+def _wrappers(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """The experts module under PEFT's ``ParamWrapper`` layers (nested, one per adapted parameter),
+    and the wrappers by the parameter they adapt."""
+    wrappers = {}
+    while hasattr(experts, "parameter_name") and hasattr(experts, "base_layer"):
+        wrappers[experts.parameter_name] = experts
+        experts = experts.base_layer
+    return experts, wrappers
+
+
+def experts_base(experts: nn.Module) -> nn.Module:
+    """The model's experts module under any PEFT ``ParamWrapper`` around it."""
+    return _wrappers(experts)[0]
+
+
+def experts_adapted(experts: nn.Module, adapter: str) -> bool:
+    """Whether ``adapter`` adapts one of the experts' parameters."""
+    return any(adapter in w.lora_A for w in _wrappers(experts)[1].values())
+
+
+def expert_problem(experts: nn.Module, adapter: str) -> str:
+    """Why a sparse layer's experts module cannot run here ('' when it can)."""
+    base, wrappers = _wrappers(experts)
+    for name in ("gate_up_proj", "down_proj"):
+        param = getattr(base, name, None)
+        if not isinstance(param, torch.Tensor) or param.dim() != 3:
+            return f"experts without a 3-D {name} (transformers 5.x stores them so)"
+        if not param.dtype.is_floating_point:
+            return f"quantized expert weights ({name}: {param.dtype})"
+    if getattr(base, "has_bias", False) or getattr(base, "is_transposed", False):
+        return "experts with biases or transposed weights"
+    for name, wrapper in wrappers.items():
+        if adapter in getattr(wrapper, "lora_A", {}) and (getattr(wrapper, "merged", False)
+                                                          or getattr(wrapper, "disable_adapters", False)):
+            return f"an expert adapter that is merged or disabled ({name})"
+    return ""
+
+
+class ExpertProjection:
+    """One projection of every expert (gate/up or down) with its PEFT adapter, if any: the
+    adapters of engine/fast/projection.py's :class:`Projection` in the experts' stacked form."""
+
+    def __init__(self, experts: nn.Module, name: str, adapter: str, dtype: torch.dtype):
+        base, wrappers = _wrappers(experts)
+        self.weights = ExpertWeights(getattr(base, name), dtype)
+        self.dtype = dtype
+        wrapper = wrappers.get(name)
+        present = wrapper is not None and adapter in wrapper.lora_A
+        self.a = [wrapper.lora_A[adapter].weight] if present else []
+        """PEFT's ``lora_A [r x experts, in]`` (one entry), or none."""
+        self.b = [wrapper.lora_B[adapter].weight] if present else []
+        """PEFT's ``lora_B [out, r x experts]`` (one entry), or none."""
+        self.scale = float(wrapper.scaling[adapter]) if present else 1.0
+        self.dropout = [0.0] * len(self.a)
+        """PEFT's ParamWrapper takes no adapter dropout."""
+
+    def use_dropout(self, seed: torch.Tensor, first_site: int) -> None:
+        """Nothing to do: expert adapters have no dropout (:attr:`dropout`)."""
+
+    def adapters(self, sink=None) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """``(A [experts, r, in], B [experts, out, r], scale)`` from PEFT's weights through
+        autograd (``sink`` as :meth:`Projection.adapters` takes it); (None, None, 1.0) without one.
+        PEFT's layout: expert e's A is rows ``e*r:(e+1)*r`` of lora_A, its B the columns
+        ``j*experts + e`` of lora_B (``ParamWrapper.get_delta_weight``)."""
+        if not self.a:
+            return None, None, 1.0
+        a, b = (sink([*self.a, *self.b]) if sink is not None else (self.a[0], self.b[0]))
+        w = self.weights
+        a = a.to(self.dtype).view(w.experts, -1, w.in_features)
+        b = b.to(self.dtype).view(w.out_features, -1, w.experts).permute(2, 0, 1).contiguous()
+        return a, b, self.scale
+
+
+@dataclass
+class Routing:
+    """One micro-batch's routing in a sparse layer, as :class:`RouterLog` keeps it."""
+
+    counts: torch.Tensor
+    """Token copies each expert took ``[experts]`` (no gradient)."""
+    probs: torch.Tensor | None
+    """The router's probabilities summed over the tokens ``[experts]`` (fp32, with their gradient
+    where the load-balancing loss is on); None where it is off."""
+    rows: int
+    """Tokens routed."""
+
+
+class RouterLog:
+    """Each sparse layer's :class:`Routing` of the micro-batch going through the model, by layer.
+
+    A layer recomputed for its backward records again over its own entry, which changes nothing:
+    the loss read the first one."""
+
+    def __init__(self, experts: int, top_k: int, balance: bool):
+        self.experts = experts
+        self.top_k = top_k
+        self.balance = balance
+        """The layers record their probabilities for :meth:`balance_loss`."""
+        self.layers: dict[int, Routing] = {}
+        self.tokens = torch.zeros(experts, dtype=torch.long)
+        """Token copies each expert took, summed over the sparse layers, since :meth:`take_tokens`."""
+
+    def reset(self) -> None:
+        """Forget the last micro-batch's routing (a new forward begins)."""
+        self.layers = {}
+
+    def record(self, index: int, routing: Routing) -> None:
+        """Layer ``index``'s routing of this micro-batch."""
+        self.layers[index] = routing
+
+    def tally(self) -> None:
+        """Add this micro-batch's counts to :attr:`tokens`."""
+        if self.layers:
+            counts = torch.stack([r.counts for r in self.layers.values()]).sum(0)
+            self.tokens = self.tokens.to(counts.device) + counts
+
+    def take_tokens(self) -> list[int]:
+        """The counts since the last call (a step's), and start counting anew."""
+        tokens = self.tokens.tolist()
+        self.tokens = torch.zeros_like(self.tokens)
+        return tokens
+
+    def balance_loss(self) -> torch.Tensor | None:
+        """transformers' ``load_balancing_loss_func`` over this micro-batch's sparse layers: the
+        experts' share of the token copies times their mean router probability, summed, times the
+        number of experts; both shares are pooled over every layer first, as transformers does.
+        None when nothing was recorded."""
+        routed = [r for r in self.layers.values() if r.probs is not None]
+        if not routed:
+            return None
+        rows = sum(r.rows for r in routed)
+        counts = torch.stack([r.counts for r in routed]).sum(0).float()
+        probs = torch.stack([r.probs for r in routed]).sum(0)
+        return (counts / rows * probs / rows).sum() * self.experts
+
+
+class SparseMlp:
+    """A sparse layer's MLP: router, experts' gate/up and down (:class:`ExpertProjection`), the
+    gated activation (SiLU) with the routing weight in the same pass, and the weighted sum of each
+    token's experts scattered back to its row."""
+
+    def __init__(self, router: torch.Tensor, gate_up: ExpertProjection, down: ExpertProjection, spec: MoeSpec,
+                 log: RouterLog, index: int, loop: bool = False):
+        self.router = router
+        """The router's weight ``[experts, hidden]`` (frozen)."""
+        self.gate_up = gate_up
+        self.down = down
+        self.spec = spec
+        self.log = log
+        self.index = index
+        """This layer's place in the stack (its :class:`RouterLog` entry)."""
+        self.loop = loop
+        """Products by the per-expert loop whatever the kernel takes (tests)."""
+
+    def route(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's probabilities ``[tokens, experts]`` (fp32), and each token's top-k experts and
+        weights ``[tokens, k]``, as transformers' TopKRouter computes them."""
+        logits = x2 @ self.router.to(x2.dtype).t()
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, chosen, weights.to(x2.dtype)
+
+    def __call__(self, x: torch.Tensor, gate_up_adapters: tuple, down_adapters: tuple) -> torch.Tensor:
+        """The MLP's output for the normed stream ``x [B, T, hidden]``."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        probs, chosen, weights = self.route(x2)
+        k = self.spec.top_k
+        flat = chosen.reshape(-1)
+        # Each token's k copies in expert order; stable, so each expert's rows keep token order.
+        order = torch.argsort(flat, stable=True)
+        rows = order // k
+        # scatter_add, not bincount: bincount reads its input's maximum back to the host on CUDA
+        counts = flat.new_zeros(self.spec.experts).scatter_add_(0, flat, torch.ones_like(flat))
+        groups = Groups(counts, loop=self.loop)
+        balance = self.log.balance and torch.is_grad_enabled()
+        self.log.record(self.index, Routing(counts, probs.sum(0) if balance else None, x2.shape[0]))
+        a, b, scale = gate_up_adapters
+        gu = ExpertProduct.apply(x2[rows], self.gate_up.weights, groups, a, b, scale)
+        gate, up = gu.chunk(2, dim=-1)
+        act = F.silu(gate) * up * weights.reshape(-1)[order, None]
+        a, b, scale = down_adapters
+        y = ExpertProduct.apply(act, self.down.weights, groups, a, b, scale)
+        return x2.new_zeros(x2.shape).index_add_(0, rows, y).view(shape)

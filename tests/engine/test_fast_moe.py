@@ -1,0 +1,200 @@
+"""Mixture-of-experts models on the fast path (studio/engine/fast/moe.py), on the CPU in fp32:
+Qwen3-MoE, OLMoE and Mixtral's loss and every LoRA gradient (attention, Qwen3-MoE's dense MLP
+layers, and the experts' adapters as PEFT's target_parameters makes them) equal those of
+transformers' own model wrapped by PEFT; the load-balancing loss equals transformers'; the grouped
+product equals a product per expert; MoE families the fast path does not run are refused in one
+line. Tiny random configs with the tiny families' sizes and their 300-id vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.tiny_families import _SIZE
+from test_fast_families import IDS, _assert_same, _batch, _check_family, _grads, _plain
+
+from studio.core.decoder import describe_decoder
+from studio.core.plan import PathFacts, choose_path
+from studio.engine import fast
+from studio.engine.fast.build import path_facts
+from studio.engine.fast.moe import ExpertProduct, ExpertWeights, Groups, kernel_takes
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+CASES = {
+    # four experts, two a token; Qwen3-MoE renormalising its top-k with a dense MLP in its middle layer
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32,
+                      norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
+}
+
+
+def _config(name: str, **overrides):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(name, vocab_size=300, **IDS, **{**_SIZE, **CASES[name], **overrides})
+
+
+def _peft(config, experts: bool = True):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    dense = ["gate_proj", "up_proj", "down_proj"] if config.model_type == "qwen3_moe" else []
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=ATTENTION + dense,
+                                             target_parameters=EXPERTS if experts else None))
+    with torch.no_grad():  # B starts at zero in LoRA, which would make every A gradient zero
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    return model
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_fast_path_gives_transformers_loss_and_lora_gradients(name: str, monkeypatch) -> None:
+    """LoRA on attention and the experts (and Qwen3-MoE's dense MLP), padded and packed batches,
+    torch's checkpointing and host-held layer inputs: the same loss and gradients."""
+    model = _peft(_config(name))
+    experts = [n for n, _ in model.named_parameters() if "experts" in n and "lora_A" in n]
+    assert len(experts) == 2 * sum(s.sparse for s in describe_decoder(model.config.to_dict()).layers)
+    _check_family(model, monkeypatch)
+
+
+def test_lora_on_attention_only_leaves_the_experts_frozen(monkeypatch) -> None:
+    """Without target_parameters the experts train nothing and the attention's adapters still match."""
+    model = _peft(_config("mixtral"), experts=False)
+    _check_family(model, monkeypatch)
+    fast_model, _ = fast.prepare(model)
+    assert all(not layer.gate_up.a and not layer.down.a for layer in fast_model.layers)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_load_balancing_loss_is_transformers(packing: bool) -> None:
+    """trainer.router_aux_loss_coef adds transformers' load_balancing_loss_func (its padding mask
+    included) to the loss, with its gradient; None follows the model's config, where
+    output_router_logits turns it on."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = _config("olmoe", output_router_logits=True, router_aux_loss_coef=0.5)
+    model = _peft(config)
+    batch = _batch(packing)
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                labels=batch.labels, use_cache=False)
+    out.loss.backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+    fast_model, why = fast.prepare(model, router_aux_loss_coef=None)  # the config's 0.5
+    assert fast_model is not None, why
+    loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+    loss.backward()
+    _assert_same(loss, out.loss, _grads(model), expected, 6 * 2)  # 4 attention, 2 experts a layer
+    aux = fast_model.router.balance_loss()
+    torch.testing.assert_close(aux, out.aux_loss, rtol=1e-5, atol=1e-6)
+    mask = None if packing else batch.attention_mask
+    torch.testing.assert_close(aux, load_balancing_loss_func(out.router_logits, 4, 2, mask), rtol=1e-5, atol=1e-6)
+    # off: the cross-entropy alone
+    plain_ce = _plain(_peft(_config("olmoe")), batch)
+    off, _ = fast.prepare(model, router_aux_loss_coef=0.0)
+    torch.testing.assert_close(off.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids),
+                               plain_ce, rtol=1e-5, atol=1e-6)
+
+
+def test_each_expert_s_tokens_are_counted_for_the_step() -> None:
+    """Every real token (padding removed) goes to top_k experts in each sparse layer: the step's
+    counts sum to that."""
+    model = _peft(_config("qwen3_moe"))
+    fast_model, _ = fast.prepare(model)
+    batch = _batch(packing=False)
+    fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids).backward()
+    tokens = fast_model.take_expert_tokens()
+    assert len(tokens) == 4 and sum(tokens) == int(batch.attention_mask.sum()) * 2 * 2  # two sparse layers
+    assert fast_model.take_expert_tokens() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_product_equals_a_product_per_expert(dtype: torch.dtype) -> None:
+    """torch's grouped kernel (an expert without tokens among them) against the per-expert loop:
+    the product, the input's gradient and the adapters', for sorted rows of four experts."""
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 7, 4])
+    rows, experts, d_in, d_out, r = int(counts.sum()), 4, 64, 32, 8
+    weights = ExpertWeights(torch.randn(experts, d_out, d_in), dtype)
+    x = torch.randn(rows, d_in, dtype=dtype)
+    a = (torch.randn(experts, r, d_in) * 0.1).to(dtype)
+    b = (torch.randn(experts, d_out, r) * 0.1).to(dtype)
+    dy = torch.randn(rows, d_out, dtype=dtype)
+    assert kernel_takes(x, weights.stacked().transpose(1, 2))  # the CPU build's kernel runs here
+    results = []
+    for loop in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, a, b)]
+        y = ExpertProduct.apply(leaves[0], weights, Groups(counts, loop=loop), leaves[1], leaves[2], 2.0)
+        y.backward(dy)
+        results.append([y.detach(), *(t.grad for t in leaves)])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for grouped, looped in zip(*results, strict=True):
+        torch.testing.assert_close(grouped, looped, **tol)
+    # and the loop against the definition, expert by expert
+    w = weights.stacked().float()
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        xe = x[start:start + n].float()
+        ref = xe @ w[e].t() + 2.0 * xe @ a[e].float().t() @ b[e].float().t()
+        torch.testing.assert_close(results[1][0][start:start + n].float(), ref, **tol)
+        start += n
+    assert results[0][2][1].abs().sum() == 0  # the expert without tokens gets no gradient
+
+
+@pytest.mark.parametrize(("model_type", "settings", "words"), [
+    ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2), "attention sinks"),
+    ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "shared expert")])
+def test_moe_families_without_a_fast_mlp_are_refused_in_one_line(model_type: str, settings: dict,
+                                                                  words: str) -> None:
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.for_model(model_type, vocab_size=100, hidden_size=32, intermediate_size=64,
+                                  num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1, **settings)
+    fast_model, why = fast.prepare(AutoModel.from_config(config))
+    assert fast_model is None
+    assert why.startswith(f"{model_type}: mixture-of-experts") and words in why and "\n" not in why, why
+
+
+@pytest.mark.parametrize(("name", "settings", "words"), [
+    ("mixtral", dict(router_jitter_noise=0.1), "router jitter noise"),
+    ("olmoe", dict(clip_qkv=8.0), "clipped q/k/v")])
+def test_what_the_fast_mlp_does_not_run_keeps_the_plain_path(name: str, settings: dict, words: str) -> None:
+    fast_model, why = fast.prepare(_peft(_config(name, **settings)))
+    assert fast_model is None and words in why and "\n" not in why, why
+
+
+def test_the_path_decision_runs_moe_eagerly_and_the_balance_loss_without_host_offload() -> None:
+    """On a GPU (as the estimator decides it): expert adapters are fast-path targets, no CUDA
+    graphs for a mixture of experts, and the layer inputs stay on the GPU when the load-balancing
+    loss is on."""
+    model = _peft(_config("mixtral"))
+    facts = path_facts(model, torch.device("cpu"))
+    assert {"experts.gate_up_proj", "experts.down_proj"} <= set(facts.lora_targets)
+    on_gpu = choose_path(PathFacts(**{**facts.__dict__, "cuda": True}))
+    assert on_gpu.path == "fast" and not on_gpu.cuda_graphs and on_gpu.host_offload
+    balanced = choose_path(PathFacts(**{**path_facts(model, torch.device("cpu"), router_aux_loss_coef=0.01).__dict__,
+                                        "cuda": True}))
+    assert balanced.path == "fast" and not balanced.host_offload
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_estimator_counts_the_parameters_transformers_builds(name: str) -> None:
+    """core/model/info.py's view of the config: every parameter of transformers' model (experts,
+    routers and Qwen3-MoE's dense layer), and the linear modules a LoRA on all-linear adapts."""
+    from transformers import AutoModelForCausalLM
+
+    from studio.core.model.info import from_config_dict
+
+    config = _config(name)
+    info = from_config_dict(config.to_dict(), name)
+    model = AutoModelForCausalLM.from_config(config)
+    assert info.total_params() == sum(p.numel() for p in model.parameters())
+    assert info.expert_params() == sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n}
+    assert set(info.lora_targets("all-linear")) == linear
