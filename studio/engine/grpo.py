@@ -14,7 +14,9 @@ in for the cross-entropy. For a micro-batch it
    token's log-prob ``log p`` (the decoder, then the output head a chunk of tokens at a time:
    engine/chunked_head.py; no logits of every completion token); with ``beta`` > 0, the same
    through the base (the adapters switched off, no gradients) for the KL term
-   ``exp(ref - log p) - (ref - log p) - 1``;
+   ``exp(ref - log p) - (ref - log p) - 1``. On a GPU it goes a chunk of completions at a time
+   (:meth:`GrpoObjective.scored_rows`, the estimate's choice), each chunk's backward before the
+   next chunk's forward;
 5. returns the summed loss of the tokens ``-A * exp(log p - stopgrad(log p)) + beta * KL`` (one
    policy update per sampling, so the ratio is 1 with the gradient of ``log p``): ``grpo`` sums
    each completion's mean over its tokens, ``dr_grpo`` every token. The micro-batch's
