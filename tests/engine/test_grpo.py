@@ -398,6 +398,39 @@ def test_the_scored_pass_in_chunks_gives_the_whole_pass_s_loss_and_gradients(tin
     hook.remove()
 
 
+def test_a_step_with_its_scored_pass_in_chunks_trains_what_one_pass_does(tiny_model: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the Trainer (two steps of dr_grpo, two micro-batches each): the scored pass taken 3
+    completions at a time logs the same losses and leaves the same adapters as one pass over each
+    micro-batch: the Trainer hands the step's divisor to the chunks it does not backpropagate itself."""
+    from studio.engine.grpo import GrpoObjective
+    from studio.engine.session import Session
+    from studio.engine.train import Trainer
+
+    config = _config(tiny_model, tmp_path / "runs", steps=2)
+    config.trainer.micro_batch_size, config.trainer.effective_batch_size = 2, 4
+    config.grpo.num_generations, config.grpo.loss = 4, "dr_grpo"
+
+    def train(per: int | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+        if per is not None:
+            monkeypatch.setattr(GrpoObjective, "scored_rows", lambda self, rows: per)
+        events: list[ev.Event] = []
+        session = Session(config, create_run(config), events.append)
+        session.load()
+        start = {n: p.detach().clone() for n, p in session.model.named_parameters() if p.requires_grad}
+        Trainer(session).train()
+        losses = [e.loss for e in events if isinstance(e, ev.StepLogged)]
+        return losses, {n: p.detach() - start[n] for n, p in session.model.named_parameters() if p.requires_grad}
+
+    whole_losses, whole = train(None)  # each parameter's change over the two steps
+    losses, chunked = train(3)
+    assert len(whole_losses) == 2 and whole_losses[0] != pytest.approx(0.0, abs=1e-6)
+    assert losses == pytest.approx(whole_losses, rel=1e-4, abs=1e-6)
+    for name, change in whole.items():  # AdamW's updates: an element whose gradient is ~0 may flip
+        assert change.norm() > 0, name
+        assert (chunked[name] - change).norm() / change.norm() < 1e-3, name
+
+
 def _first_batch(session):
     from studio.engine.batching import Cursor
     from studio.engine.grpo_prompts import PromptStream
