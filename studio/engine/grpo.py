@@ -271,7 +271,7 @@ class GrpoObjective:
     def scored_rows(self, rows: int) -> int:
         """Completions the scored pass of a micro-batch of ``rows`` takes in one forward and backward:
         on a CUDA card, what the estimate chooses for this run's plan (core/memory/estimate.py's
-        ``grpo_scored_rows``: fewer only while that lowers the run's peak); elsewhere, or when the
+        ``grpo_scored_rows``: halved while the scored pass is the largest phase); elsewhere, or when the
         model's shape cannot be read, all of them. Every scored pass asks here, so a test can
         replace it."""
         if rows not in self._scored_rows:
