@@ -172,6 +172,8 @@ def run_studio(args: argparse.Namespace) -> dict:
             "mean_completion_length": [round(e.completion_length, 1) for e in steps],
             "rewards": [round(e.reward, 3) for e in steps],
             "graphs": not session.grpo.sampler.graphs_failed and session.device.type == "cuda",
+            # completions a forward and backward of the scored pass (the estimate's choice on a GPU)
+            "scored_rows_per_pass": session.grpo.scored_rows(args.generations),
             "notes": notes, **(phases.report() if phases is not None else _peaks(torch))}
 
 

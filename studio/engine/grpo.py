@@ -14,7 +14,9 @@ in for the cross-entropy. For a micro-batch it
    token's log-prob ``log p`` (the decoder, then the output head a chunk of tokens at a time:
    engine/chunked_head.py; no logits of every completion token); with ``beta`` > 0, the same
    through the base (the adapters switched off, no gradients) for the KL term
-   ``exp(ref - log p) - (ref - log p) - 1``;
+   ``exp(ref - log p) - (ref - log p) - 1``. On a GPU it goes a chunk of completions at a time
+   (:meth:`GrpoObjective.scored_rows`, the estimate's choice), each chunk's backward before the
+   next chunk's forward;
 5. returns the summed loss of the tokens ``-A * exp(log p - stopgrad(log p)) + beta * KL`` (one
    policy update per sampling, so the ratio is 1 with the gradient of ``log p``): ``grpo`` sums
    each completion's mean over its tokens, ``dr_grpo`` every token. The micro-batch's
@@ -112,6 +114,11 @@ class GrpoObjective:
         self._graph_failure_reported = False
         self.step_tokens = 0
         """Real tokens (prompts and completions) of the current step's scored passes, for tokens/s."""
+        self.loss_divisor = 1.0
+        """What the Trainer divides a micro-batch's loss by before its backward (the step's
+        ``label_tokens`` over every rank): the scored pass's chunks backpropagated here
+        (:meth:`_scored_pass`) are divided by the same."""
+        self._scored_rows: dict[int, int] = {}
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -261,11 +268,79 @@ class GrpoObjective:
             if was_training:
                 self.model.train()
 
+    def scored_rows(self, rows: int) -> int:
+        """Completions the scored pass of a micro-batch of ``rows`` takes in one forward and backward:
+        on a CUDA card, what the estimate chooses for this run's plan (core/memory/estimate.py's
+        ``grpo_scored_rows``: halved while the scored pass is the largest phase); elsewhere, or when the
+        model's shape cannot be read, all of them. Every scored pass asks here, so a test can
+        replace it."""
+        if rows not in self._scored_rows:
+            self._scored_rows[rows] = self._planned_rows(rows)
+        return self._scored_rows[rows]
+
+    def _planned_rows(self, rows: int) -> int:
+        from dataclasses import replace
+
+        from studio.core.memory import plan_for
+        from studio.core.memory.estimate import grpo_scored_rows
+        from studio.core.model.info import ModelInfoError, load_model_info
+
+        if self.device.type != "cuda":
+            return rows
+        try:
+            info = load_model_info(self.config.model.base_model, self.config.model.revision)
+            prompts = max(1, rows // self.settings.num_generations)
+            plan = replace(plan_for(self.config, micro_batch=prompts, info=info), path="plain")
+            return grpo_scored_rows(info, plan) or rows
+        except (ModelInfoError, ValueError):  # no shape, or a LoRA target it lacks: the estimate cannot say
+            return rows
+
     def _scored_pass(self, prompts: Sequence[Sequence[int]], sampled: Sampled, advantages: torch.Tensor
                      ) -> tuple[torch.Tensor, tuple[float, int] | None]:
-        """The micro-batch's summed loss and, with ``beta`` > 0, its summed KL and token count."""
+        """The micro-batch's summed loss and, with ``beta`` > 0, its summed KL and token count.
+
+        The completions go through :meth:`scored_rows` at a time. Every chunk but the last is
+        backpropagated here, divided by :attr:`loss_divisor` as the Trainer divides the loss it is
+        handed, so that one chunk's activations are alive at a time; the loss returned is the last
+        chunk's (the Trainer's backward takes it) plus the earlier chunks' values, detached. The
+        gradients are the sum of the chunks', which is the whole micro-batch's: both losses are
+        sums over completions (``grpo``) or tokens (``dr_grpo``) over the step's one divisor."""
         ids, attention, positions, answer = self._rows(prompts, sampled)
         self.step_tokens += int(attention.sum())
+        rows = ids.shape[0]
+        per = self.scored_rows(rows)
+        backward = torch.is_grad_enabled()
+        earlier = torch.zeros((), device=ids.device)
+        kl_sum, kl_tokens = 0.0, 0
+        loss = earlier
+        for start in range(0, rows, per):
+            part = range(start, min(rows, start + per))
+            loss, kl = self._chunk_loss(*self._chunk(part, prompts, sampled, ids, attention, positions, answer),
+                                        advantages[start:part.stop])
+            if kl is not None:
+                kl_sum, kl_tokens = kl_sum + kl[0], kl_tokens + kl[1]
+            if part.stop < rows:
+                if backward:
+                    (loss / self.loss_divisor).backward()
+                earlier = earlier + loss.detach()
+        return loss + earlier, ((kl_sum, kl_tokens) if self.settings.beta > 0 else None)
+
+    @staticmethod
+    def _chunk(part: range, prompts: Sequence[Sequence[int]], sampled: Sampled, ids: torch.Tensor,
+               attention: torch.Tensor, positions: torch.Tensor, answer: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows ``part`` of the scored pass's input (:meth:`_rows`), without the columns that are
+        padding in all of them (the prompts' left, the completions' right): a chunk of short rows
+        computes no more than it holds."""
+        width = max(len(p) for p in prompts)
+        prompt = max(len(prompts[r]) for r in part)
+        completion = max(1, max(sampled.lengths[r] for r in part))
+        rows, columns = slice(part.start, part.stop), slice(width - prompt, width + completion)
+        return ids[rows, columns], attention[rows, columns], positions[rows, columns], answer[rows, :completion]
+
+    def _chunk_loss(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, answer: torch.Tensor,
+                    advantages: torch.Tensor) -> tuple[torch.Tensor, tuple[float, int] | None]:
+        """Some completions' summed loss and, with ``beta`` > 0, their summed KL and token count."""
         beta = self.settings.beta
         reference = self._reference_logps(ids, attention, positions, answer) if beta > 0 else None
         logps = self._completion_logps(ids, attention, positions, answer)

@@ -385,6 +385,8 @@ class Trainer(Validation):
         label_tokens, step_tokens = self.group.sum_counts(sum(b.label_tokens for b in batches),
                                                           sum(b.tokens for b in batches))
         label_tokens = max(1, label_tokens)
+        if self.session.grpo is not None:  # its scored pass backpropagates its chunks itself (engine/grpo.py)
+            self.session.grpo.loss_divisor = label_tokens
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         out_of_memory = False

@@ -1,6 +1,6 @@
-"""GRPO in the estimate and the automatic plan: the sampling phase (the group's KV cache) and the
-scored pass over the group (logits of the completion positions only), and an 8B QLoRA GRPO run at the
-defaults that fits a 16 GB card in every phase."""
+"""GRPO in the estimate and the automatic plan: the sampling phase (the group's KV cache), the scored
+pass over the group (logits of the completion positions only, a chunk of completions at a time), and
+an 8B QLoRA GRPO run at the defaults that fits a 16 GB card in every phase."""
 
 from __future__ import annotations
 
@@ -58,9 +58,12 @@ def test_the_sampling_phase_grows_with_the_group_and_the_completion() -> None:
 
 
 def _scored_pass_plan():
+    """The estimate of one prompt's group of 8 x 512-token rows scored in one pass."""
+    from studio.core.memory import estimate_plan
+
     grpo = parse_config(GRPO.replace("trainer: {method: grpo}", "trainer: {method: grpo, micro_batch_size: 1, "
                                      "gradient_checkpointing: true}"))
-    g = estimate(grpo, LLAMA3_8B)
+    g = estimate_plan(LLAMA3_8B, replace(estimate(grpo, LLAMA3_8B).plan, grpo_scored_rows=0))
     assert g.plan.path == "plain" and g.plan.tokens == 8 * 512 and not g.plan.upcast
     return g
 
@@ -100,3 +103,74 @@ def test_lora_reads_a_k_bit_base_s_bf16_stream_as_it_is() -> None:
     nf4 = layer_activation_bytes(LLAMA3_8B, plan)
     bf16_base = layer_activation_bytes(LLAMA3_8B, replace(plan, weights="bf16"))
     assert bf16_base - nf4 == 3 * 2 * LLAMA3_8B.hidden
+
+
+BENCH = """
+model: {base_model: meta-llama/Meta-Llama-3-8B}
+data: {path: prompts.jsonl, max_seq_length: 400}
+lora: {r: 16, alpha: 32, dropout: 0.0, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}
+trainer: {method: grpo, micro_batch_size: 1, effective_batch_size: 1, gradient_checkpointing: true}
+grpo: {num_generations: 8, max_completion_length: 256, beta: 0.0, rewards: [{name: exact_match, column: answer}]}
+"""
+"""bench/grpo_speed.py's Studio run: one 128-token prompt a step, 8 completions of 256 tokens."""
+
+
+def test_the_scored_pass_goes_in_chunks_until_the_sampling_holds_as_much() -> None:
+    """bench/grpo_speed.py's run (one prompt, 8 completions, set explicitly): the scored pass of 8 x
+    400-token rows would be the run's largest phase by over a GB; halved to 4 completions a pass it
+    still is, at 2 the sampling (every row's KV cache) holds as much, and there it stops: 4 passes.
+    The run's peak (every phase) comes down by over a GB, and no lower chunk is taken for the
+    allocator's rounding."""
+    from studio.core.memory import estimate_plan
+    from studio.core.memory.estimate import grpo_scored_rows
+
+    result = estimate(parse_config(BENCH), LLAMA3_8B)
+    plan = result.plan
+    assert (plan.rows, plan.grpo_scored_rows, plan.passes, plan.tokens) == (8, 2, 4, 2 * 400)
+    assert grpo_scored_rows(LLAMA3_8B, plan) == 2
+
+    def at(rows: int):
+        return estimate_plan(LLAMA3_8B, replace(plan, grpo_scored_rows=rows)).phases
+
+    for rows in (8, 4):  # the scored pass is the largest phase: halving it lowers the run's peak
+        assert at(rows)["training step"].allocated > at(rows)[GRPO_SAMPLING].allocated
+        assert at(rows // 2)["training step"].allocated < at(rows)["training step"].allocated
+    assert at(2)["training step"].allocated <= at(2)[GRPO_SAMPLING].allocated
+    assert at(2)[GRPO_SAMPLING] == replace(at(8)[GRPO_SAMPLING], reserved=at(2)[GRPO_SAMPLING].reserved)
+    whole = estimate_plan(LLAMA3_8B, replace(plan, grpo_scored_rows=0))
+    assert whole.plan.passes == 1 and whole.peak_reserved - result.peak_reserved > 1.0e9
+    assert result.peak_reserved == max(p.reserved for p in result.phases.values())
+    assert any("2 at a time (4 forward and backward passes)" in note for note in result.notes)
+
+
+def test_earlier_chunks_gradients_are_alive_through_the_later_ones() -> None:
+    """One micro-batch a step, so no accumulation: yet a chunked scored pass's later chunks run
+    beside the earlier chunks' LoRA gradients, which the loss moment counts (and a single pass does
+    not)."""
+    from studio.core.memory.plain import moments
+
+    plan = estimate(parse_config(BENCH), LLAMA3_8B).plan
+    assert plan.accumulation == 1 and plan.passes > 1
+    grads = 2**27
+    chunked = moments(LLAMA3_8B, plan, grads)
+    alone = moments(LLAMA3_8B, replace(plan, grpo_scored_rows=plan.rows, micro_batch=plan.micro_batch), grads)
+    one_pass_same_size = moments(LLAMA3_8B, replace(plan, micro_batch=1, sequences_per_example=plan.pass_rows,
+                                                    grpo_scored_rows=0), grads)
+    assert alone.loss > chunked.loss  # the whole group's activations outweigh the gradients
+    assert chunked.loss - one_pass_same_size.loss == grads
+
+
+def test_the_plan_weighs_the_passes_of_a_chunked_scored_pass() -> None:
+    """The automatic plan's speed proxy charges each forward and backward pass its fixed cost: a
+    micro-batch that needs more passes is slower than one of as many tokens in fewer. On a 16 GB
+    card the defaults sample 8 prompts' 64 completions at once (what makes sampling fast), scored a
+    chunk at a time, every phase within the card less headroom (the first test)."""
+    from studio.core.memory.autoplan import relative_speed
+
+    assert relative_speed(8192, True, passes=4) < relative_speed(8192, True, passes=1)
+    planned = plan_or_smallest(parse_config(GRPO), LLAMA3_8B, T4)
+    assert planned.plan is not None
+    chosen = estimate(planned.config, LLAMA3_8B).plan
+    assert chosen.micro_batch == 8 and chosen.checkpointing and chosen.passes == 4
+    recomputed_not = [c for c in planned.plan.rejected if not c.checkpointing]  # a row or two a pass
+    assert recomputed_not and all(c.speed < planned.plan.chosen.speed for c in recomputed_not)

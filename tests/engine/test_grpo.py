@@ -343,6 +343,94 @@ def test_the_scored_pass_takes_the_model_s_log_probs_without_its_logits(tiny_mod
         assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
 
 
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo"])
+def test_the_scored_pass_in_chunks_gives_the_whole_pass_s_loss_and_gradients(tiny_model: Path, tmp_path: Path,
+                                                                           loss: str) -> None:
+    """The scored pass taken a few completions at a time (each chunk's backward before the next
+    one's forward) gives the micro-batch's loss, KL and every LoRA gradient of the pass over all of
+    them at once: prompts of several lengths (left padding), completions of several lengths (right
+    padding), uneven chunks, each chunk's loss over the step's one divisor."""
+    from studio.engine.session import Session
+
+    config = _config(tiny_model, tmp_path / "run")
+    config.grpo.loss, config.grpo.beta = loss, (0.04 if loss == "dr_grpo" else 0.0)
+    session = Session(config, create_run(config), lambda e: None)
+    session.load()
+    grpo, model = session.grpo, session.model
+    with torch.no_grad():  # a trained-looking LoRA: every gradient (and the KL) is non-zero
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    examples = _first_batch(session).examples
+    cut = [list(e.input_ids)[start:] for e, start in zip(examples, (0, 3, 1), strict=False)]  # 3 lengths
+    prompts = [p for p in cut for _ in range(4)]
+    sampled = grpo.sampler.sample(prompts, list(range(len(prompts))), 3, 16, 2.0)  # hot: lengths differ
+    assert len(set(sampled.lengths)) > 1
+    advantages = torch.randn(len(prompts), generator=torch.Generator().manual_seed(1))
+    grpo.loss_divisor = 37.0  # the step's, not the micro-batch's: every chunk is divided by it
+    rows_seen: list[int] = []
+    hook = grpo._head.backbone.register_forward_pre_hook(
+        lambda module, args, kwargs: rows_seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    model.train()
+
+    def run(per: int) -> tuple[torch.Tensor, tuple[float, int] | None, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        rows_seen.clear()
+        grpo.scored_rows = lambda rows: per
+        value, kl = grpo._scored_pass(prompts, sampled, advantages)
+        (value / grpo.loss_divisor).backward()  # what the Trainer does with the loss it is handed
+        return value.detach(), kl, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole, whole_kl, whole_grads = run(len(prompts))
+    assert max(rows_seen) == len(prompts)
+    assert len(whole_grads) > 0 and all(g.abs().sum() > 0 for g in whole_grads.values())
+    for per in (5, 1):
+        value, kl, grads = run(per)
+        assert max(rows_seen) == per  # the policy's (and the reference's) passes held at most a chunk
+        torch.testing.assert_close(value, whole, rtol=1e-5, atol=1e-6)
+        if whole_kl is not None:
+            assert kl is not None and kl[1] == whole_kl[1] and whole_kl[0] > 0
+            assert kl[0] == pytest.approx(whole_kl[0], rel=1e-4)
+        assert grads.keys() == whole_grads.keys()
+        for name, grad in whole_grads.items():
+            rel = (grads[name] - grad).norm() / grad.norm()
+            assert rel < 1e-4, f"{per} a chunk, {name}: relative gradient error {rel:.2e}"
+    hook.remove()
+
+
+def test_a_step_with_its_scored_pass_in_chunks_trains_what_one_pass_does(tiny_model: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the Trainer (two steps of dr_grpo, two micro-batches each): the scored pass taken 3
+    completions at a time logs the same losses and leaves the same adapters as one pass over each
+    micro-batch: the Trainer hands the step's divisor to the chunks it does not backpropagate itself."""
+    from studio.engine.grpo import GrpoObjective
+    from studio.engine.session import Session
+    from studio.engine.train import Trainer
+
+    config = _config(tiny_model, tmp_path / "runs", steps=2)
+    config.trainer.micro_batch_size, config.trainer.effective_batch_size = 2, 4
+    config.grpo.num_generations, config.grpo.loss = 4, "dr_grpo"
+
+    def train(per: int | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+        if per is not None:
+            monkeypatch.setattr(GrpoObjective, "scored_rows", lambda self, rows: per)
+        events: list[ev.Event] = []
+        session = Session(config, create_run(config), events.append)
+        session.load()
+        start = {n: p.detach().clone() for n, p in session.model.named_parameters() if p.requires_grad}
+        Trainer(session).train()
+        losses = [e.loss for e in events if isinstance(e, ev.StepLogged)]
+        return losses, {n: p.detach() - start[n] for n, p in session.model.named_parameters() if p.requires_grad}
+
+    whole_losses, whole = train(None)  # each parameter's change over the two steps
+    losses, chunked = train(3)
+    assert len(whole_losses) == 2 and whole_losses[0] != pytest.approx(0.0, abs=1e-6)
+    assert losses == pytest.approx(whole_losses, rel=1e-4, abs=1e-6)
+    for name, change in whole.items():  # AdamW's updates: an element whose gradient is ~0 may flip
+        assert change.norm() > 0, name
+        assert (chunked[name] - change).norm() / change.norm() < 1e-3, name
+
+
 def _first_batch(session):
     from studio.engine.batching import Cursor
     from studio.engine.grpo_prompts import PromptStream

@@ -16,8 +16,9 @@ How it decides:
   evaluation, generation for chat, checkpoint save: core/memory/phases.py), so a plan whose chat
   answer (its KV cache) would not fit is rejected too.
 * **Speed.** :func:`relative_speed`, a documented proxy, not a measurement: a fixed cost per
-  micro-batch (kernel launches, the host's work) amortised over its tokens, and one more forward
-  (4/3 of the compute) with checkpointing. The fastest candidate that fits wins.
+  micro-batch's forward and backward pass (kernel launches, the host's work, unpacking quantized
+  weights) amortised over its tokens (a GRPO scored pass in chunks pays it once a chunk), and one
+  more forward (4/3 of the compute) with checkpointing. The fastest candidate that fits wins.
 
 Without a CUDA card ``auto`` means what the defaults were before it existed (config.py's
 ``CPU_MICRO_BATCH_SIZE`` and ``CPU_GRADIENT_CHECKPOINTING``): nothing is planned.
@@ -164,11 +165,13 @@ def headroom_for(capacity: int) -> int:
     return max(int(capacity * HEADROOM_FRACTION), min(HEADROOM_MIN_BYTES, capacity // 2))
 
 
-def relative_speed(tokens: int, checkpointing: bool) -> float:
+def relative_speed(tokens: int, checkpointing: bool, passes: int = 1) -> float:
     """The speed proxy: tokens/s of a micro-batch of ``tokens`` tokens relative to a saturated step
-    without recompute, ``tokens / (tokens + SATURATION_TOKENS)``, divided by ``RECOMPUTE_COST``
-    with checkpointing."""
-    speed = tokens / (tokens + SATURATION_TOKENS)
+    without recompute, ``tokens / (tokens + passes x SATURATION_TOKENS)``, divided by
+    ``RECOMPUTE_COST`` with checkpointing. ``passes``: forward and backward passes the micro-batch
+    takes (a GRPO scored pass in chunks: core/memory/estimate.py's ``grpo_scored_rows``), each with
+    its fixed cost."""
+    speed = tokens / (tokens + passes * SATURATION_TOKENS)
     return speed / RECOMPUTE_COST if checkpointing else speed
 
 
@@ -266,8 +269,10 @@ def plan(config: RunConfig, info: ModelInfo, capacity: int, headroom: int | None
     for micro in micros:
         for ckpt in ckpts:
             option = with_values(config, micro, ckpt, target)
-            total = estimate(option, info, lengths=lengths).total
-            speed = relative_speed(micro * sequences * config.data.max_seq_length, ckpt or path == "fast")
+            weighed = estimate(option, info, lengths=lengths)
+            speed = relative_speed(micro * sequences * config.data.max_seq_length, ckpt or path == "fast",
+                                   weighed.plan.passes)
+            total = weighed.total
             candidates.append(Candidate(micro, option.trainer.accumulation_steps(), ckpt, total, speed))
     candidates.sort(key=lambda c: (-c.speed, c.total))
 

@@ -49,6 +49,26 @@ def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> 
     return result
 
 
+def grpo_scored_rows(info: ModelInfo, plan: Plan) -> int:
+    """Completions a GRPO micro-batch's scored pass takes in one forward and backward
+    (:attr:`Plan.grpo_scored_rows`), chosen by memory: the micro-batch's every row, halved for as
+    long as the scored pass (the training step) is the phase of the run with the largest allocated
+    peak. Its activations shrink with its rows; the sampling's KV cache of every row does not, and
+    once the sampling (or another phase) holds as much, fewer rows a pass would lower the run's peak
+    by no more than the allocator's rounding while adding passes, each of which unpacks every
+    quantized weight again. 0 for a run that is not GRPO."""
+    if not plan.grpo_completion:
+        return 0
+    rows = plan.rows
+    while rows > 1:
+        phases = estimate_plan(info, replace(plan, grpo_scored_rows=rows)).phases
+        others = max(p.allocated for name, p in phases.items() if name != "training step")
+        if phases["training step"].allocated <= others:
+            break
+        rows = -(-rows // 2)
+    return rows
+
+
 def _total(info: ModelInfo, plan: Plan) -> int:
     return estimate_plan(info, plan).total
 
@@ -93,7 +113,12 @@ def estimate(config: RunConfig, model_info: ModelInfo, gpu_bytes: int | None = N
     """
     choice = path_choice(config, model_info)
     plan = replace(plan_for(config, micro_batch, lengths=lengths, info=model_info), path=choice.path)
+    plan = replace(plan, grpo_scored_rows=grpo_scored_rows(model_info, plan))
     result = replace(estimate_plan(model_info, plan, gpu_bytes), choice=choice)
+    if plan.passes > 1:
+        result.notes.insert(0, f"GRPO's scored pass takes the micro-batch's {plan.rows} completions "
+                            f"{plan.pass_rows} at a time ({plan.passes} forward and backward passes): "
+                            "another phase holds as much, so fewer a pass would lower the peak by little")
     if plan.lora_r is None:  # the config's own full fine-tune (the walkthrough's steps tell their own story)
         result.notes.insert(0, f"full fine-tuning: every weight has a gradient in {plan.weights} and AdamW state ("
                             + ("m and v in the weights' dtype, torch AdamW" if plan.optimizer == "adamw" else

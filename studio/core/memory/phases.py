@@ -85,7 +85,7 @@ back ahead of time on a side stream (transformers' ``DynamicCache(offloading=Tru
 def eval_tokens(plan: Plan) -> int:
     """Tokens of the evaluation's largest forward pass: the fast path scores ``SCORE_TOKENS // row``
     rows at a time (at least one) of a micro-batch; the plain path runs the whole micro-batch."""
-    rows = plan.micro_batch * plan.sequences_per_example
+    rows = plan.rows
     if plan.path == "fast":
         rows = min(rows, max(1, SCORE_TOKENS // plan.row_len))
     return rows * plan.row_len
@@ -177,7 +177,7 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
 
 def grpo_sampling(info: ModelInfo, plan: Plan, stream: int, dequant: float) -> tuple[float, str]:
     """Bytes a GRPO micro-batch's sampling holds beyond what persists, and what they are in words."""
-    rows = plan.micro_batch * plan.sequences_per_example
+    rows = plan.rows
     prompt = max(1, plan.seq_len - plan.grpo_completion)
     kv = info.layers * 2 * info.kv_heads * info.head_width * rows * plan.seq_len * stream
     tokens = rows * prompt

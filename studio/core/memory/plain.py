@@ -207,7 +207,7 @@ def grpo_loss_bytes(info: ModelInfo, plan: Plan) -> float:
     (``logits_to_keep``) in the compute dtype, kept for backward by engine/token_logps.py (no fp32
     copy), their gradient in backward, and its fp32 slices."""
     c = dtype_bytes(plan.compute)
-    rows = plan.micro_batch * plan.sequences_per_example
+    rows = plan.pass_rows  # a chunk of the micro-batch's completions (Plan.grpo_scored_rows)
     norm_input = plan.tokens * 4 * info.hidden
     if plan.lora_r is None:
         return rows * (plan.grpo_completion + 1) * info.vocab * 2 * c + GRPO_SLICE_BYTES + norm_input
@@ -246,8 +246,8 @@ def moments(info: ModelInfo, plan: Plan, grads: int) -> Moments:
     fixed = CUBLAS_WORKSPACE_BYTES + lora_copy
     logits = grpo_loss_bytes(info, plan) if plan.grpo_completion else t * _loss_bytes_per_token(info, plan)
     loss = saved + logits + head_copy + fixed
-    if plan.accumulation > 1:
-        loss += grads  # gradients of earlier micro-batches are alive through this forward
+    if plan.accumulation > 1 or plan.passes > 1:
+        loss += grads  # gradients of earlier micro-batches (or chunks) are alive through this forward
     shapes = info.linear_shapes().values()
     # one weight, unpacked for the input gradient: 4-bit dequantizes to bf16; LLM.int8 to its input's
     # dtype (CB.to(A.dtype)), fp32 on the fp32 residual stream of k-bit training
@@ -360,7 +360,8 @@ def _expandable_reserved(info: ModelInfo, plan: Plan, base: float, m: Moments, g
     shift = 0.0
     if workspace_pins_loss_expandable(info, plan):
         shift = CUBLAS_WORKSPACE_BYTES
-    held_grads = grads if plan.accumulation > 1 else 0  # at the loss, earlier micro-batches' gradients
+    # at the loss, the gradients of earlier micro-batches (or chunks of a GRPO scored pass)
+    held_grads = grads if plan.accumulation > 1 or plan.passes > 1 else 0
     # (bytes beyond ``base`` at each moment, of which in the small pool)
     at = [(m.loss + shift, small * held_grads),
           (m.layer_backward, small * grads),

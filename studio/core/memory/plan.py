@@ -107,6 +107,11 @@ class Plan:
     ``sequences_per_example`` (the group) rows of prompt + completion; the scored pass takes logits
     of the completion positions only, and the run has a sampling phase (core/memory/phases.py)."""
 
+    grpo_scored_rows: int = 0
+    """GRPO runs: completions in one forward and backward of the scored pass, which goes through a
+    micro-batch's rows this many at a time, each chunk's backward before the next one's forward
+    (engine/grpo.py); 0: every row at once. core/memory/estimate.py's ``grpo_scored_rows`` chooses it."""
+
     @property
     def upcast(self) -> bool:
         """Whether the base's unquantized parts and residual stream are fp32 (:attr:`kbit_upcast`
@@ -139,10 +144,28 @@ class Plan:
         return self.weights in ("nf4", "fp4", "int8")
 
     @property
+    def rows(self) -> int:
+        """Rows of a micro-batch: its examples, each ``sequences_per_example`` rows (a preference
+        pair's two answers, a GRPO prompt's group)."""
+        return self.micro_batch * self.sequences_per_example
+
+    @property
+    def pass_rows(self) -> int:
+        """Rows of one forward and backward: the micro-batch's, or a chunk of a GRPO micro-batch's
+        completions (:attr:`grpo_scored_rows`)."""
+        return min(self.rows, self.grpo_scored_rows) if self.grpo_scored_rows else self.rows
+
+    @property
+    def passes(self) -> int:
+        """Forward and backward passes a micro-batch takes (more than one: a chunked GRPO scored
+        pass, whose earlier chunks' gradients are alive through the later ones)."""
+        return -(-self.rows // self.pass_rows)
+
+    @property
     def tokens(self) -> int:
-        """Tokens in one micro-batch as the model sees it, padding included (a preference pair
-        counts both of its sequences): micro-batch x :attr:`row_len`."""
-        return self.micro_batch * self.sequences_per_example * self.row_len
+        """Tokens in one forward pass as the model sees it, padding included (a preference pair
+        counts both of its sequences): :attr:`pass_rows` x :attr:`row_len`."""
+        return self.pass_rows * self.row_len
 
 
 def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str = "sdpa",
