@@ -34,7 +34,6 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from studio.core import events as ev
 from studio.core.config import RunConfig
 from studio.core.grpo import rewards as rw
 from studio.core.grpo import rows as grpo_rows
+from studio.core.grpo.metrics import StepSums, step_event
 from studio.engine.chunked_head import find_head
 from studio.engine.grpo_prompts import PromptBatch, PromptExample, encode_prompts
 from studio.engine.sampler import GroupSampler, Sampled, step_seed
@@ -55,32 +55,6 @@ differ does not blow its advantages up."""
 
 GROUP_TEXT_CHARS = 1000
 """Most characters of a completion kept in a GrpoGroupSampled event (the run's log stays small)."""
-
-
-@dataclass
-class _Sums:
-    """A step's (or an evaluation's) metrics, summed; averaged by :meth:`GrpoObjective.logged`."""
-
-    reward_sum: dict[str, float] = field(default_factory=dict)
-    reward_count: dict[str, int] = field(default_factory=dict)
-    total: float = 0.0
-    spread: float = 0.0
-    flat_groups: int = 0
-    groups: int = 0
-    completions: int = 0
-    length: int = 0
-    truncated: int = 0
-    kl: float = 0.0
-    kl_tokens: int = 0
-
-    def merge(self, other: _Sums) -> None:
-        """Add another rank's sums."""
-        for name, value in other.reward_sum.items():
-            self.reward_sum[name] = self.reward_sum.get(name, 0.0) + value
-            self.reward_count[name] = self.reward_count.get(name, 0) + other.reward_count.get(name, 0)
-        for name in ("total", "spread", "flat_groups", "groups", "completions", "length", "truncated", "kl",
-                     "kl_tokens"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 class GrpoObjective:
@@ -109,7 +83,7 @@ class GrpoObjective:
         self.seed = config.trainer.seed
         """The sampler's seed: the run's, or a restored checkpoint's."""
         self._step = 0
-        self._sums = _Sums()
+        self._sums = StepSums()
         self._group: ev.GrpoGroupSampled | None = None
         self._graph_failure_reported = False
         self.step_tokens = 0
@@ -148,7 +122,7 @@ class GrpoObjective:
         """Forget the metrics so far; the next micro-batches belong to optimizer step ``step`` + 1
         (``step`` steps done). A step redone after an out-of-memory error starts again here."""
         self._step = step
-        self._sums = _Sums()
+        self._sums = StepSums()
         self._group = None
         self.step_tokens = 0
 
@@ -398,17 +372,17 @@ class GrpoObjective:
 
     # ------------------------------------------------------------------------------ metrics
 
-    def sums(self) -> _Sums:
+    def sums(self) -> StepSums:
         """This rank's metrics of the current step (rank 0 merges every rank's: :meth:`logged`)."""
         return self._sums
 
-    def logged(self, step: int, every_rank: Sequence[_Sums] | None = None, split: str = "train"
+    def logged(self, step: int, every_rank: Sequence[StepSums] | None = None, split: str = "train"
                ) -> list[ev.Event]:
         """The step's GrpoStepLogged (every rank's sums merged) and its newest group."""
-        total = _Sums()
+        total = StepSums()
         for sums in every_rank or [self._sums]:
             total.merge(sums)
-        event = _step_event(total, step, split)
+        event = step_event(total, step, split)
         return [event] + ([self._group] if self._group is not None and split == "train" else [])
 
     # ------------------------------------------------------------------------------ evaluation
@@ -458,7 +432,7 @@ class GrpoObjective:
         rows = max(1, batch_prompts * self.settings.num_generations)
         answers = self.complete(examples, rows)
         results = self.score_answers(examples, [text for text, _, _ in answers])
-        sums = _Sums()
+        sums = StepSums()
         for (_, sampled, r), result in zip(answers, results, strict=True):
             for name, values in result.scores.items():
                 if values[0] is not None:
@@ -472,7 +446,7 @@ class GrpoObjective:
             sums.completions += 1
             sums.length += sampled.lengths[r]
             sums.truncated += not sampled.stopped[r]
-        return _step_event(sums, step, "validation")
+        return step_event(sums, step, "validation")
 
 
 def _std(values: Sequence[float]) -> float:
@@ -489,15 +463,3 @@ def _advantages(totals: Sequence[float], group: int) -> torch.Tensor:
     r = torch.tensor(totals, dtype=torch.float32).view(-1, group)
     spread = r.std(-1, keepdim=True) if group > 1 else torch.zeros_like(r[:, :1])
     return ((r - r.mean(-1, keepdim=True)) / (spread + ADVANTAGE_EPS)).view(-1)
-
-
-def _step_event(s: _Sums, step: int, split: str) -> ev.GrpoStepLogged:
-    n = max(1, s.completions)
-    rewards = {name: (s.reward_sum[name] / s.reward_count[name] if s.reward_count.get(name) else None)
-               for name in s.reward_sum}
-    return ev.GrpoStepLogged(
-        step=step, split=split, rewards=rewards, reward=s.total / n,
-        reward_std=s.spread / max(1, s.groups) if split == "train" else 0.0,
-        zero_spread=s.flat_groups / max(1, s.groups) if split == "train" else 0.0,
-        completion_length=s.length / n, truncated=s.truncated / n,
-        kl=s.kl / s.kl_tokens if s.kl_tokens else None, completions=s.completions, prompts=s.groups)
