@@ -160,6 +160,12 @@ def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: t
     model = AutoModelForCausalLM.from_pretrained(
         path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
         quantization_config=bnb, dtype=dtype, device_map=target)
+    if q.bits == 4:
+        # bitsandbytes quantizes linear modules only: a mixture of experts' 3-D expert weights, most
+        # of its memory, are packed here (engine/quantized_experts.py).
+        from studio.engine.quantized_experts import quantize_experts
+
+        quantize_experts(model, q.quant_type, q.double_quant)
     return model, name
 
 
