@@ -44,6 +44,19 @@ def lora_params(info: ModelInfo, r: int, targets: tuple[str, ...]) -> int:
     return sum(info.layers_with(t) * r * (shapes[t][0] + shapes[t][1]) for t in targets)
 
 
+def expert_lora_params(info: ModelInfo, plan: Plan) -> int:
+    """The experts' adapters (``lora.target_experts``, PEFT's ``target_parameters``): r x (in + out)
+    per expert for gate/up (hidden -> 2 x intermediate) and down (intermediate -> hidden), in every
+    sparse layer; 0 when off. ValueError naming the key on a dense model."""
+    if not plan.lora_experts or plan.lora_r is None:
+        return 0
+    if not info.sparse_layers:
+        raise ValueError("lora.target_experts: the model has no mixture-of-experts layers; set it to false")
+    hidden, inter = info.hidden, info.expert_intermediate
+    per_expert = plan.lora_r * ((hidden + 2 * inter) + (inter + hidden))
+    return info.sparse_layers * info.experts * per_expert
+
+
 def quant_constants(n: int, plan: Plan) -> float:
     """Bytes of bitsandbytes quantization constants for one 4-bit weight matrix of ``n`` elements
     (0 for other formats: LLM.int8's per-row scales depend on the shape, :func:`weight_bytes` adds them)."""
@@ -98,7 +111,7 @@ def trainable_params(info: ModelInfo, plan: Plan) -> int:
     """Parameters that get gradients and optimizer state."""
     if plan.lora_r is None:
         return info.total_params()
-    return lora_params(info, plan.lora_r, plan.lora_targets) + dora_params(info, plan)
+    return lora_params(info, plan.lora_r, plan.lora_targets) + expert_lora_params(info, plan) + dora_params(info, plan)
 
 
 def dora_params(info: ModelInfo, plan: Plan) -> int:
