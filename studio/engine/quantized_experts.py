@@ -51,7 +51,7 @@ class PackedExperts:
         """The model's parameter (now the placeholder), whose data the forward hook swaps."""
         self.packed = packed
         """bitsandbytes' uint8 storage ``[experts x out x in / 2, 1]``."""
-        self.state = state
+        self.quant_state = state
         """bitsandbytes' ``QuantState`` of the whole projection (shape ``[experts, out, in]``)."""
         self.shape = tuple(int(n) for n in state.shape)
         self.placeholder = param.data
@@ -60,11 +60,11 @@ class PackedExperts:
     @property
     def quant_type(self) -> str:
         """``nf4`` or ``fp4``."""
-        return str(self.state.quant_type)
+        return str(self.quant_state.quant_type)
 
     def nbytes(self) -> int:
         """Bytes the packed values and their scales take."""
-        scales = [self.state.absmax] + ([self.state.state2.absmax] if self.state.nested else [])
+        scales = [self.quant_state.absmax] + ([self.quant_state.state2.absmax] if self.quant_state.nested else [])
         return self.packed.numel() * self.packed.element_size() + sum(t.numel() * t.element_size() for t in scales)
 
     def dequantize(self, dtype: torch.dtype, out: torch.Tensor | None = None, kernel: Any = None) -> torch.Tensor:
@@ -74,7 +74,7 @@ class PackedExperts:
 
         if out is None:
             out = torch.empty(self.shape, dtype=dtype, device=self.packed.device)
-        dequantize_packed(self.packed, self.state, out, kernel)
+        dequantize_packed(self.packed, self.quant_state, out, kernel)
         return out
 
 

@@ -81,11 +81,28 @@ def linear_bytes(info: ModelInfo, plan: Plan) -> float:
 
 
 def expert_bytes(info: ModelInfo, plan: Plan) -> float:
-    """Bytes of every sparse layer's experts and router: in the compute dtype where the linear
-    modules are quantized (bitsandbytes' loading quantizes linear modules, not the experts' 3-D
-    tensors), else in the weights' dtype. 0 for a dense model."""
+    """Bytes of every sparse layer's experts and router (0 for a dense model): the experts as
+    :func:`experts_stored_bytes`, the routers in the compute dtype where the linear modules are
+    quantized (bitsandbytes' loading leaves them so), else in the weights' dtype."""
+    router = DTYPE_BYTES[plan.compute if plan.quantized else plan.weights]
+    return experts_stored_bytes(info, plan) + info.router_params() * router
+
+
+def experts_stored_bytes(info: ModelInfo, plan: Plan) -> float:
+    """Bytes of every sparse layer's expert weights as stored, the estimate's ``experts`` category:
+    with 4-bit weights packed like the linear modules (engine/quantized_experts.py: one block of
+    scales per 64 values, double-quantized as configured, per projection), with 8-bit weights in the
+    compute dtype (bitsandbytes' int8 loading leaves the 3-D tensors alone), else in the weights'
+    dtype. 0 for a dense model."""
+    if not info.sparse_layers:
+        return 0.0
+    if plan.weights in ("nf4", "fp4"):
+        # per sparse layer: gate/up [experts, 2 x intermediate, hidden] and down [experts, hidden, intermediate]
+        n = info.experts * info.hidden * info.expert_intermediate
+        per_layer = 3 * n * DTYPE_BYTES[plan.weights] + quant_constants(2 * n, plan) + quant_constants(n, plan)
+        return info.sparse_layers * per_layer
     stored = DTYPE_BYTES[plan.compute if plan.quantized else plan.weights]
-    return (info.expert_params() + info.router_params()) * stored
+    return info.expert_params() * stored
 
 
 def weight_bytes(info: ModelInfo, plan: Plan) -> int:

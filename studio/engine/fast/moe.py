@@ -123,8 +123,8 @@ class ExpertWeights:
             assert workspace is not None, "4-bit experts need a workspace"
             workspace.reserve(self.experts * self.out_features * self.in_features)
             device = packed.packed.device
-            if kernel and dequant.supports(packed.state, dtype) and dequant.available(device):
-                self.kernel = dequant.NF4Weight(packed.state, device)
+            if kernel and dequant.supports(packed.quant_state, dtype) and dequant.available(device):
+                self.kernel = dequant.NF4Weight(packed.quant_state, device)
 
     def stacked(self) -> torch.Tensor:
         """Every expert's weight ``[experts, out, in]`` in the compute dtype (4-bit ones: in the
