@@ -63,9 +63,12 @@ class PackedExperts:
         return str(self.quant_state.quant_type)
 
     def nbytes(self) -> int:
-        """Bytes the packed values and their scales take."""
-        scales = [self.quant_state.absmax] + ([self.quant_state.state2.absmax] if self.quant_state.nested else [])
-        return self.packed.numel() * self.packed.element_size() + sum(t.numel() * t.element_size() for t in scales)
+        """Bytes the packed values and their quantization state (scales, code tables) take."""
+        tensors, state = [self.packed], self.quant_state
+        while state is not None:
+            tensors += [t for t in (state.absmax, state.code, state.offset) if torch.is_tensor(t)]
+            state = state.state2
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def dequantize(self, dtype: torch.dtype, out: torch.Tensor | None = None, kernel: Any = None) -> torch.Tensor:
         """Every expert's weight ``[experts, out, in]`` in ``dtype``, written into ``out`` when given

@@ -86,3 +86,41 @@ def test_a_dense_model_is_refused_naming_the_key() -> None:
         attach_lora(_base(config), _run_config(experts=True))
     with pytest.raises(ValueError, match="lora.target_experts"):
         estimate(_run_config(experts=True), from_config_dict(config.to_dict(), "llama"))
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_a_merged_export_with_expert_adapters_loads_in_transformers_and_answers_like_the_adapter(
+        tmp_path: Path) -> None:
+    """``studio export --format merged`` of a run with expert adapters on a bf16 mixture of experts:
+    the experts' updates merged into the 3-D weights, a folder transformers loads as the base class
+    with the adapted model's logits."""
+    from peft import PeftModel
+    from test_quantized_experts import _moe_folder
+    from transformers import AutoModelForCausalLM
+
+    from studio.core.runs import create_run
+    from studio.engine.exporting import export_run
+
+    folder = _moe_folder(tmp_path / "base", "olmoe")
+    run_config = _run_config(experts=True)
+    run_config.model.base_model, run_config.output_dir = str(folder), str(tmp_path / "runs")
+    run = create_run(run_config)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = attach_lora(BaseModel(base, None, torch.device("cpu"), torch.float32, "float32", str(folder)), run_config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.1)
+    save_adapter(model, run.adapter_dir)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                                        str(run.adapter_dir)).eval()
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    result = export_run(run, tmp_path / "merged", "merged", dtype="float32")
+    assert result.ok, result.message
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert type(merged) is type(adapted.get_base_model())
+    with torch.no_grad():
+        expected = adapted(input_ids=ids).logits
+        with adapted.disable_adapter():
+            assert (adapted(input_ids=ids).logits - expected).abs().max() > 1e-2
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
