@@ -125,7 +125,6 @@ def test_a_4bit_load_packs_the_experts_and_frees_their_16bit_tensors(tmp_path: P
     measured = parameter_bytes(base.model)
     # code tables bitsandbytes shares count once; the placeholders hold one value each
     assert 0.9 * packed_bytes < measured["experts"] <= packed_bytes + 4 * 4
-    assert measured["weights"] + measured["experts"] < 0.5 * sum(p.numel() * 4 for p in base.model.parameters())
 
     # The same 4-bit load with the experts left as bitsandbytes leaves them, given the dequantized weights
     monkeypatch.setattr("studio.engine.quantized_experts.quantize_experts", lambda *args: 0)
