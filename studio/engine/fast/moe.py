@@ -8,7 +8,9 @@ Here each token's ``top_k`` copies are sorted by expert, so every expert's token
 rows, and each projection is one grouped product over those runs (:class:`Groups`): torch's
 ``grouped_mm`` where it takes the operands (bf16 on a CUDA card of compute capability 8.0 or more;
 the CPU build's kernel in any float dtype, for 16-byte aligned strides), else one product per
-expert, a loop used on the CPU and for fp16 / fp32 on CUDA only.
+expert, a loop used on the CPU and for fp16 / fp32 on CUDA only. Experts a 4-bit load packed
+(engine/quantized_experts.py) are dequantized one projection at a time, every expert at once, into
+the model's shared workspace right before the product that reads them (:class:`ExpertWeights`).
 
 LoRA on the experts is PEFT's ``target_parameters`` adapter (``lora.ParamWrapper``: one A and one
 B per expert, stacked in ``lora_A [r x experts, in]`` and ``lora_B [out, r x experts]``), so an
