@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from studio.core.config import ConfigError, RunConfig, load_config
-from studio.core.memory import CATEGORIES, Estimate, autoplan, estimate
+from studio.core.memory import CATEGORIES, OPTIONAL_CATEGORIES, Estimate, autoplan, estimate
 from studio.core.memory.gpus import GB, detect_gpus, gpu_for_size
 from studio.core.memory.lengths import data_lengths
 from studio.core.memory.multigpu import requested_gpus
@@ -49,7 +49,8 @@ def format_table(result: Estimate, model: str, gpu_name: str, config: RunConfig 
              f"path: {plan.path}" + (f" ({result.choice.reason})" if result.choice else ""),
              ""]
     for name in CATEGORIES:
-        lines.append(f"  {name:<12} {result.categories[name] / GB:8.2f} GB")
+        if name not in OPTIONAL_CATEGORIES or result.categories[name]:
+            lines.append(f"  {name:<12} {result.categories[name] / GB:8.2f} GB")
     lines.append(f"  {'total':<12} {result.total / GB:8.2f} GB")
     lines.append(f"  (peak allocated {result.peak_allocated / GB:.2f} GB, reserved {result.peak_reserved / GB:.2f}"
                  " GB: what torch.cuda reports)")

@@ -133,10 +133,13 @@ class PathFacts:
         LoRA targets as the model's module names when the caller has mapped them (default: the
         config's, ``all-linear`` spelled out). The estimator (core/memory/) and the engine's loader
         (engine/model.py ``fast_path_ahead``) both build their facts here. ``moe``: the model's
-        sparse MLP where its layers have one (:func:`moe_facts`)."""
+        sparse MLP where its layers have one (:func:`moe_facts`); with ``lora.target_experts`` its
+        experts' weights are targets too."""
         lora = config.lora
         if targets is None:
             targets = lora_targets(lora.target_modules) if lora is not None else ()
+        if lora is not None and lora.target_experts and moe is not None:
+            targets = (*targets, *EXPERT_TARGETS)
         fast = config.trainer.fast_path
         return cls(cuda=cuda, weights=weights, lora_targets=tuple(targets),
                    lora_dropout=float(lora.dropout) if lora is not None else 0.0, model_blocker=model_blocker,

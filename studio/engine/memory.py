@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from studio.core.decoder.spec import EXPERT_PARAMETERS
+from studio.engine.quantized_experts import packed_experts
+
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     """Identity of the memory behind a tensor, so views and shared tensors count once."""
@@ -28,6 +31,8 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
+    if tensor.numel() and 0 in tensor.stride():  # broadcast (a packed expert weight's placeholder)
+        return tensor.untyped_storage().nbytes()
     return tensor.numel() * tensor.element_size()
 
 
@@ -53,8 +58,9 @@ def _is_adapter(name: str) -> bool:
 
 
 def parameter_bytes(model: Any) -> dict[str, int]:
-    """Bytes of frozen base weights (with quantization constants and buffers), of adapter weights,
-    and of gradients. Parameters that train without being adapters (full fine-tuning) count as weights.
+    """Bytes of frozen base weights (with quantization constants and buffers), of a mixture of
+    experts' expert weights (``experts``: packed in 4 bits or not), of adapter weights, and of
+    gradients. Parameters that train without being adapters (full fine-tuning) count as weights.
 
     Gradients: the ``.grad`` tensors when they exist; between steps (``zero_grad(set_to_none=True)``)
     they are freed, so the bytes they take during backward (one per trainable element, in the
@@ -82,7 +88,16 @@ def parameter_bytes(model: Any) -> dict[str, int]:
             grads += _nbytes(param.grad) if param.grad is not None else _nbytes(param)
     for buffer in model.buffers():
         weights += add(buffer)
-    return {"weights": weights, "lora": lora, "gradients": grads}
+    experts = 0
+    for module in model.modules():  # 4-bit experts (engine/quantized_experts.py): not parameters
+        for packed in packed_experts(module).values():
+            experts += add(packed.packed) + sum(add(t) for t in _quant_state_tensors(packed))
+    for name, param in model.named_parameters():  # 16-bit experts: their own category too
+        if name.rsplit(".", 1)[-1] in EXPERT_PARAMETERS and param.dim() == 3 and not _is_adapter(name):
+            size = _nbytes(param)
+            weights -= size
+            experts += size
+    return {"weights": weights, "experts": experts, "lora": lora, "gradients": grads}
 
 
 def optimizer_bytes(optimizer: Any, device: torch.device | None = None) -> tuple[int, int]:
@@ -187,13 +202,14 @@ def measure_memory(model: Any, optimizer: Any, device: torch.device | str | None
         counters = allocator_counters(device) if counters is None else counters
         peak_allocated, peak_reserved = counters["peak_allocated"], counters["peak_reserved"]
         # paged optimizer state is not in torch's counters, so it is not subtracted from them
-        resident = params["weights"] + params["lora"] + params["gradients"] + optim - paged
+        resident = params["weights"] + params.get("experts", 0) + params["lora"] + params["gradients"] + optim - paged
         activations = max(0, peak_allocated - resident)
         # the driver also charges the process for paged (unified-memory) state living on the card,
         # which the optimizer category already holds
         context = context_bytes(device) if context is None else context
         overhead = max(0, peak_reserved - peak_allocated) + max(0, context - paged)
-    return {"weights": params["weights"], "lora": params["lora"], "gradients": params["gradients"],
+    return {"weights": params["weights"], "experts": params.get("experts", 0), "lora": params["lora"],
+            "gradients": params["gradients"],
             "optimizer": optim, "activations": activations, "overhead": overhead}
 
 

@@ -160,6 +160,12 @@ def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: t
     model = AutoModelForCausalLM.from_pretrained(
         path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
         quantization_config=bnb, dtype=dtype, device_map=target)
+    if q.bits == 4:
+        # bitsandbytes quantizes linear modules only: a mixture of experts' 3-D expert weights, most
+        # of its memory, are packed here (engine/quantized_experts.py).
+        from studio.engine.quantized_experts import quantize_experts
+
+        quantize_experts(model, q.quant_type, q.double_quant)
     return model, name
 
 
@@ -221,7 +227,8 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
         targets = "all-linear"  # peft only recognises the shorthand as a plain string
     peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=targets, bias="none", task_type="CAUSAL_LM",
-                             use_dora=lora.use_dora, use_rslora=lora.use_rslora)
+                             use_dora=lora.use_dora, use_rslora=lora.use_rslora,
+                             target_parameters=expert_targets(model, config) or None)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # peft: is_gradient_checkpointing
@@ -237,6 +244,23 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
             param.data = param.data.float()  # adapters train in fp32; autocast handles the matmuls
     base.model = model
     return model
+
+
+def expert_targets(model: Any, config: RunConfig) -> list[str]:
+    """PEFT's ``target_parameters`` for ``lora.target_experts``: every sparse layer's expert weights
+    (``mlp.experts.gate_up_proj`` and ``down_proj``); empty when the key is off. ConfigError naming
+    the key when it is on and the model has no experts."""
+    from studio.core.decoder.spec import EXPERT_PARAMETERS, EXPERTS, MLP
+
+    if config.lora is None or not config.lora.target_experts:
+        return []
+    suffixes = [f"{MLP}.{EXPERTS}.{name}" for name in EXPERT_PARAMETERS]
+    found = {name for name, _ in model.named_parameters()}
+    missing = [s for s in suffixes if not any(n.endswith(s) for n in found)]
+    if missing:
+        raise ConfigError(f"lora.target_experts is true but {config.model.base_model} has no mixture-of-experts "
+                          f"weights ({', '.join(missing)} not found); set lora.target_experts: false")
+    return suffixes
 
 
 def prepare_full_finetune(base: BaseModel, config: RunConfig) -> Any:

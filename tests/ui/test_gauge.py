@@ -203,3 +203,42 @@ async def test_on_a_cpu_the_gauge_says_what_it_shows_before_and_after_a_run(tmp_
         assert "on CPU, FP32 weights" in text and "for L4 24 GB, NF4 weights" in text
         assert "different setups" in text and "not the estimate's error" in text
         assert app.query_one(VramPane).query_one("#vram-summary", Static)  # the estimate is still there
+
+
+class GaugeApp(App):
+    def compose(self) -> ComposeResult:
+        yield BlockGauge()
+
+
+@pytest.mark.anyio
+async def test_a_mixture_of_experts_draws_its_experts_apart_and_a_dense_model_has_no_such_line():
+    """Qwen3-30B-A3B's estimate: the 4-bit experts are their own squares and legend line, in a
+    colour of their own; a dense model's legend has no experts line."""
+    from rich.console import Console
+
+    from studio.core.memory import estimate
+    from studio.core.model.info import from_config_dict
+    from studio.ui.widgets.block_gauge import CATEGORY_COLOURS
+
+    qwen3_moe = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+                 "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True}
+    predicted = estimate(parse_config("model: {base_model: Qwen/Qwen3-30B-A3B}\n"),
+                         from_config_dict(qwen3_moe, "Qwen/Qwen3-30B-A3B"), 24 * GB).categories
+    assert predicted["experts"] > 2 * predicted["weights"]
+    squares = square_categories(predicted, GB)
+    assert squares.count("experts") >= 14 and squares[0] == "weights"
+
+    def legend(gauge: BlockGauge) -> str:
+        console = Console(width=120, record=True)
+        console.print(gauge.render())
+        return console.export_text()
+
+    app = GaugeApp()
+    async with app.run_test(size=SIZE):
+        gauge = app.query_one(BlockGauge)
+        assert gauge._colour(CATEGORY_COLOURS["experts"]) != gauge._colour(CATEGORY_COLOURS["weights"])
+        gauge.predicted, gauge.capacity = predicted, 24 * GB
+        assert f"experts        {predicted['experts'] / GB:.2f} GB" in legend(gauge)
+        gauge.predicted = {**predicted, "experts": 0}
+        assert "experts" not in legend(gauge) and "weights" in legend(gauge)

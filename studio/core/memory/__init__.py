@@ -24,8 +24,8 @@ Plain Python: nothing here imports torch.
 from studio.core.memory.allocator import CUDA_CONTEXT_BYTES
 from studio.core.memory.estimate import estimate, estimate_plan, path_choice
 from studio.core.memory.plan import ALL_LINEAR, Plan, plan_for
-from studio.core.memory.result import CATEGORIES, PHASES, Estimate, PhasePeak
+from studio.core.memory.result import CATEGORIES, OPTIONAL_CATEGORIES, PHASES, Estimate, PhasePeak
 from studio.core.memory.walkthrough import WalkStep, walkthrough
 
-__all__ = ["ALL_LINEAR", "CATEGORIES", "CUDA_CONTEXT_BYTES", "PHASES", "Estimate", "PhasePeak", "Plan", "WalkStep",
-           "estimate", "estimate_plan", "path_choice", "plan_for", "walkthrough"]
+__all__ = ["ALL_LINEAR", "CATEGORIES", "CUDA_CONTEXT_BYTES", "OPTIONAL_CATEGORIES", "PHASES", "Estimate", "PhasePeak",
+           "Plan", "WalkStep", "estimate", "estimate_plan", "path_choice", "plan_for", "walkthrough"]

@@ -23,7 +23,7 @@ from studio.core.memory.plain import plain_step
 from studio.core.memory.plan import Plan, plan_for
 from studio.core.memory.result import Estimate
 from studio.core.model.info import ModelInfo
-from studio.core.plan import PathChoice, PathFacts, choose_path
+from studio.core.plan import EXPERT_TARGETS, PathChoice, PathFacts, choose_path
 
 
 def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> Estimate:
@@ -38,7 +38,7 @@ def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> 
         c, peak = result.categories, phases[top]
         on_device_optimizer = 0 if plan.optimizer.startswith("paged") else c["optimizer"]
         c["gradients"] = 0
-        c["activations"] = peak.allocated - c["weights"] - c["lora"] - on_device_optimizer
+        c["activations"] = peak.allocated - c["weights"] - c["experts"] - c["lora"] - on_device_optimizer
         c["overhead"] = peak.reserved - peak.allocated + CUDA_CONTEXT_BYTES
         result.peak_reserved = peak.reserved
         result.total = sum(c.values())
@@ -94,8 +94,10 @@ def path_choice(config: RunConfig, model_info: ModelInfo) -> PathChoice:
     """The training path Studio's engine will take for ``config`` on this model on a GPU, decided
     by the function the engine calls (core/plan.py's choose_path)."""
     plan = plan_for(config, info=model_info)
+    # the experts' adapters (lora.target_experts) are fast-path targets like the linear modules'
+    targets = (*plan.lora_targets, *(EXPERT_TARGETS if plan.lora_experts else ()))
     facts = PathFacts.from_config(config, cuda=True, weights=plan.weights,
-                                  model_blocker=model_info.fast_path_blocker, targets=plan.lora_targets)
+                                  model_blocker=model_info.fast_path_blocker, targets=targets)
     choice = choose_path(facts)
     if choice.path == "plain":
         choice = replace(choice, checkpointing=plan.checkpointing)

@@ -6,6 +6,11 @@ fp32 residual stream, no per-module saved inputs, no logits. What today's engine
 - weights: the packed 4-bit (or float) projections with their constants; embeddings, head and norms
   in the compute dtype (the loader skips ``prepare_model_for_kbit_training``'s fp32 cast when the
   fast path is ahead); the double-quantized scales stay packed;
+- experts (a mixture of experts): the expert weights, packed in 4 bits like the projections
+  (engine/quantized_experts.py) or in a float dtype; the shared dequantization buffer then holds one
+  projection of every expert (:func:`expert_buffer_bytes`), a sparse layer's working set is its
+  tokens' ``top_k`` copies through the grouped products (:func:`mlp_outputs_per_token`), and the
+  experts' adapters are hoisted with the others. Not yet measured on a GPU (bench/moe.py);
 - LoRA parameters, gradients and optimizer state as on the plain path;
 - activations: every layer is checkpointed, whatever the config says, and on a CUDA card each
   layer's input and its rotated q, k and v wait in pinned host memory (engine/fast/offload.py): on
@@ -41,7 +46,14 @@ from studio.core.memory.allocator import (
     PAGE,
     STEP_WORKSPACES,
 )
-from studio.core.memory.params import compute_bytes, linear_bytes, optimizer_bytes, trainable_params
+from studio.core.memory.params import (
+    compute_bytes,
+    expert_lora_params,
+    experts_stored_bytes,
+    linear_bytes,
+    optimizer_bytes,
+    trainable_params,
+)
 from studio.core.memory.plan import Plan
 from studio.core.memory.result import Estimate
 from studio.core.model.info import ModelInfo
@@ -92,12 +104,28 @@ def layer_outputs_per_token(info: ModelInfo, compute: int) -> float:
     ``enable_gqa`` (torch 2.11, the GPU box's); the attention keeps both for its backward. The
     description (core/decoder/) changes nothing else at the lengths Studio trains: a sliding window
     masks scores the flash kernels never keep, soft-caps and scales act inside the kernels."""
-    h, i = info.hidden, info.intermediate
+    h = info.hidden
     q = info.heads * info.head_width
     kv = info.kv_heads * info.head_width
     qk_normed = q + kv if info.qk_norm else 0
     repeated = 2 * q if info.kv_heads != info.heads else 0
-    return compute * (info.norms_per_layer * h + (q + 2 * kv) + qk_normed + repeated + q + h + 2 * i + i)
+    return (compute * (info.norms_per_layer * h + (q + 2 * kv) + qk_normed + repeated + q + h)
+            + mlp_outputs_per_token(info, compute))
+
+
+def mlp_outputs_per_token(info: ModelInfo, compute: int) -> float:
+    """Bytes per token of a recomputed layer's MLP outputs: a dense layer's gate/up product and
+    gated activation (``3 x intermediate``); a sparse layer's (engine/fast/moe.py), for each of the
+    token's ``top_k`` copies, its gathered input, the grouped gate/up product, SiLU(gate) and its
+    product with up (both saved for the backward), and the routing-weighted activation that down
+    reads, beside the router's logits (compute dtype) and probabilities (fp32) over the experts and
+    three int64 indices a copy (expert, sorted order, source row). The widest kind of layer counts."""
+    dense = compute * 3 * info.intermediate
+    if not info.sparse_layers:
+        return dense
+    k, inter = info.top_k, info.expert_intermediate
+    sparse = compute * (info.experts + k * (info.hidden + 2 * inter + 3 * inter)) + 4 * info.experts + 3 * 8 * k
+    return sparse if info.sparse_layers == info.layers else max(dense, sparse)
 
 
 def hoisted_adapter_bytes(info: ModelInfo, r: int, targets: tuple[str, ...], compute: int) -> int:
@@ -146,6 +174,17 @@ def dequant_buffer_bytes(info: ModelInfo, compute: int) -> int:
     (engine/fast/weights.py splits a fused product), so the widest single projection."""
     shapes = info.linear_shapes()
     return max(fan_in * fan_out for fan_in, fan_out in shapes.values()) * compute
+
+
+def expert_buffer_bytes(info: ModelInfo, plan: Plan) -> int:
+    """What the shared dequantization buffer grows by beyond :func:`dequant_buffer_bytes` for a
+    mixture of experts' 4-bit experts: it holds one projection of every expert at a time
+    (engine/fast/moe.py's ExpertWeights; gate/up, ``experts x 2 x intermediate x hidden``, is the
+    wider). 0 for a dense model or experts in a float dtype."""
+    if not info.sparse_layers or not dequantizes(plan.weights):
+        return 0
+    c = compute_bytes(plan)
+    return max(0, info.experts * 2 * info.expert_intermediate * info.hidden * c - dequant_buffer_bytes(info, c))
 
 
 def dequantizes(weights: str) -> bool:
@@ -245,8 +284,10 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     tokens = plan.real_tokens  # the fast path drops the padding before the model
     graphs = graphs_for(tokens, plan.lora_dropout, cuda=True)  # the engine's own rule (core/plan.py)
     dequantized = dequantizes(plan.weights)
-    dequant = dequant_buffer_bytes(info, c) if dequantized else 0  # the shared dequantization buffer
-    hoisted = hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c)
+    # the shared dequantization buffer, as wide as one projection of every expert with 4-bit experts
+    dequant = dequant_buffer_bytes(info, c) + expert_buffer_bytes(info, plan) if dequantized else 0
+    # the experts' adapters are hoisted out of the checkpoints like the linear modules', stacked per expert
+    hoisted = hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c) + expert_lora_params(info, plan) * c
     working = (step_activations(info, tokens, c)
                + dequant
                + CUBLAS_WORKSPACE_BYTES
@@ -305,7 +346,9 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
         need = max(need, at_capture + FIXED_SLACK + graph_pool_free_bytes(info, tokens, c) + second_pool)
     peak_reserved = int(math.ceil(need / PAGE) * PAGE)
     overhead = peak_reserved - held + CUDA_CONTEXT_BYTES
-    categories = {"weights": weights, "lora": int(lora), "gradients": int(grads), "optimizer": int(optimizer),
+    experts = int(experts_stored_bytes(info, plan))
+    categories = {"weights": weights - experts, "experts": experts, "lora": int(lora), "gradients": int(grads),
+                  "optimizer": int(optimizer),
                   "activations": int(held - weights - lora - on_device_optimizer - grads),
                   "overhead": int(overhead)}
     total = sum(categories.values())

@@ -44,6 +44,19 @@ def lora_params(info: ModelInfo, r: int, targets: tuple[str, ...]) -> int:
     return sum(info.layers_with(t) * r * (shapes[t][0] + shapes[t][1]) for t in targets)
 
 
+def expert_lora_params(info: ModelInfo, plan: Plan) -> int:
+    """The experts' adapters (``lora.target_experts``, PEFT's ``target_parameters``): r x (in + out)
+    per expert for gate/up (hidden -> 2 x intermediate) and down (intermediate -> hidden), in every
+    sparse layer; 0 when off. ValueError naming the key on a dense model."""
+    if not plan.lora_experts or plan.lora_r is None:
+        return 0
+    if not info.sparse_layers:
+        raise ValueError("lora.target_experts: the model has no mixture-of-experts layers; set it to false")
+    hidden, inter = info.hidden, info.expert_intermediate
+    per_expert = plan.lora_r * ((hidden + 2 * inter) + (inter + hidden))
+    return info.sparse_layers * info.experts * per_expert
+
+
 def quant_constants(n: int, plan: Plan) -> float:
     """Bytes of bitsandbytes quantization constants for one 4-bit weight matrix of ``n`` elements
     (0 for other formats: LLM.int8's per-row scales depend on the shape, :func:`weight_bytes` adds them)."""
@@ -68,11 +81,28 @@ def linear_bytes(info: ModelInfo, plan: Plan) -> float:
 
 
 def expert_bytes(info: ModelInfo, plan: Plan) -> float:
-    """Bytes of every sparse layer's experts and router: in the compute dtype where the linear
-    modules are quantized (bitsandbytes' loading quantizes linear modules, not the experts' 3-D
-    tensors), else in the weights' dtype. 0 for a dense model."""
+    """Bytes of every sparse layer's experts and router (0 for a dense model): the experts as
+    :func:`experts_stored_bytes`, the routers in the compute dtype where the linear modules are
+    quantized (bitsandbytes' loading leaves them so), else in the weights' dtype."""
+    router = DTYPE_BYTES[plan.compute if plan.quantized else plan.weights]
+    return experts_stored_bytes(info, plan) + info.router_params() * router
+
+
+def experts_stored_bytes(info: ModelInfo, plan: Plan) -> float:
+    """Bytes of every sparse layer's expert weights as stored, the estimate's ``experts`` category:
+    with 4-bit weights packed like the linear modules (engine/quantized_experts.py: one block of
+    scales per 64 values, double-quantized as configured, per projection), with 8-bit weights in the
+    compute dtype (bitsandbytes' int8 loading leaves the 3-D tensors alone), else in the weights'
+    dtype. 0 for a dense model."""
+    if not info.sparse_layers:
+        return 0.0
+    if plan.weights in ("nf4", "fp4"):
+        # per sparse layer: gate/up [experts, 2 x intermediate, hidden] and down [experts, hidden, intermediate]
+        n = info.experts * info.hidden * info.expert_intermediate
+        per_layer = 3 * n * DTYPE_BYTES[plan.weights] + quant_constants(2 * n, plan) + quant_constants(n, plan)
+        return info.sparse_layers * per_layer
     stored = DTYPE_BYTES[plan.compute if plan.quantized else plan.weights]
-    return (info.expert_params() + info.router_params()) * stored
+    return info.expert_params() * stored
 
 
 def weight_bytes(info: ModelInfo, plan: Plan) -> int:
@@ -98,7 +128,7 @@ def trainable_params(info: ModelInfo, plan: Plan) -> int:
     """Parameters that get gradients and optimizer state."""
     if plan.lora_r is None:
         return info.total_params()
-    return lora_params(info, plan.lora_r, plan.lora_targets) + dora_params(info, plan)
+    return lora_params(info, plan.lora_r, plan.lora_targets) + expert_lora_params(info, plan) + dora_params(info, plan)
 
 
 def dora_params(info: ModelInfo, plan: Plan) -> int:

@@ -55,6 +55,7 @@ from studio.core.memory.allocator import CUBLAS_WORKSPACE_BYTES, PAGE, SLACK_FLO
 from studio.core.memory.fast import (
     dequant_buffer_bytes,
     dequantizes,
+    expert_buffer_bytes,
     graph_pool_bytes,
     hoisted_adapter_bytes,
     reference_pass_bytes,
@@ -105,12 +106,13 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
     fast_path = plan.path == "fast"
     kept = step.categories
     optimizer = 0 if plan.optimizer.startswith("paged") else kept["optimizer"]  # paged state is not on the card
-    persistent = (kept["weights"] + kept["lora"] + optimizer
+    persistent = (kept["weights"] + kept["experts"] + kept["lora"] + optimizer
                   + STEP_WORKSPACES * CUBLAS_WORKSPACE_BYTES)
     pool = 0.0
     if fast_path:
         if dequantizes(plan.weights):
-            persistent += dequant_buffer_bytes(info, c)  # the shared dequantization buffer
+            # the shared dequantization buffer (one projection of every expert with 4-bit experts)
+            persistent += dequant_buffer_bytes(info, c) + expert_buffer_bytes(info, plan)
         tokens = plan.real_tokens
         if graphs_for(tokens, plan.lora_dropout, cuda=True):
             pool = graph_pool_bytes(info, tokens, c)

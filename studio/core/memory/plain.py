@@ -29,6 +29,7 @@ from studio.core.memory.allocator import (
 )
 from studio.core.memory.params import (
     dtype_bytes,
+    experts_stored_bytes,
     lora_matrix_sizes,
     optimizer_bytes,
     trainable_dtype_bytes,
@@ -397,7 +398,8 @@ def plain_step(info: ModelInfo, plan: Plan) -> Estimate:
                                 base + m.layer_backward + m.slack_backward,
                                 base + m.optimizer_step + m.slack_backward))
     overhead = peak_reserved - peak_allocated + CUDA_CONTEXT_BYTES
-    categories = {"weights": int(weights), "lora": int(lora), "gradients": int(grads),
+    experts = int(experts_stored_bytes(info, plan))
+    categories = {"weights": int(weights) - experts, "experts": experts, "lora": int(lora), "gradients": int(grads),
                   "optimizer": int(optimizer), "activations": int(activations), "overhead": int(overhead)}
     total = sum(categories.values())
     notes = []

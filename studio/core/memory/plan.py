@@ -36,6 +36,10 @@ class Plan:
     lora_targets: tuple[str, ...] = ALL_LINEAR
     """Linear modules that get an adapter."""
 
+    lora_experts: bool = False
+    """A mixture of experts' experts get adapters too (``lora.target_experts``): r x (in + out) per
+    expert, projection and sparse layer."""
+
     lora_dropout: float = 0.05
     """Adapter dropout; above 0 it keeps a one-byte mask per input element of each adapter."""
 
@@ -193,6 +197,7 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
     grpo = config.trainer.method == "grpo"
     return Plan(weights=weights, double_quant=q.double_quant, compute=compute,
                 lora_r=lora.r if lora is not None else None, lora_targets=names,
+                lora_experts=bool(lora.target_experts) if lora is not None else False,
                 lora_dropout=lora.dropout if lora is not None else 0.0,
                 dora=lora.use_dora if lora is not None else False,
                 micro_batch=micro_batch or config.trainer.micro_batch(),

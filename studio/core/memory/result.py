@@ -10,8 +10,12 @@ from dataclasses import dataclass, field
 from studio.core.memory.plan import Plan
 from studio.core.plan import PathChoice
 
-CATEGORIES = ("weights", "lora", "gradients", "optimizer", "activations", "overhead")
-"""Category keys, in drawing order; engine/memory.py measures the same ones."""
+CATEGORIES = ("weights", "experts", "lora", "gradients", "optimizer", "activations", "overhead")
+"""Category keys, in drawing order; engine/memory.py measures the same ones. ``experts``: a mixture
+of experts' expert weights (0 for a dense model), apart from the other frozen ``weights``."""
+
+OPTIONAL_CATEGORIES = ("experts",)
+"""Categories shown only where an estimate or a measurement has some (a dense model has no experts)."""
 
 PHASES = ("training step", "evaluation", "generation", "checkpoint save")
 """The phases of a run, in the order a run meets them; the estimate's peak is the largest. A GRPO

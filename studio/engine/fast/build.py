@@ -116,7 +116,7 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
     (core/plan.py's ``decoder_blocker``; mixture-of-experts layers through engine/fast/moe.py),
     LoRA on any of their linear projections (Phi-3's fused modules as PEFT names them) and on the
     experts' 3-D parameters (PEFT's ``target_parameters``), base weights in 4-bit (bitsandbytes
-    NF4/FP4) or a float dtype (experts: a float dtype).
+    NF4/FP4; experts as engine/quantized_experts.py packs them) or a float dtype.
     Frozen float parameters kept in fp32 by ``prepare_model_for_kbit_training`` (norms, embeddings,
     head, biases) are cast back to the compute dtype: they were loaded from it, so no information
     is lost, and the stream then stays in it.
@@ -209,7 +209,8 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
         qkv, o, gate_up, down = ([module(layer, n) for n in group] for group in groups)
         sparse = None
         if described.sparse:
-            gate_up, down = (ExpertProjection(layer.mlp.experts, n, adapter, dtype) for n in EXPERT_PARAMETERS)
+            gate_up, down = (ExpertProjection(layer.mlp.experts, n, adapter, dtype, workspace, options.kernels)
+                            for n in EXPERT_PARAMETERS)
             sparse = SparseMlp(layer.mlp.gate.weight, gate_up, down, moe, router, index)
         else:
             gate_up, down = proj(gate_up), proj(down)

@@ -189,14 +189,19 @@ def expanded_absmax(state) -> torch.Tensor:
 
 
 def dequantize_into(base: nn.Module, out: torch.Tensor, kernel: dequant.NF4Weight | None = None) -> None:
-    """Write ``base``'s 4-bit weight into ``out`` in ``out``'s dtype: through ``kernel`` (the
-    scales included, dequant.py) where given and working, else bitsandbytes' kernels."""
+    """Write ``base``'s 4-bit weight into ``out`` in ``out``'s dtype (:func:`dequantize_packed`)."""
+    dequantize_packed(base.weight.data, base.weight.quant_state, out, kernel)
+
+
+def dequantize_packed(packed: torch.Tensor, state, out: torch.Tensor, kernel: dequant.NF4Weight | None = None) -> None:
+    """Write the 4-bit values ``packed`` (bitsandbytes' uint8 storage) with their ``QuantState``
+    into ``out`` in ``out``'s dtype: through ``kernel`` (the scales included, dequant.py) where
+    given and working, else bitsandbytes' kernels."""
     if kernel is not None:
-        done, _ = dequant.KERNELS.attempt(lambda: kernel(base.weight.data, out))
+        done, _ = dequant.KERNELS.attempt(lambda: kernel(packed, out))
         if done:
             return
-    state = base.weight.quant_state
-    args = (base.weight.data, expanded_absmax(state), state.blocksize, state.quant_type, out.shape, out.dtype)
+    args = (packed, expanded_absmax(state), state.blocksize, state.quant_type, out.shape, out.dtype)
     if out.device.type == "cuda":
         torch.ops.bitsandbytes.dequantize_4bit.out(*args, out=out)
     else:  # bitsandbytes' CPU backend has no out= variant

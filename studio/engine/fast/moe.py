@@ -8,7 +8,9 @@ Here each token's ``top_k`` copies are sorted by expert, so every expert's token
 rows, and each projection is one grouped product over those runs (:class:`Groups`): torch's
 ``grouped_mm`` where it takes the operands (bf16 on a CUDA card of compute capability 8.0 or more;
 the CPU build's kernel in any float dtype, for 16-byte aligned strides), else one product per
-expert, a loop used on the CPU and for fp16 / fp32 on CUDA only.
+expert, a loop used on the CPU and for fp16 / fp32 on CUDA only. Experts a 4-bit load packed
+(engine/quantized_experts.py) are dequantized one projection at a time, every expert at once, into
+the model's shared workspace right before the product that reads them (:class:`ExpertWeights`).
 
 LoRA on the experts is PEFT's ``target_parameters`` adapter (``lora.ParamWrapper``: one A and one
 B per expert, stacked in ``lora_A [r x experts, in]`` and ``lora_B [out, r x experts]``), so an
@@ -30,6 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from studio.core.decoder import MoeSpec
+from studio.engine.fast import dequant
+from studio.engine.fast.frozen import Workspace
+from studio.engine.quantized_experts import PackedExperts, packed_experts
 
 _KERNEL = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 """torch's grouped product (``torch.nn.functional.grouped_mm`` from 2.10, ``torch._grouped_mm``
@@ -101,16 +106,37 @@ class Groups:
 
 class ExpertWeights:
     """One projection's frozen expert weights ``[experts, out, in]`` (a 3-D parameter of the model's
-    experts module), read in the compute dtype."""
+    experts module), read in the compute dtype: a 16-bit parameter as it is, 4-bit ones
+    (engine/quantized_experts.py's ``PackedExperts``) dequantized into ``workspace`` on each read,
+    which then holds one projection's weights until the next read of any weight."""
 
-    def __init__(self, param: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, param: torch.Tensor, dtype: torch.dtype, packed: PackedExperts | None = None,
+                 workspace: Workspace | None = None, kernel: bool = True):
         self.param = param
         self.dtype = dtype
         self.experts, self.out_features, self.in_features = (int(n) for n in param.shape)
+        self.packed = packed
+        """The 4-bit weights, or None (16-bit)."""
+        self.workspace = workspace if packed is not None else None
+        self.kernel = None
+        """dequant.py's NF4 kernel for the packed weights, where it covers them (``kernel``: the
+        ``trainer.fast_path.kernels`` setting)."""
+        if packed is not None:
+            assert workspace is not None, "4-bit experts need a workspace"
+            workspace.reserve(self.experts * self.out_features * self.in_features)
+            device = packed.packed.device
+            if kernel and dequant.supports(packed.quant_state, dtype) and dequant.available(device):
+                self.kernel = dequant.NF4Weight(packed.quant_state, device)
 
     def stacked(self) -> torch.Tensor:
-        """Every expert's weight ``[experts, out, in]`` in the compute dtype."""
-        return self.param.detach().to(self.dtype)
+        """Every expert's weight ``[experts, out, in]`` in the compute dtype (4-bit ones: in the
+        workspace, valid until the next read)."""
+        if self.packed is None:
+            return self.param.detach().to(self.dtype)
+        out = self.workspace.take(self.experts * self.out_features, self.in_features)
+        out = out.view(self.experts, self.out_features, self.in_features)
+        self.packed.dequantize(self.dtype, out, self.kernel)
+        return out
 
 
 class ExpertProduct(torch.autograd.Function):
@@ -190,9 +216,10 @@ class ExpertProjection:
     """One projection of every expert (gate/up or down) with its PEFT adapter, if any: the
     adapters of engine/fast/projection.py's :class:`Projection` in the experts' stacked form."""
 
-    def __init__(self, experts: nn.Module, name: str, adapter: str, dtype: torch.dtype):
+    def __init__(self, experts: nn.Module, name: str, adapter: str, dtype: torch.dtype,
+                 workspace: Workspace | None = None, kernel: bool = True):
         base, wrappers = _wrappers(experts)
-        self.weights = ExpertWeights(getattr(base, name), dtype)
+        self.weights = ExpertWeights(getattr(base, name), dtype, packed_experts(base).get(name), workspace, kernel)
         self.dtype = dtype
         wrapper = wrappers.get(name)
         present = wrapper is not None and adapter in wrapper.lora_A

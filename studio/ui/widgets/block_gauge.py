@@ -19,21 +19,24 @@ from textual.color import Color
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from studio.core.memory import CATEGORIES
+from studio.core.memory import CATEGORIES, OPTIONAL_CATEGORIES
 from studio.core.memory.gpus import GB
 
 CATEGORY_COLOURS = {
     "weights": "primary",
+    "experts": "primary-lighten-3",
     "lora": "accent",
     "gradients": "warning",
     "optimizer": "secondary",
     "activations": "success",
     "overhead": "foreground-muted",
 }
-"""Theme variable for each category."""
+"""Theme variable for each category: a mixture of experts' expert weights a lighter shade of the
+other frozen weights."""
 
-_FALLBACK = {"primary": "#0178d4", "accent": "#ffa62b", "warning": "#ffa62b", "secondary": "#004578",
-             "success": "#4ebf71", "foreground-muted": "#808080", "error": "#ba3c5b", "foreground": "#e0e0e0"}
+_FALLBACK = {"primary": "#0178d4", "primary-lighten-3": "#5ab4ff", "accent": "#ffa62b", "warning": "#ffa62b",
+             "secondary": "#004578", "success": "#4ebf71", "foreground-muted": "#808080", "error": "#ba3c5b",
+             "foreground": "#e0e0e0"}
 SQUARES_PER_ROW = 20
 _UNITS_GB = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 4, 8, 16)
 MAX_SQUARES = 240
@@ -184,6 +187,8 @@ class BlockGauge(Widget):
     def _legend(self) -> list[Text]:
         lines = []
         for name in CATEGORIES:
+            if name in OPTIONAL_CATEGORIES and not any((c or {}).get(name) for c in (self.predicted, self.measured)):
+                continue
             line = Text()
             line.append("■ ", style=Style(color=self._colour(CATEGORY_COLOURS[name])))
             line.append(f"{name:<12}")

@@ -1,0 +1,144 @@
+"""A mixture of experts' expert weights in 4 bits (studio/engine/quantized_experts.py), on the CPU
+through bitsandbytes' CPU backend: a 4-bit load packs them and frees their 16-bit tensors; the
+fast path over the packed experts gives transformers' loss and LoRA gradients on the same weights,
+and stays within NF4's rounding of the 16-bit model's; generation, PEFT's expert adapters and the
+plain forward read them through the dequantizing hook."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_fast_families import _batch, _check_family, _grads
+from test_fast_moe import CASES, _config, _peft
+
+from studio.core.config import RunConfig
+from studio.engine import fast
+from studio.engine.quantized_experts import packed_experts, quantize_experts
+
+pytest.importorskip("bitsandbytes")
+
+
+def _experts(model) -> list:
+    return [m for m in model.modules() if packed_experts(m)]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None:
+    error = float((got - want).norm() / want.norm())
+    assert error < rel, f"{what}: relative error {error:.3f} (allowed: {rel:.3f})"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_fast_path_over_4bit_experts_is_transformers_on_the_same_weights(name: str, monkeypatch) -> None:
+    """Packed experts: the fast path's loss and every LoRA gradient (the experts' included) equal
+    transformers' forward through the dequantizing hook, padded and packed, host-held inputs."""
+    model = _peft(_config(name))
+    assert quantize_experts(model, "nf4", double_quant=True) == sum(
+        1 for m in model.modules() if hasattr(m, "gate_up_proj") and type(m).__name__.endswith("Experts"))
+    _check_family(model, monkeypatch)
+
+
+@pytest.mark.parametrize(("quant_type", "double_quant"), [("nf4", True), ("nf4", False), ("fp4", True)])
+def test_4bit_experts_train_like_the_16bit_model_within_rounding(quant_type: str, double_quant: bool) -> None:
+    """The packed experts are the original ones within 4-bit rounding (each expert in its place), and
+    the step's loss and LoRA gradients (the experts' included) move by no more than a few times that
+    rounding (a random two-layer model: the second layer's routing moves with the first's output)."""
+    batch = _batch(packing=False)
+    reference = _peft(_config("olmoe"))
+    fast_model, _ = fast.prepare(reference)
+    expected_loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+    expected_loss.backward()
+    expected = _grads(reference)
+
+    model = _peft(_config("olmoe"))
+    originals = {id(m): {n: getattr(m, n).detach().clone() for n in ("gate_up_proj", "down_proj")}
+                 for m in model.modules() if type(m).__name__.endswith("Experts")}
+    quantize_experts(model, quant_type, double_quant)
+    rounding = 0.0
+    for module in _experts(model):
+        for name, packed in packed_experts(module).items():
+            original = originals[id(module)][name]
+            error = float((packed.dequantize(torch.float32) - original).norm() / original.norm())
+            assert error < (0.11 if quant_type == "nf4" else 0.14), f"{name}: {error:.3f}"
+            rounding = max(rounding, error)
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    assert all(layer.gate_up.weights.packed is not None for layer in fast_model.layers)
+    loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+    loss.backward()
+    got = _grads(model)
+    assert got.keys() == expected.keys() and any("experts" in n for n in got)
+    assert abs(float(loss.detach() - expected_loss.detach())) < 0.01 * float(expected_loss.detach())
+    _close(torch.cat([got[k].flatten() for k in expected]), torch.cat([g.flatten() for g in expected.values()]),
+           3 * rounding, "LoRA gradients")
+
+
+def _moe_folder(folder: Path, name: str = "qwen3_moe") -> Path:
+    """A tiny random checkpoint of ``name`` stored in bfloat16 with the tiny model's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from studio.engine.tiny import build_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    torch.manual_seed(0)
+    config = _config(name)
+    config.vocab_size = len(tokenizer)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_4bit_load_packs_the_experts_and_frees_their_16bit_tensors(tmp_path: Path, monkeypatch) -> None:
+    """quantization.bits 4 (bitsandbytes' CPU backend kept): every experts module's weights are
+    packed at half a byte a value and the parameters hold nothing; transformers'
+    forward and generation read the packed weights (the same model with the dequantized experts as
+    plain parameters answers alike), and free them again after each layer."""
+    from studio.engine.generate import generate
+    from studio.engine.model import load_base
+
+    folder = _moe_folder(tmp_path / "base")
+    config = RunConfig()
+    config.model.base_model = str(folder)
+    config.quantization.bits, config.quantization.on_cpu = 4, "keep"
+    base = load_base(config, device=torch.device("cpu"))
+    assert base.quantization == "nf4", base.warnings
+    experts = _experts(base.model)
+    assert len(experts) == 2  # Qwen3-MoE's middle layer is dense
+
+    def freed() -> bool:
+        return all(getattr(m, n).untyped_storage().nbytes() <= getattr(m, n).element_size()
+                   for m in experts for n in packed_experts(m))
+
+    assert freed()
+    for module in experts:
+        for name, packed in packed_experts(module).items():
+            param = getattr(module, name)
+            assert packed.packed.numel() * packed.packed.element_size() == param.numel() // 2, name  # 4 bits a value
+            assert tuple(param.shape) == packed.shape
+
+    # What the VRAM pane measures: the packed experts apart from the other weights, none counted twice
+    from studio.engine.memory import parameter_bytes
+
+    packed_bytes = sum(w.nbytes() for m in experts for w in packed_experts(m).values())
+    measured = parameter_bytes(base.model)
+    # code tables bitsandbytes shares count once; the placeholders hold one value each
+    assert 0.9 * packed_bytes < measured["experts"] <= packed_bytes + 4 * 4
+
+    # The same 4-bit load with the experts left as bitsandbytes leaves them, given the dequantized weights
+    monkeypatch.setattr("studio.engine.quantized_experts.quantize_experts", lambda *args: 0)
+    plain = load_base(config, device=torch.device("cpu")).model
+    unpacked = [m for m in plain.modules() if type(m).__name__.endswith("Experts")]
+    for module, packed in zip(unpacked, experts, strict=True):
+        for name, weights in packed_experts(packed).items():
+            assert getattr(module, name).untyped_storage().nbytes() == weights.param.numel() * 4  # fp32 on the CPU
+            getattr(module, name).data = weights.dequantize(torch.float32)
+    ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(base.model(input_ids=ids).logits, plain(input_ids=ids).logits)
+    assert freed()
+    prompt = ids[0].tolist()
+    result = generate(base.model, base.tokenizer, prompt, max_new_tokens=8)
+    assert result.token_ids == generate(plain, base.tokenizer, prompt, max_new_tokens=8).token_ids
+    assert freed()
