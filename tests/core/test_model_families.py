@@ -128,3 +128,25 @@ def test_qwen3_30b_a3b_is_sized_with_its_experts_in_4_bits_and_fits_24_gb() -> N
     assert result.categories["experts"] == int(packed) and result.fits, result.total / GB
     assert experts_stored_bytes(info, plan_for(parse_config("quantization: {bits: 8}\n"), info=info)) == (
         2 * info.expert_params())
+
+
+def test_the_estimate_takes_a_mixture_of_experts_path_as_the_engine_does() -> None:
+    """The estimate's path decision reads the model's sparse MLP as the engine's loader does
+    (core/plan.py's PathFacts.from_config with ``moe``): a mixture of experts runs eagerly (no CUDA
+    graphs), and a load-balancing loss keeps the layer inputs on the card; a dense model of the same
+    attention keeps both."""
+    from studio.core.memory.estimate import path_choice
+    from studio.core.model.info import from_config_dict
+
+    config = {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
+              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True,
+              "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
+    moe = from_config_dict(config, "tiny-moe")
+    dense = from_config_dict({**config, "model_type": "qwen3"}, "tiny-dense")
+    run = parse_config("trainer: {micro_batch_size: 1, effective_batch_size: 1}\n")
+    balanced = parse_config("trainer: {micro_batch_size: 1, effective_batch_size: 1, router_aux_loss_coef: 0.001}\n")
+    assert (path_choice(run, dense).cuda_graphs, path_choice(run, dense).host_offload) == (True, True)
+    assert (path_choice(run, moe).path, path_choice(run, moe).cuda_graphs, path_choice(run, moe).host_offload) == (
+        "fast", False, True)
+    assert path_choice(balanced, moe).host_offload is False

@@ -23,7 +23,7 @@ from studio.core.memory.plain import plain_step
 from studio.core.memory.plan import Plan, plan_for
 from studio.core.memory.result import Estimate
 from studio.core.model.info import ModelInfo
-from studio.core.plan import EXPERT_TARGETS, PathChoice, PathFacts, choose_path
+from studio.core.plan import PathChoice, PathFacts, choose_path
 
 
 def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> Estimate:
@@ -94,10 +94,10 @@ def path_choice(config: RunConfig, model_info: ModelInfo) -> PathChoice:
     """The training path Studio's engine will take for ``config`` on this model on a GPU, decided
     by the function the engine calls (core/plan.py's choose_path)."""
     plan = plan_for(config, info=model_info)
-    # the experts' adapters (lora.target_experts) are fast-path targets like the linear modules'
-    targets = (*plan.lora_targets, *(EXPERT_TARGETS if plan.lora_experts else ()))
-    facts = PathFacts.from_config(config, cuda=True, weights=plan.weights,
-                                  model_blocker=model_info.fast_path_blocker, targets=targets)
+    # with the model's sparse MLP, the experts' adapters (lora.target_experts) are targets too, and a
+    # load-balancing loss keeps the layer inputs on the card, as the engine decides
+    facts = PathFacts.from_config(config, cuda=True, weights=plan.weights, model_blocker=model_info.fast_path_blocker,
+                                  targets=plan.lora_targets, moe=model_info.moe)
     choice = choose_path(facts)
     if choice.path == "plain":
         choice = replace(choice, checkpointing=plan.checkpointing)

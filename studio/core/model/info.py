@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from studio.core.decoder import DecoderSpec, Refusal, describe_decoder
-from studio.core.decoder.spec import ATTENTION_PROJECTIONS, PHI3_FUSED, linear_shapes, lora_modules
+from studio.core.decoder.spec import ATTENTION_PROJECTIONS, PHI3_FUSED, MoeSpec, linear_shapes, lora_modules
 from studio.core.model.ref import local_problem
 from studio.core.paths import sample_data_dir
-from studio.core.plan import decoder_blocker
+from studio.core.plan import decoder_blocker, sparse_mlp
 
 ATTENTION_MODULES = (*ATTENTION_PROJECTIONS, "qkv_proj")
 """A layer's attention projections, fused or not: a sparse layer's only linear modules."""
@@ -110,6 +110,10 @@ class ModelInfo:
 
     top_k: int = 0
     """Experts each token goes through in a sparse layer."""
+
+    moe: MoeSpec | None = None
+    """The sparse MLP's whole description (None: a dense model): the path decision reads its
+    router's load-balancing loss (core/plan.py's ``moe_facts``)."""
 
     @property
     def head_width(self) -> int:
@@ -218,7 +222,7 @@ def from_spec(spec: DecoderSpec, name: str, init_std: float = 0.02) -> ModelInfo
         qk_norm="" if spec.qk_norm == "none" else spec.qk_norm, bias_outputs=spec.biases,
         vision_params=spec.extra_params, sparse_layers=spec.sparse_layers if spec.moe else 0,
         experts=spec.moe.experts if spec.moe else 0, expert_intermediate=spec.moe.intermediate if spec.moe else 0,
-        top_k=spec.moe.top_k if spec.moe else 0)
+        top_k=spec.moe.top_k if spec.moe else 0, moe=sparse_mlp(spec))
 
 
 def _table_entry(name: str, model_type: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
