@@ -150,3 +150,24 @@ def test_the_estimate_takes_a_mixture_of_experts_path_as_the_engine_does() -> No
     assert (path_choice(run, moe).path, path_choice(run, moe).cuda_graphs, path_choice(run, moe).host_offload) == (
         "fast", False, True)
     assert path_choice(balanced, moe).host_offload is False
+
+
+def test_a_mixture_of_experts_and_graphs_turned_off_are_estimated_as_eager_steps() -> None:
+    """Where the engine replays no CUDA graph (a mixture of experts, or trainer.fast_path.cuda_graphs
+    false), the estimate's fast step is the eager one: its note says so and no graph pool is counted."""
+    from studio.core.memory import estimate
+    from studio.core.model.info import from_config_dict
+
+    moe = from_config_dict({"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512,
+                            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "head_dim": 64, "vocab_size": 1024, "num_experts": 8, "num_experts_per_tok": 2,
+                            "moe_intermediate_size": 128, "decoder_sparse_step": 1, "mlp_only_layers": []}, "tiny-moe")
+    llama = from_config_dict(CONFIGS["llama-2-7b"], "llama-2-7b")
+    run = parse_config("trainer: {micro_batch_size: 1, effective_batch_size: 1}\ndata: {max_seq_length: 512}\n")
+    eager = parse_config("trainer: {micro_batch_size: 1, effective_batch_size: 1, fast_path: {cuda_graphs: false}}\n"
+                         "data: {max_seq_length: 512}\n")
+    assert any("CUDA graphs" in note for note in estimate(run, llama).notes)
+    for config, info in ((run, moe), (eager, llama)):
+        notes = estimate(config, info).notes
+        assert any("eager steps" in note for note in notes) and not any("CUDA graphs" in note for note in notes)
+    assert estimate(eager, llama).peak_reserved < estimate(run, llama).peak_reserved  # no graph pool

@@ -114,7 +114,8 @@ def estimate(config: RunConfig, model_info: ModelInfo, gpu_bytes: int | None = N
     Raises ValueError naming ``lora.target_modules`` if a target is not in the model.
     """
     choice = path_choice(config, model_info)
-    plan = replace(plan_for(config, micro_batch, lengths=lengths, info=model_info), path=choice.path)
+    plan = replace(plan_for(config, micro_batch, lengths=lengths, info=model_info), path=choice.path,
+                   cuda_graphs=choice.cuda_graphs)
     plan = replace(plan, grpo_scored_rows=grpo_scored_rows(model_info, plan))
     result = replace(estimate_plan(model_info, plan, gpu_bytes), choice=choice)
     if plan.passes > 1:

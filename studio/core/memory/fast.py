@@ -282,7 +282,8 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     optimizer = optimizer_bytes(info, plan)
     on_device_optimizer = 0 if plan.optimizer.startswith("paged") else optimizer
     tokens = plan.real_tokens  # the fast path drops the padding before the model
-    graphs = graphs_for(tokens, plan.lora_dropout, cuda=True)  # the engine's own rule (core/plan.py)
+    # the engine's own rule (core/plan.py), where the run's path replays graphs at all
+    graphs = plan.cuda_graphs and graphs_for(tokens, plan.lora_dropout, cuda=True)
     dequantized = dequantizes(plan.weights)
     # the shared dequantization buffer, as wide as one projection of every expert with 4-bit experts
     dequant = dequant_buffer_bytes(info, c) + expert_buffer_bytes(info, plan) if dequantized else 0

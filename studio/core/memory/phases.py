@@ -114,7 +114,7 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
             # the shared dequantization buffer (one projection of every expert with 4-bit experts)
             persistent += dequant_buffer_bytes(info, c) + expert_buffer_bytes(info, plan)
         tokens = plan.real_tokens
-        if graphs_for(tokens, plan.lora_dropout, cuda=True):
+        if plan.cuda_graphs and graphs_for(tokens, plan.lora_dropout, cuda=True):
             pool = graph_pool_bytes(info, tokens, c)
     # the residual stream's width: bf16 on the fast path (its prepare casts embeddings and norms down),
     # fp32 after prepare_model_for_kbit_training on the plain one

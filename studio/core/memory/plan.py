@@ -76,6 +76,11 @@ class Plan:
     PEFT + bitsandbytes: core/memory/plain.py) or ``fast`` (studio/engine/fast/:
     core/memory/fast.py)."""
 
+    cuda_graphs: bool = True
+    """Whether the fast path may replay steps as CUDA graphs at all (core/plan.py's
+    ``PathChoice.cuda_graphs``: off for a mixture of experts and with ``trainer.fast_path.cuda_graphs:
+    false``); where it may, core/plan.py's ``graphs_for`` decides by the micro-batch's tokens."""
+
     sequences_per_example: int = 1
     """2 for preference runs (DPO, ORPO): a pair is its chosen and its rejected answer, padded rows."""
 
