@@ -10,7 +10,7 @@ fp32 residual stream, no per-module saved inputs, no logits. What today's engine
   (engine/quantized_experts.py) or in a float dtype; the shared dequantization buffer then holds one
   projection of every expert (:func:`expert_buffer_bytes`), a sparse layer's working set is its
   tokens' ``top_k`` copies through the grouped products (:func:`mlp_outputs_per_token`), and the
-  experts' adapters are hoisted with the others. Not yet measured on a GPU (bench/moe.py);
+  experts' adapters are hoisted with the others. Not yet measured on a GPU (no benchmark of it exists yet);
 - LoRA parameters, gradients and optimizer state as on the plain path;
 - activations: every layer is checkpointed, whatever the config says, and on a CUDA card each
   layer's input and its rotated q, k and v wait in pinned host memory (engine/fast/offload.py): on
