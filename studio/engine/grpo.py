@@ -34,6 +34,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,9 @@ from studio.core.config import RunConfig
 from studio.core.grpo import rewards as rw
 from studio.core.grpo import rows as grpo_rows
 from studio.core.grpo.metrics import StepSums, step_event
+from studio.core.memory import plan_for
+from studio.core.memory.estimate import grpo_scored_rows
+from studio.core.model.info import ModelInfoError, load_model_info
 from studio.engine.chunked_head import find_head
 from studio.engine.grpo_prompts import PromptBatch, PromptExample, encode_prompts
 from studio.engine.sampler import GroupSampler, Sampled, step_seed
@@ -253,12 +257,6 @@ class GrpoObjective:
         return self._scored_rows[rows]
 
     def _planned_rows(self, rows: int) -> int:
-        from dataclasses import replace
-
-        from studio.core.memory import plan_for
-        from studio.core.memory.estimate import grpo_scored_rows
-        from studio.core.model.info import ModelInfoError, load_model_info
-
         if self.device.type != "cuda":
             return rows
         try:
