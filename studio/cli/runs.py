@@ -314,10 +314,27 @@ def _live_client(run: RunDir) -> WorkerClient:
             client.connect(5.0)
             return client
         except WorkerUnavailable as exc:
-            raise RunCommandFailed(str(exc)) from None
+            # A worker that is closing has stopped listening but keeps its pid file while it says
+            # goodbye to its clients (up to 2 s): once it is gone, the run's status says more.
+            if not _gone(run, WORKER_CLOSE_S):
+                raise RunCommandFailed(str(exc)) from None
     summary = summarize(run)
     raise RunCommandFailed(_disk_full_now(run, summary.status) or
                            f"run {run.id} has no worker running (status: {summary.status}, step {summary.step})")
+
+
+WORKER_CLOSE_S = 3.0
+"""How long a command waits for a worker that refused its connection to finish exiting."""
+
+
+def _gone(run: RunDir, timeout: float) -> bool:
+    """Whether the run's worker has exited within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while run.worker_pid() is not None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _wait_for(client: WorkerClient, done: Callable[[ev.Event], bool], timeout: float) -> ev.Event | None:
