@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 
 from studio.core import events as ev
-from studio.core.memory.fast import REFERENCE_TOKENS
 from studio.core.memory.phases import SCORE_TOKENS
 from studio.core.prompt import IGNORE_INDEX, Encoded
 from studio.engine.batching import DataStream, MicroBatch, collate
@@ -153,16 +152,8 @@ class PreferenceObjective:
     def _reference_logps(self, batch: MicroBatch) -> torch.Tensor:
         """The base model's summed log-probs: adapter off, no gradients, no dropout."""
         if self.fast is not None:  # no adapter runs, so no dropout either: the modules' mode can stay
-            # Beside a CUDA graph the pass's blocks are reserved on top of the graph's pool: in
-            # parts of whole rows, one part's working set is all it costs (REFERENCE_TOKENS).
-            total = batch.input_ids.shape[0]
-            rows = max(1, REFERENCE_TOKENS // max(1, batch.input_ids.shape[1])) if self.fast.replays_graphs else total
-            mask = batch.attention_mask
             with torch.no_grad():
-                return torch.cat([self.fast.sequence_logps(batch.input_ids[i:i + rows], batch.labels[i:i + rows],
-                                                           None if mask is None else mask[i:i + rows],
-                                                           batch.position_ids[i:i + rows], reference=True)[0]
-                                  for i in range(0, total, rows)])
+                return self._logps(batch, reference=True)[0]
         was_training = self.model.training
         self.model.eval()
         try:

@@ -26,8 +26,7 @@ fp32 residual stream, no per-module saved inputs, no logits. What today's engine
 
 Preference runs (DPO, ORPO) take the same step on the pair batch's 2n rows (``Plan.tokens``), their
 answers' log-probs from the fused loss (no logits either); DPO adds its reference pass, an eager
-forward without gradients through the same layers before the policy's (:func:`reference_pass_bytes`;
-beside a CUDA graph in parts of :data:`REFERENCE_TOKENS`).
+forward without gradients through the same layers before the policy's (:func:`reference_pass_bytes`).
 
 The two fitted constants below (``LAYER_WORKING_SET``, ``GRAPH_POOL_PER_TOKEN``) are searched by
 bench/refit_vram_fast.py on the in-sample rows of a measurement of the engine
@@ -260,20 +259,6 @@ def allocator_slack(info: ModelInfo, tokens: int, compute: int, graphs: bool, de
     return slack
 
 
-REFERENCE_TOKENS = 512
-"""Beside a CUDA graph, DPO's reference pass runs in parts of whole rows of at most this many tokens
-(one row where a row is longer), one after another (engine/preference.py): its blocks are reserved
-on top of the graph's private pool, so one part's working set is what the pass costs. Eager steps
-reuse the pass's blocks and run it whole."""
-
-
-def reference_part_tokens(tokens: int, rows: int) -> int:
-    """Tokens of the widest part of a ``rows``-row micro-batch of ``tokens`` tokens that DPO's
-    reference pass takes beside a CUDA graph (:data:`REFERENCE_TOKENS`)."""
-    per_row = max(1, math.ceil(tokens / max(1, rows)))
-    return min(tokens, max(1, REFERENCE_TOKENS // per_row) * per_row)
-
-
 def reference_pass_bytes(info: ModelInfo, tokens: int, compute: int) -> int:
     """DPO's reference pass on the fast path (engine/preference.py, ``FastModel.sequence_logps`` with
     the adapters off): a forward without gradients, layer by layer, whose widest moment is the MLP's
@@ -343,8 +328,7 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
         slack += second_pool
     eager_extra = 0 if graphs else (STEP_WORKSPACES - 1) * workspace  # mapped too
     need = max(held + eager_extra + slack, peak_allocated)
-    part = reference_part_tokens(tokens, plan.rows) if graphs else tokens
-    reference = reference_pass_bytes(info, part, c) if plan.reference_pass else 0
+    reference = reference_pass_bytes(info, tokens, c) if plan.reference_pass else 0
     if reference:
         # The pass's moment: the step's persistent bytes (earlier micro-batches' gradients with
         # accumulation) and its working set, before any of the step's activations.
@@ -374,8 +358,7 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     if plan.sequences_per_example == 2:
         notes.append("a preference pair is two sequences (chosen, rejected): the micro-batch counts pairs"
                      + ("; DPO's reference pass (adapters off, no gradients) runs eagerly before the policy's, "
-                        + (f"in parts of up to {REFERENCE_TOKENS} tokens, whose working set is reserved beside the "
-                           "CUDA graph's pool" if graphs else
+                        + ("its working set reserved beside the CUDA graph's pool" if graphs else
                            "in memory the step reuses") if plan.reference_pass else ""))
     if graphs and peak_allocated < held:
         notes.append("allocated peaks at the first step's CUDA-graph capture, before the optimizer has "

@@ -98,11 +98,6 @@ class FastModel:
             self._graphs.release()
 
     @property
-    def replays_graphs(self) -> bool:
-        """Whether training steps replay CUDA graphs (on, and no capture has failed)."""
-        return self._graphs is not None and not self._graphs.failed
-
-    @property
     def graphs_failed(self) -> str:
         """Why CUDA graph capture failed ("" if it did not): steps run eagerly from then on."""
         return self._graphs.failed if self._graphs is not None else ""
