@@ -82,12 +82,16 @@ class ExpertBytesProbe:
 
         storages: dict[int, int] = {}
         for obj in gc.get_objects():
-            if (issubclass(type(obj), torch.Tensor) and obj.device == self.device and obj.is_floating_point()
+            if (issubclass(type(obj), torch.Tensor) and self._on_device(obj) and obj.is_floating_point()
                     and tuple(obj.shape) in self.shapes):
                 storage = obj.untyped_storage()
                 if storage.nbytes() > obj.element_size():
                     storages[storage.data_ptr()] = storage.nbytes()
         return sum(storages.values())
+
+    def _on_device(self, tensor: Any) -> bool:
+        # "cuda" names whichever card is current, and a tensor always says which ("cuda:0")
+        return tensor.device.type == self.device.type and self.device.index in (None, tensor.device.index)
 
     @contextmanager
     def watching(self) -> Iterator[ExpertBytesProbe]:
@@ -139,6 +143,9 @@ def build(folder: Path, shape: dict[str, Any], layers: int, device: str) -> Path
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="2GB")
     AutoTokenizer.from_pretrained(build_tiny_model()).save_pretrained(folder)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the loads run in other processes; leave them the card
     return folder
 
 
@@ -165,7 +172,7 @@ def measure(folder: Path, device_name: str, packing: str) -> dict[str, Any]:
     if cuda:
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(device)
-    host_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    host_before = _host_peak()
     start = time.perf_counter()
     with probe.watching():
         base = load_base(config, device=device)
@@ -181,8 +188,8 @@ def measure(folder: Path, device_name: str, packing: str) -> dict[str, Any]:
         "layer_weights_bytes": layer["weights"] + layer["experts"],
         "probe_peak_expert_bytes": probe.peak,
         "probe_samples": len(probe.samples),
-        "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "host_rss_before_load_bytes": host_before,
+        "host_peak_rss_bytes": _host_peak(),
+        "host_peak_rss_before_load_bytes": host_before,
     }
     if cuda:
         torch.cuda.synchronize(device)
@@ -191,6 +198,18 @@ def measure(folder: Path, device_name: str, packing: str) -> dict[str, Any]:
                       max_allocated_bytes=torch.cuda.max_memory_allocated(device),
                       max_reserved_bytes=torch.cuda.max_memory_reserved(device))
     return result
+
+
+def _host_peak() -> int:
+    """This process's peak resident bytes since its exec (Linux's VmHWM; ``ru_maxrss`` elsewhere,
+    which on Linux also counts the parent's memory at the fork)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _child(folder: Path, device: str, packing: str) -> dict[str, Any]:
