@@ -188,3 +188,26 @@ def test_the_load_holds_one_projection_of_expert_weights_unpacked_not_every_laye
             load_base(_run_config(folder), device=CPU)
     assert len(after.samples) == 8
     assert after.peak >= every_layer
+
+
+def test_a_checkpoint_with_fused_experts_packs_them_on_load_too(tmp_path: Path) -> None:
+    """A checkpoint that stores each layer's experts as the 3-D tensors transformers 5 holds (no
+    per-expert tensors to stack): its projections are packed on load as well, to the same model."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    hub = _moe_folder(tmp_path / "hub", "olmoe")
+    fused = _moe_folder(tmp_path / "fused", "olmoe")
+    weights = AutoModelForCausalLM.from_pretrained(hub, dtype=torch.bfloat16).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in weights
+    (fused / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(fused / "model.safetensors"),
+              metadata={"format": "pt"})
+
+    base = load_base(_run_config(fused), device=CPU)
+    assert base.quantization == "nf4" and base.warnings == []
+    assert [set(packed_experts(m)) for m in _experts(base.model)] == [set(EXPERT_PARAMETERS)] * 2
+    ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = load_base(_run_config(hub), device=CPU).model(input_ids=ids).logits
+        assert torch.equal(base.model(input_ids=ids).logits, want)
