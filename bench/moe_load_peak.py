@@ -13,11 +13,12 @@ alive at a packing (:class:`ExpertBytesProbe`), the host's peak RSS (which count
 memory-mapped checkpoint it read), and the same numbers carried to the full 48 layers by arithmetic
 (said so in the JSON), with the command, commit, GPU and versions:
 
-    python bench/moe_load_peak.py --layers 4 --out $OUT/moe_load_peak.json      # ~6 GB of disk
+    python bench/moe_load_peak.py --layers 4 --tokenizer .whl/tokenizer --commit $C --out $OUT/moe_load_peak.json
     python bench/moe_load_peak.py --tiny --cpu --out /tmp/moe_load_peak.json    # the path on the CPU
 
-``--cpu`` loads with bitsandbytes' CPU backend, where there is no allocator peak: the probe's count
-is the measurement there. ``--tiny``: a four-layer model of eight 48-wide experts, seconds to build.
+Four layers take ~6 GB of disk (built once in ``/tmp``, reused). ``--cpu`` loads with bitsandbytes'
+CPU backend, where there is no allocator peak: the probe's count is the measurement there.
+``--tiny``: a four-layer model of eight 48-wide experts, seconds to build.
 """
 
 from __future__ import annotations
@@ -126,9 +127,9 @@ def expert_bytes(config: dict[str, Any], layers: int, element_size: int) -> int:
     return layers * experts * 3 * width * hidden * element_size
 
 
-def build(folder: Path, shape: dict[str, Any], layers: int, device: str) -> Path:
+def build(folder: Path, shape: dict[str, Any], layers: int, device: str, tokenizer: Path | None = None) -> Path:
     """A random-weight Qwen3-MoE of ``shape`` with ``layers`` layers saved in bf16 to ``folder`` with
-    the tiny tokenizer (reused when there)."""
+    the tokenizer of the folder ``tokenizer`` (default: the tiny model's); reused when there."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -142,7 +143,7 @@ def build(folder: Path, shape: dict[str, Any], layers: int, device: str) -> Path
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="2GB")
-    AutoTokenizer.from_pretrained(build_tiny_model()).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer or build_tiny_model()).save_pretrained(folder)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()  # the loads run in other processes; leave them the card
@@ -266,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes instead of Qwen3-30B-A3B's")
     parser.add_argument("--cpu", action="store_true", help="load on the CPU (bitsandbytes' CPU backend)")
     parser.add_argument("--model-dir", type=Path, default=None, help="where the built model lives (reused)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="folder with the tokenizer to save beside the model (default: the tiny model's)")
     parser.add_argument("--commit", default=None, help="the commit this tree is (default: git rev-parse HEAD)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     parser.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)
@@ -281,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     shape_name, shape = ("tiny", TINY) if args.tiny else ("qwen3-30b-a3b", QWEN3_30B_A3B)
     folder = args.model_dir or Path(tempfile.gettempdir()) / f"studio-moe-load-{shape_name}-{args.layers}l"
-    build(folder, shape, args.layers, device)
+    build(folder, shape, args.layers, device, args.tokenizer)
     runs = {packing: _child(folder, device, packing) for packing in PACKINGS}
     # The loader's dtype: bf16 on a GPU, fp32 on the CPU (engine/model.py's compute_dtype)
     element = 2 if device == "cuda" else 4

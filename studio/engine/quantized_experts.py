@@ -190,10 +190,9 @@ def quantize_experts(model: nn.Module, quant_type: str = "nf4", double_quant: bo
 class ExpertsLoad:
     """What :func:`experts_packed_on_load` did during one load."""
 
-    packed: list[str] = field(default_factory=list)
-    """The expert parameters packed as they arrived (``model.layers.0.mlp.experts.gate_up_proj``, ...)."""
     failures: dict[str, str] = field(default_factory=dict)
-    """Expert parameters whose packing failed, with the error. transformers logs such a failure and
+    """Expert parameters whose packing failed (``model.layers.1.mlp.experts.gate_up_proj``), with
+    the error. transformers logs such a failure and
     goes on, initializing the parameter at random: a load with failures must not be used."""
 
 
@@ -267,7 +266,6 @@ def _packing_quantizer(base: type, record: ExpertsLoad) -> type:
                 except Exception as exc:
                     record.failures[name] = f"{type(exc).__name__}: {exc}"
                     raise
-                record.packed.append(name)
             return out
 
     class PackingBnb4Bit(base):
