@@ -115,7 +115,7 @@ def load_base(config: RunConfig, progress: Progress | None = None,
     model, quantization = None, ""
     if bits is not None:
         try:
-            model, quantization = _load_quantized(config, path, device, dtype)
+            model, quantization = _load_quantized(config, path, device, dtype, warnings)
         except Exception as exc:  # bitsandbytes raises many kinds; any of them means "no k-bit here"
             if device.type == "cuda":
                 raise ModelLoadError(f"{config.model.base_model}: {bits}-bit loading failed ({exc}); check "
@@ -142,8 +142,11 @@ def _load_plain(config: RunConfig, path: str, device: torch.device, dtype: torch
     return model.to(device)
 
 
-def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, str]:
+def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: torch.dtype,
+                    warnings: list[str]) -> tuple[Any, str]:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from studio.engine.quantized_experts import experts_packed_on_load, quantize_experts
 
     q = config.quantization
     if q.bits == 4:
@@ -157,15 +160,26 @@ def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: t
     else:
         raise ConfigError(f"quantization.bits is {q.bits}; choose 4, 8 or null")
     target = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
-    model = AutoModelForCausalLM.from_pretrained(
-        path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
-        quantization_config=bnb, dtype=dtype, device_map=target)
+    # bitsandbytes quantizes linear modules only: a mixture of experts' 3-D expert weights, most of
+    # its memory, are packed as they load (engine/quantized_experts.py), so the device never holds
+    # them all in 16 bits.
+    with experts_packed_on_load() as experts:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
+                quantization_config=bnb, dtype=dtype, device_map=target)
+        finally:
+            # transformers logs a failed conversion and initializes the weight at random, then goes on
+            # or fails pointing at its log: the error itself is the one to show
+            if experts.failures:
+                where, why = next(iter(experts.failures.items()))
+                raise RuntimeError(f"packing the expert weights in 4 bits failed ({where}: {why})")
     if q.bits == 4:
-        # bitsandbytes quantizes linear modules only: a mixture of experts' 3-D expert weights, most
-        # of its memory, are packed here (engine/quantized_experts.py).
-        from studio.engine.quantized_experts import quantize_experts
-
-        quantize_experts(model, q.quant_type, q.double_quant)
+        late = quantize_experts(model, q.quant_type, q.double_quant)
+        if late:
+            warnings.append(f"{late} experts modules were packed in 4 bits after the load, not during it "
+                            f"(this transformers' loader did not hand them over): their 16-bit weights were "
+                            f"all on the {device.type} at once, which a card that fits the packed model may not hold")
     return model, name
 
 

@@ -2,11 +2,21 @@
 
 bitsandbytes' 4-bit loading quantizes ``nn.Linear`` modules only: transformers 5.x's experts
 (``mlp.experts.gate_up_proj [experts, 2 x intermediate, hidden]`` and ``down_proj [experts,
-hidden, intermediate]``, plain 3-D parameters) stay in 16 bits, which is most of a sparse model
-(Qwen3-30B-A3B: 58 GB of its 61). :func:`quantize_experts` packs each of them in 4 bits after the
-load, expert by expert (the temporaries are one expert's), as one :class:`PackedExperts`: the
-packed values and one bitsandbytes ``QuantState`` for the whole projection (double-quantized scales
-as ``quantization.double_quant`` says), so one dequantization gives every expert's weight.
+hidden, intermediate]``, plain 3-D parameters) would stay in 16 bits, which is most of a sparse model
+(Qwen3-30B-A3B: 58 GB of its 61, 16 GB once packed). Each projection is packed in 4 bits as one
+:class:`PackedExperts`: the packed values and one bitsandbytes ``QuantState`` for the whole
+projection (double-quantized scales as ``quantization.double_quant`` says), so one dequantization
+gives every expert's weight.
+
+:func:`experts_packed_on_load` packs them while transformers loads the checkpoint: its 4-bit
+quantizer, extended for the load, takes each experts module's projections as the ones to quantize,
+and the step that would set a projection in 16 bits packs it instead. A quantizing load builds one
+parameter at a time, so the device holds the packed model so far plus one projection in 16 bits,
+twice over while transformers stacks the checkpoint's per-expert tensors and concatenates gate with
+up (Qwen3-30B-A3B: 1.6 GB for gate/up, where one layer's experts are 1.2 GB and the model's 58),
+never the model's 16-bit experts; the memory transformers reserves ahead of the load counts them
+packed too. :func:`quantize_experts` packs a model already in memory (one built from its config,
+or experts a load left in 16 bits).
 
 The design keeps every job on the model working and frees the 16-bit memory:
 
@@ -27,6 +37,10 @@ The design keeps every job on the model working and frees the 16-bit memory:
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -120,6 +134,30 @@ def _quantize(param: torch.Tensor, quant_type: str, double_quant: bool) -> tuple
     return packed_all, bnbf.QuantState(absmax=nested, offset=offset, state2=state2, **common)
 
 
+def _pack(module: nn.Module, name: str, values: torch.Tensor, quant_type: str, double_quant: bool,
+          param: nn.Parameter | None = None) -> nn.Parameter:
+    """Pack ``values`` (the 16-bit ``[experts, out, in]`` weights of ``module.<name>``) and record
+    them on ``module``. ``param`` (the module's parameter, when it holds them) then holds the
+    placeholder; without it a new frozen parameter does. Returns that parameter."""
+    with torch.no_grad():
+        packed, state = _quantize(values, quant_type, double_quant)
+    # One value broadcast to the shape: PEFT and transformers see the parameter's shape and dtype,
+    # and no 16-bit storage is kept.
+    placeholder = torch.zeros((), dtype=values.dtype, device=values.device).expand(values.shape)
+    if param is None:
+        param = nn.Parameter(placeholder, requires_grad=False)  # the base is frozen; a gradient would be full size
+    else:
+        param.data = placeholder
+    store = packed_experts(module)
+    if not store:
+        store = {}
+        setattr(module, _ATTRIBUTE, store)
+        module.register_forward_pre_hook(_swap_in)
+        module.register_forward_hook(_swap_out)
+    store[name] = PackedExperts(param, packed, state)
+    return param
+
+
 def _swap_in(module: nn.Module, _args: Any) -> None:
     for packed in packed_experts(module).values():
         packed.param.data = packed.dequantize(packed.placeholder.dtype)
@@ -131,25 +169,113 @@ def _swap_out(module: nn.Module, _args: Any, _output: Any) -> None:
 
 
 def quantize_experts(model: nn.Module, quant_type: str = "nf4", double_quant: bool = True) -> int:
-    """Store every experts module's 3-D weights of ``model`` in 4 bits (``quant_type`` nf4 or fp4,
-    the scales double-quantized when ``double_quant``), freeing their 16-bit tensors; transformers'
-    forward keeps working through a dequantizing hook (the module docstring). Returns the number of
-    experts modules quantized (0 for a dense model)."""
+    """Store every experts module's 3-D weights of ``model`` still in 16 bits in 4 bits
+    (``quant_type`` nf4 or fp4, the scales double-quantized when ``double_quant``), freeing their
+    16-bit tensors; transformers' forward keeps working through a dequantizing hook (the module
+    docstring). Returns the number of experts modules it packed (0 for a dense model, or where the
+    load packed them all)."""
     done = 0
     for module in model.modules():
-        if not _is_experts(module) or packed_experts(module):
+        names = [n for n in EXPERT_PARAMETERS if n not in packed_experts(module)]
+        if not _is_experts(module) or not names:
             continue
-        store = {}
-        for name in EXPERT_PARAMETERS:
+        for name in names:
             param = getattr(module, name)
-            with torch.no_grad():
-                packed, state = _quantize(param.data, quant_type, double_quant)
-            # One value broadcast to the shape: PEFT and transformers see the parameter's shape and
-            # dtype, and the 16-bit storage is freed.
-            param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
-            store[name] = PackedExperts(param, packed, state)
-        setattr(module, _ATTRIBUTE, store)
-        module.register_forward_pre_hook(_swap_in)
-        module.register_forward_hook(_swap_out)
+            _pack(module, name, param.data, quant_type, double_quant, param)
         done += 1
     return done
+
+
+@dataclass
+class ExpertsLoad:
+    """What :func:`experts_packed_on_load` did during one load."""
+
+    failures: dict[str, str] = field(default_factory=dict)
+    """Expert parameters whose packing failed (``model.layers.1.mlp.experts.gate_up_proj``), with
+    the error. transformers logs such a failure and
+    goes on, initializing the parameter at random: a load with failures must not be used."""
+
+
+_LOADING = threading.Lock()
+"""One load at a time swaps transformers' 4-bit quantizer (:func:`experts_packed_on_load`)."""
+
+
+@contextmanager
+def experts_packed_on_load() -> Iterator[ExpertsLoad]:
+    """While open, a ``from_pretrained`` with a 4-bit ``BitsAndBytesConfig`` also packs every
+    experts module's projections as the checkpoint's tensors arrive, in the config's quant type
+    and double quantization (the module docstring); yields the :class:`ExpertsLoad` it fills.
+
+    transformers builds its quantizer from a table by the config's method; for the duration of the
+    load the 4-bit entry is a subclass of bitsandbytes' quantizer, so the model, its config and its
+    quantizer look as after any 4-bit load (``quant_method`` bitsandbytes, ``is_loaded_in_4bit``).
+    Where the table or the hooks it uses (``param_needs_quantization``, ``get_quantize_ops``,
+    transformers 5.x) are missing, nothing is packed on load and the record stays empty."""
+    record = ExpertsLoad()
+    try:
+        from transformers.quantizers import auto
+    except ImportError:
+        yield record
+        return
+    with _LOADING:
+        original = auto.AUTO_QUANTIZER_MAPPING.get("bitsandbytes_4bit")
+        if original is None or not hasattr(original, "get_quantize_ops"):
+            yield record
+            return
+        auto.AUTO_QUANTIZER_MAPPING["bitsandbytes_4bit"] = _packing_quantizer(original, record)
+        try:
+            yield record
+        finally:
+            auto.AUTO_QUANTIZER_MAPPING["bitsandbytes_4bit"] = original
+
+
+def _expert_parameter(model: nn.Module, name: str) -> tuple[nn.Module, str] | None:
+    """(experts module, parameter name) where ``name`` is a projection of an experts module."""
+    module_name, _, attr = name.rpartition(".")
+    if attr not in EXPERT_PARAMETERS:
+        return None
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    return (module, attr) if _is_experts(module) else None
+
+
+def _packing_quantizer(base: type, record: ExpertsLoad) -> type:
+    """``base`` (transformers' bitsandbytes 4-bit quantizer) extended to pack expert projections."""
+    from transformers.core_model_loading import ConversionOps
+
+    class PackExperts(ConversionOps):
+        """bitsandbytes' quantize step for linear weights; packing for expert projections."""
+
+        def __init__(self, quantizer: Any, linear_op: ConversionOps):
+            self.quantizer = quantizer
+            self.linear_op = linear_op
+
+        def convert(self, input_dict: dict[str, Any], model: nn.Module | None = None, **kwargs: Any) -> dict[str, Any]:
+            config = self.quantizer.quantization_config
+            experts = {k: v for k, v in input_dict.items() if _expert_parameter(model, k)}
+            rest = {k: v for k, v in input_dict.items() if k not in experts}
+            out = self.linear_op.convert(rest, model=model, **kwargs) if rest else {}
+            for name, values in experts.items():
+                module, attr = _expert_parameter(model, name)
+                values = values[0] if isinstance(values, list) else values
+                try:
+                    out[name] = _pack(module, attr, values, config.bnb_4bit_quant_type,
+                                      config.bnb_4bit_use_double_quant)
+                except Exception as exc:
+                    record.failures[name] = f"{type(exc).__name__}: {exc}"
+                    raise
+            return out
+
+    class PackingBnb4Bit(base):
+        """bitsandbytes' 4-bit quantizer that also packs expert projections as they load."""
+
+        def param_needs_quantization(self, model: Any, param_name: str, **kwargs: Any) -> bool:
+            return (super().param_needs_quantization(model, param_name, **kwargs)
+                    or _expert_parameter(model, param_name) is not None)
+
+        def get_quantize_ops(self) -> ConversionOps:
+            return PackExperts(self, super().get_quantize_ops())
+
+    return PackingBnb4Bit

@@ -6,6 +6,7 @@ plain forward read them through the dequantizing hook."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from test_fast_moe import CASES, _config, _peft
 
 from studio.core.config import RunConfig
 from studio.engine import fast
-from studio.engine.quantized_experts import packed_experts, quantize_experts
+from studio.engine.quantized_experts import ExpertsLoad, packed_experts, quantize_experts
 
 pytest.importorskip("bitsandbytes")
 
@@ -74,15 +75,16 @@ def test_4bit_experts_train_like_the_16bit_model_within_rounding(quant_type: str
            3 * rounding, "LoRA gradients")
 
 
-def _moe_folder(folder: Path, name: str = "qwen3_moe") -> Path:
-    """A tiny random checkpoint of ``name`` stored in bfloat16 with the tiny model's tokenizer."""
+def _moe_folder(folder: Path, name: str = "qwen3_moe", **overrides) -> Path:
+    """A tiny random checkpoint of ``name`` (its config with ``overrides``) stored in bfloat16 as the
+    Hub ships one (a tensor per expert) with the tiny model's tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from studio.engine.tiny import build_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
     torch.manual_seed(0)
-    config = _config(name)
+    config = _config(name, **overrides)
     config.vocab_size = len(tokenizer)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(folder)
@@ -127,6 +129,7 @@ def test_a_4bit_load_packs_the_experts_and_frees_their_16bit_tensors(tmp_path: P
     assert 0.9 * packed_bytes < measured["experts"] <= packed_bytes + 4 * 4
 
     # The same 4-bit load with the experts left as bitsandbytes leaves them, given the dequantized weights
+    monkeypatch.setattr("studio.engine.quantized_experts.experts_packed_on_load", lambda: nullcontext(ExpertsLoad()))
     monkeypatch.setattr("studio.engine.quantized_experts.quantize_experts", lambda *args: 0)
     plain = load_base(config, device=torch.device("cpu")).model
     unpacked = [m for m in plain.modules() if type(m).__name__.endswith("Experts")]
