@@ -81,7 +81,7 @@ def test_every_family_gets_an_estimate_and_the_whole_walkthrough(name):
 
 
 @pytest.mark.parametrize(("config", "named"), [
-    ({"model_type": "gpt_oss", "hidden_size": 2880, "num_local_experts": 32}, "num_local_experts: 32"),
+    ({"model_type": "phimoe", "hidden_size": 4096, "num_local_experts": 16}, "num_local_experts: 16"),
     ({"model_type": "qwen2_moe", "num_experts": 60}, "mixture-of-experts"),
     ({"model_type": "mamba", "hidden_size": 768, "state_size": 16}, "state-space"),
     ({"model_type": "t5", "d_model": 512, "is_encoder_decoder": True}, "encoder-decoder"),
