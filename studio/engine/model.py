@@ -145,6 +145,8 @@ def _load_plain(config: RunConfig, path: str, device: torch.device, dtype: torch
 def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, str]:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from studio.engine.mxfp4 import load_experts, shipped_config
+
     q = config.quantization
     if q.bits == 4:
         bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
@@ -157,10 +159,15 @@ def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: t
     else:
         raise ConfigError(f"quantization.bits is {q.bits}; choose 4, 8 or null")
     target = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
+    # gpt-oss ships its experts in MXFP4: kept so (engine/mxfp4.py), the rest quantized by bitsandbytes
+    shipped = shipped_config(path, config.model.revision, config.model.trust_remote_code) if q.bits == 4 else None
     model = AutoModelForCausalLM.from_pretrained(
         path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
-        quantization_config=bnb, dtype=dtype, device_map=target)
-    if q.bits == 4:
+        quantization_config=bnb, dtype=dtype, device_map=target,
+        **({"config": shipped} if shipped is not None else {}))
+    if shipped is not None:
+        load_experts(model, path)
+    elif q.bits == 4:
         # bitsandbytes quantizes linear modules only: a mixture of experts' 3-D expert weights, most
         # of its memory, are packed here (engine/quantized_experts.py).
         from studio.engine.quantized_experts import quantize_experts

@@ -16,8 +16,9 @@ shipped: :class:`Mxfp4Experts` holds one projection's blocks and scales on the d
 the CPU runs it too), a chunk of rows at a time so that its temporaries stay a few tens of MB. The
 fast path (engine/fast/moe.py) dequantizes one projection into its workspace right before the
 grouped product that reads it; transformers' own forward (chat, ``studio eval``, the plain path)
-gets the experts' parameters dequantized by a hook around the experts module, one layer at a time,
-as engine/quantized_experts.py does for NF4. PEFT's ``target_parameters`` adapters attach to the
+gets the experts' parameters dequantized by a hook around the experts module, one layer at a time
+(what autograd saves of them for a backward stays until that backward), as
+engine/quantized_experts.py does for NF4. PEFT's ``target_parameters`` adapters attach to the
 parameters, which keep their shape and dtype and hold a placeholder that owns no memory.
 """
 
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from studio.core.decoder.spec import EXPERT_PARAMETERS
 
@@ -128,17 +130,26 @@ def mxfp4_experts(experts: nn.Module) -> dict[str, Mxfp4Experts]:
 
 
 def _swap_in(module: nn.Module, _args: Any) -> None:
-    for stored in mxfp4_experts(module).values():
+    for name, stored in mxfp4_experts(module).items():
         # the parameter is [experts, in, out]: written through a transposed view, contiguous
         weight = torch.empty(stored.shape[0], stored.shape[2], stored.shape[1], dtype=stored.placeholder.dtype,
                              device=stored.device)
         stored.dequantize(weight.dtype, weight.transpose(1, 2))
-        stored.param.data = weight
+        if parametrize.is_parametrized(module, name):
+            # PEFT's expert adapter reads it through a parametrization (original + delta, a new tensor)
+            stored.param.data = weight
+        else:
+            # a parameter of its own for this forward: what autograd saves of it for the backward
+            # keeps the weight after the placeholder is back
+            module._parameters[name] = nn.Parameter(weight, requires_grad=False)
 
 
 def _swap_out(module: nn.Module, _args: Any, _output: Any) -> None:
-    for stored in mxfp4_experts(module).values():
-        stored.param.data = stored.placeholder
+    for name, stored in mxfp4_experts(module).items():
+        if parametrize.is_parametrized(module, name):
+            stored.param.data = stored.placeholder
+        else:
+            module._parameters[name] = stored.param
 
 
 def attach(experts: nn.Module, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -161,13 +172,21 @@ def attach(experts: nn.Module, tensors: dict[str, tuple[torch.Tensor, torch.Tens
     setattr(experts, _ATTRIBUTE, {**mxfp4_experts(experts), **store})
 
 
-def checkpoint_is_mxfp4(config: Any) -> bool:
-    """Whether a model's config (a loaded ``PretrainedConfig`` or config.json's dict) says its
-    checkpoint ships MXFP4 weights (``quantization_config.quant_method: mxfp4``)."""
-    quant = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config",
-                                                                                       None)
+def shipped_config(path: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    """The config of the checkpoint at ``path`` without its quantization section when that says its
+    experts ship in MXFP4 (``quantization_config.quant_method: mxfp4``: gpt-oss), so that a 4-bit
+    load quantizes the rest with bitsandbytes and :func:`load_experts` keeps the experts as shipped
+    (transformers would dequantize them all to bf16 without the Hub's kernels); None for any other
+    checkpoint."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    quant = getattr(config, "quantization_config", None)
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    return str(getattr(method, "value", method)) == "mxfp4"
+    if str(getattr(method, "value", method)) != "mxfp4":
+        return None
+    del config.quantization_config
+    return config
 
 
 def _files(folder: Path) -> dict[str, Path]:
