@@ -104,6 +104,13 @@ def test_gpt_oss_is_described_with_every_trait_it_has() -> None:
             fast_model.loss(padded.input_ids, padded.labels, padded.attention_mask, padded.position_ids))
 
 
+def test_attention_with_sinks_in_blocks_of_queries_is_the_same(monkeypatch) -> None:
+    """Scores in blocks of a few queries (against the keys within the sliding window, or every earlier
+    one) and example by example, as a long micro-batch computes them: the same loss and gradients."""
+    monkeypatch.setattr("studio.engine.fast.attention.EAGER_SCORES", 2 * 5 * 44)  # about 5 queries a block
+    _check_family(_peft(_config("gpt_oss")), monkeypatch, padded_reference=True)
+
+
 def test_the_clamped_swiglu_is_transformers_own() -> None:
     """Gate and up values on both sides of the limit, interleaved as gpt-oss stores them: the fast
     MLP's activation equals GptOssExperts' (its own ``_apply_gate``), in value and gradient."""

@@ -8,10 +8,12 @@ asks for it: its scale, a sliding window, soft-capped scores, attention sinks.
 - SDPA elsewhere (the CPU, fp32 models): a block-diagonal causal mask, narrowed to the window;
 - soft-capped scores (Gemma 2: ``tanh(s / cap) * cap`` before the mask) and attention sinks
   (gpt-oss: a learned logit per head that joins each query's softmax denominator and attends to
-  nothing) have no kernel in torch: :class:`EagerAttention` computes them one key/value head at a
-  time in plain torch and again in the backward, so that it keeps no ``tokens x tokens`` tensor
-  between the two and runs inside a CUDA graph (no host sync: the mask comes from the boundaries
-  on the device).
+  nothing) have no kernel in torch: :class:`EagerAttention` computes them in plain torch, one
+  key/value head and one block of queries at a time (their keys only: the earlier ones, within the
+  window), and again in the backward, so that it keeps no ``tokens x tokens`` tensor between the two
+  and its scores stay under :data:`~studio.core.memory.fast.EAGER_SCORES` values. An eager step
+  knows where each example of the stream starts (:attr:`Segments.bounds`) and runs it example by
+  example; inside a CUDA graph (no host sync) the mask comes from the boundaries on the device.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from studio.core.memory.fast import EAGER_SCORES
 from studio.engine.fast.ops import Varlen
 
 
@@ -33,6 +36,9 @@ class Segments:
     max_len: int = 0
     mask: torch.Tensor | None = None
     """bool [1, 1, T, T] block-diagonal causal mask for the SDPA fallback."""
+    bounds: tuple[tuple[int, int], ...] | None = None
+    """Each example's first and past-last token in the stream, on the host (an eager step's): the
+    attention in plain torch (:class:`EagerAttention`) then runs example by example."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, var
     if span.softcap is not None or sinks is not None:
         scale = span.scale if span.scale is not None else q.shape[-1] ** -0.5
         sinks = sinks.detach().float() if sinks is not None else None
-        return EagerAttention.apply(q, k, v, _keep(seg, t, q.device, window), scale, span.softcap, sinks)
+        if seg.bounds is not None and len(seg.bounds) > 1 and q.shape[0] == 1:
+            return torch.cat([EagerAttention.apply(q[:, a:b], k[:, a:b], v[:, a:b],
+                                                   _keep(Segments(), b - a, q.device, window), scale, span.softcap,
+                                                   sinks, window) for a, b in seg.bounds], dim=1)
+        return EagerAttention.apply(q, k, v, _keep(seg, t, q.device, window), scale, span.softcap, sinks, window)
     if varlen is not None and (seg.cu is not None or window is not None) and (window is None or varlen.window):
         return _varlen(q, k, v, seg, varlen, span.scale, window)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -125,40 +135,58 @@ def _keep(seg: Segments, t: int, device: torch.device, window: int | None) -> to
 
 class EagerAttention(torch.autograd.Function):
     """``softmax(mask(capped(q k^T s)) | sink) v``, one key/value head (and the query heads sharing
-    it) at a time: the scores in fp32, soft-capped (``tanh(. / cap) * cap``) where ``cap`` is
-    given, the head's sink logit (``sinks [heads]``, fp32, no gradient) a column of the softmax
-    that attends to nothing, the weights rounded to v's dtype before their product (transformers'
-    eager attention's order). The backward computes the scores again instead of keeping them; a
-    sink leaves its form unchanged (its value row is zero). ``keep``: bool ``[B or 1, 1, T, T]``."""
+    it) and one block of queries at a time (:func:`_blocks`): the scores in fp32, soft-capped
+    (``tanh(. / cap) * cap``) where ``cap`` is given, the head's sink logit (``sinks [heads]``, fp32,
+    no gradient) a column of the softmax that attends to nothing, the weights rounded to v's dtype
+    before their product (transformers' eager attention's order). The backward computes the scores
+    again instead of keeping them; a sink leaves its form unchanged (its value row is zero).
+    ``keep``: bool ``[B or 1, 1, T, T]``; ``window``: the one baked into it, or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, scale: float, cap: float | None, sinks: torch.Tensor | None):
+    def forward(ctx, q, k, v, keep, scale: float, cap: float | None, sinks: torch.Tensor | None,
+                window: int | None = None):
         out = torch.empty_like(q)
         for g, qg, kg, vg in _groups(q, k, v):
-            _, p = _weights(qg, kg, keep, scale, cap, _sink_of(sinks, g, qg.shape[1]))
             rep = qg.shape[1]
-            out[:, :, g * rep:(g + 1) * rep] = (p.to(vg.dtype) @ vg).transpose(1, 2)
+            for rows, cols in _blocks(qg, window):
+                _, p = _weights(qg[:, :, rows], kg[:, :, cols], keep[..., rows, cols], scale, cap,
+                                _sink_of(sinks, g, rep))
+                out[:, rows, g * rep:(g + 1) * rep] = (p.to(vg.dtype) @ vg[:, :, cols]).transpose(1, 2)
         ctx.save_for_backward(q, k, v, keep, sinks)
-        ctx.scale, ctx.cap = scale, cap
+        ctx.scale, ctx.cap, ctx.window = scale, cap, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, keep, sinks = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for g, qg, kg, vg in _groups(q, k, v):
             rep = qg.shape[1]
-            capped, p = _weights(qg, kg, keep, ctx.scale, ctx.cap, _sink_of(sinks, g, rep))
-            dog = dout[:, :, g * rep:(g + 1) * rep].transpose(1, 2)  # [B, rep, T, D]
-            dv[:, :, g] = (p.to(vg.dtype).transpose(-1, -2) @ dog).sum(1)
-            dp = (dog @ vg.transpose(-1, -2)).float()
-            ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-            if capped is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2; masked scores have p = 0
-                ds = ds * (1 - capped * capped)
-            ds = (ds * ctx.scale).to(q.dtype)
-            dq[:, :, g * rep:(g + 1) * rep] = (ds @ kg).transpose(1, 2)
-            dk[:, :, g] = (ds.transpose(-1, -2) @ qg).sum(1)
-        return dq, dk, dv, None, None, None, None
+            for rows, cols in _blocks(qg, ctx.window):
+                kc, vc = kg[:, :, cols], vg[:, :, cols]
+                capped, p = _weights(qg[:, :, rows], kc, keep[..., rows, cols], ctx.scale, ctx.cap,
+                                     _sink_of(sinks, g, rep))
+                dog = dout[:, rows, g * rep:(g + 1) * rep].transpose(1, 2)  # [B, rep, rows, D]
+                dv[:, cols, g] += (p.to(vg.dtype).transpose(-1, -2) @ dog).sum(1)
+                dp = (dog @ vc.transpose(-1, -2)).float()
+                ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+                if capped is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2; masked scores have p = 0
+                    ds = ds * (1 - capped * capped)
+                ds = (ds * ctx.scale).to(q.dtype)
+                dq[:, rows, g * rep:(g + 1) * rep] = (ds @ kc).transpose(1, 2)
+                dk[:, cols, g] += (ds.transpose(-1, -2) @ qg[:, :, rows]).sum(1)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _blocks(qg: torch.Tensor, window: int | None):
+    """Blocks of queries whose scores against their keys (every earlier one, or those within
+    ``window``) stay under :data:`EAGER_SCORES` values: each block's query rows and key columns."""
+    b, rep, t, _ = qg.shape
+    size = max(1, EAGER_SCORES // (b * rep * t))
+    for start in range(0, t, size):
+        end = min(t, start + size)
+        first = max(0, start - window + 1) if window is not None else 0
+        yield slice(start, end), slice(first, end)
 
 
 def _groups(q, k, v):

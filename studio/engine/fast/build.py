@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -177,6 +178,12 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
 
     dtype = _compute_dtype(module(layers[0], groups[0][0]))
     moe = spec.moe if spec.sparse_layers else None
+    if moe is not None and moe.activation == "clamped_swiglu":
+        # what transformers' experts compute: 5.17 fixes alpha and limit in the module whatever the
+        # config says, 5.24 reads them from it
+        first = experts_base(next(layer.mlp.experts for layer, d in zip(layers, spec.layers, strict=True) if d.sparse))
+        moe = replace(moe, swiglu_alpha=float(getattr(first, "alpha", moe.swiglu_alpha)),
+                      swiglu_limit=float(getattr(first, "limit", moe.swiglu_limit)))
     router = RouterLog(moe.experts, moe.top_k, moe.aux_coef(router_aux_loss_coef) > 0) if moe else None
     frozen = [backbone.embed_tokens, backbone.norm, head]
     for layer in layers:

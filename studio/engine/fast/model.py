@@ -314,11 +314,14 @@ class FastModel:
         flat = pos[0]
         starts = torch.nonzero(flat == 0).flatten()
         n = flat.numel()
+        # host syncs: the kernel needs the longest example as a number, and attention in plain torch
+        # (soft-caps, sinks) runs example by example
+        first = starts.tolist()
+        bounds = tuple(zip(first, [*first[1:], n], strict=True))
         if self.varlen is not None:
             cu = torch.cat([starts, torch.tensor([n], device=flat.device)]).to(torch.int32)
-            max_len = int((cu[1:] - cu[:-1]).max())  # host sync: the kernel needs it as a number
-            return Segments(cu=cu, max_len=max_len)
+            return Segments(cu=cu, max_len=max(b - a for a, b in bounds), bounds=bounds)
         example = torch.cumsum((flat == 0).long(), 0)
         same = example[:, None] == example[None, :]
         causal = torch.ones(n, n, dtype=torch.bool, device=flat.device).tril_()
-        return Segments(mask=(same & causal)[None, None])
+        return Segments(mask=(same & causal)[None, None], bounds=bounds)
