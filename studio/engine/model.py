@@ -131,12 +131,17 @@ def load_base(config: RunConfig, progress: Progress | None = None,
 
 
 def _load_plain(config: RunConfig, path: str, device: torch.device, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from studio.engine.mxfp4 import shipped_config
 
     try:
+        # MXFP4 experts (gpt-oss) in the compute dtype: transformers' dequantization, never its MXFP4
+        # inference kernels (they train nothing, and come from the Hub)
+        mxfp4 = shipped_config(path, config.model.revision, config.model.trust_remote_code) is not None
         model = AutoModelForCausalLM.from_pretrained(
             path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
-            dtype=dtype)
+            dtype=dtype, **({"quantization_config": Mxfp4Config(dequantize=True)} if mxfp4 else {}))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(_not_found(config.model.base_model, exc)) from None
     return model.to(device)

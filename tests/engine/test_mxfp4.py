@@ -141,6 +141,22 @@ def test_a_4bit_load_keeps_the_shipped_mxfp4_experts(tmp_path: Path, monkeypatch
     assert freed()
 
 
+def test_a_load_in_the_compute_dtype_dequantizes_the_shipped_experts(tmp_path: Path) -> None:
+    """quantization.bits null: the experts in the compute dtype, transformers' dequantization of them."""
+    from studio.engine.model import load_base
+
+    folder = _mxfp4_folder(tmp_path / "gpt-oss")
+    config = RunConfig()
+    config.model.base_model = str(folder)
+    config.quantization.bits = None
+    model = load_base(config, device=torch.device("cpu")).model
+    reference = _transformers_dequantized(folder)
+    assert not any(mxfp4_experts(m) for m in model.modules())
+    for layer, theirs in zip(model.model.layers, reference.model.layers, strict=True):
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(layer.mlp.experts, name), getattr(theirs.mlp.experts, name))
+
+
 def _exact_4bit_products(monkeypatch) -> None:
     """bitsandbytes' CPU product dequantizes a 4-bit weight to the dtype its checkpoint had (bf16
     here) although the model computes in fp32; the reference's products dequantize to the input's
