@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.gpt_oss import GPT_OSS
 from helpers.tiny_families import _SIZE
 from test_fast_families import IDS, _assert_same, _batch, _check_family, _grads, _plain
 
@@ -28,11 +29,7 @@ CASES = {
                       norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
-    # a sliding layer (a window shorter than the rows) then a full one, heads wider than hidden / heads,
-    # YaRN whose factor agrees with the positions; sinks, router and expert biases drawn at random
-    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, head_dim=32, sliding_window=8,
-                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0}),
+    "gpt_oss": GPT_OSS,
 }
 
 GATE_UP_GAIN = 10.0

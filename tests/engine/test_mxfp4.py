@@ -7,28 +7,16 @@ gradients (the experts' adapters included) equal transformers' on those weights.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.gpt_oss import mxfp4_folder, random_mxfp4
 from test_fast_families import _check_family
-from test_fast_moe import EXPERTS, _config
+from test_fast_moe import EXPERTS
 
 from studio.core.config import RunConfig
 from studio.engine.mxfp4 import Mxfp4Experts, dequantize_mxfp4, mxfp4_experts
-
-CHECKPOINT_KEYS = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
-"""gpt-oss' quantization_config.modules_to_not_convert: what its checkpoints leave in bf16."""
-
-
-def _random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks and scales of a ``[..., rows, in]`` weight: every 4-bit code, scales around 2^-4."""
-    *lead, rows, width = shape
-    g = torch.Generator().manual_seed(seed)
-    blocks = torch.randint(0, 256, (*lead, rows, width // 32, 16), dtype=torch.uint8, generator=g)
-    scales = torch.randint(118, 128, (*lead, rows, width // 32), dtype=torch.uint8, generator=g)
-    return blocks, scales
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -38,7 +26,7 @@ def test_the_dequantization_is_transformers_own(dtype: torch.dtype, monkeypatch)
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     monkeypatch.setattr("studio.engine.mxfp4.CHUNK_VALUES", 3 * 96)  # 3 rows of 96: chunks across experts
-    blocks, scales = _random_mxfp4((4, 40, 96), seed=0)
+    blocks, scales = random_mxfp4((4, 40, 96), seed=0)
     theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [experts, in, out]
     ours = dequantize_mxfp4(blocks, scales, dtype)
     assert ours.shape == (4, 40, 96) and ours.dtype == dtype
@@ -50,36 +38,6 @@ def test_the_dequantization_is_transformers_own(dtype: torch.dtype, monkeypatch)
     assert stored.shape == (4, 40, 96) and stored.nbytes() * 32 == 4 * 40 * 96 * 17  # 4.25 bits a weight
     with pytest.raises(ValueError, match="do not pair up"):
         dequantize_mxfp4(blocks, scales[..., :-1], dtype)
-
-
-def _mxfp4_folder(folder: Path) -> Path:
-    """A tiny random gpt-oss checkpoint as OpenAI ships theirs: bf16 but for the experts' weights,
-    stored as MXFP4 blocks and scales, ``quant_method: mxfp4`` in its config; the tiny tokenizer."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from studio.engine.tiny import build_tiny_model
-
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
-    config = _config("gpt_oss")
-    config.vocab_size = len(tokenizer)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    tensors = {}
-    for index, (name, value) in enumerate(model.state_dict().items()):
-        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-            # [experts, in, out] in the model; [experts, out, in / 32, 16] in the checkpoint
-            blocks, scales = _random_mxfp4((value.shape[0], value.shape[2], value.shape[1]), seed=index)
-            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
-        else:
-            tensors[name] = value.contiguous()
-    folder.mkdir(parents=True)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    shipped = {**config.to_dict(), "dtype": "bfloat16",
-               "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": list(CHECKPOINT_KEYS)}}
-    (folder / "config.json").write_text(json.dumps(shipped))
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _load(folder: Path):
@@ -107,7 +65,7 @@ def test_a_4bit_load_keeps_the_shipped_mxfp4_experts(tmp_path: Path, monkeypatch
     pytest.importorskip("bitsandbytes")
     from studio.engine.memory import parameter_bytes
 
-    folder = _mxfp4_folder(tmp_path / "gpt-oss")
+    folder = mxfp4_folder(tmp_path / "gpt-oss")
     base = _load(folder)
     assert base.quantization == "nf4", base.warnings
     assert type(base.model.model.layers[0].self_attn.q_proj.weight).__name__ == "Params4bit"
@@ -145,7 +103,7 @@ def test_a_load_in_the_compute_dtype_dequantizes_the_shipped_experts(tmp_path: P
     """quantization.bits null: the experts in the compute dtype, transformers' dequantization of them."""
     from studio.engine.model import load_base
 
-    folder = _mxfp4_folder(tmp_path / "gpt-oss")
+    folder = mxfp4_folder(tmp_path / "gpt-oss")
     config = RunConfig()
     config.model.base_model = str(folder)
     config.quantization.bits = None
@@ -184,7 +142,7 @@ def test_the_fast_path_over_mxfp4_experts_is_transformers_on_the_same_weights(on
     from peft import LoraConfig, get_peft_model
 
     _exact_4bit_products(monkeypatch)
-    model = _load(_mxfp4_folder(tmp_path / "gpt-oss")).model
+    model = _load(mxfp4_folder(tmp_path / "gpt-oss")).model
     torch.manual_seed(1)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                              target_parameters=EXPERTS if on_experts else None))
