@@ -24,6 +24,7 @@ parameters, which keep their shape and dtype and hold a placeholder that owns no
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,9 @@ _ATTRIBUTE = "studio_mxfp4_experts"
 """The experts module's attribute holding its :class:`Mxfp4Experts` by parameter name."""
 
 
+@functools.lru_cache(maxsize=8)
 def _pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[256, 2]``: the two values of each byte, its lower nibble's first."""
+    """``[256, 2]``: the two values of each byte, its lower nibble's first (one copy a device and dtype)."""
     values = torch.tensor(FP4_VALUES, dtype=torch.float32)
     codes = torch.arange(256)
     return torch.stack([values[codes & 0x0F], values[codes >> 4]], dim=1).to(device=device, dtype=dtype)

@@ -268,9 +268,10 @@ def _experts_as_described(experts: nn.Module, spec: DecoderSpec) -> str:
     interleaved or not (transformers' ``is_concatenated``), biases or not (``has_bias``)."""
     base = experts_base(experts)
     if bool(getattr(base, "is_concatenated", True)) == spec.moe.interleaved:
-        return f"experts whose gate/up is {'not ' if spec.moe.interleaved else ''}interleaved as described"
+        which = "is not" if spec.moe.interleaved else "is"
+        return f"experts whose gate/up {which} interleaved, unlike their description"
     if bool(getattr(base, "has_bias", False)) != spec.moe.expert_bias:
-        return f"experts {'without' if spec.moe.expert_bias else 'with'} the biases their description has"
+        return f"experts {'without' if spec.moe.expert_bias else 'with'} biases, unlike their description"
     return ""
 
 

@@ -124,8 +124,8 @@ class ExpertWeights:
         self.packed = packed
         """The stored weights, or None (16-bit)."""
         self.transposed = getattr(packed, "transposed", transposed) if packed is not None else transposed
-        """The weights :meth:`stored` reads are laid out ``[experts, in, out]`` (MXFP4's are
-        ``[experts, out, in]`` whatever the parameter's layout)."""
+        """What :meth:`stacked` reads (the parameter, or the stored weights dequantized) is laid out
+        ``[experts, in, out]``; MXFP4's weights are ``[experts, out, in]`` whatever the parameter's."""
         self.workspace = workspace if packed is not None else None
         self.kernel = None
         """dequant.py's NF4 kernel for the packed weights, where it covers them (``kernel``: the
