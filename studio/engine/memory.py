@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from studio.core.decoder.spec import EXPERT_PARAMETERS
+from studio.engine.mxfp4 import mxfp4_experts
 from studio.engine.quantized_experts import packed_experts
 
 
@@ -59,7 +60,7 @@ def _is_adapter(name: str) -> bool:
 
 def parameter_bytes(model: Any) -> dict[str, int]:
     """Bytes of frozen base weights (with quantization constants and buffers), of a mixture of
-    experts' expert weights (``experts``: packed in 4 bits or not), of adapter weights, and of
+    experts' expert weights (``experts``: packed in 4 bits, MXFP4 or not), of adapter weights, and of
     gradients. Parameters that train without being adapters (full fine-tuning) count as weights.
 
     Gradients: the ``.grad`` tensors when they exist; between steps (``zero_grad(set_to_none=True)``)
@@ -92,6 +93,8 @@ def parameter_bytes(model: Any) -> dict[str, int]:
     for module in model.modules():  # 4-bit experts (engine/quantized_experts.py): not parameters
         for packed in packed_experts(module).values():
             experts += add(packed.packed) + sum(add(t) for t in _quant_state_tensors(packed))
+        for stored in mxfp4_experts(module).values():  # gpt-oss' MXFP4 experts (engine/mxfp4.py)
+            experts += add(stored.blocks) + add(stored.scales)
     for name, param in model.named_parameters():  # 16-bit experts: their own category too
         if name.rsplit(".", 1)[-1] in EXPERT_PARAMETERS and param.dim() == 3 and not _is_adapter(name):
             size = _nbytes(param)

@@ -131,12 +131,17 @@ def load_base(config: RunConfig, progress: Progress | None = None,
 
 
 def _load_plain(config: RunConfig, path: str, device: torch.device, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from studio.engine.mxfp4 import shipped_config
 
     try:
+        # MXFP4 experts (gpt-oss) in the compute dtype: transformers' dequantization, never its MXFP4
+        # inference kernels (they train nothing, and come from the Hub)
+        mxfp4 = shipped_config(path, config.model.revision, config.model.trust_remote_code) is not None
         model = AutoModelForCausalLM.from_pretrained(
             path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
-            dtype=dtype)
+            dtype=dtype, **({"quantization_config": Mxfp4Config(dequantize=True)} if mxfp4 else {}))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(_not_found(config.model.base_model, exc)) from None
     return model.to(device)
@@ -146,6 +151,7 @@ def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: t
                     warnings: list[str]) -> tuple[Any, str]:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from studio.engine.mxfp4 import load_experts, shipped_config
     from studio.engine.quantized_experts import experts_packed_on_load, quantize_experts
 
     q = config.quantization
@@ -160,6 +166,14 @@ def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: t
     else:
         raise ConfigError(f"quantization.bits is {q.bits}; choose 4, 8 or null")
     target = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
+    # gpt-oss ships its experts in MXFP4: kept so (engine/mxfp4.py), the rest quantized by bitsandbytes
+    shipped = shipped_config(path, config.model.revision, config.model.trust_remote_code) if q.bits == 4 else None
+    if shipped is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
+            quantization_config=bnb, dtype=dtype, device_map=target, config=shipped)
+        load_experts(model, path)
+        return model, name
     # bitsandbytes quantizes linear modules only: a mixture of experts' 3-D expert weights, most of
     # its memory, are packed as they load (engine/quantized_experts.py), so the device never holds
     # them all in 16 bits.

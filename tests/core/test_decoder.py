@@ -39,7 +39,11 @@ PUBLISHED = {
     "Qwen/Qwen2.5-7B": 7.61, "Qwen/Qwen3-4B": 4.02, "Qwen/Qwen3-8B": 8.19, "Qwen/Qwen3-14B": 14.8,
     "google/gemma-2-9b": 9.24, "google/gemma-3-4b-it": 4.30, "google/gemma-3-12b-it": 12.2,
     "microsoft/Phi-4-mini-instruct": 3.836, "allenai/OLMo-2-1124-7B": 7.30, "HuggingFaceTB/SmolLM3-3B-Base": 3.08,
+    # gpt-oss' model card: 20.91B and 116.83B in all (the experts counted as the weights they stand for)
+    "openai/gpt-oss-20b": 20.91, "openai/gpt-oss-120b": 116.83,
 }
+GPT_OSS = {"linear_bias", "norm_cast_after_scale", "sliding_window", "mixture_of_experts", "attention_sinks",
+           "router_bias", "topk_softmax", "expert_bias", "clamped_swiglu", "interleaved_gate_up"}
 
 # What each bundled model needs beyond a Llama layer (the fast path runs all of it).
 NEEDS = {
@@ -55,10 +59,11 @@ NEEDS = {
     "microsoft/Phi-4-mini-instruct": {"fused_projections", "partial_rotary"},
     "allenai/OLMo-2-1124-7B": {"qk_norm_projection", "norm_cast_after_scale", "post_norms", "no_pre_norms"},
     "HuggingFaceTB/SmolLM3-3B-Base": {"no_rope_layers"},
+    "openai/gpt-oss-20b": GPT_OSS, "openai/gpt-oss-120b": GPT_OSS,
 }
 
 
-def test_every_family_of_issue_39_has_a_bundled_config():
+def test_every_family_of_issues_39_and_42_has_a_bundled_config():
     assert {f"{p.parent.parent.name}/{p.parent.name}" for p in BUNDLED} == set(PUBLISHED)
 
 
@@ -123,6 +128,25 @@ def test_smollm3_leaves_every_fourth_layer_without_rope():
     assert spec.layers[0].rope.theta == 5_000_000.0 and spec.tied
 
 
+def test_gpt_oss_alternates_windows_sinks_its_heads_and_routes_to_biased_clamped_experts():
+    spec = described(bundled("openai/gpt-oss-20b"))
+    assert [layer.window for layer in spec.layers[:4]] == [128, None, 128, None]
+    assert all(layer.sparse for layer in spec.layers) and spec.sinks
+    assert (spec.head_dim, spec.heads * spec.head_dim, spec.hidden) == (64, 4096, 2880)
+    assert spec.biases == ("q_proj", "k_proj", "v_proj", "o_proj") and spec.linear_modules() == spec.biases
+    rope = spec.layers[0].rope
+    assert (rope.kind, rope.theta, rope.rotary_dim) == ("yarn", 150_000.0, 64)
+    assert spec.norm == spec.norm.__class__(0.0, "scaled", 1e-5)
+    moe = spec.moe
+    assert (moe.experts, moe.top_k, moe.intermediate, moe.router, moe.routing) == (32, 4, 2880, "router", "topk_softmax")
+    assert (moe.router_bias, moe.expert_bias, moe.interleaved, moe.activation) == (True, True, True, "clamped_swiglu")
+    assert (moe.swiglu_alpha, moe.swiglu_limit, moe.aux_coef(None), moe.aux_coef(0.01)) == (1.702, 7.0, 0.0, 0.01)
+    info = from_config_dict(bundled("openai/gpt-oss-20b"), "openai/gpt-oss-20b")
+    assert info.expert_format == "mxfp4"
+    assert from_config_dict({**bundled("openai/gpt-oss-20b"), "quantization_config": None}, "bf16").expert_format == ""
+    assert info.lora_targets("all-linear") == ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
 def test_llama_qwen_and_mistral_read_their_rope_biases_and_windows():
     llama = described(bundled("meta-llama/Llama-3.1-8B"))
     assert (llama.layers[0].rope.kind, llama.layers[0].rope.theta) == ("llama3", 500_000.0)
@@ -167,6 +191,10 @@ FAMILY_CONFIGS = {
     "smollm3": dict(TINY, model_type="smollm3", no_rope_layer_interval=2, pad_token_id=0),
     "granite": dict(TINY, model_type="granite", embedding_multiplier=12.0, attention_multiplier=0.0078125,
                     residual_multiplier=0.22, logits_scaling=16.0, tie_word_embeddings=True),
+    "gpt_oss": dict(TINY, model_type="gpt_oss", head_dim=32, sliding_window=8, num_local_experts=4,
+                    num_experts_per_tok=2, rope_theta=150_000.0,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}),
 }
 """One tiny config.json per model_type described, each with its family's peculiarities switched on."""
 
@@ -217,9 +245,8 @@ def test_transformers_5_spelling_reads_as_the_hubs_older_one():
 @pytest.mark.parametrize(("config", "family", "why"), [
     ({"model_type": "qwen2_moe", "hidden_size": 2048, "num_experts": 60}, "qwen2_moe", "with a shared expert"),
     ({"model_type": "qwen2_moe", "num_experts": 60}, "qwen2_moe", "mixture-of-experts"),
-    ({"model_type": "gpt_oss", "num_local_experts": 8}, "gpt_oss", "with attention sinks"),
     ({"model_type": "granitemoe", "num_local_experts": 40}, "granitemoe", "mixture-of-experts"),
-    ({"model_type": "gpt_oss", "num_local_experts": 32}, "gpt_oss", "mixture-of-experts"),
+    ({"model_type": "dbrx", "d_model": 6144}, "dbrx", "mixture-of-experts"),
     ({"model_type": "phimoe", "num_local_experts": 16}, "phimoe", "mixture-of-experts"),
     ({"model_type": "deepseek_v3", "n_routed_experts": 256}, "deepseek_v3", "n_routed_experts: 256"),
     ({"model_type": "mamba", "state_size": 16}, "mamba", "state-space"),

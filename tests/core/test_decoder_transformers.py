@@ -90,7 +90,8 @@ def check(spec: DecoderSpec, model: torch.nn.Module) -> None:
         linears = {name for part in (attn, mlp) for name, child in part.named_children()
                    if isinstance(child, torch.nn.Linear)}
         assert linears == set(spec.linear_modules())
-        for name, (fan_in, fan_out) in spec.linear_shapes().items():
+        for name in spec.linear_modules():
+            fan_in, fan_out = spec.linear_shapes()[name]
             linear = getattr(getattr(layer, spec.parent(name)), name)
             assert (linear.in_features, linear.out_features) == (fan_in, fan_out), name
             assert (linear.bias is not None) == (name in spec.biases), name
@@ -99,8 +100,14 @@ def check(spec: DecoderSpec, model: torch.nn.Module) -> None:
         if q:
             assert (attn.q_norm.weight.shape[0], attn.k_norm.weight.shape[0]) == (q, k)
             assert norm_eps(attn.q_norm) == spec.norm.eps
-        activation = getattr(mlp, "act_fn", None) or mlp.activation_fn
-        assert type(activation) is type(ACT2FN[spec.activation])
+        if described.sparse:
+            check_sparse(spec, mlp)
+        else:
+            activation = getattr(mlp, "act_fn", None) or mlp.activation_fn
+            assert type(activation) is type(ACT2FN[spec.activation])
+        assert (getattr(attn, "sinks", None) is not None) == spec.sinks
+        if spec.sinks:
+            assert tuple(attn.sinks.shape) == (spec.heads,)
         assert attn.scaling == pytest.approx(spec.attention_scale, rel=1e-12)
         softcap = attn.attn_logit_softcapping if "softcap=self.attn_logit_softcapping" in source(
             type(attn).forward) else None
@@ -118,6 +125,24 @@ def check(spec: DecoderSpec, model: torch.nn.Module) -> None:
         assert kind == described.rope.kind
         assert 2 * inv_freq.shape[0] == described.rope.rotary_dim
         assert rope_parameters(text_config, described.rope_key)["rope_theta"] == described.rope.theta
+
+
+def check_sparse(spec: DecoderSpec, mlp: torch.nn.Module) -> None:
+    """A sparse layer's router and experts against its :class:`MoeSpec`."""
+    moe = spec.moe
+    router, experts = getattr(mlp, moe.router), mlp.experts
+    assert tuple(router.weight.shape) == (moe.experts, spec.hidden) and router.top_k == moe.top_k
+    assert (getattr(router, "bias", None) is not None) == moe.router_bias
+    routing = source(type(router).forward)
+    assert (routing.index("topk") < routing.index("softmax")) == (moe.routing == "topk_softmax")
+    weights = sum(getattr(experts, n).numel() for n in ("gate_up_proj", "down_proj"))
+    assert weights == moe.experts * 3 * spec.hidden * moe.intermediate
+    assert getattr(experts, "has_bias", False) == moe.expert_bias
+    assert (not getattr(experts, "is_concatenated", True)) == moe.interleaved
+    clamped = hasattr(experts, "limit")
+    assert clamped == (moe.activation == "clamped_swiglu")
+    if clamped:
+        assert (experts.alpha, experts.limit) == (moe.swiglu_alpha, moe.swiglu_limit)
 
 
 @pytest.mark.parametrize("path", BUNDLED, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}")
@@ -153,7 +178,7 @@ def expected_norm(spec: DecoderSpec, weight: torch.Tensor, x: torch.Tensor) -> t
     return (normed * (spec.norm.offset + weight.float())).to(x.dtype)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma", "gemma2", "gemma3_text", "olmo2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "gemma", "gemma2", "gemma3_text", "olmo2", "qwen3", "gpt_oss"])
 def test_every_norm_computes_as_described_in_bf16(name):
     torch.manual_seed(0)
     model = build(tiny_config(name), "cpu", torch.bfloat16)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from helpers.model_configs import CONFIGS
 
@@ -81,7 +83,7 @@ def test_every_family_gets_an_estimate_and_the_whole_walkthrough(name):
 
 
 @pytest.mark.parametrize(("config", "named"), [
-    ({"model_type": "gpt_oss", "hidden_size": 2880, "num_local_experts": 32}, "num_local_experts: 32"),
+    ({"model_type": "phimoe", "hidden_size": 4096, "num_local_experts": 16}, "num_local_experts: 16"),
     ({"model_type": "qwen2_moe", "num_experts": 60}, "mixture-of-experts"),
     ({"model_type": "mamba", "hidden_size": 768, "state_size": 16}, "state-space"),
     ({"model_type": "t5", "d_model": 512, "is_encoder_decoder": True}, "encoder-decoder"),
@@ -128,6 +130,40 @@ def test_qwen3_30b_a3b_is_sized_with_its_experts_in_4_bits_and_fits_24_gb() -> N
     assert result.categories["experts"] == int(packed) and result.fits, result.total / GB
     assert experts_stored_bytes(info, plan_for(parse_config("quantization: {bits: 8}\n"), info=info)) == (
         2 * info.expert_params())
+
+
+def test_gpt_oss_20b_is_sized_with_its_shipped_mxfp4_experts_and_fits_16_gb(tmp_path, monkeypatch) -> None:
+    """gpt-oss-20b's bundled config.json: the parameters transformers builds (20.91B: the experts
+    3-D tensors 19.11B, their biases, the routers' biases, the sinks); a 4-bit run keeps the experts
+    in the MXFP4 the checkpoint ships (4.25 bits a weight, the biases in bf16: 10.2 GB), drawn as
+    their own category, and seq 2048 at micro-batch 1 fits a 16 GB card (the issue's target). The
+    same model from a bf16 checkpoint packs them in NF4 instead; a bf16 run keeps them in bf16."""
+    from studio.core.memory import estimate
+    from studio.core.memory.gpus import GB
+    from studio.core.memory.params import MXFP4_BYTES, experts_stored_bytes
+    from studio.core.memory.plan import plan_for
+    from studio.core.model.info import load_model_info
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    info = load_model_info("openai/gpt-oss-20b")  # offline: Studio's bundled config.json
+    assert info.fast_path_blocker == "" and info.expert_format == "mxfp4"
+    assert info.total_params() == 20_914_757_184
+    assert info.expert_weight_params() == 24 * 32 * 3 * 2880 * 2880
+    assert info.expert_params() - info.expert_weight_params() == 24 * 32 * (2 * 2880 + 2880)
+    assert info.router_params() == 24 * 32 * (2880 + 1)
+    run = parse_config("model: {base_model: openai/gpt-oss-20b}\ndata: {max_seq_length: 2048}\n"
+                       "trainer: {micro_batch_size: 1, effective_batch_size: 1}\n")  # 4-bit, bf16
+    plan = plan_for(run, info=info)
+    shipped = experts_stored_bytes(info, plan)
+    biases = 2 * (info.expert_params() - info.expert_weight_params())
+    assert shipped == info.expert_weight_params() * MXFP4_BYTES + biases
+    assert 10.1e9 < shipped < 10.2e9
+    result = estimate(run, info, 16 * GB)
+    assert result.categories["experts"] == int(shipped) and result.fits, result.total / GB
+    nf4 = experts_stored_bytes(replace(info, expert_format=""), plan)
+    assert 0.5 * info.expert_weight_params() < nf4 - biases < shipped
+    bf16 = plan_for(parse_config("quantization: {bits: null}\n"), info=info)
+    assert experts_stored_bytes(info, bf16) == 2 * info.expert_params()
 
 
 def test_the_estimate_takes_a_mixture_of_experts_path_as_the_engine_does() -> None:

@@ -123,8 +123,8 @@ def test_a_config_json_path_and_a_model_folder_are_read_where_they_are(tmp_path)
 
 def test_an_architecture_it_cannot_model_is_refused_from_the_hub_too(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "gpt_oss", "hidden_size": 2880, "num_local_experts": 32}))
-    with pytest.raises(ModelInfoError, match=r"mixture-of-experts layers \(num_local_experts: 32\)"):
+    path.write_text(json.dumps({"model_type": "phimoe", "hidden_size": 4096, "num_local_experts": 16}))
+    with pytest.raises(ModelInfoError, match=r"mixture-of-experts layers \(num_local_experts: 16\)"):
         find_model(str(path))
 
 

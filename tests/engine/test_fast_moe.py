@@ -1,14 +1,16 @@
 """Mixture-of-experts models on the fast path (studio/engine/fast/moe.py), on the CPU in fp32:
-Qwen3-MoE, OLMoE and Mixtral's loss and every LoRA gradient (attention, Qwen3-MoE's dense MLP
-layers, and the experts' adapters as PEFT's target_parameters makes them) equal those of
+Qwen3-MoE, OLMoE, Mixtral and gpt-oss' loss and every LoRA gradient (attention, Qwen3-MoE's dense
+MLP layers, and the experts' adapters as PEFT's target_parameters makes them) equal those of
 transformers' own model wrapped by PEFT; the load-balancing loss equals transformers'; the grouped
-product equals a product per expert; MoE families the fast path does not run are refused in one
-line. Tiny random configs with the tiny families' sizes and their 300-id vocabulary."""
+product equals a product per expert; gpt-oss' clamped SwiGLU equals transformers'; MoE families
+the fast path does not run are refused in one line. Tiny random configs with the tiny families'
+sizes and their 300-id vocabulary."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.gpt_oss import GPT_OSS
 from helpers.tiny_families import _SIZE
 from test_fast_families import IDS, _assert_same, _batch, _check_family, _grads, _plain
 
@@ -27,7 +29,12 @@ CASES = {
                       norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
+    "gpt_oss": GPT_OSS,
 }
+
+GATE_UP_GAIN = 10.0
+"""gpt-oss' gate/up weights are scaled by this in the tests, so that the clamped SwiGLU's limit
+(7) clamps some of the tiny model's values."""
 
 
 def _config(name: str, **overrides):
@@ -42,6 +49,10 @@ def _peft(config, experts: bool = True):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if config.model_type == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj.mul_(GATE_UP_GAIN)
     dense = ["gate_proj", "up_proj", "down_proj"] if config.model_type == "qwen3_moe" else []
     torch.manual_seed(1)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=ATTENTION + dense,
@@ -60,15 +71,63 @@ def test_the_fast_path_gives_transformers_loss_and_lora_gradients(name: str, mon
     model = _peft(_config(name))
     experts = [n for n, _ in model.named_parameters() if "experts" in n and "lora_A" in n]
     assert len(experts) == 2 * sum(s.sparse for s in describe_decoder(model.config.to_dict()).layers)
-    _check_family(model, monkeypatch)
+    _check_family(model, monkeypatch, padded_reference=name == "gpt_oss")
 
 
-def test_lora_on_attention_only_leaves_the_experts_frozen(monkeypatch) -> None:
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_lora_on_attention_only_leaves_the_experts_frozen(name: str, monkeypatch) -> None:
     """Without target_parameters the experts train nothing and the attention's adapters still match."""
-    model = _peft(_config("mixtral"), experts=False)
-    _check_family(model, monkeypatch)
+    model = _peft(_config(name), experts=False)
+    _check_family(model, monkeypatch, padded_reference=name == "gpt_oss")
     fast_model, _ = fast.prepare(model)
     assert all(not layer.gate_up.a and not layer.down.a for layer in fast_model.layers)
+
+
+def test_gpt_oss_is_described_with_every_trait_it_has() -> None:
+    """The tiny gpt-oss' description has what the equivalence test must exercise: sinks, biases on
+    q/k/v/o, a sliding window shorter than the rows, the router's bias and order, the experts'
+    biases, interleaved gate/up and clamped SwiGLU; its packed examples are kept apart, as the same
+    examples padded (transformers' gpt-oss attends across them: the test's reference is padded)."""
+    model = _peft(_config("gpt_oss"))
+    spec = describe_decoder(model.config.to_dict())
+    assert {"attention_sinks", "linear_bias", "sliding_window", "router_bias", "topk_softmax", "expert_bias",
+            "clamped_swiglu", "interleaved_gate_up", "norm_cast_after_scale"} <= spec.features
+    assert spec.head_dim * spec.heads != spec.hidden and spec.layers[0].rope.kind == "yarn"
+    fast_model, _ = fast.prepare(model)
+    padded, packed = _batch(False), _batch(True)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fast_model.loss(packed.input_ids, packed.labels, packed.attention_mask, packed.position_ids),
+            fast_model.loss(padded.input_ids, padded.labels, padded.attention_mask, padded.position_ids))
+
+
+def test_attention_with_sinks_in_blocks_of_queries_is_the_same(monkeypatch) -> None:
+    """Scores in blocks of a few queries (against the keys within the sliding window, or every earlier
+    one) and example by example, as a long micro-batch computes them: the same loss and gradients."""
+    monkeypatch.setattr("studio.engine.fast.attention.EAGER_SCORES", 2 * 5 * 44)  # about 5 queries a block
+    _check_family(_peft(_config("gpt_oss")), monkeypatch, padded_reference=True)
+
+
+def test_the_clamped_swiglu_is_transformers_own() -> None:
+    """Gate and up values on both sides of the limit, interleaved as gpt-oss stores them: the fast
+    MLP's activation equals GptOssExperts' (its own ``_apply_gate``), in value and gradient."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from studio.engine.fast.moe import SparseMlp
+
+    config = _config("gpt_oss")
+    experts = GptOssExperts(config)
+    spec = describe_decoder(config.to_dict()).moe
+    mlp = SparseMlp(torch.zeros(4, 64), None, None, spec, None, 0)
+    gu = (torch.randn(16, 2 * config.intermediate_size) * 8).requires_grad_()
+    assert (gu[:, 0::2] > 7).any() and (gu[:, 1::2].abs() > 7).any() and (gu[:, 0::2] < -7).any()
+    ours = mlp.activate(gu)
+    ours.backward(torch.ones_like(ours))
+    ours_grad, gu.grad = gu.grad, None
+    theirs = experts._apply_gate(gu)
+    theirs.backward(torch.ones_like(theirs))
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(ours_grad, gu.grad)
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -148,7 +207,6 @@ def test_the_grouped_product_equals_a_product_per_expert(dtype: torch.dtype) -> 
 
 
 @pytest.mark.parametrize(("model_type", "settings", "words"), [
-    ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2), "attention sinks"),
     ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "shared expert")])
 def test_moe_families_without_a_fast_mlp_are_refused_in_one_line(model_type: str, settings: dict,
                                                                   words: str) -> None:

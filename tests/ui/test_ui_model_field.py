@@ -104,15 +104,15 @@ async def test_an_unreachable_unknown_id_says_what_to_do_and_draws_no_numbers():
 
 
 async def test_an_architecture_it_cannot_model_names_what_is_missing(tmp_path):
-    (tmp_path / "gpt-oss.json").write_text(json.dumps(
-        {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24, "num_local_experts": 32}))
+    (tmp_path / "qwen2-moe.json").write_text(json.dumps(
+        {"model_type": "qwen2_moe", "hidden_size": 2048, "num_hidden_layers": 24, "num_experts": 60}))
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"n_embd": 768, "n_layer": 12, "n_head": 12}))
     app = StudioApp(make_config(), settings=False, initial_pane="vram")
     async with app.run_test(size=SIZE) as pilot:
         await open_vram(pilot)
-        await enter_model(pilot, "gpt-oss.json")
-        assert "gpt_oss: mixture-of-experts layers (num_local_experts: 32) with attention sinks" in text(
+        await enter_model(pilot, "qwen2-moe.json")
+        assert "qwen2_moe: mixture-of-experts layers (num_experts: 60) with a shared expert" in text(
             app, "#vram-summary")
         assert app.query_one(BlockGauge).predicted is None
         await enter_model(pilot, "gpt2")

@@ -222,6 +222,22 @@ def _mixtral(v: Values) -> DecoderSpec:
                  router_jitter=v.float("router_jitter_noise"))
 
 
+def _gpt_oss(v: Values) -> DecoderSpec:
+    # sliding and full attention alternating (sliding first), YaRN by default; q/k/v/o biases from
+    # attention_bias; a sink per head; every MLP sparse: the router (mlp.router) with a bias takes the
+    # top k of its logits then their softmax, and the experts (biased, gate/up interleaved) run the
+    # clamped SwiGLU; RMSNorm as OLMo 2's, (w * x_fp32).to(dtype)
+    head_dim = v.head_dim()
+    types = v.layer_types(lambda i: "sliding_attention" if (i + 1) % 2 else "full_attention")
+    rope = rope_table(v, head_dim)
+    layers = typed_layers(types, _window(v.get("sliding_window")), lambda i, t: rope)
+    moe = replace(_moe(v, "num_local_experts", "intermediate_size", True), router="router", routing="topk_softmax",
+                  router_bias=True, expert_bias=True, activation="clamped_swiglu", interleaved=True,
+                  swiglu_alpha=v.float("swiglu_alpha"), swiglu_limit=v.float("swiglu_limit"))
+    return _base(v, norm=NormSpec(0.0, "scaled", v.float("rms_norm_eps")), biases=v.biases(mlp=()),
+                 layers=_sparse(layers, lambda i: True), moe=moe, sinks=True)
+
+
 def vision_tower_params(config: Mapping, text_hidden: int) -> int:
     """Parameters of Gemma 3's SigLIP vision tower and its projector into the text model (0 without
     a vision_config), with SiglipVisionConfig's defaults: per layer q/k/v/o and a two-matrix MLP with
@@ -278,6 +294,13 @@ OLMOE = {**OLMO2, **_MOE, "max_position_embeddings": 4096, "clip_qkv": None, "nu
          "num_experts": 64, "router_aux_loss_coef": 0.01}
 MIXTRAL = {**MISTRAL, "output_router_logits": False, "sliding_window": None, "num_experts_per_tok": 2,
            "num_local_experts": 8, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}
+GPT_OSS = {**_COMMON, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131_072,
+           "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": True, "sliding_window": 128,
+           "rope_theta": 150_000.0, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0, "truncate": False,
+                                                    "original_max_position_embeddings": 4096},
+           "num_local_experts": 128, "num_experts_per_tok": 4, "router_aux_loss_coef": 0.001,
+           "output_router_logits": False, "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 GRANITE = {**LLAMA, "embedding_multiplier": 1.0, "logits_scaling": 1.0, "residual_multiplier": 1.0,
            "attention_multiplier": 1.0}
 
@@ -322,6 +345,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("Qwen3-MoE", QWEN3_MOE, _qwen3_moe),
     "olmoe": Family("OLMoE", OLMOE, _olmoe),
     "mixtral": Family("Mixtral", MIXTRAL, _mixtral),
+    "gpt_oss": Family("gpt-oss", GPT_OSS, _gpt_oss),
 }
 """model_type -> its entry (a config.json that names no model_type is sized as Llama's)."""
 

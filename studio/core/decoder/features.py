@@ -41,6 +41,12 @@ FEATURES: dict[str, str] = {
     "mixture_of_experts": "mixture-of-experts MLPs",
     "router_jitter": "router jitter noise",
     "qkv_clip": "clipped q/k/v projections",
+    "attention_sinks": "attention sinks",
+    "router_bias": "router biases",
+    "topk_softmax": "routers that take the top k before the softmax",
+    "expert_bias": "expert biases",
+    "clamped_swiglu": "clamped SwiGLU experts",
+    "interleaved_gate_up": "interleaved expert gate/up outputs",
 }
 """Every feature a DecoderSpec can need beyond Llama's, and how a person reads it. An activation
 other than SiLU and GELU-tanh is ``activation:<name>``, which is not here: nothing runs it fast."""
@@ -99,6 +105,14 @@ def features_of(spec: DecoderSpec) -> frozenset[str]:
         found.add("router_jitter")
     if spec.qkv_clip is not None:
         found.add("qkv_clip")
+    if spec.sinks:
+        found.add("attention_sinks")
+    moe = spec.moe if spec.sparse_layers else None
+    if moe is not None:
+        found.update(name for name, present in (
+            ("router_bias", moe.router_bias), ("topk_softmax", moe.routing == "topk_softmax"),
+            ("expert_bias", moe.expert_bias), ("clamped_swiglu", moe.activation == "clamped_swiglu"),
+            ("interleaved_gate_up", moe.interleaved)) if present)
     return frozenset(found)
 
 

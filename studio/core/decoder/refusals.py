@@ -1,7 +1,7 @@
 """What Studio does not describe, and the one line that says so: :class:`Refusal`.
 
-Mixture-of-experts models other than the families core/decoder/families.py describes (gpt-oss,
-Qwen2-MoE, DeepSeek...), state-space / recurrent and encoder-decoder models, and any model_type
+Mixture-of-experts models other than the families core/decoder/families.py describes (Qwen2-MoE,
+DeepSeek, DBRX...), state-space / recurrent and encoder-decoder models, and any model_type
 without an entry there. A model Studio cannot describe is never sized or run as if it
 were a Llama.
 
@@ -18,9 +18,8 @@ ENCODER_DECODER = {"t5", "mt5", "umt5", "longt5", "bart", "mbart", "pegasus", "m
                    "t5gemma", "t5gemma2"}
 STATE_SPACE = {"mamba", "mamba2", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2", "recurrent_gemma",
                "bamba", "falcon_h1", "nemotron_h", "lfm2", "xlstm", "qwen3_next", "granitemoehybrid"}
-MIXTURE_OF_EXPERTS = {"mixtral", "dbrx", "deepseek_v2", "deepseek_v3", "gpt_oss", "arctic", "jetmoe"}
-SPARSE_DETAILS = {"gpt_oss": " with attention sinks, biased experts and MXFP4 weights",
-                  "qwen2_moe": " with a shared expert", "deepseek_v3": " with shared experts and grouped routing"}
+MIXTURE_OF_EXPERTS = {"mixtral", "dbrx", "deepseek_v2", "deepseek_v3", "arctic", "jetmoe"}
+SPARSE_DETAILS = {"qwen2_moe": " with a shared expert", "deepseek_v3": " with shared experts and grouped routing"}
 """What an MoE family Studio does not describe has beyond the ones it does, for the refusal's line."""
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 STATE_KEYS = ("ssm_cfg", "state_size", "mamba_d_state", "ssm_state_size", "linear_num_value_heads")

@@ -45,12 +45,26 @@ PHI3_FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("g
 """Phi-3's fused modules and the Llama modules whose rows they hold, in order ([q; k; v], [gate; up])."""
 
 ROUTER = "gate"
-"""A sparse MLP's router module (``mlp.gate``: a ``[experts, hidden]`` weight) in every MoE family here."""
+"""A sparse MLP's router module (``mlp.gate``: a ``[experts, hidden]`` weight) in the MoE families
+here but gpt-oss, whose router is ``mlp.router`` (:attr:`MoeSpec.router`)."""
 
 EXPERTS = "experts"
 """A sparse MLP's experts module (``mlp.experts``), whose 3-D parameters transformers 5.x stores as
 ``gate_up_proj [experts, 2 x intermediate, hidden]`` (gate's rows first) and ``down_proj [experts,
-hidden, intermediate]``."""
+hidden, intermediate]``; gpt-oss' the other way round (``[experts, in, out]``, the module's
+``is_transposed``), gate and up interleaved, and with a bias each (``gate_up_proj_bias``,
+``down_proj_bias``)."""
+
+MoeActivation = Literal["silu", "clamped_swiglu"]
+"""An expert's gated activation: ``silu`` (``silu(gate) * up``), or gpt-oss' clamped SwiGLU
+(``gate`` clamped above at the limit, ``up`` to [-limit, limit], then
+``gate * sigmoid(alpha * gate) * (up + 1)``)."""
+
+Routing = Literal["softmax_topk", "topk_softmax"]
+"""How a router turns its logits into each token's experts and weights: ``softmax_topk``, the
+softmax over every expert then the top k (renormalised where :attr:`MoeSpec.renormalize`:
+Qwen3-MoE, OLMoE, Mixtral); ``topk_softmax``, the top k logits then the softmax over those k
+(gpt-oss: the same weights as a renormalised softmax_topk, in its order of operations)."""
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 """The experts module's parameters, by the names PEFT's ``target_parameters`` takes
@@ -146,6 +160,32 @@ class MoeSpec:
     shared_experts: int = 0
     """Experts every token goes through besides the routed ones (none in the families here)."""
 
+    router: str = ROUTER
+    """The router module's name under the MLP (``gate``; gpt-oss: ``router``)."""
+
+    routing: Routing = "softmax_topk"
+    """The order of the router's softmax and top-k (:data:`Routing`)."""
+
+    router_bias: bool = False
+    """The router's logits carry a bias (``mlp.router.bias``: gpt-oss)."""
+
+    expert_bias: bool = False
+    """Each expert's gate/up and down add a bias (``gate_up_proj_bias [experts, 2 x intermediate]``,
+    ``down_proj_bias [experts, hidden]``: gpt-oss); the down bias is weighted by the routing weight
+    with the rest of the expert's output."""
+
+    activation: MoeActivation = "silu"
+    """The experts' gated activation (:data:`MoeActivation`)."""
+
+    swiglu_alpha: float = 1.702
+    """The clamped SwiGLU's sigmoid gain (``swiglu_alpha``; transformers 5.17 fixes it at 1.702)."""
+
+    swiglu_limit: float = 7.0
+    """The clamped SwiGLU's clamp (``swiglu_limit``; transformers 5.17 fixes it at 7.0)."""
+
+    interleaved: bool = False
+    """gate_up's outputs alternate gate, up, gate, up... (gpt-oss) instead of gate's block first."""
+
     def aux_coef(self, setting: float | None) -> float:
         """The load-balancing loss' weight a run adds: ``trainer.router_aux_loss_coef`` where set,
         else what transformers adds when it trains the model (the config's coefficient where
@@ -155,12 +195,16 @@ class MoeSpec:
         return self.aux_loss_coef if self.aux_loss_on else 0.0
 
     def routed_params(self, hidden: int) -> int:
-        """Parameters of one sparse layer's experts (gate, up and down of each)."""
-        return self.experts * 3 * hidden * self.intermediate
+        """Parameters of one sparse layer's experts (gate, up and down of each, their biases included)."""
+        return self.experts * 3 * hidden * self.intermediate + self.expert_bias_params(hidden)
+
+    def expert_bias_params(self, hidden: int) -> int:
+        """Parameters of one sparse layer's expert biases (0 without :attr:`expert_bias`)."""
+        return self.experts * (2 * self.intermediate + hidden) if self.expert_bias else 0
 
     def router_params(self, hidden: int) -> int:
-        """Parameters of one sparse layer's router."""
-        return self.experts * hidden
+        """Parameters of one sparse layer's router (its bias included)."""
+        return self.experts * (hidden + (1 if self.router_bias else 0))
 
 
 @dataclass(frozen=True)
@@ -290,6 +334,11 @@ class DecoderSpec:
 
     qkv_clip: float | None = None
     """OLMoE's ``clip_qkv``: q, k and v are clamped to [-clip, clip] (None: not clamped)."""
+
+    sinks: bool = False
+    """Each attention head has a learned sink (``self_attn.sinks [heads]``: gpt-oss): a logit that
+    joins every query's softmax denominator and attends to nothing, so a query may give its keys
+    less than all of its weight."""
 
     @property
     def sparse_layers(self) -> int:

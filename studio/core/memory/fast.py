@@ -66,6 +66,16 @@ Fitted with ``GRAPH_POOL_PER_TOKEN`` by bench/refit_vram_fast.py on the 15 in-sa
 of tests/data/vram_measured.json (9058222's engine, one H200); the search kept 1.2, the value first
 fitted on 09fac3a's H100 grid."""
 
+EAGER_SCORES = 1 << 24
+"""Attention scores the plain-torch attention (engine/fast/attention.py's EagerAttention: soft-capped
+scores, attention sinks) computes at once, a block of queries against their keys: its fp32 working
+set is a few tensors of this many values (:func:`eager_attention_bytes`)."""
+
+EAGER_TENSORS = 5
+"""fp32 tensors of a block's scores alive at once in EagerAttention's backward: the scores, their
+softmax (with a sink, the softmax of the scores and the sink's column besides), the weights'
+gradient and the scores' gradient (before its cast)."""
+
 FIXED_SLACK = 32 * 2**20
 """Reserved beyond the allocated peak that no mechanism below explains: small-pool pages and 20 MiB
 mapping steps of the allocator (fitted)."""
@@ -167,6 +177,19 @@ def adapters_at_peak(layers: int, hoisted: float, grads: float, eager_fresh: boo
         return hoisted + grads
     per_hoisted, per_grads = hoisted / layers, grads / layers
     return max(layers * per_hoisted, 2 * per_hoisted + (layers - 2) * per_grads)
+
+
+def eager_attention_bytes(info: ModelInfo, plan: Plan) -> int:
+    """The working set of a model whose attention the fast path computes in plain torch because of
+    its sinks (gpt-oss; engine/fast/attention.py's EagerAttention): :data:`EAGER_TENSORS` fp32
+    tensors of one block's scores, the query heads sharing a key/value head against an example's
+    keys, at most :data:`EAGER_SCORES` values. 0 without sinks (Gemma 2's soft-capped attention runs
+    the same code; its measured rows hold it in the fitted working set)."""
+    if not info.sinks:
+        return 0
+    rep = info.heads // info.kv_heads
+    longest = min(plan.seq_len, plan.real_tokens)
+    return EAGER_TENSORS * 4 * min(EAGER_SCORES, rep * longest * longest)
 
 
 def dequant_buffer_bytes(info: ModelInfo, compute: int) -> int:
@@ -290,6 +313,7 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     # the experts' adapters are hoisted out of the checkpoints like the linear modules', stacked per expert
     hoisted = hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c) + expert_lora_params(info, plan) * c
     working = (step_activations(info, tokens, c)
+               + eager_attention_bytes(info, plan)
                + dequant
                + CUBLAS_WORKSPACE_BYTES
                + dropout_bytes(info, tokens, c, plan.lora_dropout, plan.lora_targets))

@@ -17,6 +17,10 @@ from studio.core.model.info import ModelInfo
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5, "fp4": 0.5}
 """Bytes an element of each storage format takes (4-bit formats pack two a byte)."""
 
+MXFP4_BYTES = 0.5 + 1 / 32
+"""Bytes a weight takes in MXFP4 (gpt-oss' shipped experts): two values a byte and one scale byte a
+block of 32 (4.25 bits)."""
+
 _QUANT_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax constant per 64 weights
 _NESTED_BLOCK = 256  # double quant: one fp32 constant per 256 absmax bytes
 _OPTIM8_BLOCK = 256  # bitsandbytes 8-bit optimizers: one fp32 absmax per 256 state bytes
@@ -91,18 +95,22 @@ def expert_bytes(info: ModelInfo, plan: Plan) -> float:
 def experts_stored_bytes(info: ModelInfo, plan: Plan) -> float:
     """Bytes of every sparse layer's expert weights as stored, the estimate's ``experts`` category:
     with 4-bit weights packed like the linear modules (engine/quantized_experts.py: one block of
-    scales per 64 values, double-quantized as configured, per projection), with 8-bit weights in the
+    scales per 64 values, double-quantized as configured, per projection), or in MXFP4 as the
+    checkpoint ships them (gpt-oss, engine/mxfp4.py: 4.25 bits a weight); with 8-bit weights in the
     compute dtype (bitsandbytes' int8 loading leaves the 3-D tensors alone), else in the weights'
-    dtype. 0 for a dense model."""
+    dtype. Expert biases (gpt-oss) stay in the compute dtype. 0 for a dense model."""
     if not info.sparse_layers:
         return 0.0
+    stored = DTYPE_BYTES[plan.compute if plan.quantized else plan.weights]
+    biases = (info.expert_params() - info.expert_weight_params()) * stored
     if plan.weights in ("nf4", "fp4"):
+        if info.expert_format == "mxfp4":
+            return info.expert_weight_params() * MXFP4_BYTES + biases
         # per sparse layer: gate/up [experts, 2 x intermediate, hidden] and down [experts, hidden, intermediate]
         n = info.experts * info.hidden * info.expert_intermediate
         per_layer = 3 * n * DTYPE_BYTES[plan.weights] + quant_constants(2 * n, plan) + quant_constants(n, plan)
-        return info.sparse_layers * per_layer
-    stored = DTYPE_BYTES[plan.compute if plan.quantized else plan.weights]
-    return info.expert_params() * stored
+        return info.sparse_layers * per_layer + biases
+    return info.expert_weight_params() * stored + biases
 
 
 def weight_bytes(info: ModelInfo, plan: Plan) -> int:

@@ -7,7 +7,7 @@ config.json files Studio bundles (sample_data/model_configs/) and a small table 
 
 Families described: Llama, Mistral, Qwen2, Qwen3, Gemma 1-3 (Gemma 3's text_config nesting and its
 SigLIP vision tower), Phi-3 (fused qkv_proj and gate_up_proj), OLMo 2, SmolLM3, Granite, and the
-mixtures of experts Qwen3-MoE, OLMoE and Mixtral. Anything else (other mixtures of experts,
+mixtures of experts Qwen3-MoE, OLMoE, Mixtral and gpt-oss. Anything else (other mixtures of experts,
 state-space layers, encoder-decoders, an unknown model_type) raises
 ModelInfoError naming what is missing or not described: the estimator would otherwise draw a number
 for layers it does not know.
@@ -115,6 +115,13 @@ class ModelInfo:
     """The sparse MLP's whole description (None: a dense model): the path decision reads its
     router's load-balancing loss (core/plan.py's ``moe_facts``)."""
 
+    sinks: bool = False
+    """Each attention head has a sink logit (gpt-oss): one parameter a head and layer."""
+
+    expert_format: str = ""
+    """How the checkpoint ships its expert weights when not in a float dtype: ``mxfp4`` (gpt-oss,
+    ``quantization_config.quant_method``), kept so by a 4-bit load (engine/mxfp4.py); '' otherwise."""
+
     @property
     def head_width(self) -> int:
         """Width of one attention head."""
@@ -158,13 +165,21 @@ class ModelInfo:
         module of a dense layer, the attention's of a sparse one."""
         return sum(self.layers_with(name) * a * b for name, (a, b) in self.linear_shapes().items())
 
-    def expert_params(self) -> int:
-        """Parameters of every sparse layer's experts (3-D tensors that bitsandbytes' loading leaves
-        in the compute dtype)."""
+    def expert_weight_params(self) -> int:
+        """Parameters of every sparse layer's expert weights (the 3-D tensors that bitsandbytes'
+        loading leaves in the compute dtype), their biases left out."""
         return self.sparse_layers * self.experts * 3 * self.hidden * self.expert_intermediate
 
+    def expert_params(self) -> int:
+        """Parameters of every sparse layer's experts: their weights and, where they have them
+        (gpt-oss), their biases."""
+        biases = self.moe.expert_bias_params(self.hidden) if self.moe is not None else 0
+        return self.expert_weight_params() + self.sparse_layers * biases
+
     def router_params(self) -> int:
-        """Parameters of every sparse layer's router (frozen, in the compute dtype)."""
+        """Parameters of every sparse layer's router, its bias included (frozen, in the compute dtype)."""
+        if self.moe is not None:
+            return self.sparse_layers * self.moe.router_params(self.hidden)
         return self.sparse_layers * self.experts * self.hidden
 
     def embedding_params(self) -> int:
@@ -177,8 +192,8 @@ class ModelInfo:
 
     def norm_params(self) -> int:
         """The small 1-D parameters: RMSNorm weights (per layer and the final one), per-head q/k
-        norms, and linear biases where the model has them."""
-        per_layer = self.norms_per_layer * self.hidden + self.qk_norm_params()
+        norms, linear biases and attention sinks where the model has them."""
+        per_layer = self.norms_per_layer * self.hidden + self.qk_norm_params() + (self.heads if self.sinks else 0)
         shapes = self.linear_shapes()
         per_layer += sum(shapes[name][1] for name in self.bias_outputs if name in shapes)
         return self.layers * per_layer + self.hidden
@@ -209,7 +224,11 @@ def from_config_dict(data: dict, name: str) -> ModelInfo:
         raise ModelInfoError(f"{name}: {spec}")
     text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
     init_std = float(text.get("initializer_range") or data.get("initializer_range") or 0.02)
-    return from_spec(spec, name, init_std)
+    info = from_spec(spec, name, init_std)
+    quant = data.get("quantization_config")
+    if info.sparse_layers and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
+        info = replace(info, expert_format="mxfp4")
+    return info
 
 
 def from_spec(spec: DecoderSpec, name: str, init_std: float = 0.02) -> ModelInfo:
@@ -222,7 +241,7 @@ def from_spec(spec: DecoderSpec, name: str, init_std: float = 0.02) -> ModelInfo
         qk_norm="" if spec.qk_norm == "none" else spec.qk_norm, bias_outputs=spec.biases,
         vision_params=spec.extra_params, sparse_layers=spec.sparse_layers if spec.moe else 0,
         experts=spec.moe.experts if spec.moe else 0, expert_intermediate=spec.moe.intermediate if spec.moe else 0,
-        top_k=spec.moe.top_k if spec.moe else 0, moe=sparse_mlp(spec))
+        top_k=spec.moe.top_k if spec.moe else 0, moe=sparse_mlp(spec), sinks=spec.sinks)
 
 
 def _table_entry(name: str, model_type: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,

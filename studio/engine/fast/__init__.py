@@ -1,4 +1,4 @@
-"""The fast training path: a lean forward/backward for QLoRA on every dense decoder core/decoder/ describes.
+"""The fast training path: a lean forward/backward for QLoRA on every decoder core/decoder/ describes.
 
 The plain path (``model(**batch).loss`` through transformers + PEFT + bitsandbytes) spends most of
 a step outside the matrix products: per-module Python, fp32 casts of the residual stream, a dropout
@@ -18,11 +18,13 @@ one concern a module (the imports point down this list):
   memory between the forward and the backward, copied behind the compute;
 - ``layer``: one decoder layer as one function, for every family: norms (pre, post or sandwich;
   Llama's or Gemma's casting), fused projections, q/k norms, RoPE (partial, per layer type, or
-  none), the gated MLP (SwiGLU, GeGLU), residual multipliers; each a branch only where the
-  description asks for it;
+  none), the gated MLP (SwiGLU, GeGLU) or a mixture of experts (``moe``: routers with or without a
+  bias, SiLU or gpt-oss' clamped SwiGLU experts, with or without biases, their weights 16-bit,
+  NF4 or MXFP4), residual multipliers; each a branch only where the description asks for it;
 - ``attention``: causal attention per example of the flat stream (flash-attention varlen on CUDA,
   a block-diagonal mask elsewhere), with the layer's scale and sliding window; soft-capped scores
-  in plain torch, recomputed in the backward;
+  and attention sinks (gpt-oss) in plain torch, a block of queries at a time, recomputed in the
+  backward;
 - ``projection``: the linears that share an input (q/k/v, o, gate/up, down; Phi-3's fused
   modules), with their PEFT adapters, run as one fused product;
 - ``products``: the fused QLoRA products as autograd functions, with hand-written backwards that

@@ -1,15 +1,19 @@
 """Causal attention inside each example of a flat token stream, as a decoder layer's description
-asks for it: its scale, a sliding window, soft-capped scores.
+asks for it: its scale, a sliding window, soft-capped scores, attention sinks.
 
 - flash attention's varlen entry point on CUDA (:class:`~studio.engine.fast.ops.Varlen`): the scale
   and the window (``window_size=(W - 1, 0)``: a query sees itself and the W - 1 tokens before it)
   go to the kernel; rows without example boundaries get boundaries of their own when a window
   applies (the kernel's window is the only one on CUDA);
 - SDPA elsewhere (the CPU, fp32 models): a block-diagonal causal mask, narrowed to the window;
-- soft-capped scores (Gemma 2: ``tanh(s / cap) * cap`` before the mask) have no flash kernel in
-  torch: :class:`SoftcappedAttention` computes them one key/value head at a time in plain torch
-  and again in the backward, so that it keeps no ``tokens x tokens`` tensor between the two and
-  runs inside a CUDA graph (no host sync: the mask comes from the boundaries on the device).
+- soft-capped scores (Gemma 2: ``tanh(s / cap) * cap`` before the mask) and attention sinks
+  (gpt-oss: a learned logit per head that joins each query's softmax denominator and attends to
+  nothing) have no kernel in torch: :class:`EagerAttention` computes them in plain torch, one
+  key/value head and one block of queries at a time (their keys only: the earlier ones, within the
+  window), and again in the backward, so that it keeps no ``tokens x tokens`` tensor between the two
+  and its scores stay under :data:`~studio.core.memory.fast.EAGER_SCORES` values. An eager step
+  knows where each example of the stream starts (:attr:`Segments.bounds`) and runs it example by
+  example; inside a CUDA graph (no host sync) the mask comes from the boundaries on the device.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from studio.core.memory.fast import EAGER_SCORES
 from studio.engine.fast.ops import Varlen
 
 
@@ -31,6 +36,9 @@ class Segments:
     max_len: int = 0
     mask: torch.Tensor | None = None
     """bool [1, 1, T, T] block-diagonal causal mask for the SDPA fallback."""
+    bounds: tuple[tuple[int, int], ...] | None = None
+    """Each example's first and past-last token in the stream, on the host (an eager step's): the
+    attention in plain torch (:class:`EagerAttention`) then runs example by example."""
 
 
 @dataclass(frozen=True)
@@ -50,15 +58,21 @@ LLAMA = Span()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, varlen: Varlen | None,
-           span: Span = LLAMA) -> torch.Tensor:
+           span: Span = LLAMA, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention inside each example of ``q``, ``k``, ``v`` (``[B, T, heads, head_dim]``,
-    fewer key/value heads allowed), as ``span`` says; returns ``[B, T, heads, head_dim]``."""
+    fewer key/value heads allowed), as ``span`` says, with ``sinks`` (``[heads]``, frozen) where
+    the layer has them; returns ``[B, T, heads, head_dim]``."""
     heads, kv_heads = q.shape[2], k.shape[2]
     t = q.shape[1]
     window = span.window if span.window is not None and span.window < t else None  # else it hides nothing
-    if span.softcap is not None:
+    if span.softcap is not None or sinks is not None:
         scale = span.scale if span.scale is not None else q.shape[-1] ** -0.5
-        return SoftcappedAttention.apply(q, k, v, _keep(seg, t, q.device, window), scale, span.softcap)
+        sinks = sinks.detach().float() if sinks is not None else None
+        if seg.bounds is not None and len(seg.bounds) > 1 and q.shape[0] == 1:
+            return torch.cat([EagerAttention.apply(q[:, a:b], k[:, a:b], v[:, a:b],
+                                                   _keep(Segments(), b - a, q.device, window), scale, span.softcap,
+                                                   sinks, window) for a, b in seg.bounds], dim=1)
+        return EagerAttention.apply(q, k, v, _keep(seg, t, q.device, window), scale, span.softcap, sinks, window)
     if varlen is not None and (seg.cu is not None or window is not None) and (window is None or varlen.window):
         return _varlen(q, k, v, seg, varlen, span.scale, window)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -119,39 +133,60 @@ def _keep(seg: Segments, t: int, device: torch.device, window: int | None) -> to
     return keep
 
 
-class SoftcappedAttention(torch.autograd.Function):
-    """Attention with soft-capped scores, ``softmax(mask(tanh(q k^T s / cap) * cap)) v``, one key/value
-    head (and the query heads sharing it) at a time: the scores in fp32, the weights rounded to
-    v's dtype before their product (transformers' eager attention's order). The backward computes
-    the scores again instead of keeping them. ``keep``: bool ``[B or 1, 1, T, T]``."""
+class EagerAttention(torch.autograd.Function):
+    """``softmax(mask(capped(q k^T s)) | sink) v``, one key/value head (and the query heads sharing
+    it) and one block of queries at a time (:func:`_blocks`): the scores in fp32, soft-capped
+    (``tanh(. / cap) * cap``) where ``cap`` is given, the head's sink logit (``sinks [heads]``, fp32,
+    no gradient) a column of the softmax that attends to nothing, the weights rounded to v's dtype
+    before their product (transformers' eager attention's order). The backward computes the scores
+    again instead of keeping them; a sink leaves its form unchanged (its value row is zero).
+    ``keep``: bool ``[B or 1, 1, T, T]``; ``window``: the one baked into it, or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, scale: float, cap: float):
+    def forward(ctx, q, k, v, keep, scale: float, cap: float | None, sinks: torch.Tensor | None,
+                window: int | None = None):
         out = torch.empty_like(q)
         for g, qg, kg, vg in _groups(q, k, v):
-            _, p = _weights(qg, kg, keep, scale, cap)
             rep = qg.shape[1]
-            out[:, :, g * rep:(g + 1) * rep] = (p.to(vg.dtype) @ vg).transpose(1, 2)
-        ctx.save_for_backward(q, k, v, keep)
-        ctx.scale, ctx.cap = scale, cap
+            for rows, cols in _blocks(qg, window):
+                _, p = _weights(qg[:, :, rows], kg[:, :, cols], keep[..., rows, cols], scale, cap,
+                                _sink_of(sinks, g, rep))
+                out[:, rows, g * rep:(g + 1) * rep] = (p.to(vg.dtype) @ vg[:, :, cols]).transpose(1, 2)
+        ctx.save_for_backward(q, k, v, keep, sinks)
+        ctx.scale, ctx.cap, ctx.window = scale, cap, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, keep = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        q, k, v, keep, sinks = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for g, qg, kg, vg in _groups(q, k, v):
-            capped, p = _weights(qg, kg, keep, ctx.scale, ctx.cap)
             rep = qg.shape[1]
-            dog = dout[:, :, g * rep:(g + 1) * rep].transpose(1, 2)  # [B, rep, T, D]
-            dv[:, :, g] = (p.to(vg.dtype).transpose(-1, -2) @ dog).sum(1)
-            dp = (dog @ vg.transpose(-1, -2)).float()
-            ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-            # d(cap * tanh(s / cap)) / ds = 1 - tanh^2; masked scores have p = 0
-            ds = (ds * (1 - capped * capped) * ctx.scale).to(q.dtype)
-            dq[:, :, g * rep:(g + 1) * rep] = (ds @ kg).transpose(1, 2)
-            dk[:, :, g] = (ds.transpose(-1, -2) @ qg).sum(1)
-        return dq, dk, dv, None, None, None
+            for rows, cols in _blocks(qg, ctx.window):
+                kc, vc = kg[:, :, cols], vg[:, :, cols]
+                capped, p = _weights(qg[:, :, rows], kc, keep[..., rows, cols], ctx.scale, ctx.cap,
+                                     _sink_of(sinks, g, rep))
+                dog = dout[:, rows, g * rep:(g + 1) * rep].transpose(1, 2)  # [B, rep, rows, D]
+                dv[:, cols, g] += (p.to(vg.dtype).transpose(-1, -2) @ dog).sum(1)
+                dp = (dog @ vc.transpose(-1, -2)).float()
+                ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+                if capped is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2; masked scores have p = 0
+                    ds = ds * (1 - capped * capped)
+                ds = (ds * ctx.scale).to(q.dtype)
+                dq[:, rows, g * rep:(g + 1) * rep] = (ds @ kc).transpose(1, 2)
+                dk[:, cols, g] += (ds.transpose(-1, -2) @ qg[:, :, rows]).sum(1)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _blocks(qg: torch.Tensor, window: int | None):
+    """Blocks of queries whose scores against their keys (every earlier one, or those within
+    ``window``) stay under :data:`EAGER_SCORES` values: each block's query rows and key columns."""
+    b, rep, t, _ = qg.shape
+    size = max(1, EAGER_SCORES // (b * rep * t))
+    for start in range(0, t, size):
+        end = min(t, start + size)
+        first = max(0, start - window + 1) if window is not None else 0
+        yield slice(start, end), slice(first, end)
 
 
 def _groups(q, k, v):
@@ -162,9 +197,22 @@ def _groups(q, k, v):
                v[:, :, g:g + 1].transpose(1, 2))
 
 
-def _weights(qg, kg, keep, scale: float, cap: float):
-    """``tanh(q k^T scale / cap)`` and the attention weights (fp32) of one key/value head's queries."""
+def _sink_of(sinks: torch.Tensor | None, g: int, rep: int) -> torch.Tensor | None:
+    """The sinks of key/value head ``g``'s query heads, shaped ``[1, rep, 1, 1]`` (None without sinks)."""
+    return None if sinks is None else sinks[g * rep:(g + 1) * rep].view(1, rep, 1, 1)
+
+
+def _weights(qg, kg, keep, scale: float, cap: float | None, sink: torch.Tensor | None):
+    """``tanh(q k^T scale / cap)`` (None without a cap) and the attention weights (fp32) of one
+    key/value head's queries over the keys, the sink's share of each softmax left out."""
     scores = (qg @ kg.transpose(-1, -2)).float() * scale
-    capped = torch.tanh(scores / cap)
-    scores = (capped * cap).masked_fill_(~keep, float("-inf"))
-    return capped, torch.softmax(scores, dim=-1)
+    capped = None
+    if cap is not None:
+        capped = torch.tanh(scores / cap)
+        scores = capped * cap
+    scores = scores.masked_fill_(~keep, float("-inf"))
+    if sink is None:
+        return capped, torch.softmax(scores, dim=-1)
+    # the sink joins the denominator: softmax over [scores, sink], its own column dropped
+    both = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+    return capped, torch.softmax(both, dim=-1)[..., :-1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from studio.core.config import FastPathConfig
 from studio.core.decoder import DecoderSpec, Refusal, describe_decoder
-from studio.core.decoder.spec import EXPERT_PARAMETERS, EXPERTS, MLP, ROUTER
+from studio.core.decoder.spec import ATTENTION, EXPERT_PARAMETERS, EXPERTS, MLP
 from studio.core.plan import (
     FAST_PATH_ENV,
     PathFacts,
@@ -155,11 +156,16 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
                 return None, f"{why} ({name})"
         if described.sparse:
             mlp = getattr(layer, MLP, None)
-            if getattr(getattr(mlp, ROUTER, None), "weight", None) is None or not hasattr(mlp, EXPERTS):
-                return None, f"a sparse layer without {MLP}.{ROUTER}.weight and {MLP}.{EXPERTS}"
-            why = expert_problem(getattr(mlp, EXPERTS), adapter)
+            router = getattr(mlp, spec.moe.router, None)
+            if getattr(router, "weight", None) is None or not hasattr(mlp, EXPERTS):
+                return None, f"a sparse layer without {MLP}.{spec.moe.router}.weight and {MLP}.{EXPERTS}"
+            if spec.moe.router_bias and getattr(router, "bias", None) is None:
+                return None, f"a router without the bias its description has ({MLP}.{spec.moe.router}.bias)"
+            why = expert_problem(getattr(mlp, EXPERTS), adapter) or _experts_as_described(mlp.experts, spec)
             if why:
                 return None, why
+        if spec.sinks and getattr(getattr(layer, ATTENTION, None), "sinks", None) is None:
+            return None, f"an attention without the sinks its description has ({ATTENTION}.sinks)"
         for name in (*spec.norms.names(), *((("q_norm", "k_norm")) if spec.qk_norm != "none" else ())):
             found_norm = module(layer, name) if name in ("q_norm", "k_norm") else getattr(layer, name, None)
             if getattr(found_norm, "weight", None) is None:
@@ -172,6 +178,12 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
 
     dtype = _compute_dtype(module(layers[0], groups[0][0]))
     moe = spec.moe if spec.sparse_layers else None
+    if moe is not None and moe.activation == "clamped_swiglu":
+        # what transformers' experts compute: 5.17 fixes alpha and limit in the module whatever the
+        # config says, 5.24 reads them from it
+        first = experts_base(next(layer.mlp.experts for layer, d in zip(layers, spec.layers, strict=True) if d.sparse))
+        moe = replace(moe, swiglu_alpha=float(getattr(first, "alpha", moe.swiglu_alpha)),
+                      swiglu_limit=float(getattr(first, "limit", moe.swiglu_limit)))
     router = RouterLog(moe.experts, moe.top_k, moe.aux_coef(router_aux_loss_coef) > 0) if moe else None
     frozen = [backbone.embed_tokens, backbone.norm, head]
     for layer in layers:
@@ -183,7 +195,7 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
             m = module(layer, name)
             frozen.append(m.get_base_layer() if hasattr(m, "get_base_layer") else m)
         if described.sparse:  # the router and the experts' 3-D weights
-            frozen += [layer.mlp.gate, experts_base(layer.mlp.experts)]
+            frozen += [getattr(layer.mlp, moe.router), experts_base(layer.mlp.experts)]
     for m in frozen:
         for p in m.parameters(recurse=False):
             if not p.requires_grad and p.dtype == torch.float32 and dtype != torch.float32 and _exact_in(p, dtype):
@@ -211,7 +223,9 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
         if described.sparse:
             gate_up, down = (ExpertProjection(layer.mlp.experts, n, adapter, dtype, workspace, options.kernels)
                             for n in EXPERT_PARAMETERS)
-            sparse = SparseMlp(layer.mlp.gate.weight, gate_up, down, moe, router, index)
+            gate = getattr(layer.mlp, moe.router)
+            sparse = SparseMlp(gate.weight, gate_up, down, moe, router, index,
+                               router_bias=gate.bias if moe.router_bias else None)
         else:
             gate_up, down = proj(gate_up), proj(down)
         norms = {role: getattr(layer, name) if name else None for role, name in (
@@ -235,16 +249,30 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
             rope=rope is not None, partial=rope is not None and rope.rotary_dim < head_dim,
             table=keys.index(described.rope_key) if keys and rope is not None else None,
             span=span if span != Span() else LLAMA, activation=spec.activation,
+            sinks=getattr(layer, ATTENTION).sinks if spec.sinks else None,
             residual_scale=spec.residual_scale))
     workspace.allocate(dtype, device)
     # Gemma's embedding modules scale their output themselves; Granite's model multiplies it.
     scales_itself = hasattr(backbone.embed_tokens, "embed_scale")
     ends = Ends(embed_scale=None if spec.embed_scale == 1.0 or scales_itself else spec.embed_scale,
                 embed_scale_rounded=spec.embed_scale_rounded, rope_keys=keys,
+                rope_width=max((s.rope.rotary_dim for s in spec.layers if s.rope is not None), default=0),
                 final_eps=_eps(backbone.norm, spec.norm.eps), logits_divisor=spec.logits_divisor,
                 final_softcap=spec.final_softcap)
     aux = moe.aux_coef(router_aux_loss_coef) if moe else 0.0
     return FastModel(model, built, backbone, head, dtype, options, liger, varlen, ends, router, aux), ""
+
+
+def _experts_as_described(experts: nn.Module, spec: DecoderSpec) -> str:
+    """Why an experts module is not laid out as the description says ('' when it is): gate and up
+    interleaved or not (transformers' ``is_concatenated``), biases or not (``has_bias``)."""
+    base = experts_base(experts)
+    if bool(getattr(base, "is_concatenated", True)) == spec.moe.interleaved:
+        which = "is not" if spec.moe.interleaved else "is"
+        return f"experts whose gate/up {which} interleaved, unlike their description"
+    if bool(getattr(base, "has_bias", False)) != spec.moe.expert_bias:
+        return f"experts {'without' if spec.moe.expert_bias else 'with'} biases, unlike their description"
+    return ""
 
 
 def _weight(module: nn.Module | None) -> torch.Tensor | None:

@@ -92,6 +92,8 @@ class Layer:
     this layer reads; None: the stack has one table, not stacked."""
     span: Span = LLAMA
     """The attention's scale, window and soft-cap."""
+    sinks: torch.Tensor | None = None
+    """The attention heads' sink logits ``[heads]`` (frozen: gpt-oss' ``self_attn.sinks``); None: no sinks."""
     activation: str = "silu"
     """The gated MLP's activation: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (GeGLU)."""
     residual_scale: float = 1.0
@@ -275,4 +277,4 @@ class Layer:
 
     def attention(self, q, k, v, seg: Segments) -> torch.Tensor:
         """Causal attention inside each example, as :attr:`span` says; returns [B, T, H, D]."""
-        return attend(q, k, v, seg, self.varlen, self.span)
+        return attend(q, k, v, seg, self.varlen, self.span, self.sinks)

@@ -34,6 +34,10 @@ class Ends:
     rope_keys: tuple[str, ...] = ()
     """The layer types the rotary module computes a table for (Gemma 3), stacked in this order
     (layer.py's ``table``); (): it computes one table."""
+    rope_width: int = 0
+    """Values of a head that rotate (the description's ``rotary_dim``). A rotary module whose tables
+    hold each frequency once, half that wide (gpt-oss: its RoPE rotates the two halves of a head
+    by one table), has them repeated to this width, the layout of every other family's tables."""
     final_eps: float | None = None
     """The final norm's eps; None: the first layer's."""
     logits_divisor: float = 1.0
@@ -241,6 +245,8 @@ class FastModel:
         or one per layer type stacked ``[types, B, T, D]`` (``ends.rope_keys``)."""
         if not self.ends.rope_keys:
             cos, sin = self.backbone.rotary_emb(h, pos)
+            if cos.shape[-1] * 2 == self.ends.rope_width:
+                cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
             return cos.to(self.dtype), sin.to(self.dtype)
         tables = [self.backbone.rotary_emb(h, pos, key) for key in self.ends.rope_keys]
         return (torch.stack([cos.to(self.dtype) for cos, _ in tables]),
@@ -308,11 +314,14 @@ class FastModel:
         flat = pos[0]
         starts = torch.nonzero(flat == 0).flatten()
         n = flat.numel()
+        # host syncs: the kernel needs the longest example as a number, and attention in plain torch
+        # (soft-caps, sinks) runs example by example
+        first = starts.tolist()
+        bounds = tuple(zip(first, [*first[1:], n], strict=True))
         if self.varlen is not None:
             cu = torch.cat([starts, torch.tensor([n], device=flat.device)]).to(torch.int32)
-            max_len = int((cu[1:] - cu[:-1]).max())  # host sync: the kernel needs it as a number
-            return Segments(cu=cu, max_len=max_len)
+            return Segments(cu=cu, max_len=max(b - a for a, b in bounds), bounds=bounds)
         example = torch.cumsum((flat == 0).long(), 0)
         same = example[:, None] == example[None, :]
         causal = torch.ones(n, n, dtype=torch.bool, device=flat.device).tril_()
-        return Segments(mask=(same & causal)[None, None])
+        return Segments(mask=(same & causal)[None, None], bounds=bounds)

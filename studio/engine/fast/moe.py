@@ -3,14 +3,16 @@ grouped product per projection, and the routing weights applied in the activatio
 
 transformers 5.x stores a sparse layer's experts as two 3-D parameters of one module
 (``mlp.experts.gate_up_proj [experts, 2 x intermediate, hidden]``, gate's rows first, and
-``mlp.experts.down_proj [experts, hidden, intermediate]``) and loops over the experts in Python.
+``mlp.experts.down_proj [experts, hidden, intermediate]``; gpt-oss' ``[experts, in, out]``, gate and
+up interleaved, with a bias each) and loops over the experts in Python.
 Here each token's ``top_k`` copies are sorted by expert, so every expert's tokens are one run of
 rows, and each projection is one grouped product over those runs (:class:`Groups`): torch's
 ``grouped_mm`` where it takes the operands (bf16 on a CUDA card of compute capability 8.0 or more;
 the CPU build's kernel in any float dtype, for 16-byte aligned strides), else one product per
 expert, a loop used on the CPU and for fp16 / fp32 on CUDA only. Experts a 4-bit load packed
 (engine/quantized_experts.py) are dequantized one projection at a time, every expert at once, into
-the model's shared workspace right before the product that reads them (:class:`ExpertWeights`).
+the model's shared workspace right before the product that reads them (:class:`ExpertWeights`);
+gpt-oss' MXFP4 experts, kept as the checkpoint ships them (engine/mxfp4.py), the same way.
 
 LoRA on the experts is PEFT's ``target_parameters`` adapter (``lora.ParamWrapper``: one A and one
 B per expert, stacked in ``lora_A [r x experts, in]`` and ``lora_B [out, r x experts]``), so an
@@ -34,6 +36,7 @@ from torch import nn
 from studio.core.decoder import MoeSpec
 from studio.engine.fast import dequant
 from studio.engine.fast.frozen import Workspace
+from studio.engine.mxfp4 import Mxfp4Experts, mxfp4_experts
 from studio.engine.quantized_experts import PackedExperts, packed_experts
 
 _KERNEL = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -105,38 +108,46 @@ class Groups:
 
 
 class ExpertWeights:
-    """One projection's frozen expert weights ``[experts, out, in]`` (a 3-D parameter of the model's
-    experts module), read in the compute dtype: a 16-bit parameter as it is, 4-bit ones
-    (engine/quantized_experts.py's ``PackedExperts``) dequantized into ``workspace`` on each read,
-    which then holds one projection's weights until the next read of any weight."""
+    """One projection's frozen expert weights (a 3-D parameter of the model's experts module:
+    ``[experts, out, in]``, or ``[experts, in, out]`` where ``transposed``: gpt-oss), read in the
+    compute dtype: a 16-bit parameter as it is, stored ones (engine/quantized_experts.py's 4-bit
+    ``PackedExperts``, engine/mxfp4.py's ``Mxfp4Experts``) dequantized into ``workspace`` on each
+    read, which then holds one projection's weights until the next read of any weight."""
 
-    def __init__(self, param: torch.Tensor, dtype: torch.dtype, packed: PackedExperts | None = None,
-                 workspace: Workspace | None = None, kernel: bool = True):
+    def __init__(self, param: torch.Tensor, dtype: torch.dtype, packed: PackedExperts | Mxfp4Experts | None = None,
+                 workspace: Workspace | None = None, kernel: bool = True, transposed: bool = False):
         self.param = param
         self.dtype = dtype
-        self.experts, self.out_features, self.in_features = (int(n) for n in param.shape)
+        self.experts = int(param.shape[0])
+        self.out_features, self.in_features = (int(n) for n in (param.shape[1:] if not transposed
+                                                                else param.shape[:0:-1]))
         self.packed = packed
-        """The 4-bit weights, or None (16-bit)."""
+        """The stored weights, or None (16-bit)."""
+        self.transposed = getattr(packed, "transposed", transposed) if packed is not None else transposed
+        """What :meth:`stacked` reads (the parameter, or the stored weights dequantized) is laid out
+        ``[experts, in, out]``; MXFP4's weights are ``[experts, out, in]`` whatever the parameter's."""
         self.workspace = workspace if packed is not None else None
         self.kernel = None
         """dequant.py's NF4 kernel for the packed weights, where it covers them (``kernel``: the
         ``trainer.fast_path.kernels`` setting)."""
         if packed is not None:
-            assert workspace is not None, "4-bit experts need a workspace"
+            assert workspace is not None, "stored experts need a workspace"
             workspace.reserve(self.experts * self.out_features * self.in_features)
-            device = packed.packed.device
-            if kernel and dequant.supports(packed.quant_state, dtype) and dequant.available(device):
-                self.kernel = dequant.NF4Weight(packed.quant_state, device)
+            if isinstance(packed, PackedExperts) and kernel and dequant.supports(packed.quant_state, dtype) \
+                    and dequant.available(packed.packed.device):
+                self.kernel = dequant.NF4Weight(packed.quant_state, packed.packed.device)
 
     def stacked(self) -> torch.Tensor:
-        """Every expert's weight ``[experts, out, in]`` in the compute dtype (4-bit ones: in the
-        workspace, valid until the next read)."""
+        """Every expert's weight ``[experts, out, in]`` in the compute dtype (stored ones: in the
+        workspace, valid until the next read; a transposed layout as a view)."""
         if self.packed is None:
-            return self.param.detach().to(self.dtype)
-        out = self.workspace.take(self.experts * self.out_features, self.in_features)
-        out = out.view(self.experts, self.out_features, self.in_features)
-        self.packed.dequantize(self.dtype, out, self.kernel)
-        return out
+            w = self.param.detach().to(self.dtype)
+        else:
+            rows, cols = (self.in_features, self.out_features) if self.transposed else (
+                self.out_features, self.in_features)
+            w = self.workspace.take(self.experts * rows, cols).view(self.experts, rows, cols)
+            self.packed.dequantize(self.dtype, w, self.kernel)
+        return w.transpose(1, 2) if self.transposed else w
 
 
 class ExpertProduct(torch.autograd.Function):
@@ -203,8 +214,9 @@ def expert_problem(experts: nn.Module, adapter: str) -> str:
             return f"experts without a 3-D {name} (transformers 5.x stores them so)"
         if not param.dtype.is_floating_point:
             return f"quantized expert weights ({name}: {param.dtype})"
-    if getattr(base, "has_bias", False) or getattr(base, "is_transposed", False):
-        return "experts with biases or transposed weights"
+    if getattr(base, "has_bias", False) and not all(isinstance(getattr(base, f"{n}_bias", None), torch.Tensor)
+                                                    for n in ("gate_up_proj", "down_proj")):
+        return "experts whose has_bias is set without gate_up_proj_bias and down_proj_bias"
     for name, wrapper in wrappers.items():
         if adapter in getattr(wrapper, "lora_A", {}) and (getattr(wrapper, "merged", False)
                                                           or getattr(wrapper, "disable_adapters", False)):
@@ -219,8 +231,13 @@ class ExpertProjection:
     def __init__(self, experts: nn.Module, name: str, adapter: str, dtype: torch.dtype,
                  workspace: Workspace | None = None, kernel: bool = True):
         base, wrappers = _wrappers(experts)
-        self.weights = ExpertWeights(getattr(base, name), dtype, packed_experts(base).get(name), workspace, kernel)
+        stored = packed_experts(base).get(name) or mxfp4_experts(base).get(name)
+        self.weights = ExpertWeights(getattr(base, name), dtype, stored, workspace, kernel,
+                                     transposed=bool(getattr(base, "is_transposed", False)))
         self.dtype = dtype
+        bias = getattr(base, f"{name}_bias", None) if getattr(base, "has_bias", False) else None
+        self.bias = bias.detach().to(dtype) if bias is not None else None
+        """Each expert's frozen bias ``[experts, out]`` in the compute dtype (gpt-oss), or None."""
         wrapper = wrappers.get(name)
         present = wrapper is not None and adapter in wrapper.lora_A
         self.a = [wrapper.lora_A[adapter].weight] if present else []
@@ -312,13 +329,15 @@ class RouterLog:
 
 class SparseMlp:
     """A sparse layer's MLP: router, experts' gate/up and down (:class:`ExpertProjection`), the
-    gated activation (SiLU) with the routing weight in the same pass, and the weighted sum of each
-    token's experts scattered back to its row."""
+    gated activation (SiLU, or gpt-oss' clamped SwiGLU) with the routing weight in the same pass,
+    and the weighted sum of each token's experts scattered back to its row."""
 
     def __init__(self, router: torch.Tensor, gate_up: ExpertProjection, down: ExpertProjection, spec: MoeSpec,
-                 log: RouterLog, index: int, loop: bool = False):
+                 log: RouterLog, index: int, loop: bool = False, router_bias: torch.Tensor | None = None):
         self.router = router
         """The router's weight ``[experts, hidden]`` (frozen)."""
+        self.router_bias = router_bias
+        """The router's bias ``[experts]`` (frozen: gpt-oss), or None."""
         self.gate_up = gate_up
         self.down = down
         self.spec = spec
@@ -328,21 +347,40 @@ class SparseMlp:
         self.loop = loop
         """Products by the per-expert loop whatever the kernel takes (tests)."""
 
-    def route(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The router's probabilities ``[tokens, experts]`` (fp32), and each token's top-k experts and
-        weights ``[tokens, k]``, as transformers' TopKRouter computes them."""
-        logits = x2 @ self.router.to(x2.dtype).t()
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.spec.top_k, dim=-1)
+    def route(self, x2: torch.Tensor, probs: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """The router's probabilities over every expert ``[tokens, experts]`` (fp32; None where
+        ``probs`` is off and the routing does not compute them), and each token's top-k experts
+        and weights ``[tokens, k]``, as transformers' routers compute them (:attr:`MoeSpec.routing`)."""
+        bias = self.router_bias.to(x2.dtype) if self.router_bias is not None else None
+        logits = F.linear(x2, self.router.to(x2.dtype), bias)
+        if self.spec.routing == "topk_softmax":
+            top, chosen = torch.topk(logits, self.spec.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+            every = torch.softmax(logits, dim=-1, dtype=torch.float32) if probs else None
+            return every, chosen, weights.to(x2.dtype)
+        every = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(every, self.spec.top_k, dim=-1)
         if self.spec.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return probs, chosen, weights.to(x2.dtype)
+        return every, chosen, weights.to(x2.dtype)
+
+    def activate(self, gu: torch.Tensor) -> torch.Tensor:
+        """The experts' gated activation of gate/up's output (gate's columns first, or alternating
+        with up's: :attr:`MoeSpec.interleaved`)."""
+        spec = self.spec
+        gate, up = (gu[:, 0::2], gu[:, 1::2]) if spec.interleaved else gu.chunk(2, dim=-1)
+        if spec.activation == "clamped_swiglu":
+            gate = gate.clamp(max=spec.swiglu_limit)
+            up = up.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
+            return gate * torch.sigmoid(gate * spec.swiglu_alpha) * (up + 1)
+        return F.silu(gate) * up
 
     def __call__(self, x: torch.Tensor, gate_up_adapters: tuple, down_adapters: tuple) -> torch.Tensor:
         """The MLP's output for the normed stream ``x [B, T, hidden]``."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        probs, chosen, weights = self.route(x2)
+        balance = self.log.balance and torch.is_grad_enabled()
+        probs, chosen, weights = self.route(x2, probs=balance)
         k = self.spec.top_k
         flat = chosen.reshape(-1)
         # Each token's k copies in expert order; stable, so each expert's rows keep token order.
@@ -351,12 +389,17 @@ class SparseMlp:
         # scatter_add, not bincount: bincount reads its input's maximum back to the host on CUDA
         counts = flat.new_zeros(self.spec.experts).scatter_add_(0, flat, torch.ones_like(flat))
         groups = Groups(counts, loop=self.loop)
-        balance = self.log.balance and torch.is_grad_enabled()
         self.log.record(self.index, Routing(counts, probs.sum(0) if balance else None, x2.shape[0]))
+        weight = weights.reshape(-1)[order, None]
+        expert = flat[order]  # each sorted row's expert: whose biases it adds
         a, b, scale = gate_up_adapters
         gu = ExpertProduct.apply(x2[rows], self.gate_up.weights, groups, a, b, scale)
-        gate, up = gu.chunk(2, dim=-1)
-        act = F.silu(gate) * up * weights.reshape(-1)[order, None]
+        if self.gate_up.bias is not None:
+            gu = gu + self.gate_up.bias[expert]
+        # the routing weight taken into the activation: the down product (and its bias) carry it
+        act = self.activate(gu) * weight
         a, b, scale = down_adapters
         y = ExpertProduct.apply(act, self.down.weights, groups, a, b, scale)
+        if self.down.bias is not None:
+            y = y + self.down.bias[expert] * weight
         return x2.new_zeros(x2.shape).index_add_(0, rows, y).view(shape)

@@ -1,0 +1,236 @@
+"""gpt-oss' expert weights in MXFP4, kept as the checkpoint ships them: 4.25 bits a weight.
+
+The format (OCP Microscaling, MXFP4): blocks of 32 values share one power-of-two scale, a uint8
+exponent biased by 127; each value is an FP4 E2M1 number (a sign, two exponent bits, one mantissa
+bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), two a byte, the lower nibble first. gpt-oss'
+checkpoints hold, for each sparse layer, ``mlp.experts.gate_up_proj_blocks [experts, 2 x
+intermediate, hidden / 32, 16]`` with ``gate_up_proj_scales [experts, 2 x intermediate, hidden /
+32]``, and ``down_proj_blocks [experts, hidden, intermediate / 32, 16]`` with its scales: each
+expert's weight as ``[out, in]`` rows, blocked along ``in`` (the transpose of transformers'
+``GptOssExperts`` parameters, ``[experts, in, out]``), as transformers' Mxfp4 quantizer reads them.
+
+transformers runs them through the Hub's Triton kernels where it can fetch them, and otherwise
+dequantizes them to bf16 at load (gpt-oss-20b's experts: 10.2 GB become 24 GB). Here they stay as
+shipped: :class:`Mxfp4Experts` holds one projection's blocks and scales on the device, and
+:meth:`Mxfp4Experts.dequantize` writes every expert's weight in the compute dtype (plain torch, so
+the CPU runs it too), a chunk of rows at a time so that its temporaries stay a few tens of MB. The
+fast path (engine/fast/moe.py) dequantizes one projection into its workspace right before the
+grouped product that reads it; transformers' own forward (chat, ``studio eval``, the plain path)
+gets the experts' parameters dequantized by a hook around the experts module, one layer at a time
+(what autograd saves of them for a backward stays until that backward), as
+engine/quantized_experts.py does for NF4. PEFT's ``target_parameters`` adapters attach to the
+parameters, which keep their shape and dtype and hold a placeholder that owns no memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from studio.core.decoder.spec import EXPERT_PARAMETERS
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The FP4 E2M1 number each 4-bit code stands for (bit 3 the sign)."""
+
+BLOCK = 32
+"""Values sharing one scale."""
+
+SCALE_BIAS = 127
+"""A scale byte ``s`` multiplies its block by ``2 ** (s - 127)``."""
+
+CHUNK_VALUES = 1 << 24
+"""Values dequantized per step: the step's temporaries (a code index per byte, the values) are
+about 4 bytes a value, 64 MiB."""
+
+SUFFIXES = ("_blocks", "_scales")
+"""What the checkpoint appends to an expert parameter's name for its MXFP4 tensors."""
+
+_ATTRIBUTE = "studio_mxfp4_experts"
+"""The experts module's attribute holding its :class:`Mxfp4Experts` by parameter name."""
+
+
+@functools.lru_cache(maxsize=8)
+def _pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[256, 2]``: the two values of each byte, its lower nibble's first (one copy a device and dtype)."""
+    values = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.arange(256)
+    return torch.stack([values[codes & 0x0F], values[codes >> 4]], dim=1).to(device=device, dtype=dtype)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights ``blocks [..., rows, in / 32, 16]`` and ``scales [..., rows, in / 32]`` stand
+    for, as ``[..., rows, in]`` in ``dtype``; written into ``out`` when given: contiguous, or a 3-D
+    ``[experts, rows, in]`` of any strides (a transposed view)."""
+    *lead, rows, groups, half = blocks.shape
+    if half * 2 != BLOCK or tuple(scales.shape) != (*lead, rows, groups):
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair up "
+                         f"([..., rows, in / {BLOCK}, {BLOCK // 2}] and [..., rows, in / {BLOCK}])")
+    width = groups * BLOCK
+    if out is None:
+        out = torch.empty(*lead, rows, width, dtype=dtype, device=blocks.device)
+    table = _pair_table(dtype, blocks.device)
+    if out.is_contiguous():  # every expert's rows as one run
+        pieces = [(blocks.reshape(-1, groups, half), scales.reshape(-1, groups), out.view(-1, width))]
+    else:
+        assert out.dim() == 3 and len(lead) == 1, "a strided output is one [experts, rows, in] tensor"
+        pieces = [(blocks[e], scales[e], out[e]) for e in range(out.shape[0])]
+    step = max(1, CHUNK_VALUES // width)
+    for codes, exponents, target in pieces:
+        for start in range(0, codes.shape[0], step):
+            end = min(codes.shape[0], start + step)
+            values = table[codes[start:end].int()].view(end - start, groups, BLOCK)
+            # a power of two: exact in every float dtype the scales of real checkpoints reach
+            values.mul_(torch.exp2(exponents[start:end].float() - SCALE_BIAS).to(dtype)[..., None])
+            target[start:end].copy_(values.view(end - start, width))
+    return out
+
+
+class Mxfp4Experts:
+    """One projection of every expert as the checkpoint ships it: ``blocks [experts, out, in / 32,
+    16]`` and ``scales [experts, out, in / 32]``, dequantized to ``[experts, out, in]``."""
+
+    transposed = False
+    """The dequantized weights are ``[experts, out, in]`` whatever the parameter's layout
+    (engine/fast/moe.py's ``ExpertWeights`` reads this)."""
+
+    def __init__(self, param: nn.Parameter, blocks: torch.Tensor, scales: torch.Tensor):
+        self.param = param
+        """The model's parameter (``[experts, in, out]``, now a placeholder), whose data the hook swaps."""
+        self.blocks = blocks
+        self.scales = scales
+        self.placeholder = param.data
+        """What the parameter holds between forwards: one value broadcast to its shape."""
+        experts, rows, groups, _ = blocks.shape
+        self.shape = (int(experts), int(rows), int(groups) * BLOCK)
+        """``(experts, out, in)``."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the blocks and scales are."""
+        return self.blocks.device
+
+    def nbytes(self) -> int:
+        """Bytes the blocks and scales take (4.25 bits a weight)."""
+        return sum(t.numel() * t.element_size() for t in (self.blocks, self.scales))
+
+    def dequantize(self, dtype: torch.dtype, out: torch.Tensor | None = None, kernel: Any = None) -> torch.Tensor:
+        """Every expert's weight ``[experts, out, in]`` in ``dtype``, written into ``out`` when
+        given; ``kernel`` is taken for the signature engine/quantized_experts.py's weights share."""
+        return dequantize_mxfp4(self.blocks, self.scales, dtype, out)
+
+
+def mxfp4_experts(experts: nn.Module) -> dict[str, Mxfp4Experts]:
+    """An experts module's MXFP4 projections by parameter name (empty where it holds none)."""
+    return getattr(experts, _ATTRIBUTE, {})
+
+
+def _swap_in(module: nn.Module, _args: Any) -> None:
+    for name, stored in mxfp4_experts(module).items():
+        # the parameter is [experts, in, out]: written through a transposed view, contiguous
+        weight = torch.empty(stored.shape[0], stored.shape[2], stored.shape[1], dtype=stored.placeholder.dtype,
+                             device=stored.device)
+        stored.dequantize(weight.dtype, weight.transpose(1, 2))
+        if parametrize.is_parametrized(module, name):
+            # PEFT's expert adapter reads it through a parametrization (original + delta, a new tensor)
+            stored.param.data = weight
+        else:
+            # a parameter of its own for this forward: what autograd saves of it for the backward
+            # keeps the weight after the placeholder is back
+            module._parameters[name] = nn.Parameter(weight, requires_grad=False)
+
+
+def _swap_out(module: nn.Module, _args: Any, _output: Any) -> None:
+    for name, stored in mxfp4_experts(module).items():
+        if parametrize.is_parametrized(module, name):
+            stored.param.data = stored.placeholder
+        else:
+            module._parameters[name] = stored.param
+
+
+def attach(experts: nn.Module, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Keep ``experts``' projections as MXFP4 (``tensors``: parameter name -> its blocks and scales,
+    on the module's device), freeing their dequantized data; transformers' forward keeps working
+    through a hook that dequantizes them around the module's forward."""
+    store = {}
+    for name, (blocks, scales) in tensors.items():
+        param = getattr(experts, name)
+        e, rows, groups, _ = blocks.shape
+        if (int(param.shape[0]), int(param.shape[2]), int(param.shape[1])) != (int(e), int(rows), int(groups) * BLOCK):
+            raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} do not hold a weight of the "
+                             f"parameter's shape {tuple(param.shape)}")
+        # one value broadcast to the shape: PEFT and transformers see the shape and dtype, no memory
+        param.data = torch.zeros((), dtype=param.dtype, device=blocks.device).expand(param.shape)
+        store[name] = Mxfp4Experts(param, blocks, scales)
+    if not mxfp4_experts(experts):
+        experts.register_forward_pre_hook(_swap_in)
+        experts.register_forward_hook(_swap_out)
+    setattr(experts, _ATTRIBUTE, {**mxfp4_experts(experts), **store})
+
+
+def shipped_config(path: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    """The config of the checkpoint at ``path`` without its quantization section when that says its
+    experts ship in MXFP4 (``quantization_config.quant_method: mxfp4``: gpt-oss), so that a 4-bit
+    load quantizes the rest with bitsandbytes and :func:`load_experts` keeps the experts as shipped
+    (transformers would dequantize them all to bf16 without the Hub's kernels); None for any other
+    checkpoint."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    quant = getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if str(getattr(method, "value", method)) != "mxfp4":
+        return None
+    del config.quantization_config
+    return config
+
+
+def _files(folder: Path) -> dict[str, Path]:
+    """Each tensor name of the checkpoint in ``folder`` and the safetensors file holding it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        mapping = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in mapping.items()}
+    from safetensors import safe_open
+
+    single = folder / "model.safetensors"
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def load_experts(model: nn.Module, folder: str | Path, device: torch.device | None = None) -> int:
+    """Attach the MXFP4 blocks and scales of the checkpoint in ``folder`` to every experts module of
+    ``model`` (``<module>.gate_up_proj_blocks`` and the rest, by the module's name in the model),
+    on ``device`` (default: where the module's parameters are). Returns the number of experts
+    modules attached. ValueError naming the file and tensor a module lacks."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    files = _files(folder)
+    done = 0
+    for name, module in model.named_modules():
+        if not all(isinstance(getattr(module, p, None), nn.Parameter) and getattr(module, p).dim() == 3
+                   for p in EXPERT_PARAMETERS) or mxfp4_experts(module):
+            continue
+        tensors = {}
+        for param in EXPERT_PARAMETERS:
+            keys = [f"{name}.{param}{suffix}" for suffix in SUFFIXES]
+            missing = [k for k in keys if k not in files]
+            if missing:
+                raise ValueError(f"{folder}: the checkpoint has no {', '.join(missing)} (its config says "
+                                 "quant_method mxfp4); re-download the model or load it with quantization.bits: null")
+            target = device or getattr(module, param).device
+            pair = []
+            for key in keys:
+                with safe_open(str(files[key]), framework="pt", device="cpu") as f:
+                    pair.append(f.get_tensor(key).to(target))
+            tensors[param] = (pair[0], pair[1])
+        attach(module, tensors)
+        done += 1
+    return done

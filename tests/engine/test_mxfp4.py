@@ -1,0 +1,157 @@
+"""gpt-oss' MXFP4 experts kept as the checkpoint ships them (studio/engine/mxfp4.py), on the CPU:
+the dequantization is transformers' own (integrations/mxfp4.py) on the same blocks and scales; a
+4-bit load of a tiny gpt-oss checkpoint that ships its experts in MXFP4 keeps them so (4.25 bits a
+weight, the parameters holding nothing), transformers' forward through the dequantizing hook answers
+as the same model with transformers' dequantized experts, and the fast path's loss and LoRA
+gradients (the experts' adapters included) equal transformers' on those weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.gpt_oss import mxfp4_folder, random_mxfp4
+from test_fast_families import _check_family
+from test_fast_moe import EXPERTS
+
+from studio.core.config import RunConfig
+from studio.engine.mxfp4 import Mxfp4Experts, dequantize_mxfp4, mxfp4_experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dequantization_is_transformers_own(dtype: torch.dtype, monkeypatch) -> None:
+    """Every code and a spread of scales, dequantized in chunks that cut rows and experts apart, into
+    a new tensor and into a transposed view (the parameter's layout): transformers' values, bit for bit."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    monkeypatch.setattr("studio.engine.mxfp4.CHUNK_VALUES", 3 * 96)  # 3 rows of 96: chunks across experts
+    blocks, scales = random_mxfp4((4, 40, 96), seed=0)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [experts, in, out]
+    ours = dequantize_mxfp4(blocks, scales, dtype)
+    assert ours.shape == (4, 40, 96) and ours.dtype == dtype
+    assert torch.equal(ours.transpose(1, 2), theirs)
+    into = torch.empty(4, 96, 40, dtype=dtype)
+    dequantize_mxfp4(blocks, scales, dtype, into.transpose(1, 2))
+    assert torch.equal(into, theirs)
+    stored = Mxfp4Experts(torch.nn.Parameter(torch.empty(4, 96, 40)), blocks, scales)
+    assert stored.shape == (4, 40, 96) and stored.nbytes() * 32 == 4 * 40 * 96 * 17  # 4.25 bits a weight
+    with pytest.raises(ValueError, match="do not pair up"):
+        dequantize_mxfp4(blocks, scales[..., :-1], dtype)
+
+
+def _load(folder: Path):
+    from studio.engine.model import load_base
+
+    config = RunConfig()
+    config.model.base_model = str(folder)
+    config.quantization.bits, config.quantization.on_cpu = 4, "keep"
+    return load_base(config, device=torch.device("cpu"))
+
+
+def _transformers_dequantized(folder: Path):
+    """transformers' own load of the folder: on a machine without the Hub's MXFP4 kernels it
+    dequantizes the experts itself (integrations/mxfp4.py)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def test_a_4bit_load_keeps_the_shipped_mxfp4_experts(tmp_path: Path, monkeypatch) -> None:
+    """quantization.bits 4: the attention is NF4 (bitsandbytes), every experts module keeps the
+    checkpoint's blocks and scales (the VRAM pane's experts category at 4.25 bits a weight) and its
+    parameters hold nothing; the experts are transformers' dequantization of them, and the plain
+    forward through the hook answers as the same load given transformers' dequantized experts."""
+    pytest.importorskip("bitsandbytes")
+    from studio.engine.memory import parameter_bytes
+
+    folder = mxfp4_folder(tmp_path / "gpt-oss")
+    base = _load(folder)
+    assert base.quantization == "nf4", base.warnings
+    assert type(base.model.model.layers[0].self_attn.q_proj.weight).__name__ == "Params4bit"
+    experts = [m for m in base.model.modules() if mxfp4_experts(m)]
+    assert len(experts) == 2 and all(set(mxfp4_experts(m)) == set(("gate_up_proj", "down_proj")) for m in experts)
+
+    def freed() -> bool:
+        return all(getattr(m, n).untyped_storage().nbytes() <= getattr(m, n).element_size()
+                   for m in experts for n in mxfp4_experts(m))
+
+    assert freed()
+    shipped = sum(s.nbytes() for m in experts for s in mxfp4_experts(m).values())
+    weights = sum(getattr(m, n).numel() for m in experts for n in mxfp4_experts(m))
+    assert shipped * 32 == weights * 17
+    assert shipped <= parameter_bytes(base.model)["experts"] <= shipped + 4 * 4  # the placeholders' one value
+
+    reference = _transformers_dequantized(folder)
+    for module, theirs in zip(experts, (layer.mlp.experts for layer in reference.model.layers), strict=True):
+        for name, stored in mxfp4_experts(module).items():
+            assert torch.equal(stored.dequantize(torch.float32).transpose(1, 2), getattr(theirs, name).data), name
+
+    # the same 4-bit load with transformers' dequantized experts as plain parameters
+    monkeypatch.setattr("studio.engine.mxfp4.load_experts", lambda *args: 0)
+    plain = _load(folder).model
+    for layer, theirs in zip(plain.model.layers, reference.model.layers, strict=True):
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(layer.mlp.experts, name).data = getattr(theirs.mlp.experts, name).data.clone()
+    ids = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(base.model(input_ids=ids).logits, plain(input_ids=ids).logits)
+    assert freed()
+
+
+def test_a_load_in_the_compute_dtype_dequantizes_the_shipped_experts(tmp_path: Path) -> None:
+    """quantization.bits null: the experts in the compute dtype, transformers' dequantization of them."""
+    from studio.engine.model import load_base
+
+    folder = mxfp4_folder(tmp_path / "gpt-oss")
+    config = RunConfig()
+    config.model.base_model = str(folder)
+    config.quantization.bits = None
+    model = load_base(config, device=torch.device("cpu")).model
+    reference = _transformers_dequantized(folder)
+    assert not any(mxfp4_experts(m) for m in model.modules())
+    for layer, theirs in zip(model.model.layers, reference.model.layers, strict=True):
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(layer.mlp.experts, name), getattr(theirs.mlp.experts, name))
+
+
+def _exact_4bit_products(monkeypatch) -> None:
+    """bitsandbytes' CPU product dequantizes a 4-bit weight to the dtype its checkpoint had (bf16
+    here) although the model computes in fp32; the reference's products dequantize to the input's
+    dtype instead, as the fast path does (tests/engine/test_fast_path.py does the same)."""
+    import copy
+
+    import bitsandbytes
+    import bitsandbytes.functional as bnbf
+
+    def exact(a, b, out=None, quant_state=None, bias=None):
+        state = copy.copy(quant_state)
+        state.dtype = a.dtype
+        y = a @ bnbf.dequantize_4bit(b, state).t()
+        return y if bias is None else y + bias.to(a.dtype)
+
+    monkeypatch.setattr(bitsandbytes, "matmul_4bit", exact)
+
+
+@pytest.mark.parametrize("on_experts", [True, False])
+def test_the_fast_path_over_mxfp4_experts_is_transformers_on_the_same_weights(on_experts: bool, tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    """LoRA on the attention and (lora.target_experts) on the MXFP4 experts: the fast path's loss and
+    every LoRA gradient equal transformers' forward through the hook, padded and packed."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, get_peft_model
+
+    _exact_4bit_products(monkeypatch)
+    model = _load(mxfp4_folder(tmp_path / "gpt-oss")).model
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                             target_parameters=EXPERTS if on_experts else None))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    _check_family(model, monkeypatch, padded_reference=True)
+    from studio.engine import fast
+
+    fast_model, _ = fast.prepare(model)
+    assert all(isinstance(layer.gate_up.weights.packed, Mxfp4Experts) for layer in fast_model.layers)
