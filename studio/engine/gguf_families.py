@@ -172,8 +172,8 @@ def check(config: dict[str, Any]) -> Family:
 def _moe_problems(config: dict[str, Any], family: Family) -> list[str]:
     """Where a mixture of experts' config differs from what llama.cpp fixes for its architecture."""
     problems = []
-    # Mixtral has no key: transformers always renormalises it, as llama.cpp does.
-    renormalize = bool(config.get("norm_topk_prob", family.renormalize))
+    # transformers' norm_topk_prob defaults to false; Mixtral has no such key and always renormalises.
+    renormalize = bool(config.get("norm_topk_prob", config.get("model_type") == "mixtral"))
     if renormalize != family.renormalize:
         problems.append(f"norm_topk_prob: {str(renormalize).lower()} (llama.cpp's {family.arch.lower()} "
                         f"{'always' if family.renormalize else 'never'} renormalises the chosen experts' weights)")

@@ -178,6 +178,8 @@ def test_what_llama_cpp_cannot_run_is_refused_with_every_reason() -> None:
                             "mlp_only_layers": [1]})
     assert "norm_topk_prob: false (llama.cpp's qwen3moe always renormalises" in str(refused.value)
     assert "dense MLP layers" in str(refused.value)
+    with pytest.raises(GgufExportError, match="norm_topk_prob: false"):  # transformers' default where unset
+        check_architecture({"model_type": "qwen3_moe", "num_experts": 8})
     with pytest.raises(GgufExportError) as refused:
         check_architecture({"model_type": "olmoe", "num_experts": 8, "norm_topk_prob": True, "num_attention_heads": 16,
                             "num_key_value_heads": 4, "clip_qkv": 8.0})

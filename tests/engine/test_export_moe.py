@@ -3,7 +3,8 @@ test_export_families.py: the experts stacked under llama.cpp's names and shapes 
 from either layout transformers stores experts in; the reader of ours (tests/helpers/gguf_reading.py)
 against transformers' own on a Qwen3-MoE file; OLMoE's output head written even when tied; and the
 LoRA GGUF: left out, with the reason, for an adapter on the expert weights, written for one on the
-attention alone (Mixtral's q/k rows reordered as llama.cpp's llama architecture rotates them)."""
+attention alone (Mixtral's q/k rows reordered as llama.cpp's llama architecture rotates them); and the
+released Qwen3-30B-A3B, Mixtral-8x7B and OLMoE-1B-7B configs pass the checks of what llama.cpp fixes."""
 
 from __future__ import annotations
 
@@ -163,3 +164,24 @@ def test_an_attention_adapter_on_mixtral_is_a_lora_gguf_in_llama_cpps_layout(tmp
         a, b = parts[tensor + ".lora_a"], parts[tensor + ".lora_b"]
         assert abs(original[tensor] + alpha / a.shape[0] * (b @ a) - merged[tensor]).max() < 1e-4, tensor
     assert all((merged[n] == original[n]).all() for n in merged if "_exps" in n or "gate_inp" in n)
+
+
+SHIPPED = {
+    "Qwen/Qwen3-30B-A3B": dict(model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                               norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1, use_sliding_window=False,
+                               rope_theta=1000000.0, rope_scaling=None, num_attention_heads=32, num_key_value_heads=4),
+    "mistralai/Mixtral-8x7B-v0.1": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,
+                                        rope_theta=1000000.0, sliding_window=None, num_attention_heads=32,
+                                        num_key_value_heads=8),
+    "allenai/OLMoE-1B-7B-0924": dict(model_type="olmoe", num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                                     clip_qkv=None, rope_theta=10000.0, rope_scaling=None, num_attention_heads=16,
+                                     num_key_value_heads=16),
+}
+"""The keys that decide, as the released models' config.json files set them."""
+
+
+@pytest.mark.parametrize("model", list(SHIPPED))
+def test_the_released_models_are_written(model: str) -> None:
+    from studio.engine.gguf_export import check_architecture
+
+    assert check_architecture(SHIPPED[model]).moe
