@@ -8,7 +8,9 @@
   multimodal base's image processor files; ``AutoModelForCausalLM.from_pretrained`` loads it as the
   base's own class.
 - ``gguf``: the merged model (merged in float32, then stored as ``quant``) as one GGUF file, the
-  adapter alone as a llama.cpp LoRA GGUF, and an Ollama Modelfile with the run's template.
+  adapter alone as a llama.cpp LoRA GGUF, and an Ollama Modelfile with the run's template. An adapter
+  llama.cpp has no LoRA form for (expert weights, DoRA, rsLoRA, trained whole modules) gets no LoRA
+  GGUF; the message says why, and the model GGUF has it merged.
 
 A full fine-tune (``lora: null``) has no adapter: ``merged`` saves its weights (nothing to merge),
 ``gguf`` converts them (no LoRA GGUF), and ``adapter`` is refused in one line.
@@ -29,8 +31,14 @@ from typing import Any
 from studio.core import events as ev
 from studio.core.runs import RunDir, is_full_model
 from studio.engine.export import DTYPES, ExportError, find_adapter
-from studio.engine.gguf_export import QUANTS, GgufExportError, write_gguf, write_lora_gguf
-from studio.engine.gguf_families import family_of
+from studio.engine.gguf_export import (
+    QUANTS,
+    GgufExportError,
+    check_architecture,
+    lora_gguf_refusal,
+    write_gguf,
+    write_lora_gguf,
+)
 
 FORMATS = ("adapter", "merged", "gguf")
 TEMPLATE_FILE = "prompt_template.txt"
@@ -150,7 +158,8 @@ def export_merged_folder(run: RunDir, dest: Path, dtype: str, progress: Callable
 
 def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, float], None]) -> str:
     """The merged model as GGUF, the LoRA-only GGUF adapter and an Ollama Modelfile in ``dest``;
-    returns the names of the GGUF files written."""
+    returns the names of the GGUF files written (and why there is no LoRA GGUF, where there is none
+    for an adapter)."""
     from studio.core.export.modelfile import modelfile
     from studio.core.prompt.tokens import load_tokenizer_info
     from studio.engine.merge import check_causal_lm
@@ -158,10 +167,10 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
     if quant not in QUANTS:
         raise GgufExportError(f"--quant {quant} is not one of {', '.join(QUANTS)}")
     config = run.config()
-    # What cannot be merged (an encoder-decoder) or llama.cpp does not run (mixture-of-experts,
-    # another architecture) is refused before minutes of merging, not after.
+    # What cannot be merged (an encoder-decoder) or llama.cpp does not run (another architecture, a
+    # config it would misread) is refused before minutes of merging, not after.
     check_causal_lm(_base_path(run, lambda _m: None), config.model.revision, config.model.trust_remote_code)
-    family_of(_base_config(run))
+    check_architecture(_base_config(run))
     staging = dest / "merged-f32"
     # float32 merge: the GGUF's own rounding (f16, q8_0) is then the only one.
     export_merged_folder(run, staging, "float32", lambda stage, f: progress(stage, f * 0.45))
@@ -169,11 +178,14 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
     model_file = f"model-{quant}.gguf"
     write_gguf(staging, dest / model_file, quant, lambda stage, f: progress(stage, 0.45 + f * 0.45),
                name=config.name or run.id)
-    lora_file = None
-    if not is_full_model(find_adapter(run)):  # a full fine-tune has no adapter to write alone
+    adapter = find_adapter(run)
+    lora_file, refusal = None, None
+    if not is_full_model(adapter):  # a full fine-tune has no adapter to write alone
+        refusal = lora_gguf_refusal(json.loads((adapter / "adapter_config.json").read_text()))
+    if not is_full_model(adapter) and refusal is None:
         progress("writing the LoRA GGUF adapter", 0.92)
         lora_file = "adapter-lora-f32.gguf"
-        write_lora_gguf(find_adapter(run), base_config, dest / lora_file)
+        write_lora_gguf(adapter, base_config, dest / lora_file)
     template = (staging / TEMPLATE_FILE).read_text(encoding="utf-8")
     shutil.move(staging / TEMPLATE_FILE, dest / TEMPLATE_FILE)
     tokenizer = load_tokenizer_info(staging)
@@ -184,6 +196,8 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
                                               # conversation rows train only with template: chat
                                               use_chat=config.prompt.template == "chat"))
     shutil.rmtree(staging)
+    if refusal:
+        return f"{model_file} (no LoRA GGUF: {refusal})"
     return f"{model_file}, {lora_file}" if lora_file else model_file
 
 

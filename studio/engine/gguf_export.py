@@ -6,33 +6,53 @@ llama.cpp names. What each family's metadata and tensors must say is
 :mod:`studio.engine.gguf_families`; the tokenizer is :mod:`studio.engine.gguf_vocab`. Beyond those:
 
 - a model with tied input and output embeddings has no ``output.weight`` in GGUF; readers reuse
-  ``token_embd.weight``;
-- a multimodal wrapper (Gemma 3 4B+) is written as its text model; the vision tower is left out.
+  ``token_embd.weight`` (OLMoE, whose llama.cpp loader needs one, gets a copy);
+- a multimodal wrapper (Gemma 3 4B+) is written as its text model; the vision tower is left out;
+- a mixture of experts' projections are stacked over the experts, one ``[experts, out, in]`` tensor
+  a projection and layer, from the one tensor an expert that transformers saves (or the fused 3-D
+  ``gate_up_proj``, split into its gate and up halves); one projection of one layer is in memory at a time.
 
-Covered: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 and Phi-3/Phi-4 (see
-:data:`~studio.engine.gguf_families.FAMILIES`). Anything else raises :class:`GgufExportError` with
-what to do instead.
+Covered: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3, Phi-3/Phi-4, and the mixtures of experts
+Qwen3-MoE, Mixtral and OLMoE (see :data:`~studio.engine.gguf_families.FAMILIES`). Anything else
+raises :class:`GgufExportError` with what to do instead. The LoRA GGUF covers plain LoRA on linear
+layers: an adapter on a mixture's expert weights (``lora.target_experts``) has no llama.cpp form.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from studio.engine.gguf_families import Family, GgufExportError, check, rope_tensors, text_config, write_hparams
+from studio.engine.gguf_families import (
+    Family,
+    GgufExportError,
+    check,
+    expert_count,
+    rope_tensors,
+    text_config,
+    write_hparams,
+)
 from studio.engine.gguf_vocab import read_vocab
 
-__all__ = ["QUANTS", "GgufExportError", "check_architecture", "gguf_name", "write_gguf", "write_lora_gguf"]
+__all__ = ["QUANTS", "GgufExportError", "check_architecture", "gguf_name", "lora_gguf_refusal", "write_gguf",
+           "write_lora_gguf"]
 
 Progress = Callable[[str, float], None]
 """progress(stage, fraction 0..1)."""
 
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 """``--quant`` values: GGML types the gguf package can write from Python."""
+
+_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)\.weight$")
+"""One expert's projection as transformers saves a mixture of experts: ``...mlp.experts.3.gate_proj.weight``
+(Qwen3-MoE, OLMoE), ``...block_sparse_moe.experts.3.w1.weight`` (Mixtral)."""
 
 _VISION_PREFIXES = ("vision_tower.", "vision_model.", "multi_modal_projector.", "model.vision_tower.",
                     "model.multi_modal_projector.", "model.vision_model.")
@@ -154,6 +174,54 @@ class _Weights:
         return self.where[name].get_tensor(name).float().numpy()
 
 
+@dataclass(frozen=True)
+class _Tensor:
+    """One tensor the GGUF file holds: the text model's Hugging Face name it is mapped from, its
+    shape, and how to read it (float32)."""
+
+    name: str
+    shape: tuple[int, ...]
+    read: Callable[[], np.ndarray]
+
+
+def _stacked(weights: _Weights, name: str, by_expert: dict[int, str], experts: int) -> _Tensor:
+    """The tensors of one projection, one an expert, as one ``[experts, out, in]`` tensor."""
+    if sorted(by_expert) != list(range(experts)):
+        raise GgufExportError(f"{name}: the weights hold experts {sorted(by_expert)} of this projection but the "
+                              f"config says {experts}; the merged folder is incomplete, export it again")
+    first = weights.shape(by_expert[0])
+    return _Tensor(name, (experts, *first), lambda: np.stack([weights.read(by_expert[e]) for e in range(experts)]))
+
+
+def _tensors(weights: _Weights, text_names: dict[str, str], config: dict[str, Any], family: Family) -> list[_Tensor]:
+    """The file's tensors in the checkpoint's order: each as it is, except a mixture of experts'
+    projections, stacked over the experts (llama.cpp's ``ffn_{gate,up,down}_exps``)."""
+    experts = expert_count(config) if family.moe else 0
+    stacks: dict[str, dict[int, str]] = {}
+    order: list[_Tensor | str] = []
+    for hf_name, text in text_names.items():
+        one = _EXPERT.match(text) if experts else None
+        if one:
+            name = f"{one['block']}.{one['proj']}.weight"
+            if name not in stacks:
+                stacks[name] = {}
+                order.append(name)
+            stacks[name][int(one["expert"])] = hf_name
+        elif experts and text.endswith(".experts.gate_up_proj"):
+            # transformers' fused layout [experts, 2 x intermediate, hidden]: the gate's rows, then the up's
+            count, rows, columns = weights.shape(hf_name)
+            block = text.removesuffix(".gate_up_proj")
+            for half, proj in enumerate(("gate_proj", "up_proj")):
+                part = slice(half * rows // 2, (half + 1) * rows // 2)
+                order.append(_Tensor(f"{block}.{proj}.weight", (count, rows // 2, columns),
+                                     lambda n=hf_name, p=part: weights.read(n)[:, p]))
+        elif experts and text.endswith(".experts.down_proj"):
+            order.append(_Tensor(text + ".weight", weights.shape(hf_name), partial(weights.read, hf_name)))
+        else:
+            order.append(_Tensor(text, weights.shape(hf_name), partial(weights.read, hf_name)))
+    return [_stacked(weights, t, stacks[t], experts) if isinstance(t, str) else t for t in order]
+
+
 def _add_tokenizer(writer: Any, model_dir: Path, n_vocab: int) -> int:
     """The tokenizer metadata; returns the vocabulary size written."""
     g = _gguf()
@@ -191,11 +259,13 @@ def write_gguf(model_dir: str | Path, out: str | Path, quant: str = "f16",
     text_names = {n: t for n, t in text_names.items() if t is not None}
     tied = bool(config.get("tie_word_embeddings")) or "lm_head.weight" not in text_names.values() \
         or not family.has_output
-    ordered = [n for n, t in text_names.items() if not (tied and t == "lm_head.weight")]
     embedding = next((n for n, t in text_names.items() if t == "model.embed_tokens.weight"), None)
     if embedding is None:
         raise GgufExportError(f"{model_dir}: no model.embed_tokens.weight among the weights; this is not a "
                               "decoder laid out as the covered families are")
+    ordered = [t for t in _tensors(weights, text_names, config, family) if not (tied and t.name == "lm_head.weight")]
+    if tied and family.output_required:
+        ordered.append(_Tensor("lm_head.weight", weights.shape(embedding), partial(weights.read, embedding)))
 
     writer = g.GGUFWriter(str(out), g.MODEL_ARCH_NAMES[getattr(g.MODEL_ARCH, family.arch)])
     writer.add_type(g.GGUFType.MODEL)
@@ -206,12 +276,10 @@ def write_gguf(model_dir: str | Path, out: str | Path, quant: str = "f16",
     writer.add_quantization_version(g.GGML_QUANT_VERSION)
     extra = rope_tensors(config, family)
     # Tensor infos first, then the data one tensor at a time: memory holds one tensor, not the model.
-    storage = {}
-    for hf_name in ordered:
-        shape = weights.shape(hf_name)
-        storage[hf_name] = _storage(shape, quant)
-        writer.add_tensor_info(gguf_name(text_names[hf_name], names), shape, np.dtype(np.float32),
-                               _nbytes(shape, storage[hf_name]), raw_dtype=storage[hf_name])
+    storage = [_storage(t.shape, quant) for t in ordered]
+    for tensor, qtype in zip(ordered, storage, strict=True):
+        writer.add_tensor_info(gguf_name(tensor.name, names), tensor.shape, np.dtype(np.float32),
+                               _nbytes(tensor.shape, qtype), raw_dtype=qtype)
     for tensor_name, data in extra.items():
         writer.add_tensor_info(tensor_name, data.shape, np.dtype(np.float32), data.nbytes,
                                raw_dtype=g.GGMLQuantizationType.F32)
@@ -219,14 +287,26 @@ def write_gguf(model_dir: str | Path, out: str | Path, quant: str = "f16",
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for i, hf_name in enumerate(ordered):
-        data = _orient(text_names[hf_name], weights.read(hf_name), config, family)
-        writer.write_tensor_data(_convert(data, storage[hf_name]))
+    for i, (tensor, qtype) in enumerate(zip(ordered, storage, strict=True)):
+        writer.write_tensor_data(_convert(_orient(tensor.name, tensor.read(), config, family), qtype))
         say(f"converting to {quant}", 0.02 + 0.98 * (i + 1) / len(ordered))
     for data in extra.values():
         writer.write_tensor_data(data)
     writer.close()
     return out
+
+
+def lora_gguf_refusal(peft_config: dict[str, Any]) -> str | None:
+    """Why the adapter with this ``adapter_config.json`` has no llama.cpp LoRA GGUF (None when it has):
+    llama.cpp adds ``alpha/r * B @ A`` to linear weights, which DoRA, rsLoRA, trained whole modules and
+    adapters on a mixture's 3-D expert weights (PEFT's ``target_parameters``) are not."""
+    if peft_config.get("target_parameters"):
+        return ("llama.cpp's LoRA adapters cover linear layers, and this one also adapts the expert weights "
+                "(lora.target_experts); the model GGUF has it merged")
+    if peft_config.get("use_dora") or peft_config.get("use_rslora") or peft_config.get("modules_to_save"):
+        return ("llama.cpp's LoRA adapters cover plain LoRA, and this one uses DoRA, rsLoRA or trained whole "
+                "modules; the model GGUF has it merged")
+    return None
 
 
 def write_lora_gguf(adapter_dir: str | Path, base_config: dict[str, Any], out: str | Path,
@@ -241,9 +321,9 @@ def write_lora_gguf(adapter_dir: str | Path, base_config: dict[str, Any], out: s
     family = check_architecture(base_config)
     base_config = text_config(base_config)
     peft = json.loads((adapter_dir / "adapter_config.json").read_text())
-    if peft.get("use_dora") or peft.get("use_rslora") or peft.get("modules_to_save"):
-        raise GgufExportError("the LoRA GGUF adapter covers plain LoRA; this adapter uses DoRA, rsLoRA or "
-                              "trained whole modules: use the merged GGUF (--format gguf writes both)")
+    refusal = lora_gguf_refusal(peft)
+    if refusal:
+        raise GgufExportError(f"{adapter_dir}: {refusal}")
     names = _name_map(base_config, family)
     writer = g.GGUFWriter(str(out), g.MODEL_ARCH_NAMES[getattr(g.MODEL_ARCH, family.arch)])
     writer.add_type(g.GGUFType.ADAPTER)

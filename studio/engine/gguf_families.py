@@ -17,8 +17,15 @@ What llama.cpp reads, and what it assumes without reading, decides every entry (
   (Gemma 2) or five of every six slide (Gemma 3), the sliding layers of Gemma 3 rotate with base
   10000, and the attention scale is ``1/sqrt(head_dim)`` (``1/sqrt(hidden/heads)`` for the 27B sizes).
   A config that differs is refused rather than written into a file llama.cpp would misread.
-
-Mixture-of-experts models are refused with one line.
+- **Mixtures of experts** (Qwen3-MoE, Mixtral, OLMoE): the expert counts are written
+  (``expert_count``, ``expert_used_count``, Qwen3-MoE's ``expert_feed_forward_length``) and each
+  layer's experts stacked into one tensor a projection (``ffn_gate_exps`` / ``ffn_up_exps`` /
+  ``ffn_down_exps``, ``[experts, out, in]``), the router as ``ffn_gate_inp``. llama.cpp weighs the
+  chosen experts as each architecture fixes it, not as a config key says: Qwen3-MoE and Mixtral
+  (llama.cpp's ``llama`` architecture with experts) renormalise the top-k probabilities, OLMoE does
+  not (``renormalize``). llama.cpp's Qwen3-MoE has experts in every layer; its OLMoE norms keys over
+  the hidden size (no grouped-query attention) and needs an output head of its own. A config that
+  differs is refused. gpt-oss, Qwen2-MoE and other mixtures are refused in one line.
 """
 
 from __future__ import annotations
@@ -54,6 +61,15 @@ class Family:
     """RoPE scaling types this family's GGUF can carry."""
     has_output: bool = True
     """Whether llama.cpp reads an ``output.weight`` at all (Gemma 2 always ties)."""
+    output_required: bool = False
+    """llama.cpp requires an ``output.weight`` even when the embeddings are tied (OLMoE): it is
+    written as a copy of the token embeddings."""
+    moe: bool = False
+    """The MLP is a mixture of experts: expert counts in the metadata, expert weights stacked."""
+    renormalize: bool = False
+    """How llama.cpp weighs a token's chosen experts in this architecture (a mixture of experts):
+    their softmax probabilities renormalised to sum to one (transformers' ``norm_topk_prob: true``),
+    or as they are."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -65,10 +81,16 @@ FAMILIES: dict[str, Family] = {
                      has_output=False),
     "gemma3_text": Family("GEMMA3", norm_shift=1.0, sliding_pattern=6, big_layers=62, rope_types=("default", "linear")),
     "phi3": Family("PHI3", partial_rotary=True, rope_types=("default", "longrope")),
+    "qwen3_moe": Family("QWEN3MOE", rope_types=("default", "yarn"), moe=True, renormalize=True),
+    # llama.cpp runs Mixtral as its llama architecture with experts
+    "mixtral": Family("LLAMA", permute_qk=True, rope_types=("default", "linear"), moe=True, renormalize=True),
+    "olmoe": Family("OLMOE", output_required=True, moe=True),
 }
 FAMILIES["gemma3"] = FAMILIES["gemma3_text"]  # the multimodal wrapper: its text model is written
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+MOE_FAMILIES = "Qwen3-MoE, Mixtral and OLMoE"
+"""The mixtures of experts the exporter writes, as a message names them."""
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -84,16 +106,23 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 def family_of(config: dict[str, Any]) -> Family:
     """The :class:`Family` of a config.json; GgufExportError naming what is covered when none fits."""
     model_type = config.get("model_type", "?")
-    if any(text_config(config).get(k) for k in _MOE_KEYS) or "moe" in str(model_type) or model_type == "mixtral":
-        raise GgufExportError(f"'{model_type}' is a mixture-of-experts model, which Studio does not write as GGUF; "
-                              "export --format merged and convert that folder with llama.cpp's convert_hf_to_gguf.py")
     family = FAMILIES.get(model_type)
+    sparse = any(text_config(config).get(k) for k in _MOE_KEYS) or "moe" in str(model_type) or model_type == "gpt_oss"
+    if sparse and (family is None or not family.moe):
+        raise GgufExportError(f"'{model_type}' is a mixture-of-experts model that Studio does not write as GGUF (it "
+                              f"writes {MOE_FAMILIES}); export --format merged and convert that folder with "
+                              "llama.cpp's convert_hf_to_gguf.py")
     if family is None:
         raise GgufExportError(
-            f"GGUF export covers Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3 and Phi-3/4 models "
-            f"({', '.join(sorted(FAMILIES))}); this model is '{model_type}'. Export it with --format merged and "
-            "convert that folder with llama.cpp's convert_hf_to_gguf.py")
+            f"GGUF export covers Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3/4 and the mixtures of experts "
+            f"{MOE_FAMILIES} ({', '.join(sorted(FAMILIES))}); this model is '{model_type}'. Export it with "
+            "--format merged and convert that folder with llama.cpp's convert_hf_to_gguf.py")
     return family
+
+
+def expert_count(config: dict[str, Any]) -> int:
+    """Experts in each sparse layer of a mixture of experts' (text) config."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
 
 
 def head_dim(config: dict[str, Any]) -> int:
@@ -131,11 +160,34 @@ def check(config: dict[str, Any]) -> Family:
         problems.append("use_sliding_window: true (llama.cpp has no sliding window for this family)")
     if family.sliding_pattern:
         problems += _gemma_problems(config, family)
+    if family.moe:
+        problems += _moe_problems(config, family)
     if problems:
         raise GgufExportError(f"{config.get('model_type')}: llama.cpp cannot run this config as written: "
                               + "; ".join(problems) + ". Export --format merged and convert with llama.cpp's "
                               "convert_hf_to_gguf.py")
     return family
+
+
+def _moe_problems(config: dict[str, Any], family: Family) -> list[str]:
+    """Where a mixture of experts' config differs from what llama.cpp fixes for its architecture."""
+    problems = []
+    # transformers' norm_topk_prob defaults to false; Mixtral has no such key and always renormalises.
+    renormalize = bool(config.get("norm_topk_prob", config.get("model_type") == "mixtral"))
+    if renormalize != family.renormalize:
+        problems.append(f"norm_topk_prob: {str(renormalize).lower()} (llama.cpp's {family.arch.lower()} "
+                        f"{'always' if family.renormalize else 'never'} renormalises the chosen experts' weights)")
+    if family.arch == "QWEN3MOE" and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1):
+        problems.append("dense MLP layers (mlp_only_layers / decoder_sparse_step; llama.cpp's qwen3moe has experts "
+                        "in every layer)")
+    if family.arch == "OLMOE":
+        heads = config.get("num_attention_heads")
+        if int(config.get("num_key_value_heads") or heads) != int(heads):
+            problems.append(f"num_key_value_heads {config['num_key_value_heads']} (llama.cpp's olmoe norms keys "
+                            f"over the hidden size: as many key/value heads as heads, {heads})")
+        if config.get("clip_qkv"):
+            problems.append(f"clip_qkv {config['clip_qkv']} (llama.cpp's olmoe does not clip)")
+    return problems
 
 
 def _gemma_problems(config: dict[str, Any], family: Family) -> list[str]:
@@ -179,6 +231,11 @@ def write_hparams(writer: Any, config: dict[str, Any], family: Family, n_vocab: 
     if config.get("head_dim") and int(config["head_dim"]) != hidden // heads or family.arch.startswith("GEMMA"):
         writer.add_key_length(head_dim(config))
         writer.add_value_length(head_dim(config))
+    if family.moe:
+        writer.add_expert_count(expert_count(config))
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        if config.get("moe_intermediate_size"):  # Qwen3-MoE: the experts' width apart from intermediate_size
+            writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
     main = rope(config)
     writer.add_rope_freq_base(main["rope_theta"])
     if family.partial_rotary:

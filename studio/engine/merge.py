@@ -6,7 +6,9 @@ transformers loads as a causal LM (a multimodal checkpoint, Gemma 3 4B+, stays w
   run's 4-bit weights were rounded from these, and merging into 4-bit weights would round the update
   away. A base that exists only as a bitsandbytes checkpoint (``quantization_config`` in its
   config.json) is dequantized first: its rounded weights are all there is.
-- Each adapted weight is the float32 sum of base and update, rounded to the dtype once.
+- Each adapted weight is the float32 sum of base and update, rounded to the dtype once. A mixture of
+  experts' expert weights (PEFT's ``target_parameters`` adapters) too: PEFT would round their update to
+  the weight's dtype before adding it, so they are merged here, one projection in float32 at a time.
 - Token embeddings and output head that share one tensor (tied) are split when the adapter changes
   either: merged into the shared tensor, an ``lm_head`` update would change the token embeddings too.
 """
@@ -99,7 +101,26 @@ def merge_adapter(model: Any, adapter: Path) -> Any:
         warnings.simplefilter("ignore", FutureWarning)  # peft: is_gradient_checkpointing
         wrapped = PeftModel.from_pretrained(model, str(adapter))
     untie_adapted_embeddings(wrapped.get_base_model())
-    return wrapped.merge_and_unload()
+    merge_expert_adapters(wrapped)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="All adapters are already merged")  # the experts, just above
+        return wrapped.merge_and_unload()
+
+
+def merge_expert_adapters(model: Any) -> None:
+    """Merge the adapters on 3-D expert weights (PEFT's ``ParamWrapper``) of ``model`` into them, each
+    a float32 sum rounded to the weight's dtype once. PEFT's own merge rounds the update to the
+    weight's dtype first (a bfloat16 weight: rounded twice)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    for module in model.modules():
+        if not isinstance(module, ParamWrapper) or module.merged:
+            continue
+        param = module.get_param()
+        dtype = param.dtype
+        param.data = param.data.float()  # the update is then made in float32 and added there
+        module.merge()
+        param.data = param.data.to(dtype)
 
 
 def copy_processor_files(base: str, dest: Path, revision: str | None = None) -> list[str]:

@@ -1,7 +1,8 @@
-"""GGUF export of every family the exporter covers, on tiny random models with a LoRA merged in: the
-file, read as llama.cpp reads it (tests/helpers/gguf_reading.py), predicts the merged model's next tokens
-(>= 99% at f16, >= 90% at q8_0), its tokenizer metadata encodes text as the model's own tokenizer
-does, the LoRA GGUF holds the adapter's delta, and the Modelfile carries the family's chat turns."""
+"""GGUF export of every family the exporter covers, on tiny random models with a LoRA merged in (on a
+mixture of experts' attention and expert weights): the file, read as llama.cpp reads it
+(tests/helpers/gguf_reading.py), predicts the merged model's next tokens (>= 99% at f16, >= 90% at
+q8_0), its tokenizer metadata encodes text as the model's own tokenizer does, the LoRA GGUF holds the
+adapter's delta, and the Modelfile carries the family's chat turns."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
-from helpers.gguf_reading import load_as_llama_cpp, metadata, tokenizer_reader_is_faithful  # noqa: E402
-from helpers.tiny_families import FAMILIES, build, build_gemma3_multimodal, lora_targets  # noqa: E402
+from helpers.gguf_reading import (  # noqa: E402
+    load_as_llama_cpp,
+    metadata,
+    tokenizer_reader_is_faithful,
+    transformers_reads,
+)
+from helpers.tiny_families import FAMILIES, build, build_gemma3_multimodal, expert_targets, lora_targets  # noqa: E402
 
 from studio.core.config import RunConfig  # noqa: E402
 from studio.core.runs import create_run  # noqa: E402
@@ -28,6 +34,7 @@ TEXTS = ["Reverse the letters of the word.", "  two  spaces, then\nnew lines\n\n
          "<start_of_turn>user\nhi<end_of_turn>", "<|im_start|>assistant\nok<|im_end|>", "🦙 tabs\tand \u2581 marks"]
 GPT2, SPM = ("gpt2", "gpt-2", False), ("llama", "default", False)
 EXPECTED_TOKENIZER = {"llama": GPT2, "mistral": GPT2, "qwen3": GPT2, "gemma2": SPM, "gemma3": SPM,
+                      "qwen3_moe": GPT2, "mixtral": GPT2, "olmoe": GPT2,
                       "phi3": ("llama", "default", True),
                       # transformers loads a qwen2 folder's tokenizer as Qwen2Tokenizer, which saves
                       # Qwen's own split expression: llama.cpp's "qwen2"
@@ -36,8 +43,9 @@ EXPECTED_TOKENIZER = {"llama": GPT2, "mistral": GPT2, "qwen3": GPT2, "gemma2": S
 
 
 def _run_with_adapter(name: str, tmp_path: Path):
-    """A run on the family's tiny base with a random (non-zero) LoRA on every projection, and the
-    merged float32 model that the GGUF must reproduce."""
+    """A run on the family's tiny base with a random (non-zero) LoRA on every projection (a mixture of
+    experts': its attention's and its expert weights), and the merged float32 model that the GGUF must
+    reproduce."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -47,9 +55,10 @@ def _run_with_adapter(name: str, tmp_path: Path):
     config.prompt.template = "chat"
     run = create_run(config)
     torch.manual_seed(1)
+    model_type = FAMILIES[name]["model_type"]
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(FAMILIES[name]["model_type"]),
-                                           init_lora_weights=False))
+                                LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(model_type),
+                                           target_parameters=expert_targets(model_type), init_lora_weights=False))
     peft_model.save_pretrained(run.adapter_dir)
     merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                                        str(run.adapter_dir)).merge_and_unload().eval()
@@ -75,7 +84,7 @@ def test_each_family_exports_a_gguf_that_predicts_like_the_merged_model(name: st
         agree = (got == expected).float().mean().item()
         print(f"{name} {quant}: {agree:.1%} of {expected.numel()} next-token predictions agree")
         assert agree >= floor, f"{name} {quant}: {agree:.1%} < {floor:.0%}"
-        if tokenizer_reader_is_faithful():
+        if tokenizer_reader_is_faithful() and transformers_reads(FAMILIES[name]["model_type"]):
             # transformers' GGUF tokenizer, built from the file's metadata alone, encodes as the model's own.
             from_gguf = AutoTokenizer.from_pretrained(str(tmp_path / quant), gguf_file=file)
             assert [from_gguf.encode(t, add_special_tokens=False) for t in TEXTS] == \
@@ -160,8 +169,22 @@ def test_pre_tokenizer_is_named_as_llama_cpp_names_it(tmp_path: Path) -> None:
 def test_what_llama_cpp_cannot_run_is_refused_with_every_reason() -> None:
     from studio.engine.gguf_export import GgufExportError, check_architecture
 
-    with pytest.raises(GgufExportError, match="'qwen3_moe' is a mixture-of-experts model.*--format merged"):
+    with pytest.raises(GgufExportError, match="'gpt_oss' is a mixture-of-experts model that Studio does not write "
+                       r"as GGUF \(it writes Qwen3-MoE, Mixtral and OLMoE\).*--format merged"):
+        check_architecture({"model_type": "gpt_oss", "num_local_experts": 32})
+    # what llama.cpp fixes for each mixture of experts, whatever the config says
+    with pytest.raises(GgufExportError) as refused:
+        check_architecture({"model_type": "qwen3_moe", "num_experts": 8, "norm_topk_prob": False,
+                            "mlp_only_layers": [1]})
+    assert "norm_topk_prob: false (llama.cpp's qwen3moe always renormalises" in str(refused.value)
+    assert "dense MLP layers" in str(refused.value)
+    with pytest.raises(GgufExportError, match="norm_topk_prob: false"):  # transformers' default where unset
         check_architecture({"model_type": "qwen3_moe", "num_experts": 8})
+    with pytest.raises(GgufExportError) as refused:
+        check_architecture({"model_type": "olmoe", "num_experts": 8, "norm_topk_prob": True, "num_attention_heads": 16,
+                            "num_key_value_heads": 4, "clip_qkv": 8.0})
+    assert all(why in str(refused.value) for why in ("norm_topk_prob: true (llama.cpp's olmoe never",
+                                                     "num_key_value_heads 4", "clip_qkv 8.0"))
     gemma = dict(model_type="gemma2", hidden_size=64, num_attention_heads=4, head_dim=16, num_hidden_layers=2,
                  query_pre_attn_scalar=64, layer_types=["full_attention", "sliding_attention"],
                  hidden_activation="gelu_pytorch_tanh")

@@ -1,7 +1,9 @@
 """Merged export (``studio export --format merged``) and ``studio embed`` on a tiny random model of every
 covered family (tests/helpers/tiny_families.py: Llama 2 / 3.x (one model_type, one class), Mistral, Qwen2 / 2.5,
 Qwen3, Gemma 2, Gemma 3 text and its multimodal checkpoint, Phi-3 / 3.5 / 4-mini, OLMo 2, SmolLM3,
-Granite 3), each with a non-zero random LoRA on every projection the family has, under PEFT's names.
+Granite 3, and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE), each with a non-zero random LoRA on
+every projection the family has, under PEFT's names (a mixture's expert weights through PEFT's
+``target_parameters``, as ``lora.target_experts`` trains them).
 
 The bases are stored in bfloat16, as the Hub's are, and the runs keep the default config (QLoRA,
 ``quantization.bits: 4``): the merge loads the base unquantized whatever the run trained on. What the
@@ -23,7 +25,7 @@ torch = pytest.importorskip("torch")
 # GPU box it would load the base in bf16 on the card, and the exact comparisons would not hold).
 pytestmark = pytest.mark.usefixtures("on_cpu")
 
-from helpers.tiny_families import FAMILIES, build, build_gemma3_multimodal, lora_targets  # noqa: E402
+from helpers.tiny_families import FAMILIES, build, build_gemma3_multimodal, expert_targets, lora_targets  # noqa: E402
 
 from studio.core import events as ev  # noqa: E402
 from studio.core.config import RunConfig  # noqa: E402
@@ -54,8 +56,10 @@ def _run(base: Path, runs: Path, scale: float = 1.0) -> tuple[RunDir, object]:
     run = create_run(config)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(1)
+    model_type = model.config.model_type
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                  target_modules=lora_targets(model.config.model_type)))
+                                                  target_modules=lora_targets(model_type),
+                                                  target_parameters=expert_targets(model_type)))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
@@ -255,12 +259,14 @@ def test_a_4bit_checkpoint_base_is_dequantized_before_the_merge(tmp_path: Path) 
 
 
 REFUSED = {
-    "mixtral": (dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                     num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2), ["q_proj", "v_proj"]),
+    "qwen2_moe": (dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32), ["q_proj", "v_proj"]),
     "mamba": (dict(hidden_size=64, state_size=8, num_hidden_layers=2, intermediate_size=128), ["in_proj", "x_proj"]),
     "t5": (dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16), ["q", "v"]),
 }
-"""A tiny mixture-of-experts, state-space and encoder-decoder model, and LoRA targets each has."""
+"""A tiny mixture of experts the GGUF writer does not cover (a shared expert), a state-space and an
+encoder-decoder model, and LoRA targets each has."""
 
 
 @pytest.mark.parametrize("model_type", list(REFUSED))
@@ -298,6 +304,7 @@ def test_what_studio_does_not_cover_is_one_line(model_type: str, tmp_path: Path)
             assert result.message == (f"{tmp_path / 'base'} is an encoder-decoder model (model_type 't5'); Studio "
                                       "exports and embeds decoder-only causal LMs")
     else:
-        assert ("mixture-of-experts" if model_type == "mixtral" else "this model is 'mamba'") in gguf.message
+        assert ("mixture-of-experts model that Studio does not write as GGUF (it writes Qwen3-MoE, Mixtral and "
+                "OLMoE)" if model_type == "qwen2_moe" else "this model is 'mamba'") in gguf.message
         assert "--format merged" in gguf.message
         assert merged.ok and embedded.ok, (merged.message, embedded.message)

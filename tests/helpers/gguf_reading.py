@@ -6,7 +6,10 @@ it takes for a key that is missing, and what it fixes without reading any key (G
 pattern and attention scale, Gemma 3's local RoPE base, Phi-3's disabled sliding window). The result
 is a transformers config, and the weights are loaded through transformers' own GGUF reader (its own
 undoing of the q/k reordering and of Gemma's ``1 + w`` norms), so neither half is the exporter's
-code read backwards.
+code read backwards. transformers has no reader for llama.cpp's Mixtral (its ``llama`` architecture
+with experts) or OLMoE files, nor for Qwen3-MoE before it had one: :func:`read_weights` reads those,
+from llama.cpp's tensor names written out here (not the ``gguf`` package's map the exporter uses),
+and is checked against transformers' reader on a Qwen3-MoE file.
 """
 
 from __future__ import annotations
@@ -49,11 +52,30 @@ def llama_cpp_config(path: Path) -> Any:
                   eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
                   pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
     rope = {**scaling, "rope_theta": theta}
+    experts = dict(num_experts_per_tok=key("expert_used_count"))
+    if arch == "llama" and key("expert_count"):
+        # llama.cpp's llama architecture with experts: Mixtral, the top-k probabilities renormalised
+        assert rope_dims == head_dim, "llama.cpp refuses a llama file whose rotary width is not the head size"
+        return AutoConfig.for_model("mixtral", **common, rope_parameters=rope, num_local_experts=key("expert_count"),
+                                    sliding_window=None, **experts)
     if arch == "llama":
         assert rope_dims == head_dim, "llama.cpp refuses a llama file whose rotary width is not the head size"
         return AutoConfig.for_model("llama", **common, rope_parameters=rope)
     if arch in ("qwen2", "qwen3"):
         return AutoConfig.for_model(arch, **common, rope_parameters=rope)
+    if arch == "qwen3moe":
+        # Experts in every layer, their top-k probabilities renormalised; without the key, llama.cpp
+        # takes the experts' width as feed_forward_length / expert_used_count.
+        width = key("expert_feed_forward_length") or key("feed_forward_length") // key("expert_used_count")
+        return AutoConfig.for_model("qwen3_moe", **common, rope_parameters=rope, num_experts=key("expert_count"),
+                                    moe_intermediate_size=width, norm_topk_prob=True, mlp_only_layers=[],
+                                    decoder_sparse_step=1, **experts)
+    if arch == "olmoe":
+        # q and k normed over the whole projection, the top-k probabilities as they are, nothing clipped;
+        # llama.cpp's loader requires output.weight, so the head is never the embeddings
+        assert "output.weight" in tensors, "llama.cpp refuses an olmoe file without output.weight"
+        return AutoConfig.for_model("olmoe", **common, rope_parameters=rope, num_experts=key("expert_count"),
+                                    norm_topk_prob=False, clip_qkv=None, **experts)
     if arch == "phi3":
         # llama.cpp runs Phi-3 without its sliding window, whatever the file says.
         return AutoConfig.for_model("phi3", **common, sliding_window=None,
@@ -77,12 +99,87 @@ def llama_cpp_config(path: Path) -> Any:
                                                                        "rope_theta": 10000.0}})
 
 
-def load_as_llama_cpp(folder: Path, name: str) -> Any:
-    """The float32 transformers model of the GGUF ``folder/name`` as llama.cpp configures it."""
+_BLOCK = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+          "attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight",
+          "attn_v": "self_attn.v_proj.weight", "attn_output": "self_attn.o_proj.weight",
+          "attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn.k_norm.weight",
+          "ffn_gate_inp": "mlp.gate.weight", "ffn_down_exps": "mlp.experts.down_proj"}
+"""llama.cpp's name of a mixture of experts' tensor in block ``i`` (``blk.i.<name>.weight``) -> its
+transformers name in layer ``i``; ``ffn_gate_exps`` and ``ffn_up_exps`` together are ``gate_up_proj``."""
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+MOE_TYPES = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def values(tensor: Any) -> Any:
+    """A GGUF tensor's values as float32, in numpy's order (``[experts, out, in]`` for experts)."""
+    import gguf
+    import numpy as np
+
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(data, dtype=np.float32).reshape([int(n) for n in reversed(tensor.shape.tolist())])
+
+
+def _pairs_to_halves(rows: Any, heads: int) -> Any:
+    """llama.cpp's ``llama`` architecture rotates adjacent channels: its q/k rows, back in
+    transformers' rotate-half order."""
+    shape = rows.shape
+    return rows.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def read_weights(path: Path, config: Any) -> dict[str, Any]:
+    """The transformers state dict (torch tensors) of a mixture of experts' GGUF file, for ``config``
+    (:func:`llama_cpp_config` of it); every tensor of the file used, or an AssertionError."""
+    import gguf
+    import numpy as np
+    import torch
+
+    arch = metadata(path)[0]["general.architecture"]
+    tensors = {t.name: values(t) for t in gguf.GGUFReader(path).tensors}
+    state: dict[str, Any] = {}
+    for name, hf in _GLOBAL.items():
+        if name in tensors:
+            state[hf] = tensors.pop(name)
+    if "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        for name, hf in _BLOCK.items():
+            if f"blk.{i}.{name}.weight" in tensors:
+                state[layer + hf] = tensors.pop(f"blk.{i}.{name}.weight")
+        gate, up = tensors.pop(f"blk.{i}.ffn_gate_exps.weight"), tensors.pop(f"blk.{i}.ffn_up_exps.weight")
+        state[layer + "mlp.experts.gate_up_proj"] = np.concatenate([gate, up], axis=1)
+        if arch == "llama":
+            for proj, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.num_key_value_heads)):
+                state[layer + f"self_attn.{proj}.weight"] = _pairs_to_halves(state[layer + f"self_attn.{proj}.weight"],
+                                                                             heads)
+    assert not tensors, f"tensors llama.cpp would not read for {arch}: {sorted(tensors)}"
+    return {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in state.items()}  # copies: writable
+
+
+def transformers_reads(model_type: str) -> bool:
+    """Whether transformers' GGUF loader reads this family's files (every dense one here; of the
+    mixtures of experts, Qwen3-MoE where its loader stacks experts, as 5.24's does)."""
+    import importlib
+
+    if model_type not in MOE_TYPES:
+        return True
+    processors = importlib.import_module("transformers.modeling_gguf_pytorch_utils").TENSOR_PROCESSORS
+    return model_type == "qwen3_moe" and "qwen3moe" in processors
+
+
+def load_as_llama_cpp(folder: Path, name: str, reader: str = "auto") -> Any:
+    """The float32 transformers model of the GGUF ``folder/name`` as llama.cpp configures it, its
+    weights read by transformers' GGUF loader, or by :func:`read_weights` where that has none
+    (``reader``: auto, transformers or ours)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     config = llama_cpp_config(folder / name)
+    if reader == "ours" or (reader == "auto" and not transformers_reads(config.model_type)):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(read_weights(folder / name, config), strict=True)
+        return model.eval()
     return AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, config=config, dtype=torch.float32).eval()
 
 

@@ -1,6 +1,8 @@
-"""Tiny random models of every family Studio covers (the GGUF exporter writes the first seven), each
-with a tokenizer of the kind that family ships and a chat template of that family's shape, saved as a
-model folder.
+"""Tiny random models of every family Studio covers (the GGUF exporter writes all but OLMo 2, SmolLM3
+and Granite), each with a tokenizer of the kind that family ships and a chat template of that family's
+shape, saved as a model folder. The mixtures of experts (Qwen3-MoE, Mixtral, OLMoE) are shaped as
+llama.cpp can run them too (tests/engine/test_fast_moe.py has the shapes it cannot: a Qwen3-MoE with a
+dense layer, an OLMoE with grouped-query attention).
 
 Byte-level BPE families (Llama 3, Mistral, Qwen) use the project's tiny tokenizer (studio.engine.tiny).
 SentencePiece-style families (Gemma, Phi-3) get a tiny BPE with byte fallback, trained here with
@@ -88,7 +90,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
                                                       attention_multiplier=0.0625, residual_multiplier=0.22,
                                                       logits_scaling=8.0, tie_word_embeddings=True),
                     tokenizer="bpe", chat=GRANITE, end="<|end_of_text|>"),
+    # four experts, two a token, in every layer; the experts narrower than intermediate_size (the
+    # width of dense layers this config has none of), head_dim apart from hidden / heads
+    "qwen3_moe": dict(model_type="qwen3_moe", config=dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                                          moe_intermediate_size=32, head_dim=32, norm_topk_prob=True,
+                                                          tie_word_embeddings=False),
+                      tokenizer="bpe", chat=CHATML, end="<|im_end|>"),
+    "mixtral": dict(model_type="mixtral", config=dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                                                      tie_word_embeddings=False),
+                    tokenizer="bpe", chat=MISTRAL, end=None),
+    # the top-k probabilities not renormalised; as many key/value heads as heads, as llama.cpp's OLMoE
+    # needs; tied embeddings, which its GGUF writes twice (llama.cpp's OLMoE needs an output head)
+    "olmoe": dict(model_type="olmoe", config=dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                                  num_key_value_heads=4, tie_word_embeddings=True),
+                  tokenizer="bpe", chat=OLMO2, end=None),
 }
+
+MOE_TYPES = ("qwen3_moe", "mixtral", "olmoe")
+"""The mixtures of experts among them."""
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+"""PEFT's ``target_parameters`` for a mixture of experts' expert weights (what ``lora.target_experts`` sets)."""
 
 SPM_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
 CHAT_TOKENS = {"bpe": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
@@ -99,10 +120,18 @@ CHAT_TOKENS = {"bpe": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|start_h
 
 
 def lora_targets(model_type: str) -> list[str]:
-    """Every projection of the family's decoder layer (Phi-3's are fused)."""
+    """Every projection module of the family's decoder layer (Phi-3's are fused; a mixture of experts'
+    are its attention's, its experts being parameters: :func:`expert_targets`)."""
     if model_type == "phi3":
         return ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    if model_type in MOE_TYPES:
+        return ["q_proj", "k_proj", "v_proj", "o_proj"]
     return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def expert_targets(model_type: str) -> list[str] | None:
+    """PEFT's ``target_parameters`` for the family's expert weights (None for a dense family)."""
+    return EXPERT_PARAMETERS if model_type in MOE_TYPES else None
 
 
 def tiny_config(name: str, vocab_size: int = 300, **overrides: Any):  # -> PretrainedConfig
@@ -165,7 +194,7 @@ def build(name: str, folder: Path, seed: int = 0, dtype: str = "float32") -> Pat
         tokenizer = spm_tokenizer(prefix_space=spec["tokenizer"] == "spm-prefix")
     tokenizer.add_special_tokens({"additional_special_tokens": CHAT_TOKENS[spec["tokenizer"]]})
     tokenizer.chat_template = spec["chat"]
-    config = AutoConfig.for_model(spec["model_type"], **_SIZE, **spec["config"], vocab_size=len(tokenizer),
+    config = AutoConfig.for_model(spec["model_type"], **{**_SIZE, **spec["config"]}, vocab_size=len(tokenizer),
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                   pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
