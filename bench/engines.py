@@ -82,6 +82,7 @@ def trainer_config(case, folder: Path, data: Path, steps: int, cuda: bool):  # -
     config.quantization.compute_dtype = "bfloat16" if cuda else "float32"
     config.lora.r, config.lora.alpha, config.lora.dropout = case.r, 2 * case.r, case.dropout
     config.lora.target_modules = "all-linear" if len(case.targets) == 7 else list(case.targets)
+    config.lora.target_experts = getattr(case, "experts", False)  # a mixture of experts' own adapters
     config.prompt.template = TRAINER_TEMPLATE
     config.data.path = str(data)
     config.data.max_seq_length = case.seq
