@@ -63,7 +63,8 @@ DISK_MARGIN = 2 * 10**9
 """Bytes left free on the disk after a build (the runs write their own files beside it)."""
 
 
-def _config(shape: dict):
+def hf_config(shape: dict):
+    """The transformers config of ``shape`` (the tiny tokenizer's token ids)."""
     from transformers import AutoConfig
 
     fields = dict(shape)
@@ -79,7 +80,7 @@ def sizes(shape: dict) -> dict:
 
     def size(layers: int) -> int:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(_config(layer_subset(shape, layers)), dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_config(hf_config(layer_subset(shape, layers)), dtype=torch.bfloat16)
         return sum(p.numel() for p in model.parameters()) * 2
 
     one, two = size(1), size(2)
@@ -155,7 +156,7 @@ def build_model(name: str, shape: dict, out: Path, *, layers: int | None = None,
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(_config(subset), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(hf_config(subset), dtype=torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     built_s = time.perf_counter() - t0
     print(f"built {name} ({layers} of {real} layers, {params / 1e9:.2f} B params) on {device} in {built_s:.1f} s",
