@@ -200,8 +200,8 @@ def measure_model(name: str, args: argparse.Namespace, env: dict, start: float,
             elapsed = time.perf_counter() - start
             if side == "unsloth" and args.tiny:
                 results[side][variant] = {"skipped": "--tiny: Unsloth needs a GPU"}
-            elif side != "studio" and "error" in results["studio"].get(variant, {}):
-                results[side][variant] = {"skipped": "Studio's side left no micro-batches for this row"}
+            elif side != "studio" and not results["studio"].get(variant, {}).get("losses"):
+                results[side][variant] = {"skipped": "Studio's side trained no micro-batches for this row to replay"}
             elif elapsed > args.budget_s:
                 results[side][variant] = {"skipped": "time budget"}
             else:
