@@ -84,7 +84,7 @@ class Row:
     def label(self) -> str:
         """``llama2-7b nf4 r16-all seq512 mb4 ckpt drop0.0 adamw``, with ``short-packed`` or ``short-padded``,
         and ``+experts`` after the targets where the experts have adapters."""
-        return (f"{self.model} {self.weights} r{self.r}-{TARGET_NAMES[self.targets]}{'+experts' if self.experts else ''} "
+        return (f"{self.model} {self.weights} r{self.r}-{TARGET_NAMES.get(self.targets) or '+'.join(self.targets)}{'+experts' if self.experts else ''} "
                 f"seq{self.seq} mb{self.micro_batch} {'ckpt' if self.checkpointing else 'no-ckpt'} drop{self.dropout} "
                 f"{self.optimizer}{'' if self.data == 'long' else ' short-' + ('packed' if self.packing else 'padded')}")
 
