@@ -6,9 +6,10 @@ full-length rows of random-ish text, and returns the peaks, the speed and what r
 - :func:`run_trainer` goes through ``studio.engine.train.Trainer``, the real engine (its path
   decision, fast path, CUDA graphs, evaluation and adapter save included), then answers one
   held-out prompt through the session's ``generate`` (what the worker's chat calls). Its peaks are
-  read three times: over the training steps only, over the training run (final evaluation and save
-  too), and over the generation alone; the row's peak is the largest. The Trainer's per-step peak
-  reset is turned off so nothing is lost between the first two.
+  read four times: once the model is loaded (the load's own peak: a mixture of experts' loader can
+  hold 16-bit experts before packing them), over the training steps (the load included), over the
+  training run (final evaluation and save too), and over the generation alone; the row's peak is the
+  largest. The Trainer's per-step peak reset is turned off so nothing is lost between them.
 - :func:`run_unsloth` loads the same folder with Unsloth's FastLanguageModel (4-bit, its offloaded
   checkpointing, dropout 0) and trains with a plain loop (Unsloth patches transformers globally,
   which is why it never shares a process with the others).
@@ -82,6 +83,7 @@ def trainer_config(case, folder: Path, data: Path, steps: int, cuda: bool):  # -
     config.quantization.compute_dtype = "bfloat16" if cuda else "float32"
     config.lora.r, config.lora.alpha, config.lora.dropout = case.r, 2 * case.r, case.dropout
     config.lora.target_modules = "all-linear" if len(case.targets) == 7 else list(case.targets)
+    config.lora.target_experts = getattr(case, "experts", False)  # a mixture of experts' own adapters
     config.prompt.template = TRAINER_TEMPLATE
     config.data.path = str(data)
     config.data.max_seq_length = case.seq
@@ -120,7 +122,11 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     captured: set = set()  # every layout seen captured at a step's end (a widened one replaces its own)
 
     def emit(event) -> None:
-        if isinstance(event, ev.StepLogged):
+        if isinstance(event, ev.ModelLoaded) and cuda:  # the load's own peak: a mixture of experts' can be the run's
+            counters = memory.allocator_counters(torch.device("cuda"))
+            train_peak["load_allocated"] = counters["peak_allocated"]
+            train_peak["load_reserved"] = counters["peak_reserved"]
+        elif isinstance(event, ev.StepLogged):
             steps_seen.append(event)
             if cuda:  # one reading of the allocator's counters: this runs between two timed steps
                 counters = memory.allocator_counters(torch.device("cuda"))
@@ -169,6 +175,8 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
         row["run_peak_reserved"] = torch.cuda.max_memory_reserved()
         row["train_peak_allocated"] = train_peak.get("allocated", 0)
         row["train_peak_reserved"] = train_peak.get("reserved", 0)
+        row["load_peak_allocated"] = train_peak.get("load_allocated", 0)
+        row["load_peak_reserved"] = train_peak.get("load_reserved", 0)
         torch.cuda.reset_peak_memory_stats()  # the generation's own peaks from here
     row.update(generate_phase(trainer.session, case.seq, GENERATE_NEW_TOKENS))
     if cuda:

@@ -125,9 +125,12 @@ def lora_targets(folder: Path) -> list[str]:
 # ------------------------------------------------------------------------------------ the sides
 
 
-def studio_side(folder: Path, workload: str, seq: int, micro_batch: int, steps: int, warmup: int, work: Path) -> dict:
+def studio_side(folder: Path, workload: str, seq: int, micro_batch: int, steps: int, warmup: int, work: Path,
+                targets: tuple[str, ...] = ALL, experts: bool = False) -> dict:
     """Studio's Trainer on one workload: per-step losses, tokens/s, peak reserved, the path it took;
-    the micro-batches it trained on and its adapters' initial weights are saved in ``work``."""
+    the micro-batches it trained on and its adapters' initial weights are saved in ``work`` under the
+    workload's name. ``targets``: the LoRA modules (all seven: ``all-linear``); ``experts``: a mixture
+    of experts' expert adapters too (``lora.target_experts``)."""
     import torch
 
     import studio.engine.memory as memory
@@ -140,8 +143,9 @@ def studio_side(folder: Path, workload: str, seq: int, micro_batch: int, steps: 
     from studio.engine.train import Trainer
 
     cuda = torch.cuda.is_available()
-    case = SimpleNamespace(weights="nf4" if cuda else "bf16", r=RANK, dropout=0.0, targets=ALL, seq=seq,
-                           micro_batch=micro_batch, checkpointing=True, optimizer="adamw", packing=True)
+    case = SimpleNamespace(weights="nf4" if cuda else "bf16", r=RANK, dropout=0.0, targets=targets, seq=seq,
+                           micro_batch=micro_batch, checkpointing=True, optimizer="adamw", packing=True,
+                           experts=experts)
     data = long_rows(work / f"rows_{workload}.jsonl", max(64, micro_batch * (steps + 2) * 2), seq)
     config = trainer_config(case, folder, data, steps, cuda)
     config.output_dir = str(work / f"runs_{workload}")
@@ -190,7 +194,8 @@ def studio_side(folder: Path, workload: str, seq: int, micro_batch: int, steps: 
     torch.save(batches, work / f"batches_{workload}.pt")
     out = {"path": peaks.get("path"), "path_reason": peaks.get("reason"), "fast_path": fast_facts(trainer.session.fast),
            "losses": [e.loss for e in steps_seen], "notes": notes, "micro_batches": len(batches),
-           "example_tokens": sorted({len(e.input_ids) for e in trainer.session.data.train})[-3:]}
+           "example_tokens": sorted({len(e.input_ids) for e in trainer.session.data.train})[-3:],
+           "experts": expert_storage(trainer.session.model)}
     if len(steps_seen) > warmup:
         a, b = steps_seen[warmup - 1], steps_seen[-1]
         out["tokens_per_s"] = (b.tokens_seen - a.tokens_seen) / max(b.elapsed_s - a.elapsed_s, 1e-9)
@@ -231,6 +236,31 @@ def _loop(model, batches: list[dict], warmup: int, cuda: bool, autocast: bool = 
     return out
 
 
+def expert_storage(model) -> dict | None:
+    """How a side stores a mixture of experts' expert weights, read off its first experts module (None:
+    a dense model): each weight's class, dtype and shape as the module holds it (bitsandbytes'
+    ``Params4bit`` packs two values a byte), its 4-bit format where it has one, and Studio's packed
+    4-bit copies where the engine keeps them beside a placeholder (engine/quantized_experts.py)."""
+    for name, module in model.named_modules():
+        weights = {n: getattr(module, n, None) for n in ("gate_up_proj", "down_proj")}
+        if not all(hasattr(w, "dtype") for w in weights.values()):
+            continue
+        out: dict = {"module": name, "experts_modules": 1 + sum(
+            1 for n, m in model.named_modules() if n != name and hasattr(getattr(m, "down_proj", None), "dtype")
+            and hasattr(getattr(m, "gate_up_proj", None), "dtype"))}
+        for n, w in weights.items():
+            state = getattr(w, "quant_state", None)
+            out[n] = f"{type(w).__name__} {str(w.dtype).removeprefix('torch.')} {list(w.shape)}" + (
+                f" {state.quant_type}" if state is not None else "")
+        from studio.engine.quantized_experts import packed_experts
+
+        packed = packed_experts(module)
+        if packed:
+            out["studio_packed"] = {n: p.quant_type for n, p in packed.items()}
+        return out
+    return None
+
+
 def _fresh(cuda: bool) -> None:
     import gc
 
@@ -243,8 +273,13 @@ def _fresh(cuda: bool) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def hf_side(folder: Path, workloads: list[str], warmup: int, work: Path) -> dict:
-    """The HF + PEFT loop on Studio's micro-batches, from Studio's initial adapters, each workload."""
+def hf_side(folder: Path, workloads: list[str], warmup: int, work: Path, targets: list[str] | None = None,
+            target_parameters: list[str] | None = None, kbit_prep: bool = True) -> dict:
+    """The HF + PEFT loop on Studio's micro-batches, from Studio's initial adapters, each workload.
+    ``targets``: the LoRA modules (default every linear projection); ``target_parameters``: PEFT's
+    adapters on parameters (a mixture of experts' 3-D expert weights); ``kbit_prep``: PEFT's
+    ``prepare_model_for_kbit_training``, which also casts every 16-bit parameter to fp32 (off: the
+    model frozen and checkpointed as it does, its 16-bit weights left as loaded)."""
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -259,16 +294,21 @@ def hf_side(folder: Path, workloads: list[str], warmup: int, work: Path) -> dict
         kwargs["device_map"] = {"": 0}
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     ckpt = {"use_reentrant": False}
-    if cuda:
+    if cuda and kbit_prep:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
                                                 gradient_checkpointing_kwargs=ckpt)
     else:
+        model.requires_grad_(False)
+        model.enable_input_require_grads()  # checkpointed layers need an input that requires grad
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
     torch.manual_seed(SEED)
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, bias="none",
-                                             target_modules=lora_targets(folder), task_type="CAUSAL_LM"))
+                                             target_modules=targets or lora_targets(folder),
+                                             target_parameters=target_parameters, task_type="CAUSAL_LM"))
     model.train()
-    out: dict = {"load_s": round(time.perf_counter() - t0, 1), "workloads": {}}
+    out: dict = {"load_s": round(time.perf_counter() - t0, 1), "workloads": {},
+                 "experts_implementation": getattr(model.config, "_experts_implementation", None),
+                 "experts": expert_storage(model)}
     named = dict(model.named_parameters())
     for workload in workloads:
         batches_file, init_file = work / f"batches_{workload}.pt", work / f"init_{workload}.pt"
@@ -288,25 +328,28 @@ def hf_side(folder: Path, workloads: list[str], warmup: int, work: Path) -> dict
     return out
 
 
-def unsloth_side(folder: Path, workloads: list[str], warmup: int, work: Path) -> dict:
+def unsloth_side(folder: Path, workloads: list[str], warmup: int, work: Path, seq: int | None = None,
+                 targets: list[str] | None = None, target_parameters: list[str] | None = None) -> dict:
     """Unsloth 2026.10.9 (4-bit, its offloaded checkpointing) on Studio's micro-batches, each workload
-    from its own adapters' initial weights."""
+    from its own adapters' initial weights. ``seq``: the longest sequence (default the workloads');
+    ``targets`` and ``target_parameters`` as :func:`hf_side`'s."""
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import unsloth  # noqa: F401 - first, so that its patches apply before transformers loads
     from unsloth import FastLanguageModel
 
-    longest = max(WORKLOADS[w][0] for w in workloads)
+    longest = seq or max(WORKLOADS[w][0] for w in workloads)
     t0 = time.perf_counter()
     model, _ = FastLanguageModel.from_pretrained(str(folder), max_seq_length=longest, load_in_4bit=True, dtype=None)
     model = FastLanguageModel.get_peft_model(model, r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0,
-                                             target_modules=lora_targets(folder), bias="none",
+                                             target_modules=targets or lora_targets(folder), bias="none",
+                                             target_parameters=target_parameters,
                                              use_gradient_checkpointing="unsloth", random_state=SEED)
     model.train()
     init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     out: dict = {"load_s": round(time.perf_counter() - t0, 1), "workloads": {},
-                 "version": getattr(unsloth, "__version__", "?")}
+                 "version": getattr(unsloth, "__version__", "?"), "experts": expert_storage(model)}
     for workload in workloads:
         batches_file = work / f"batches_{workload}.pt"
         if not batches_file.exists():
@@ -371,8 +414,15 @@ def _child(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(cmd: list[str], env: dict, log: Path) -> dict:
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+def _run(cmd: list[str], env: dict, log: Path, timeout: float | None = None) -> dict:
+    """A side's process: its RESULT, or an error (its stderr's end, or the ``timeout`` it ran past)."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        log.write_text(out + "\n--- stderr ---\n" + err)
+        return {"error": f"timed out after {timeout:.0f} s (the call's deadline)"}
     log.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     return json.loads(lines[-1][7:]) if lines else {"error": (done.stderr or "no output")[-400:]}
