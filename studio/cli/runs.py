@@ -373,14 +373,19 @@ def stop_run(run: RunDir, say: Callable[[str], None] = _quiet) -> Outcome:
         finished = _wait_for(client, lambda e: isinstance(e, (ev.TrainingFinished, ev.WorkerStopped)), 3600)
         if training and isinstance(finished, ev.TrainingFinished):
             _wait_for(client, lambda e: isinstance(e, ev.WorkerStopped), 30)
-            return Outcome(run, f"stopped at step {finished.step}; adapter in {finished.adapter_path}; continue "
-                                f"with 'studio train --resume {run.ref} --detach'",
-                           step=finished.step, adapter=finished.adapter_path)
-        if finished is None and client.connected:
+            outcome = Outcome(run, f"stopped at step {finished.step}; adapter in {finished.adapter_path}; continue "
+                                   f"with 'studio train --resume {run.ref} --detach'",
+                              step=finished.step, adapter=finished.adapter_path)
+        elif finished is None and client.connected:
             raise RunCommandFailed(f"run {run.id}: the worker has not stopped yet; see {run.log_path}")
-        return Outcome(run, f"worker of run {run.id} shut down")
+        else:
+            outcome = Outcome(run, f"worker of run {run.id} shut down")
     finally:
         client.close()
+    # The worker says goodbye to its other clients, then exits: once this returns, the next command
+    # (a second stop, a resume) finds no worker rather than one in its last seconds.
+    _gone(run, WORKER_CLOSE_S)
+    return outcome
 
 
 def pause(args: argparse.Namespace) -> int:
