@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,7 @@ def export_run(run: RunDir, path: str | Path, format: str = "adapter", quant: st
         shutil.rmtree(tmp, ignore_errors=True)
         finished = ev.ExportFinished(path=str(dest), ok=False, message=str(exc))
     except Exception as exc:  # every failure becomes a message; the worker stays up
+        traceback.print_exc()  # to the worker's stderr, which is the run's log the message points to
         shutil.rmtree(tmp, ignore_errors=True)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         finished = ev.ExportFinished(path=str(dest), ok=False, message=(

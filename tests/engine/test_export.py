@@ -109,3 +109,30 @@ def test_exported_adapter_is_a_peft_folder_without_the_checkpoint_state(tmp_path
         copy_adapter(run, dest)
     with pytest.raises(FileNotFoundError, match="no saved adapter yet"):
         copy_adapter(create_run(config), tmp_path / "other")
+
+
+def test_an_unexpected_failure_says_where_its_traceback_is_and_puts_it_there(tmp_path, tiny_dir, monkeypatch, capfd):
+    """A failure no check foresaw (here a NotImplementedError without a message, as a GPU library
+    raised one) is one line naming the run's log, and the traceback is on stderr: in a worker, that
+    log. Before, the line pointed to a log that did not have it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from studio.engine import merge as engine_merge
+
+    config = RunConfig(output_dir=str(tmp_path / "runs"))
+    config.model.base_model = str(tiny_dir)
+    run = create_run(config)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir), LoraConfig(r=4, target_modules=["q_proj"])
+                   ).save_pretrained(run.adapter_dir)
+
+    def unforeseen(*args, **kwargs):
+        raise NotImplementedError
+
+    monkeypatch.setattr(engine_merge, "merge_adapter", unforeseen)
+    result = export_run(run, tmp_path / "merged", "merged", dtype="float32")
+    assert not result.ok and result.message.startswith(f"exporting run {run.id} as merged failed: NotImplementedError")
+    assert str(run.log_path) in result.message
+    err = capfd.readouterr().err
+    assert "Traceback" in err and "in unforeseen" in err and "NotImplementedError" in err
+    assert not (tmp_path / "merged").exists()

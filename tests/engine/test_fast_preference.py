@@ -211,10 +211,15 @@ def test_a_preference_session_trains_on_the_fast_path_and_says_so(tiny_model: Pa
         results[env] = (session.evaluate(), next(e for e in reversed(events) if isinstance(e, ev.PreferenceLogged)))
     (plain, plain_pref), (fused, fused_pref) = results["0"], results["1"]
     assert fused.rows == plain.rows == 8
-    assert fused.loss == pytest.approx(plain.loss, rel=1e-5) and abs(plain.loss - 0.6931) > 1e-3
-    assert fused.perplexity == pytest.approx(plain.perplexity, rel=1e-5)
-    assert fused.token_accuracy == pytest.approx(plain.token_accuracy, abs=1e-9) and plain.token_accuracy > 0
-    assert fused_pref.reward_margin == pytest.approx(plain_pref.reward_margin, rel=1e-4)
+    # float32 on the CPU: the same numbers; a GPU computes in bf16, whose rounding differs by path
+    rel = 1e-5 if session.device.type == "cpu" else 5e-3
+    assert fused.loss == pytest.approx(plain.loss, rel=rel) and abs(plain.loss - 0.6931) > 1e-3
+    assert fused.perplexity == pytest.approx(plain.perplexity, rel=rel)
+    # (in bf16 a near tie may pick another argmax)
+    cpu = session.device.type == "cpu"
+    assert fused.token_accuracy == pytest.approx(plain.token_accuracy, abs=1e-9 if cpu else 0.02)
+    assert plain.token_accuracy > 0
+    assert fused_pref.reward_margin == pytest.approx(plain_pref.reward_margin, rel=1e-4 if cpu else 5e-2, abs=0 if cpu else 1e-3)
 
 
 # ------------------------------------------------------------------------------------ on a GPU
