@@ -537,11 +537,16 @@ class Trainer(Validation):
                 f"grpo.max_completion_length (now {g.max_completion_length}) or data.max_seq_length (now "
                 f"{self.config.data.max_seq_length}), turn on trainer.gradient_checkpointing, or use a smaller model"))
         if self.micro_batch_size <= 1:
-            self._fail("oom", (
-                f"out of GPU memory at step {self.step + 1} even with micro_batch_size 1; lower "
-                f"data.max_seq_length (now {self.config.data.max_seq_length}), turn on "
-                "trainer.gradient_checkpointing, use quantization.bits: 4, a smaller lora.r, or a "
-                "smaller model"))
+            c = self.config
+            advice = [f"lower data.max_seq_length (now {c.data.max_seq_length})"]
+            if c.trainer.gradient_checkpointing is False:
+                advice.append("turn on trainer.gradient_checkpointing")
+            if c.quantization.bits != 4:
+                advice.append("use quantization.bits: 4")
+            if c.lora is not None:
+                advice.append("a smaller lora.r")
+            self._fail("oom", (f"out of GPU memory at step {self.step + 1} even with micro_batch_size 1; "
+                               f"{', '.join(advice)}, or a smaller model"))
         old = self.micro_batch_size
         self.micro_batch_size = max(1, old // 2)
         plan = getattr(self.session, "auto_plan", None)

@@ -154,6 +154,19 @@ def test_nothing_fits_names_the_keys_to_change():
     assert planned.lines() == [f"automatic plan: {message}"]
 
 
+def test_nothing_fits_gives_only_the_advice_that_changes_something():
+    """Already 4-bit, a paged optimizer and micro-batch 1 set: the message does not tell the person to
+    do what the config already does (it once said "use quantization.bits: 4" to a 4-bit run)."""
+    config = parse_config(LLAMA_YAML + "data: {max_seq_length: 16384}\nquantization: {bits: 4}\n"
+                          "trainer: {micro_batch_size: 1, optimizer: paged_adamw_8bit}\n")
+    with pytest.raises(autoplan.AutoPlanError) as err:
+        autoplan.plan(config, LLAMA, gpu_for_size(8).capacity)
+    message = str(err.value)
+    assert "data.max_seq_length (now 16384)" in message and "lora.r" in message
+    for needless in ("quantization.bits", "trainer.optimizer", "to auto"):
+        assert needless not in message, message
+
+
 # ----------------------------------------------------------------------------- studio estimate
 
 

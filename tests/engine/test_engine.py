@@ -212,6 +212,11 @@ def test_oom_at_micro_batch_one_fails_with_advice(tiny_config) -> None:
     assert len(failed) == 1 and failed[0].kind == "oom"
     assert "micro_batch_size 1" in failed[0].message and "max_seq_length" in failed[0].message
     assert [e.micro_batch_size for e in events if isinstance(e, ev.BatchSizeReduced)] == [1]
+    # only advice that changes something: the tiny config is not 4-bit and has LoRA
+    t = tiny_config
+    assert ("quantization.bits: 4" in failed[0].message) is (t.quantization.bits != 4)
+    assert ("turn on trainer.gradient_checkpointing" in failed[0].message) is (t.trainer.gradient_checkpointing is False)
+    assert "lora.r" in failed[0].message
 
 
 def test_stop_from_hook_saves_checkpoint_and_loadable_adapter(tiny_config) -> None:

@@ -286,12 +286,19 @@ def plan(config: RunConfig, info: ModelInfo, capacity: int, headroom: int | None
         rejected = tuple(Candidate(c.micro_batch, c.accumulation, c.checkpointing, c.total, c.speed, too_big(c))
                          for c in candidates)
         least = min(candidates, key=lambda c: c.total)
-        fixed = [f"trainer.{k}" for k in ("micro_batch_size", "gradient_checkpointing") if k not in varied]
+        # only the advice that would change something: a fixed key auto could lower, a setting not yet taken
+        fixed = [f"trainer.{k}" for k in ("micro_batch_size", "gradient_checkpointing")
+                 if k not in varied and getattr(t, k) not in (1, True)]
+        advice = [f"lower data.max_seq_length (now {config.data.max_seq_length})"]
+        if config.quantization.bits != 4:
+            advice.append("use quantization.bits: 4")
+        if config.lora is not None:
+            advice.append("a smaller lora.r")
+        if not t.optimizer.startswith("paged"):
+            advice.append("trainer.optimizer: paged_adamw_8bit")
         raise AutoPlanError(
             f"no plan fits {capacity / GB:.1f} GB less {headroom / GB:.1f} GB headroom: the smallest, "
-            f"{least.label()}, needs {least.total / GB:.1f} GB; lower data.max_seq_length (now "
-            f"{config.data.max_seq_length}), use quantization.bits: 4, a smaller lora.r, trainer.optimizer: "
-            "paged_adamw_8bit or a smaller model"
+            f"{least.label()}, needs {least.total / GB:.1f} GB; {', '.join(advice)} or a smaller model"
             + (f", or set {' and '.join(fixed)} to auto" if fixed else ""), rejected)
     rejected = []
     for c in candidates:
