@@ -81,7 +81,8 @@ def moe_graphs_off(moe: bool, router_aux: bool, grouped_products: bool) -> str:
     if router_aux:
         return "a mixture of experts with the load-balancing loss on (trainer.router_aux_loss_coef)"
     if not grouped_products:
-        return "a mixture of experts without torch's grouped product in the compute dtype (bf16, compute capability 8.0+)"
+        return ("a mixture of experts without torch's grouped product in the compute dtype "
+                "(bf16, compute capability 8.0+)")
     return ""
 
 

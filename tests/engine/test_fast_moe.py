@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from helpers.gpt_oss import GPT_OSS
 from helpers.tiny_families import _SIZE
 from test_fast_families import IDS, _assert_same, _batch, _check_family, _grads, _plain
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from studio.core.decoder import describe_decoder
 from studio.core.plan import PathFacts, choose_path

@@ -38,10 +38,10 @@ from studio.engine.fast.moe import (
     ExpertProjection,
     RouterLog,
     SparseMlp,
-    grouped_products,
     expert_problem,
     experts_adapted,
     experts_base,
+    grouped_products,
 )
 from studio.engine.fast.ops import liger_kernels, varlen_attention
 from studio.engine.fast.projection import Projection, has_adapter
