@@ -343,7 +343,8 @@ def path_facts(model: nn.Module, device: torch.device, method: str = "sft",
                      dora=bool(getattr(peft_config, "use_dora", False)),
                      full_finetune=not hasattr(model, "peft_config"), cuda_graphs=options.cuda_graphs,
                      host_offload=options.host_offload, **moe_facts(sparse_mlp(spec), router_aux_loss_coef),
-                     grouped_products=first is None or grouped_products(_compute_dtype(first), device))
+                     grouped_products=(sparse_mlp(spec) is None or first is None
+                                       or grouped_products(_compute_dtype(first), device)))
 
 
 def enable(model: nn.Module, device: torch.device, method: str = "sft", options: FastPathConfig | None = None,
