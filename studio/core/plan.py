@@ -68,6 +68,24 @@ def graphs_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
     return cuda and tokens <= GRAPH_TOKEN_LIMIT
 
 
+def moe_graphs_off(moe: bool, router_aux: bool, grouped_products: bool) -> str:
+    """Why a mixture of experts' steps run without CUDA graphs ('' where they may be captured),
+    the one rule the engine (engine/fast/model.py) and the estimator (:func:`choose_path`) follow.
+    Its layers' sort by expert, counts and grouped products are device work of a fixed shape, and
+    its token counts go into fixed tensors (engine/fast/moe.py): captured. Not captured: the
+    load-balancing loss, whose router probabilities reach the loss beside the stack's output, and
+    the per-expert loop a card without the grouped product in the compute dtype runs, which reads
+    each expert's rows on the host."""
+    if not moe:
+        return ""
+    if router_aux:
+        return "a mixture of experts with the load-balancing loss on (trainer.router_aux_loss_coef)"
+    if not grouped_products:
+        return ("a mixture of experts without torch's grouped product in the compute dtype "
+                "(bf16, compute capability 8.0+)")
+    return ""
+
+
 def offload_for(tokens: int, lora_dropout: float, cuda: bool) -> bool:
     """Whether the fast path keeps each checkpointed layer's input in pinned host memory for a
     micro-batch of ``tokens`` (engine/fast/offload.py): on CUDA, on eager and graphed steps alike
@@ -118,7 +136,12 @@ class PathFacts:
     """``trainer.fast_path.host_offload``: the fast path keeps its layer inputs in host memory."""
 
     moe: bool = False
-    """The model has mixture-of-experts layers: the fast path runs them eagerly (no CUDA graphs)."""
+    """The model has mixture-of-experts layers (CUDA graphs as :func:`moe_graphs_off` allows)."""
+
+    grouped_products: bool = True
+    """torch's grouped product takes the compute dtype on the card: bf16 on a compute capability
+    8.0+ card (the engine asks the card; the estimator's config: ``quantization.compute_dtype``
+    auto or bfloat16). Without it a mixture of experts loops over its experts, eagerly."""
 
     router_aux: bool = False
     """A load-balancing loss is added (``trainer.router_aux_loss_coef``, or the model's own): its
@@ -145,7 +168,8 @@ class PathFacts:
                    lora_dropout=float(lora.dropout) if lora is not None else 0.0, model_blocker=model_blocker,
                    env=os.environ.get(FAST_PATH_ENV, ""), dora=bool(lora.use_dora) if lora is not None else False,
                    method=config.trainer.method, full_finetune=lora is None, cuda_graphs=fast.cuda_graphs,
-                   host_offload=fast.host_offload, **moe_facts(moe, config.trainer.router_aux_loss_coef))
+                   host_offload=fast.host_offload, **moe_facts(moe, config.trainer.router_aux_loss_coef),
+                   grouped_products=config.quantization.compute_dtype in ("auto", "bfloat16"))
 
 
 @dataclass(frozen=True)
@@ -169,6 +193,10 @@ class PathChoice:
     host_offload: bool = False
     """The checkpointed layer inputs wait in pinned host memory (fast path, CUDA;
     :func:`offload_for`)."""
+
+    eager: str = ""
+    """Why the fast path's steps run without CUDA graphs although the settings allow them (a
+    mixture of experts: :func:`moe_graphs_off`); '' otherwise."""
 
     def to_json_dict(self) -> dict:
         """The shape ``studio estimate --json`` carries under ``"plan"``."""
@@ -241,11 +269,14 @@ def choose_path(facts: PathFacts) -> PathChoice:
         return PathChoice("plain", f"LoRA on {', '.join(others)} (the fast path covers {', '.join(covered)})")
     if not facts.lora_targets:
         return PathChoice("plain", "no LoRA adapter on the decoder's projections")
-    graphs = facts.cuda and facts.cuda_graphs and not facts.moe
+    eager_moe = moe_graphs_off(facts.moe, facts.router_aux, facts.grouped_products)
+    graphs = facts.cuda and facts.cuda_graphs and not eager_moe
     offload = facts.cuda and facts.host_offload and not facts.router_aux
     what = "fused 4-bit LoRA products" if facts.weights in ("nf4", "fp4") else "fused LoRA products"
     if graphs:
         what += f", CUDA graphs up to {GRAPH_TOKEN_LIMIT} tokens a micro-batch"
+    elif facts.cuda and facts.cuda_graphs:
+        what += f", eager steps ({eager_moe})"
     if offload:
         what += ", layer inputs in host memory"
     what += ", per-layer checkpointing"
@@ -255,7 +286,8 @@ def choose_path(facts: PathFacts) -> PathChoice:
         what += ", each answer's log-prob from the fused cross-entropy"
         if facts.method == "dpo":
             what += ", the reference pass through the same layers with the adapters off"
-    return PathChoice("fast", what, cuda_graphs=graphs, host_offload=offload)
+    return PathChoice("fast", what, cuda_graphs=graphs, host_offload=offload,
+                      eager=eager_moe if facts.cuda and facts.cuda_graphs else "")
 
 
 def lora_targets(targets: str | Iterable[str]) -> tuple[str, ...]:

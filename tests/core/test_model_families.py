@@ -168,9 +168,9 @@ def test_gpt_oss_20b_is_sized_with_its_shipped_mxfp4_experts_and_fits_16_gb(tmp_
 
 def test_the_estimate_takes_a_mixture_of_experts_path_as_the_engine_does() -> None:
     """The estimate's path decision reads the model's sparse MLP as the engine's loader does
-    (core/plan.py's PathFacts.from_config with ``moe``): a mixture of experts runs eagerly (no CUDA
-    graphs), and a load-balancing loss keeps the layer inputs on the card; a dense model of the same
-    attention keeps both."""
+    (core/plan.py's PathFacts.from_config with ``moe``): a mixture of experts is captured in CUDA
+    graphs like a dense model, except with a load-balancing loss (eager steps, the layer inputs on
+    the card) or a compute dtype the grouped product does not take (fp16: a loop over experts)."""
     from studio.core.memory.estimate import path_choice
     from studio.core.model.info import from_config_dict
 
@@ -184,13 +184,21 @@ def test_the_estimate_takes_a_mixture_of_experts_path_as_the_engine_does() -> No
     balanced = parse_config("trainer: {micro_batch_size: 1, effective_batch_size: 1, router_aux_loss_coef: 0.001}\n")
     assert (path_choice(run, dense).cuda_graphs, path_choice(run, dense).host_offload) == (True, True)
     assert (path_choice(run, moe).path, path_choice(run, moe).cuda_graphs, path_choice(run, moe).host_offload) == (
-        "fast", False, True)
-    assert path_choice(balanced, moe).host_offload is False
+        "fast", True, True)
+    assert "CUDA graphs" in path_choice(run, moe).reason and not path_choice(run, moe).eager
+    choice = path_choice(balanced, moe)
+    assert (choice.cuda_graphs, choice.host_offload) == (False, False)
+    assert "load-balancing loss" in choice.eager and "eager steps (" in choice.reason, choice
+    fp16 = path_choice(parse_config("quantization: {compute_dtype: float16}\n"), moe)
+    assert not fp16.cuda_graphs and "grouped product" in fp16.eager, fp16
+    assert path_choice(parse_config("quantization: {compute_dtype: float16}\n"), dense).cuda_graphs
 
 
 def test_a_mixture_of_experts_and_graphs_turned_off_are_estimated_as_eager_steps() -> None:
-    """Where the engine replays no CUDA graph (a mixture of experts, or trainer.fast_path.cuda_graphs
-    false), the estimate's fast step is the eager one: its note says so and no graph pool is counted."""
+    """Where the engine replays no CUDA graph (a mixture of experts with its load-balancing loss, or
+    trainer.fast_path.cuda_graphs false), the estimate's fast step is the eager one: its note says so
+    (and why, for the experts) and no graph pool is counted; without the loss the experts' step is
+    graphed."""
     from studio.core.memory import estimate
     from studio.core.model.info import from_config_dict
 
@@ -202,8 +210,15 @@ def test_a_mixture_of_experts_and_graphs_turned_off_are_estimated_as_eager_steps
     run = parse_config("trainer: {micro_batch_size: 1, effective_batch_size: 1}\ndata: {max_seq_length: 512}\n")
     eager = parse_config("trainer: {micro_batch_size: 1, effective_batch_size: 1, fast_path: {cuda_graphs: false}}\n"
                          "data: {max_seq_length: 512}\n")
-    assert any("CUDA graphs" in note for note in estimate(run, llama).notes)
-    for config, info in ((run, moe), (eager, llama)):
+    balanced = parse_config("trainer: {micro_batch_size: 1, effective_batch_size: 1, router_aux_loss_coef: 0.01}\n"
+                            "data: {max_seq_length: 512}\n")
+    for config, info in ((run, llama), (run, moe)):
+        assert any("CUDA graphs" in note for note in estimate(config, info).notes)
+    for config, info in ((balanced, moe), (eager, llama)):
         notes = estimate(config, info).notes
         assert any("eager steps" in note for note in notes) and not any("CUDA graphs" in note for note in notes)
+    assert any(note.endswith("eager steps with the layer inputs in host memory") for note in estimate(eager, llama).notes)
+    assert any("eager steps: a mixture of experts with the load-balancing loss" in note
+               for note in estimate(balanced, moe).notes)
+    assert estimate(balanced, moe).peak_reserved < estimate(run, moe).peak_reserved  # no graph pool
     assert estimate(eager, llama).peak_reserved < estimate(run, llama).peak_reserved  # no graph pool

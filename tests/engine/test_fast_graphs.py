@@ -1,6 +1,7 @@
 """The fast path's CUDA graphs (studio/engine/fast/graphs.py), on a CUDA GPU: replayed steps equal
-eager ones over gradient accumulation and zeroed gradients; a capture after eager steps works when
-their losses were released, and fails while one is alive (docs/speed.md)."""
+eager ones over gradient accumulation and zeroed gradients, for every dense family and mixture of
+experts; a capture after eager steps works when their losses were released, and fails while one is
+alive (docs/speed.md)."""
 
 from __future__ import annotations
 
@@ -200,3 +201,76 @@ def test_every_family_captures_its_step(family: str, tmp_path: Path) -> None:
 FAMILIES_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                   "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "smollm3": "smollm3",
                   "granite": "granite"}
+
+
+def _moe_model(family: str, folder: Path):
+    """A tiny mixture of experts as Studio loads it for QLoRA: attention NF4 through bitsandbytes,
+    the experts packed in NF4 (engine/quantized_experts.py), bf16 compute, LoRA on the attention
+    and on the experts (PEFT's target_parameters)."""
+    from helpers.tiny_families import build, expert_targets, lora_targets
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from studio.engine.quantized_experts import quantize_experts
+
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(build(family, folder), dtype=torch.bfloat16, quantization_config=bnb,
+                                                 device_map={"": 0})
+    assert quantize_experts(model, "nf4", double_quant=True) + len(_packed(model)) > 0
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=lora_targets(family),
+                                             target_parameters=expert_targets(family)))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    return model
+
+
+def _packed(model) -> list:
+    from studio.engine.quantized_experts import packed_experts
+
+    return [m for m in model.modules() if packed_experts(m)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+def test_every_mixture_of_experts_captures_its_step(family: str, tmp_path: Path) -> None:
+    """A mixture of experts' fast step (bf16, NF4 attention and NF4 experts packed, LoRA on the
+    attention and the experts, packed rows) is captured as a CUDA graph and replayed with the eager
+    step's losses and expert token counts (the layout's padding tokens not counted); nothing in it
+    synchronizes with the host once captured. With the load-balancing loss the step stays eager
+    (core/plan.py's moe_graphs_off)."""
+    from test_fast_path import _examples
+
+    model = _moe_model(family, tmp_path / family)
+    assert _packed(model), "the experts are not packed in 4 bits"
+    device = torch.device("cuda")
+    batches = [collate([[e] for e in _examples(lengths, seed=s)], pad_id=0, packing=True).to(device)
+               for s, lengths in enumerate(([21, 14, 9], [30, 6, 8]))]
+    eager, eager_losses, _ = _run(model, batches, FastPathConfig(cuda_graphs=False), steps=2)
+    eager_tokens = eager.take_expert_tokens()
+    graphed, graph_losses, _ = _run(model, batches, FastPathConfig(), steps=2)
+    failed = graphed._graphs.failed if graphed._graphs is not None else "no graphs"
+    if failed:  # a capture allows no host synchronization: name the operation that made one
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _run(model, batches, FastPathConfig(), steps=1)
+            where = "(no synchronizing operation found)"
+        except Exception as exc:  # noqa: BLE001 - the message is the point
+            import traceback
+
+            where = "".join(traceback.format_exception(exc)[-8:])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        pytest.fail(f"{family}: capture failed: {failed}\n{where}")
+    assert graphed._graphs.graphed, "nothing was captured"
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-2, atol=2e-2)
+    tokens = graphed.take_expert_tokens()
+    from studio.core.decoder import describe_decoder
+
+    spec = describe_decoder(model.config.to_dict())
+    routed = 2 * sum(b.input_ids.numel() for b in batches) * spec.moe.top_k * sum(s.sparse for s in spec.layers)
+    assert sum(tokens) == sum(eager_tokens) == routed, (tokens, eager_tokens, routed)  # two steps
+    balanced, why = fast.prepare(model, options=FastPathConfig(), router_aux_loss_coef=0.01)
+    assert balanced is not None and balanced._graphs is None, why

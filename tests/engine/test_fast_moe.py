@@ -13,6 +13,8 @@ import torch
 from helpers.gpt_oss import GPT_OSS
 from helpers.tiny_families import _SIZE
 from test_fast_families import IDS, _assert_same, _batch, _check_family, _grads, _plain
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from studio.core.decoder import describe_decoder
 from studio.core.plan import PathFacts, choose_path
@@ -227,18 +229,165 @@ def test_what_the_fast_mlp_does_not_run_keeps_the_plain_path(name: str, settings
     assert fast_model is None and words in why and "\n" not in why, why
 
 
-def test_the_path_decision_runs_moe_eagerly_and_the_balance_loss_without_host_offload() -> None:
-    """On a GPU (as the estimator decides it): expert adapters are fast-path targets, no CUDA
-    graphs for a mixture of experts, and the layer inputs stay on the GPU when the load-balancing
-    loss is on."""
+def test_the_path_decision_graphs_moe_steps_except_with_the_balance_loss() -> None:
+    """On a GPU (as the estimator decides it): expert adapters are fast-path targets; a mixture of
+    experts' steps are CUDA graphs with the layer inputs on the host; the load-balancing loss, or a
+    card without the grouped product in the compute dtype, makes them eager, and says why."""
     model = _peft(_config("mixtral"))
     facts = path_facts(model, torch.device("cpu"))
-    assert {"experts.gate_up_proj", "experts.down_proj"} <= set(facts.lora_targets)
+    assert {"experts.gate_up_proj", "experts.down_proj"} <= set(facts.lora_targets) and facts.grouped_products
     on_gpu = choose_path(PathFacts(**{**facts.__dict__, "cuda": True}))
-    assert on_gpu.path == "fast" and not on_gpu.cuda_graphs and on_gpu.host_offload
+    assert on_gpu.path == "fast" and on_gpu.cuda_graphs and on_gpu.host_offload and not on_gpu.eager
     balanced = choose_path(PathFacts(**{**path_facts(model, torch.device("cpu"), router_aux_loss_coef=0.01).__dict__,
                                         "cuda": True}))
-    assert balanced.path == "fast" and not balanced.host_offload
+    assert balanced.path == "fast" and not balanced.host_offload and not balanced.cuda_graphs
+    assert "load-balancing loss" in balanced.reason, balanced.reason
+    looped = choose_path(PathFacts(**{**facts.__dict__, "cuda": True, "grouped_products": False}))
+    assert not looped.cuda_graphs and "grouped product" in looped.reason, looped.reason
+
+
+_FLASH_EMULATED = [False]
+"""True while the CPU's stand-in for flash-attention's varlen kernel runs: it reads the example
+bounds on the host, which the real kernel does not (the modes below let it)."""
+
+
+def _flash_on_the_cpu(*args, **kwargs):
+    from test_fast_preference import _varlen_on_the_cpu
+
+    _FLASH_EMULATED[0] = True
+    try:
+        return _varlen_on_the_cpu(*args, **kwargs)
+    finally:
+        _FLASH_EMULATED[0] = False
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Raises where an operation reads a tensor's values back to the host or makes a shape of
+    them (``.item()``, ``nonzero``, a boolean mask's indexing): what a CUDA graph cannot capture."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        masks = [a for a in (args[1] if func is torch.ops.aten.index.Tensor else ())
+                 if isinstance(a, torch.Tensor) and a.dtype == torch.bool]
+        if not _FLASH_EMULATED[0] and (
+                func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default) or masks):
+            raise AssertionError(f"host read: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+class _NoHostCalls(TorchFunctionMode):
+    """Raises on the Python calls that read a tensor to the host without an aten operation."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not _FLASH_EMULATED[0] and func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__,
+                                               torch.Tensor.__int__):
+            raise AssertionError(f"host read: {func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+def _stack_step(fast_model, tokens: int = 40):
+    """One forward and backward of the decoder stack (what a CUDA graph captures) on random tokens,
+    the adapters' gradients into a gradient sink as in a captured step; returns the output."""
+    from studio.engine.fast.graphs import GradSink
+    from studio.engine.fast.layer import Segments
+
+    ids = torch.randint(3, 300, (1, tokens), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(tokens)[None]
+    h = fast_model._embed(ids).requires_grad_()
+    cos, sin = fast_model._rope(h, pos)
+    fast_model.router.begin(tokens)
+    out = fast_model.stack(h, cos, sin, Segments(), sink=GradSink(fast_model.trainable()))
+    out.float().square().mean().backward()
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_sparse_layer_reads_nothing_back_to_the_host(name: str) -> None:
+    """The CPU's proof that a CUDA graph can capture the stack: its forward and backward (each
+    layer recomputed in the backward) make no ``.item()``, ``.tolist()``, ``nonzero`` or boolean-mask
+    indexing; the per-expert loop, which reads each expert's rows, is caught doing so."""
+    fast_model, why = fast.prepare(_peft(_config(name)))
+    assert fast_model is not None, why
+    with _NoHostReads(), _NoHostCalls():
+        _stack_step(fast_model)
+    sparse = [layer.moe for layer in fast_model.layers if layer.moe is not None]
+    for mlp in sparse:
+        mlp.loop = True
+    with pytest.raises(AssertionError, match="host read"), _NoHostReads(), _NoHostCalls():
+        _stack_step(fast_model)
+
+
+class _GraphedLayouts:
+    """engine/fast/graphs.py's Graphs as far as the CPU goes: the batch laid out as a captured graph
+    takes it (FastModel._static_layout: one stream padded to 256 tokens with padding examples), the
+    adapters' gradients into a gradient sink, and the stack run without host reads."""
+
+    failed = ""
+
+    def __init__(self, fast_model):
+        from studio.engine.fast.graphs import GradSink
+
+        self.fast_model, self.layouts = fast_model, []
+        self.sink = GradSink(fast_model.trainable())
+
+    def fit(self, total: int, slots: int, max_len: int) -> tuple[int, int]:
+        return slots, max_len
+
+    def run(self, h, cos, sin, seg):
+        self.layouts.append(h.shape[1])
+        self.sink.bind()
+        with _NoHostReads(), _NoHostCalls():
+            return self.fast_model.stack(h, cos, sin, seg, sink=self.sink)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe"])
+def test_the_graphed_layout_gives_the_eager_loss_gradients_and_expert_counts(name: str) -> None:
+    """A packed micro-batch as a CUDA graph runs it (padded to 256 tokens: padding examples routed
+    through the experts too), on the CPU with varlen attention emulated: the eager step's loss and
+    LoRA gradients, and each expert's tokens counted for the real tokens only."""
+    from studio.engine.fast.ops import Varlen
+
+    model = _peft(_config(name))
+    batch = _batch(packing=True)
+    results = []
+    for graphed in (False, True):
+        fast_model, why = fast.prepare(model)
+        assert fast_model is not None, why
+        varlen = Varlen(_flash_on_the_cpu, {"is_causal": True}, gqa=False, scale=False, window=False)
+        fast_model.varlen = varlen
+        for layer in fast_model.layers:
+            layer.varlen = varlen
+        if graphed:
+            fast_model._graphs = _GraphedLayouts(fast_model)
+        model.zero_grad(set_to_none=True)
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+        results.append((loss.detach(), _grads(model), fast_model.take_expert_tokens()))
+    assert fast_model._graphs.layouts == [256]
+    (eager, expected, eager_tokens), (got, grads, tokens) = results
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == expected.keys() and expected
+    for key, grad in expected.items():
+        rel = (grads[key] - grad).norm() / grad.norm()
+        assert rel < 1e-4, f"{key}: relative gradient error {rel:.2e}"
+    sparse = sum(s.sparse for s in describe_decoder(model.config.to_dict()).layers)
+    real = batch.input_ids.numel() if batch.attention_mask is None else int(batch.attention_mask.sum())
+    assert tokens == eager_tokens and sum(tokens) == real * 2 * sparse, (tokens, eager_tokens, real)
+
+
+def test_the_counts_are_written_in_place_where_a_replay_finds_them() -> None:
+    """A captured forward's replay runs no Python: the counts must go into the same tensor every
+    forward. Two forwards of different routing: the tensor is the same object, holding the second."""
+    fast_model, _ = fast.prepare(_peft(_config("mixtral")))
+    counts = fast_model.router.counts
+    address = counts.data_ptr()
+    with torch.no_grad():
+        first = _batch(packing=False)
+        fast_model.loss(first.input_ids, first.labels, first.attention_mask, first.position_ids)
+        before = counts.clone()
+        second = _batch(packing=False, seed=5)
+        fast_model.loss(second.input_ids, second.labels, second.attention_mask, second.position_ids)
+    assert fast_model.router.counts is counts and counts.data_ptr() == address
+    assert not torch.equal(counts, before) and counts.sum() == int(second.attention_mask.sum()) * 2 * 2
 
 
 @pytest.mark.parametrize("name", list(CASES))

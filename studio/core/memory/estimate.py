@@ -118,6 +118,12 @@ def estimate(config: RunConfig, model_info: ModelInfo, gpu_bytes: int | None = N
                    cuda_graphs=choice.cuda_graphs)
     plan = replace(plan, grpo_scored_rows=grpo_scored_rows(model_info, plan))
     result = replace(estimate_plan(model_info, plan, gpu_bytes), choice=choice)
+    if choice.path == "fast":
+        # what the engine's eager steps do beyond the memory model's note, and why they are eager
+        first = next((i for i, n in enumerate(result.notes) if n.endswith("eager steps")), None)
+        if first is not None:
+            result.notes[first] += ((" with the layer inputs in host memory" if choice.host_offload else "")
+                                    + (f": {choice.eager}" if choice.eager else ""))
     if plan.passes > 1:
         result.notes.insert(0, f"GRPO's scored pass takes the micro-batch's {plan.rows} completions "
                             f"{plan.pass_rows} at a time ({plan.passes} forward and backward passes): "

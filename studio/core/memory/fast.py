@@ -378,7 +378,7 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
                   "overhead": int(overhead)}
     total = sum(categories.values())
     notes = ["fast path (studio/engine/fast): every layer checkpointed, fused cross-entropy, "
-             + ("CUDA graphs" if graphs else "eager steps with the layer inputs in host memory")]
+             + ("CUDA graphs" if graphs else "eager steps")]
     if plan.sequences_per_example == 2:
         notes.append("a preference pair is two sequences (chosen, rejected): the micro-batch counts pairs"
                      + ("; DPO's reference pass (adapters off, no gradients) runs eagerly before the policy's, "

@@ -78,8 +78,9 @@ class Plan:
 
     cuda_graphs: bool = True
     """Whether the fast path may replay steps as CUDA graphs at all (core/plan.py's
-    ``PathChoice.cuda_graphs``: off for a mixture of experts and with ``trainer.fast_path.cuda_graphs:
-    false``); where it may, core/plan.py's ``graphs_for`` decides by the micro-batch's tokens."""
+    ``PathChoice.cuda_graphs``: off with ``trainer.fast_path.cuda_graphs: false`` and for a mixture
+    of experts where core/plan.py's ``moe_graphs_off`` says so); where it may, core/plan.py's
+    ``graphs_for`` decides by the micro-batch's tokens."""
 
     sequences_per_example: int = 1
     """2 for preference runs (DPO, ORPO): a pair is its chosen and its rejected answer, padded rows."""

@@ -41,6 +41,7 @@ from studio.engine.fast.moe import (
     expert_problem,
     experts_adapted,
     experts_base,
+    grouped_products,
 )
 from studio.engine.fast.ops import liger_kernels, varlen_attention
 from studio.engine.fast.projection import Projection, has_adapter
@@ -184,7 +185,8 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
         first = experts_base(next(layer.mlp.experts for layer, d in zip(layers, spec.layers, strict=True) if d.sparse))
         moe = replace(moe, swiglu_alpha=float(getattr(first, "alpha", moe.swiglu_alpha)),
                       swiglu_limit=float(getattr(first, "limit", moe.swiglu_limit)))
-    router = RouterLog(moe.experts, moe.top_k, moe.aux_coef(router_aux_loss_coef) > 0) if moe else None
+    router = (RouterLog(moe.experts, moe.top_k, moe.aux_coef(router_aux_loss_coef) > 0, len(layers),
+                        backbone.embed_tokens.weight.device) if moe else None)
     frozen = [backbone.embed_tokens, backbone.norm, head]
     for layer in layers:
         frozen += [getattr(layer, name) for name in spec.norms.names()]
@@ -340,7 +342,9 @@ def path_facts(model: nn.Module, device: torch.device, method: str = "sft",
                      env=os.environ.get(FAST_PATH_ENV, ""), method=method,
                      dora=bool(getattr(peft_config, "use_dora", False)),
                      full_finetune=not hasattr(model, "peft_config"), cuda_graphs=options.cuda_graphs,
-                     host_offload=options.host_offload, **moe_facts(sparse_mlp(spec), router_aux_loss_coef))
+                     host_offload=options.host_offload, **moe_facts(sparse_mlp(spec), router_aux_loss_coef),
+                     grouped_products=(sparse_mlp(spec) is None or first is None
+                                       or grouped_products(_compute_dtype(first), device)))
 
 
 def enable(model: nn.Module, device: torch.device, method: str = "sft", options: FastPathConfig | None = None,

@@ -12,12 +12,12 @@ from torch.utils.checkpoint import checkpoint
 
 from studio.core.config import FastPathConfig
 from studio.core.memory.phases import SCORE_TOKENS
-from studio.core.plan import graphs_for, offload_for
+from studio.core.plan import graphs_for, moe_graphs_off, offload_for
 from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import GradSink, Graphs
 from studio.engine.fast.layer import Layer, Segments
 from studio.engine.fast.loss import IGNORE_INDEX, chunked_scores, cross_entropy, next_token_targets, sequence_logps
-from studio.engine.fast.moe import RouterLog
+from studio.engine.fast.moe import RouterLog, grouped_products
 from studio.engine.fast.offload import HostInputs, OffloadedLayer, flatten
 
 
@@ -83,10 +83,11 @@ class FastModel:
                     proj.use_dropout(self._seed.tensor, first_site=(index * 4 + k) * 8)
         cuda = device.type == "cuda"
         # The load-balancing loss' gradient reaches the layers through torch's checkpointing only
-        # (not through the host-offloaded layers' own backward); a mixture of experts runs eagerly
-        # (its routing is logged from the step). core/plan.py's choose_path says the same.
+        # (not through the host-offloaded layers' own backward); a mixture of experts is captured
+        # where core/plan.py's moe_graphs_off allows (choose_path, the estimator's rule, is the same).
         offloading = options.host_offload and cuda and not aux_coef
-        self._graphs = Graphs(self, offloading) if options.cuda_graphs and cuda and router is None else None
+        eager_moe = moe_graphs_off(router is not None, bool(aux_coef), grouped_products(dtype, device))
+        self._graphs = Graphs(self, offloading) if options.cuda_graphs and cuda and not eager_moe else None
         self._host = HostInputs(device) if offloading else None
         """The eager steps' host buffers (each graphed layout has its own: graphs.py)."""
 
@@ -196,8 +197,6 @@ class FastModel:
             else:
                 position_ids = torch.arange(t, device=device).expand(b, t)
         targets = next_token_targets(labels, position_ids)
-        if self.router is not None:
-            self.router.reset()
 
         # Host syncs, once per micro-batch: the batch's shape decides the attention layout.
         padded = attention_mask is not None and not bool(attention_mask.all())
@@ -218,6 +217,8 @@ class FastModel:
         # (core/plan.py's graphs_for, which the estimator follows too).
         graphed = (self._graphs is not None and torch.is_grad_enabled() and seg.mask is None and not reference
                    and graphs_for(ids.numel(), 0.0, True))
+        if self.router is not None:
+            self.router.begin(ids.numel())  # the real tokens, before a graph layout's padding
         if graphed:
             ids, pos, targets, seg = self._static_layout(ids, pos, targets, seg, t)
         h = self._embed(ids)

@@ -23,11 +23,14 @@ gradient that flows through the routing weights, as in transformers.
 took (logged per step) and, when the load-balancing loss is on, the router's probabilities summed
 per expert, from which :meth:`RouterLog.balance_loss` computes transformers'
 ``load_balancing_loss_func``.
+
+Nothing in a layer's forward or backward reads a value back to the host where the grouped kernel
+takes the operands (the sort, the counts and offsets are device tensors of a shape fixed by the
+token count), so a CUDA graph captures the layer; the counts go into fixed tensors the replay
+writes. The per-expert loop reads each expert's bounds on the host: eager steps only.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,17 +54,19 @@ def _aligned(t: torch.Tensor) -> bool:
                                            if s != 1 and n > 1)
 
 
-def kernel_takes(*operands: torch.Tensor) -> bool:
-    """Whether torch's grouped product runs on these operands (:data:`_KERNEL`'s rules)."""
+def grouped_products(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch's grouped product runs in ``dtype`` on ``device``, alignment aside: bf16 on
+    a CUDA card of compute capability 8.0 or more, any float dtype on the CPU."""
     if _KERNEL is None:
         return False
-    device = operands[0].device
     if device.type == "cuda":
-        if operands[0].dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (8, 0):
-            return False
-    elif device.type != "cpu":
-        return False
-    return all(_aligned(t) for t in operands)
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cpu"
+
+
+def kernel_takes(*operands: torch.Tensor) -> bool:
+    """Whether torch's grouped product runs on these operands (:data:`_KERNEL`'s rules)."""
+    return grouped_products(operands[0].dtype, operands[0].device) and all(_aligned(t) for t in operands)
 
 
 class Groups:
@@ -80,6 +85,10 @@ class Groups:
     def bounds(self) -> list[tuple[int, int]]:
         """Each expert's first and past-last row (a host sync, once)."""
         if self._bounds is None:
+            if self.offs.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the grouped product does not take these operands (bf16 on a compute "
+                                   "capability 8.0+ card, 16-byte aligned: a LoRA rank that is a multiple of 8), "
+                                   "and the loop over experts cannot be captured in a CUDA graph")
             ends = self.offs.tolist()
             self._bounds = list(zip([0, *ends[:-1]], ends, strict=True))
         return self._bounds
@@ -265,52 +274,54 @@ class ExpertProjection:
         return a, b, self.scale
 
 
-@dataclass
-class Routing:
-    """One micro-batch's routing in a sparse layer, as :class:`RouterLog` keeps it."""
-
-    counts: torch.Tensor
-    """Token copies each expert took ``[experts]`` (no gradient)."""
-    probs: torch.Tensor | None
-    """The router's probabilities summed over the tokens ``[experts]`` (fp32, with their gradient
-    where the load-balancing loss is on); None where it is off."""
-    rows: int
-    """Tokens routed."""
-
-
 class RouterLog:
-    """Each sparse layer's :class:`Routing` of the micro-batch going through the model, by layer.
+    """The sparse layers' routing of the micro-batch going through the model, in tensors that
+    stay where they are, so that a CUDA graph's replay of the forward writes them as an eager
+    forward does: each layer copies its experts' token counts into its row of :attr:`counts`, and
+    the model reads them once the stack has run (:meth:`tally`), outside any graph.
 
-    A layer recomputed for its backward records again over its own entry, which changes nothing:
-    the loss read the first one."""
+    A layer recomputed for its backward writes the same counts again, which changes nothing."""
 
-    def __init__(self, experts: int, top_k: int, balance: bool):
+    def __init__(self, experts: int, top_k: int, balance: bool, layers: int = 0, device: torch.device | None = None):
         self.experts = experts
         self.top_k = top_k
         self.balance = balance
-        """The layers record their probabilities for :meth:`balance_loss`."""
-        self.layers: dict[int, Routing] = {}
-        self.tokens = torch.zeros(experts, dtype=torch.long)
+        """The layers record their probabilities for :meth:`balance_loss` (eager steps only:
+        core/plan.py's ``moe_graphs_off``)."""
+        self.counts = torch.zeros(layers, experts, dtype=torch.long, device=device)
+        """Token copies each expert took in the last forward ``[layers, experts]``, a row a layer
+        (a dense layer's stays zero)."""
+        self.real = torch.zeros((), dtype=torch.long, device=device)
+        """How many of the stream's first tokens are real (:meth:`begin`): a CUDA-graph layout's
+        padding tokens after them are routed too, and counted nowhere."""
+        self.tokens = torch.zeros(experts, dtype=torch.long, device=device)
         """Token copies each expert took, summed over the sparse layers, since :meth:`take_tokens`."""
+        self.probs: dict[int, torch.Tensor] = {}
+        """Each layer's router probabilities summed over its tokens ``[experts]`` (fp32, with their
+        gradient), by layer, where :attr:`balance` is on."""
+        self.rows = 0
+        """Tokens each layer routed in the last forward (for :meth:`balance_loss`)."""
 
-    def reset(self) -> None:
-        """Forget the last micro-batch's routing (a new forward begins)."""
-        self.layers = {}
+    def begin(self, real: int) -> None:
+        """A new forward whose first ``real`` tokens are real (a device write, no host sync)."""
+        self.probs = {}
+        self.real.fill_(real)
 
-    def record(self, index: int, routing: Routing) -> None:
-        """Layer ``index``'s routing of this micro-batch."""
-        self.layers[index] = routing
+    def record(self, index: int, counts: torch.Tensor, probs: torch.Tensor | None, rows: int) -> None:
+        """Layer ``index``'s token counts ``[experts]`` and, where the balance loss is on, summed probabilities."""
+        self.counts[index].copy_(counts)
+        self.rows = rows
+        if probs is not None:
+            self.probs[index] = probs
 
     def tally(self) -> None:
-        """Add this micro-batch's counts to :attr:`tokens`."""
-        if self.layers:
-            counts = torch.stack([r.counts for r in self.layers.values()]).sum(0)
-            self.tokens = self.tokens.to(counts.device) + counts
+        """Add the last forward's counts to :attr:`tokens` (device operations only)."""
+        self.tokens.add_(self.counts.sum(0))
 
     def take_tokens(self) -> list[int]:
-        """The counts since the last call (a step's), and start counting anew."""
+        """The counts since the last call (a step's), and start counting anew: one host read a step."""
         tokens = self.tokens.tolist()
-        self.tokens = torch.zeros_like(self.tokens)
+        self.tokens.zero_()
         return tokens
 
     def balance_loss(self) -> torch.Tensor | None:
@@ -318,12 +329,12 @@ class RouterLog:
         experts' share of the token copies times their mean router probability, summed, times the
         number of experts; both shares are pooled over every layer first, as transformers does.
         None when nothing was recorded."""
-        routed = [r for r in self.layers.values() if r.probs is not None]
-        if not routed:
+        if not self.probs:
             return None
-        rows = sum(r.rows for r in routed)
-        counts = torch.stack([r.counts for r in routed]).sum(0).float()
-        probs = torch.stack([r.probs for r in routed]).sum(0)
+        layers = list(self.probs)
+        rows = self.rows * len(layers)
+        counts = self.counts[layers].sum(0).float()
+        probs = torch.stack([self.probs[i] for i in layers]).sum(0)
         return (counts / rows * probs / rows).sum() * self.experts
 
 
@@ -389,7 +400,10 @@ class SparseMlp:
         # scatter_add, not bincount: bincount reads its input's maximum back to the host on CUDA
         counts = flat.new_zeros(self.spec.experts).scatter_add_(0, flat, torch.ones_like(flat))
         groups = Groups(counts, loop=self.loop)
-        self.log.record(self.index, Routing(counts, probs.sum(0) if balance else None, x2.shape[0]))
+        # the counts logged leave out a graph layout's padding tokens (all rows are real elsewhere)
+        real = (torch.arange(x2.shape[0], device=x2.device) < self.log.real).long()[:, None].expand(-1, k).reshape(-1)
+        logged = flat.new_zeros(self.spec.experts).scatter_add_(0, flat, real)
+        self.log.record(self.index, logged, probs.sum(0) if balance else None, x2.shape[0])
         weight = weights.reshape(-1)[order, None]
         expert = flat[order]  # each sorted row's expert: whose biases it adds
         a, b, scale = gate_up_adapters
