@@ -60,13 +60,14 @@ experts load in 16 bits and are packed once the load is done (the loader before 
 class ExpertBytesProbe:
     """The bytes of expert weights alive in floating point on ``device`` (the projection being
     packed, the per-expert checkpoint tensors and their stacks, other layers' experts not packed yet),
-    counted over every live tensor of an expert's shape (``[experts, out, in]`` or one expert's
-    ``[out, in]``) each time a projection is about to be packed. :attr:`peak` is the most seen at once."""
+    counted over every live tensor of an expert's shape (``[experts, out, in]``, gpt-oss'
+    ``[experts, in, out]`` or one expert's ``[out, in]``) each time a projection is about to be packed
+    in 4 bits or to keep the MXFP4 its checkpoint ships. :attr:`peak` is the most seen at once."""
 
     def __init__(self, config: dict[str, Any], device: Any):
         experts, width, hidden = expert_shape(config)
-        self.shapes = {(experts, 2 * width, hidden), (experts, hidden, width), (experts, width, hidden),
-                       (width, hidden), (hidden, width)}
+        self.shapes = {(experts, 2 * width, hidden), (experts, hidden, 2 * width), (experts, hidden, width),
+                       (experts, width, hidden), (width, hidden), (hidden, width)}
         self.device = device
         self.samples: list[int] = []
         """One count a packing, in order."""
@@ -96,20 +97,23 @@ class ExpertBytesProbe:
 
     @contextmanager
     def watching(self) -> Iterator[ExpertBytesProbe]:
-        """Count before every packing (engine/quantized_experts.py's one packing step) while open."""
-        from studio.engine import quantized_experts
+        """Count before every packing (engine/quantized_experts.py's one packing step) and every
+        keeping of a projection's MXFP4 (engine/mxfp4.py's) while open."""
+        from studio.engine import mxfp4, quantized_experts
 
-        packing = quantized_experts._quantize
+        packing, keeping = quantized_experts._quantize, mxfp4._keep
 
-        def counted(values: Any, *args: Any) -> Any:
-            self.samples.append(self.count())
-            return packing(values, *args)
+        def counted(step: Any) -> Any:
+            def step_counted(*args: Any, **kwargs: Any) -> Any:
+                self.samples.append(self.count())
+                return step(*args, **kwargs)
+            return step_counted
 
-        quantized_experts._quantize = counted
+        quantized_experts._quantize, mxfp4._keep = counted(packing), counted(keeping)
         try:
             yield self
         finally:
-            quantized_experts._quantize = packing
+            quantized_experts._quantize, mxfp4._keep = packing, keeping
 
 
 def expert_shape(config: dict[str, Any]) -> tuple[int, int, int]:

@@ -255,6 +255,8 @@ def _packing_quantizer(base: type, record: ExpertsLoad) -> type:
     """``base`` (transformers' bitsandbytes 4-bit quantizer) extended to pack expert projections."""
     from transformers.core_model_loading import ConversionOps
 
+    from studio.engine.mxfp4 import converters_on_load, mxfp4_experts
+
     class PackExperts(ConversionOps):
         """bitsandbytes' quantize step for linear weights; packing for expert projections."""
 
@@ -270,6 +272,9 @@ def _packing_quantizer(base: type, record: ExpertsLoad) -> type:
             for name, values in experts.items():
                 module, attr = _expert_parameter(model, name)
                 values = values[0] if isinstance(values, list) else values
+                if attr in mxfp4_experts(module):  # kept as the checkpoint ships it: the placeholder
+                    out[name] = values
+                    continue
                 try:
                     out[name] = _pack(module, attr, values, config.bnb_4bit_quant_type,
                                       config.bnb_4bit_use_double_quant)
@@ -287,5 +292,9 @@ def _packing_quantizer(base: type, record: ExpertsLoad) -> type:
 
         def get_quantize_ops(self) -> ConversionOps:
             return PackExperts(self, super().get_quantize_ops())
+
+        def get_weight_conversions(self) -> list[Any]:
+            # a checkpoint shipping its experts in MXFP4 (gpt-oss) has them kept so as they load
+            return list(super().get_weight_conversions()) + converters_on_load(record.failures)
 
     return PackingBnb4Bit
