@@ -187,8 +187,9 @@ def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: t
         late = load_experts(model, path)
         if late:
             warnings.append(f"{late} experts modules took their MXFP4 weights after the load, not during it "
-                            f"(this transformers' loader did not hand them over): their bf16 weights were all "
-                            f"on the {device.type} at once, which a card that fits the model may not hold")
+                            f"(this transformers' loader did not hand them over): their weights in "
+                            f"{str(dtype).removeprefix('torch.')} were all on the {device.type} at once, which a card "
+                            "that fits the model may not hold")
         return model, name
     if q.bits == 4:
         late = quantize_experts(model, q.quant_type, q.double_quant)

@@ -11,9 +11,14 @@ expert's weight as ``[out, in]`` rows, blocked along ``in`` (the transpose of tr
 
 transformers runs them through the Hub's Triton kernels where it can fetch them, and otherwise
 dequantizes them to bf16 at load (gpt-oss-20b's experts: 10.2 GB become 24 GB). Here they stay as
-shipped: :class:`Mxfp4Experts` holds one projection's blocks and scales on the device, and
-:meth:`Mxfp4Experts.dequantize` writes every expert's weight in the compute dtype (plain torch, so
-the CPU runs it too), a chunk of rows at a time so that its temporaries stay a few tens of MB. The
+shipped, from the load on: :func:`converters_on_load` hands transformers' loader (inside Studio's
+4-bit quantizer, engine/quantized_experts.py) a step that keeps each projection's blocks and scales
+as they arrive, so no expert weight is ever held in bf16 (transformers casts each checkpoint tensor
+to the compute dtype on its way to the device: one projection's blocks pass through at 2 bytes a
+byte, 0.53 GB for gpt-oss-20b's gate/up, and are kept as bytes). :class:`Mxfp4Experts` holds one
+projection's blocks and scales on the device, and :meth:`Mxfp4Experts.dequantize` writes every
+expert's weight in the compute dtype (plain torch, so the CPU runs it too), a chunk of rows at a
+time so that its temporaries stay a few tens of MB. The
 fast path (engine/fast/moe.py) dequantizes one projection into its workspace right before the
 grouped product that reads it; transformers' own forward (chat, ``studio eval``, the plain path)
 gets the experts' parameters dequantized by a hook around the experts module, one layer at a time
@@ -253,9 +258,11 @@ def _files(folder: Path) -> dict[str, Path]:
 
 def load_experts(model: nn.Module, folder: str | Path, device: torch.device | None = None) -> int:
     """Attach the MXFP4 blocks and scales of the checkpoint in ``folder`` to every experts module of
-    ``model`` (``<module>.gate_up_proj_blocks`` and the rest, by the module's name in the model),
-    on ``device`` (default: where the module's parameters are). Returns the number of experts
-    modules attached. ValueError naming the file and tensor a module lacks."""
+    ``model`` that a load left without them (``<module>.gate_up_proj_blocks`` and the rest, by the
+    module's name in the model), on ``device`` (default: where the module's parameters are), freeing
+    the parameters transformers initialized. Returns the number of experts modules attached (0 when
+    :func:`converters_on_load` kept them all during the load). ValueError naming the file and tensor
+    a module lacks."""
     from safetensors import safe_open
 
     folder = Path(folder)

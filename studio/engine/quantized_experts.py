@@ -201,7 +201,7 @@ class ExpertsLoad:
     """What :func:`experts_packed_on_load` did during one load."""
 
     failures: dict[str, str] = field(default_factory=dict)
-    """Expert parameters whose packing failed (``model.layers.1.mlp.experts.gate_up_proj``), with
+    """Expert parameters whose packing (or keeping as MXFP4) failed (``model.layers.1.mlp.experts.gate_up_proj``), with
     the error. transformers logs such a failure and
     goes on, initializing the parameter at random: a load with failures must not be used."""
 
@@ -214,7 +214,9 @@ _LOADING = threading.Lock()
 def experts_packed_on_load() -> Iterator[ExpertsLoad]:
     """While open, a ``from_pretrained`` with a 4-bit ``BitsAndBytesConfig`` also packs every
     experts module's projections as the checkpoint's tensors arrive, in the config's quant type
-    and double quantization (the module docstring); yields the :class:`ExpertsLoad` it fills.
+    and double quantization (the module docstring), or keeps those the checkpoint ships as MXFP4
+    blocks and scales so (gpt-oss: engine/mxfp4.py's ``converters_on_load``); yields the
+    :class:`ExpertsLoad` it fills.
 
     transformers builds its quantizer from a table by the config's method; for the duration of the
     load the 4-bit entry is a subclass of bitsandbytes' quantizer, so the model, its config and its

@@ -148,6 +148,34 @@ def test_the_load_never_holds_expert_weights_dequantized(tmp_path: Path, monkeyp
         assert torch.equal(late.model(input_ids=ids).logits, logits)
 
 
+def test_keeping_the_mxfp4_that_fails_fails_the_4bit_load_instead_of_leaving_random_experts(
+        tmp_path: Path, monkeypatch) -> None:
+    """transformers logs a failed conversion and initializes that weight at random; the loader
+    refuses such a model: on the CPU the base loads in fp32 (transformers' dequantization of the
+    checkpoint) with a warning naming the projection and the error."""
+    pytest.importorskip("bitsandbytes")
+    from studio.engine import mxfp4
+
+    folder = mxfp4_folder(tmp_path / "gpt-oss")
+    keeping, calls = mxfp4._keep, []
+
+    def failing(module, name, *args):
+        calls.append(name)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory (injected)")
+        return keeping(module, name, *args)
+
+    monkeypatch.setattr(mxfp4, "_keep", failing)
+    base = _load(folder)
+    assert base.quantization == "float32" and not any(mxfp4_experts(m) for m in base.model.modules())
+    assert any("failed (model.layers.1.mlp.experts." in w and "out of memory (injected)" in w
+               for w in base.warnings), base.warnings
+    reference = _transformers_dequantized(folder)
+    for layer, theirs in zip(base.model.model.layers, reference.model.layers, strict=True):
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(layer.mlp.experts, name), getattr(theirs.mlp.experts, name))
+
+
 def test_a_load_in_the_compute_dtype_dequantizes_the_shipped_experts(tmp_path: Path) -> None:
     """quantization.bits null: the experts in the compute dtype, transformers' dequantization of them."""
     from studio.engine.model import load_base
