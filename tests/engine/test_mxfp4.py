@@ -1,7 +1,8 @@
 """gpt-oss' MXFP4 experts kept as the checkpoint ships them (studio/engine/mxfp4.py), on the CPU:
 the dequantization is transformers' own (integrations/mxfp4.py) on the same blocks and scales; a
-4-bit load of a tiny gpt-oss checkpoint that ships its experts in MXFP4 keeps them so (4.25 bits a
-weight, the parameters holding nothing), transformers' forward through the dequantizing hook answers
+4-bit load of a tiny gpt-oss checkpoint that ships its experts in MXFP4 keeps them so as they load
+(4.25 bits a weight, the parameters holding nothing, no expert weight ever dequantized during the
+load; a failure fails the 4-bit load), transformers' forward through the dequantizing hook answers
 as the same model with transformers' dequantized experts, and the fast path's loss and LoRA
 gradients (the experts' adapters included) equal transformers' on those weights."""
 
