@@ -168,26 +168,29 @@ def _load_quantized(config: RunConfig, path: str, device: torch.device, dtype: t
     target = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
     # gpt-oss ships its experts in MXFP4: kept so (engine/mxfp4.py), the rest quantized by bitsandbytes
     shipped = shipped_config(path, config.model.revision, config.model.trust_remote_code) if q.bits == 4 else None
-    if shipped is not None:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
-            quantization_config=bnb, dtype=dtype, device_map=target, config=shipped)
-        load_experts(model, path)
-        return model, name
     # bitsandbytes quantizes linear modules only: a mixture of experts' 3-D expert weights, most of
-    # its memory, are packed as they load (engine/quantized_experts.py), so the device never holds
-    # them all in 16 bits.
+    # its memory, are packed as they load (engine/quantized_experts.py), or kept in the MXFP4 the
+    # checkpoint ships, so the device never holds them all in 16 bits.
     with experts_packed_on_load() as experts:
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
-                quantization_config=bnb, dtype=dtype, device_map=target)
+                quantization_config=bnb, dtype=dtype, device_map=target,
+                **({"config": shipped} if shipped is not None else {}))
         finally:
             # transformers logs a failed conversion and initializes the weight at random, then goes on
             # or fails pointing at its log: the error itself is the one to show
             if experts.failures:
                 where, why = next(iter(experts.failures.items()))
                 raise RuntimeError(f"packing the expert weights in 4 bits failed ({where}: {why})")
+    if shipped is not None:
+        late = load_experts(model, path)
+        if late:
+            warnings.append(f"{late} experts modules took their MXFP4 weights after the load, not during it "
+                            f"(this transformers' loader did not hand them over): their weights in "
+                            f"{str(dtype).removeprefix('torch.')} were all on the {device.type} at once, which a card "
+                            "that fits the model may not hold")
+        return model, name
     if q.bits == 4:
         late = quantize_experts(model, q.quant_type, q.double_quant)
         if late:

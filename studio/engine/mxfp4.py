@@ -11,9 +11,14 @@ expert's weight as ``[out, in]`` rows, blocked along ``in`` (the transpose of tr
 
 transformers runs them through the Hub's Triton kernels where it can fetch them, and otherwise
 dequantizes them to bf16 at load (gpt-oss-20b's experts: 10.2 GB become 24 GB). Here they stay as
-shipped: :class:`Mxfp4Experts` holds one projection's blocks and scales on the device, and
-:meth:`Mxfp4Experts.dequantize` writes every expert's weight in the compute dtype (plain torch, so
-the CPU runs it too), a chunk of rows at a time so that its temporaries stay a few tens of MB. The
+shipped, from the load on: :func:`converters_on_load` hands transformers' loader (inside Studio's
+4-bit quantizer, engine/quantized_experts.py) a step that keeps each projection's blocks and scales
+as they arrive, so no expert weight is ever held in bf16 (transformers casts each checkpoint tensor
+to the compute dtype on its way to the device: one projection's blocks pass through at 2 bytes a
+byte, 0.53 GB for gpt-oss-20b's gate/up, and are kept as bytes). :class:`Mxfp4Experts` holds one
+projection's blocks and scales on the device, and :meth:`Mxfp4Experts.dequantize` writes every
+expert's weight in the compute dtype (plain torch, so the CPU runs it too), a chunk of rows at a
+time so that its temporaries stay a few tens of MB. The
 fast path (engine/fast/moe.py) dequantizes one projection into its workspace right before the
 grouped product that reads it; transformers' own forward (chat, ``studio eval``, the plain path)
 gets the experts' parameters dequantized by a hook around the experts module, one layer at a time
@@ -154,24 +159,71 @@ def _swap_out(module: nn.Module, _args: Any, _output: Any) -> None:
             module._parameters[name] = stored.param
 
 
+def _keep(module: nn.Module, name: str, blocks: torch.Tensor, scales: torch.Tensor,
+          param: nn.Parameter | None = None) -> nn.Parameter:
+    """Record ``blocks`` and ``scales`` as ``module.<name>``'s weights and return the parameter that
+    then holds the placeholder: ``param`` (the module's, its data freed) or, without it, a new
+    frozen one of the module's parameter's shape and dtype (a load hands it to transformers)."""
+    shape = getattr(module, name).shape
+    e, rows, groups, _ = blocks.shape
+    if (int(shape[0]), int(shape[2]), int(shape[1])) != (int(e), int(rows), int(groups) * BLOCK):
+        raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} do not hold a weight of the "
+                         f"parameter's shape {tuple(shape)}")
+    dtype = getattr(module, name).dtype
+    # one value broadcast to the shape: PEFT and transformers see the shape and dtype, no memory
+    placeholder = torch.zeros((), dtype=dtype, device=blocks.device).expand(shape)
+    if param is None:
+        param = nn.Parameter(placeholder, requires_grad=False)  # the base is frozen
+    else:
+        param.data = placeholder
+    store = mxfp4_experts(module)
+    if not store:
+        store = {}
+        setattr(module, _ATTRIBUTE, store)
+        module.register_forward_pre_hook(_swap_in)
+        module.register_forward_hook(_swap_out)
+    store[name] = Mxfp4Experts(param, blocks, scales)
+    return param
+
+
 def attach(experts: nn.Module, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Keep ``experts``' projections as MXFP4 (``tensors``: parameter name -> its blocks and scales,
     on the module's device), freeing their dequantized data; transformers' forward keeps working
     through a hook that dequantizes them around the module's forward."""
-    store = {}
     for name, (blocks, scales) in tensors.items():
-        param = getattr(experts, name)
-        e, rows, groups, _ = blocks.shape
-        if (int(param.shape[0]), int(param.shape[2]), int(param.shape[1])) != (int(e), int(rows), int(groups) * BLOCK):
-            raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} do not hold a weight of the "
-                             f"parameter's shape {tuple(param.shape)}")
-        # one value broadcast to the shape: PEFT and transformers see the shape and dtype, no memory
-        param.data = torch.zeros((), dtype=param.dtype, device=blocks.device).expand(param.shape)
-        store[name] = Mxfp4Experts(param, blocks, scales)
-    if not mxfp4_experts(experts):
-        experts.register_forward_pre_hook(_swap_in)
-        experts.register_forward_hook(_swap_out)
-    setattr(experts, _ATTRIBUTE, {**mxfp4_experts(experts), **store})
+        _keep(experts, name, blocks, scales, getattr(experts, name))
+
+
+def converters_on_load(failures: dict[str, str]) -> list[Any]:
+    """transformers' weight converters (5.x loading) that take each experts projection's
+    ``<name>_blocks`` and ``<name>_scales`` from the checkpoint and keep them as shipped on the
+    device the load puts the parameter on (:func:`attach`'s state), handing transformers the
+    parameter with its placeholder: the projection is never dequantized, so a load holds no bf16
+    expert weight. A failure is recorded in ``failures`` (parameter name -> the error) and raised:
+    transformers logs a failed conversion and would initialize the weight at random."""
+    from transformers.core_model_loading import ConversionOps, WeightConverter
+
+    class KeepShipped(ConversionOps):
+        """The checkpoint's blocks and scales of one projection, kept: its parameter's placeholder out."""
+
+        def convert(self, input_dict: dict[str, Any], model: nn.Module | None = None,
+                    full_layer_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
+            module_name, _, name = str(full_layer_name).rpartition(".")
+            try:
+                pair = []
+                for suffix in SUFFIXES:
+                    tensor = input_dict[f"{name}{suffix}"]
+                    tensor = tensor[0] if isinstance(tensor, list) else tensor
+                    # transformers casts each checkpoint tensor to the parameter's dtype on its way
+                    # to the device; codes and exponents (bytes, 0 to 255) are exact in any float
+                    pair.append(tensor.to(torch.uint8))
+                return {full_layer_name: _keep(model.get_submodule(module_name), name, pair[0], pair[1])}
+            except Exception as exc:
+                failures[str(full_layer_name)] = f"{type(exc).__name__}: {exc}"
+                raise
+
+    return [WeightConverter([f"{name}{suffix}" for suffix in SUFFIXES], name, [KeepShipped()])
+            for name in EXPERT_PARAMETERS]
 
 
 def shipped_config(path: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
@@ -206,9 +258,11 @@ def _files(folder: Path) -> dict[str, Path]:
 
 def load_experts(model: nn.Module, folder: str | Path, device: torch.device | None = None) -> int:
     """Attach the MXFP4 blocks and scales of the checkpoint in ``folder`` to every experts module of
-    ``model`` (``<module>.gate_up_proj_blocks`` and the rest, by the module's name in the model),
-    on ``device`` (default: where the module's parameters are). Returns the number of experts
-    modules attached. ValueError naming the file and tensor a module lacks."""
+    ``model`` that a load left without them (``<module>.gate_up_proj_blocks`` and the rest, by the
+    module's name in the model), on ``device`` (default: where the module's parameters are), freeing
+    the parameters transformers initialized. Returns the number of experts modules attached (0 when
+    :func:`converters_on_load` kept them all during the load). ValueError naming the file and tensor
+    a module lacks."""
     from safetensors import safe_open
 
     folder = Path(folder)

@@ -201,7 +201,7 @@ class ExpertsLoad:
     """What :func:`experts_packed_on_load` did during one load."""
 
     failures: dict[str, str] = field(default_factory=dict)
-    """Expert parameters whose packing failed (``model.layers.1.mlp.experts.gate_up_proj``), with
+    """Expert parameters whose packing (or keeping as MXFP4) failed (``model.layers.1.mlp.experts.gate_up_proj``), with
     the error. transformers logs such a failure and
     goes on, initializing the parameter at random: a load with failures must not be used."""
 
@@ -214,7 +214,9 @@ _LOADING = threading.Lock()
 def experts_packed_on_load() -> Iterator[ExpertsLoad]:
     """While open, a ``from_pretrained`` with a 4-bit ``BitsAndBytesConfig`` also packs every
     experts module's projections as the checkpoint's tensors arrive, in the config's quant type
-    and double quantization (the module docstring); yields the :class:`ExpertsLoad` it fills.
+    and double quantization (the module docstring), or keeps those the checkpoint ships as MXFP4
+    blocks and scales so (gpt-oss: engine/mxfp4.py's ``converters_on_load``); yields the
+    :class:`ExpertsLoad` it fills.
 
     transformers builds its quantizer from a table by the config's method; for the duration of the
     load the 4-bit entry is a subclass of bitsandbytes' quantizer, so the model, its config and its
@@ -255,6 +257,8 @@ def _packing_quantizer(base: type, record: ExpertsLoad) -> type:
     """``base`` (transformers' bitsandbytes 4-bit quantizer) extended to pack expert projections."""
     from transformers.core_model_loading import ConversionOps
 
+    from studio.engine.mxfp4 import converters_on_load, mxfp4_experts
+
     class PackExperts(ConversionOps):
         """bitsandbytes' quantize step for linear weights; packing for expert projections."""
 
@@ -270,6 +274,9 @@ def _packing_quantizer(base: type, record: ExpertsLoad) -> type:
             for name, values in experts.items():
                 module, attr = _expert_parameter(model, name)
                 values = values[0] if isinstance(values, list) else values
+                if attr in mxfp4_experts(module):  # kept as the checkpoint ships it: the placeholder
+                    out[name] = values
+                    continue
                 try:
                     out[name] = _pack(module, attr, values, config.bnb_4bit_quant_type,
                                       config.bnb_4bit_use_double_quant)
@@ -287,5 +294,9 @@ def _packing_quantizer(base: type, record: ExpertsLoad) -> type:
 
         def get_quantize_ops(self) -> ConversionOps:
             return PackExperts(self, super().get_quantize_ops())
+
+        def get_weight_conversions(self) -> list[Any]:
+            # a checkpoint shipping its experts in MXFP4 (gpt-oss) has them kept so as they load
+            return list(super().get_weight_conversions()) + converters_on_load(record.failures)
 
     return PackingBnb4Bit

@@ -1,12 +1,14 @@
 """gpt-oss' MXFP4 experts kept as the checkpoint ships them (studio/engine/mxfp4.py), on the CPU:
 the dequantization is transformers' own (integrations/mxfp4.py) on the same blocks and scales; a
-4-bit load of a tiny gpt-oss checkpoint that ships its experts in MXFP4 keeps them so (4.25 bits a
-weight, the parameters holding nothing), transformers' forward through the dequantizing hook answers
+4-bit load of a tiny gpt-oss checkpoint that ships its experts in MXFP4 keeps them so as they load
+(4.25 bits a weight, the parameters holding nothing, no expert weight ever dequantized during the
+load; a failure fails the 4-bit load), transformers' forward through the dequantizing hook answers
 as the same model with transformers' dequantized experts, and the fast path's loss and LoRA
 gradients (the experts' adapters included) equal transformers' on those weights."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -87,8 +89,10 @@ def test_a_4bit_load_keeps_the_shipped_mxfp4_experts(tmp_path: Path, monkeypatch
         for name, stored in mxfp4_experts(module).items():
             assert torch.equal(stored.dequantize(torch.float32).transpose(1, 2), getattr(theirs, name).data), name
 
-    # the same 4-bit load with transformers' dequantized experts as plain parameters
-    monkeypatch.setattr("studio.engine.mxfp4.load_experts", lambda *args: 0)
+    # the same 4-bit load, the dequantizing hooks off, with transformers' dequantized experts as
+    # plain parameters
+    monkeypatch.setattr("studio.engine.mxfp4._swap_in", lambda *args: None)
+    monkeypatch.setattr("studio.engine.mxfp4._swap_out", lambda *args: None)
     plain = _load(folder).model
     for layer, theirs in zip(plain.model.layers, reference.model.layers, strict=True):
         for name in ("gate_up_proj", "down_proj"):
@@ -99,6 +103,78 @@ def test_a_4bit_load_keeps_the_shipped_mxfp4_experts(tmp_path: Path, monkeypatch
     with torch.no_grad():
         torch.testing.assert_close(base.model(input_ids=ids).logits, plain(input_ids=ids).logits)
     assert freed()
+
+
+def test_the_load_never_holds_expert_weights_dequantized(tmp_path: Path, monkeypatch) -> None:
+    """Four sparse layers of eight experts. Counting, each time a projection keeps its MXFP4, the
+    expert weights alive in floating point on the device: the load keeps every projection as the
+    checkpoint's tensors arrive and never holds one dequantized, where keeping them after a load
+    that initialized them held all four layers' at once (the instrument sees it), with a warning."""
+    pytest.importorskip("bitsandbytes")
+    import gc
+    import json
+
+    from bench.moe_load_peak import ExpertBytesProbe, expert_bytes
+
+    folder = mxfp4_folder(tmp_path / "gpt-oss", num_hidden_layers=4, num_local_experts=8, intermediate_size=96)
+    shape = json.loads((folder / "config.json").read_text())
+    gc.collect()
+    probe = ExpertBytesProbe(shape, torch.device("cpu"))
+    with probe.watching():
+        base = _load(folder)
+    assert base.quantization == "nf4" and base.warnings == []
+    assert len(probe.samples) == 8  # two projections in each of four layers, each kept once
+    assert probe.peak == 0
+    kept = [m for m in base.model.modules() if mxfp4_experts(m)]
+    assert len(kept) == 4 and all(set(mxfp4_experts(m)) == {"gate_up_proj", "down_proj"} for m in kept)
+    ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = base.model(input_ids=ids).logits
+    del base, kept
+    gc.collect()
+
+    with monkeypatch.context() as patch:
+        # the loader without keeping on load: transformers initializes the experts it finds no
+        # tensor for, and the shipped ones replace them once loaded
+        from studio.engine.quantized_experts import ExpertsLoad
+
+        patch.setattr("studio.engine.quantized_experts.experts_packed_on_load", lambda: nullcontext(ExpertsLoad()))
+        after = ExpertBytesProbe(shape, torch.device("cpu"))
+        with after.watching():
+            late = _load(folder)
+    assert len(after.samples) == 8
+    assert after.peak >= expert_bytes(shape, 4, 4)  # every layer's, in fp32 on the CPU
+    assert len(late.warnings) == 1 and "4 experts modules took their MXFP4 weights after the load" in late.warnings[0]
+    with torch.no_grad():
+        assert torch.equal(late.model(input_ids=ids).logits, logits)
+
+
+def test_keeping_the_mxfp4_that_fails_fails_the_4bit_load_instead_of_leaving_random_experts(
+        tmp_path: Path, monkeypatch) -> None:
+    """transformers logs a failed conversion and initializes that weight at random; the loader
+    refuses such a model: on the CPU the base loads in fp32 (transformers' dequantization of the
+    checkpoint) with a warning naming the projection and the error."""
+    pytest.importorskip("bitsandbytes")
+    from studio.engine import mxfp4
+
+    folder = mxfp4_folder(tmp_path / "gpt-oss")
+    keeping, calls = mxfp4._keep, []
+
+    def failing(module, name, *args):
+        calls.append(name)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory (injected)")
+        return keeping(module, name, *args)
+
+    monkeypatch.setattr(mxfp4, "_keep", failing)
+    base = _load(folder)
+    assert base.quantization == "float32" and not any(mxfp4_experts(m) for m in base.model.modules())
+    assert any("failed (model.layers.1.mlp.experts." in w and "out of memory (injected)" in w
+               for w in base.warnings), base.warnings
+    reference = _transformers_dequantized(folder)
+    for layer, theirs in zip(base.model.model.layers, reference.model.layers, strict=True):
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(layer.mlp.experts, name), getattr(theirs.mlp.experts, name))
 
 
 def test_a_load_in_the_compute_dtype_dequantizes_the_shipped_experts(tmp_path: Path) -> None:

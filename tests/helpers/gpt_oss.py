@@ -39,9 +39,10 @@ def random_mxfp4(shape: tuple[int, ...], seed: int):
     return blocks, scales
 
 
-def mxfp4_folder(folder: Path) -> Path:
+def mxfp4_folder(folder: Path, **overrides) -> Path:
     """A tiny random gpt-oss checkpoint as OpenAI ships theirs: bf16 but for the experts' weights,
-    stored as MXFP4 blocks and scales, ``quant_method: mxfp4`` in its config; the tiny tokenizer."""
+    stored as MXFP4 blocks and scales, ``quant_method: mxfp4`` in its config; the tiny tokenizer.
+    ``overrides``: config fields (more layers, other widths)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -49,7 +50,7 @@ def mxfp4_folder(folder: Path) -> Path:
     from studio.engine.tiny import build_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
-    config = gpt_oss_config(vocab_size=len(tokenizer))
+    config = gpt_oss_config(vocab_size=len(tokenizer), **overrides)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     tensors = {}
