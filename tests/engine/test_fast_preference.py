@@ -1,8 +1,10 @@
 """DPO and ORPO on the fast path (studio/engine/fast/): each answer's log-prob from the fused loss
 equals the plain path's full-logits one, the reference pass through the same layers with the
 adapters off is the base model's, and the DPO and ORPO losses and every LoRA gradient equal the
-plain path's (CPU, fp32), also with the pair batch laid out as a CUDA graph takes it. On a CUDA GPU:
-liger's per-token kernel, and the policy's pass replayed as a CUDA graph on a pair batch's 2n rows."""
+plain path's (CPU, fp32), also with the pair batch laid out as a CUDA graph takes it (DPO's reference
+pass in the same layout, its graph sharing the policy graph's pool). On a CUDA GPU: liger's per-token
+kernel, and the policy's pass and DPO's reference pass replayed as CUDA graphs on a pair batch's 2n
+rows."""
 
 from __future__ import annotations
 
@@ -340,7 +342,7 @@ def test_liger_s_per_token_kernel_gives_the_torch_numbers_and_gradients(kernel_d
 def test_the_graphed_policy_pass_equals_the_eager_one_on_pair_batches(tiny_model: Path, method: str) -> None:
     """A pair batch's 2n padded rows go through the graphed layout (one flat stream, example
     slots): DPO and ORPO steps replayed as CUDA graphs give the eager steps' losses and gradients,
-    the reference pass running eagerly beside them."""
+    DPO's reference pass replayed as a graph of the same layout before them."""
     from studio.core.config import FastPathConfig
 
     model = _peft_model(tiny_model, 4, ALL, dtype=torch.bfloat16)
@@ -366,6 +368,8 @@ def test_the_graphed_policy_pass_equals_the_eager_one_on_pair_batches(tiny_model
     (_, eager_losses, eager_grads), (graphed, graph_losses, graph_grads) = runs
     assert graphed._graphs is not None and not graphed.graphs_failed, graphed.graphs_failed
     assert graphed._graphs.graphed, "the policy's pass was captured"
+    references = list(graphed._graphs.references)
+    assert references == ([key[:3] for key in graphed._graphs.graphed] if method == "dpo" else []), references
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-3, atol=2e-3)
     for step_eager, step_graph in zip(eager_grads, graph_grads, strict=True):
         for name, grad in step_eager.items():
