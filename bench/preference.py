@@ -186,11 +186,13 @@ def run_studio(args: argparse.Namespace) -> dict:
     times.append(time.perf_counter())
     session.train()
     losses = [e.loss for e in events if type(e).__name__ == "PreferenceLogged" and e.split == "train"]
-    notes = [e.message for e in events if type(e).__name__ == "WorkerFailed"]
+    notes = [e.message for e in events if type(e).__name__ in ("WorkerFailed", "WarningRaised")]
     loaded = next(e for e in events if type(e).__name__ == "ModelLoaded")
+    # why a capture failed (the policy's step or DPO's reference pass), "" when every one held
+    graphs_failed = session.fast.graphs_failed if session.fast is not None else ""
     return {"step_times": [b - a for a, b in zip(times, times[1:], strict=False)], "losses": losses,
             "path": getattr(loaded, "path", ""), "path_reason": getattr(loaded, "path_reason", ""),
-            "notes": notes, **_peaks(torch)}
+            "notes": notes, "graphs_failed": graphs_failed, **_peaks(torch)}
 
 
 # ------------------------------------------------------------------------------------ TRL

@@ -286,6 +286,8 @@ def choose_path(facts: PathFacts) -> PathChoice:
         what += ", each answer's log-prob from the fused cross-entropy"
         if facts.method == "dpo":
             what += ", the reference pass through the same layers with the adapters off"
+            if graphs:
+                what += " (a CUDA graph in the policy's memory pool)"
     return PathChoice("fast", what, cuda_graphs=graphs, host_offload=offload,
                       eager=eager_moe if facts.cuda and facts.cuda_graphs else "")
 

@@ -23,7 +23,8 @@ logits and switches the adapter off with peft's ``disable_adapter()``. The fast 
 (studio/engine/fast/, when the session built it) runs ``FastModel.sequence_logps``: the fused
 layers (the policy's pass replayed as a CUDA graph on a GPU), only the answer tokens through the
 vocabulary, fused with the output projection (no ``tokens x vocab`` logits), and the reference pass
-through the same layers with every adapter off.
+through the same layers with every adapter off (in a training step, replayed as a CUDA graph of the
+same batch layout in the policy graph's memory pool: engine/fast/graphs.py's ReferenceGraph).
 
 Metrics (PreferenceLogged) are kept on the device during a step and read once at its end.
 """
@@ -129,11 +130,13 @@ class PreferenceObjective:
         self._sums = {}
         self._pairs = 0
 
-    def _logps(self, batch: MicroBatch, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _logps(self, batch: MicroBatch, reference: bool = False, in_step: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per row: the summed log-prob of its answer, its token count and its argmax hits, by the
-        fine-tune or (``reference``, under no_grad) the base, on the session's path. The fast path
-        scores an evaluation's rows a few at a time, as its SFT evaluation does
-        (``FastModel.score``: at most SCORE_TOKENS tokens a pass)."""
+        fine-tune or (``reference``, under no_grad) the base, on the session's path; ``in_step``: the
+        reference pass of a training step (the fast path replays it as a CUDA graph beside the
+        policy's). The fast path scores an evaluation's rows a few at a time, as its SFT evaluation
+        does (``FastModel.score``: at most SCORE_TOKENS tokens a pass)."""
         fast = self.fast
         if fast is None:
             off = self.model.disable_adapter() if reference else contextlib.nullcontext()
@@ -141,7 +144,7 @@ class PreferenceObjective:
                 return sequence_logps(self.model, batch)
         if reference or torch.is_grad_enabled():
             return fast.sequence_logps(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids,
-                                       reference=reference)
+                                       reference=reference, in_step=in_step)
         rows = max(1, SCORE_TOKENS // max(1, batch.input_ids.shape[1]))
         mask = batch.attention_mask
         parts = [fast.sequence_logps(batch.input_ids[i:i + rows], batch.labels[i:i + rows],
@@ -152,8 +155,9 @@ class PreferenceObjective:
     def _reference_logps(self, batch: MicroBatch) -> torch.Tensor:
         """The base model's summed log-probs: adapter off, no gradients, no dropout."""
         if self.fast is not None:  # no adapter runs, so no dropout either: the modules' mode can stay
+            in_step = torch.is_grad_enabled()  # a training step's (an evaluation runs under no_grad)
             with torch.no_grad():
-                return self._logps(batch, reference=True)[0]
+                return self._logps(batch, reference=True, in_step=in_step)[0]
         was_training = self.model.training
         self.model.eval()
         try:

@@ -384,17 +384,24 @@ def test_packing_bucket_layout_keeps_examples_apart() -> None:
 
 def test_a_wider_layout_replaces_the_narrower_one_of_the_same_length() -> None:
     """A stream with more examples than the captured layout of its length has slots gets a layout
-    wide enough for both (its capture drops the narrower graph); a later narrower stream reuses it."""
+    wide enough for both (its capture drops the narrower layout's graphs, DPO's reference graph with
+    the policy's); a later narrower stream reuses it. A layout whose reference pass alone is captured
+    yet (a DPO step's first moment) counts as captured."""
     from studio.engine.fast.graphs import Graphs
 
     graphs = Graphs.__new__(Graphs)
     graphs.graphed = {((1, 2048, 8), 33, 512, True): "A", ((2, 512, 8), 1, 0, True): "rows"}
+    graphs.references = {((1, 2048, 8), 33, 512): "A's reference", ((1, 4096, 8), 17, 1024): "B's reference"}
     assert graphs.fit(2048, 64, 256) == (64, 512)  # wider in slots, as long in max_len
     assert graphs.fit(2048, 32, 128) == (32, 512)  # fits: A is reused
-    assert graphs.fit(4096, 32, 128) == (32, 128)  # another length: its own layout
+    assert graphs.fit(4096, 32, 128) == (32, 1024)  # another length: B's layout, widened in slots
+    assert graphs.fit(1024, 32, 128) == (32, 128)  # another length: its own layout
     assert graphs.fit(512, 8, 128) == (8, 128)  # rows without boundaries (cu of 1) are no flat layout
-    graphs._replace(((1, 2048, 8), 65, 512, True))
+    graphs._replace(((1, 2048, 8), 65, 512))
     assert list(graphs.graphed.values()) == ["rows"]  # rows without boundaries are never replaced
+    assert list(graphs.references.values()) == ["B's reference"]
+    graphs._replace(((1, 4096, 8), 17, 1024))  # the layout itself: its reference graph stays for its policy's
+    assert list(graphs.references.values()) == ["B's reference"]
 
 
 def test_unsupported_models_fall_back_with_a_reason(tiny_model: Path) -> None:

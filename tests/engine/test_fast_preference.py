@@ -1,8 +1,10 @@
 """DPO and ORPO on the fast path (studio/engine/fast/): each answer's log-prob from the fused loss
 equals the plain path's full-logits one, the reference pass through the same layers with the
 adapters off is the base model's, and the DPO and ORPO losses and every LoRA gradient equal the
-plain path's (CPU, fp32), also with the pair batch laid out as a CUDA graph takes it. On a CUDA GPU:
-liger's per-token kernel, and the policy's pass replayed as a CUDA graph on a pair batch's 2n rows."""
+plain path's (CPU, fp32), also with the pair batch laid out as a CUDA graph takes it (DPO's reference
+pass in the same layout, its graph sharing the policy graph's pool). On a CUDA GPU: liger's per-token
+kernel, and the policy's pass and DPO's reference pass replayed as CUDA graphs on a pair batch's 2n
+rows."""
 
 from __future__ import annotations
 
@@ -129,7 +131,8 @@ def _varlen_on_the_cpu(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True):
 class _LayoutsReplayedEagerly:
     """engine/fast/graphs.py's Graphs as far as the CPU goes: each step's batch is laid out as a
     captured graph would take it (FastModel._static_layout: the stream padded to 256 tokens, example
-    slots in powers of two), then run eagerly."""
+    slots in powers of two), then run eagerly; DPO's reference pass of a training step too (the
+    layout's ReferenceGraph), with the adapters off."""
 
     failed = ""
 
@@ -139,8 +142,13 @@ class _LayoutsReplayedEagerly:
     def fit(self, total: int, slots: int, max_len: int) -> tuple[int, int]:
         return slots, max_len
 
+    def run_reference(self, h, cos, sin, seg):
+        assert not torch.is_grad_enabled()
+        self.layouts.append(("reference", h.shape[1], seg.cu.numel() - 1, seg.max_len))
+        return self.fast_model.stack(h, cos, sin, seg, reference=True)
+
     def run(self, h, cos, sin, seg):
-        self.layouts.append((h.shape[1], seg.cu.numel() - 1, seg.max_len))
+        self.layouts.append(("policy", h.shape[1], seg.cu.numel() - 1, seg.max_len))
         return self.fast_model.stack(h, cos, sin, seg)
 
 
@@ -148,7 +156,9 @@ class _LayoutsReplayedEagerly:
 def test_the_graphed_layout_takes_a_pair_batch(tiny_model: Path, method: str) -> None:
     """A pair batch's 2n padded rows as the CUDA-graph layout lays them out (one flat stream padded
     with examples that take no loss, spare example slots), on the CPU with varlen attention
-    emulated: the same losses and LoRA gradients as the plain path, the reference pass eager."""
+    emulated: the same losses and LoRA gradients as the plain path. DPO's reference pass takes the
+    same layout before the policy's (its graph shares the policy graph's pool); an evaluation's
+    (under no_grad) runs eagerly and gives the same loss."""
     model = _peft_model(tiny_model, None, ALL)
     batch = _pairs_batch(model)
     fast_model, why = fast.prepare(model)
@@ -166,12 +176,84 @@ def test_the_graphed_layout_takes_a_pair_batch(tiny_model: Path, method: str) ->
         loss, _ = objective.forward(batch)
         loss.backward()
         results.append((loss.detach(), _lora_grads(model)))
-    assert fast_model._graphs.layouts == [(256, 32, 128)], "4 rows of 61 tokens: one flat stream of 256, 32 slots"
+    layout = (256, 32, 128)  # 4 rows of 61 tokens: one flat stream of 256, 32 slots
+    passes = ["reference", "policy"] if method == "dpo" else ["policy"]
+    assert fast_model._graphs.layouts == [(name, *layout) for name in passes]
     (plain, expected), (got, grads) = results
     torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # an evaluation: no step's layout, the reference pass eager
+        scored, _ = objective.forward(batch)
+    assert len(fast_model._graphs.layouts) == len(passes)
+    torch.testing.assert_close(scored, plain, rtol=1e-5, atol=1e-6)
     for name, grad in expected.items():
         rel = (grads[name] - grad).norm() / grad.norm()
         assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
+
+
+class _CapturedEagerly:
+    """graphs.py's ReferenceGraph without a capture (the CPU has none): the same static inputs,
+    copied into before each call, and a pool token of its own; ``log`` records each capture."""
+
+    def __init__(self, log: list, fast_model, inputs, max_len: int, flat: bool):
+        from studio.engine.fast.layer import Segments
+
+        log.append(("reference", tuple(inputs[0].shape)))
+        self.inputs, self.pool = inputs, object()
+        self._run = lambda: fast_model.stack(*inputs[:3], Segments(cu=inputs[3], max_len=max_len), reference=True)
+
+    def __call__(self, *inputs):
+        for static, given in zip(self.inputs, inputs, strict=True):
+            static.copy_(given)
+        return self._run()
+
+
+def test_the_reference_graph_shares_its_layout_with_the_policy_graph(tiny_model: Path, monkeypatch) -> None:
+    """engine/fast/graphs.py's own bookkeeping, captures replaced by eager calls: a DPO step captures
+    its reference pass first, then the policy graph of the same layout into the reference graph's
+    pool with its static inputs; later steps replay both (no capture), with the plain path's losses
+    and LoRA gradients (through the gradient sink); release() drops both."""
+    from studio.engine.fast import graphs
+
+    model = _peft_model(tiny_model, None, ALL)
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    varlen = Varlen(_varlen_on_the_cpu, {"is_causal": True}, gqa=False, scale=False, window=False)
+    fast_model.varlen = varlen
+    for layer in fast_model.layers:
+        layer.varlen = varlen
+    log: list = []
+
+    def make_graphed_callables(module, sample, num_warmup_iters, pool):
+        log.append(("policy", tuple(sample[0].shape), pool, sample))
+        return module
+
+    monkeypatch.setattr(graphs, "ReferenceGraph", lambda *a: _CapturedEagerly(log, *a))
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
+    fast_model._graphs = graphs.Graphs(fast_model, offload=False)
+    batches = [_pairs_batch(model, seed=s) for s in (2, 5)]
+    results = []
+    for path in (None, fast_model):
+        objective = PreferenceObjective("dpo", 0.1, model, CPU, torch.float32, encode=None)
+        objective.fast = path
+        for batch in batches * 2:  # two steps of one micro-batch each, twice over
+            model.zero_grad(set_to_none=True)
+            loss, _ = objective.forward(batch)
+            loss.backward()
+            results.append((path, loss.detach(), _lora_grads(model)))
+            del loss
+    (reference_capture, policy_capture) = log
+    reference = fast_model._graphs.references[(reference_capture[1], 33, 128)]
+    assert reference_capture[0] == "reference" and policy_capture[0] == "policy"
+    assert policy_capture[2] is reference.pool and policy_capture[3] is reference.inputs
+    assert [key[:3] for key in fast_model._graphs.graphed] == list(fast_model._graphs.references)
+    plain = [r for r in results if r[0] is None]
+    for (_, expected_loss, expected), (_, got, grads) in zip(plain, results[len(plain):], strict=True):
+        torch.testing.assert_close(got, expected_loss, rtol=1e-5, atol=1e-6)
+        for name, grad in expected.items():
+            rel = (grads[name] - grad).norm() / grad.norm()
+            assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
+    fast_model._graphs.release()
+    assert not fast_model._graphs.graphed and not fast_model._graphs.references
 
 
 def test_a_preference_session_trains_on_the_fast_path_and_says_so(tiny_model: Path, tmp_path: Path,
@@ -260,7 +342,7 @@ def test_liger_s_per_token_kernel_gives_the_torch_numbers_and_gradients(kernel_d
 def test_the_graphed_policy_pass_equals_the_eager_one_on_pair_batches(tiny_model: Path, method: str) -> None:
     """A pair batch's 2n padded rows go through the graphed layout (one flat stream, example
     slots): DPO and ORPO steps replayed as CUDA graphs give the eager steps' losses and gradients,
-    the reference pass running eagerly beside them."""
+    DPO's reference pass replayed as a graph of the same layout before them."""
     from studio.core.config import FastPathConfig
 
     model = _peft_model(tiny_model, 4, ALL, dtype=torch.bfloat16)
@@ -286,6 +368,8 @@ def test_the_graphed_policy_pass_equals_the_eager_one_on_pair_batches(tiny_model
     (_, eager_losses, eager_grads), (graphed, graph_losses, graph_grads) = runs
     assert graphed._graphs is not None and not graphed.graphs_failed, graphed.graphs_failed
     assert graphed._graphs.graphed, "the policy's pass was captured"
+    references = list(graphed._graphs.references)
+    assert references == ([key[:3] for key in graphed._graphs.graphed] if method == "dpo" else []), references
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-3, atol=2e-3)
     for step_eager, step_graph in zip(eager_grads, graph_grads, strict=True):
         for name, grad in step_eager.items():

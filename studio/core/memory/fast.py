@@ -25,8 +25,9 @@ fp32 residual stream, no per-module saved inputs, no logits. What today's engine
   GRAPH_TOKEN_LIMIT tokens), the free blocks of the graph's private pool.
 
 Preference runs (DPO, ORPO) take the same step on the pair batch's 2n rows (``Plan.tokens``), their
-answers' log-probs from the fused loss (no logits either); DPO adds its reference pass, an eager
-forward without gradients through the same layers before the policy's (:func:`reference_pass_bytes`).
+answers' log-probs from the fused loss (no logits either); DPO adds its reference pass, a forward
+without gradients through the same layers before the policy's (:func:`reference_pass_bytes`): with
+CUDA graphs a graph of its own in the policy graph's pool (:func:`reference_graph_bytes`).
 
 The two fitted constants below (``LAYER_WORKING_SET``, ``GRAPH_POOL_PER_TOKEN``) are searched by
 bench/refit_vram_fast.py on the in-sample rows of a measurement of the engine
@@ -287,10 +288,27 @@ def reference_pass_bytes(info: ModelInfo, tokens: int, compute: int) -> int:
     the adapters off): a forward without gradients, layer by layer, whose widest moment is the MLP's
     (the layer's input and its normed copy, the gate/up product and the SwiGLU product of it), then
     the final hidden states, the answer rows gathered from them and the fused loss's chunk of logits
-    (no larger than those rows: engine/fast/loss.py). It runs eagerly before the policy's pass, when
-    none of the step's activations exist yet; beside a CUDA graph its blocks stay in the allocator's
-    general pool, which the graph's private pool does not share."""
+    (no larger than those rows: engine/fast/loss.py). Eager, it runs before the policy's pass, when
+    none of the step's activations exist yet, and the step reuses its blocks."""
     return tokens * compute * (2 * info.hidden + 3 * info.intermediate + 3 * info.hidden)
+
+
+def reference_graph_bytes(info: ModelInfo, tokens: int, compute: int) -> int:
+    """The part of :func:`reference_pass_bytes` that a CUDA graph captures (engine/fast/graphs.py's
+    ReferenceGraph: the decoder stack, whose widest moment is a layer's MLP): it lands in the private
+    pool that the layout's policy graph is captured into next, whose capture takes the blocks the
+    pass freed. Its static output, the final hidden states (``tokens x hidden``), stays allocated
+    there; the head's part runs eagerly in blocks the policy's head reuses."""
+    return tokens * compute * (2 * info.hidden + 3 * info.intermediate)
+
+
+def shared_pool_growth(info: ModelInfo, tokens: int, compute: int) -> float:
+    """What the reference graph adds to the layout's one private pool (:func:`graph_pool_bytes` the
+    policy's alone): the pool holds the larger of the two working sets, the reference pass's static
+    output kept beside the policy's, so it grows by that output or by the pass's excess, whichever is
+    more."""
+    output = tokens * info.hidden * compute
+    return max(float(output), reference_graph_bytes(info, tokens, compute) - graph_pool_bytes(info, tokens, compute))
 
 
 def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
@@ -328,6 +346,10 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     # unpadded rows of varying lengths come in several layouts; packed ones widen the one they have
     layouts = plan.data_sized
     workspace = CUBLAS_WORKSPACE_BYTES
+    reference = reference_pass_bytes(info, tokens, c) if plan.reference_pass else 0
+    # DPO with graphs: the reference graph (captured first, in the policy's pool) and its static output
+    reference_pool = reference_graph_bytes(info, tokens, c) if reference and graphs else 0
+    reference_output = tokens * info.hidden * c if reference_pool else 0
     if graphs:
         # The graph is captured in the first step, before the optimizer has any state: that moment
         # holds the capture's activations and its streams' cuBLAS workspaces, without the optimizer.
@@ -335,7 +357,8 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
         # free (reserved, not allocated); the optimizer's state and step come after (reserved keeps
         # both: the pool stays mapped when the state arrives). A second layout's capture comes in a
         # later step, with the state and the first graph's fixed tensors (graph_tensor_bytes).
-        capture = activations + (CAPTURE_WORKSPACES - 1) * workspace
+        # With DPO, the reference graph's pool is there already, its static output allocated.
+        capture = activations + (CAPTURE_WORKSPACES - 1) * workspace + reference_output
         state = on_device_optimizer
         at_capture = weights + lora + grads + capture + (state + graph_tensor_bytes(info, tokens, c) if layouts else 0)
         peak_allocated = int(max(at_capture, weights + lora + grads + state + temp))
@@ -352,15 +375,17 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
         slack += second_pool
     eager_extra = 0 if graphs else (STEP_WORKSPACES - 1) * workspace  # mapped too
     need = max(held + eager_extra + slack, peak_allocated)
-    reference = reference_pass_bytes(info, tokens, c) if plan.reference_pass else 0
     if reference:
-        # The pass's moment: the step's persistent bytes (earlier micro-batches' gradients with
-        # accumulation) and its working set, before any of the step's activations.
+        # The pass's moment (eager, or the warm-up before its capture): the step's persistent bytes
+        # (earlier micro-batches' gradients with accumulation) and its working set, before any of the
+        # step's activations. Eager, its blocks are the step's to reuse.
         at_reference = (weights + lora + on_device_optimizer + (grads if plan.accumulation > 1 else 0)
                         + dequant + reference + workspace)
         peak_allocated = int(max(peak_allocated, at_reference))
-        # Eager, its blocks are the step's to reuse; beside a graph they are reserved on top of its pool.
-        need = need + reference if graphs else max(need, at_reference + slack)
+        need = max(need, at_reference + slack)
+    if reference_pool:
+        # Graphed, it shares the policy graph's pool: the larger working set, not both.
+        need += shared_pool_growth(info, tokens, c) * (MAX_LAYOUTS if layouts else 1)
     if graphs:
         # The capture's own moment reserves its allocated peak, the free blocks its private pool has
         # by then and the allocator's fixed slack (a later step's other holes, the dequantized weights'
@@ -368,7 +393,9 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
         # captures). It is the peak where the optimizer's state is smaller than the capture's four
         # extra cuBLAS workspaces: SmolLM2-135M r8 on q and v keeps 3.5 MB of state, and its H100 row
         # reserved 109 MB beyond allocated at the capture (bench/results/archive/h100_v7_attribution.json).
-        need = max(need, at_capture + FIXED_SLACK + graph_pool_free_bytes(info, tokens, c) + second_pool)
+        # (DPO: the policy's warm-up runs beside the reference graph's pool, free blocks and all.)
+        need = max(need, at_capture + FIXED_SLACK + graph_pool_free_bytes(info, tokens, c) + second_pool
+                   + reference_pool - reference_output)
     peak_reserved = int(math.ceil(need / PAGE) * PAGE)
     overhead = peak_reserved - held + CUDA_CONTEXT_BYTES
     experts = int(experts_stored_bytes(info, plan))
@@ -381,9 +408,9 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
              + ("CUDA graphs" if graphs else "eager steps")]
     if plan.sequences_per_example == 2:
         notes.append("a preference pair is two sequences (chosen, rejected): the micro-batch counts pairs"
-                     + ("; DPO's reference pass (adapters off, no gradients) runs eagerly before the policy's, "
-                        + ("its working set reserved beside the CUDA graph's pool" if graphs else
-                           "in memory the step reuses") if plan.reference_pass else ""))
+                     + ("; DPO's reference pass (adapters off, no gradients) runs before the policy's, "
+                        + ("as a CUDA graph in the policy graph's pool" if graphs else
+                           "eagerly, in memory the step reuses") if plan.reference_pass else ""))
     if graphs and peak_allocated < held:
         notes.append("allocated peaks at the first step's CUDA-graph capture, before the optimizer has "
                      "state (the categories are a later step's)")

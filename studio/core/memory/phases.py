@@ -59,6 +59,7 @@ from studio.core.memory.fast import (
     graph_pool_bytes,
     hoisted_adapter_bytes,
     reference_pass_bytes,
+    shared_pool_growth,
 )
 from studio.core.memory.params import compute_bytes
 from studio.core.memory.plain import stream_bytes
@@ -116,6 +117,8 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
         tokens = plan.real_tokens
         if plan.cuda_graphs and graphs_for(tokens, plan.lora_dropout, cuda=True):
             pool = graph_pool_bytes(info, tokens, c)
+            if plan.reference_pass:  # DPO's reference graph shares the pool
+                pool += shared_pool_growth(info, tokens, c)
     # the residual stream's width: bf16 on the fast path (its prepare casts embeddings and norms down),
     # fp32 after prepare_model_for_kbit_training on the plain one
     stream = c if fast_path else stream_bytes(plan)

@@ -1,4 +1,6 @@
-"""CUDA graphs of the decoder stack: forward and backward replayed, one graph per batch layout."""
+"""CUDA graphs of the decoder stack: forward and backward replayed, one graph per batch layout; DPO's
+reference pass (the stack with the adapters off, no gradients) as a forward-only graph of the same
+layout, in the same memory pool."""
 
 from __future__ import annotations
 
@@ -12,15 +14,16 @@ from studio.engine.fast.layer import Segments
 from studio.engine.fast.offload import HostInputs
 
 MAX_GRAPHS = 2
-"""Layouts beyond this many run without graphs: each graph keeps its own activation memory."""
+"""Layouts beyond this many run without graphs: each layout's graphs keep their own memory pool."""
 
 
 class Stack(Protocol):
     """What the graphs replay: the decoder stack (model.FastModel) and the adapters it trains."""
 
     def stack(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
-              host: HostInputs | None = None, sink: GradSink | None = None) -> torch.Tensor:
-        """The decoder layers and the final norm (layer inputs in ``host``, gradients into ``sink``)."""
+              host: HostInputs | None = None, sink: GradSink | None = None, reference: bool = False) -> torch.Tensor:
+        """The decoder layers and the final norm (layer inputs in ``host``, gradients into ``sink``;
+        ``reference``: every adapter off)."""
 
     def trainable(self) -> list[torch.Tensor]:
         """The adapter weights the stack trains, in a fixed order."""
@@ -108,65 +111,149 @@ class _StackModule(nn.Module):
         return self._fast[0].stack(h, cos, sin, seg, self.host, self._sink[0])
 
 
+Layout = tuple[tuple[int, ...], int, int]
+"""A batch layout: the stack input's shape, the length of its example boundaries ``cu`` (1: rows
+without boundaries) and its longest example."""
+
+
+class ReferenceGraph:
+    """DPO's reference pass for one batch layout: the decoder stack with every adapter off, without
+    gradients, captured as a forward-only CUDA graph.
+
+    It is captured before the layout's policy graph, into a memory pool of its own that the policy's
+    capture then shares (``pool``): the policy's forward and backward take the blocks the reference
+    pass freed, so the layout's pool holds the larger of the two working sets, not both, and nothing
+    of the pass sits in the allocator's general pool. Replays go in capture order (the reference
+    forward, then the policy's forward and backward), which is what makes the sharing safe; the
+    static output stays referenced here (no capture reuses its blocks) and is read by the head
+    before the policy replays. The static inputs are the first call's tensors, copied into before
+    each replay; the policy graph takes them as its own (the same batch's embeddings, tables and
+    boundaries), so the layout keeps one set."""
+
+    def __init__(self, fast: Stack, inputs: tuple[torch.Tensor, ...], max_len: int, flat: bool):
+        self.inputs = inputs
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graph = torch.cuda.CUDAGraph()
+        h, cos, sin, cu = inputs
+        seg = Segments(cu=cu, max_len=max_len) if flat else Segments()
+        # Once eagerly first: kernels' first calls (autotuning, lazy buffers) must not be captured.
+        fast.stack(h, cos, sin, seg, reference=True)
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.output = fast.stack(h, cos, sin, seg, reference=True)
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The final hidden states of ``inputs`` (h, cos, sin, cu), by a replay: the static output,
+        overwritten by the next replay."""
+        for static, given in zip(self.inputs, inputs, strict=True):
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        self.graph.replay()
+        return self.output
+
+
 class Graphs:
-    """CUDA graphs of the decoder stack, one per batch layout (at most :data:`MAX_GRAPHS`),
-    captured on first use."""
+    """CUDA graphs of the decoder stack, one per batch layout (at most :data:`MAX_GRAPHS` layouts),
+    captured on first use; with DPO, each layout's reference pass too (:class:`ReferenceGraph`)."""
 
     def __init__(self, fast: Stack, offload: bool):
         self.fast = fast
         self.offload = offload
         """Each layout's layer inputs wait in its own pinned host buffers (engine/fast/offload.py)."""
         self.graphed: dict[tuple, nn.Module] = {}
+        self.references: dict[Layout, ReferenceGraph] = {}
+        """Each layout's captured reference pass, whose pool its policy graph shares."""
         self.failed = ""
         self.sink: GradSink | None = None
         """The adapters' gradients as the captured backward adds into them (None until a capture,
         and again once the graphs are released)."""
 
     def release(self) -> None:
-        """Drop the graphs, their pools and the sink's gradient tensors (a later step captures anew).
+        """Drop the graphs (policy and reference), their pools and the sink's gradient tensors (a
+        later step captures anew).
 
         make_graphed_callables wraps each graph in an autograd Function class made for it, and a
         class sits in reference cycles: dropping the last reference leaves the graph, and with it
         its private pool, alive until the cyclic garbage collector runs. Collected here, so that
         the pool is free for what comes next (the final evaluation, an answer), which
         ``torch.cuda.empty_cache`` can then give back."""
-        had = bool(self.graphed) or self.sink is not None
+        had = bool(self.graphed) or bool(self.references) or self.sink is not None
         self.graphed.clear()
+        self.references.clear()
         self.sink = None
         if had:
             gc.collect()
+
+    def _layouts(self) -> set[Layout]:
+        """The layouts captured, by a policy graph, a reference graph or both."""
+        return {key[:3] for key in self.graphed} | set(self.references)
 
     def fit(self, total: int, slots: int, max_len: int) -> tuple[int, int]:
         """The example slots and longest example of the layout to use for a flat stream of ``total``
         tokens that needs ``slots`` and ``max_len``: the captured layout of that length where it is
         at least as wide (reused), else one as wide as both (:meth:`run` then replaces the old one)."""
-        for shape, cu_len, length, _ in self.graphed:
+        for shape, cu_len, length in self._layouts():
             if shape[1] == total and cu_len > 1:  # 1: rows without boundaries
                 slots, max_len = max(slots, cu_len - 1), max(max_len, length)
         return slots, max_len
 
-    def _replace(self, key: tuple) -> None:
-        """Drop the captured layouts of ``key``'s length that ``key`` now covers (see :meth:`fit`),
-        pools included, before ``key`` is captured: one graph's memory at a time."""
-        shape, cu_len, length, grad = key
+    def _replace(self, layout: Layout) -> None:
+        """Drop the captured layouts of ``layout``'s length that it now covers (see :meth:`fit`),
+        both graphs and their pool, before ``layout`` is captured: one layout's memory at a time."""
+        shape, cu_len, length = layout
         if cu_len == 1:
             return
-        narrower = [k for k in self.graphed
-                    if k[0] == shape and k[3] == grad and 1 < k[1] <= cu_len and k[2] <= length]
+
+        def covered(other: Layout) -> bool:
+            return other != layout and other[0] == shape and 1 < other[1] <= cu_len and other[2] <= length
+
+        narrower = [k for k in self.graphed if covered(k[:3])]
         for k in narrower:
             del self.graphed[k]
-        if narrower:
+        stale = [k for k in self.references if covered(k)]
+        for k in stale:
+            del self.references[k]
+        if narrower or stale:
             gc.collect()  # the graph's autograd class sits in reference cycles (see release)
             torch.cuda.empty_cache()
+
+    def _room(self, layout: Layout) -> bool:
+        """Whether ``layout`` may have graphs: no capture failed, and it is captured already or
+        fewer than :data:`MAX_GRAPHS` layouts are."""
+        return not self.failed and (layout in self._layouts() or len(self._layouts()) < MAX_GRAPHS)
+
+    def run_reference(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
+        """DPO's reference pass of a training step (no gradients, every adapter off) through the
+        layout's :class:`ReferenceGraph`, captured on first use before the policy graph of that
+        layout. Eager where the layout has no room for graphs, where its policy graph was captured
+        without one (capture order must be replay order), or where the capture fails
+        (``failed`` says why; the policy's steps then run eagerly too)."""
+        flat = seg.cu is not None
+        cu = seg.cu if flat else torch.zeros(1, dtype=torch.int32, device=h.device)
+        layout = (tuple(h.shape), cu.numel(), seg.max_len)
+        graph = self.references.get(layout)
+        if graph is None:
+            self._replace(layout)
+            if not self._room(layout) or any(key[:3] == layout for key in self.graphed):
+                return self.fast.stack(h, cos, sin, seg, reference=True)
+            try:
+                graph = ReferenceGraph(self.fast, (h, cos, sin, cu), seg.max_len, flat)
+            except torch.cuda.OutOfMemoryError:
+                raise  # the trainer halves the micro-batch; the smaller layout gets its own graphs
+            except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
+                self.failed = f"reference pass: {type(exc).__name__}: {exc}"
+                return self.fast.stack(h, cos, sin, seg, reference=True)
+            self.references[layout] = graph
+        return graph(h, cos, sin, cu)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
         flat = seg.cu is not None
         cu = seg.cu if flat else torch.zeros(1, dtype=torch.int32, device=h.device)
-        key = (tuple(h.shape), cu.numel(), seg.max_len, h.requires_grad)
+        layout = (tuple(h.shape), cu.numel(), seg.max_len)
+        key = (*layout, h.requires_grad)
         module = self.graphed.get(key)
         if module is None:
-            self._replace(key)
-            if self.failed or len(self.graphed) >= MAX_GRAPHS:
+            self._replace(layout)
+            if not self._room(layout):
                 return self.fast.stack(h, cos, sin, seg)
             # Autograd may warn once that a gradient accumulator made inside a capture (which
             # make_graphed_callables keeps) is fed from another stream: expected, the capture and
@@ -179,11 +266,19 @@ class Graphs:
             # The warm-up passes add into the sink's tensors too: keep what a step in progress
             # has accumulated there (a new layout in the middle of an accumulation window).
             kept = [g.clone() for g in self.sink.grads] if self.sink.bound() else None
+            # After the layout's reference pass: its pool, and its static inputs as this graph's
+            # (this batch's values, copied in; the reference replay copies the next ones in first).
+            reference = self.references.get(layout)
+            sample = (h, cos, sin, cu)
+            if reference is not None:
+                for static, given in zip(reference.inputs, sample, strict=True):
+                    static.copy_(given)
+                sample = reference.inputs
             try:
                 host = HostInputs(h.device) if self.offload else None
                 module = torch.cuda.make_graphed_callables(
-                    _StackModule(self.fast, seg.max_len, flat, host, self.sink), (h, cos, sin, cu),
-                    num_warmup_iters=2)
+                    _StackModule(self.fast, seg.max_len, flat, host, self.sink), sample,
+                    num_warmup_iters=2, pool=None if reference is None else reference.pool)
             except torch.cuda.OutOfMemoryError:
                 raise  # the trainer halves the micro-batch; the smaller layout gets its own graph
             except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
@@ -199,7 +294,7 @@ class Graphs:
             # 32 MiB each on a Hopper card, never freed otherwise), serve nothing. Clearing the
             # workspace map frees those; the default stream's are allocated again at its next
             # product, and the capture stream's stay inside the graph's private pool, which only
-            # that graph uses.
+            # that layout's graphs use (the reference graph, captured first, used the same one).
             clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear is not None:
                 torch.cuda.synchronize(h.device)

@@ -165,16 +165,18 @@ class FastModel:
         return loss, hits
 
     def sequence_logps(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
-                       position_ids: torch.Tensor, reference: bool = False
+                       position_ids: torch.Tensor, reference: bool = False, in_step: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per row: the summed log-prob of its target tokens (``labels`` shifted as in :meth:`loss`),
         how many there are, and, without gradients, how many of them are the argmax (zeros with
         them): what engine/preference.py's DPO and ORPO take, without a ``tokens x vocab`` logits
         tensor (loss.py's :func:`~studio.engine.fast.loss.sequence_logps`). ``reference``: through
-        the same layers with every adapter off, the base model (DPO's reference pass, under no_grad)."""
+        the same layers with every adapter off, the base model (DPO's reference pass, under no_grad);
+        ``in_step``: that of a training step whose policy pass over the same batch follows, laid out
+        as the policy's and replayed as a CUDA graph in its pool where the policy's is graphed."""
         if self._seed is not None and torch.is_grad_enabled() and not reference:
             self._seed.advance()
-        h, targets = self._hidden(input_ids, labels, attention_mask, position_ids, reference)
+        h, targets = self._hidden(input_ids, labels, attention_mask, position_ids, reference, in_step)
         wanted = next_token_targets(labels, position_ids) != IGNORE_INDEX
         if attention_mask is not None:
             wanted &= attention_mask.bool()
@@ -184,9 +186,11 @@ class FastModel:
         return sums, wanted.sum(1).float(), hits if hits is not None else torch.zeros_like(sums)
 
     def _hidden(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor | None, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                position_ids: torch.Tensor | None, reference: bool = False, in_step: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The final normed hidden states ``[N, hidden]`` of the batch's real tokens, and their
-        targets ``[N]`` (IGNORE_INDEX where no loss is taken); ``reference``: the adapters off. Their
+        targets ``[N]`` (IGNORE_INDEX where no loss is taken); ``reference``: the adapters off
+        (``in_step``: a training step's, graphed as its policy pass is: :meth:`sequence_logps`). Their
         product with the head's weight is the logits (a logits divisor folded in), before any final
         soft-cap (``ends.final_softcap``)."""
         b, t = input_ids.shape
@@ -215,8 +219,8 @@ class FastModel:
 
         # Large micro-batches run eagerly: the graph would cost its private pool and gain nothing
         # (core/plan.py's graphs_for, which the estimator follows too).
-        graphed = (self._graphs is not None and torch.is_grad_enabled() and seg.mask is None and not reference
-                   and graphs_for(ids.numel(), 0.0, True))
+        graphed = (self._graphs is not None and seg.mask is None and graphs_for(ids.numel(), 0.0, True)
+                   and (in_step if reference else torch.is_grad_enabled()))
         if self.router is not None:
             self.router.begin(ids.numel())  # the real tokens, before a graph layout's padding
         if graphed:
@@ -224,7 +228,7 @@ class FastModel:
         h = self._embed(ids)
         cos, sin = self._rope(h, pos)
         if graphed:
-            h = self._graphs.run(h, cos, sin, seg)
+            h = self._graphs.run_reference(h, cos, sin, seg) if reference else self._graphs.run(h, cos, sin, seg)
         else:
             offload = (self._host is not None and torch.is_grad_enabled() and not self.aux_coef
                        and offload_for(ids.numel(), 0.0, True))
