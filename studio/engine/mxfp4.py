@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from studio.core.decoder.spec import EXPERT_PARAMETERS
+from studio.engine.expert_weights import put_placeholder, put_weight
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The FP4 E2M1 number each 4-bit code stands for (bit 3 the sign)."""
@@ -142,21 +142,12 @@ def _swap_in(module: nn.Module, _args: Any) -> None:
         weight = torch.empty(stored.shape[0], stored.shape[2], stored.shape[1], dtype=stored.placeholder.dtype,
                              device=stored.device)
         stored.dequantize(weight.dtype, weight.transpose(1, 2))
-        if parametrize.is_parametrized(module, name):
-            # PEFT's expert adapter reads it through a parametrization (original + delta, a new tensor)
-            stored.param.data = weight
-        else:
-            # a parameter of its own for this forward: what autograd saves of it for the backward
-            # keeps the weight after the placeholder is back
-            module._parameters[name] = nn.Parameter(weight, requires_grad=False)
+        put_weight(module, name, stored, weight)
 
 
 def _swap_out(module: nn.Module, _args: Any, _output: Any) -> None:
     for name, stored in mxfp4_experts(module).items():
-        if parametrize.is_parametrized(module, name):
-            stored.param.data = stored.placeholder
-        else:
-            module._parameters[name] = stored.param
+        put_placeholder(module, name, stored)
 
 
 def _keep(module: nn.Module, name: str, blocks: torch.Tensor, scales: torch.Tensor,

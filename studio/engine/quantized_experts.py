@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from studio.core.decoder.spec import EXPERT_PARAMETERS
+from studio.engine.expert_weights import put_placeholder, put_weight
 
 BLOCKSIZE = 64
 """Values per 4-bit block (one scale each): bitsandbytes' default, that of the dense layers."""
@@ -161,21 +161,12 @@ def _pack(module: nn.Module, name: str, values: torch.Tensor, quant_type: str, d
 
 def _swap_in(module: nn.Module, _args: Any) -> None:
     for name, packed in packed_experts(module).items():
-        weight = packed.dequantize(packed.placeholder.dtype)
-        if parametrize.is_parametrized(module, name):  # PEFT's expert adapter: original + delta, a new tensor
-            packed.param.data = weight
-        else:
-            # a parameter of its own for this forward: what autograd saves of it (gpt-oss' experts
-            # multiply by the parameter itself) keeps the weight once the placeholder is back
-            module._parameters[name] = nn.Parameter(weight, requires_grad=False)
+        put_weight(module, name, packed, packed.dequantize(packed.placeholder.dtype))
 
 
 def _swap_out(module: nn.Module, _args: Any, _output: Any) -> None:
     for name, packed in packed_experts(module).items():
-        if parametrize.is_parametrized(module, name):
-            packed.param.data = packed.placeholder
-        else:
-            module._parameters[name] = packed.param
+        put_placeholder(module, name, packed)
 
 
 def quantize_experts(model: nn.Module, quant_type: str = "nf4", double_quant: bool = True) -> int:
