@@ -248,20 +248,27 @@ def test_every_family_captures_its_step(family: str, tmp_path: Path) -> None:
                for s, lengths in enumerate(([21, 14, 9], [30, 6, 8]))]
     _, eager_losses, _ = _run(model, batches, FastPathConfig(cuda_graphs=False), steps=2)
     graphed, graph_losses, _ = _run(model, batches, FastPathConfig(), steps=2)
-    failed = graphed._graphs.failed if graphed._graphs is not None else "no graphs"
-    if failed:
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            _run(model, batches, FastPathConfig(), steps=1)
-            where = "(no synchronizing operation found)"
-        except Exception as exc:  # noqa: BLE001 - the message is the point
-            import traceback
-
-            where = "".join(traceback.format_exception(exc)[-8:])
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        pytest.fail(f"{family}: capture failed: {failed}\n{where}")
+    _fail_naming_the_sync(family, graphed, model, batches)
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-2, atol=2e-2)
+
+
+def _fail_naming_the_sync(family: str, graphed, model, batches) -> None:
+    """Fail if ``graphed``'s capture failed, naming the operation that broke it: a capture allows no
+    host synchronization, so one more capture with torch's sync debugging on raises where one is."""
+    failed = graphed._graphs.failed if graphed._graphs is not None else "no graphs"
+    if not failed:
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _run(model, batches, FastPathConfig(), steps=1)
+        where = "(no synchronizing operation found)"
+    except Exception as exc:  # noqa: BLE001 - the message is the point
+        import traceback
+
+        where = "".join(traceback.format_exception(exc)[-8:])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    pytest.fail(f"{family}: capture failed: {failed}\n{where}")
 
 
 FAMILIES_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
@@ -317,19 +324,7 @@ def test_every_mixture_of_experts_captures_its_step(family: str, tmp_path: Path)
     eager, eager_losses, _ = _run(model, batches, FastPathConfig(cuda_graphs=False), steps=2)
     eager_tokens = eager.take_expert_tokens()
     graphed, graph_losses, _ = _run(model, batches, FastPathConfig(), steps=2)
-    failed = graphed._graphs.failed if graphed._graphs is not None else "no graphs"
-    if failed:  # a capture allows no host synchronization: name the operation that made one
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            _run(model, batches, FastPathConfig(), steps=1)
-            where = "(no synchronizing operation found)"
-        except Exception as exc:  # noqa: BLE001 - the message is the point
-            import traceback
-
-            where = "".join(traceback.format_exception(exc)[-8:])
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        pytest.fail(f"{family}: capture failed: {failed}\n{where}")
+    _fail_naming_the_sync(family, graphed, model, batches)
     assert graphed._graphs.graphed, "nothing was captured"
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-2, atol=2e-2)
     tokens = graphed.take_expert_tokens()
