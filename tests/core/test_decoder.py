@@ -41,6 +41,8 @@ PUBLISHED = {
     "microsoft/Phi-4-mini-instruct": 3.836, "allenai/OLMo-2-1124-7B": 7.30, "HuggingFaceTB/SmolLM3-3B-Base": 3.08,
     # gpt-oss' model card: 20.91B and 116.83B in all (the experts counted as the weights they stand for)
     "openai/gpt-oss-20b": 20.91, "openai/gpt-oss-120b": 116.83,
+    # the model cards: 30.5B (3.3B active), 46.7B, 6.9B (1.3B active)
+    "Qwen/Qwen3-30B-A3B": 30.5, "mistralai/Mixtral-8x7B-v0.1": 46.7, "allenai/OLMoE-1B-7B-0924": 6.92,
 }
 GPT_OSS = {"linear_bias", "norm_cast_after_scale", "sliding_window", "mixture_of_experts", "attention_sinks",
            "router_bias", "topk_softmax", "expert_bias", "clamped_swiglu", "interleaved_gate_up"}
@@ -60,6 +62,8 @@ NEEDS = {
     "allenai/OLMo-2-1124-7B": {"qk_norm_projection", "norm_cast_after_scale", "post_norms", "no_pre_norms"},
     "HuggingFaceTB/SmolLM3-3B-Base": {"no_rope_layers"},
     "openai/gpt-oss-20b": GPT_OSS, "openai/gpt-oss-120b": GPT_OSS,
+    "Qwen/Qwen3-30B-A3B": {"qk_norm_head", "mixture_of_experts"}, "mistralai/Mixtral-8x7B-v0.1": {"mixture_of_experts"},
+    "allenai/OLMoE-1B-7B-0924": {"qk_norm_projection", "mixture_of_experts"},
 }
 
 

@@ -45,7 +45,7 @@ def attention_window(attn: torch.nn.Module) -> int | None:
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window
     if "sliding_window=getattr(self.config" in source(type(attn).forward):
-        return attn.config.sliding_window
+        return getattr(attn.config, "sliding_window", None)  # (OLMoE's config has none: transformers passes None)
     return None
 
 
