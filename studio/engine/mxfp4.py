@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from studio.core.decoder.spec import EXPERT_PARAMETERS
-from studio.engine.expert_weights import put_placeholder, put_weight
+from studio.engine.expert_weights import holders, placeholder_parameter, put_placeholder, put_weight
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The FP4 E2M1 number each 4-bit code stands for (bit 3 the sign)."""
@@ -160,20 +160,8 @@ def _keep(module: nn.Module, name: str, blocks: torch.Tensor, scales: torch.Tens
     if (int(shape[0]), int(shape[2]), int(shape[1])) != (int(e), int(rows), int(groups) * BLOCK):
         raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} do not hold a weight of the "
                          f"parameter's shape {tuple(shape)}")
-    dtype = getattr(module, name).dtype
-    # one value broadcast to the shape: PEFT and transformers see the shape and dtype, no memory
-    placeholder = torch.zeros((), dtype=dtype, device=blocks.device).expand(shape)
-    if param is None:
-        param = nn.Parameter(placeholder, requires_grad=False)  # the base is frozen
-    else:
-        param.data = placeholder
-    store = mxfp4_experts(module)
-    if not store:
-        store = {}
-        setattr(module, _ATTRIBUTE, store)
-        module.register_forward_pre_hook(_swap_in)
-        module.register_forward_hook(_swap_out)
-    store[name] = Mxfp4Experts(param, blocks, scales)
+    param = placeholder_parameter(param, shape, getattr(module, name).dtype, blocks.device)
+    holders(module, _ATTRIBUTE, _swap_in, _swap_out)[name] = Mxfp4Experts(param, blocks, scales)
     return param
 
 

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from studio.core.decoder.spec import EXPERT_PARAMETERS
-from studio.engine.expert_weights import put_placeholder, put_weight
+from studio.engine.expert_weights import holders, placeholder_parameter, put_placeholder, put_weight
 
 BLOCKSIZE = 64
 """Values per 4-bit block (one scale each): bitsandbytes' default, that of the dense layers."""
@@ -142,20 +142,8 @@ def _pack(module: nn.Module, name: str, values: torch.Tensor, quant_type: str, d
     placeholder; without it a new frozen parameter does. Returns that parameter."""
     with torch.no_grad():
         packed, state = _quantize(values, quant_type, double_quant)
-    # One value broadcast to the shape: PEFT and transformers see the parameter's shape and dtype,
-    # and no 16-bit storage is kept.
-    placeholder = torch.zeros((), dtype=values.dtype, device=values.device).expand(values.shape)
-    if param is None:
-        param = nn.Parameter(placeholder, requires_grad=False)  # the base is frozen; a gradient would be full size
-    else:
-        param.data = placeholder
-    store = packed_experts(module)
-    if not store:
-        store = {}
-        setattr(module, _ATTRIBUTE, store)
-        module.register_forward_pre_hook(_swap_in)
-        module.register_forward_hook(_swap_out)
-    store[name] = PackedExperts(param, packed, state)
+    param = placeholder_parameter(param, values.shape, values.dtype, values.device)
+    holders(module, _ATTRIBUTE, _swap_in, _swap_out)[name] = PackedExperts(param, packed, state)
     return param
 
 
