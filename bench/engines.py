@@ -20,6 +20,7 @@ Tokens/s is timed from the end of step ``warmup`` to the end of the last step.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -31,6 +32,19 @@ TRAINER_TEMPLATE = "{instruction}\n{output}"
 
 GENERATE_NEW_TOKENS = 64
 """New tokens of the generation phase: exactly this many (a random model's answer ignores EOS)."""
+
+
+def child_env(tiny: bool) -> dict:
+    """The environment of a benchmark's side processes: this tree importable, offline, the engine's own
+    allocator setting; on the CPU (``tiny``) the fast path forced on, else left to the path decision."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # the engine's own setting
+    env["HF_HUB_OFFLINE"] = "1"
+    if tiny:  # the CPU: the fast path forced on (it is off on a CPU otherwise)
+        env.update(CUDA_VISIBLE_DEVICES="", STUDIO_FAST_PATH="1")
+    else:
+        env.pop("STUDIO_FAST_PATH", None)
+    return env
 
 
 def long_rows(path: Path, rows: int, seq: int, seed: int = 0) -> Path:

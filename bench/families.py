@@ -46,6 +46,8 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.engines import child_env  # noqa: E402
+
 FAMILIES = {
     "qwen3-8b": "Qwen/Qwen3-8B",
     "qwen2.5-7b": "Qwen/Qwen2.5-7B",
@@ -535,13 +537,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown family {', '.join(unknown)}; choose from {', '.join(FAMILIES)} or all")
     start = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # the engine's own setting
-    env["HF_HUB_OFFLINE"] = "1"
-    if args.tiny:  # the CPU: the fast path forced on (it is off on a CPU otherwise)
-        env.update(CUDA_VISIBLE_DEVICES="", STUDIO_FAST_PATH="1")
-    else:
-        env.pop("STUDIO_FAST_PATH", None)
+    env = child_env(args.tiny)
     result = {"what": "Studio (Trainer) vs Unsloth vs the HF + PEFT loop per family, same micro-batches and seed; "
                       "NF4, LoRA r16 on every projection, AdamW 2e-4 constant, checkpointing",
               "command": " ".join(["python3", "bench/families.py", *sys.argv[1:]]), "commit": _commit(args.commit),

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -59,6 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.engines import child_env  # noqa: E402
 from bench.families import _commit, _gpu_name, _run, _versions, summarize  # noqa: E402
 from bench.make_random_model import build_model, read_build  # noqa: E402
 from bench.moe_shapes import HUB_IDS, MOE_MODELS, tiny  # noqa: E402
@@ -247,13 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         parser.error("; ".join(problems))
     start = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # the engine's own setting
-    env["HF_HUB_OFFLINE"] = "1"
-    if args.tiny:  # the CPU: the fast path forced on (it is off on a CPU otherwise)
-        env.update(CUDA_VISIBLE_DEVICES="", STUDIO_FAST_PATH="1")
-    else:
-        env.pop("STUDIO_FAST_PATH", None)
+    env = child_env(args.tiny)
     result = {"what": "Studio (Trainer) vs Unsloth's MoE path vs the HF + PEFT loop on a mixture of experts, same "
                       "micro-batches and seed; NF4, LoRA r16 on attention (row attn) and on the experts too (row "
                       "experts), seq 2048 micro-batch 1, AdamW 2e-4 constant, checkpointing; random weights in the "
