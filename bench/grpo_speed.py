@@ -282,10 +282,10 @@ def _side(args: argparse.Namespace, side: str) -> dict:
         return {"skipped": f"{', '.join(missing)} not installed here"}
     if side == "unsloth" and args.tiny:
         return {"skipped": "Unsloth needs a CUDA GPU"}
-    if side == "trl" and importlib.util.find_spec("triton") is None:
+    if side == "trl" and (args.tiny or importlib.util.find_spec("triton") is None):
         # TRL 1.15's GRPOTrainer computes the log-probs through its chunked LM head, a Triton kernel
-        # (its generation runs on a CPU: checked with the tiny model as far as that).
-        return {"skipped": "TRL 1.15's GRPOTrainer needs Triton (its chunked log-prob LM head); none here"}
+        # that takes CUDA tensors only: on the CPU (--tiny, even on a GPU box) it cannot run.
+        return {"skipped": "TRL 1.15's GRPOTrainer needs Triton on a CUDA GPU (its chunked log-prob LM head)"}
     result = args.work / f"{side}.json"
     command = [sys.executable, __file__, "--side", side, "--model", args.model, "--data", str(args.data),
                "--work", str(args.work), "--steps", str(args.steps), "--warmup", str(args.warmup),

@@ -188,7 +188,9 @@ def _dpo_steps(model, batches, options: FastPathConfig, steps: int = 3):
             del loss  # as the Trainer does
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_reserved()
-    state = (dict(fast_model._graphs.references), dict(fast_model._graphs.graphed), fast_model.graphs_failed)
+    graphs = fast_model._graphs  # None where the options turn graphs off
+    state = ({}, {}, fast_model.graphs_failed) if graphs is None else (
+        dict(graphs.references), dict(graphs.graphed), fast_model.graphs_failed)
     model.zero_grad(set_to_none=True)
     fast_model.release_graphs()
     return state, losses, peak
