@@ -33,16 +33,19 @@ from bench.family_shapes import FAMILY_MODELS  # noqa: E402
 
 BASE = dict(FAMILY_MODELS["granite-3.1-2b"], num_hidden_layers=2)
 CASES = {
+    "layers_40": dict(num_hidden_layers=40),
+    "layers_40_no_offload": dict(num_hidden_layers=40),
     "real": {},
+    "llama_same_sizes": "llama",
+    "no_multipliers": dict(embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=0.125,
+                           logits_scaling=1.0),
     "vocab_49152": dict(vocab_size=49152),
     "head_dim_128": dict(num_attention_heads=16, num_key_value_heads=4),
     "untied": dict(tie_word_embeddings=False),
-    "no_multipliers": dict(embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=0.125,
-                           logits_scaling=1.0),
-    "llama_same_sizes": "llama",
 }
-"""Each case's change to Granite's real shape (2 layers); ``llama_same_sizes``: a Llama of Granite's
-sizes (no multipliers, head width 64, the odd vocabulary, tied)."""
+"""Each case's change to Granite's real shape on 2 layers (``layers_40``: all 40, the whole model);
+``llama_same_sizes``: a Llama of Granite's sizes (no multipliers, head width 64, the odd vocabulary,
+tied). ``*_no_offload``: ``trainer.fast_path.host_offload: false``."""
 
 
 def _shape(case: str) -> dict:
@@ -66,7 +69,8 @@ def run_case(case: str, work: Path, tokens: int, rows: int) -> dict:
     from studio.engine.batching import collate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a check of this script only
-    folder = build_model(f"granite-probe-{case}", _shape(case), work / case)
+    built = case.removesuffix("_no_offload")  # the same build as its case with offload
+    folder = build_model(f"granite-probe-{built}", _shape(case), work / built)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=torch.bfloat16,
@@ -85,7 +89,7 @@ def run_case(case: str, work: Path, tokens: int, rows: int) -> dict:
                 unit.append(SimpleNamespace(input_ids=ids, labels=ids))
             units.append(unit)
         batches.append(collate(units, pad_id=0, packing=True).to(device))
-    fast_model, why = fast.prepare(model, options=FastPathConfig())
+    fast_model, why = fast.prepare(model, options=FastPathConfig(host_offload=not case.endswith("_no_offload")))
     if fast_model is None:
         return {"case": case, "error": f"no fast path: {why}"}
     losses = []

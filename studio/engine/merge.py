@@ -61,6 +61,12 @@ def load_unquantized(path: str, dtype: torch.dtype, revision: str | None = None,
         # On the CPU: bitsandbytes dequantizes there (its CPU backend), and a GPU may not hold the result.
         model = AutoModelForCausalLM.from_pretrained(path, device_map={"": "cpu"}, **options)
         model.dequantize()
+        # transformers before 5.2x kept the loader's record of how it converted the checkpoint, the
+        # quantizer's steps included, after dequantize(); save_pretrained then tries to undo those
+        # and raises a bare NotImplementedError (seen on the GPU box's 5.17). Newer versions drop
+        # the record there; without it the model's default mapping applies, as for a new model.
+        if hasattr(model, "_weight_conversions"):
+            del model._weight_conversions
     except Exception as exc:  # bitsandbytes raises many kinds; any of them means "not on this CPU"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ExportError(f"{path} is a bitsandbytes checkpoint and bitsandbytes could not dequantize it on the CPU "

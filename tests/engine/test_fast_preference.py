@@ -190,21 +190,20 @@ def test_the_graphed_layout_takes_a_pair_batch(tiny_model: Path, method: str) ->
         assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
 
 
-class _CapturedEagerly:
-    """graphs.py's ReferenceGraph without a capture (the CPU has none): the same static inputs,
-    copied into before each call, and a pool token of its own; ``log`` records each capture."""
+def _captured_eagerly(log: list):
+    """graphs.py's ReferenceGraph with its capture and replay run eagerly (the CPU has no graphs):
+    its own static inputs and copies, a pool token of its own; ``log`` records each capture."""
+    from studio.engine.fast import graphs
 
-    def __init__(self, log: list, fast_model, inputs, max_len: int, flat: bool):
-        from studio.engine.fast.layer import Segments
+    class CapturedEagerly(graphs.ReferenceGraph):
+        def _capture(self) -> None:
+            log.append(("reference", tuple(self.inputs[0].shape)))
+            self.pool = object()
 
-        log.append(("reference", tuple(inputs[0].shape)))
-        self.inputs, self.pool = inputs, object()
-        self._run = lambda: fast_model.stack(*inputs[:3], Segments(cu=inputs[3], max_len=max_len), reference=True)
+        def _replay(self) -> None:
+            self.output = self._pass()
 
-    def __call__(self, *inputs):
-        for static, given in zip(self.inputs, inputs, strict=True):
-            static.copy_(given)
-        return self._run()
+    return CapturedEagerly
 
 
 def test_the_reference_graph_shares_its_layout_with_the_policy_graph(tiny_model: Path, monkeypatch) -> None:
@@ -215,6 +214,7 @@ def test_the_reference_graph_shares_its_layout_with_the_policy_graph(tiny_model:
     from studio.engine.fast import graphs
 
     model = _peft_model(tiny_model, None, ALL)
+    model.enable_input_require_grads()  # as a 4-bit run's does (PEFT's k-bit preparation): a leaf h
     fast_model, why = fast.prepare(model)
     assert fast_model is not None, why
     varlen = Varlen(_varlen_on_the_cpu, {"is_causal": True}, gqa=False, scale=False, window=False)
@@ -227,7 +227,7 @@ def test_the_reference_graph_shares_its_layout_with_the_policy_graph(tiny_model:
         log.append(("policy", tuple(sample[0].shape), pool, sample))
         return module
 
-    monkeypatch.setattr(graphs, "ReferenceGraph", lambda *a: _CapturedEagerly(log, *a))
+    monkeypatch.setattr(graphs, "ReferenceGraph", _captured_eagerly(log))
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
     fast_model._graphs = graphs.Graphs(fast_model, offload=False)
     batches = [_pairs_batch(model, seed=s) for s in (2, 5)]
@@ -244,7 +244,8 @@ def test_the_reference_graph_shares_its_layout_with_the_policy_graph(tiny_model:
     (reference_capture, policy_capture) = log
     reference = fast_model._graphs.references[(reference_capture[1], 33, 128)]
     assert reference_capture[0] == "reference" and policy_capture[0] == "policy"
-    assert policy_capture[2] is reference.pool and policy_capture[3] is reference.inputs
+    assert policy_capture[2] is reference.pool
+    assert [x.data_ptr() for x in policy_capture[3]] == [x.data_ptr() for x in reference.inputs]
     assert [key[:3] for key in fast_model._graphs.graphed] == list(fast_model._graphs.references)
     plain = [r for r in results if r[0] is None]
     for (_, expected_loss, expected), (_, got, grads) in zip(plain, results[len(plain):], strict=True):

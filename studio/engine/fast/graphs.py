@@ -131,23 +131,34 @@ class ReferenceGraph:
     boundaries), so the layout keeps one set."""
 
     def __init__(self, fast: Stack, inputs: tuple[torch.Tensor, ...], max_len: int, flat: bool):
-        self.inputs = inputs
+        # Detached: a run's embeddings may be a leaf that requires grad (PEFT's input-gradient hook
+        # for checkpointing), into which no later batch could be copied.
+        self.inputs = tuple(x.detach() for x in inputs)
+        h, cos, sin, cu = self.inputs
+        seg = Segments(cu=cu, max_len=max_len) if flat else Segments()
+        self._pass = lambda: fast.stack(h, cos, sin, seg, reference=True)
+        self.output: torch.Tensor | None = None
+        self._capture()
+
+    def _capture(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.graph = torch.cuda.CUDAGraph()
-        h, cos, sin, cu = inputs
-        seg = Segments(cu=cu, max_len=max_len) if flat else Segments()
         # Once eagerly first: kernels' first calls (autotuning, lazy buffers) must not be captured.
-        fast.stack(h, cos, sin, seg, reference=True)
+        self._pass()
         with torch.cuda.graph(self.graph, pool=self.pool):
-            self.output = fast.stack(h, cos, sin, seg, reference=True)
+            self.output = self._pass()
+
+    def _replay(self) -> None:
+        self.graph.replay()
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         """The final hidden states of ``inputs`` (h, cos, sin, cu), by a replay: the static output,
         overwritten by the next replay."""
-        for static, given in zip(self.inputs, inputs, strict=True):
-            if static.data_ptr() != given.data_ptr():
-                static.copy_(given)
-        self.graph.replay()
+        with torch.no_grad():
+            for static, given in zip(self.inputs, inputs, strict=True):
+                if static.data_ptr() != given.data_ptr():
+                    static.copy_(given)
+        self._replay()
         return self.output
 
 
@@ -271,9 +282,13 @@ class Graphs:
             reference = self.references.get(layout)
             sample = (h, cos, sin, cu)
             if reference is not None:
-                for static, given in zip(reference.inputs, sample, strict=True):
-                    static.copy_(given)
-                sample = reference.inputs
+                with torch.no_grad():
+                    for static, given in zip(reference.inputs, sample, strict=True):
+                        static.copy_(given)
+                # the same memory, each tensor needing a gradient where this batch's does (a capture
+                # must see the inputs' real requires_grad)
+                sample = tuple(static.detach().requires_grad_(given.requires_grad)
+                               for static, given in zip(reference.inputs, sample, strict=True))
             try:
                 host = HostInputs(h.device) if self.offload else None
                 module = torch.cuda.make_graphed_callables(
