@@ -32,29 +32,53 @@ sys.path.insert(0, str(ROOT))
 from bench.family_shapes import FAMILY_MODELS  # noqa: E402
 
 BASE = dict(FAMILY_MODELS["granite-3.1-2b"], num_hidden_layers=2)
+LAYERS_40 = dict(num_hidden_layers=40)
+NO_MULTIPLIERS = dict(embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=0.125, logits_scaling=1.0)
 CASES = {
-    "layers_40": dict(num_hidden_layers=40),
-    "layers_40_no_offload": dict(num_hidden_layers=40),
+    # rows of one full-length example each, as the grid's (no boundaries: torch's SDPA, not varlen)
+    "full_rows": dict(rows="full"),
+    "full_rows_sdpa_flash": dict(rows="full", attention="sdpa_flash"),
+    "full_rows_varlen": dict(rows="full", attention="varlen"),
+    "full_rows_head_dim_128": dict(rows="full", shape=dict(num_attention_heads=16, num_key_value_heads=4)),
+    "full_rows_llama_same_sizes": dict(rows="full", shape="llama"),
+    # rows of two examples packed (varlen): all captured at 10aa4aa / 759f732c
+    "layers_40": dict(shape=LAYERS_40),
+    "layers_40_no_offload": dict(shape=LAYERS_40, offload=False),
     "real": {},
-    "llama_same_sizes": "llama",
-    "no_multipliers": dict(embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=0.125,
-                           logits_scaling=1.0),
-    "vocab_49152": dict(vocab_size=49152),
-    "head_dim_128": dict(num_attention_heads=16, num_key_value_heads=4),
-    "untied": dict(tie_word_embeddings=False),
+    "llama_same_sizes": dict(shape="llama"),
+    "no_multipliers": dict(shape=NO_MULTIPLIERS),
+    "vocab_49152": dict(shape=dict(vocab_size=49152)),
+    "head_dim_128": dict(shape=dict(num_attention_heads=16, num_key_value_heads=4)),
+    "untied": dict(shape=dict(tie_word_embeddings=False)),
 }
-"""Each case's change to Granite's real shape on 2 layers (``layers_40``: all 40, the whole model);
-``llama_same_sizes``: a Llama of Granite's sizes (no multipliers, head width 64, the odd vocabulary,
-tied). ``*_no_offload``: ``trainer.fast_path.host_offload: false``."""
+"""Each case: ``shape``, its change to Granite's real shape on 2 layers (``"llama"``: a Llama of
+Granite's sizes: no multipliers, head width 64, the odd vocabulary, tied); ``rows``: ``packed`` (two
+examples a row, the default) or ``full`` (one example a row: the grid's rows); ``attention``:
+``default`` (the engine's choice), ``sdpa_flash`` (torch's SDPA held to its flash backend) or
+``varlen`` (full rows through flash-attention's varlen kernel too, boundaries made on the device);
+``offload``: ``trainer.fast_path.host_offload``."""
 
 
 def _shape(case: str) -> dict:
-    change = CASES[case]
+    change = CASES[case].get("shape", {})
     if change == "llama":
         keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
         return dict(model_type="llama", **{k: BASE[k] for k in keep})
     return {**BASE, **change}
+
+
+def _route_full_rows_to_varlen() -> None:
+    """The probe's own patch of the layer's attention: rows without boundaries go to the varlen
+    kernel as packed ones do (engine/fast/attention.py's ``_varlen`` makes their boundaries)."""
+    from studio.engine.fast import attention, layer
+
+    def attend(q, k, v, seg, varlen, span=attention.LLAMA, sinks=None):
+        if varlen is not None and seg.cu is None and seg.mask is None and span.softcap is None and sinks is None:
+            return attention._varlen(q, k, v, seg, varlen, span.scale, span.window)
+        return attention.attend(q, k, v, seg, varlen, span, sinks)
+
+    layer.attend = attend
 
 
 def run_case(case: str, work: Path, tokens: int, rows: int) -> dict:
@@ -69,8 +93,10 @@ def run_case(case: str, work: Path, tokens: int, rows: int) -> dict:
     from studio.engine.batching import collate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a check of this script only
-    built = case.removesuffix("_no_offload")  # the same build as its case with offload
-    folder = build_model(f"granite-probe-{built}", _shape(case), work / built)
+    how = CASES[case]
+    built = json.dumps(how.get("shape", {}), sort_keys=True)  # cases of one shape share its build
+    name = "".join(c if c.isalnum() else "_" for c in built)[:60] or "real"
+    folder = build_model(f"granite-probe-{name}", _shape(case), work / name)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=torch.bfloat16,
@@ -81,17 +107,24 @@ def run_case(case: str, work: Path, tokens: int, rows: int) -> dict:
     batches = []
     for _ in range(2):
         units = []
-        for _ in range(rows):  # each row two examples packed, as the grid's long rows pack
-            first = rng.randrange(tokens // 4, 3 * tokens // 4)
+        for _ in range(rows):
+            cuts = (tokens,) if how.get("rows") == "full" else (rng.randrange(tokens // 4, 3 * tokens // 4),)
+            lengths = cuts if len(cuts) == 1 and cuts[0] == tokens else (cuts[0], tokens - cuts[0])
             unit = []
-            for n in (first, tokens - first):
+            for n in lengths:
                 ids = [rng.randrange(3, 1000) for _ in range(n)]
                 unit.append(SimpleNamespace(input_ids=ids, labels=ids))
             units.append(unit)
         batches.append(collate(units, pad_id=0, packing=True).to(device))
-    fast_model, why = fast.prepare(model, options=FastPathConfig(host_offload=not case.endswith("_no_offload")))
+    if how.get("attention") == "varlen":
+        _route_full_rows_to_varlen()
+    fast_model, why = fast.prepare(model, options=FastPathConfig(host_offload=how.get("offload", True)))
     if fast_model is None:
         return {"case": case, "error": f"no fast path: {why}"}
+    if how.get("attention") == "sdpa_flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa_kernel([SDPBackend.FLASH_ATTENTION]).__enter__()  # for the rest of this one-case process
     losses = []
     t0 = time.perf_counter()
     for batch in batches:
@@ -100,7 +133,7 @@ def run_case(case: str, work: Path, tokens: int, rows: int) -> dict:
         loss.backward()
         losses.append(loss.item())
         del loss
-    out = {"case": case, "shape_change": CASES[case], "losses": losses, "seconds": round(time.perf_counter() - t0, 1),
+    out = {"case": case, "how": how, "losses": losses, "seconds": round(time.perf_counter() - t0, 1),
            "graphs_failed": fast_model.graphs_failed or None}
     if fast_model.graphs_failed and device == "cuda":
         fast_model.release_graphs()
