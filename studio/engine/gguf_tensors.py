@@ -79,9 +79,9 @@ class Weights:
         """``name[expert]`` of a tensor stacked over the experts, in float32 (the rest is not read)."""
         return self.where[name].get_slice(name)[expert:expert + 1].float().numpy()[0]
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor as stored (MXFP4 blocks and scales: uint8)."""
-        return self.where[name].get_tensor(name).numpy()
+    def raw_expert(self, name: str, expert: int) -> np.ndarray:
+        """``name[expert]`` as stored (MXFP4 blocks and scales: uint8)."""
+        return self.where[name].get_slice(name)[expert:expert + 1].numpy()[0]
 
 
 @dataclass(frozen=True)
@@ -133,12 +133,17 @@ def _split_experts(weights: Weights, hf_name: str, columns: slice) -> np.ndarray
 
 
 def _mxfp4_part(source: Weights, blocks: str, scales: str, rows: slice, expert: int | None = None) -> np.ndarray:
-    """GGML MXFP4 bytes of ``rows`` of a checkpoint's MXFP4 projection: every expert's
-    ``[experts, rows, in / 32 * 17]``, or one expert's ``[rows, in / 32 * 17]``."""
+    """GGML MXFP4 bytes of ``rows`` of a checkpoint's MXFP4 projection: one expert's ``[rows, in / 32
+    * 17]``, or every expert's ``[experts, rows, in / 32 * 17]`` (repacked an expert at a time)."""
     if expert is None:
-        return ggml_mxfp4(source.raw(blocks)[:, rows], source.raw(scales)[:, rows])
-    one = [source.where[n].get_slice(n)[expert:expert + 1].numpy()[0] for n in (blocks, scales)]
-    return ggml_mxfp4(one[0][rows], one[1][rows])
+        count = source.shape(blocks)[0]
+        first = _mxfp4_part(source, blocks, scales, rows, 0)
+        out = np.empty((count, *first.shape), dtype=np.uint8)
+        out[0] = first
+        for e in range(1, count):
+            out[e] = _mxfp4_part(source, blocks, scales, rows, e)
+        return out
+    return ggml_mxfp4(source.raw_expert(blocks, expert)[rows], source.raw_expert(scales, expert)[rows])
 
 
 def _decoded(pack: Callable[[], np.ndarray]) -> np.ndarray:
@@ -226,7 +231,7 @@ def model_tensors(weights: Weights, text_names: dict[str, str], config: dict[str
                                     lambda n=hf_name, p=part: weights.read(n)[:, p]))
         elif experts and text.endswith(".experts.down_proj"):
             order.append(Tensor(text + ".weight", weights.shape(hf_name), partial(weights.read, hf_name)))
-        elif family.interleaved_experts and text.endswith(".self_attn.sinks"):
+        elif text.endswith(".self_attn.sinks"):  # gpt-oss: one value a head, llama.cpp's attn_sinks.weight
             order.append(Tensor(text + ".weight", weights.shape(hf_name), partial(weights.read, hf_name)))
         else:
             order.append(Tensor(text, weights.shape(hf_name), partial(weights.read, hf_name)))
