@@ -217,11 +217,13 @@ def _sliding_problems(config: dict[str, Any], family: Family) -> list[str]:
     period = family.sliding_pattern
     expected = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
                 for i in range(int(config["num_hidden_layers"]))]
+    nth = f"{period}{'nd' if period == 2 else 'th'}"
     problems = []
     if config.get("layer_types") and list(config["layer_types"]) != expected:
-        problems.append(f"layer_types differ from llama.cpp's fixed pattern (every {period}th layer global)")
+        problems.append(f"layer_types differ from llama.cpp's fixed pattern (every {nth} layer global, the others "
+                        "sliding)")
     if not config.get("sliding_window"):
-        problems.append(f"no sliding_window (llama.cpp's layers slide but every {period}th)")
+        problems.append(f"no sliding_window (llama.cpp's layers slide but every {nth})")
     return problems
 
 
