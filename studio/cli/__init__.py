@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=("adapter", "merged", "gguf"), default="adapter",
                         help="adapter (PEFT folder + card), merged (safetensors) or gguf (+ LoRA GGUF, Modelfile)")
     export.add_argument("--quant", default="f16", help="GGUF storage: f16 (default), q8_0, f32, bf16, q5_1, "
-                        "q5_0, q4_1, q4_0")
+                        "q5_0, q4_1, q4_0, or mxfp4 (a mixture of experts: experts MXFP4, the rest q8_0)")
     export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="merged weights' dtype (default bfloat16)")
     export.add_argument("--out", help="folder to write (default: runs/<id>/export/<format>)")

@@ -403,7 +403,8 @@ def build_server(runs_dir: str | Path = "runs") -> MCPServer:
                        description="adapter (PEFT folder + model card), merged (safetensors) or gguf (+ LoRA "
                                    "GGUF and an Ollama Modelfile).")] = "adapter",
                    quant: Annotated[str, Field(description="GGUF storage: f16, q8_0, f32, bf16, q5_1, q5_0, "
-                                               "q4_1 or q4_0.")] = "f16",
+                                               "q4_1, q4_0, or mxfp4 (a mixture of experts: experts in MXFP4, "
+                                               "the rest q8_0).")] = "f16",
                    dtype: Annotated[Literal["bfloat16", "float16", "float32"], Field(
                        description="The merged weights' dtype.")] = "bfloat16",
                    out: Annotated[str | None, Field(description="Folder to write; default: "

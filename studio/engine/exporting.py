@@ -7,7 +7,8 @@
   :mod:`studio.engine.merge`), saved as safetensors with the tokenizer, generation config and a
   multimodal base's image processor files; ``AutoModelForCausalLM.from_pretrained`` loads it as the
   base's own class.
-- ``gguf``: the merged model (merged in float32, then stored as ``quant``) as one GGUF file, the
+- ``gguf``: the merged model (merged in float32, then stored as ``quant``; gpt-oss' MXFP4 experts
+  that the adapter left alone as shipped) as one GGUF file, the
   adapter alone as a llama.cpp LoRA GGUF, and an Ollama Modelfile with the run's template. An adapter
   llama.cpp has no LoRA form for (expert weights, DoRA, rsLoRA, trained whole modules) gets no LoRA
   GGUF; the message says why, and the model GGUF has it merged.
@@ -36,6 +37,7 @@ from studio.engine.gguf_export import (
     QUANTS,
     GgufExportError,
     check_architecture,
+    check_quant,
     lora_gguf_refusal,
     write_gguf,
     write_lora_gguf,
@@ -69,12 +71,17 @@ def _base_path(run: RunDir, say: Callable[[str], None]) -> str:
     return resolve_model(run.config().model.base_model, progress=say)
 
 
-def _base_config(run: RunDir) -> dict[str, Any]:
-    """The base model's config.json, as a dict."""
+def _base_folder(run: RunDir) -> Path:
+    """The folder holding the base model's config.json and weights (a hub id's snapshot in the cache)."""
     from transformers.utils import cached_file
 
     found = cached_file(_base_path(run, lambda _m: None), "config.json", revision=run.config().model.revision)
-    return json.loads(Path(found).read_text())
+    return Path(found).parent
+
+
+def _base_config(run: RunDir) -> dict[str, Any]:
+    """The base model's config.json, as a dict."""
+    return json.loads((_base_folder(run) / "config.json").read_text())
 
 
 def run_template(config: Any, tokenizer: Any) -> str:
@@ -171,14 +178,15 @@ def export_gguf(run: RunDir, dest: Path, quant: str, progress: Callable[[str, fl
     # What cannot be merged (an encoder-decoder) or llama.cpp does not run (another architecture, a
     # config it would misread) is refused before minutes of merging, not after.
     check_causal_lm(_base_path(run, lambda _m: None), config.model.revision, config.model.trust_remote_code)
-    check_architecture(_base_config(run))
+    check_quant(quant, check_architecture(_base_config(run)))
     staging = dest / "merged-f32"
     # float32 merge: the GGUF's own rounding (f16, q8_0) is then the only one.
     export_merged_folder(run, staging, "float32", lambda stage, f: progress(stage, f * 0.45))
     base_config = json.loads((staging / "config.json").read_text())
     model_file = f"model-{quant}.gguf"
+    # the base's MXFP4 experts (gpt-oss) are written as shipped where the merge left them
     write_gguf(staging, dest / model_file, quant, lambda stage, f: progress(stage, 0.45 + f * 0.45),
-               name=config.name or run.id)
+               name=config.name or run.id, shipped=_base_folder(run))
     adapter = find_adapter(run)
     lora_file, refusal = None, None
     if not is_full_model(adapter):  # a full fine-tune has no adapter to write alone

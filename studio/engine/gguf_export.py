@@ -9,21 +9,22 @@ llama.cpp names. What each family's metadata and tensors must say is
   ``token_embd.weight`` (OLMoE, whose llama.cpp loader needs one, gets a copy);
 - a multimodal wrapper (Gemma 3 4B+) is written as its text model; the vision tower is left out;
 - a mixture of experts' projections are stacked over the experts, one ``[experts, out, in]`` tensor
-  a projection and layer, from the one tensor an expert that transformers saves (or the fused 3-D
-  ``gate_up_proj``, split into its gate and up halves); one projection of one layer is in memory at a time.
+  a projection and layer; gpt-oss' experts are split from its interleaved layout, and written in
+  MXFP4 as they ship where they do (:mod:`studio.engine.gguf_tensors`); one projection of one layer
+  is in memory at a time;
+- norms, biases and a mixture's router stay float32 whatever ``--quant`` says, as llama.cpp's
+  converter keeps them.
 
 Covered: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3, Phi-3/Phi-4, and the mixtures of experts
-Qwen3-MoE, Mixtral and OLMoE (see :data:`~studio.engine.gguf_families.FAMILIES`). Anything else
-raises :class:`GgufExportError` with what to do instead. The LoRA GGUF covers plain LoRA on linear
-layers: an adapter on a mixture's expert weights (``lora.target_experts``) has no llama.cpp form.
+Qwen3-MoE, Mixtral, OLMoE and gpt-oss (see :data:`~studio.engine.gguf_families.FAMILIES`). Anything
+else raises :class:`GgufExportError` with what to do instead. The LoRA GGUF covers plain LoRA on
+linear layers: an adapter on a mixture's expert weights (``lora.target_experts``) has no llama.cpp form.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,25 +35,26 @@ from studio.engine.gguf_families import (
     Family,
     GgufExportError,
     check,
-    expert_count,
     rope_tensors,
     text_config,
     write_hparams,
 )
+from studio.engine.gguf_tensors import Tensor, Weights, model_tensors
 from studio.engine.gguf_vocab import read_vocab
 
-__all__ = ["QUANTS", "GgufExportError", "check_architecture", "gguf_name", "lora_gguf_refusal", "write_gguf",
-           "write_lora_gguf"]
+__all__ = ["QUANTS", "GgufExportError", "check_architecture", "check_quant", "gguf_name", "lora_gguf_refusal",
+           "write_gguf", "write_lora_gguf"]
 
 Progress = Callable[[str, float], None]
 """progress(stage, fraction 0..1)."""
 
-QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
-"""``--quant`` values: GGML types the gguf package can write from Python."""
+QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "mxfp4")
+"""``--quant`` values: GGML types the gguf package can write from Python. ``mxfp4`` is for a mixture
+of experts, as llama.cpp's ``llama-quantize ... MXFP4_MOE``: the experts in MXFP4, every other
+matrix in q8_0."""
 
-_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)\.weight$")
-"""One expert's projection as transformers saves a mixture of experts: ``...mlp.experts.3.gate_proj.weight``
-(Qwen3-MoE, OLMoE), ``...block_sparse_moe.experts.3.w1.weight`` (Mixtral)."""
+CHUNK_VALUES = 1 << 22
+"""Values quantized per step: gguf's MXFP4 quantizer holds 64 bytes a value while it rounds."""
 
 _VISION_PREFIXES = ("vision_tower.", "vision_model.", "multi_modal_projector.", "model.vision_tower.",
                     "model.multi_modal_projector.", "model.vision_model.")
@@ -72,8 +74,20 @@ def _qtype(quant: str) -> Any:
     return getattr(g.GGMLQuantizationType, quant.upper())
 
 
-def _file_type(quant: str) -> int:
+def check_quant(quant: str, family: Family) -> None:
+    """GgufExportError in one line when ``quant`` is not a ``--quant`` value or does not fit the model."""
+    _qtype(quant)
+    if quant == "mxfp4" and not family.moe:
+        raise GgufExportError("--quant mxfp4 stores a mixture of experts' expert weights in MXFP4 (the rest in q8_0) "
+                              "and this model has no experts; choose q8_0, q4_0 or another --quant")
+
+
+def _file_type(quant: str, mxfp4_experts: bool) -> int:
+    """``general.file_type``: the quant's, or MXFP4_MOE where the experts are MXFP4 and the rest is
+    unquantized (as llama.cpp's converter says of gpt-oss written from its MXFP4 checkpoint)."""
     ft = _gguf().LlamaFileType
+    if quant == "mxfp4" or (mxfp4_experts and quant in ("f32", "f16", "bf16")):
+        return int(ft.MOSTLY_MXFP4_MOE)
     return int(ft.ALL_F32 if quant == "f32" else getattr(ft, "MOSTLY_" + quant.upper()))
 
 
@@ -128,15 +142,24 @@ def _orient(hf_name: str, data: np.ndarray, config: dict[str, Any], family: Fami
     return data
 
 
-def _storage(shape: tuple[int, ...], quant: str) -> Any:
-    """The GGML type a tensor of ``shape`` is stored as: 1-D tensors stay float32 (as llama.cpp keeps
-    norms), and a matrix whose rows do not split into the quant's blocks falls back to f16."""
+def _storage(tensor: Tensor, gguf_tensor: str, quant: str) -> Any:
+    """The GGML type a tensor is stored as: MXFP4 where it ships so; float32 for 1-D tensors, biases
+    and a mixture's router (``ffn_gate_inp``), as llama.cpp's converter keeps them; under ``mxfp4``,
+    the stacked experts MXFP4 and the other matrices q8_0; a matrix whose rows do not split into the
+    quant's blocks falls back to f16."""
     g = _gguf()
-    if len(shape) < 2 or quant == "f32":
-        return g.GGMLQuantizationType.F32
-    qtype = _qtype(quant)
-    if shape[-1] % g.GGML_QUANT_SIZES[qtype][0]:
-        return g.GGMLQuantizationType.F16
+    types = g.GGMLQuantizationType
+    if tensor.packed is not None:
+        return types.MXFP4
+    if len(tensor.shape) < 2 or quant == "f32" or not gguf_tensor.endswith(".weight") or \
+            ".ffn_gate_inp." in gguf_tensor:
+        return types.F32
+    if quant == "mxfp4":
+        qtype = types.MXFP4 if len(tensor.shape) == 3 else types.Q8_0
+    else:
+        qtype = _qtype(quant)
+    if tensor.shape[-1] % g.GGML_QUANT_SIZES[qtype][0]:
+        return types.F16
     return qtype
 
 
@@ -145,81 +168,20 @@ def _nbytes(shape: tuple[int, ...], qtype: Any) -> int:
     return int(np.prod(shape)) // block * size
 
 
-def _convert(data: np.ndarray, qtype: Any) -> np.ndarray:
-    """``data`` (float32) as the bytes of ``qtype``."""
+def _convert(tensor: Tensor, data: np.ndarray | None, qtype: Any) -> np.ndarray:
+    """``tensor``'s bytes as ``qtype``: its MXFP4 as shipped, or ``data`` (float32) converted; a
+    quantized type a chunk of rows at a time (blocks never cross a row)."""
     g = _gguf()
+    if tensor.packed is not None:
+        return tensor.packed()
     if qtype == g.GGMLQuantizationType.F32:
         return np.ascontiguousarray(data, dtype=np.float32)
     if qtype == g.GGMLQuantizationType.F16:
         return np.ascontiguousarray(data, dtype=np.float16)
-    return g.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
-
-
-class _Weights:
-    """The safetensors files of a model folder, read one tensor at a time (never all at once)."""
-
-    def __init__(self, model_dir: Path):
-        from safetensors import safe_open
-
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise GgufExportError(f"{model_dir}: no .safetensors weights to convert")
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self.where = {name: h for h in self._handles for name in h.keys()}
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.where[name].get_slice(name).get_shape())
-
-    def read(self, name: str) -> np.ndarray:
-        return self.where[name].get_tensor(name).float().numpy()
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    """One tensor the GGUF file holds: the text model's Hugging Face name it is mapped from, its
-    shape, and how to read it (float32)."""
-
-    name: str
-    shape: tuple[int, ...]
-    read: Callable[[], np.ndarray]
-
-
-def _stacked(weights: _Weights, name: str, by_expert: dict[int, str], experts: int) -> _Tensor:
-    """The tensors of one projection, one an expert, as one ``[experts, out, in]`` tensor."""
-    if sorted(by_expert) != list(range(experts)):
-        raise GgufExportError(f"{name}: the weights hold experts {sorted(by_expert)} of this projection but the "
-                              f"config says {experts}; the merged folder is incomplete, export it again")
-    first = weights.shape(by_expert[0])
-    return _Tensor(name, (experts, *first), lambda: np.stack([weights.read(by_expert[e]) for e in range(experts)]))
-
-
-def _tensors(weights: _Weights, text_names: dict[str, str], config: dict[str, Any], family: Family) -> list[_Tensor]:
-    """The file's tensors in the checkpoint's order: each as it is, except a mixture of experts'
-    projections, stacked over the experts (llama.cpp's ``ffn_{gate,up,down}_exps``)."""
-    experts = expert_count(config) if family.moe else 0
-    stacks: dict[str, dict[int, str]] = {}
-    order: list[_Tensor | str] = []
-    for hf_name, text in text_names.items():
-        one = _EXPERT.match(text) if experts else None
-        if one:
-            name = f"{one['block']}.{one['proj']}.weight"
-            if name not in stacks:
-                stacks[name] = {}
-                order.append(name)
-            stacks[name][int(one["expert"])] = hf_name
-        elif experts and text.endswith(".experts.gate_up_proj"):
-            # transformers' fused layout [experts, 2 x intermediate, hidden]: the gate's rows, then the up's
-            count, rows, columns = weights.shape(hf_name)
-            block = text.removesuffix(".gate_up_proj")
-            for half, proj in enumerate(("gate_proj", "up_proj")):
-                part = slice(half * rows // 2, (half + 1) * rows // 2)
-                order.append(_Tensor(f"{block}.{proj}.weight", (count, rows // 2, columns),
-                                     lambda n=hf_name, p=part: weights.read(n)[:, p]))
-        elif experts and text.endswith(".experts.down_proj"):
-            order.append(_Tensor(text + ".weight", weights.shape(hf_name), partial(weights.read, hf_name)))
-        else:
-            order.append(_Tensor(text, weights.shape(hf_name), partial(weights.read, hf_name)))
-    return [_stacked(weights, t, stacks[t], experts) if isinstance(t, str) else t for t in order]
+    rows = np.ascontiguousarray(data, dtype=np.float32).reshape(-1, data.shape[-1])
+    step = max(1, CHUNK_VALUES // rows.shape[1])
+    done = [g.quants.quantize(rows[i:i + step], qtype) for i in range(0, rows.shape[0], step)]
+    return np.concatenate(done).reshape(*data.shape[:-1], -1)
 
 
 def _add_tokenizer(writer: Any, model_dir: Path, n_vocab: int) -> int:
@@ -244,16 +206,20 @@ def _add_tokenizer(writer: Any, model_dir: Path, n_vocab: int) -> int:
 
 
 def write_gguf(model_dir: str | Path, out: str | Path, quant: str = "f16",
-               progress: Progress | None = None, name: str | None = None) -> Path:
-    """Convert the Hugging Face model folder ``model_dir`` (safetensors + tokenizer) to one GGUF file."""
+               progress: Progress | None = None, name: str | None = None, shipped: str | Path | None = None) -> Path:
+    """Convert the Hugging Face model folder ``model_dir`` (safetensors + tokenizer) to one GGUF file.
+    ``shipped``: the checkpoint ``model_dir`` was merged from (a run's base); where it ships gpt-oss'
+    experts in MXFP4 and a merged expert weight is exactly what its blocks hold, the blocks are
+    written as they are instead of the weight rounded again."""
     g = _gguf()
     say = progress or (lambda _stage, _fraction: None)
     model_dir, out = Path(model_dir), Path(out)
     _qtype(quant)  # an unknown --quant fails before any work
     full_config = json.loads((model_dir / "config.json").read_text())
     family = check_architecture(full_config)
+    check_quant(quant, family)
     config = text_config(full_config)
-    weights = _Weights(model_dir)
+    weights = Weights(model_dir)
     names = _name_map(config, family)
     text_names = {n: _text_name(n) for n in weights.where}
     text_names = {n: t for n, t in text_names.items() if t is not None}
@@ -263,23 +229,28 @@ def write_gguf(model_dir: str | Path, out: str | Path, quant: str = "f16",
     if embedding is None:
         raise GgufExportError(f"{model_dir}: no model.embed_tokens.weight among the weights; this is not a "
                               "decoder laid out as the covered families are")
-    ordered = [t for t in _tensors(weights, text_names, config, family) if not (tied and t.name == "lm_head.weight")]
+    # a base without safetensors has no blocks to keep: its experts are then written in --quant
+    base = Weights(Path(shipped)) if shipped is not None and family.interleaved_experts and \
+        any(Path(shipped).glob("*.safetensors")) else None
+    ordered = [t for t in model_tensors(weights, text_names, config, family, base, lambda s, f: say(s, 0.02 * f))
+               if not (tied and t.name == "lm_head.weight")]
     if tied and family.output_required:
-        ordered.append(_Tensor("lm_head.weight", weights.shape(embedding), partial(weights.read, embedding)))
+        ordered.append(Tensor("lm_head.weight", weights.shape(embedding), partial(weights.read, embedding)))
+    targets = [gguf_name(t.name, names) for t in ordered]
+    storage = [_storage(t, target, quant) for t, target in zip(ordered, targets, strict=True)]
 
     writer = g.GGUFWriter(str(out), g.MODEL_ARCH_NAMES[getattr(g.MODEL_ARCH, family.arch)])
     writer.add_type(g.GGUFType.MODEL)
     writer.add_name(name or model_dir.name)
     n_vocab = _add_tokenizer(writer, model_dir, weights.shape(embedding)[0])
     write_hparams(writer, config, family, n_vocab)
-    writer.add_file_type(_file_type(quant))
+    writer.add_file_type(_file_type(quant, any(t.packed is not None for t in ordered)))
     writer.add_quantization_version(g.GGML_QUANT_VERSION)
     extra = rope_tensors(config, family)
     # Tensor infos first, then the data one tensor at a time: memory holds one tensor, not the model.
-    storage = [_storage(t.shape, quant) for t in ordered]
-    for tensor, qtype in zip(ordered, storage, strict=True):
-        writer.add_tensor_info(gguf_name(tensor.name, names), tensor.shape, np.dtype(np.float32),
-                               _nbytes(tensor.shape, qtype), raw_dtype=qtype)
+    for tensor, target, qtype in zip(ordered, targets, storage, strict=True):
+        writer.add_tensor_info(target, tensor.shape, np.dtype(np.float32), _nbytes(tensor.shape, qtype),
+                               raw_dtype=qtype)
     for tensor_name, data in extra.items():
         writer.add_tensor_info(tensor_name, data.shape, np.dtype(np.float32), data.nbytes,
                                raw_dtype=g.GGMLQuantizationType.F32)
@@ -288,7 +259,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, quant: str = "f16",
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for i, (tensor, qtype) in enumerate(zip(ordered, storage, strict=True)):
-        writer.write_tensor_data(_convert(_orient(tensor.name, tensor.read(), config, family), qtype))
+        data = None if tensor.packed is not None else _orient(tensor.name, tensor.read(), config, family)
+        writer.write_tensor_data(_convert(tensor, data, qtype))
         say(f"converting to {quant}", 0.02 + 0.98 * (i + 1) / len(ordered))
     for data in extra.values():
         writer.write_tensor_data(data)

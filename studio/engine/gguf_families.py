@@ -17,15 +17,21 @@ What llama.cpp reads, and what it assumes without reading, decides every entry (
   (Gemma 2) or five of every six slide (Gemma 3), the sliding layers of Gemma 3 rotate with base
   10000, and the attention scale is ``1/sqrt(head_dim)`` (``1/sqrt(hidden/heads)`` for the 27B sizes).
   A config that differs is refused rather than written into a file llama.cpp would misread.
-- **Mixtures of experts** (Qwen3-MoE, Mixtral, OLMoE): the expert counts are written
-  (``expert_count``, ``expert_used_count``, Qwen3-MoE's ``expert_feed_forward_length``) and each
-  layer's experts stacked into one tensor a projection (``ffn_gate_exps`` / ``ffn_up_exps`` /
+- **Mixtures of experts** (Qwen3-MoE, Mixtral, OLMoE, gpt-oss): the expert counts are written
+  (``expert_count``, ``expert_used_count``, Qwen3-MoE's and gpt-oss' ``expert_feed_forward_length``)
+  and each layer's experts stacked into one tensor a projection (``ffn_gate_exps`` / ``ffn_up_exps`` /
   ``ffn_down_exps``, ``[experts, out, in]``), the router as ``ffn_gate_inp``. llama.cpp weighs the
   chosen experts as each architecture fixes it, not as a config key says: Qwen3-MoE and Mixtral
   (llama.cpp's ``llama`` architecture with experts) renormalise the top-k probabilities, OLMoE does
-  not (``renormalize``). llama.cpp's Qwen3-MoE has experts in every layer; its OLMoE norms keys over
+  not (``renormalize``), gpt-oss takes a softmax over the chosen experts' logits (the same
+  weights renormalised). llama.cpp's Qwen3-MoE has experts in every layer; its OLMoE norms keys over
   the hidden size (no grouped-query attention) and needs an output head of its own. A config that
-  differs is refused. gpt-oss, Qwen2-MoE and other mixtures are refused in one line.
+  differs is refused. Qwen2-MoE, DeepSeek and other mixtures are refused in one line.
+- **gpt-oss** (llama.cpp's ``gpt-oss``, its ``openai-moe`` loader): attention biases and per-head
+  sinks (``attn_sinks``), the norm before the experts as ``post_attention_norm``, biases on the
+  router and on every expert. llama.cpp fixes what the config could vary: even layers slide, odd
+  layers are global (``sliding_window`` is read), the clamped SwiGLU's alpha 1.702 and limit 7.0, and
+  an output head of its own. Its experts' layout and MXFP4 blocks are :mod:`studio.engine.gguf_tensors`'.
 """
 
 from __future__ import annotations
@@ -66,6 +72,10 @@ class Family:
     written as a copy of the token embeddings."""
     moe: bool = False
     """The MLP is a mixture of experts: expert counts in the metadata, expert weights stacked."""
+    interleaved_experts: bool = False
+    """gpt-oss' expert layout: one ``gate_up_proj [experts, in, 2 x width]`` with the gate and up
+    columns alternating, a bias beside each projection, and MXFP4 blocks where the checkpoint ships
+    them (written as GGML's MXFP4, not dequantized)."""
     renormalize: bool = False
     """How llama.cpp weighs a token's chosen experts in this architecture (a mixture of experts):
     their softmax probabilities renormalised to sum to one (transformers' ``norm_topk_prob: true``),
@@ -85,11 +95,14 @@ FAMILIES: dict[str, Family] = {
     # llama.cpp runs Mixtral as its llama architecture with experts
     "mixtral": Family("LLAMA", permute_qk=True, rope_types=("default", "linear"), moe=True, renormalize=True),
     "olmoe": Family("OLMOE", output_required=True, moe=True),
+    # llama.cpp's period-2 sliding pattern (layer 0 slides) is gpt-oss' layer_types
+    "gpt_oss": Family("GPT_OSS", sliding_pattern=2, rope_types=("default", "yarn"), output_required=True, moe=True,
+                      renormalize=True, interleaved_experts=True),
 }
 FAMILIES["gemma3"] = FAMILIES["gemma3_text"]  # the multimodal wrapper: its text model is written
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
-MOE_FAMILIES = "Qwen3-MoE, Mixtral and OLMoE"
+MOE_FAMILIES = "Qwen3-MoE, Mixtral, OLMoE and gpt-oss"
 """The mixtures of experts the exporter writes, as a message names them."""
 
 
@@ -107,7 +120,7 @@ def family_of(config: dict[str, Any]) -> Family:
     """The :class:`Family` of a config.json; GgufExportError naming what is covered when none fits."""
     model_type = config.get("model_type", "?")
     family = FAMILIES.get(model_type)
-    sparse = any(text_config(config).get(k) for k in _MOE_KEYS) or "moe" in str(model_type) or model_type == "gpt_oss"
+    sparse = any(text_config(config).get(k) for k in _MOE_KEYS) or "moe" in str(model_type)
     if sparse and (family is None or not family.moe):
         raise GgufExportError(f"'{model_type}' is a mixture-of-experts model that Studio does not write as GGUF (it "
                               f"writes {MOE_FAMILIES}); export --format merged and convert that folder with "
@@ -159,9 +172,17 @@ def check(config: dict[str, Any]) -> Family:
     if config.get("use_sliding_window") and family.sliding_pattern == 0 and family.arch != "LLAMA":
         problems.append("use_sliding_window: true (llama.cpp has no sliding window for this family)")
     if family.sliding_pattern:
+        problems += _sliding_problems(config, family)
+    if family.arch.startswith("GEMMA"):
         problems += _gemma_problems(config, family)
     if family.moe:
         problems += _moe_problems(config, family)
+    if family.arch == "GPT_OSS":
+        problems += _gpt_oss_problems(config)
+    if problems and family.arch == "GPT_OSS":
+        # llama.cpp's converter would write the same file, and llama.cpp would run another model from it
+        raise GgufExportError(f"gpt_oss: llama.cpp's gpt-oss cannot run this variant: {'; '.join(problems)}. "
+                              "Export --format merged and serve that folder with transformers")
     if problems:
         raise GgufExportError(f"{config.get('model_type')}: llama.cpp cannot run this config as written: "
                               + "; ".join(problems) + ". Export --format merged and convert with llama.cpp's "
@@ -172,8 +193,9 @@ def check(config: dict[str, Any]) -> Family:
 def _moe_problems(config: dict[str, Any], family: Family) -> list[str]:
     """Where a mixture of experts' config differs from what llama.cpp fixes for its architecture."""
     problems = []
-    # transformers' norm_topk_prob defaults to false; Mixtral has no such key and always renormalises.
-    renormalize = bool(config.get("norm_topk_prob", config.get("model_type") == "mixtral"))
+    # transformers' norm_topk_prob defaults to false; Mixtral and gpt-oss have no such key and always
+    # renormalise (gpt-oss: a softmax over the chosen experts' logits).
+    renormalize = bool(config.get("norm_topk_prob", config.get("model_type") in ("mixtral", "gpt_oss")))
     if renormalize != family.renormalize:
         problems.append(f"norm_topk_prob: {str(renormalize).lower()} (llama.cpp's {family.arch.lower()} "
                         f"{'always' if family.renormalize else 'never'} renormalises the chosen experts' weights)")
@@ -190,14 +212,37 @@ def _moe_problems(config: dict[str, Any], family: Family) -> list[str]:
     return problems
 
 
+def _sliding_problems(config: dict[str, Any], family: Family) -> list[str]:
+    """Where a config's sliding-window layers differ from llama.cpp's fixed pattern for the family."""
+    period = family.sliding_pattern
+    expected = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                for i in range(int(config["num_hidden_layers"]))]
+    nth = f"{period}{'nd' if period == 2 else 'th'}"
+    problems = []
+    if config.get("layer_types") and list(config["layer_types"]) != expected:
+        problems.append(f"layer_types differ from llama.cpp's fixed pattern (every {nth} layer global, the others "
+                        "sliding)")
+    if not config.get("sliding_window"):
+        problems.append(f"no sliding_window (llama.cpp's layers slide but every {nth})")
+    return problems
+
+
+def _gpt_oss_problems(config: dict[str, Any]) -> list[str]:
+    """Where a gpt-oss config differs from what llama.cpp's gpt-oss fixes."""
+    problems = []
+    # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE: alpha 1.702 and limit 7.0 are constants there
+    for key, fixed in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+        if float(config.get(key, fixed)) != fixed:
+            problems.append(f"{key} {config[key]} (llama.cpp's is {fixed})")
+    if config.get("attention_bias") is False:
+        problems.append("attention_bias: false (llama.cpp's gpt-oss loads q/k/v/o biases)")
+    return problems
+
+
 def _gemma_problems(config: dict[str, Any], family: Family) -> list[str]:
     """Where a Gemma config differs from what llama.cpp assumes for its architecture."""
     problems = []
     layers = int(config["num_hidden_layers"])
-    period = family.sliding_pattern
-    expected = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
-    if config.get("layer_types") and list(config["layer_types"]) != expected:
-        problems.append(f"layer_types differ from llama.cpp's fixed pattern (every {period}th layer global)")
     scale = config["hidden_size"] // config["num_attention_heads"] if layers == family.big_layers else head_dim(config)
     if float(config.get("query_pre_attn_scalar") or scale) != float(scale):
         problems.append(f"query_pre_attn_scalar {config['query_pre_attn_scalar']} (llama.cpp uses {scale} "
@@ -228,7 +273,9 @@ def write_hparams(writer: Any, config: dict[str, Any], family: Family, n_vocab: 
     writer.add_head_count_kv(int(config.get("num_key_value_heads") or heads))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_vocab_size(n_vocab)
-    if config.get("head_dim") and int(config["head_dim"]) != hidden // heads or family.arch.startswith("GEMMA"):
+    # gpt-oss: as llama.cpp's converter writes it, whatever the head size (its config always has head_dim)
+    if config.get("head_dim") and int(config["head_dim"]) != hidden // heads or \
+            family.arch.startswith("GEMMA") or family.arch == "GPT_OSS":
         writer.add_key_length(head_dim(config))
         writer.add_value_length(head_dim(config))
     if family.moe:
@@ -236,6 +283,8 @@ def write_hparams(writer: Any, config: dict[str, Any], family: Family, n_vocab: 
         writer.add_expert_used_count(int(config["num_experts_per_tok"]))
         if config.get("moe_intermediate_size"):  # Qwen3-MoE: the experts' width apart from intermediate_size
             writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+        elif family.arch == "GPT_OSS":  # llama.cpp's gpt-oss reads the experts' width from this key alone
+            writer.add_expert_feed_forward_length(int(config["intermediate_size"]))
     main = rope(config)
     writer.add_rope_freq_base(main["rope_theta"])
     if family.partial_rotary:
@@ -264,6 +313,11 @@ def write_hparams(writer: Any, config: dict[str, Any], family: Family, n_vocab: 
         writer.add_rope_scaling_factor(float(main["factor"]))
         writer.add_rope_scaling_orig_ctx_len(int(main.get("original_max_position_embeddings")
                                                  or config["max_position_embeddings"]))
+        # As llama.cpp's converter: where the config sets them (its defaults are transformers', 32 and 1)
+        if "beta_fast" in main:
+            writer.add_rope_scaling_yarn_beta_fast(float(main["beta_fast"]))
+        if "beta_slow" in main:
+            writer.add_rope_scaling_yarn_beta_slow(float(main["beta_slow"]))
     elif kind == "longrope":
         original = int(main.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
                        or config["max_position_embeddings"])

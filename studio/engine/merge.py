@@ -5,7 +5,8 @@ transformers loads as a causal LM (a multimodal checkpoint, Gemma 3 4B+, stays w
 - The base loads unquantized on the CPU in the export's dtype, whatever the run trained it as: a QLoRA
   run's 4-bit weights were rounded from these, and merging into 4-bit weights would round the update
   away. A base that exists only as a bitsandbytes checkpoint (``quantization_config`` in its
-  config.json) is dequantized first: its rounded weights are all there is.
+  config.json) is dequantized first: its rounded weights are all there is. So are gpt-oss' experts,
+  shipped in MXFP4 (``quant_method: mxfp4``), exactly.
 - Each adapted weight is the float32 sum of base and update, rounded to the dtype once. A mixture of
   experts' expert weights (PEFT's ``target_parameters`` adapters) too: PEFT would round their update to
   the weight's dtype before adding it, so they are merged here, one projection in float32 at a time.
@@ -54,6 +55,12 @@ def load_unquantized(path: str, dtype: torch.dtype, revision: str | None = None,
     if not quantized:
         return AutoModelForCausalLM.from_pretrained(path, **options)
     method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+    if method == "mxfp4":
+        # gpt-oss' experts ship as MXFP4 blocks: transformers decodes them into ``dtype`` (every MXFP4
+        # value is exact in bfloat16 and float32), asked to so that a GPU with its kernels does not keep them.
+        from transformers import Mxfp4Config
+
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), **options)
     if method != "bitsandbytes":  # a str (config.json) or transformers' str enum
         raise ExportError(f"{path} stores its weights quantized ({method}), which Studio cannot dequantize to merge "
                           "into; set model.base_model to its full-precision checkpoint")

@@ -1,7 +1,8 @@
-"""`studio train` and `studio eval` end to end on a tiny gpt-oss that ships its experts in MXFP4, on
-the CPU with the fast path forced (STUDIO_FAST_PATH=1): the 4-bit load keeps the experts as shipped,
-the run trains LoRA on the attention and the experts on the fast path and says so, the adapter
-holds the experts' PEFT target_parameters weights, and `studio eval` answers through it."""
+"""`studio train`, `studio eval` and `studio export --format gguf` end to end on a tiny gpt-oss that
+ships its experts in MXFP4, on the CPU with the fast path forced (STUDIO_FAST_PATH=1): the 4-bit load
+keeps the experts as shipped, the run trains LoRA on the attention and the experts on the fast path
+and says so, the adapter holds the experts' PEFT target_parameters weights, `studio eval` answers
+through it, and the worker writes a gpt-oss GGUF with the trained experts rounded back to MXFP4."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from studio.core import events as ev
 from studio.core.runs import RunDir, iter_events
 
 pytest.importorskip("bitsandbytes")
+gguf = pytest.importorskip("gguf")
 
 
 @pytest.mark.slow
@@ -45,3 +47,11 @@ def test_a_gpt_oss_run_trains_its_mxfp4_experts_on_the_fast_path(tmp_path: Path,
     assert answered.returncode == 0, answered.stdout + answered.stderr
     report = json.loads(answered.stdout)
     assert report["rows"] == 2 and len(report["results"]) == 2
+    exported = run_studio("export", run.path, "--format", "gguf", "--quant", "mxfp4", "--out", tmp_path / "gguf",
+                          cwd=tmp_path, env=env, timeout=600)
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert "no LoRA GGUF" in exported.stdout + exported.stderr  # the adapter is on the experts too
+    reader = gguf.GGUFReader(tmp_path / "gguf" / "model-mxfp4.gguf")
+    assert reader.fields["general.architecture"].contents() == "gpt-oss"
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert {kinds[f"blk.{i}.ffn_{p}_exps.weight"] for i in range(2) for p in ("gate", "up", "down")} == {"MXFP4"}

@@ -169,9 +169,9 @@ def test_pre_tokenizer_is_named_as_llama_cpp_names_it(tmp_path: Path) -> None:
 def test_what_llama_cpp_cannot_run_is_refused_with_every_reason() -> None:
     from studio.engine.gguf_export import GgufExportError, check_architecture
 
-    with pytest.raises(GgufExportError, match="'gpt_oss' is a mixture-of-experts model that Studio does not write "
-                       r"as GGUF \(it writes Qwen3-MoE, Mixtral and OLMoE\).*--format merged"):
-        check_architecture({"model_type": "gpt_oss", "num_local_experts": 32})
+    with pytest.raises(GgufExportError, match="'qwen2_moe' is a mixture-of-experts model that Studio does not "
+                       r"write as GGUF \(it writes Qwen3-MoE, Mixtral, OLMoE and gpt-oss\).*--format merged"):
+        check_architecture({"model_type": "qwen2_moe", "num_experts": 60})
     # what llama.cpp fixes for each mixture of experts, whatever the config says
     with pytest.raises(GgufExportError) as refused:
         check_architecture({"model_type": "qwen3_moe", "num_experts": 8, "norm_topk_prob": False,

@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
+np = pytest.importorskip("numpy")
 
 from helpers.gguf_reading import load_as_llama_cpp, metadata, transformers_reads, values  # noqa: E402
 from helpers.tiny_families import FAMILIES, build, expert_targets, lora_targets  # noqa: E402
@@ -103,6 +104,27 @@ def test_our_reader_reads_a_qwen3_moe_file_as_transformers_does(tmp_path: Path) 
         ours = load_as_llama_cpp(base, "m.gguf", reader="ours")(ids).logits
         theirs = load_as_llama_cpp(base, "m.gguf", reader="transformers")(ids).logits
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_mxfp4_writes_the_experts_in_mxfp4_and_the_rest_as_llama_quantize_does(tmp_path: Path) -> None:
+    """--quant mxfp4 on a Qwen3-MoE, as llama.cpp's MXFP4_MOE: the stacked experts MXFP4 (each weight
+    within twice its block's scale: MXFP4's widest step, 4 to 6, or its clipping above 6), every other
+    matrix q8_0, the router f32; the file type says MXFP4_MOE."""
+    from safetensors.torch import load_file
+
+    base = build("qwen3_moe", tmp_path / "base")
+    write_gguf(base, tmp_path / "m.gguf", "mxfp4")
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert {k for n, k in kinds.items() if "_exps." in n} == {"MXFP4"}
+    assert {kinds[f"blk.0.attn_{p}.weight"] for p in ("q", "k", "v", "output")} == {"Q8_0"}
+    assert kinds["blk.0.ffn_gate_inp.weight"] == "F32" and kinds["output.weight"] == "Q8_0"
+    saved = load_file(base / "model.safetensors")
+    gate = _tensors(tmp_path / "m.gguf")["blk.0.ffn_gate_exps.weight"].reshape(-1, 32)
+    want = torch.stack([saved[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] for e in range(4)]).reshape(-1, 32)
+    step = 2.0 ** (np.floor(np.log2(want.abs().max(dim=1).values.numpy())) - 2)  # the block's scale
+    assert (np.abs(gate - want.numpy()) <= 2 * step[:, None]).all()
 
 
 def test_olmoe_tied_embeddings_are_written_as_the_output_head_llama_cpp_needs(tmp_path: Path) -> None:

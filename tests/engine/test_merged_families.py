@@ -304,7 +304,7 @@ def test_what_studio_does_not_cover_is_one_line(model_type: str, tmp_path: Path)
             assert result.message == (f"{tmp_path / 'base'} is an encoder-decoder model (model_type 't5'); Studio "
                                       "exports and embeds decoder-only causal LMs")
     else:
-        assert ("mixture-of-experts model that Studio does not write as GGUF (it writes Qwen3-MoE, Mixtral and "
-                "OLMoE)" if model_type == "qwen2_moe" else "this model is 'mamba'") in gguf.message
+        assert ("mixture-of-experts model that Studio does not write as GGUF (it writes Qwen3-MoE, Mixtral, "
+                "OLMoE and gpt-oss)" if model_type == "qwen2_moe" else "this model is 'mamba'") in gguf.message
         assert "--format merged" in gguf.message
         assert merged.ok and embedded.ok, (merged.message, embedded.message)

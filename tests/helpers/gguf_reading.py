@@ -7,9 +7,10 @@ pattern and attention scale, Gemma 3's local RoPE base, Phi-3's disabled sliding
 is a transformers config, and the weights are loaded through transformers' own GGUF reader (its own
 undoing of the q/k reordering and of Gemma's ``1 + w`` norms), so neither half is the exporter's
 code read backwards. transformers has no reader for llama.cpp's Mixtral (its ``llama`` architecture
-with experts) or OLMoE files, nor for Qwen3-MoE before it had one: :func:`read_weights` reads those,
-from llama.cpp's tensor names written out here (not the ``gguf`` package's map the exporter uses),
-and is checked against transformers' reader on a Qwen3-MoE file.
+with experts), OLMoE or gpt-oss files (5.24's gpt-oss reader looks for tensor names llama.cpp does
+not write), nor for Qwen3-MoE before it had one: :func:`read_weights` reads those, from llama.cpp's
+tensor names written out here (not the ``gguf`` package's map the exporter uses), and is checked
+against transformers' reader on a Qwen3-MoE file.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def llama_cpp_config(path: Path) -> Any:
                   pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
     rope = {**scaling, "rope_theta": theta}
     experts = dict(num_experts_per_tok=key("expert_used_count"))
+    if arch == "gpt-oss":
+        return _gpt_oss_config(key, common, theta, experts)
     if arch == "llama" and key("expert_count"):
         # llama.cpp's llama architecture with experts: Mixtral, the top-k probabilities renormalised
         assert rope_dims == head_dim, "llama.cpp refuses a llama file whose rotary width is not the head size"
@@ -99,6 +102,40 @@ def llama_cpp_config(path: Path) -> Any:
                                                                        "rope_theta": 10000.0}})
 
 
+def _gpt_oss_config(key: Any, common: dict[str, Any], theta: float, experts: dict[str, Any]) -> Any:
+    """llama.cpp's gpt-oss (its openai-moe loader and graph): the experts' width from
+    expert_feed_forward_length alone; layer i slides where i % period < period - 1 (period
+    attention.sliding_window_pattern, 2 without it); YaRN with llama.cpp's defaults for missing betas
+    (32 and 1) and its correction range rounded outwards (floor / ceil: transformers' truncate); the
+    clamped SwiGLU's constants 1.702 and 7.0; biases on the attention; an output head of its own."""
+    from transformers import AutoConfig
+
+    period = key("attention.sliding_window_pattern", 2)
+    types = ["sliding_attention" if i % period < period - 1 else "full_attention"
+             for i in range(common["num_hidden_layers"])]
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if key("rope.scaling.type") == "yarn":
+        rope = {"rope_type": "yarn", "rope_theta": theta, "factor": key("rope.scaling.factor"),
+                "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                "beta_fast": key("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": key("rope.scaling.yarn_beta_slow", 1.0),
+                "truncate": True}
+    return AutoConfig.for_model("gpt_oss", **{**common, "intermediate_size": key("expert_feed_forward_length"),
+                                              "tie_word_embeddings": False},
+                                num_local_experts=key("expert_count"), sliding_window=key("attention.sliding_window"),
+                                layer_types=types, rope_parameters=rope, swiglu_alpha=1.702, swiglu_limit=7.0,
+                                attention_bias=True, **experts)
+
+
+_GPT_OSS_BLOCK = {"attn_norm.weight": "input_layernorm.weight",
+                  "post_attention_norm.weight": "post_attention_layernorm.weight",
+                  "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
+                  "ffn_gate_inp.bias": "mlp.router.bias", "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+                  **{f"attn_{gguf}.{kind}": f"self_attn.{hf}_proj.{kind}" for gguf, hf in
+                     (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")) for kind in ("weight", "bias")}}
+"""llama.cpp's gpt-oss tensors in block ``i`` (``blk.i.<name>``) -> transformers' in layer ``i``, as
+they are; the experts' gate, up and down weights and the gate and up biases are rebuilt into
+transformers' layout in :func:`read_weights`."""
+
 _BLOCK = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
           "attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight",
           "attn_v": "self_attn.v_proj.weight", "attn_output": "self_attn.o_proj.weight",
@@ -108,7 +145,7 @@ _BLOCK = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_lay
 transformers name in layer ``i``; ``ffn_gate_exps`` and ``ffn_up_exps`` together are ``gate_up_proj``."""
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
-MOE_TYPES = ("qwen3_moe", "mixtral", "olmoe")
+MOE_TYPES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 def values(tensor: Any) -> Any:
@@ -142,7 +179,18 @@ def read_weights(path: Path, config: Any) -> dict[str, Any]:
             state[hf] = tensors.pop(name)
     if "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    for i in range(config.num_hidden_layers):
+    for i in range(config.num_hidden_layers if arch == "gpt-oss" else 0):
+        layer = f"model.layers.{i}."
+        for name, hf in _GPT_OSS_BLOCK.items():
+            state[layer + hf] = tensors.pop(f"blk.{i}.{name}")
+        # transformers' gpt-oss: gate_up_proj [experts, in, 2 x width], the gate's columns even, the up's odd
+        for kind, hf in (("weight", "gate_up_proj"), ("bias", "gate_up_proj_bias")):
+            gate, up = (tensors.pop(f"blk.{i}.ffn_{p}_exps.{kind}") for p in ("gate", "up"))
+            fused = np.empty((gate.shape[0], gate.shape[1] * 2, *gate.shape[2:]), dtype=np.float32)
+            fused[:, 0::2], fused[:, 1::2] = gate, up  # [experts, 2 x width(, in)], gate and up alternating
+            state[layer + "mlp.experts." + hf] = fused.transpose(0, 2, 1) if kind == "weight" else fused
+        state[layer + "mlp.experts.down_proj"] = tensors.pop(f"blk.{i}.ffn_down_exps.weight").transpose(0, 2, 1)
+    for i in range(config.num_hidden_layers if arch != "gpt-oss" else 0):
         layer = f"model.layers.{i}."
         for name, hf in _BLOCK.items():
             if f"blk.{i}.{name}.weight" in tensors:
