@@ -60,7 +60,8 @@ def load_unquantized(path: str, dtype: torch.dtype, revision: str | None = None,
         # value is exact in bfloat16 and float32), asked to so that a GPU with its kernels does not keep them.
         from transformers import Mxfp4Config
 
-        return AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), **options)
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), **options)
+        return _forget_load_conversions(model)
     if method != "bitsandbytes":  # a str (config.json) or transformers' str enum
         raise ExportError(f"{path} stores its weights quantized ({method}), which Studio cannot dequantize to merge "
                           "into; set model.base_model to its full-precision checkpoint")
@@ -68,18 +69,24 @@ def load_unquantized(path: str, dtype: torch.dtype, revision: str | None = None,
         # On the CPU: bitsandbytes dequantizes there (its CPU backend), and a GPU may not hold the result.
         model = AutoModelForCausalLM.from_pretrained(path, device_map={"": "cpu"}, **options)
         model.dequantize()
-        # transformers before 5.2x kept the loader's record of how it converted the checkpoint, the
-        # quantizer's steps included, after dequantize(); save_pretrained then tries to undo those
-        # and raises a bare NotImplementedError (seen on the GPU box's 5.17). Newer versions drop
-        # the record there; without it the model's default mapping applies, as for a new model.
-        if hasattr(model, "_weight_conversions"):
-            del model._weight_conversions
+        _forget_load_conversions(model)
     except Exception as exc:  # bitsandbytes raises many kinds; any of them means "not on this CPU"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ExportError(f"{path} is a bitsandbytes checkpoint and bitsandbytes could not dequantize it on the CPU "
                           f"({first}); update bitsandbytes, or set model.base_model to the full-precision "
                           "checkpoint") from None
     return model.to(dtype)
+
+
+def _forget_load_conversions(model: Any) -> Any:
+    """Drop transformers' record of how it converted a quantized checkpoint as it loaded it.
+
+    transformers before 5.2x kept it after dequantizing, the quantizer's steps included; save_pretrained
+    then tries to undo those and raises a bare NotImplementedError (seen with 5.17). Newer versions
+    drop it there; without it the model's default mapping applies, as for a model made anew."""
+    if hasattr(model, "_weight_conversions"):
+        del model._weight_conversions
+    return model
 
 
 def untie_adapted_embeddings(model: Any) -> bool:
