@@ -44,20 +44,22 @@ Tile = tuple[int, int, int, int]
 """A kernel's launch shape: queries a block, keys a block, warps, pipeline stages."""
 
 TILES: dict[str, dict[int, tuple[Tile, ...]]] = {
-    "forward": {64: ((128, 64, 4, 3), (64, 64, 4, 2), (32, 32, 4, 1)),
-                128: ((128, 64, 8, 2), (64, 64, 4, 2), (32, 32, 4, 1)),
-                256: ((64, 64, 8, 2), (64, 32, 4, 1), (32, 32, 4, 1))},
+    "forward": {64: ((128, 64, 8, 2), (64, 64, 4, 2), (32, 32, 4, 1)),
+                128: ((64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1)),
+                256: ((32, 32, 8, 2), (32, 32, 4, 1), (16, 32, 4, 1))},
     "dq": {64: ((128, 64, 8, 2), (64, 64, 4, 2), (32, 32, 4, 1)),
-           128: ((64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1)),
-           256: ((64, 32, 8, 2), (32, 32, 4, 1), (16, 32, 4, 1))},
-    "dkdv": {64: ((64, 128, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1)),
-             128: ((32, 128, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1)),
-             256: ((32, 64, 8, 2), (32, 32, 4, 1), (16, 32, 4, 1))},
+           128: ((64, 64, 8, 2), (32, 32, 4, 2), (32, 32, 4, 1)),
+           256: ((32, 32, 8, 2), (32, 32, 4, 1), (16, 32, 4, 1))},
+    "dkdv": {64: ((64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1)),
+             128: ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 4, 1)),
+             256: ((32, 32, 8, 2), (32, 32, 4, 1), (16, 32, 4, 1))},
 }
-"""Each pass's tiles by head width (rounded up to a power of two, at least 64), the first that fits
-the card's shared memory used: written for an H100's 227 KB a block, smaller ones for cards with
-about 100 KB (a tile too large fails at its first launch, before it runs, and the next is tried).
-bench/attention_speed.py times them."""
+"""Each pass's tiles by head width (rounded up to a power of two, at least 64); the first that fits
+the card's shared memory is used (a tile too large fails at its first launch, before it runs, and
+the next is tried). The first of each is, of those Triton 3.9 compiles for an H100 (sm_90) without
+registers spilled to memory (at most 72 bytes a thread at 256 wide, where every larger tile spills
+hundreds), the largest: 25-99 KB of shared memory, so they fit cards of about 100 KB too. Not timed
+on a GPU yet: bench/attention_speed.py --sweep times them against others."""
 
 INTERPRETED_TILES = {"forward": (32, 16, 4, 1), "dq": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1)}
 """Under the interpreter: small blocks, so the CPU tests' short examples span several, of two
@@ -142,8 +144,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: tuple[tor
     def run(tile: Tile) -> None:
         block_m, block_n, warps, stages = tile
         kernel[(-(-t // block_m), b * heads)](
-            q, k, v, out, lse, start, sinks if sinks is not None else lse, t, heads, k.shape[2], head_dim,
-            float(scale), float(cap or 1.0), int(window or 1), BLOCK_M=block_m, BLOCK_N=block_n,
+            q, k, v, out, lse, start, sinks if sinks is not None else lse, t, heads, k.shape[2],
+            float(scale), float(cap or 1.0), int(window or 1), HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, CAP=cap is not None, WINDOW=window is not None, SEGMENTS=bounds is not None,
             SINKS=sinks is not None, **_helpers(), GREATEST=_kernels()["greatest"] if interpreted() else None,
             num_warps=warps, num_stages=stages)
@@ -164,12 +166,12 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     delta = torch.empty_like(lse)
     delta_rows = 16 if interpreted() else max(16, 4096 // block_d)
     kernels["attention_delta"][(-(-t // delta_rows), b * heads)](
-        out, dout, delta, t, heads, head_dim, BLOCK_M=delta_rows, BLOCK_D=block_d, **_helpers(), num_warps=4)
+        out, dout, delta, t, heads, HEAD_DIM=head_dim, BLOCK_M=delta_rows, BLOCK_D=block_d, **_helpers(), num_warps=4)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     start, end = bounds if bounds is not None else (lse, lse)
-    common = dict(BLOCK_D=block_d, CAP=cap is not None, WINDOW=window is not None, SEGMENTS=bounds is not None,
-                  INTERPRETED=interpreted())
-    numbers = (t, heads, kv_heads, head_dim, float(scale), float(cap or 1.0), int(window or 1))
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAP=cap is not None, WINDOW=window is not None,
+                  SEGMENTS=bounds is not None, INTERPRETED=interpreted())
+    numbers = (t, heads, kv_heads, float(scale), float(cap or 1.0), int(window or 1))
 
     def run_dq(tile: Tile) -> None:
         block_m, block_n, warps, stages = tile

@@ -3,19 +3,23 @@ module imports Triton, so nothing imports it until a kernel runs).
 
 FlashAttention-2's loop order: a program holds a block of queries (the forward, ``dq``) or of keys
 (``dk`` and ``dv``) and walks the blocks on the other side that the mask lets through, its scores in
-fp32 and never written out. Tokens are laid out ``[B, T, heads, head_dim]``, contiguous; keys and
+fp32 and never written out. Tokens are laid out ``[B, T, heads, HEAD_DIM]``, contiguous; keys and
 values have ``kv_heads`` heads, each shared by ``heads // kv_heads`` query heads. Soft-capped scores
 are ``cap * tanh(s / cap)`` with ``s = q.k * scale``; a sink is one more logit in the softmax's
 denominator (``sinks [heads]``, fp32). ``SEGMENTS``: one stream of several examples, each token's
-example's first and past-last token in ``start_ptr`` / ``end_ptr`` (int32 ``[T]``); a query sees the
-keys of its own example only. ``WINDOW``: a query sees itself and the ``window - 1`` keys before it.
+example's first and past-last token in ``start_ptr`` / ``end_ptr`` (int32 ``[T]``). ``WINDOW``: a
+query sees itself and the ``window - 1`` keys before it. So query ``i`` sees key ``j`` where
+``lower(i) <= j <= i``, ``lower(i)`` the latest of its example's start and ``i - window + 1``: two
+comparisons a score. Rows past the end load a log-sum-exp of +inf in the backward, so their
+weights are 0 without a mask of their own.
 
 In Triton's interpreter (``INTERPRETED``: the CPU tests) row sums and maxima go through
 ``tl.reduce`` with :func:`add` and :func:`greatest` (``tl.sum`` and ``tl.max`` are jitted helpers the
 interpreter cannot call when Triton was imported before ``TRITON_INTERPRET`` was set: norm_kernels.py;
 ``tl.zeros`` is one too, hence ``tl.full``) and products take fp32 operands (its bf16 products are
 wrong). tanh is written out: older Tritons have no ``tl.tanh``, and a helper of ours would have to
-be jitted.
+be jitted. ``HEAD_DIM`` is a constant of the kernel: where it is the block's width, loads and stores
+take no mask along it (a mask that varies along the contiguous axis splits the vector loads).
 """
 
 import triton.language as tl
@@ -30,7 +34,7 @@ def greatest(a, b):
 
 
 def attention_forward(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, start_ptr, sinks_ptr, n_tokens, heads, kv_heads,
-                      head_dim, scale, cap, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      scale, cap, window, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, CAP: tl.constexpr, WINDOW: tl.constexpr, SEGMENTS: tl.constexpr,
                       SINKS: tl.constexpr, INTERPRETED: tl.constexpr, ADD: tl.constexpr,
                       GREATEST: tl.constexpr):
@@ -44,17 +48,24 @@ def attention_forward(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, start_ptr, sinks_pt
     rows = m0 + tl.arange(0, BLOCK_M)
     row_in = rows < n_tokens
     dims = tl.arange(0, BLOCK_D)
-    dim_in = dims < head_dim
-    q_at = ((b * n_tokens + rows.to(tl.int64)) * heads + h) * head_dim
-    q = tl.load(q_ptr + q_at[:, None] + dims[None, :], mask=row_in[:, None] & dim_in[None, :], other=0.0)
+    if HEAD_DIM == BLOCK_D:
+        q_in = row_in[:, None]
+    else:
+        q_in = row_in[:, None] & (dims < HEAD_DIM)[None, :]
+    q_at = ((b * n_tokens + rows.to(tl.int64)) * heads + h) * HEAD_DIM
+    q = tl.load(q_ptr + q_at[:, None] + dims[None, :], mask=q_in, other=0.0)
     if INTERPRETED:
         q = q.to(tl.float32)
-    # The keys any query of the block may see: from its first query's example start (the earliest)
-    # or the window's reach, to its last query.
+    # The keys any query of the block may see: from its first query's lower bound (the earliest)
+    # to its last query.
     lo = 0
     if SEGMENTS:
-        first = tl.load(start_ptr + rows, mask=row_in, other=0)
+        lower = tl.load(start_ptr + rows, mask=row_in, other=0)
         lo = tl.load(start_ptr + m0)
+        if WINDOW:
+            lower = tl.maximum(lower, rows - window + 1)
+    elif WINDOW:
+        lower = rows - window + 1
     if WINDOW:
         lo = tl.maximum(lo, m0 - window + 1)
     lo = lo // BLOCK_N * BLOCK_N
@@ -64,9 +75,11 @@ def attention_forward(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, start_ptr, sinks_pt
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        col_in = cols < n_tokens
-        kv_at = ((b * n_tokens + cols.to(tl.int64)) * kv_heads + g) * head_dim
-        kv_in = col_in[:, None] & dim_in[None, :]
+        if HEAD_DIM == BLOCK_D:
+            kv_in = (cols < n_tokens)[:, None]
+        else:
+            kv_in = (cols < n_tokens)[:, None] & (dims < HEAD_DIM)[None, :]
+        kv_at = ((b * n_tokens + cols.to(tl.int64)) * kv_heads + g) * HEAD_DIM
         k = tl.load(k_ptr + kv_at[:, None] + dims[None, :], mask=kv_in, other=0.0)
         v = tl.load(v_ptr + kv_at[:, None] + dims[None, :], mask=kv_in, other=0.0)
         if INTERPRETED:
@@ -76,11 +89,9 @@ def attention_forward(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, start_ptr, sinks_pt
             e = tl.exp(-2.0 * tl.abs(s) / cap)
             t = (1.0 - e) / (1.0 + e)  # tanh(|s| / cap)
             s = tl.where(s < 0, -t, t) * cap
-        keep = (cols[None, :] <= rows[:, None]) & col_in[None, :]
-        if SEGMENTS:
-            keep = keep & (cols[None, :] >= first[:, None])
-        if WINDOW:
-            keep = keep & (rows[:, None] - cols[None, :] < window)
+        keep = cols[None, :] <= rows[:, None]
+        if SEGMENTS or WINDOW:
+            keep = keep & (cols[None, :] >= lower[:, None])
         s = tl.where(keep, s, float("-inf"))
         if INTERPRETED:
             top = tl.reduce(s, 1, GREATEST)
@@ -106,12 +117,11 @@ def attention_forward(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, start_ptr, sinks_pt
         m_i = m_end
     l_i = tl.where(row_in, l_i, 1.0)  # the rows past the end saw nothing: no 0 / 0 (not stored)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + q_at[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_in[:, None] & dim_in[None, :])
+    tl.store(out_ptr + q_at[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_in)
     tl.store(lse_ptr + bh * n_tokens + rows, m_i + tl.log(l_i), mask=row_in)
 
 
-def attention_delta(out_ptr, dout_ptr, delta_ptr, n_tokens, heads, head_dim, BLOCK_M: tl.constexpr,
+def attention_delta(out_ptr, dout_ptr, delta_ptr, n_tokens, heads, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr, ADD: tl.constexpr):
     """Each query's ``dout . out`` (fp32): the term every score's gradient subtracts (the sink, whose
     value row is zero, adds nothing to it)."""
@@ -122,8 +132,11 @@ def attention_delta(out_ptr, dout_ptr, delta_ptr, n_tokens, heads, head_dim, BLO
     rows = m0 + tl.arange(0, BLOCK_M)
     row_in = rows < n_tokens
     dims = tl.arange(0, BLOCK_D)
-    at = ((b * n_tokens + rows.to(tl.int64)) * heads + h) * head_dim
-    inside = row_in[:, None] & (dims < head_dim)[None, :]
+    at = ((b * n_tokens + rows.to(tl.int64)) * heads + h) * HEAD_DIM
+    if HEAD_DIM == BLOCK_D:
+        inside = row_in[:, None]
+    else:
+        inside = row_in[:, None] & (dims < HEAD_DIM)[None, :]
     o = tl.load(out_ptr + at[:, None] + dims[None, :], mask=inside, other=0.0).to(tl.float32)
     do = tl.load(dout_ptr + at[:, None] + dims[None, :], mask=inside, other=0.0).to(tl.float32)
     if INTERPRETED:
@@ -134,8 +147,8 @@ def attention_delta(out_ptr, dout_ptr, delta_ptr, n_tokens, heads, head_dim, BLO
 
 
 def attention_backward_dq(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, start_ptr, dq_ptr, n_tokens, heads,
-                          kv_heads, head_dim, scale, cap, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr, CAP: tl.constexpr, WINDOW: tl.constexpr,
+                          kv_heads, scale, cap, window, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAP: tl.constexpr, WINDOW: tl.constexpr,
                           SEGMENTS: tl.constexpr, INTERPRETED: tl.constexpr):
     """``dq`` of one block of queries of one head, over the keys the forward's block saw: the
     weights again from the scores and the saved log-sum-exp."""
@@ -147,19 +160,25 @@ def attention_backward_dq(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, sta
     rows = m0 + tl.arange(0, BLOCK_M)
     row_in = rows < n_tokens
     dims = tl.arange(0, BLOCK_D)
-    dim_in = dims < head_dim
-    q_at = ((b * n_tokens + rows.to(tl.int64)) * heads + h) * head_dim
-    q_in = row_in[:, None] & dim_in[None, :]
+    if HEAD_DIM == BLOCK_D:
+        q_in = row_in[:, None]
+    else:
+        q_in = row_in[:, None] & (dims < HEAD_DIM)[None, :]
+    q_at = ((b * n_tokens + rows.to(tl.int64)) * heads + h) * HEAD_DIM
     q = tl.load(q_ptr + q_at[:, None] + dims[None, :], mask=q_in, other=0.0)
     do = tl.load(dout_ptr + q_at[:, None] + dims[None, :], mask=q_in, other=0.0)
     if INTERPRETED:
         q, do = q.to(tl.float32), do.to(tl.float32)
-    lse = tl.load(lse_ptr + bh * n_tokens + rows, mask=row_in, other=0.0)
+    lse = tl.load(lse_ptr + bh * n_tokens + rows, mask=row_in, other=float("inf"))
     delta = tl.load(delta_ptr + bh * n_tokens + rows, mask=row_in, other=0.0)
     lo = 0
     if SEGMENTS:
-        first = tl.load(start_ptr + rows, mask=row_in, other=0)
+        lower = tl.load(start_ptr + rows, mask=row_in, other=0)
         lo = tl.load(start_ptr + m0)
+        if WINDOW:
+            lower = tl.maximum(lower, rows - window + 1)
+    elif WINDOW:
+        lower = rows - window + 1
     if WINDOW:
         lo = tl.maximum(lo, m0 - window + 1)
     lo = lo // BLOCK_N * BLOCK_N
@@ -167,9 +186,11 @@ def attention_backward_dq(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, sta
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        col_in = cols < n_tokens
-        kv_at = ((b * n_tokens + cols.to(tl.int64)) * kv_heads + g) * head_dim
-        kv_in = col_in[:, None] & dim_in[None, :]
+        if HEAD_DIM == BLOCK_D:
+            kv_in = (cols < n_tokens)[:, None]
+        else:
+            kv_in = (cols < n_tokens)[:, None] & (dims < HEAD_DIM)[None, :]
+        kv_at = ((b * n_tokens + cols.to(tl.int64)) * kv_heads + g) * HEAD_DIM
         k = tl.load(k_ptr + kv_at[:, None] + dims[None, :], mask=kv_in, other=0.0)
         v = tl.load(v_ptr + kv_at[:, None] + dims[None, :], mask=kv_in, other=0.0)
         if INTERPRETED:
@@ -180,11 +201,9 @@ def attention_backward_dq(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, sta
             t = (1.0 - e) / (1.0 + e)
             t = tl.where(s < 0, -t, t)
             s = t * cap
-        keep = (cols[None, :] <= rows[:, None]) & col_in[None, :] & row_in[:, None]
-        if SEGMENTS:
-            keep = keep & (cols[None, :] >= first[:, None])
-        if WINDOW:
-            keep = keep & (rows[:, None] - cols[None, :] < window)
+        keep = cols[None, :] <= rows[:, None]
+        if SEGMENTS or WINDOW:
+            keep = keep & (cols[None, :] >= lower[:, None])
         p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -199,9 +218,10 @@ def attention_backward_dq(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, sta
 
 
 def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, start_ptr, end_ptr, dk_ptr, dv_ptr,
-                            n_tokens, heads, kv_heads, head_dim, scale, cap, window, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAP: tl.constexpr,
-                            WINDOW: tl.constexpr, SEGMENTS: tl.constexpr, INTERPRETED: tl.constexpr):
+                            n_tokens, heads, kv_heads, scale, cap, window, HEAD_DIM: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                            CAP: tl.constexpr, WINDOW: tl.constexpr, SEGMENTS: tl.constexpr,
+                            INTERPRETED: tl.constexpr):
     """``dk`` and ``dv`` of one block of keys of one key/value head, summed over the query heads
     sharing it, over the queries that see the block: from the block's first key to the end of its
     last key's example, or the window's reach. Scores computed transposed (keys x queries)."""
@@ -213,9 +233,11 @@ def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, s
     cols = n0 + tl.arange(0, BLOCK_N)
     col_in = cols < n_tokens
     dims = tl.arange(0, BLOCK_D)
-    dim_in = dims < head_dim
-    kv_at = ((b * n_tokens + cols.to(tl.int64)) * kv_heads + g) * head_dim
-    kv_in = col_in[:, None] & dim_in[None, :]
+    if HEAD_DIM == BLOCK_D:
+        kv_in = col_in[:, None]
+    else:
+        kv_in = col_in[:, None] & (dims < HEAD_DIM)[None, :]
+    kv_at = ((b * n_tokens + cols.to(tl.int64)) * kv_heads + g) * HEAD_DIM
     k = tl.load(k_ptr + kv_at[:, None] + dims[None, :], mask=kv_in, other=0.0)
     v = tl.load(v_ptr + kv_at[:, None] + dims[None, :], mask=kv_in, other=0.0)
     if INTERPRETED:
@@ -234,13 +256,16 @@ def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, s
         for m0 in range(lo, hi, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             row_in = rows < n_tokens
-            q_at = ((b * n_tokens + rows.to(tl.int64)) * heads + h) * head_dim
-            q_in = row_in[:, None] & dim_in[None, :]
+            if HEAD_DIM == BLOCK_D:
+                q_in = row_in[:, None]
+            else:
+                q_in = row_in[:, None] & (dims < HEAD_DIM)[None, :]
+            q_at = ((b * n_tokens + rows.to(tl.int64)) * heads + h) * HEAD_DIM
             q = tl.load(q_ptr + q_at[:, None] + dims[None, :], mask=q_in, other=0.0)
             do = tl.load(dout_ptr + q_at[:, None] + dims[None, :], mask=q_in, other=0.0)
             if INTERPRETED:
                 q, do = q.to(tl.float32), do.to(tl.float32)
-            lse = tl.load(lse_ptr + stats + rows, mask=row_in, other=0.0)
+            lse = tl.load(lse_ptr + stats + rows, mask=row_in, other=float("inf"))
             delta = tl.load(delta_ptr + stats + rows, mask=row_in, other=0.0)
             s = tl.dot(k, tl.trans(q)) * scale
             if CAP:
@@ -248,12 +273,14 @@ def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, s
                 t = (1.0 - e) / (1.0 + e)
                 t = tl.where(s < 0, -t, t)
                 s = t * cap
-            keep = (rows[None, :] >= cols[:, None]) & row_in[None, :] & col_in[:, None]
+            keep = rows[None, :] >= cols[:, None]
             if SEGMENTS:
-                first = tl.load(start_ptr + rows, mask=row_in, other=0)
-                keep = keep & (cols[:, None] >= first[None, :])
-            if WINDOW:
-                keep = keep & (rows[None, :] - cols[:, None] < window)
+                lower = tl.load(start_ptr + rows, mask=row_in, other=0)
+                if WINDOW:
+                    lower = tl.maximum(lower, rows - window + 1)
+                keep = keep & (cols[:, None] >= lower[None, :])
+            elif WINDOW:
+                keep = keep & (cols[:, None] >= (rows - window + 1)[None, :])
             p = tl.where(keep, tl.exp(s - lse[None, :]), 0.0)
             dp = tl.dot(v, tl.trans(do))
             ds = p * (dp - delta[None, :])
