@@ -170,6 +170,32 @@ def test_gemma_2_and_gpt_oss_train_through_the_fused_attention_as_through_transf
     assert calls and set(calls) == {"fused"}
 
 
+def test_a_tile_too_large_for_the_card_gives_way_to_the_next_smaller_one(monkeypatch) -> None:
+    """Compiled (not interpreted), a tile whose shared memory the card lacks fails at its launch:
+    the next of the pass's tiles runs instead, and later calls start from it; past the last, the
+    failure goes up (and the engine gives the kernels up: the eager attention)."""
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(fused_attention, "interpreted", lambda: False)
+    monkeypatch.setattr(fused_attention, "_chosen", {})
+    tiles = fused_attention.TILES["dkdv"][256]
+    tried = []
+
+    def run(tile) -> None:
+        tried.append(tile)
+        if tile == tiles[0]:
+            raise OutOfResources(114688, 101376, "shared memory")
+
+    fused_attention._launch("dkdv", 256, run)
+    fused_attention._launch("dkdv", 256, run)
+    assert tried == [tiles[0], tiles[1], tiles[1]]
+
+    def too_large(tile) -> None:
+        raise OutOfResources(114688, 101376, "shared memory")
+    with pytest.raises(OutOfResources):
+        fused_attention._launch("forward", 256, too_large)
+
+
 H100_SHARED = 232448
 """An H100's shared memory a block may opt into (227 KB)."""
 
