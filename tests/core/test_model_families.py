@@ -166,6 +166,26 @@ def test_gpt_oss_20b_is_sized_with_its_shipped_mxfp4_experts_and_fits_16_gb(tmp_
     assert experts_stored_bytes(info, bf16) == 2 * info.expert_params()
 
 
+def test_gpt_oss_sinks_cost_eager_blocks_of_scores_only_without_the_fused_attention() -> None:
+    """gpt-oss-20b at seq 2048 (its query heads 8 to a key/value head): with the fast path's kernels
+    on (the default, bf16) its sinks run in the fused attention, whose memory is flash attention's;
+    with ``kernels: false`` the eager attention's blocks of fp32 scores (EAGER_TENSORS tensors of
+    EAGER_SCORES values: 320 MiB) join the training step's activations, and nothing else changes."""
+    from studio.core.memory.fast import EAGER_SCORES, EAGER_TENSORS, fast_step, fused_attention
+    from studio.core.memory.plan import plan_for
+    from studio.core.model.info import load_model_info
+
+    info = load_model_info("openai/gpt-oss-20b")
+    text = "model: {base_model: openai/gpt-oss-20b}\ndata: {max_seq_length: 2048}\ntrainer: {micro_batch_size: 1"
+    fused, eager = (replace(plan_for(parse_config(text + extra + "}\n"), info=info), path="fast")
+                    for extra in ("", ", fast_path: {kernels: false}"))
+    assert fused_attention(info, fused) and not fused_attention(info, eager)
+    with_fused, with_eager = fast_step(info, fused), fast_step(info, eager)
+    grown = {k: with_eager.categories[k] - v for k, v in with_fused.categories.items()}
+    assert abs(grown.pop("activations") - EAGER_TENSORS * 4 * EAGER_SCORES) <= 1
+    assert all(v == 0 for k, v in grown.items() if k != "overhead"), grown
+
+
 def test_the_estimate_takes_a_mixture_of_experts_path_as_the_engine_does() -> None:
     """The estimate's path decision reads the model's sparse MLP as the engine's loader does
     (core/plan.py's PathFacts.from_config with ``moe``): a mixture of experts is captured in CUDA

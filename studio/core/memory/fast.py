@@ -180,13 +180,31 @@ def adapters_at_peak(layers: int, hoisted: float, grads: float, eager_fresh: boo
     return max(layers * per_hoisted, 2 * per_hoisted + (layers - 2) * per_grads)
 
 
+FUSED_ATTENTION_WIDTH = 256
+"""The widest heads engine/fast/fused_attention.py's kernels take."""
+
+
+def fused_attention(info: ModelInfo, plan: Plan) -> bool:
+    """Whether the fast path computes soft-capped scores and attention sinks with Studio's fused
+    Triton attention (engine/fast/fused_attention.py, built where engine/fast/build.py says) rather
+    than in plain torch (EagerAttention): its kernels on (``trainer.fast_path.kernels``), a
+    half-precision compute dtype and heads at most :data:`FUSED_ATTENTION_WIDTH` wide. On a CUDA
+    card, the estimate's subject, torch's build brings Triton, so the engine decides the same way;
+    a kernel that fails to build on the card (the engine then warns and computes in plain torch) is
+    not foreseen."""
+    return plan.kernels and plan.compute in ("bf16", "fp16") and info.head_width <= FUSED_ATTENTION_WIDTH
+
+
 def eager_attention_bytes(info: ModelInfo, plan: Plan) -> int:
     """The working set of a model whose attention the fast path computes in plain torch because of
     its sinks (gpt-oss; engine/fast/attention.py's EagerAttention): :data:`EAGER_TENSORS` fp32
     tensors of one block's scores, the query heads sharing a key/value head against an example's
-    keys, at most :data:`EAGER_SCORES` values. 0 without sinks (Gemma 2's soft-capped attention runs
-    the same code; its measured rows hold it in the fitted working set)."""
-    if not info.sinks:
+    keys, at most :data:`EAGER_SCORES` values. 0 where the fused attention runs instead
+    (:func:`fused_attention`: what it keeps beyond flash attention's, ``dout . out`` a query and head
+    in the backward, is as small as the log-sum-exp both keep, inside the layer's fitted working
+    set), and 0 without sinks (Gemma 2's soft-capped attention, where it runs the same eager code:
+    its measured rows hold that in the fitted working set)."""
+    if not info.sinks or fused_attention(info, plan):
         return 0
     rep = info.heads // info.kv_heads
     longest = min(plan.seq_len, plan.real_tokens)

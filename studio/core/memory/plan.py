@@ -82,6 +82,11 @@ class Plan:
     of experts where core/plan.py's ``moe_graphs_off`` says so); where it may, core/plan.py's
     ``graphs_for`` decides by the micro-batch's tokens."""
 
+    kernels: bool = True
+    """``trainer.fast_path.kernels``: the fast path's Triton kernels run (on a CUDA card, whose torch
+    brings Triton), among them its fused attention of soft-capped scores and sinks
+    (core/memory/fast.py's ``fused_attention``)."""
+
     sequences_per_example: int = 1
     """2 for preference runs (DPO, ORPO): a pair is its chosen and its rejected answer, padded rows."""
 
@@ -209,6 +214,7 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
                 micro_batch=micro_batch or config.trainer.micro_batch(),
                 seq_len=config.data.max_seq_length, checkpointing=config.trainer.checkpointing(),
                 optimizer=config.trainer.optimizer, accumulation=accumulation, attention=attention,
+                kernels=config.trainer.fast_path.kernels,
                 expandable_segments=(expandable_segments_from_env(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
                                      if expandable_segments is None else expandable_segments),
                 sequences_per_example=(2 if config.trainer.method in ("dpo", "orpo") else

@@ -23,8 +23,11 @@ one concern a module (the imports point down this list):
   NF4 or MXFP4), residual multipliers; each a branch only where the description asks for it;
 - ``attention``: causal attention per example of the flat stream (flash-attention varlen on CUDA,
   a block-diagonal mask elsewhere), with the layer's scale and sliding window; soft-capped scores
-  and attention sinks (gpt-oss) in plain torch, a block of queries at a time, recomputed in the
-  backward;
+  (Gemma 2) and attention sinks (gpt-oss) through ``fused_attention`` where it runs, else in plain
+  torch, a block of queries at a time, recomputed in the backward;
+- ``fused_attention`` (kernels in ``fused_attention_kernels``): soft-capped scores and sinks in
+  Triton kernels of Studio's own, flash attention's way (forward and backward, O(tokens) memory,
+  example boundaries read on the device);
 - ``projection``: the linears that share an input (q/k/v, o, gate/up, down; Phi-3's fused
   modules), with their PEFT adapters, run as one fused product;
 - ``products``: the fused QLoRA products as autograd functions, with hand-written backwards that
@@ -37,7 +40,7 @@ one concern a module (the imports point down this list):
   product's output (SwiGLU, the residual's add) instead of written out on its own;
 - ``norm`` (kernels in ``norm_kernels``): the layer's RMSNorm whose backward adds the residual
   stream's gradient in the same pass;
-- ``kernels``: what those three share: Triton kernels jitted on first use and given up on, with a
+- ``kernels``: what those four share: Triton kernels jitted on first use and given up on, with a
   warning, once they fail;
 - ``dropout``: adapter dropout whose masks are a function of (micro-batch seed, adapter, element),
   so graphs replay each step's masks and recomputed layers regenerate them (nothing saved);

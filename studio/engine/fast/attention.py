@@ -8,22 +8,28 @@ asks for it: its scale, a sliding window, soft-capped scores, attention sinks.
 - SDPA elsewhere (the CPU, fp32 models): a block-diagonal causal mask, narrowed to the window;
 - soft-capped scores (Gemma 2: ``tanh(s / cap) * cap`` before the mask) and attention sinks
   (gpt-oss: a learned logit per head that joins each query's softmax denominator and attends to
-  nothing) have no kernel in torch: :class:`EagerAttention` computes them in plain torch, one
-  key/value head and one block of queries at a time (their keys only: the earlier ones, within the
-  window), and again in the backward, so that it keeps no ``tokens x tokens`` tensor between the two
-  and its scores stay under :data:`~studio.core.memory.fast.EAGER_SCORES` values. An eager step
-  knows where each example of the stream starts (:attr:`Segments.bounds`) and runs it example by
-  example; inside a CUDA graph (no host sync) the mask comes from the boundaries on the device.
+  nothing) have no kernel in torch or flash attention: on CUDA in half precision Studio's own
+  Triton kernels compute them (:class:`~studio.engine.fast.fused_attention.FusedAttention`, flash
+  attention's way, forward and backward); elsewhere (the CPU, fp32 models, ``kernels: false``, a
+  kernel that fails to build) :class:`EagerAttention` computes them in plain torch, one key/value
+  head and one block of queries at a time (their keys only: the earlier ones, within the window),
+  and again in the backward, so that it keeps no ``tokens x tokens`` tensor between the two and its
+  scores stay under :data:`~studio.core.memory.fast.EAGER_SCORES` values. An eager step knows where
+  each example of the stream starts (:attr:`Segments.bounds`) and runs it example by example;
+  inside a CUDA graph (no host sync) the mask comes from the boundaries on the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from studio.core.memory.fast import EAGER_SCORES
+from studio.engine.fast import fused_attention
+from studio.engine.fast.fused_attention import FusedAttention
 from studio.engine.fast.ops import Varlen
 
 
@@ -58,21 +64,27 @@ LLAMA = Span()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, varlen: Varlen | None,
-           span: Span = LLAMA, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           span: Span = LLAMA, sinks: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
     """Causal attention inside each example of ``q``, ``k``, ``v`` (``[B, T, heads, head_dim]``,
     fewer key/value heads allowed), as ``span`` says, with ``sinks`` (``[heads]``, frozen) where
-    the layer has them; returns ``[B, T, heads, head_dim]``."""
+    the layer has them; returns ``[B, T, heads, head_dim]``. ``fused``: soft-capped scores and
+    sinks go through :class:`~studio.engine.fast.fused_attention.FusedAttention` where it can run
+    (else, and without it, :class:`EagerAttention`)."""
     heads, kv_heads = q.shape[2], k.shape[2]
     t = q.shape[1]
     window = span.window if span.window is not None and span.window < t else None  # else it hides nothing
     if span.softcap is not None or sinks is not None:
         scale = span.scale if span.scale is not None else q.shape[-1] ** -0.5
-        sinks = sinks.detach().float() if sinks is not None else None
-        if seg.bounds is not None and len(seg.bounds) > 1 and q.shape[0] == 1:
-            return torch.cat([EagerAttention.apply(q[:, a:b], k[:, a:b], v[:, a:b],
-                                                   _keep(Segments(), b - a, q.device, window), scale, span.softcap,
-                                                   sinks, window) for a, b in seg.bounds], dim=1)
-        return EagerAttention.apply(q, k, v, _keep(seg, t, q.device, window), scale, span.softcap, sinks, window)
+        sinks = sinks.detach().float().contiguous() if sinks is not None else None
+        if fused and fused_attention.available(q.device, q.dtype, q.shape[-1]):
+            streamed, cu = _stream(seg, q)
+            if streamed:
+                eager = partial(_eager_gradients, seg, scale, span.softcap, sinks, window)
+                done, out = fused_attention.KERNELS.attempt(lambda: FusedAttention.apply(
+                    q, k, v, cu, scale, span.softcap, sinks, window, eager))
+                if done:
+                    return out
+        return _eager(q, k, v, seg, scale, span.softcap, sinks, window)
     if varlen is not None and (seg.cu is not None or window is not None) and (window is None or varlen.window):
         return _varlen(q, k, v, seg, varlen, span.scale, window)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -87,6 +99,41 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, var
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
     return out.transpose(1, 2)
+
+
+def _stream(seg: Segments, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    """Whether the fused attention can take ``seg``'s layout, and the example boundaries it takes:
+    a one-row stream's ``cu`` (the device's, or made from the host's bounds), None for rows that
+    are one example each; not a mask alone."""
+    if seg.cu is not None:
+        return q.shape[0] == 1, seg.cu
+    if seg.bounds is not None and len(seg.bounds) > 1:
+        if q.shape[0] != 1:
+            return False, None
+        starts = [a for a, _ in seg.bounds] + [seg.bounds[-1][1]]
+        return True, torch.tensor(starts, dtype=torch.int32, device=q.device)
+    return seg.mask is None or seg.bounds is not None, None
+
+
+def _eager(q, k, v, seg: Segments, scale: float, cap: float | None, sinks: torch.Tensor | None,
+           window: int | None) -> torch.Tensor:
+    """:class:`EagerAttention` of the layout ``seg``: example by example where the host knows the
+    bounds (a one-row stream of an eager step), else with the mask made from it."""
+    if seg.bounds is not None and len(seg.bounds) > 1 and q.shape[0] == 1:
+        return torch.cat([EagerAttention.apply(q[:, a:b], k[:, a:b], v[:, a:b],
+                                               _keep(Segments(), b - a, q.device, window), scale, cap, sinks, window)
+                          for a, b in seg.bounds], dim=1)
+    return EagerAttention.apply(q, k, v, _keep(seg, q.shape[1], q.device, window), scale, cap, sinks, window)
+
+
+def _eager_gradients(seg: Segments, scale: float, cap: float | None, sinks: torch.Tensor | None,
+                     window: int | None, q, k, v, dout) -> tuple[torch.Tensor, ...]:
+    """:func:`_eager`'s gradients of q, k and v from the output's: the fused attention's backward
+    where its kernels fail to build after its forward's did."""
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = _eager(*leaves, seg, scale, cap, sinks, window)
+        return torch.autograd.grad(out, leaves, dout)
 
 
 def _varlen(q, k, v, seg: Segments, varlen: Varlen, scale: float | None, window: int | None) -> torch.Tensor:

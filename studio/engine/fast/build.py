@@ -29,7 +29,7 @@ from studio.core.plan import (
     moe_facts,
     sparse_mlp,
 )
-from studio.engine.fast import norm
+from studio.engine.fast import fused_attention, norm
 from studio.engine.fast.attention import LLAMA, Span
 from studio.engine.fast.frozen import Workspace, is_4bit
 from studio.engine.fast.layer import LLAMA_NORM, Layer, NormKind
@@ -212,6 +212,9 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
     # NormBranch's kernel computes Llama's casting only
     stream_norm = options.kernels and norm.available(device, dtype) and kind == LLAMA_NORM
     head_dim = spec.head_dim
+    # what flash attention has no kernel for (core/memory/fast.py's fused_attention foresees it)
+    fused = ((spec.attn_softcap is not None or spec.sinks) and options.kernels
+             and fused_attention.available(device, dtype, head_dim))
     # One RoPE table per layer type where the rotary module takes the type (Gemma 3), stacked
     keys = tuple(dict.fromkeys(s.rope_key for s in spec.layers if s.rope is not None and s.rope_key is not None))
     scale = None if math.isclose(spec.attention_scale, head_dim ** -0.5, rel_tol=1e-9) else spec.attention_scale
@@ -251,7 +254,7 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
             rope=rope is not None, partial=rope is not None and rope.rotary_dim < head_dim,
             table=keys.index(described.rope_key) if keys and rope is not None else None,
             span=span if span != Span() else LLAMA, activation=spec.activation,
-            sinks=getattr(layer, ATTENTION).sinks if spec.sinks else None,
+            sinks=getattr(layer, ATTENTION).sinks if spec.sinks else None, fused_attention=bool(fused),
             residual_scale=spec.residual_scale))
     workspace.allocate(dtype, device)
     # Gemma's embedding modules scale their output themselves; Granite's model multiplies it.

@@ -94,6 +94,9 @@ class Layer:
     """The attention's scale, window and soft-cap."""
     sinks: torch.Tensor | None = None
     """The attention heads' sink logits ``[heads]`` (frozen: gpt-oss' ``self_attn.sinks``); None: no sinks."""
+    fused_attention: bool = False
+    """Soft-capped scores and sinks run Studio's fused Triton attention
+    (:mod:`~studio.engine.fast.fused_attention`) where it can; False: always the eager one."""
     activation: str = "silu"
     """The gated MLP's activation: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (GeGLU)."""
     residual_scale: float = 1.0
@@ -277,4 +280,4 @@ class Layer:
 
     def attention(self, q, k, v, seg: Segments) -> torch.Tensor:
         """Causal attention inside each example, as :attr:`span` says; returns [B, T, H, D]."""
-        return attend(q, k, v, seg, self.varlen, self.span, self.sinks)
+        return attend(q, k, v, seg, self.varlen, self.span, self.sinks, self.fused_attention)
