@@ -212,6 +212,9 @@ def _sweep(name: str, shape: tuple, tokens: int, device) -> dict:
             except Exception as exc:  # noqa: BLE001 - a tile too large for the card: recorded
                 found[step][key] = f"{type(exc).__name__}: {str(exc)[:120]}"
             torch.cuda.synchronize()
+            if fused_attention.broken():  # the engine gave the kernels up (that time was the eager one's)
+                found[step][key] = f"gave up: {fused_attention.broken()[:120]}"
+                fused_attention.KERNELS._broken.clear()  # the next tile gets its own chance
         fused_attention.TILES[step][block_d] = chosen[step]
         fused_attention._chosen.clear()
         timed = {k: v for k, v in found[step].items() if isinstance(v, float)}

@@ -145,7 +145,7 @@ def test_a_kernel_that_fails_to_build_leaves_bitsandbytes_doing_the_work(interpr
 
     with monkeypatch.context() as patch:
         patch.setattr(dequant, "_kernel", lambda: Unbuildable())
-        patch.setattr(dequant.KERNELS, "broken", "")
+        patch.setattr(dequant.KERNELS, "_broken", {})
         with pytest.warns(RuntimeWarning, match="PassManager::run failed"):
             matrix = _pieces(fast)
         assert torch.equal(matrix, bnb_functional.dequantize_4bit(packed, state))

@@ -19,6 +19,12 @@ pytest.importorskip("triton")
 from studio.engine.fast import attention, fused_attention  # noqa: E402
 from studio.engine.fast.attention import Segments, Span, attend  # noqa: E402
 
+INTERPRETER = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="Triton's interpreter on the CPU; a GPU box runs the compiled kernels at real shapes instead (the "
+           "H200 box's Triton 3.6 interpreter fails on these kernels with a numpy TypeError)")
+"""The tests that run the kernels in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors."""
+
 CASES = {
     # name: (batch, tokens, heads, kv_heads, head_dim, span, sinks, cu)
     "softcap": (2, 40, 4, 2, 16, Span(softcap=5.0), False, None),
@@ -67,6 +73,7 @@ def _spy(monkeypatch) -> list[str]:
     return calls
 
 
+@INTERPRETER
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_fused_attention_equals_the_eager_one_in_fp32(case: str, monkeypatch) -> None:
     """Output, dq, dk and dv equal EagerAttention's to fp32's rounding."""
@@ -81,6 +88,7 @@ def test_the_fused_attention_equals_the_eager_one_in_fp32(case: str, monkeypatch
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@INTERPRETER
 def test_examples_of_a_stream_see_nothing_of_each_other(monkeypatch) -> None:
     """A packed stream's examples (boundaries on the device, or the host's bounds of an eager step)
     give each the same output and gradients as that example alone: nothing leaks across a boundary."""
@@ -96,6 +104,7 @@ def test_examples_of_a_stream_see_nothing_of_each_other(monkeypatch) -> None:
             torch.testing.assert_close(by_host[:, a:b], part, rtol=1e-5, atol=1e-6)
 
 
+@INTERPRETER
 @pytest.mark.parametrize("case", ["softcap_window_packed", "sinks_window_gqa"])
 def test_in_bf16_the_fused_attention_is_as_close_to_fp32_as_the_eager_one(case: str, monkeypatch) -> None:
     """bf16 inputs: the fused attention's output and gradients are no further from fp32's exact
@@ -127,11 +136,12 @@ def test_where_the_kernels_cannot_run_the_eager_attention_does(monkeypatch) -> N
     assert calls == ["eager"] and out.shape == q.shape
 
 
+@INTERPRETER
 def test_a_backward_kernel_that_fails_to_build_gives_the_eager_gradients(monkeypatch) -> None:
     """The forward's kernel built, the backward's did not: that step's gradients are EagerAttention's,
     one warning says so, and the next steps run the eager attention from the start."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(fused_attention.KERNELS, "broken", "")
+    monkeypatch.setattr(fused_attention.KERNELS, "_broken", {})
 
     def fails(*args, **kwargs):
         raise RuntimeError("out of resource: shared memory")
@@ -151,6 +161,7 @@ def test_a_backward_kernel_that_fails_to_build_gives_the_eager_gradients(monkeyp
     assert calls == ["eager"]
 
 
+@INTERPRETER
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
 def test_gemma_2_and_gpt_oss_train_through_the_fused_attention_as_through_transformers(family, monkeypatch) -> None:
     """The tiny Gemma 2 (soft-capped scores, a sliding layer and a global one) and gpt-oss (sinks,
@@ -322,3 +333,15 @@ def test_a_forward_and_backward_captured_in_a_cuda_graph_replays_with_new_inputs
         assert torch.equal(out, expected[0])
         for x, want in zip(static, expected[1:], strict=True):
             assert torch.equal(x.grad, want)
+
+
+def test_a_failure_under_the_interpreter_leaves_the_compiled_kernels_usable(monkeypatch) -> None:
+    """The kernels' failure is kept per way of running them: one under Triton's interpreter (an old
+    Triton's, say) gives up the interpreted kernels only, not those compiled for the card."""
+    monkeypatch.setattr(fused_attention.KERNELS, "_broken", {})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.warns(RuntimeWarning, match="soft-capped attention kernels failed"):
+        fused_attention.KERNELS.mark_broken(TypeError("only 0-dimensional arrays can be converted"))
+    assert "TypeError" in fused_attention.broken()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert fused_attention.broken() == ""

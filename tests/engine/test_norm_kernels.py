@@ -66,7 +66,7 @@ def test_the_backward_writes_both_gradients_of_the_input_summed(kernel_device, u
     as autograd computes it through the plain formula (fp32); with only one of the two read, the
     other adds nothing. Without the kernel (one that fails to build at the first backward), torch
     computes the same, and the engine warns once."""
-    monkeypatch.setattr(norm.KERNELS, "broken", "")
+    monkeypatch.setattr(norm.KERNELS, "_broken", {})
     if not kernel:
         def failing(*args):
             raise RuntimeError("no compiler for this GPU")
@@ -136,7 +136,7 @@ def test_the_fast_path_with_the_norm_kernels_equals_it_without_them(tiny_model: 
 def test_a_norm_kernel_that_cannot_build_leaves_liger_s_norm(tiny_model: Path, kernel_device, monkeypatch) -> None:
     """If the kernels fail (a Triton that cannot compile them here), the step still runs with the
     norm and autograd's sum, and the engine warns once."""
-    monkeypatch.setattr(norm.KERNELS, "broken", "")
+    monkeypatch.setattr(norm.KERNELS, "_broken", {})
 
     def failing():
         raise RuntimeError("no such GPU")

@@ -200,7 +200,7 @@ def test_a_kernel_that_cannot_build_leaves_the_products_their_own_order(tiny_mod
         raise RuntimeError("no compiler for this GPU")
 
     monkeypatch.setattr(update, "_kernels", fail)
-    monkeypatch.setattr(update.KERNELS, "broken", "")
+    monkeypatch.setattr(update.KERNELS, "_broken", {})
     with pytest.warns(RuntimeWarning, match="LoRA update kernels failed"):
         loss = fm.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
     loss.backward()

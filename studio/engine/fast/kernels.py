@@ -29,9 +29,16 @@ class OwnKernels:
         case of its own for them (by default it compiles one for a value that is a multiple of 16,
         and one for 1, the first time a run meets each: a compile in the middle of a run)."""
         self.what, self.fallback = what, fallback
-        self.broken = ""
-        """Why the kernels failed here ('' while they work): the engine then takes ``fallback``."""
+        self._broken: dict[bool, str] = {}
+        """Why the kernels failed, by whether the interpreter ran them: a failure of one says nothing
+        of the other (an older Triton's interpreter may lack what its compiler has)."""
         self._jitted: dict[bool, dict | None] = {}
+
+    @property
+    def broken(self) -> str:
+        """Why the kernels failed here, as the environment now runs them ('' while they work): the
+        engine then takes ``fallback``."""
+        return self._broken.get(interpreted(), "")
 
     def get(self) -> dict | None:
         """The kernels by name, jitted for the interpreter or the compiler as the environment says
@@ -61,7 +68,7 @@ class OwnKernels:
         """Give up on the kernels for this process after ``exc`` (a Triton that cannot compile them
         for this GPU, say), with one warning saying why and what the engine does instead."""
         if not self.broken:
-            self.broken = f"{type(exc).__name__}: {exc}"[:500]
+            self._broken[interpreted()] = f"{type(exc).__name__}: {exc}"[:500]
             warnings.warn(f"Studio's {self.what} failed ({self.broken}); {self.fallback}", RuntimeWarning,
                           stacklevel=3)
 
