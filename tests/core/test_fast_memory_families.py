@@ -1,6 +1,6 @@
 """The fast path's memory model where the family grid (bench/vram_measure.py --grid families) found it
-wrong: the evaluation after the last step, which runs once the CUDA graphs' pools are given back.
-Each expectation is counted from tensor sizes."""
+wrong: the evaluation after the last step, which runs once the CUDA graphs' pools are given back, and
+a GeGLU MLP's copies of gate and up. Each expectation is counted from tensor sizes."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from dataclasses import replace
 import pytest
 
 from studio.core.config import parse_config
-from studio.core.memory import Plan, estimate_plan, fast, plan_for
+from studio.core.memory import ALL_LINEAR, Plan, estimate_plan, fast, plan_for
 from studio.core.memory.allocator import PAGE, SLACK_FLOOR
 from studio.core.model.info import load_model_info
 from studio.core.plan import graphs_for
 
 SMOLLM3 = load_model_info("HuggingFaceTB/SmolLM3-3B")
+GEMMA3 = load_model_info("google/gemma-3-4b-it")
 
 LONG_ROW = Plan(weights="nf4", lora_r=8, lora_targets=("q_proj", "v_proj"), lora_dropout=0.0, micro_batch=1,
                 seq_len=4096, path="fast", generate_new_tokens=64)
@@ -63,3 +64,33 @@ def test_without_graphs_there_is_no_pool_to_give_back() -> None:
     assert not graphs_for(eager.real_tokens, 0.0, cuda=True)
     assert estimate_plan(SMOLLM3, eager).phases == estimate_plan(
         SMOLLM3, replace(eager, evaluates_between_steps=False)).phases
+
+
+def test_a_geglu_layer_holds_copies_of_gate_and_up_that_a_swiglu_layer_does_not() -> None:
+    """Gemma's MLP (GELU-tanh) goes through liger's GELU-and-multiply kernel, which takes gate and up
+    contiguous: the recomputed layer copies both halves of gate/up's output, two
+    ``tokens x intermediate`` tensors, while that output is alive. SwiGLU's kernels read it in place.
+    Gemma-3-4B (intermediate 10,240) at 4 x 1024 tokens in bf16: 2 x 4096 x 10,240 x 2 B = 168 MB more
+    in the step's working set, and in the graph's pool that holds it, than the same shape with SiLU."""
+    assert GEMMA3.activation == "gelu_pytorch_tanh" and SMOLLM3.activation == "silu"
+    assert fast.gelu_copies_per_token(GEMMA3, 2) == 2 * 10240 * 2
+    assert fast.gelu_copies_per_token(SMOLLM3, 2) == 0
+    silu = replace(GEMMA3, activation="silu")
+    tokens = 4096
+    copies = tokens * 2 * GEMMA3.intermediate * 2
+    assert copies == 167_772_160
+    assert fast.step_activations(GEMMA3, tokens, 2) - fast.step_activations(silu, tokens, 2) == copies
+    assert fast.graph_pool_bytes(GEMMA3, tokens, 2) - fast.graph_pool_bytes(silu, tokens, 2) == copies
+    plan = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.0, micro_batch=4, seq_len=1024,
+                path="fast")
+    gelu_step, silu_step = estimate_plan(GEMMA3, plan), estimate_plan(silu, plan)
+    assert gelu_step.peak_allocated - silu_step.peak_allocated == copies
+    assert abs(gelu_step.phases["training step"].reserved - silu_step.phases["training step"].reserved
+               - copies) <= PAGE
+
+
+def test_a_model_whose_every_mlp_is_a_mixture_of_experts_copies_nothing() -> None:
+    """A sparse layer's experts run engine/fast/moe.py's own products, not the dense MLP's kernel."""
+    moe = load_model_info("Qwen/Qwen3-30B-A3B")
+    assert moe.sparse_layers == moe.layers
+    assert fast.gelu_copies_per_token(replace(moe, activation="gelu_pytorch_tanh"), 2) == 0
