@@ -22,16 +22,18 @@ tests/core/test_vram_measured.py checks the estimate (``studio estimate`` of eac
 A third of the rows (every third) is out of sample: the estimator's constants are never fitted on
 them (bench/refit_vram_fast.py fits on the others).
 
-``--grid families`` is a second grid (issue 39): three rows on a small real shape of each family the
-fast path covers beside Llama and Qwen3 (Qwen2.5-0.5B, Gemma-3-1B, Gemma-2-2B, Phi-4-mini,
+``--grid families`` is a second grid (issue 39): three to five rows on a small real shape of each
+family the fast path covers beside Llama and Qwen3 (Qwen2.5-0.5B, Gemma-3-1B, Gemma-2-2B, Phi-4-mini,
 OLMo-2-1B, SmolLM3-3B, Granite-3.1-2B, Mistral-7B; bench/family_shapes.py says where each shape's
-values come from), each family's third row out of sample. Its predictions are committed before it
-runs (bench/predictions/); the default grid's 24 rows, labels and order stay as they are.
+values come from), at least a third of each family's rows out of sample (bench/vram_grids.py). Its
+predictions are committed before it runs (bench/predictions/); the default grid's 24 rows, labels and
+order stay as they are. ``--attribute`` names rows whose allocator history is recorded and replayed:
+who held the memory at the peaks (bench/mem_attribution.py), for a row the estimate misses.
 
     python3 bench/vram_measure.py --grid families --dry-run --json bench/predictions/vram_families_<commit>.json
-    # the GPU box: 24 rows x ~35-45 s, 4 at a time, while the 8 models build two at a time (~45 GB of
-    # bf16 folders): ~250-300 s (bench/NEXT_GPU.md's call 3)
-    python3 bench/vram_measure.py --grid families --parallel 4 --budget-s 250 --commit <commit> \\
+    # the GPU box: 30 rows x ~35-45 s, 4 at a time, while the 8 models build two at a time (~45 GB of
+    # bf16 folders): ~300-350 s (bench/NEXT_GPU.md)
+    python3 bench/vram_measure.py --grid families --parallel 4 --budget-s 300 --commit <commit> \\
         --models-dir /tmp/grid --out $OUT/vram_measured_families.json
     python3 bench/vram_measure.py --grid families --score vram_measured_families.json \\
         --predictions bench/predictions/vram_families_<commit>.json   # today's estimate and the committed one
@@ -200,13 +202,26 @@ def _child(args: argparse.Namespace) -> int:
 
     spec = json.loads(args.child)
     row = Row(**{**spec, "targets": tuple(spec["targets"])})
+    attribution = args.child_attribute and _cuda()
+    if attribution:  # from before the load: every block of the run is named
+        from bench import mem_attribution
+
+        mem_attribution.record()
     try:
         measured = run_trainer(row, Path(args.model_dir), args.steps, WARMUP_STEPS,
                                Path(tempfile.mkdtemp(prefix="vram_measure_")))
     except Exception as exc:  # noqa: BLE001 - an out-of-memory or a missing kernel is a result, not a crash
         measured = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+    if attribution:
+        measured["attribution"] = mem_attribution.attribute()
     print("RESULT " + json.dumps(measured), flush=True)
     return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _versions() -> dict:
@@ -301,6 +316,8 @@ def measure(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(entry["case"]),
                        "--model-dir", str(model_dir), "--steps", str(args.steps)]
+                if any(part in row.label for part in (args.attribute or "").split(",") if part):
+                    cmd.append("--child-attribute")
                 done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
                 measured = json.loads(lines[-1][7:]) if lines else {"error": (done.stderr or "no output")[-300:]}
@@ -423,7 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--score", default=None, help="score a measured file with the estimator as it stands")
     parser.add_argument("--predictions", default=None,
                         help="with --score: also score this committed predictions file (--dry-run --json's)")
+    parser.add_argument("--attribute", default=None,
+                        help="rows whose label holds one of these (comma-separated) record the allocator's history "
+                             "(on a GPU; slower): who held the memory at the peaks, in the row's measured "
+                             "'attribution' (bench/mem_attribution.py)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-attribute", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

@@ -18,8 +18,9 @@ fp32 residual stream, no per-module saved inputs, no logits. What today's engine
   prefetched) and the next layer's q, k and v; the stacked bf16 adapters of every layer (hoisted out
   of the checkpoints; an eager step frees each layer's as its backward ends, while the gradients
   appear: :func:`adapters_at_peak`), one recomputed layer's working set in its backward (with a
-  model's fewer key/value heads, the key and value repeated to the query heads' count among it), and
-  the fused cross-entropy's gradient of the hidden states (the logits are never materialised); the
+  model's fewer key/value heads, the key and value repeated to the query heads' count among it; with
+  a GeGLU MLP, the contiguous copies of gate and up its kernel takes: :func:`gelu_copies_per_token`),
+  and the fused cross-entropy's gradient of the hidden states (the logits are never materialised); the
   shared buffer every 4-bit weight is dequantized into (as large as the widest single projection);
 - overhead: the CUDA context; with CUDA graphs (micro-batches of up to core/plan.py's
   GRAPH_TOKEN_LIMIT tokens), the free blocks of the graph's private pool.
@@ -139,6 +140,18 @@ def mlp_outputs_per_token(info: ModelInfo, compute: int) -> float:
     return sparse if info.sparse_layers == info.layers else max(dense, sparse)
 
 
+def gelu_copies_per_token(info: ModelInfo, compute: int) -> int:
+    """Bytes per token that a GeGLU layer's recomputation holds beyond the outputs
+    :func:`layer_outputs_per_token` counts: engine/fast/layer.py's ``gated`` hands the gate and up
+    halves of gate/up's output to liger's GELU-and-multiply kernel, which takes its inputs contiguous
+    and so copies both halves (``2 x intermediate``) while gate/up's output is still alive. SwiGLU's
+    kernels read that output where it is: 0 for a SiLU model, and for one whose every MLP is a
+    mixture of experts (engine/fast/moe.py's own kernels)."""
+    if info.activation == "silu" or (info.sparse_layers and info.sparse_layers == info.layers):
+        return 0
+    return compute * 2 * info.intermediate
+
+
 def hoisted_adapter_bytes(info: ModelInfo, r: int, targets: tuple[str, ...], compute: int) -> int:
     """The adapters cast and stacked once per forward, for every layer: stacked A (n*r x in) and a
     block-diagonal B^T (n*r x sum of the fused outputs) per fused product (a module that is already
@@ -248,9 +261,10 @@ def saved_per_token(info: ModelInfo, compute: int) -> int:
 
 def step_activations(info: ModelInfo, tokens: int, compute: int) -> float:
     """Bytes a training step holds beyond the parameters, gradients and optimizer state at its peak
-    (the start of a layer's backward), without the hoisted adapters and the dequantized weight."""
+    (a recomputed layer's), without the hoisted adapters and the dequantized weight."""
     saved = tokens * saved_per_token(info, compute)
-    working = tokens * LAYER_WORKING_SET * layer_outputs_per_token(info, compute)
+    working = tokens * (LAYER_WORKING_SET * layer_outputs_per_token(info, compute)
+                        + gelu_copies_per_token(info, compute))
     loss = tokens * 2 * info.hidden * compute  # the fused loss's gradient of the last hidden states
     return saved + working + loss
 
@@ -287,7 +301,7 @@ def graph_pool_bytes(info: ModelInfo, tokens: int, compute: int) -> float:
     """The whole private pool of a step captured as a CUDA graph: the layer inputs and q, k, v it
     keeps on the device, one layer's working set and the free blocks, none of which anything outside
     the graph can reuse (core/memory/phases.py puts it under every other phase)."""
-    return tokens * (saved_per_token(info, compute)
+    return tokens * (saved_per_token(info, compute) + gelu_copies_per_token(info, compute)
                      + (LAYER_WORKING_SET + GRAPH_POOL_PER_TOKEN) * layer_outputs_per_token(info, compute))
 
 

@@ -40,9 +40,11 @@ micro-batch 32 under a 15 GB cap and died in its final evaluation):
 What persists through all of them: the weights, the adapters, the optimizer state (gradients are
 freed after every optimizer step: ``zero_grad(set_to_none=True)``), on the fast path its shared
 dequantization buffer and, where the step ran as a CUDA graph, the graph's private pool, which
-nothing outside the graph can reuse. Reserved memory never shrinks during a run, so a phase's
-reserved peak is the training step's, or what the phase needs on top of what persists when that is
-more.
+nothing outside the graph can reuse. The evaluation after the last step is the exception: the engine
+gives the graphs and their pools back before it (engine/train.py), so only an evaluation between two
+steps (:attr:`~studio.core.memory.plan.Plan.evaluates_between_steps`) runs beside a pool. Reserved
+memory never shrinks during a run, so a phase's reserved peak is the training step's, or what the
+phase needs on top of what persists when that is more.
 
 Plain Python: it must never import torch.
 """
@@ -70,9 +72,10 @@ from studio.core.plan import graphs_for
 
 SCORE_TOKENS = 512
 """The fast path's evaluation (engine/fast/model.py's ``FastModel.score``) runs at most this many
-tokens a forward pass (a longer row runs alone). Its working set comes on top of the CUDA graphs'
-private pool, which an eager pass cannot reuse: at 2048 tokens the final evaluation of a micro-batch
-of 4 x 512 reserved 0.11 GiB more than the training step on the H100 (docs/memory.md)."""
+tokens a forward pass (a longer row runs alone). Between two steps its working set comes on top of
+the CUDA graphs' private pool, which an eager pass cannot reuse: at 2048 tokens an evaluation of a
+micro-batch of 4 x 512 beside the pool reserved 0.11 GiB more than the training step on the H100
+(docs/memory.md)."""
 
 PREFILL_TOKENS = 512
 """engine/generate.py runs a prompt through the model this many tokens at a time (each piece
@@ -150,9 +153,9 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
               + dequant + head_copy + info.vocab * (c + 4 + 4))
     gen_held = f"KV cache of {prompt} + {plan.generate_new_tokens} tokens ({kv / 1e9:.2f} GB), last logits only"
 
-    def peak(work: float, held: str, host_kv: bool = False) -> PhasePeak:
+    def peak(work: float, held: str, host_kv: bool = False, beside_pool: bool = True) -> PhasePeak:
         allocated = int(persistent + work)
-        need = math.ceil((allocated + pool + SLACK_FLOOR) / PAGE) * PAGE
+        need = math.ceil((allocated + (pool if beside_pool else 0) + SLACK_FLOOR) / PAGE) * PAGE
         return PhasePeak(allocated, max(step.peak_reserved, need), held, host_kv)
 
     generation = peak(answer + kv, gen_held)
@@ -168,15 +171,18 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
         generation = peak(answer + on_card, (f"KV cache of {prompt} + {plan.generate_new_tokens} tokens "
                                              f"({kv / 1e9:.2f} GB) on the host, {KV_LAYERS_ON_CARD} layers "
                                              "of it on the card; last logits only"), host_kv=True)
+    if pool and not plan.evaluates_between_steps:
+        eval_held += ", after the CUDA graphs' pools are given back"
     phases = {"training step": PhasePeak(step.peak_allocated, step.peak_reserved, "the step's activations"),
-              "evaluation": peak(evaluation, eval_held),
+              "evaluation": peak(evaluation, eval_held, beside_pool=plan.evaluates_between_steps),
               "generation": generation,
               "checkpoint save": peak(0, "adapter and optimizer state copied to the host")}
     if plan.grpo_completion:
         grads = kept["gradients"] if plan.accumulation > 1 else 0
         work, held = grpo_sampling(info, plan, stream, dequant)
         phases[GRPO_SAMPLING] = peak(work + grads, held)
-        phases["evaluation"] = peak(work, f"greedy completions of held-out prompts: {held}")
+        phases["evaluation"] = peak(work, f"greedy completions of held-out prompts: {held}",
+                                    beside_pool=plan.evaluates_between_steps)
     return phases
 
 

@@ -127,6 +127,13 @@ class Plan:
     micro-batch's rows this many at a time, each chunk's backward before the next one's forward
     (engine/grpo.py); 0: every row at once. core/memory/estimate.py's ``grpo_scored_rows`` chooses it."""
 
+    evaluates_between_steps: bool = True
+    """An evaluation runs between two training steps (``trainer.eval_interval`` above 0 and below
+    the run's steps), beside the CUDA graphs' private pools, which it cannot use. False: the run
+    evaluates only before its first step (no graph captured yet) and after its last, once the engine
+    has given the graphs and their pools back (engine/train.py), so no evaluation shares the card
+    with a pool."""
+
     @property
     def upcast(self) -> bool:
         """Whether the base's unquantized parts and residual stream are fp32 (:attr:`kbit_upcast`
@@ -206,6 +213,9 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
         names = ALL_LINEAR if targets == "all-linear" else tuple(t for t in targets)
     accumulation = config.trainer.accumulation_steps()
     grpo = config.trainer.method == "grpo"
+    every, steps = config.trainer.eval_interval, config.trainer.max_steps
+    # without max_steps the steps come from the data: an interval may fall inside them
+    between = every > 0 and (not steps or every < steps)
     return Plan(weights=weights, double_quant=q.double_quant, compute=compute,
                 lora_r=lora.r if lora is not None else None, lora_targets=names,
                 lora_experts=bool(lora.target_experts) if lora is not None else False,
@@ -221,4 +231,5 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
                                        config.grpo.num_generations if grpo else 1),
                 reference_pass=config.trainer.method == "dpo", packing=config.trainer.packing,
                 lengths=tuple(lengths), generate_new_tokens=config.generation.max_new_tokens,
-                kbit_upcast=not grpo, grpo_completion=config.grpo.max_completion_length if grpo else 0)
+                kbit_upcast=not grpo, grpo_completion=config.grpo.max_completion_length if grpo else 0,
+                evaluates_between_steps=between)

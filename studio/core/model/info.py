@@ -118,6 +118,9 @@ class ModelInfo:
     sinks: bool = False
     """Each attention head has a sink logit (gpt-oss): one parameter a head and layer."""
 
+    activation: str = "silu"
+    """The dense MLP's gated activation: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (GeGLU: Gemma)."""
+
     expert_format: str = ""
     """How the checkpoint ships its expert weights when not in a float dtype: ``mxfp4`` (gpt-oss,
     ``quantization_config.quant_method``), kept so by a 4-bit load (engine/mxfp4.py); '' otherwise."""
@@ -241,7 +244,8 @@ def from_spec(spec: DecoderSpec, name: str, init_std: float = 0.02) -> ModelInfo
         qk_norm="" if spec.qk_norm == "none" else spec.qk_norm, bias_outputs=spec.biases,
         vision_params=spec.extra_params, sparse_layers=spec.sparse_layers if spec.moe else 0,
         experts=spec.moe.experts if spec.moe else 0, expert_intermediate=spec.moe.intermediate if spec.moe else 0,
-        top_k=spec.moe.top_k if spec.moe else 0, moe=sparse_mlp(spec), sinks=spec.sinks)
+        top_k=spec.moe.top_k if spec.moe else 0, moe=sparse_mlp(spec), sinks=spec.sinks,
+        activation=spec.activation)
 
 
 def _table_entry(name: str, model_type: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,

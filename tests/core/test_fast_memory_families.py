@@ -1,0 +1,96 @@
+"""The fast path's memory model where the family grid (bench/vram_measure.py --grid families) found it
+wrong: the evaluation after the last step, which runs once the CUDA graphs' pools are given back, and
+a GeGLU MLP's copies of gate and up. Each expectation is counted from tensor sizes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from studio.core.config import parse_config
+from studio.core.memory import ALL_LINEAR, Plan, estimate_plan, fast, plan_for
+from studio.core.memory.allocator import PAGE, SLACK_FLOOR
+from studio.core.model.info import load_model_info
+from studio.core.plan import graphs_for
+
+SMOLLM3 = load_model_info("HuggingFaceTB/SmolLM3-3B")
+GEMMA3 = load_model_info("google/gemma-3-4b-it")
+
+LONG_ROW = Plan(weights="nf4", lora_r=8, lora_targets=("q_proj", "v_proj"), lora_dropout=0.0, micro_batch=1,
+                seq_len=4096, path="fast", generate_new_tokens=64)
+"""One 4096-token row a micro-batch, LoRA r8 on q and v: a CUDA graph, and an evaluation pass of a
+whole row (a row longer than the evaluation's 512 tokens runs alone)."""
+
+
+@pytest.mark.parametrize(("yaml", "between"), [
+    ("trainer: {eval_interval: 0, max_steps: 5}\n", False),
+    ("trainer: {eval_interval: 50, max_steps: 5}\n", False),   # the first interval is past the last step
+    ("trainer: {eval_interval: 5, max_steps: 5}\n", False),    # ... or is the last step, after the pools go
+    ("trainer: {eval_interval: 2, max_steps: 5}\n", True),
+    ("trainer: {eval_interval: 50}\n", True),                  # the data decides the steps: it may come
+])
+def test_an_evaluation_between_steps_is_read_off_the_interval_and_the_steps(yaml: str, between: bool) -> None:
+    assert plan_for(parse_config(yaml)).evaluates_between_steps is between
+
+
+def test_the_last_evaluation_runs_after_the_graphs_pools_are_given_back() -> None:
+    """engine/train.py gives the CUDA graphs and their private pools back before the evaluation that
+    follows the last step, and the evaluation empties the allocator's cache first: that evaluation
+    reserves what persists and its own pass, not the pool beside them. An evaluation between two
+    steps still sits beside the pool. SmolLM3-3B at 4096 tokens: beside the pool its pass reserves
+    more than the training step (the run's peak); after the last step the step sets the peak."""
+    assert graphs_for(LONG_ROW.real_tokens, 0.0, cuda=True)
+    pool = fast.graph_pool_bytes(SMOLLM3, 4096, 2)
+    beside = estimate_plan(SMOLLM3, LONG_ROW)
+    after = estimate_plan(SMOLLM3, replace(LONG_ROW, evaluates_between_steps=False))
+    step = beside.phases["training step"]
+    assert after.phases["training step"] == step
+    evaluation = beside.phases["evaluation"]
+    assert after.phases["evaluation"].allocated == evaluation.allocated
+    # reserved: what the pass needs on top of what persists, pool or not, never below the step's own
+    need = math.ceil((evaluation.allocated + pool + SLACK_FLOOR) / PAGE) * PAGE
+    assert evaluation.reserved == need > step.reserved
+    assert after.phases["evaluation"].reserved == max(
+        step.reserved, math.ceil((evaluation.allocated + SLACK_FLOOR) / PAGE) * PAGE) == step.reserved
+    assert beside.peak_phase == "evaluation" and after.peak_phase == "training step"
+    assert after.peak_reserved == step.reserved < beside.peak_reserved
+
+
+def test_without_graphs_there_is_no_pool_to_give_back() -> None:
+    """An eager step (too many tokens for a graph) has no private pool: every evaluation is the same."""
+    eager = replace(LONG_ROW, micro_batch=4)
+    assert not graphs_for(eager.real_tokens, 0.0, cuda=True)
+    assert estimate_plan(SMOLLM3, eager).phases == estimate_plan(
+        SMOLLM3, replace(eager, evaluates_between_steps=False)).phases
+
+
+def test_a_geglu_layer_holds_copies_of_gate_and_up_that_a_swiglu_layer_does_not() -> None:
+    """Gemma's MLP (GELU-tanh) goes through liger's GELU-and-multiply kernel, which takes gate and up
+    contiguous: the recomputed layer copies both halves of gate/up's output, two
+    ``tokens x intermediate`` tensors, while that output is alive. SwiGLU's kernels read it in place.
+    Gemma-3-4B (intermediate 10,240) at 4 x 1024 tokens in bf16: 2 x 4096 x 10,240 x 2 B = 168 MB more
+    in the step's working set, and in the graph's pool that holds it, than the same shape with SiLU."""
+    assert GEMMA3.activation == "gelu_pytorch_tanh" and SMOLLM3.activation == "silu"
+    assert fast.gelu_copies_per_token(GEMMA3, 2) == 2 * 10240 * 2
+    assert fast.gelu_copies_per_token(SMOLLM3, 2) == 0
+    silu = replace(GEMMA3, activation="silu")
+    tokens = 4096
+    copies = tokens * 2 * GEMMA3.intermediate * 2
+    assert copies == 167_772_160
+    assert fast.step_activations(GEMMA3, tokens, 2) - fast.step_activations(silu, tokens, 2) == copies
+    assert fast.graph_pool_bytes(GEMMA3, tokens, 2) - fast.graph_pool_bytes(silu, tokens, 2) == copies
+    plan = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.0, micro_batch=4, seq_len=1024,
+                path="fast")
+    gelu_step, silu_step = estimate_plan(GEMMA3, plan), estimate_plan(silu, plan)
+    assert gelu_step.peak_allocated - silu_step.peak_allocated == copies
+    assert abs(gelu_step.phases["training step"].reserved - silu_step.phases["training step"].reserved
+               - copies) <= PAGE
+
+
+def test_a_model_whose_every_mlp_is_a_mixture_of_experts_copies_nothing() -> None:
+    """A sparse layer's experts run engine/fast/moe.py's own products, not the dense MLP's kernel."""
+    moe = load_model_info("Qwen/Qwen3-30B-A3B")
+    assert moe.sparse_layers == moe.layers
+    assert fast.gelu_copies_per_token(replace(moe, activation="gelu_pytorch_tanh"), 2) == 0
