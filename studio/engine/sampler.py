@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from studio.engine.fast.graphs import without_collection
+
 _M32 = 0xFFFFFFFF
 _NOISE_BITS = 24
 """Bits of the hash a uniform draw keeps: exact in fp32, so no draw rounds to 0 or 1."""
@@ -295,7 +297,7 @@ class GroupSampler:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with without_collection(), torch.cuda.graph(graph):
                 step()
         except Exception as exc:  # any capture failure: the eager step is still correct
             self.graphs_failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"

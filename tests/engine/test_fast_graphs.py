@@ -1,8 +1,8 @@
 """The fast path's CUDA graphs (studio/engine/fast/graphs.py), on a CUDA GPU: replayed steps equal
 eager ones over gradient accumulation and zeroed gradients, for every dense family and mixture of
 experts; a capture after eager steps works when their losses were released, and fails while one is
-alive (docs/speed.md); DPO's reference pass is captured too, in the policy graph's pool, and
-reserves no more than when it ran eagerly."""
+alive (docs/speed.md); DPO's reference pass is captured too, in the policy graph's pool, with the
+losses of eager steps."""
 
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ layout, in the same memory pool."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -15,6 +17,25 @@ from studio.engine.fast.offload import HostInputs
 
 MAX_GRAPHS = 2
 """Layouts beyond this many run without graphs: each layout's graphs keep their own memory pool."""
+
+
+@contextlib.contextmanager
+def without_collection() -> Iterator[None]:
+    """Python's garbage collection run once before a CUDA-graph capture, and held off during it.
+
+    A collection inside the capture may destroy an earlier graph that sits in a reference cycle (as
+    make_graphed_callables' do), and freeing its memory is an operation the capture forbids: the
+    capture fails and the run takes eager steps. torch 2.9 and later no longer collect before a
+    capture (pytorch/pytorch#158193), so a capture that allocates many Python objects (one of a
+    40-layer model) can trigger one."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Stack(Protocol):
@@ -145,7 +166,7 @@ class ReferenceGraph:
         self.graph = torch.cuda.CUDAGraph()
         # Once eagerly first: kernels' first calls (autotuning, lazy buffers) must not be captured.
         self._pass()
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        with without_collection(), torch.cuda.graph(self.graph, pool=self.pool):
             self.output = self._pass()
 
     def _replay(self) -> None:
@@ -291,9 +312,10 @@ class Graphs:
                                for static, given in zip(reference.inputs, sample, strict=True))
             try:
                 host = HostInputs(h.device) if self.offload else None
-                module = torch.cuda.make_graphed_callables(
-                    _StackModule(self.fast, seg.max_len, flat, host, self.sink), sample,
-                    num_warmup_iters=2, pool=None if reference is None else reference.pool)
+                with without_collection():
+                    module = torch.cuda.make_graphed_callables(
+                        _StackModule(self.fast, seg.max_len, flat, host, self.sink), sample,
+                        num_warmup_iters=2, pool=None if reference is None else reference.pool)
             except torch.cuda.OutOfMemoryError:
                 raise  # the trainer halves the micro-batch; the smaller layout gets its own graph
             except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
