@@ -264,16 +264,24 @@ def main(argv: list[str] | None = None) -> int:
     report["tiles"] = {step: {str(d): [list(t) for t in tiles] for d, tiles in by_width.items()}
                        for step, by_width in fused_attention.TILES.items()}
     started = time.perf_counter()
+
+    def write() -> None:  # after every row: a call cut short keeps what it measured
+        report["tiles_settled"] = {f"{step}/{width}": index for (step, width), index in fused_attention._chosen.items()}
+        report["wall_s"] = round(time.perf_counter() - started, 1)
+        report["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
     for tokens in lengths:
         for name, shape in shapes.items():
             for packed in (False, True):
                 report["rows"].append(_measure(name, shape, tokens, packed, device, cuda, not args.no_graphs))
+                write()
     if args.sweep and cuda:
-        report["sweep_ms"] = {name: _sweep(name, shape, lengths[0], device) for name, shape in shapes.items()}
-    report["tiles_settled"] = {f"{step}/{width}": index for (step, width), index in fused_attention._chosen.items()}
-    report["wall_s"] = round(time.perf_counter() - started, 1)
-    report["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        report["sweep_ms"] = {}
+        for name, shape in shapes.items():
+            report["sweep_ms"][name] = _sweep(name, shape, lengths[0], device)
+            write()
+    write()
     print(f"wrote {args.out}", flush=True)
     return 0
 
