@@ -33,10 +33,14 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from studio.core.config import AUTO, RunConfig
 from studio.core.memory.gpus import GB, GIB
 from studio.core.model.info import ModelInfo
+
+if TYPE_CHECKING:
+    from studio.core.memory.result import Estimate
 
 HEADROOM_FRACTION = 0.10
 """Part of the card the plan leaves free. The fast path's estimate of peak reserved memory is within
@@ -266,10 +270,12 @@ def plan(config: RunConfig, info: ModelInfo, capacity: int, headroom: int | None
         ckpts = [True] if path == "fast" else [True, False]
     sequences = 2 if t.method in ("dpo", "orpo") else config.grpo.num_generations if t.method == "grpo" else 1
     candidates = []
+    weighed_by: dict[tuple[int, bool], Estimate] = {}
     for micro in micros:
         for ckpt in ckpts:
             option = with_values(config, micro, ckpt, target)
             weighed = estimate(option, info, lengths=lengths)
+            weighed_by[(micro, ckpt)] = weighed
             speed = relative_speed(micro * sequences * config.data.max_seq_length, ckpt or path == "fast",
                                    weighed.plan.passes)
             total = weighed.total
@@ -289,16 +295,10 @@ def plan(config: RunConfig, info: ModelInfo, capacity: int, headroom: int | None
         # only the advice that would change something: a fixed key auto could lower, a setting not yet taken
         fixed = [f"trainer.{k}" for k in ("micro_batch_size", "gradient_checkpointing")
                  if k not in varied and getattr(t, k) not in (1, True)]
-        advice = [f"lower data.max_seq_length (now {config.data.max_seq_length})"]
-        if config.quantization.bits != 4:
-            advice.append("use quantization.bits: 4")
-        if config.lora is not None:
-            advice.append("a smaller lora.r")
-        if not t.optimizer.startswith("paged"):
-            advice.append("trainer.optimizer: paged_adamw_8bit")
+        advice = _advice(config, weighed_by[(least.micro_batch, least.checkpointing)], least.total - budget)
         raise AutoPlanError(
             f"no plan fits {capacity / GB:.1f} GB less {headroom / GB:.1f} GB headroom: the smallest, "
-            f"{least.label()}, needs {least.total / GB:.1f} GB; {', '.join(advice)} or a smaller model"
+            f"{least.label()}, needs {least.total / GB:.1f} GB; {', '.join(advice + ['a smaller model'])}"
             + (f", or set {' and '.join(fixed)} to auto" if fixed else ""), rejected)
     rejected = []
     for c in candidates:
@@ -310,6 +310,29 @@ def plan(config: RunConfig, info: ModelInfo, capacity: int, headroom: int | None
             why = f"fits ({c.total / GB:.1f} GB) but slower (speed {c.speed:.2f} vs {chosen.speed:.2f})"
         rejected.append(Candidate(c.micro_batch, c.accumulation, c.checkpointing, c.total, c.speed, why))
     return AutoPlan(chosen, tuple(rejected), capacity, headroom, target, path, varied)
+
+
+def _advice(config: RunConfig, least: Estimate, gap: int) -> list[str]:
+    """The changes that could win back a real part of the ``gap`` bytes the smallest plan is over
+    budget by (at least a tenth of it), the likeliest first, each with the memory it acts on: the
+    most it could free. A change that acts on less is left out (0.03 GB of adapters against a 1.2 GB
+    gap is no advice)."""
+    cats = least.categories
+    acts = cats.get("activations", 0)
+    options: list[tuple[float, str]] = [
+        (acts, f"lower data.max_seq_length (now {config.data.max_seq_length}; activations {acts / GB:.1f} GB)")]
+    bits = config.quantization.bits
+    if bits != 4:
+        frozen = cats.get("weights", 0) + cats.get("experts", 0)
+        options.append((frozen * (1 - 4 / (bits or 16)), f"use quantization.bits: 4 (weights {frozen / GB:.1f} GB)"))
+    if config.lora is not None:
+        trained = cats.get("lora", 0) + cats.get("gradients", 0) + cats.get("optimizer", 0)
+        options.append((trained, f"a smaller lora.r (adapters, gradients and optimizer state {trained / GB:.2f} GB)"))
+    if not config.trainer.optimizer.startswith("paged"):
+        state = cats.get("optimizer", 0)
+        options.append((0.75 * state, f"trainer.optimizer: paged_adamw_8bit (optimizer state {state / GB:.2f} GB)"))
+    options.sort(key=lambda o: -o[0])
+    return [text for frees, text in options if frees >= gap / 10]
 
 
 # ------------------------------------------------------------------------------ the run's record
