@@ -368,7 +368,8 @@ def model_figures(d: Dims, profile: dict | None, used_peaks: dict, step_ms: floa
 
 def graphed_block(fm, tokens: int, args) -> dict:
     """The block's step captured as a CUDA graph (``torch.cuda.make_graphed_callables`` around the
-    same checkpointed call, the experts' adapters as the module's parameters), replayed and timed."""
+    same checkpointed call, the experts' adapters as the module's parameters), replayed and timed;
+    the memory the capture reserved (its private pool) beside it."""
     import torch
     from torch import nn
 
@@ -389,6 +390,8 @@ def graphed_block(fm, tokens: int, args) -> dict:
             return run_block(layer, h)
 
     fm.router.begin(tokens)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
     with without_collection():
         graphed = torch.cuda.make_graphed_callables(Block(), (x,), num_warmup_iters=3)
 
@@ -396,7 +399,10 @@ def graphed_block(fm, tokens: int, args) -> dict:
         x.grad = None
         graphed(x).backward(grad)
 
-    return {"step": timed(step, True, args.loops, args.repeats), "step_peak_mib": step_peak_mib(step, True)}
+    step()
+    torch.cuda.synchronize()
+    return {"step": timed(step, True, args.loops, args.repeats),
+            "capture_reserved_mib": round((torch.cuda.memory_reserved() - before) / 2**20, 1)}
 
 
 def layer_steps(model, tokens: int, args, cuda: bool) -> dict:
@@ -432,17 +438,17 @@ def layer_steps(model, tokens: int, args, cuda: bool) -> dict:
 # ------------------------------------------------------------------------------------ transformers
 
 
-def hf_block(model, tokens: int, args, cuda: bool) -> dict:
-    """transformers' own MoE block (bf16 experts) checkpointed, under bf16 autocast on CUDA: step and
-    forward times, step memory, and its profiled kernel time by pass with its top kernels."""
+def hf_block(model, tokens: int, args, cuda: bool, dtype) -> dict:
+    """transformers' own MoE block (bf16 experts) checkpointed, under bf16 autocast on CUDA, on a
+    stream in the model's ``dtype``: step and forward times, step memory, and its profiled kernel
+    time by pass with its top kernels."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     from torch.utils.checkpoint import checkpoint
 
     base = model.get_base_model()
     block = base.model.layers[0].mlp
-    dtype = next(block.parameters()).dtype
-    device = next(block.parameters()).device
+    device = "cuda" if cuda else "cpu"
     x = torch.randn(1, tokens, base.config.hidden_size, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
 
@@ -601,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
             if "hf" not in args.skip:
                 print(f"{name} {variant}: transformers' block", flush=True)
                 model = build(name, args.tiny, "bf16", VARIANTS[variant], args.rank, device, dtype)
-                row["hf_block"] = guarded(lambda model=model: hf_block(model, args.tokens, args, cuda))
+                row["hf_block"] = guarded(lambda model=model: hf_block(model, args.tokens, args, cuda, dtype))
                 del model
                 free(cuda)
             row["summary"] = summarize(row)

@@ -141,15 +141,23 @@ def attribute(events, cuda: bool, steps: int) -> dict:
     """The profiled steps' device time by pass and phase, per step: ``{pass: {phase: {"ms",
     "kernels"}}}`` (kernels: launches, CUDA only); the labelled ranges' calls per step by pass and
     phase (``dequant.gate_up``: one dequantization of every expert of gate/up; ``moe.gate_up``: one
-    ExpertProduct forward or backward); the host waits (:data:`SYNCS`) by pass; the top kernels."""
+    ExpertProduct forward or backward); the host waits (:data:`SYNCS`) by pass; the top kernels
+    (each with the passes and phases it ran in); on CUDA the device time no operator launched as far as the profiler linked it
+    (``unattributed_ms``: a kernel it could not link is missing from the phases, not hidden)."""
     from torch.autograd import DeviceType
 
+    ranges = {BLOCK, *LABELS, *PROJECTIONS, *INNER}
+    # every kernel, copy and memset the device ran, linked to a launching operator or not
+    kernels: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type != DeviceType.CPU and not e.is_user_annotation and e.name not in ranges:
+            kernels.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
     events = [e for e in events if e.device_type == DeviceType.CPU]  # kernels ride on their launching operator
     spans = _block_spans(events)
     table = {p: {} for p in PASSES}
     calls = {p: {} for p in PASSES}
     syncs = dict.fromkeys(PASSES, 0)
-    kernels: dict[str, list[float]] = {}
+    phases_of: dict[str, set[str]] = {}
     for event in events:
         stack = stack_of(event)
         where = pass_of(stack)
@@ -175,15 +183,19 @@ def attribute(events, cuda: bool, steps: int) -> dict:
             own = [k for k in event.kernels if k.name != event.name]
             row["kernels"] += len(own) / steps
             for k in own:
-                kernels.setdefault(k.name, []).append(k.duration)
+                phases_of.setdefault(k.name, set()).add(f"{where}:{phase}")
     ordered = {p: {ph: {"ms": round(v["ms"], 4), "kernels": round(v["kernels"], 1)}
                    for ph in PHASES if (v := table[p].get(ph))} for p in PASSES}
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:20]
+    attributed = sum(v["ms"] for rows in table.values() for v in rows.values())
+    device_ms = sum(sum(d) for d in kernels.values()) / 1e3 / steps
     return {"by_pass": {p: v for p, v in ordered.items() if v},
+            "unattributed_ms": round(device_ms - attributed, 4) if cuda else None,
             "calls_per_step": {p: {n: c / steps for n, c in v.items()} for p, v in calls.items() if v},
             "host_syncs_per_step": {p: n / steps for p, n in syncs.items() if n},
             "top_kernels": [{"name": name[:90], "calls_per_step": len(d) / steps,
-                             "ms_per_step": round(sum(d) / 1e3 / steps, 4)} for name, d in top]}
+                             "ms_per_step": round(sum(d) / 1e3 / steps, 4),
+                             "where": sorted(phases_of.get(name, {"unlinked"}))} for name, d in top]}
 
 
 @contextlib.contextmanager

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import REPO
 
 from bench.moe_layer_profile import build, run_block, storage_for
-from bench.moe_phases import EVALUATE, Dims, ideal, pass_of, phase_of, phase_ranges, region_of, traffic
+from bench.moe_phases import EVALUATE, Dims, attribute, ideal, pass_of, phase_of, phase_ranges, region_of, traffic
 
 
 def _where(stack: list[str], region: str | None = None) -> tuple[str, str]:
@@ -55,6 +56,44 @@ def test_each_kernel_lands_in_the_pass_and_phase_of_the_engine_code_that_launche
     assert region_of(1.0, (2.0, 3.0), (4.0, 5.0)) == "dispatch"
     assert region_of(3.5, (2.0, 3.0), (4.0, 5.0)) == "between"
     assert region_of(5.0, (2.0, 3.0), (4.0, 5.0)) == "combine"
+
+
+def _event(name: str, start: float, end: float, parent=None, kernels=(), device: str = "CPU", annotation=None):
+    from torch.autograd import DeviceType
+
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent,
+                           kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels],
+                           device_type=getattr(DeviceType, device), self_cpu_time_total=0.0,
+                           is_user_annotation=name.startswith("moe.") if annotation is None else annotation)
+
+
+def test_on_cuda_a_phase_counts_its_kernels_not_its_ranges_span_and_unlinked_kernels_are_shown() -> None:
+    """A profile as kineto gives it on a GPU: kernels ride on the operator (or range: a Triton
+    launch) that launched them; a range also gets its GPU-side span as a 'kernel' of its own name,
+    which must not count twice; a kernel the profiler could not link to a launch is reported."""
+    block = _event("moe.block", 0, 100, kernels=[("moe.block", 95.0)])
+    index = _event("aten::index", 2, 4, block, kernels=[("index_elementwise_kernel", 5.0)])
+    gate_up = _event("moe.gate_up", 10, 40, block, kernels=[("moe.gate_up", 60.0)])
+    dequant = _event("moe.dequant", 11, 20, gate_up, kernels=[("nf4_dequantize", 30.0)])
+    base = _event("moe.mm.base", 21, 30, gate_up)
+    grouped = _event("aten::_grouped_mm", 22, 29, base, kernels=[("cutlass_grouped", 20.0)])
+    down = _event("moe.down", 50, 60, block)
+    combine = _event("aten::index_add_", 70, 72, block, kernels=[("index_add_kernel", 4.0)])
+    device = [_event(name, 0, d, device="CUDA", annotation=False) for name, d in (
+        ("index_elementwise_kernel", 5.0), ("nf4_dequantize", 30.0), ("cutlass_grouped", 20.0),
+        ("index_add_kernel", 4.0), ("unlinked_kernel", 7.0))]
+    device.append(_event("moe.block", 0, 95, device="CUDA", annotation=True))
+    found = attribute([block, index, gate_up, dequant, base, grouped, down, combine, *device], cuda=True, steps=1)
+    forward = found["by_pass"]["forward"]
+    assert {k: v["ms"] for k, v in forward.items()} == {"permute": 0.005, "dequant.gate_up": 0.03,
+                                                       "products.gate_up": 0.02, "combine": 0.004}
+    assert forward["dequant.gate_up"]["kernels"] == 1
+    assert found["unattributed_ms"] == pytest.approx(0.007)
+    top = {k["name"]: k for k in found["top_kernels"]}
+    assert top["nf4_dequantize"]["where"] == ["forward:dequant.gate_up"] and top["unlinked_kernel"]["where"] == ["unlinked"]
+    assert "moe.block" not in top
+    assert found["calls_per_step"]["forward"] == {"moe.gate_up": 1, "dequant.gate_up": 1, "products.gate_up": 1,
+                                                  "moe.down": 1}
 
 
 def _qwen3(active: int = 128, rank: int = 0) -> Dims:
