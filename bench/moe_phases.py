@@ -5,7 +5,8 @@ A training step runs the block three times: the forward (under checkpointing: no
 recomputation inside the backward, and the backward. Each profiled event is put in one of those
 passes by where it sits: under a ``moe.block`` range (the profile script opens one around each call
 of the engine's ``SparseMlp``) with an autograd ``evaluate_function`` above it: the recomputation;
-without one: the forward; under an ``evaluate_function`` only: the backward.
+without one: the forward; under an ``evaluate_function`` only: the backward. The experts' adapters,
+rebuilt each step before the checkpointed block (a ``moe.adapters`` range), count in the forward.
 
 The phases follow the engine's code. While a profile runs, :func:`phase_ranges` wraps the engine's
 own methods (in this process only; nothing in studio/ changes) in ``record_function`` ranges:
@@ -115,12 +116,16 @@ def stack_of(event) -> list[str]:
     return names
 
 
+WRAPPERS = ("ExpertProduct", "ExpertProductBackward")
+"""The autograd Function's own records around the projection ranges (its work is theirs)."""
+
+
 def own_time_us(event, cuda: bool) -> float:
     """The device time an event accounts for itself (us): on CUDA its kernels' (not the span a
     range's GPU-side annotation of the same name draws), on the CPU its operator's self time."""
     if cuda:
         return sum(k.duration for k in event.kernels if k.name != event.name)
-    return 0.0 if event.is_user_annotation else float(event.self_cpu_time_total)
+    return 0.0 if event.is_user_annotation or event.name in WRAPPERS else float(event.self_cpu_time_total)
 
 
 def _block_spans(events) -> dict[int, dict[str, tuple[float, float]]]:
