@@ -29,7 +29,8 @@ them) on the attention projections, and in the ``experts`` variant on the expert
   captures: what share of a layer's step the MoE block is.
 - ``hf_block``: the same block through transformers' own module (bf16 experts, transformers'
   experts implementation, bf16 autocast: the HF loop's path), checkpointed the same way: time,
-  memory, and its kernels by pass.
+  memory, and its kernels by pass; ``hf_layer``: the one-layer model's step through transformers'
+  forward with gradient checkpointing (the HF loop's step, its attention in bf16 here).
 
 The JSON (``--out``) holds the command, commit, GPU, versions, the peaks used (the GPU's datasheet
 and measured: a bf16 matmul and a copy), and each model and variant; it is written after every
@@ -486,6 +487,27 @@ def hf_block(model, tokens: int, args, cuda: bool, dtype) -> dict:
     return out
 
 
+def hf_layer(model, tokens: int, args, cuda: bool) -> dict:
+    """The one-layer model's training step through transformers' forward (the HF loop's: gradient
+    checkpointing, bf16 autocast on CUDA; its attention weights in bf16 here, NF4 in bench/moe.py's
+    loop)."""
+    import torch
+
+    device = "cuda" if cuda else "cpu"
+    ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(2)).to(device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+
+    for _ in range(args.warmup):
+        step()
+    return {"step": timed(step, cuda, args.loops, args.repeats)}
+
+
 # ----------------------------------------------------------------------------------------- driver
 
 
@@ -523,6 +545,10 @@ def summarize(variant: dict) -> dict:
     layer_ms = (layer.get("graphed") or layer.get("eager") or {}).get("step", {}).get("median_ms")
     if layer_ms and fastest:
         out["block_share_of_layer_step"] = round(fastest / layer_ms, 3)
+    hf_layer_ms = variant.get("hf_layer", {}).get("step", {}).get("median_ms")
+    if layer_ms and hf_layer_ms:
+        out["engine_layer_ms"], out["hf_layer_ms"] = layer_ms, hf_layer_ms
+        out["layer_speedup_vs_hf"] = round(hf_layer_ms / layer_ms, 2)
     return out
 
 
@@ -608,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} {variant}: transformers' block", flush=True)
                 model = build(name, args.tiny, "bf16", VARIANTS[variant], args.rank, device, dtype)
                 row["hf_block"] = guarded(lambda model=model: hf_block(model, args.tokens, args, cuda, dtype))
+                write()
+                if "layer" not in args.skip:
+                    row["hf_layer"] = guarded(lambda model=model: hf_layer(model, args.tokens, args, cuda))
                 del model
                 free(cuda)
             row["summary"] = summarize(row)

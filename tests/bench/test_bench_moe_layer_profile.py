@@ -205,4 +205,5 @@ def test_the_tiny_run_profiles_every_pass_and_phase_and_writes_what_a_gpu_result
             assert block["model"]["ideal"]["ideal_ms"] > 0 and block["eager"]["step"]["median_ms"] > 0
             assert row["engine_layer"]["eager"]["step"]["median_ms"] > 0
             assert row["hf_block"]["experts_implementation"] and row["hf_block"]["step"]["median_ms"] > 0
+            assert row["summary"]["layer_speedup_vs_hf"] > 0
             assert row["summary"]["engine_eager_ms"] and row["summary"]["top_phases"]
