@@ -213,17 +213,18 @@ H100_SHARED = 232448
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests below compile and run them for the card")
 @pytest.mark.parametrize("head_dim", [64, 256])
-def test_the_kernels_compile_for_an_h100_and_their_first_tiles_fit_it(head_dim: int) -> None:
-    """Compiled as the engine launches them in bf16 (every switch on: soft-cap, window, examples,
-    sinks), for an H100 (sm_90, by the ptxas Triton ships: no GPU needed), with each pass's first
-    tile for Gemma-2-9B's 256-wide heads and gpt-oss' 64-wide ones: they build, and their shared
-    memory is within the card's. (The interpreter runs none of the compiler's checks.)"""
+def test_the_kernels_compile_for_an_h100_and_their_first_tiles_fit_it(head_dim: int, monkeypatch) -> None:
+    """Jitted as the engine jits them (with the device functions they call) and compiled as it
+    launches them in bf16 (every switch on: soft-cap, window, examples, sinks), for an H100 (sm_90,
+    by the ptxas Triton ships: no GPU needed), with each pass's first tile for Gemma-2-9B's 256-wide
+    heads and gpt-oss' 64-wide ones: they build, and their shared memory is within the card's. (The
+    interpreter runs none of the compiler's checks.)"""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from studio.engine.fast import fused_attention_kernels as kernels
-
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kernels = fused_attention.KERNELS.get()
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         pytest.skip("this Triton has no NVIDIA backend")
     kinds = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "sinks_ptr": "*fp32", "start_ptr": "*i32", "end_ptr": "*i32",
@@ -233,7 +234,7 @@ def test_the_kernels_compile_for_an_h100_and_their_first_tiles_fit_it(head_dim: 
               "dq": ("attention_backward_dq", {}), "dkdv": ("attention_backward_dkdv", {})}
     for step, (name, extra) in passes.items():
         block_m, block_n, warps, stages = fused_attention.TILES[step][head_dim][0]
-        fn = triton.jit(getattr(kernels, name), do_not_specialize=["n_tokens"])
+        fn = kernels[name]
         constants = dict(switches, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
         signature = {arg: "constexpr" if arg in constants else kinds.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
                      for arg in fn.arg_names}

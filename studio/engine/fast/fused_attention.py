@@ -38,7 +38,8 @@ KERNELS = OwnKernels("fused_attention_kernels", ("attention_forward", "attention
                                                  "attention_backward_dkdv", "add", "greatest"),
                      "soft-capped attention kernels",
                      "computing soft-capped scores and sinks in plain torch instead (slower)",
-                     per_batch=("n_tokens",))
+                     per_batch=("n_tokens",),
+                     helpers=("block_at", "load_block", "store_block", "scores", "earliest_keys", "keys_seen", "sees"))
 
 Tile = tuple[int, int, int, int]
 """A kernel's launch shape: queries a block, keys a block, warps, pipeline stages."""

@@ -13,13 +13,17 @@ query sees itself and the ``window - 1`` keys before it. So query ``i`` sees key
 comparisons a score. Rows past the end load a log-sum-exp of +inf in the backward, so their
 weights are 0 without a mask of their own.
 
+What the kernels share (where a block of rows lies, its load and store; the capped scores; which
+keys a query sees) is in the device functions before them, which they call by name: Triton inlines
+them, and fused_attention.py's ``KERNELS`` jits them with the kernels (its ``helpers``).
+
 In Triton's interpreter (``INTERPRETED``: the CPU tests) row sums and maxima go through
 ``tl.reduce`` with :func:`add` and :func:`greatest` (``tl.sum`` and ``tl.max`` are jitted helpers the
 interpreter cannot call when Triton was imported before ``TRITON_INTERPRET`` was set: norm_kernels.py;
 ``tl.zeros`` is one too, hence ``tl.full``) and products take fp32 operands (its bf16 products are
-wrong). tanh is written out: older Tritons have no ``tl.tanh``, and a helper of ours would have to
-be jitted. ``HEAD_DIM`` is a constant of the kernel: where it is the block's width, loads and stores
-take no mask along it (a mask that varies along the contiguous axis splits the vector loads).
+wrong). tanh is written out: older Tritons have no ``tl.tanh``. ``HEAD_DIM`` is a constant of the
+kernel: where it is the block's width, loads and stores take no mask along it (a mask that varies
+along the contiguous axis splits the vector loads).
 """
 
 import triton.language as tl
@@ -31,6 +35,81 @@ def add(a, b):
 
 def greatest(a, b):
     return tl.maximum(a, b)
+
+
+def block_at(tokens, b, head, heads, n_tokens, dims, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Where the rows of ``tokens`` of one head of batch row ``b`` start in a ``[B, T, heads,
+    HEAD_DIM]`` tensor (int64), and which elements of their block ``[tokens, BLOCK_D]`` it holds."""
+    if HEAD_DIM == BLOCK_D:
+        inside = (tokens < n_tokens)[:, None]
+    else:
+        inside = (tokens < n_tokens)[:, None] & (dims < HEAD_DIM)[None, :]
+    return ((b * n_tokens + tokens.to(tl.int64)) * heads + head) * HEAD_DIM, inside
+
+
+def load_block(x_ptr, at, inside, dims, INTERPRETED: tl.constexpr):
+    """The block of rows that :func:`block_at` placed, 0 outside the tensor; fp32 in the interpreter."""
+    x = tl.load(x_ptr + at[:, None] + dims[None, :], mask=inside, other=0.0)
+    if INTERPRETED:
+        x = x.to(tl.float32)
+    return x
+
+
+def store_block(x_ptr, at, inside, dims, x):
+    """``x`` into the block of rows that :func:`block_at` placed, rounded to the tensor's dtype."""
+    tl.store(x_ptr + at[:, None] + dims[None, :], x.to(x_ptr.dtype.element_ty), mask=inside)
+
+
+def scores(a, b, scale, cap, CAP: tl.constexpr):
+    """The scores of rows ``a`` against rows ``b`` in fp32, ``s = a . b * scale``, capped where
+    ``CAP`` to ``cap * tanh(s / cap)``; and that tanh, whose square the gradients need (where not
+    ``CAP``, the scores again)."""
+    s = tl.dot(a, tl.trans(b)) * scale
+    if CAP:
+        e = tl.exp(-2.0 * tl.abs(s) / cap)
+        t = (1.0 - e) / (1.0 + e)  # tanh(|s| / cap)
+        t = tl.where(s < 0, -t, t)
+        s = t * cap
+    else:
+        t = s
+    return s, t
+
+
+def earliest_keys(rows, row_in, start_ptr, window, SEGMENTS: tl.constexpr, WINDOW: tl.constexpr):
+    """The earliest key each of the queries ``rows`` sees: the later of its example's first token
+    and its window's first key; 0 where neither bounds it."""
+    if SEGMENTS:
+        lower = tl.load(start_ptr + rows, mask=row_in, other=0)
+        if WINDOW:
+            lower = tl.maximum(lower, rows - window + 1)
+    elif WINDOW:
+        lower = rows - window + 1
+    else:
+        lower = tl.full(rows.shape, 0, tl.int32)
+    return lower
+
+
+def keys_seen(m0, rows, row_in, start_ptr, window, BLOCK_N: tl.constexpr, SEGMENTS: tl.constexpr,
+              WINDOW: tl.constexpr):
+    """For the block of queries ``rows`` from ``m0``: the first key of the first block of keys any
+    of them sees (the block's first query sees the earliest), and each one's earliest key."""
+    lower = earliest_keys(rows, row_in, start_ptr, window, SEGMENTS, WINDOW)
+    lo = 0
+    if SEGMENTS:
+        lo = tl.load(start_ptr + m0)
+    if WINDOW:
+        lo = tl.maximum(lo, m0 - window + 1)
+    return lo // BLOCK_N * BLOCK_N, lower
+
+
+def sees(query, key, lower, BOUNDED: tl.constexpr):
+    """Whether each query sees each key, their positions broadcast against each other: the key is
+    not after the query, nor (``BOUNDED``: by an example or a window) before ``lower``, the query's
+    earliest key (:func:`earliest_keys`)."""
+    keep = key <= query
+    if BOUNDED:
+        keep = keep & (key >= lower)
+    return keep
 
 
 def attention_forward(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, start_ptr, sinks_ptr, n_tokens, heads, kv_heads,
@@ -48,50 +127,21 @@ def attention_forward(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, start_ptr, sinks_pt
     rows = m0 + tl.arange(0, BLOCK_M)
     row_in = rows < n_tokens
     dims = tl.arange(0, BLOCK_D)
-    if HEAD_DIM == BLOCK_D:
-        q_in = row_in[:, None]
-    else:
-        q_in = row_in[:, None] & (dims < HEAD_DIM)[None, :]
-    q_at = ((b * n_tokens + rows.to(tl.int64)) * heads + h) * HEAD_DIM
-    q = tl.load(q_ptr + q_at[:, None] + dims[None, :], mask=q_in, other=0.0)
-    if INTERPRETED:
-        q = q.to(tl.float32)
-    # The keys any query of the block may see: from its first query's lower bound (the earliest)
-    # to its last query.
-    lo = 0
-    if SEGMENTS:
-        lower = tl.load(start_ptr + rows, mask=row_in, other=0)
-        lo = tl.load(start_ptr + m0)
-        if WINDOW:
-            lower = tl.maximum(lower, rows - window + 1)
-    elif WINDOW:
-        lower = rows - window + 1
-    if WINDOW:
-        lo = tl.maximum(lo, m0 - window + 1)
-    lo = lo // BLOCK_N * BLOCK_N
+    q_at, q_in = block_at(rows, b, h, heads, n_tokens, dims, HEAD_DIM, BLOCK_D)
+    q = load_block(q_ptr, q_at, q_in, dims, INTERPRETED)
+    # The keys any query of the block may see: from its first query's earliest to its last query.
+    lo, lower = keys_seen(m0, rows, row_in, start_ptr, window, BLOCK_N, SEGMENTS, WINDOW)
     hi = tl.minimum(m0 + BLOCK_M, n_tokens)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        if HEAD_DIM == BLOCK_D:
-            kv_in = (cols < n_tokens)[:, None]
-        else:
-            kv_in = (cols < n_tokens)[:, None] & (dims < HEAD_DIM)[None, :]
-        kv_at = ((b * n_tokens + cols.to(tl.int64)) * kv_heads + g) * HEAD_DIM
-        k = tl.load(k_ptr + kv_at[:, None] + dims[None, :], mask=kv_in, other=0.0)
-        v = tl.load(v_ptr + kv_at[:, None] + dims[None, :], mask=kv_in, other=0.0)
-        if INTERPRETED:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
-        if CAP:
-            e = tl.exp(-2.0 * tl.abs(s) / cap)
-            t = (1.0 - e) / (1.0 + e)  # tanh(|s| / cap)
-            s = tl.where(s < 0, -t, t) * cap
-        keep = cols[None, :] <= rows[:, None]
-        if SEGMENTS or WINDOW:
-            keep = keep & (cols[None, :] >= lower[:, None])
+        kv_at, kv_in = block_at(cols, b, g, kv_heads, n_tokens, dims, HEAD_DIM, BLOCK_D)
+        k = load_block(k_ptr, kv_at, kv_in, dims, INTERPRETED)
+        v = load_block(v_ptr, kv_at, kv_in, dims, INTERPRETED)
+        s, _ = scores(q, k, scale, cap, CAP)
+        keep = sees(rows[:, None], cols[None, :], lower[:, None], SEGMENTS or WINDOW)
         s = tl.where(keep, s, float("-inf"))
         if INTERPRETED:
             top = tl.reduce(s, 1, GREATEST)
@@ -116,8 +166,7 @@ def attention_forward(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, start_ptr, sinks_pt
         acc = acc * alpha[:, None]
         m_i = m_end
     l_i = tl.where(row_in, l_i, 1.0)  # the rows past the end saw nothing: no 0 / 0 (not stored)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + q_at[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_in)
+    store_block(out_ptr, q_at, q_in, dims, acc / l_i[:, None])
     tl.store(lse_ptr + bh * n_tokens + rows, m_i + tl.log(l_i), mask=row_in)
 
 
@@ -132,13 +181,9 @@ def attention_delta(out_ptr, dout_ptr, delta_ptr, n_tokens, heads, HEAD_DIM: tl.
     rows = m0 + tl.arange(0, BLOCK_M)
     row_in = rows < n_tokens
     dims = tl.arange(0, BLOCK_D)
-    at = ((b * n_tokens + rows.to(tl.int64)) * heads + h) * HEAD_DIM
-    if HEAD_DIM == BLOCK_D:
-        inside = row_in[:, None]
-    else:
-        inside = row_in[:, None] & (dims < HEAD_DIM)[None, :]
-    o = tl.load(out_ptr + at[:, None] + dims[None, :], mask=inside, other=0.0).to(tl.float32)
-    do = tl.load(dout_ptr + at[:, None] + dims[None, :], mask=inside, other=0.0).to(tl.float32)
+    at, inside = block_at(rows, b, h, heads, n_tokens, dims, HEAD_DIM, BLOCK_D)
+    o = load_block(out_ptr, at, inside, dims, INTERPRETED).to(tl.float32)
+    do = load_block(dout_ptr, at, inside, dims, INTERPRETED).to(tl.float32)
     if INTERPRETED:
         delta = tl.reduce(o * do, 1, ADD)
     else:
@@ -160,50 +205,21 @@ def attention_backward_dq(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, sta
     rows = m0 + tl.arange(0, BLOCK_M)
     row_in = rows < n_tokens
     dims = tl.arange(0, BLOCK_D)
-    if HEAD_DIM == BLOCK_D:
-        q_in = row_in[:, None]
-    else:
-        q_in = row_in[:, None] & (dims < HEAD_DIM)[None, :]
-    q_at = ((b * n_tokens + rows.to(tl.int64)) * heads + h) * HEAD_DIM
-    q = tl.load(q_ptr + q_at[:, None] + dims[None, :], mask=q_in, other=0.0)
-    do = tl.load(dout_ptr + q_at[:, None] + dims[None, :], mask=q_in, other=0.0)
-    if INTERPRETED:
-        q, do = q.to(tl.float32), do.to(tl.float32)
+    q_at, q_in = block_at(rows, b, h, heads, n_tokens, dims, HEAD_DIM, BLOCK_D)
+    q = load_block(q_ptr, q_at, q_in, dims, INTERPRETED)
+    do = load_block(dout_ptr, q_at, q_in, dims, INTERPRETED)
     lse = tl.load(lse_ptr + bh * n_tokens + rows, mask=row_in, other=float("inf"))
     delta = tl.load(delta_ptr + bh * n_tokens + rows, mask=row_in, other=0.0)
-    lo = 0
-    if SEGMENTS:
-        lower = tl.load(start_ptr + rows, mask=row_in, other=0)
-        lo = tl.load(start_ptr + m0)
-        if WINDOW:
-            lower = tl.maximum(lower, rows - window + 1)
-    elif WINDOW:
-        lower = rows - window + 1
-    if WINDOW:
-        lo = tl.maximum(lo, m0 - window + 1)
-    lo = lo // BLOCK_N * BLOCK_N
+    lo, lower = keys_seen(m0, rows, row_in, start_ptr, window, BLOCK_N, SEGMENTS, WINDOW)
     hi = tl.minimum(m0 + BLOCK_M, n_tokens)
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        if HEAD_DIM == BLOCK_D:
-            kv_in = (cols < n_tokens)[:, None]
-        else:
-            kv_in = (cols < n_tokens)[:, None] & (dims < HEAD_DIM)[None, :]
-        kv_at = ((b * n_tokens + cols.to(tl.int64)) * kv_heads + g) * HEAD_DIM
-        k = tl.load(k_ptr + kv_at[:, None] + dims[None, :], mask=kv_in, other=0.0)
-        v = tl.load(v_ptr + kv_at[:, None] + dims[None, :], mask=kv_in, other=0.0)
-        if INTERPRETED:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
-        if CAP:
-            e = tl.exp(-2.0 * tl.abs(s) / cap)
-            t = (1.0 - e) / (1.0 + e)
-            t = tl.where(s < 0, -t, t)
-            s = t * cap
-        keep = cols[None, :] <= rows[:, None]
-        if SEGMENTS or WINDOW:
-            keep = keep & (cols[None, :] >= lower[:, None])
+        kv_at, kv_in = block_at(cols, b, g, kv_heads, n_tokens, dims, HEAD_DIM, BLOCK_D)
+        k = load_block(k_ptr, kv_at, kv_in, dims, INTERPRETED)
+        v = load_block(v_ptr, kv_at, kv_in, dims, INTERPRETED)
+        s, t = scores(q, k, scale, cap, CAP)
+        keep = sees(rows[:, None], cols[None, :], lower[:, None], SEGMENTS or WINDOW)
         p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -214,7 +230,7 @@ def attention_backward_dq(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, sta
             dq += tl.dot(ds, k)
         else:
             dq += tl.dot(ds.to(k.dtype), k)
-    tl.store(dq_ptr + q_at[:, None] + dims[None, :], dq.to(dq_ptr.dtype.element_ty), mask=q_in)
+    store_block(dq_ptr, q_at, q_in, dims, dq)
 
 
 def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, start_ptr, end_ptr, dk_ptr, dv_ptr,
@@ -231,17 +247,10 @@ def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, s
     g = bg % kv_heads
     rep = heads // kv_heads
     cols = n0 + tl.arange(0, BLOCK_N)
-    col_in = cols < n_tokens
     dims = tl.arange(0, BLOCK_D)
-    if HEAD_DIM == BLOCK_D:
-        kv_in = col_in[:, None]
-    else:
-        kv_in = col_in[:, None] & (dims < HEAD_DIM)[None, :]
-    kv_at = ((b * n_tokens + cols.to(tl.int64)) * kv_heads + g) * HEAD_DIM
-    k = tl.load(k_ptr + kv_at[:, None] + dims[None, :], mask=kv_in, other=0.0)
-    v = tl.load(v_ptr + kv_at[:, None] + dims[None, :], mask=kv_in, other=0.0)
-    if INTERPRETED:
-        k, v = k.to(tl.float32), v.to(tl.float32)
+    kv_at, kv_in = block_at(cols, b, g, kv_heads, n_tokens, dims, HEAD_DIM, BLOCK_D)
+    k = load_block(k_ptr, kv_at, kv_in, dims, INTERPRETED)
+    v = load_block(v_ptr, kv_at, kv_in, dims, INTERPRETED)
     lo = n0 // BLOCK_M * BLOCK_M
     hi = n_tokens
     if SEGMENTS:
@@ -256,31 +265,14 @@ def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, s
         for m0 in range(lo, hi, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             row_in = rows < n_tokens
-            if HEAD_DIM == BLOCK_D:
-                q_in = row_in[:, None]
-            else:
-                q_in = row_in[:, None] & (dims < HEAD_DIM)[None, :]
-            q_at = ((b * n_tokens + rows.to(tl.int64)) * heads + h) * HEAD_DIM
-            q = tl.load(q_ptr + q_at[:, None] + dims[None, :], mask=q_in, other=0.0)
-            do = tl.load(dout_ptr + q_at[:, None] + dims[None, :], mask=q_in, other=0.0)
-            if INTERPRETED:
-                q, do = q.to(tl.float32), do.to(tl.float32)
+            q_at, q_in = block_at(rows, b, h, heads, n_tokens, dims, HEAD_DIM, BLOCK_D)
+            q = load_block(q_ptr, q_at, q_in, dims, INTERPRETED)
+            do = load_block(dout_ptr, q_at, q_in, dims, INTERPRETED)
             lse = tl.load(lse_ptr + stats + rows, mask=row_in, other=float("inf"))
             delta = tl.load(delta_ptr + stats + rows, mask=row_in, other=0.0)
-            s = tl.dot(k, tl.trans(q)) * scale
-            if CAP:
-                e = tl.exp(-2.0 * tl.abs(s) / cap)
-                t = (1.0 - e) / (1.0 + e)
-                t = tl.where(s < 0, -t, t)
-                s = t * cap
-            keep = rows[None, :] >= cols[:, None]
-            if SEGMENTS:
-                lower = tl.load(start_ptr + rows, mask=row_in, other=0)
-                if WINDOW:
-                    lower = tl.maximum(lower, rows - window + 1)
-                keep = keep & (cols[:, None] >= lower[None, :])
-            elif WINDOW:
-                keep = keep & (cols[:, None] >= (rows - window + 1)[None, :])
+            s, t = scores(k, q, scale, cap, CAP)
+            lower = earliest_keys(rows, row_in, start_ptr, window, SEGMENTS, WINDOW)
+            keep = sees(rows[None, :], cols[:, None], lower[None, :], SEGMENTS or WINDOW)
             p = tl.where(keep, tl.exp(s - lse[None, :]), 0.0)
             dp = tl.dot(v, tl.trans(do))
             ds = p * (dp - delta[None, :])
@@ -293,5 +285,5 @@ def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, s
             else:
                 dv += tl.dot(p.to(do.dtype), do)
                 dk += tl.dot(ds.to(q.dtype), q)
-    tl.store(dk_ptr + kv_at[:, None] + dims[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_in)
-    tl.store(dv_ptr + kv_at[:, None] + dims[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_in)
+    store_block(dk_ptr, kv_at, kv_in, dims, dk)
+    store_block(dv_ptr, kv_at, kv_in, dims, dv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -17,13 +18,25 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _in_scope(fn: types.FunctionType, scope: dict) -> types.FunctionType:
+    """``fn`` looking its global names up in ``scope`` instead of its module."""
+    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__annotations__ = fn.__annotations__  # the ``tl.constexpr`` parameters Triton reads
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
 class OwnKernels:
     """The Triton kernels ``names`` of ``studio.engine.fast.<module>`` (a module that imports Triton,
     so nothing imports it until a kernel runs), and whether they work on this machine."""
 
     def __init__(self, module: str, names: tuple[str, ...], what: str, fallback: str,
-                 per_batch: tuple[str, ...] = ()):
+                 per_batch: tuple[str, ...] = (), helpers: tuple[str, ...] = ()):
         self.module, self.names = module, names
+        self.helpers = helpers
+        """Functions of the module that its kernels call by name (Triton inlines them). Each way of
+        running needs its own jitted copies, so the kernels are jitted from copies of their functions
+        that look names up in a copy of the module's namespace where these are the jitted ones."""
         self.per_batch = per_batch
         """Integer parameters whose value changes with the batch (a row count): Triton compiles no
         case of its own for them (by default it compiles one for a value that is a multiple of 16,
@@ -56,9 +69,12 @@ class OwnKernels:
             module = importlib.import_module(f"studio.engine.fast.{self.module}")
         except Exception:  # noqa: BLE001 - any import failure (no Triton, a broken one) means "not here"
             return None
+        scope = dict(vars(module))
+        for name in self.helpers:
+            scope[name] = triton.jit(_in_scope(getattr(module, name), scope))
         out = {}
         for name in self.names:
-            fn = getattr(module, name)
+            fn = _in_scope(getattr(module, name), scope)
             params = fn.__code__.co_varnames[:fn.__code__.co_argcount]
             per_batch = [p for p in self.per_batch if p in params]
             out[name] = triton.jit(fn, do_not_specialize=per_batch) if per_batch else triton.jit(fn)
