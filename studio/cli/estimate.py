@@ -40,7 +40,7 @@ def batch_line(config: RunConfig) -> str:
 def format_table(result: Estimate, model: str, gpu_name: str, config: RunConfig | None = None) -> str:
     """The human-readable report: one line per category, the total and the verdict."""
     plan = result.plan
-    lines = [f"{model}: {plan.weights} weights, "
+    lines = [f"{model}: {plan.stored}, "
              + (f"LoRA r{plan.lora_r} on {len(plan.lora_targets)} modules" if plan.lora_r
                 else "full fine-tuning (every weight trains, no adapter)")
              + f", micro-batch {plan.micro_batch} x {plan.seq_len} tokens, "

@@ -352,3 +352,18 @@ def test_a_config_that_names_no_model_type_is_sized_as_a_llama_but_not_taken_for
     assert from_config_dict(config, "x").total_params() == from_config_dict(bundled("meta-llama/Llama-2-7b-hf"),
                                                                             "x").total_params()
     assert plan.model_blocker(config).startswith("config.json names no model_type")
+
+
+def test_what_a_4_bit_gpt_oss_stores_is_said_as_it_is():
+    """A 4-bit gpt-oss keeps its shipped MXFP4 experts (only the other weights are NF4): `studio
+    estimate` and the VRAM pane say both; a 16-bit load, or a dense model, says one format."""
+    from studio.core.config import parse_config
+    from studio.core.memory.plan import plan_for
+
+    gpt_oss = from_config_dict(bundled("openai/gpt-oss-20b"), "openai/gpt-oss-20b")
+    llama = from_config_dict(bundled("meta-llama/Llama-3.1-8B"), "meta-llama/Llama-3.1-8B")
+    four = parse_config("model: {base_model: openai/gpt-oss-20b}\n")
+    sixteen = parse_config("model: {base_model: openai/gpt-oss-20b}\nquantization: {bits: null}\n")
+    assert plan_for(four, info=gpt_oss).stored == "NF4 weights, MXFP4 experts"
+    assert plan_for(sixteen, info=gpt_oss).stored == "BF16 weights"
+    assert plan_for(four, info=llama).stored == "NF4 weights"

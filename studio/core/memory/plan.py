@@ -36,6 +36,10 @@ class Plan:
     lora_targets: tuple[str, ...] = ALL_LINEAR
     """Linear modules that get an adapter."""
 
+    expert_format: str = ""
+    """A mixture of experts' expert weights kept as the checkpoint ships them where the weights
+    load in 4 bits (``mxfp4``: gpt-oss, engine/mxfp4.py); '' where they are stored as ``weights``."""
+
     lora_experts: bool = False
     """A mixture of experts' experts get adapters too (``lora.target_experts``): r x (in + out) per
     expert, projection and sparse layer."""
@@ -166,6 +170,13 @@ class Plan:
         return self.weights in ("nf4", "fp4", "int8")
 
     @property
+    def stored(self) -> str:
+        """How the frozen weights are stored, as a person reads it: ``NF4 weights``, or ``NF4
+        weights, MXFP4 experts`` where a mixture of experts keeps the experts it ships."""
+        kept = f", {self.expert_format.upper()} experts" if self.expert_format else ""
+        return f"{self.weights.upper()} weights{kept}"
+
+    @property
     def rows(self) -> int:
         """Rows of a micro-batch: its examples, each ``sequences_per_example`` rows (a preference
         pair's two answers, a GRPO prompt's group)."""
@@ -216,7 +227,8 @@ def plan_for(config: RunConfig, micro_batch: int | None = None, attention: str =
     every, steps = config.trainer.eval_interval, config.trainer.max_steps
     # without max_steps the steps come from the data: an interval may fall inside them
     between = every > 0 and (not steps or every < steps)
-    return Plan(weights=weights, double_quant=q.double_quant, compute=compute,
+    kept = info.expert_format if info is not None and weights in ("nf4", "fp4") else ""
+    return Plan(weights=weights, double_quant=q.double_quant, compute=compute, expert_format=kept,
                 lora_r=lora.r if lora is not None else None, lora_targets=names,
                 lora_experts=bool(lora.target_experts) if lora is not None else False,
                 lora_dropout=lora.dropout if lora is not None else 0.0,

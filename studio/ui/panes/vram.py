@@ -373,7 +373,7 @@ class VramPane(Pane, VerticalScroll):
         if not found:
             return
         gauge = found.first()
-        predicted = f"for {self.gpu.name}, {shown.plan.weights.upper()} weights" if shown else ""
+        predicted = f"for {self.gpu.name}, {shown.plan.stored}" if shown else ""
         measured = ", ".join(part for part in (
             self.measured_device, f"{self.measured_weights} weights" if self.measured_weights else "") if part)
         gauge.predicted_setup = predicted
