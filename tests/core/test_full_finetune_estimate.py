@@ -72,7 +72,7 @@ def test_studio_estimate_says_full_fine_tuning_and_prints_every_category(tmp_pat
     path.write_text("model: {base_model: meta-llama/Llama-2-7b-hf}\nlora: null\n")
     assert estimate_main(Namespace(config=str(path), gpu_gb=80.0, json=False, model=None)) == 0
     out = capsys.readouterr().out
-    assert "bf16 weights, full fine-tuning" in out and "path: plain (full fine-tuning: the fast path" in out
+    assert "BF16 weights, full fine-tuning" in out and "path: plain (full fine-tuning: the fast path" in out
     for name in CATEGORIES:  # a dense model has no experts to list
         assert (f"  {name}" in out) == (name not in OPTIONAL_CATEGORIES)
     assert estimate_main(Namespace(config=str(path), gpu_gb=80.0, json=True, model=None)) == 0

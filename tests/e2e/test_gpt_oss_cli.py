@@ -33,7 +33,9 @@ def test_a_gpt_oss_run_trains_its_mxfp4_experts_on_the_fast_path(tmp_path: Path,
         "trainer: {max_steps: 2, micro_batch_size: 4, effective_batch_size: 4, eval_interval: 2, eval_max_rows: 8,"
         " log_interval: 1, checkpoint_interval: 2}\n"
         f"generation: {{max_new_tokens: 4}}\noutput_dir: {tmp_path / 'runs'}\n")
-    env = {**studio_env, "STUDIO_FAST_PATH": "1"}
+    # a lock of its own: the worker the export starts lingers after it (as a run's does for the next
+    # job), and would hold this test process's CPU lock for the tests after this one
+    env = {**studio_env, "STUDIO_FAST_PATH": "1", "STUDIO_LOCK_DIR": str(tmp_path / "locks")}
     done = run_studio("train", tmp_path / "run.yaml", cwd=tmp_path, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     run = RunDir(next((tmp_path / "runs").iterdir()))
@@ -47,8 +49,11 @@ def test_a_gpt_oss_run_trains_its_mxfp4_experts_on_the_fast_path(tmp_path: Path,
     assert answered.returncode == 0, answered.stdout + answered.stderr
     report = json.loads(answered.stdout)
     assert report["rows"] == 2 and len(report["results"]) == 2
-    exported = run_studio("export", run.path, "--format", "gguf", "--quant", "mxfp4", "--out", tmp_path / "gguf",
-                          cwd=tmp_path, env=env, timeout=600)
+    try:
+        exported = run_studio("export", run.path, "--format", "gguf", "--quant", "mxfp4", "--out", tmp_path / "gguf",
+                              cwd=tmp_path, env=env, timeout=600)
+    finally:
+        run_studio("stop", run.path, cwd=tmp_path, env=env, timeout=120)  # the worker the export started
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert "no LoRA GGUF" in exported.stdout + exported.stderr  # the adapter is on the experts too
     reader = gguf.GGUFReader(tmp_path / "gguf" / "model-mxfp4.gguf")
