@@ -168,3 +168,16 @@ async def test_qwen3_8b_offline_is_sized_from_its_bundled_config_on_the_path_the
                 break
             await pilot.pause(0.05)
         assert "plain path" in text(app, "#vram-summary") and "T4 16 GB" in text(app, "#vram-summary")
+
+
+async def test_gpt_oss_offline_says_its_experts_stay_mxfp4():
+    """openai/gpt-oss-20b typed offline: the gauge draws its experts apart, and both the summary and
+    the gauge's setup say the experts stay in the MXFP4 they ship in while the rest loads in NF4."""
+    app = StudioApp(make_config(), settings=False, initial_pane="vram")
+    async with app.run_test(size=SIZE) as pilot:
+        await open_vram(pilot)
+        await enter_model(pilot, "openai/gpt-oss-20b")
+        assert "; nf4 + mxfp4 experts, LoRA r" in text(app, "#vram-summary")
+        gauge = app.query_one(BlockGauge)
+        assert gauge.predicted_setup.endswith("NF4 weights, MXFP4 experts")
+        assert 9.5 * GB < gauge.predicted["experts"] < 11 * GB  # 19.1B expert weights at 4.25 bits

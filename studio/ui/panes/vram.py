@@ -249,7 +249,8 @@ class VramPane(Pane, VerticalScroll):
         summary = self.query_one("#vram-summary", Static)
         summary.update(
             f"{shown.total / GB:.1f} GB {verdict} on {self.gpu.name}; largest micro-batch "
-            f"{shown.max_micro_batch}; {plan.weights}, "
+            f"{shown.max_micro_batch}; {plan.weights}"
+            + (f" + {plan.expert_format} experts, " if plan.expert_format else ", ")
             + (f"LoRA r{plan.lora_r}" if plan.lora_r else "full fine-tune")
             + f", {plan.micro_batch} x {plan.seq_len} tokens; {plan.path} path"
             + ("" if shown.peak_phase == "training step" else f"; peak in the {shown.peak_phase}"))
