@@ -83,6 +83,9 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     width = groups * BLOCK
     if out is None:
         out = torch.empty(*lead, rows, width, dtype=dtype, device=blocks.device)
+    elif tuple(out.shape) != (*lead, rows, width):  # the kernel would write past a smaller one
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} dequantize to {(*lead, rows, width)}, not into "
+                         f"{tuple(out.shape)}")
     if kernel and _by_kernel(blocks, scales, out):
         return out
     table = _pair_table(dtype, blocks.device)

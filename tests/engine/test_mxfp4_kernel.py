@@ -111,6 +111,8 @@ def test_dequantize_mxfp4_runs_the_kernel_where_it_can(interpreted, monkeypatch)
     assert_same_bits(mxfp4.dequantize_mxfp4(blocks, scales, torch.bfloat16, _transposed((2, 24, 64), torch.bfloat16)),
                      theirs)
     assert built == []
+    with pytest.raises(ValueError, match=r"dequantize to \(2, 24, 64\), not into \(2, 24, 32\)"):
+        mxfp4.dequantize_mxfp4(blocks, scales, torch.bfloat16, torch.empty(2, 24, 32, dtype=torch.bfloat16))
     for setting in (True, False):
         workspace = Workspace()
         weights = ExpertWeights(stored.param, torch.bfloat16, stored, workspace, kernel=setting, transposed=True)
