@@ -12,8 +12,16 @@ getting the bf16 weight, and checks the kernel's output against bitsandbytes' to
 
 (The kernel reading scales expanded beforehand, ``triton_cached``, went with ``cache_absmax``.)
 
+With ``--mxfp4``, gpt-oss-20b's MXFP4 expert projections instead (issue 42: gate/up
+``[32, 5760, 2880]``, down ``[32, 2880, 2880]``, random codes at real checkpoints' scales), two ways
+each into the fast path's contiguous workspace and the plain forward's transposed parameter:
+
+- ``torch``: engine/mxfp4.py's torch operations (a table lookup a byte, a multiply, a copy);
+- ``triton``: engine/fast/mxfp4_dequant.py's one kernel, checked against ``torch`` bit for bit.
+
 Bandwidth counts the bytes that must move: the packed weight and its scales read, the bf16 weight
-written. Usage: ``python bench/dequant_speed.py --out bench/results/current/x.json``.
+written. Usage: ``python bench/dequant_speed.py --out bench/results/current/x.json`` (add
+``--mxfp4``, and ``--sweep`` for the kernel's tile choices).
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ from functools import partial
 from pathlib import Path
 
 SHAPES = {"q/k/v/o": (4096, 4096), "gate/up": (11008, 4096), "down": (4096, 11008)}
+MXFP4_SHAPES = {"gate/up": (32, 5760, 2880), "down": (32, 2880, 2880)}
+"""gpt-oss-20b's expert projections ``[experts, out, in]``."""
+GPT_OSS_20B_LAYERS = 24
 
 
 def main() -> int:
@@ -33,7 +44,18 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's tile choices")
+    parser.add_argument("--mxfp4", action="store_true", help="gpt-oss-20b's MXFP4 experts instead of NF4 weights")
     args = parser.parse_args()
+    if args.mxfp4:
+        import torch
+
+        result = {"what": "MXFP4 dequantization: engine/mxfp4.py's torch way against its Triton kernel",
+                  "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+                  **mxfp4_rows(MXFP4_SHAPES, torch.device("cuda"), partial(cuda_time, iters=args.iters), args.sweep)}
+        result["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return 0
 
     import bitsandbytes
     import bitsandbytes.functional as bnbf
@@ -48,17 +70,7 @@ def main() -> int:
               "versions": {"torch": torch.__version__, "bitsandbytes": bitsandbytes.__version__,
                            "triton": triton.__version__}, "shapes": {}}
 
-    def timed(fn) -> float:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1000 / args.iters  # microseconds
+    timed = partial(cuda_time, iters=args.iters)
 
     class Base:  # what dequantize_into reads: .weight.data and .weight.quant_state
         def __init__(self, packed, state):
@@ -121,6 +133,89 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def cuda_time(fn, iters: int) -> float:
+    """Microseconds a call of ``fn`` takes on the GPU, averaged over ``iters`` after 10 to warm up."""
+    import torch
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def _same_bits(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+
+
+def mxfp4_rows(shapes: dict[str, tuple[int, int, int]], device, timed, sweep: bool) -> dict:
+    """Each MXFP4 projection of ``shapes`` dequantized to bf16 on ``device`` by the torch way and the
+    kernel (``timed(fn)``: microseconds a call), contiguous and transposed, with whether the kernel's
+    values are the torch way's bit for bit, and the kernel's tile choices where ``sweep``."""
+    import torch
+    import triton
+
+    from studio.engine.fast import mxfp4_dequant
+    from studio.engine.mxfp4 import SCALE_BIAS, dequantize_mxfp4
+
+    result = {"versions": {"torch": torch.__version__, "triton": triton.__version__}, "shapes": {}}
+    for name, (experts, rows, width) in shapes.items():
+        g = torch.Generator(device=device).manual_seed(0)
+        blocks = torch.randint(0, 256, (experts, rows, width // 32, 16), dtype=torch.uint8, device=device, generator=g)
+        # scales about gpt-oss' own (2^-9 to 2^0)
+        scales = torch.randint(SCALE_BIAS - 9, SCALE_BIAS + 1, blocks.shape[:-1], dtype=torch.uint8, device=device,
+                               generator=g)
+        outs = {"contiguous": torch.empty(experts, rows, width, dtype=torch.bfloat16, device=device),
+                "transposed": torch.empty(experts, width, rows, dtype=torch.bfloat16, device=device).transpose(1, 2)}
+        reference = dequantize_mxfp4(blocks, scales, torch.bfloat16, kernel=False)
+        numel = experts * rows * width
+        moved = numel // 2 + numel // 32 + numel * 2  # codes, one scale byte a block, bf16 out
+        row = {"numel": numel}
+        for layout, out in outs.items():
+            ways = {"torch": partial(dequantize_mxfp4, blocks, scales, torch.bfloat16, out, kernel=False),
+                    "triton": partial(mxfp4_dequant.dequantize, blocks, scales, out)}
+            for way, fn in ways.items():
+                out.fill_(float("nan"))
+                fn()
+                exact = _same_bits(out, reference)
+                us = timed(fn)
+                row[f"{way}_{layout}"] = {"us": round(us, 2), "gb_per_s": round(moved / us / 1e3, 1),
+                                          "equal_to_torch": exact}
+                print(f"mxfp4 {name} {layout} {way}: {us:.1f} us, {moved / us / 1e3:.0f} GB/s, equal {exact}",
+                      flush=True)
+            row[f"speedup_{layout}"] = round(row[f"torch_{layout}"]["us"] / row[f"triton_{layout}"]["us"], 3)
+        if sweep:
+            chosen = mxfp4_dequant.ROWS, mxfp4_dequant.GROUPS, mxfp4_dequant.NUM_WARPS
+            row["sweep_us"] = {}
+            out = outs["contiguous"]
+            for tile_rows, groups in ((1, 16), (4, 8), (8, 8), (16, 4), (16, 8), (32, 4), (16, 16), (32, 8)):
+                for warps in (2, 4, 8):
+                    mxfp4_dequant.ROWS, mxfp4_dequant.GROUPS, mxfp4_dequant.NUM_WARPS = tile_rows, groups, warps
+                    out.fill_(float("nan"))
+                    mxfp4_dequant.dequantize(blocks, scales, out)
+                    assert _same_bits(out, reference), (tile_rows, groups, warps)
+                    row["sweep_us"][f"{tile_rows}x{groups}x{warps}"] = round(
+                        timed(partial(mxfp4_dequant.dequantize, blocks, scales, out)), 2)
+            mxfp4_dequant.ROWS, mxfp4_dequant.GROUPS, mxfp4_dequant.NUM_WARPS = chosen
+            best = min(row["sweep_us"], key=row["sweep_us"].get)
+            print(f"mxfp4 {name} sweep: best {best} {row['sweep_us'][best]} us", flush=True)
+        result["shapes"][name] = row
+    # six dequantizations a layer a step (issue 42): each projection for the forward, its
+    # recomputation in the backward, and the backward's input gradient
+    per_layer = {key: 3 * sum(result["shapes"][n][f"{key}_contiguous"]["us"] for n in shapes)
+                 for key in ("torch", "triton")}
+    result["per_layer_step_us"] = {k: round(v, 1) for k, v in per_layer.items()}
+    result["step_ms_gpt_oss_20b"] = {k: round(v * GPT_OSS_20B_LAYERS / 1000, 2) for k, v in per_layer.items()}
+    return result
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ as they arrive, so no expert weight is ever held in bf16 (transformers casts eac
 to the compute dtype on its way to the device: one projection's blocks pass through at 2 bytes a
 byte, 0.53 GB for gpt-oss-20b's gate/up, and are kept as bytes). :class:`Mxfp4Experts` holds one
 projection's blocks and scales on the device, and :meth:`Mxfp4Experts.dequantize` writes every
-expert's weight in the compute dtype (plain torch, so the CPU runs it too), a chunk of rows at a
-time so that its temporaries stay a few tens of MB. The
+expert's weight in the compute dtype: on CUDA in one Triton kernel (engine/fast/mxfp4_dequant.py),
+else in plain torch (the CPU, or a kernel that fails here), a chunk of rows at a time so that its
+temporaries stay a few tens of MB; the values are the same to the bit. The
 fast path (engine/fast/moe.py) dequantizes one projection into its workspace right before the
 grouped product that reads it; transformers' own forward (chat, ``studio eval``, the plain path)
 gets the experts' parameters dequantized by a hook around the experts module, one layer at a time
@@ -69,10 +70,12 @@ def _pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, kernel: bool = True) -> torch.Tensor:
     """The weights ``blocks [..., rows, in / 32, 16]`` and ``scales [..., rows, in / 32]`` stand
     for, as ``[..., rows, in]`` in ``dtype``; written into ``out`` when given: contiguous, or a 3-D
-    ``[experts, rows, in]`` of any strides (a transposed view)."""
+    ``[experts, rows, in]`` of any strides (a transposed view). With ``kernel`` (the
+    ``trainer.fast_path.kernels`` setting), by engine/fast/mxfp4_dequant.py's one Triton kernel where
+    it runs (CUDA, or Triton's interpreter), else with torch operations: the same values to the bit."""
     *lead, rows, groups, half = blocks.shape
     if half * 2 != BLOCK or tuple(scales.shape) != (*lead, rows, groups):
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair up "
@@ -80,6 +83,11 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     width = groups * BLOCK
     if out is None:
         out = torch.empty(*lead, rows, width, dtype=dtype, device=blocks.device)
+    elif tuple(out.shape) != (*lead, rows, width):  # the kernel would write past a smaller one
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} dequantize to {(*lead, rows, width)}, not into "
+                         f"{tuple(out.shape)}")
+    if kernel and _by_kernel(blocks, scales, out):
+        return out
     table = _pair_table(dtype, blocks.device)
     if out.is_contiguous():  # every expert's rows as one run
         pieces = [(blocks.reshape(-1, groups, half), scales.reshape(-1, groups), out.view(-1, width))]
@@ -95,6 +103,19 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
             values.mul_(torch.exp2(exponents[start:end].float() - SCALE_BIAS).to(dtype)[..., None])
             target[start:end].copy_(values.view(end - start, width))
     return out
+
+
+def _by_kernel(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether engine/fast/mxfp4_dequant.py's kernel wrote ``out`` (False where it does not run or
+    cover these tensors, or failed here: the torch way then does)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or not (out.is_contiguous() or out.dim() == 3):
+        return False
+    from studio.engine.fast import mxfp4_dequant  # imports Triton only on its first use
+
+    if out.dtype not in mxfp4_dequant.DTYPES or not mxfp4_dequant.available(blocks.device):
+        return False
+    done, _ = mxfp4_dequant.KERNELS.attempt(lambda: mxfp4_dequant.dequantize(blocks, scales, out))
+    return done
 
 
 class Mxfp4Experts:
@@ -127,8 +148,9 @@ class Mxfp4Experts:
 
     def dequantize(self, dtype: torch.dtype, out: torch.Tensor | None = None, kernel: Any = None) -> torch.Tensor:
         """Every expert's weight ``[experts, out, in]`` in ``dtype``, written into ``out`` when
-        given; ``kernel`` is taken for the signature engine/quantized_experts.py's weights share."""
-        return dequantize_mxfp4(self.blocks, self.scales, dtype, out)
+        given; ``kernel`` (the argument engine/quantized_experts.py's weights share): False for the
+        torch way only (``trainer.fast_path.kernels`` off), else the Triton kernel where it runs."""
+        return dequantize_mxfp4(self.blocks, self.scales, dtype, out, kernel is not False)
 
 
 def mxfp4_experts(experts: nn.Module) -> dict[str, Mxfp4Experts]:

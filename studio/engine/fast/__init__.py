@@ -36,11 +36,13 @@ one concern a module (the imports point down this list):
   into one buffer the whole model shares;
 - ``dequant`` (kernel in ``dequant_kernel``): an NF4 weight dequantized by one Triton kernel, its
   double-quantized scales expanded in the same pass (bitsandbytes' values to the bit);
+- ``mxfp4_dequant`` (kernel in ``mxfp4_kernel``): gpt-oss' MXFP4 experts dequantized by one Triton
+  kernel for engine/mxfp4.py (its torch operations' values to the bit);
 - ``update`` (kernels in ``update_kernels``): the LoRA update added by the kernel that reads the
   product's output (SwiGLU, the residual's add) instead of written out on its own;
 - ``norm`` (kernels in ``norm_kernels``): the layer's RMSNorm whose backward adds the residual
   stream's gradient in the same pass;
-- ``kernels``: what those four share: Triton kernels jitted on first use and given up on, with a
+- ``kernels``: what those five share: Triton kernels jitted on first use and given up on, with a
   warning, once they fail;
 - ``dropout``: adapter dropout whose masks are a function of (micro-batch seed, adapter, element),
   so graphs replay each step's masks and recomputed layers regenerate them (nothing saved);

@@ -136,13 +136,16 @@ class ExpertWeights:
         """What :meth:`stacked` reads (the parameter, or the stored weights dequantized) is laid out
         ``[experts, in, out]``; MXFP4's weights are ``[experts, out, in]`` whatever the parameter's."""
         self.workspace = workspace if packed is not None else None
-        self.kernel = None
-        """dequant.py's NF4 kernel for the packed weights, where it covers them (``kernel``: the
-        ``trainer.fast_path.kernels`` setting)."""
+        self.kernel: dequant.NF4Weight | bool | None = None
+        """What the stored weights' ``dequantize`` takes as its kernel (``kernel``: the
+        ``trainer.fast_path.kernels`` setting): dequant.py's NF4 kernel for packed weights, where it
+        covers them; for MXFP4 ones the setting itself (engine/mxfp4.py's kernel where it runs)."""
         if packed is not None:
             assert workspace is not None, "stored experts need a workspace"
             workspace.reserve(self.experts * self.out_features * self.in_features)
-            if isinstance(packed, PackedExperts) and kernel and dequant.supports(packed.quant_state, dtype) \
+            if isinstance(packed, Mxfp4Experts):
+                self.kernel = kernel
+            elif isinstance(packed, PackedExperts) and kernel and dequant.supports(packed.quant_state, dtype) \
                     and dequant.available(packed.packed.device):
                 self.kernel = dequant.NF4Weight(packed.quant_state, packed.packed.device)
 
