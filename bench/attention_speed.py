@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.families import _commit  # noqa: E402
 
 SHAPES = {
     # name: (heads, kv_heads, head_dim, scale, window, softcap, sinks)
@@ -58,16 +59,6 @@ SWEEP = {
 }
 """The tiles ``--sweep`` tries for each pass (queries a block, keys a block, warps, stages)."""
 
-
-def _commit(given: str | None) -> str:
-    """``--commit`` when given (git on the GPU box answers a stale commit), else this tree's HEAD."""
-    if given:
-        return given
-    try:
-        done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        return done.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def _inputs(shape: tuple, tokens: int, packed: bool, device, dtype):

@@ -33,6 +33,12 @@ import time
 from functools import partial
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.families import _commit, _versions  # noqa: E402
+from bench.gpu_timing import best_ms  # noqa: E402
+
 SHAPES = {"q/k/v/o": (4096, 4096), "gate/up": (11008, 4096), "down": (4096, 11008)}
 MXFP4_SHAPES = {"gate/up": (32, 5760, 2880), "down": (32, 2880, 2880)}
 """gpt-oss-20b's expert projections ``[experts, out, in]``."""
@@ -45,12 +51,14 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's tile choices")
     parser.add_argument("--mxfp4", action="store_true", help="gpt-oss-20b's MXFP4 experts instead of NF4 weights")
+    parser.add_argument("--commit", help="the commit this tree is (default: git rev-parse HEAD, stale on the GPU box)")
     args = parser.parse_args()
     if args.mxfp4:
         import torch
 
         result = {"what": "MXFP4 dequantization: engine/mxfp4.py's torch way against its Triton kernel",
-                  "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+                  "command": " ".join(sys.argv), "commit": _commit(args.commit), "gpu": torch.cuda.get_device_name(),
+                  "versions": _versions(),
                   **mxfp4_rows(MXFP4_SHAPES, torch.device("cuda"), partial(cuda_time, iters=args.iters), args.sweep)}
         result["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -136,19 +144,9 @@ def main() -> int:
 
 
 def cuda_time(fn, iters: int) -> float:
-    """Microseconds a call of ``fn`` takes on the GPU, averaged over ``iters`` after 10 to warm up."""
-    import torch
-
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+    """Microseconds a call of ``fn`` takes on the GPU, over one loop of ``iters`` calls after a warm-up
+    call (bench/gpu_timing.py)."""
+    return best_ms(fn, loops=iters, repeats=1) * 1000
 
 
 def _same_bits(a, b) -> bool:
