@@ -8,10 +8,12 @@ bytes and one scale byte a block, and writes their 32 values each, contiguous or
 strides of a transposed ``[experts, rows, in]`` view (the parameter's layout, for transformers' own
 forward).
 
-The values are the torch way's to the bit, out-of-range exponents included (engine/mxfp4.py,
-tests/engine/test_mxfp4_kernel.py). Used by :func:`studio.engine.mxfp4.dequantize_mxfp4` on CUDA
-when Triton is there (and ``trainer.fast_path.kernels`` is on), and under Triton's interpreter on
-the CPU tests; anything else, or a kernel that fails here, goes the torch way.
+The values are the torch way's to the bit, every scale byte included (engine/mxfp4.py,
+tests/engine/test_mxfp4_kernel.py): each scale's power of two is built from its fp32 bits, as the
+torch way builds it, and each value is rounded once, from its exact product, to the output dtype.
+Used by :func:`studio.engine.mxfp4.dequantize_mxfp4` on CUDA when Triton is there (and
+``trainer.fast_path.kernels`` is on), and under Triton's interpreter on the CPU tests; anything
+else, or a kernel that fails here, goes the torch way.
 """
 
 from __future__ import annotations
@@ -59,5 +61,5 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) ->
     grid = (-(-rows // ROWS), -(-groups // GROUPS))
     kernel["mxfp4_dequantize"][grid](blocks.contiguous(), scales.contiguous(), out, rows, groups, per_expert,
                                      *strides, ROWS=ROWS, GROUPS=GROUPS,
-                                     FP16=out.dtype == torch.float16, BF16=out.dtype == torch.bfloat16,
+                                     BF16=out.dtype == torch.bfloat16,
                                      num_warps=NUM_WARPS)
