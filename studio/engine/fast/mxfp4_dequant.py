@@ -22,12 +22,15 @@ import torch
 
 from studio.engine.fast.kernels import OwnKernels
 
+# The tile of 24 that bench/dequant_speed.py --mxfp4 --sweep timed fastest on an H200 for both of
+# gpt-oss-20b's projections (bench/results/current/h200_mxfp4_dequant_511983e.json: down 279.5 us,
+# gate/up 561.9 us; 16 x 8 x 4 took 329.0 and 653.5).
 ROWS = 16
 """Rows of the weight one program dequantizes."""
-GROUPS = 8
-"""32-value blocks of each row one program dequantizes: with :data:`ROWS`, 4,096 values."""
+GROUPS = 4
+"""32-value blocks of each row one program dequantizes: with :data:`ROWS`, 2,048 values."""
 NUM_WARPS = 4
-"""Warps a program runs on (bench/dequant_speed.py --mxfp4 times the choices on a GPU)."""
+"""Warps a program runs on."""
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Output dtypes the kernel writes."""
