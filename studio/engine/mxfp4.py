@@ -1,13 +1,14 @@
 """gpt-oss' expert weights in MXFP4, kept as the checkpoint ships them: 4.25 bits a weight.
 
 The format (OCP Microscaling, MXFP4): blocks of 32 values share one power-of-two scale, a uint8
-exponent biased by 127; each value is an FP4 E2M1 number (a sign, two exponent bits, one mantissa
-bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), two a byte, the lower nibble first. gpt-oss'
-checkpoints hold, for each sparse layer, ``mlp.experts.gate_up_proj_blocks [experts, 2 x
-intermediate, hidden / 32, 16]`` with ``gate_up_proj_scales [experts, 2 x intermediate, hidden /
-32]``, and ``down_proj_blocks [experts, hidden, intermediate / 32, 16]`` with its scales: each
-expert's weight as ``[out, in]`` rows, blocked along ``in`` (the transpose of transformers'
-``GptOssExperts`` parameters, ``[experts, in, out]``), as transformers' Mxfp4 quantizer reads them.
+exponent biased by 127 (255 is NaN); each value is an FP4 E2M1 number (a sign, two exponent bits,
+one mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), two a byte, the lower nibble
+first. gpt-oss' checkpoints hold, for each sparse layer, ``mlp.experts.gate_up_proj_blocks
+[experts, 2 x intermediate, hidden / 32, 16]`` with ``gate_up_proj_scales [experts, 2 x
+intermediate, hidden / 32]``, and ``down_proj_blocks [experts, hidden, intermediate / 32, 16]`` with
+its scales: each expert's weight as ``[out, in]`` rows, blocked along ``in`` (the transpose of
+transformers' ``GptOssExperts`` parameters, ``[experts, in, out]``), as transformers' Mxfp4
+quantizer reads them.
 
 transformers runs them through the Hub's Triton kernels where it can fetch them, and otherwise
 dequantizes them to bf16 at load (gpt-oss-20b's experts: 10.2 GB become 24 GB). Here they stay as
@@ -48,11 +49,14 @@ BLOCK = 32
 """Values sharing one scale."""
 
 SCALE_BIAS = 127
-"""A scale byte ``s`` multiplies its block by ``2 ** (s - 127)``."""
+"""A scale byte ``s`` multiplies its block by ``2 ** (s - 127)`` (but 255: NaN)."""
+
+NAN_SCALE = 255
+"""The scale byte that stands for NaN (OCP MX's E8M0): every value of its block is NaN."""
 
 CHUNK_VALUES = 1 << 24
 """Values dequantized per step: the step's temporaries (a code index per byte, the values) are
-about 4 bytes a value, 64 MiB."""
+about 4 bytes a value, 64 MiB (6 for fp16, whose values are multiplied in fp32)."""
 
 SUFFIXES = ("_blocks", "_scales")
 """What the checkpoint appends to an expert parameter's name for its MXFP4 tensors."""
@@ -67,6 +71,16 @@ def _pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     values = torch.tensor(FP4_VALUES, dtype=torch.float32)
     codes = torch.arange(256)
     return torch.stack([values[codes & 0x0F], values[codes >> 4]], dim=1).to(device=device, dtype=dtype)
+
+
+def scale_values(exponents: torch.Tensor) -> torch.Tensor:
+    """Each scale byte's power of two, ``2 ** (s - 127)``, as fp32 (255: NaN), built from its bits:
+    exact on every device, where CUDA's ``exp2`` is an approximation within 2 ulp (on an H200 it gave
+    2^-127 one subnormal step off). Byte ``s`` is the float's exponent field; 0 (2^-127, below fp32's
+    normal range) is the subnormal whose top mantissa bit alone is set."""
+    exponents = exponents.to(torch.int32)
+    bits = torch.where(exponents == 0, 1 << 22, exponents << 23)
+    return torch.where(exponents == NAN_SCALE, 0x7FC00000, bits).view(torch.float32)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
@@ -88,7 +102,10 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
                          f"{tuple(out.shape)}")
     if kernel and _by_kernel(blocks, scales, out):
         return out
-    table = _pair_table(dtype, blocks.device)
+    # fp16 cannot hold every scale (2^-25 and below are 0, 2^16 and above infinite): its values are
+    # multiplied in fp32 and rounded once, as the exact product; fp32 and bf16 hold every scale
+    compute = torch.float32 if dtype == torch.float16 else dtype
+    table = _pair_table(compute, blocks.device)
     if out.is_contiguous():  # every expert's rows as one run
         pieces = [(blocks.reshape(-1, groups, half), scales.reshape(-1, groups), out.view(-1, width))]
     else:
@@ -99,8 +116,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         for start in range(0, codes.shape[0], step):
             end = min(codes.shape[0], start + step)
             values = table[codes[start:end].int()].view(end - start, groups, BLOCK)
-            # a power of two: exact in every float dtype the scales of real checkpoints reach
-            values.mul_(torch.exp2(exponents[start:end].float() - SCALE_BIAS).to(dtype)[..., None])
+            values.mul_(scale_values(exponents[start:end]).to(compute)[..., None])
             target[start:end].copy_(values.view(end - start, width))
     return out
 

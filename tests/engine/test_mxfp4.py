@@ -8,6 +8,7 @@ gradients (the experts' adapters included) equal transformers' on those weights.
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from test_fast_families import _check_family
 from test_fast_moe import EXPERTS
 
 from studio.core.config import RunConfig
-from studio.engine.mxfp4 import Mxfp4Experts, dequantize_mxfp4, mxfp4_experts
+from studio.engine.mxfp4 import FP4_VALUES, Mxfp4Experts, dequantize_mxfp4, mxfp4_experts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -40,6 +41,32 @@ def test_the_dequantization_is_transformers_own(dtype: torch.dtype, monkeypatch)
     assert stored.shape == (4, 40, 96) and stored.nbytes() * 32 == 4 * 40 * 96 * 17  # 4.25 bits a weight
     with pytest.raises(ValueError, match="do not pair up"):
         dequantize_mxfp4(blocks, scales[..., :-1], dtype)
+
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                      reason="the torch way on a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_code_under_every_scale_byte_is_the_ocp_value(dtype: torch.dtype, device: str) -> None:
+    """Each code's FP4 number times 2^(s - 127) under each scale byte ``s`` (OCP MX), computed exactly
+    and rounded once to the dtype: 2^-127 exact (CUDA's exp2 is one subnormal step off there), fp16's
+    values rounded from the exact product (a scale rounded to fp16 first turns 0.5 x 2^16 into
+    infinity and 1.5 x 2^-25 into 0), and every value of a block under 255 NaN."""
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    blocks = codes.view(1, 16, 16).expand(256, 16, 16).contiguous()  # row s: every byte, at scale byte s
+    scales = codes.view(256, 1).expand(256, 16).contiguous()
+    exact = torch.tensor([[v * 2.0 ** (s - 127) if s != 255 else math.nan for v in FP4_VALUES] for s in range(256)],
+                         dtype=torch.float64)
+    nibbles = torch.stack([torch.arange(256) & 15, torch.arange(256) >> 4], dim=1).flatten()  # lower first
+    expected = exact[:, nibbles].to(dtype)
+    ours = dequantize_mxfp4(blocks, scales, dtype, kernel=False).cpu()
+    nan = expected.isnan()
+    assert torch.equal(ours.isnan(), nan) and nan[255].all() and nan.sum() == 512
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    differ = (ours.view(bits) != expected.view(bits)) & ~nan
+    assert not differ.any(), f"{differ.sum().item()} values differ, scale bytes {differ.any(1).nonzero().flatten()}"
 
 
 def _load(folder: Path):

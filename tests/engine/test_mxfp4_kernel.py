@@ -35,7 +35,7 @@ def interpreted(monkeypatch):
 
 def every_code_and_scale(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """``[256, 512]`` weights: row ``s`` holds every byte code (each nibble under each) at scale byte
-    ``s``, 0 (2^-127, subnormal) to 255 (infinity: 0 times it is NaN)."""
+    ``s``, 0 (2^-127, subnormal) to 255 (NaN)."""
     blocks = torch.arange(256, dtype=torch.uint8, device=device).view(1, 16, 16).expand(256, 16, 16).contiguous()
     scales = torch.arange(256, dtype=torch.uint8, device=device).view(256, 1).expand(256, 16).contiguous()
     return blocks, scales
@@ -53,7 +53,7 @@ def by_kernel(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> 
 
 
 def assert_same_bits(ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    """Bit for bit, but for NaN (0 times an infinite scale), whose payload the float units choose."""
+    """Bit for bit, but for NaN (the scale byte 255's), whose payload the float units choose."""
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
     nan = theirs.isnan()
     assert torch.equal(ours.isnan(), nan), f"{(ours.isnan() != nan).sum().item()} values NaN in one only"
@@ -72,7 +72,7 @@ def _transposed(shape: tuple[int, int, int], dtype: torch.dtype, device: str = "
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_every_code_under_every_scale_is_the_torch_way_s_value(interpreted, dtype: torch.dtype) -> None:
     """All 256 byte codes (both nibbles, the lower first) under all 256 scale bytes: subnormal
-    products, fp16's flush to 0 and overflow to infinity, infinite scales."""
+    products, fp16's flush to 0 and overflow to infinity, the NaN scale."""
     blocks, scales = every_code_and_scale()
     theirs = torch_way(blocks, scales, dtype)
     subnormal = (theirs != 0) & (theirs.abs() < torch.finfo(dtype).tiny)

@@ -8,10 +8,12 @@ bytes and one scale byte a block, and writes their 32 values each, contiguous or
 strides of a transposed ``[experts, rows, in]`` view (the parameter's layout, for transformers' own
 forward).
 
-The values are the torch way's to the bit, out-of-range exponents included (engine/mxfp4.py,
-tests/engine/test_mxfp4_kernel.py). Used by :func:`studio.engine.mxfp4.dequantize_mxfp4` on CUDA
-when Triton is there (and ``trainer.fast_path.kernels`` is on), and under Triton's interpreter on
-the CPU tests; anything else, or a kernel that fails here, goes the torch way.
+The values are the torch way's to the bit, every scale byte included (engine/mxfp4.py,
+tests/engine/test_mxfp4_kernel.py): each scale's power of two is built from its fp32 bits, as the
+torch way builds it, and each value is rounded once, from its exact product, to the output dtype.
+Used by :func:`studio.engine.mxfp4.dequantize_mxfp4` on CUDA when Triton is there (and
+``trainer.fast_path.kernels`` is on), and under Triton's interpreter on the CPU tests; anything
+else, or a kernel that fails here, goes the torch way.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import torch
 
 from studio.engine.fast.kernels import OwnKernels
 
+# The tile of 24 that bench/dequant_speed.py --mxfp4 --sweep timed fastest on an H200 for both of
+# gpt-oss-20b's projections (bench/results/current/h200_mxfp4_dequant_511983e.json: down 279.5 us,
+# gate/up 561.9 us; 16 x 8 x 4 took 329.0 and 653.5).
 ROWS = 16
 """Rows of the weight one program dequantizes."""
-GROUPS = 8
-"""32-value blocks of each row one program dequantizes: with :data:`ROWS`, 4,096 values."""
+GROUPS = 4
+"""32-value blocks of each row one program dequantizes: with :data:`ROWS`, 2,048 values."""
 NUM_WARPS = 4
-"""Warps a program runs on (bench/dequant_speed.py --mxfp4 times the choices on a GPU)."""
+"""Warps a program runs on."""
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Output dtypes the kernel writes."""
@@ -59,5 +64,5 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) ->
     grid = (-(-rows // ROWS), -(-groups // GROUPS))
     kernel["mxfp4_dequantize"][grid](blocks.contiguous(), scales.contiguous(), out, rows, groups, per_expert,
                                      *strides, ROWS=ROWS, GROUPS=GROUPS,
-                                     FP16=out.dtype == torch.float16, BF16=out.dtype == torch.bfloat16,
+                                     BF16=out.dtype == torch.bfloat16,
                                      num_warps=NUM_WARPS)
