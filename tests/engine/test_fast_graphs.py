@@ -238,6 +238,9 @@ def test_every_family_captures_its_step(family: str, tmp_path: Path) -> None:
 
     model = _peft_model(build(family, tmp_path / family), 4, lora_targets(FAMILIES_TYPES[family]),
                         dtype=torch.bfloat16)
+    # As a run's checkpointing does: the embeddings a leaf that needs a gradient, so a family that
+    # scales them outside the embedding module (Granite) feeds the stack a tensor made by an op.
+    model.enable_input_require_grads()
     device = next(p for p in model.parameters() if p.requires_grad).device
     model.to(device)
     batches = [collate([[e] for e in _examples(lengths, seed=s)], pad_id=0, packing=True).to(device)

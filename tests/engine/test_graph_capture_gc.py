@@ -1,7 +1,8 @@
 """CUDA-graph captures run with Python's garbage collection held off (engine/fast/graphs.py's
 ``without_collection``): a collection inside a capture can destroy an earlier graph left in a
 reference cycle, whose freed memory breaks the capture, and torch 2.9+ no longer collects before one.
-On the CPU: the context itself, and that the decoder stack's capture runs inside it."""
+On the CPU: the context itself, that the decoder stack's capture runs inside it, and that it
+captures from leaf inputs."""
 
 from __future__ import annotations
 
@@ -71,3 +72,27 @@ def test_the_stack_is_captured_with_collection_held_off(monkeypatch) -> None:
         (gc.enable if was else gc.disable)()
     assert seen == [False]
     assert out is h and "capture failed" in runner.failed
+
+
+def test_the_stack_is_captured_from_leaves_sharing_the_inputs_memory(monkeypatch) -> None:
+    """The capture's sample inputs (the graph's static inputs) are leaves in the given tensors' memory,
+    each needing a gradient where the given one does: Granite's embedding multiplier, applied to the
+    embeddings that PEFT's input-gradient hook made a leaf in every run, gives a stack input made by
+    an op, and a capture that hands its gradient to that op's node fails on the GPU ("operation would
+    make the legacy stream depend on a capturing blocking stream": the family grid's Granite rows ran
+    eager at 7ae829a and 511983e, 20-35% above their estimate)."""
+    seen: list[tuple[torch.Tensor, ...]] = []
+
+    def make_graphed_callables(module, sample, num_warmup_iters, pool):
+        seen.append(sample)
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
+    embeddings = torch.randn(1, 4, 2).requires_grad_()  # as PEFT's hook leaves them
+    h = embeddings * 12.0  # Granite's embedding_multiplier
+    cos, sin, cu = torch.randn(4, 2), torch.randn(4, 2), torch.tensor([0, 4], dtype=torch.int32)
+    graphs.Graphs(_Stack(), offload=False).run(h, cos, sin, Segments(cu=cu, max_len=4))
+    (sample,) = seen
+    assert all(x.grad_fn is None for x in sample), [x.grad_fn for x in sample]
+    assert [x.requires_grad for x in sample] == [True, False, False, False]
+    assert [x.data_ptr() for x in sample] == [x.data_ptr() for x in (h, cos, sin, cu)]

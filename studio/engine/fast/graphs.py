@@ -301,7 +301,12 @@ class Graphs:
             # After the layout's reference pass: its pool, and its static inputs as this graph's
             # (this batch's values, copied in; the reference replay copies the next ones in first).
             reference = self.references.get(layout)
-            sample = (h, cos, sin, cu)
+            # Leaves: make_graphed_callables keeps the sample tensors as the graph's static inputs,
+            # and a sample made by an op (Granite's embedding multiplier on the embeddings PEFT's
+            # input-gradient hook made a leaf) would hand its gradient on, inside the backward's
+            # capture, to that op's node, recorded on the default stream; the legacy stream then
+            # waits on the capturing one, which CUDA forbids. The same memory, detached.
+            sample = tuple(x.detach().requires_grad_(x.requires_grad) for x in (h, cos, sin, cu))
             if reference is not None:
                 with torch.no_grad():
                     for static, given in zip(reference.inputs, sample, strict=True):
