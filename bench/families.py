@@ -543,6 +543,8 @@ def main() -> int:
               "command": " ".join(["python3", "bench/families.py", *sys.argv[1:]]), "commit": _commit(args.commit),
               "gpu": _gpu_name(), "versions": _versions(), "tiny": args.tiny, "steps": args.steps,
               "warmup": args.warmup, "workloads": TINY_WORKLOADS if args.tiny else WORKLOADS,
+              # switches that change a side's code path (UNSLOTH_COMPILE_DISABLE where its compile fails)
+              "environment": {k: v for k, v in os.environ.items() if k.startswith(("UNSLOTH_", "STUDIO_"))},
               "families": {}, "summary": {}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 
