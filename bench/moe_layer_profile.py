@@ -14,9 +14,8 @@ them) on the attention projections, and in the ``experts`` variant on the expert
   stream that needs its gradient, as a training step runs it: the adapters built outside the
   checkpoint, the block under ``torch.utils.checkpoint`` (the forward saves nothing; the backward
   recomputes it), then the backward. CUDA events time the step, the forward alone (the backward and
-  its recomputation are the difference) and, on CUDA, the same step captured as a CUDA graph (no host
-  cost: the eager step's excess over it is the host's); peak memory of a step above what was
-  allocated before it. torch.profiler splits ``--profile-steps`` eager steps by pass (forward,
+  its recomputation are the difference); peak memory of a step above what was allocated before
+  it. torch.profiler splits ``--profile-steps`` eager steps by pass (forward,
   recompute, backward) and phase (bench/moe_phases.py: router and top-k, the sort by expert, the
   permutation, each projection's dequantization of every expert, its grouped products and LoRA
   terms, the activation, the combine), with each phase's kernels, calls per step and host waits.
@@ -24,21 +23,35 @@ them) on the attention projections, and in the ``experts`` variant on the expert
   achieved GB/s and TFLOP/s; the dequantization's bytes per step, all experts against only those
   with tokens; and the ideal step (the stored 4-bit weights read once, the FLOPs of the experts with
   tokens at the GPU's peak) and the floor of the engine's structure with dequantization fused.
+  On CUDA, ``engine_block.graphed``: the same step captured as a CUDA graph (no host cost: the eager
+  step's excess over it is the host's).
+- ``engine_block_skewed``: the block on a stream whose routing leaves experts without tokens, as the
+  one-layer model's own stream does (``skewed_block``): the grouped products against the per-expert
+  loop on the same rows, the routing, the step's time.
 - ``engine_layer``: the whole one-layer model's training step through ``FastModel.loss`` and its
-  backward (attention, embedding, the head included), eager and, on CUDA, with the CUDA graphs a run
-  captures: what share of a layer's step the MoE block is.
+  backward (attention, embedding, the head included), ``eager`` and, on CUDA, ``graphed`` with the
+  CUDA graphs a run captures: what share of a layer's step the MoE block is; the routing of its
+  last forward.
 - ``hf_block``: the same block through transformers' own module (bf16 experts, transformers'
   experts implementation, bf16 autocast: the HF loop's path), checkpointed the same way: time,
   memory, and its kernels by pass; ``hf_layer``: the one-layer model's step through transformers'
   forward with gradient checkpointing (the HF loop's step, its attention in bf16 here).
 
-The JSON (``--out``) holds the command, commit, GPU, versions, the peaks used (the GPU's datasheet
-and measured: a bf16 matmul and a copy), and each model and variant; it is written after every
-section, and an error in one section is recorded there and the rest goes on. ``--tiny`` runs the
-whole pipeline on the CPU on each family's tiny shape (fp32; the timings there only prove the path).
+Each section builds its model anew. On the GPU the sections run in child processes
+(bench/isolated.py), a model's variant in one: a CUDA fault (an illegal memory access is sticky, and
+it aborts the process at the latest when tensors are freed) is recorded as that section's error,
+with how its process ended and its last stderr, and the sections after it run in a fresh process;
+``--launch-blocking SECTION`` runs a section alone with ``CUDA_LAUNCH_BLOCKING=1``, so that its
+traceback names the operation that faulted, not the next one that waited for the GPU. The JSON (``--out``) holds the command, commit, GPU, versions, the peaks
+used (the GPU's datasheet and measured: a bf16 matmul and a copy), and each model and variant; it is
+written after every section. ``--tiny`` runs the whole pipeline on the CPU on each family's tiny
+shape, in one process (fp32; the timings there only prove the path).
 
-    # the GPU box, from the repository root: Qwen3-30B-A3B's layer, both variants (about a minute)
+    # the GPU box, from the repository root: Qwen3-30B-A3B's layer, both variants (about two minutes)
     python3 bench/moe_layer_profile.py --commit <sha> --out $OUT/moe_layer_profile_qwen3.json
+    # where a section failed: the sections in question alone, that one with each launch waited for
+    python3 bench/moe_layer_profile.py --variants attn --only engine_block_skewed,engine_layer_eager
+        --launch-blocking engine_layer_eager --commit <sha> --out $OUT/moe_layer_diag.json  # (one line)
     # every model, as far as the budget goes (about 4 minutes)
     python3 bench/moe_layer_profile.py --model all --budget-s 480 --commit <sha> --out $OUT/moe_layer_profile.json
     # here, on the CPU
@@ -50,6 +63,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -141,6 +155,8 @@ def peaks(cuda: bool) -> dict:
 
 
 def free(cuda: bool) -> None:
+    """Between sections in one process: what the last one left in reference cycles (a CUDA graph
+    and its private pool, a PEFT model) collected, and the allocator's cache given back."""
     import torch
 
     gc.collect()
@@ -390,6 +406,14 @@ def graphed_block(fm, tokens: int, args) -> dict:
         def forward(self, h):
             return run_block(layer, h)
 
+    # make_graphed_callables warms up on a side stream and keeps that warm-up's autograd graph
+    # alive through the capture, so the accumulators it made for x and the adapters belong to that
+    # stream, and autograd warns once that a replay's gradient comes from another one (it syncs the
+    # two: correct, as engine/fast/graphs.py says of the same warning). Each step below hands the
+    # graph a fresh leaf over x's memory (no copy), whose accumulator is the default stream's.
+    quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    if quiet is not None:
+        quiet(False)
     fm.router.begin(tokens)
     torch.cuda.synchronize()
     before = torch.cuda.memory_reserved()
@@ -397,18 +421,84 @@ def graphed_block(fm, tokens: int, args) -> dict:
         graphed = torch.cuda.make_graphed_callables(Block(), (x,), num_warmup_iters=3)
 
     def step():
-        x.grad = None
-        graphed(x).backward(grad)
+        graphed(x.detach().requires_grad_()).backward(grad)
 
     step()
     torch.cuda.synchronize()
+    # The graphs and their private pool stay alive in reference cycles (make_graphed_callables'
+    # autograd classes) until a garbage collection: the driver's, right after this section (free).
     return {"step": timed(step, True, args.loops, args.repeats),
             "capture_reserved_mib": round((torch.cuda.memory_reserved() - before) / 2**20, 1)}
 
 
-def layer_steps(model, tokens: int, args, cuda: bool) -> dict:
-    """The one-layer model's training step (``FastModel.loss`` and its backward), eager and, on
-    CUDA, with CUDA graphs (``trainer.fast_path`` defaults otherwise)."""
+SKEW_NOISE = 0.25
+"""The per-token noise beside the shared direction of :func:`skewed_block`'s stream: the router
+then sends most tokens to the same few experts and leaves others without any."""
+
+
+def skewed_block(fm, tokens: int, args, cuda: bool) -> dict:
+    """The engine's block on a stream whose routing leaves experts without tokens and gives a few of
+    them most rows, as the one-layer model's own stream does (in a random one-layer model, the
+    attention's output, an average over the earlier tokens, dominates the embeddings: this script's
+    Qwen3-30B-A3B layer, in fp32 on the CPU, routes the 16,384 rows of 2,048 tokens to 126 of 128
+    experts, up to 1,242 to one, where a random stream gives every expert 93-171). One shared direction plus
+    :data:`SKEW_NOISE` of per-token noise. Its routing, its eager step's time, and the grouped
+    products against the per-expert loop (``SparseMlp.loop``) on the same rows: the output's, the
+    input gradient's and the expert adapters' gradients' largest differences."""
+    import torch
+
+    layer = fm.layers[0]
+    mlp = layer.moe
+    device = mlp.router.device
+    dtype = layer.gate_up.weights.dtype
+    gen = torch.Generator(device=device).manual_seed(3)
+    hidden = layer.gate_up.weights.in_features
+    shared = torch.randn(hidden, generator=gen, device=device)
+    noise = torch.randn(1, tokens, hidden, generator=gen, device=device)
+    x = (shared + SKEW_NOISE * noise).to(dtype).requires_grad_(True)
+    grad = torch.randn(x.shape, generator=gen, device=device, dtype=dtype)
+    params = [*layer.gate_up.a, *layer.gate_up.b, *layer.down.a, *layer.down.b]
+    fm.router.begin(tokens)
+
+    def step():
+        x.grad = None
+        for p in params:
+            p.grad = None
+        out = run_block(layer, x)
+        out.backward(grad)
+        return out
+
+    found = {}
+    for loop in (False, True):  # the grouped products first: the ones in question
+        mlp.loop = loop
+        out = step()
+        if cuda:
+            torch.cuda.synchronize()
+        found[loop] = [out.detach().float(), x.grad.float(), *(p.grad.float() for p in params)]
+        if not loop:
+            taken = routing(fm)
+    mlp.loop = False
+
+    def largest(tensors: list) -> float:
+        return round(max(float(t.abs().max()) for t in tensors), 6) if tensors else 0.0
+
+    compared = {}
+    for key, picked in (("output", slice(0, 1)), ("input_grad", slice(1, 2)), ("adapter_grads", slice(2, None))):
+        grouped, looped = found[False][picked], found[True][picked]
+        if grouped:
+            compared[f"{key}_max_abs_diff"] = largest([g - lp for g, lp in zip(grouped, looped, strict=True)])
+            compared[f"{key}_max_abs"] = largest(looped)
+    for _ in range(args.warmup):
+        step()
+    return {"noise": SKEW_NOISE, "routing": taken, "grouped_vs_loop": compared,
+            "eager": {"step": timed(step, cuda, args.loops, args.repeats)}}
+
+
+def layer_step(model, tokens: int, args, cuda: bool, graphed: bool, progress: dict) -> dict:
+    """The one-layer model's training step (``FastModel.loss`` and its backward), eager or, on
+    CUDA, with the CUDA graphs a run captures (``trainer.fast_path`` defaults otherwise), and the
+    routing of its last forward; with ``--loop-experts`` the sparse layer takes the per-expert
+    loop instead of the grouped products. ``progress`` counts the steps done (an error's record)."""
     import torch
 
     from studio.core.config import FastPathConfig
@@ -416,24 +506,26 @@ def layer_steps(model, tokens: int, args, cuda: bool) -> dict:
 
     device = "cuda" if cuda else "cpu"
     ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(2)).to(device)
-    out = {}
-    for label, options in (("eager", FastPathConfig(cuda_graphs=False)), ("graphed", FastPathConfig())):
-        if label == "graphed" and not cuda:
-            continue
-        fm, why = fast.prepare(model, options)
-        if fm is None:
-            return {"error": f"the fast path refused the model: {why}"}
+    fm, why = fast.prepare(model, FastPathConfig() if graphed else FastPathConfig(cuda_graphs=False))
+    if fm is None:
+        return {"error": f"the fast path refused the model: {why}"}
+    if args.loop_experts:
+        for layer in fm.layers:
+            if layer.moe is not None:
+                layer.moe.loop = True
+    progress["steps_done"] = 0
 
-        def step(fm=fm):
-            fm.loss(ids, ids).backward()
+    def step():
+        fm.loss(ids, ids).backward()
+        progress["steps_done"] += 1
 
+    try:
         for _ in range(args.warmup):
             step()
-        out[label] = {"step": timed(step, cuda, args.loops, args.repeats), "graphs_failed": fm.graphs_failed}
+        return {"step": timed(step, cuda, args.loops, args.repeats), "graphs_failed": fm.graphs_failed,
+                "routing": routing(fm), "expert_products": "loop" if args.loop_experts else "grouped"}
+    finally:
         fm.release_graphs()
-        del fm, step
-        free(cuda)
-    return out
 
 
 # ------------------------------------------------------------------------------------ transformers
@@ -511,12 +603,117 @@ def hf_layer(model, tokens: int, args, cuda: bool) -> dict:
 # ----------------------------------------------------------------------------------------- driver
 
 
-def guarded(fn: Callable[[], dict]) -> dict:
-    """``fn()``, or its error and the traceback's end (one section's failure leaves the rest)."""
+SECTIONS = {
+    "peaks": "the GPU's peaks",
+    "engine_block": "the engine's block",
+    "engine_block_graphed": "the engine's block as a CUDA graph",
+    "engine_block_skewed": "the engine's block, routing skewed",
+    "engine_layer_eager": "the one-layer model's step",
+    "engine_layer_graphed": "the one-layer model's step with CUDA graphs",
+    "hf_block": "transformers' block",
+    "hf_layer": "transformers' layer",
+}
+"""The sections a run measures, in order (``peaks`` once, the others for each model and variant)."""
+SKIPS = {"profile": (), "graphs": ("engine_block_graphed", "engine_layer_graphed"), "skewed": ("engine_block_skewed",),
+         "layer": ("engine_layer_eager", "engine_layer_graphed", "hf_layer"), "hf": ("hf_block", "hf_layer")}
+"""What each ``--skip`` word leaves out (``profile``: engine_block's profile, inside its section)."""
+CUDA_ONLY = ("engine_block_graphed", "engine_layer_graphed")
+
+
+def guarded(fn: Callable[[], dict], progress: dict | None = None) -> dict:
+    """``fn()``, or its error, the traceback's end and ``progress`` (one section's failure leaves
+    the rest); ``cuda_error`` where the error leaves the process's CUDA context unusable."""
+    from bench.isolated import is_cuda_error
+
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON; the next section runs
-        return {"error": f"{type(exc).__name__}: {exc}"[:500], "traceback": traceback.format_exc()[-2000:]}
+        out = {"error": f"{type(exc).__name__}: {exc}"[:500], "traceback": traceback.format_exc()[-2000:],
+               **(progress or {})}
+        if is_cuda_error(exc):
+            out["cuda_error"] = True
+        return out
+
+
+def run_section(section: str, name: str, variant: str, args, cuda: bool, used_peaks: dict | None) -> dict:
+    """One section of model ``name``'s ``variant``, on a model built for it alone."""
+    import torch
+
+    from studio.core.config import FastPathConfig
+    from studio.engine import fast
+
+    if section == "peaks":
+        return peaks(cuda)
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    storage = "bf16" if section.startswith("hf_") else storage_for(name, args.storage)
+    model = build(name, args.tiny, storage, VARIANTS[variant], args.rank, device, dtype)
+    if section == "hf_block":
+        return hf_block(model, args.tokens, args, cuda, dtype)
+    if section == "hf_layer":
+        return hf_layer(model, args.tokens, args, cuda)
+    if section.startswith("engine_layer_"):
+        progress: dict = {}
+        return guarded(lambda: layer_step(model, args.tokens, args, cuda, section.endswith("graphed"), progress),
+                       progress)
+    fm, why = fast.prepare(model, FastPathConfig(cuda_graphs=False))
+    if fm is None:
+        return {"error": f"the fast path refused the model: {why}"}
+    if section == "engine_block":
+        return engine_block(fm, args.tokens, args, cuda, used_peaks)
+    if section == "engine_block_graphed":
+        return graphed_block(fm, args.tokens, args)
+    return skewed_block(fm, args.tokens, args, cuda)
+
+
+def place(row: dict, section: str, result: dict) -> None:
+    """Put a section's result where the JSON keeps it (a graphed block inside the block's entry,
+    the layer's steps under ``engine_layer``)."""
+    if section == "engine_block_graphed":
+        row.setdefault("engine_block", {})["graphed"] = result
+    elif section.startswith("engine_layer_"):
+        row.setdefault("engine_layer", {})[section.removeprefix("engine_layer_")] = result
+    else:
+        row[section] = result
+
+
+def child_command(args, name: str, variant: str, used_peaks: dict | None, deadline: float):
+    """The command of a child process that measures sections of ``name``'s ``variant`` with this
+    run's options (bench/isolated.py's ``run_sections`` gives it the sections and its log)."""
+    def command(batch: list[str], log: Path) -> list[str]:
+        argv = [sys.executable, str(Path(__file__).resolve()), "--sections", ",".join(batch), "--model", name,
+                "--variants", variant, "--tokens", str(args.tokens), "--rank", str(args.rank), "--storage", args.storage,
+                "--warmup", str(args.warmup), "--loops", str(args.loops), "--repeats", str(args.repeats),
+                "--profile-steps", str(args.profile_steps), "--skip", ",".join(sorted(args.skip)),
+                "--peaks-used", json.dumps(used_peaks), "--deadline", str(deadline), "--out", str(log)]
+        return argv + (["--tiny"] if args.tiny else []) + (["--loop-experts"] if args.loop_experts else [])
+    return command
+
+
+def measure(sections: list[str], name: str, variant: str, args, cuda: bool, used_peaks: dict | None,
+            deadline: float, log=None) -> dict[str, dict]:
+    """``sections`` of ``name``'s ``variant`` in this process, in order, each logged to ``log``
+    where given (an isolated child's ``SectionLog``); a section starting after ``deadline`` is
+    skipped. Stops after a section whose CUDA error leaves the process's CUDA context unusable."""
+    found: dict[str, dict] = {}
+    for section in sections:
+        if time.time() > deadline:
+            result = {"skipped": "--budget-s spent"}
+        else:
+            if section != "peaks":
+                print(f"{name} {variant}: {SECTIONS[section]}", flush=True)
+            if log is not None:
+                log.start(section)
+            result = guarded(lambda section=section: run_section(section, name, variant, args, cuda, used_peaks))
+            if os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
+                result["launch_blocking"] = True
+        if log is not None:
+            log.done(section, result)
+        found[section] = result
+        if result.get("cuda_error"):
+            break
+        free(cuda)
+    return found
 
 
 def summarize(variant: dict) -> dict:
@@ -542,7 +739,8 @@ def summarize(variant: dict) -> dict:
         top = sorted(phases.items(), key=lambda kv: -kv[1]["total"])[:3]
         out["top_phases"] = {k: {"ms": v["total"], "share": round(v["total"] / kernel_ms, 3)} for k, v in top}
     layer = variant.get("engine_layer", {})
-    layer_ms = (layer.get("graphed") or layer.get("eager") or {}).get("step", {}).get("median_ms")
+    layer_ms = next((r["step"]["median_ms"] for r in (layer.get("graphed"), layer.get("eager"))
+                     if isinstance(r, dict) and "step" in r), None)
     if layer_ms and fastest:
         out["block_share_of_layer_step"] = round(fastest / layer_ms, 3)
     hf_layer_ms = variant.get("hf_layer", {}).get("step", {}).get("median_ms")
@@ -552,7 +750,8 @@ def summarize(variant: dict) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked: every mistake at once."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-30b-a3b", help=f"one of {', '.join(MOE_MODELS)}, a comma list, or all")
     parser.add_argument("--variants", default="attn,experts", help="attn (LoRA on attention), experts (and on the experts)")
@@ -564,85 +763,119 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loops", type=int, default=5, help="calls per timed loop")
     parser.add_argument("--repeats", type=int, default=5, help="timed loops (median and fastest reported)")
     parser.add_argument("--profile-steps", type=int, default=2)
-    parser.add_argument("--skip", default="", help="sections left out: any of profile, graphs, layer, hf")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="no new model or variant starts after this")
+    parser.add_argument("--skip", default="", help=f"sections left out: any of {', '.join(SKIPS)}")
+    parser.add_argument("--only", default="", help=f"only these sections (peaks always runs): any of "
+                        f"{', '.join(s for s in SECTIONS if s != 'peaks')}")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="no new section starts after this")
+    parser.add_argument("--isolate", choices=("auto", "on", "off"), default="auto",
+                        help="the sections in child processes (bench/isolated.py), so that a CUDA fault "
+                             "costs its section only; auto: on the GPU, or with --launch-blocking")
+    parser.add_argument("--launch-blocking", default="",
+                        help="sections run with CUDA_LAUNCH_BLOCKING=1 (a comma list, or all): an error is "
+                             "raised by the operation that caused it; slow, so not for timings")
+    parser.add_argument("--section-timeout-s", type=float, default=300.0,
+                        help="an isolated child in which no section began or ended for this long is killed, "
+                             "and the section it was in recorded so")
+    parser.add_argument("--loop-experts", action="store_true",
+                        help="the one-layer model's sparse layer takes the per-expert loop instead of torch's "
+                             "grouped products (a diagnostic: eager only, its graphed capture fails)")
     parser.add_argument("--tiny", action="store_true", help="each family's tiny shape on the CPU (fp32)")
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out", required=True)
+    # a child process of an isolated run: its sections, the peaks measured, the budget's end
+    parser.add_argument("--sections", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--peaks-used", default="null", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.skip = {s for s in args.skip.split(",") if s}
-    models = list(MOE_MODELS) if args.model == "all" else args.model.split(",")
-    variants = args.variants.split(",")
-    problems = [f"--model {m}: not one of {', '.join(MOE_MODELS)}" for m in models if m not in MOE_MODELS]
-    problems += [f"--variants {v}: not one of {', '.join(VARIANTS)}" for v in variants if v not in VARIANTS]
-    problems += [f"--skip {s}: not one of profile, graphs, layer, hf" for s in args.skip
-                 if s not in ("profile", "graphs", "layer", "hf")]
+    args.only = {s for s in args.only.split(",") if s}
+    args.launch_blocking = set(SECTIONS) if args.launch_blocking == "all" else {
+        s for s in args.launch_blocking.split(",") if s}
+    args.models = list(MOE_MODELS) if args.model == "all" else args.model.split(",")
+    args.variant_list = args.variants.split(",")
+    problems = [f"--model {m}: not one of {', '.join(MOE_MODELS)}" for m in args.models if m not in MOE_MODELS]
+    problems += [f"--variants {v}: not one of {', '.join(VARIANTS)}" for v in args.variant_list if v not in VARIANTS]
+    problems += [f"--skip {s}: not one of {', '.join(SKIPS)}" for s in sorted(args.skip) if s not in SKIPS]
+    problems += [f"--{flag} {s}: not one of {', '.join(SECTIONS)}" for flag, given in
+                 (("only", args.only), ("launch-blocking", args.launch_blocking)) for s in sorted(given) if s not in SECTIONS]
+    if args.isolate == "off" and args.launch_blocking:
+        problems.append("--launch-blocking needs the sections in processes of their own: leave out --isolate off")
     if problems:
         raise SystemExit("\n".join(problems))
-    storages = {m: storage_for(m, args.storage) for m in models}
+    for name in args.models:
+        storage_for(name, args.storage)
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     import torch
 
-    from studio.core.config import FastPathConfig
-    from studio.engine import fast
+    from bench.isolated import SectionLog, run_sections
 
     cuda = torch.cuda.is_available() and not args.tiny
-    device = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.sections:  # a child of an isolated run (bench/isolated.py)
+        log = SectionLog(Path(args.out))
+        measure(args.sections.split(","), args.models[0], args.variant_list[0], args, cuda,
+                json.loads(args.peaks_used), args.deadline, log)
+        log.leave()
+    isolate = args.isolate == "on" or (args.isolate == "auto" and (cuda or bool(args.launch_blocking)))
+    sections = [s for s in SECTIONS if s != "peaks" and not (not cuda and s in CUDA_ONLY)
+                and not any(s in SKIPS[w] for w in args.skip) and (not args.only or s in args.only)]
     start = time.perf_counter()
+    deadline = time.time() + args.budget_s
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     result: dict = {"what": "one MoE layer's training step on the fast path by phase (issue 42)",
                     "command": " ".join(sys.argv), "commit": _commit(args.commit), "versions": _versions(),
-                    "gpu": torch.cuda.get_device_name() if cuda else "cpu", "tiny": args.tiny,
-                    "tokens": args.tokens, "rank": args.rank, "dtype": str(dtype).removeprefix("torch."),
-                    "peaks": peaks(cuda), "models": {}}
+                    "gpu": None, "tiny": args.tiny, "tokens": args.tokens, "rank": args.rank,
+                    "dtype": "bfloat16" if cuda else "float32", "isolated": isolate,
+                    "launch_blocking": sorted(args.launch_blocking), "models": {}}
+    dead = ""  # in one process: the section whose CUDA error left the context unusable
 
     def write() -> None:
         result["wall_s"] = round(time.perf_counter() - start, 1)
         out_path.write_text(json.dumps(result, indent=1) + "\n")
 
+    def run(wanted: list[str], name: str, variant: str, used: dict | None, row: dict) -> None:
+        nonlocal dead
+
+        def report(section: str, found: dict) -> None:
+            place(row, section, found)
+            write()
+
+        if time.time() > deadline:  # no process started for nothing
+            for section in wanted:
+                report(section, {"skipped": "--budget-s spent"})
+        elif isolate:
+            run_sections(child_command(args, name, variant, used, deadline), wanted, args.section_timeout_s,
+                         args.launch_blocking, report)
+        else:
+            found = measure(wanted, name, variant, args, cuda, used, deadline) if not dead else {}
+            for section in wanted:
+                report(section, found[section] if section in found else {
+                    "skipped": f"not run: {dead}'s CUDA error left this process's CUDA context unusable "
+                               "(--isolate on starts a fresh process after one)"})
+                if found.get(section, {}).get("cuda_error"):
+                    dead = dead or section
+
+    first: dict = {}
+    run(["peaks"], args.models[0], args.variant_list[0], None, first)
+    result["peaks"] = first["peaks"]
+    result["gpu"] = result["peaks"].get("device", "unknown")
+    used = result["peaks"].get("used")
     write()
-    for name in models:
-        entry = result["models"][name] = {"storage": storages[name], "variants": {}}
-        for variant in variants:
-            if time.perf_counter() - start > args.budget_s:
-                entry["variants"][variant] = {"skipped": f"--budget-s {args.budget_s:g} spent"}
-                write()
-                continue
+    for name in args.models:
+        entry = result["models"][name] = {"storage": storage_for(name, args.storage), "variants": {}}
+        for variant in args.variant_list:
             row = entry["variants"][variant] = {}
-            print(f"{name} {variant}: the engine's block", flush=True)
-            model = build(name, args.tiny, storages[name], VARIANTS[variant], args.rank, device, dtype)
-            fm, why = fast.prepare(model, FastPathConfig(cuda_graphs=False))
-            if fm is None:
-                row["engine_block"] = {"error": f"the fast path refused the model: {why}"}
-            else:
-                row["engine_block"] = guarded(lambda fm=fm: engine_block(fm, args.tokens, args, cuda,
-                                                                         result["peaks"]["used"]))
-                write()
-                if cuda and "graphs" not in args.skip:
-                    row["engine_block"]["graphed"] = guarded(lambda fm=fm: graphed_block(fm, args.tokens, args))
-                    write()
-            del fm
-            if "layer" not in args.skip:
-                print(f"{name} {variant}: the one-layer model's step", flush=True)
-                row["engine_layer"] = guarded(lambda model=model: layer_steps(model, args.tokens, args, cuda))
-                write()
-            del model
-            free(cuda)
-            if "hf" not in args.skip:
-                print(f"{name} {variant}: transformers' block", flush=True)
-                model = build(name, args.tiny, "bf16", VARIANTS[variant], args.rank, device, dtype)
-                row["hf_block"] = guarded(lambda model=model: hf_block(model, args.tokens, args, cuda, dtype))
-                write()
-                if "layer" not in args.skip:
-                    row["hf_layer"] = guarded(lambda model=model: hf_layer(model, args.tokens, args, cuda))
-                del model
-                free(cuda)
+            run(sections, name, variant, used, row)
             row["summary"] = summarize(row)
             print(f"{name} {variant}: {json.dumps(row['summary'])}", flush=True)
             write()
-    write()
+    if dead:  # leave without the teardown that would abort on the dead context (bench/isolated.py)
+        sys.stdout.flush()
+        os._exit(3)
     return 0
 
 

@@ -204,6 +204,36 @@ def test_the_tiny_run_profiles_every_pass_and_phase_and_writes_what_a_gpu_result
                     for proj in ("gate_up", "down")] == [1.0] * 6
             assert block["model"]["ideal"]["ideal_ms"] > 0 and block["eager"]["step"]["median_ms"] > 0
             assert row["engine_layer"]["eager"]["step"]["median_ms"] > 0
+            assert row["engine_layer"]["eager"]["routing"]["rows"] == 32 * 2
+            # the skewed stream leaves experts without tokens, and the grouped products agree with the loop
+            skewed = row["engine_block_skewed"]
+            assert skewed["routing"]["experts_with_tokens"] < 4 and skewed["routing"]["rows_per_expert"]["min"] == 0
+            compared = skewed["grouped_vs_loop"]
+            for key in ("output", "input_grad", *(["adapter_grads"] if variant == "experts" else [])):
+                assert compared[f"{key}_max_abs_diff"] <= 1e-5 * compared[f"{key}_max_abs"], compared
             assert row["hf_block"]["experts_implementation"] and row["hf_block"]["step"]["median_ms"] > 0
             assert row["summary"]["layer_speedup_vs_hf"] > 0
             assert row["summary"]["engine_eager_ms"] and row["summary"]["top_phases"]
+
+
+def test_isolated_sections_land_where_one_process_puts_them_and_launch_blocking_reaches_its_section(
+        tmp_path: Path, studio_env: dict, python: str) -> None:
+    """The GPU's way (each section in a process of its own, bench/isolated.py), here on the CPU:
+    the peaks and every section's result in the same places, CUDA_LAUNCH_BLOCKING in the section
+    asked for only."""
+    out = tmp_path / "isolated.json"
+    done = subprocess.run([python, str(REPO / "bench" / "moe_layer_profile.py"), "--tiny", "--model", "qwen3-30b-a3b",
+                           "--variants", "attn", "--tokens", "32", "--warmup", "1", "--loops", "1", "--repeats", "1",
+                           "--skip", "profile,hf", "--isolate", "on", "--launch-blocking", "engine_layer_eager",
+                           "--out", str(out)], cwd=tmp_path, env=studio_env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["isolated"] and report["launch_blocking"] == ["engine_layer_eager"]
+    assert report["gpu"] == "cpu" and report["peaks"]["used"]["flops"] > 0
+    row = report["models"]["qwen3-30b-a3b"]["variants"]["attn"]
+    assert set(row) == {"engine_block", "engine_block_skewed", "engine_layer", "summary"}
+    assert row["engine_block"]["storage"]["format"] == "PackedExperts" and "launch_blocking" not in row["engine_block"]
+    assert row["engine_block"]["model"]["ideal"]["ideal_ms"] > 0  # the peaks reached the section's process
+    assert row["engine_block_skewed"]["routing"]["rows_per_expert"]["min"] == 0
+    assert row["engine_layer"]["eager"]["launch_blocking"] and row["engine_layer"]["eager"]["step"]["median_ms"] > 0
+    assert row["summary"]["block_share_of_layer_step"] > 0

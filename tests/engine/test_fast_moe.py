@@ -175,19 +175,27 @@ def test_each_expert_s_tokens_are_counted_for_the_step() -> None:
     assert fast_model.take_expert_tokens() == [0, 0, 0, 0]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_grouped_product_equals_a_product_per_expert(dtype: torch.dtype) -> None:
-    """torch's grouped kernel (an expert without tokens among them) against the per-expert loop:
-    the product, the input's gradient and the adapters', for sorted rows of four experts."""
+@pytest.mark.parametrize("counts", [[5, 0, 7, 4], [0, 9, 7, 0], [300, 0, 0, 0]],
+                         ids=["empty-between", "empty-first-and-last", "one-takes-all"])
+@pytest.mark.parametrize(("device", "dtype"), [
+    ("cpu", torch.float32), ("cpu", torch.bfloat16),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                  reason="needs a CUDA GPU"))])
+def test_the_grouped_product_equals_a_product_per_expert(device: str, dtype: torch.dtype, counts: list[int]) -> None:
+    """torch's grouped kernel against the per-expert loop: the product, the input's gradient and
+    the adapters', for sorted rows of four experts, with experts that got no tokens between, before
+    and after the others, and one expert taking every row (the routing of a random one-layer model's
+    own stream: bench/moe_layer_profile.py's skewed_block). On CUDA, the grouped kernel a GPU run
+    takes (bf16)."""
     torch.manual_seed(0)
-    counts = torch.tensor([5, 0, 7, 4])
+    counts = torch.tensor(counts, device=device)
     rows, experts, d_in, d_out, r = int(counts.sum()), 4, 64, 32, 8
-    weights = ExpertWeights(torch.randn(experts, d_out, d_in), dtype)
-    x = torch.randn(rows, d_in, dtype=dtype)
-    a = (torch.randn(experts, r, d_in) * 0.1).to(dtype)
-    b = (torch.randn(experts, d_out, r) * 0.1).to(dtype)
-    dy = torch.randn(rows, d_out, dtype=dtype)
-    assert kernel_takes(x, weights.stacked().transpose(1, 2))  # the CPU build's kernel runs here
+    weights = ExpertWeights(torch.randn(experts, d_out, d_in, device=device), dtype)
+    x = torch.randn(rows, d_in, dtype=dtype, device=device)
+    a = (torch.randn(experts, r, d_in, device=device) * 0.1).to(dtype)
+    b = (torch.randn(experts, d_out, r, device=device) * 0.1).to(dtype)
+    dy = torch.randn(rows, d_out, dtype=dtype, device=device)
+    assert kernel_takes(x, weights.stacked().transpose(1, 2))  # torch's grouped kernel runs here
     results = []
     for loop in (False, True):
         leaves = [t.clone().requires_grad_() for t in (x, a, b)]
@@ -205,7 +213,8 @@ def test_the_grouped_product_equals_a_product_per_expert(dtype: torch.dtype) -> 
         ref = xe @ w[e].t() + 2.0 * xe @ a[e].float().t() @ b[e].float().t()
         torch.testing.assert_close(results[1][0][start:start + n].float(), ref, **tol)
         start += n
-    assert results[0][2][1].abs().sum() == 0  # the expert without tokens gets no gradient
+    for e in (counts == 0).nonzero().flatten().tolist():  # an expert without tokens gets no gradient
+        assert results[0][2][e].abs().sum() == 0 and results[0][3][e].abs().sum() == 0
 
 
 @pytest.mark.parametrize(("model_type", "settings", "words"), [
