@@ -6,7 +6,7 @@ A kernel's category comes first from the code that launched it (the operators an
 the host when it was launched, innermost first: :data:`CONTEXTS`), then from its own name
 (:data:`NAMES`). Kernels replayed from a CUDA graph were launched by the graph as a whole, so their
 names alone place them: Studio's Triton kernels are named after their functions
-(``attention_forward``, ``swiglu_backward``, ``nf4_dequantize``...), liger-kernel's after its
+(``attention_forward``, ``gated_backward``, ``nf4_dequantize``...), liger-kernel's after its
 (``_geglu_tanh_forward_kernel``, ``liger_cross_entropy_kernel``...).
 
 On a machine without a GPU the trace has no kernels; the operators that call no other operator
@@ -38,6 +38,8 @@ NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention: Studio's fused kernels", ("attention_forward", "attention_delta", "attention_backward")),
     ("attention: flash / SDPA", ("flash", "fmha", "cudnn", "scaled_dot_product", "sdpa")),
     (LOSS, ("cross_entropy", "element_mul", "nll_loss", "log_softmax")),
+    ("gated activation: Studio's kernel (SwiGLU or GeGLU, the LoRA update inside)", ("gated_forward",
+                                                                                     "gated_backward")),
     ("GELU (GeGLU)", ("geglu", "gelu")),
     ("SwiGLU", ("swiglu", "silu")),
     ("norms", ("rms_norm", "rmsnorm", "layer_norm")),

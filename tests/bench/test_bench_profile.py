@@ -49,6 +49,7 @@ def test_repeated_levers_run_interleaved_after_one_warm_up_run_that_is_not_kept(
 
 
 FUSED, FLASH = "attention: Studio's fused kernels", "attention: flash / SDPA"
+GATED = "gated activation: Studio's kernel (SwiGLU or GeGLU, the LoRA update inside)"
 GEMM = "nvjet_sm90_tst_256x128_64x4_1x2_h_badd_coopA_NNT"
 
 
@@ -59,7 +60,8 @@ def test_a_kernel_goes_to_what_it_computes_by_its_name_or_the_code_that_launched
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x": FLASH,
         "void flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>": FLASH,
         "_geglu_tanh_forward_kernel": "GELU (GeGLU)", "_geglu_tanh_backward_kernel": "GELU (GeGLU)",
-        "_swiglu_fused_gate_up_forward_kernel": "SwiGLU", "swiglu_backward": "SwiGLU",
+        "_swiglu_fused_gate_up_forward_kernel": "SwiGLU", "_swiglu_fused_gate_up_backward_kernel": "SwiGLU",
+        "gated_forward": GATED, "gated_backward": GATED,
         "_rms_norm_forward_kernel": "norms", "rms_norm_backward": "norms", "_triton_rope": "RoPE",
         "nf4_dequantize": "4-bit dequantization", "residual_update": "LoRA update and residual",
         GEMM: "matrix products", "indexSelectLargeIndex": "embedding",
