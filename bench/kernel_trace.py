@@ -24,7 +24,7 @@ EMBEDDING = "embedding"
 OPTIMIZER = "optimizer"
 
 CONTEXTS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (LOSS, ("bench.loss", "linearcrossentropy", "tokenlogps")),
+    (LOSS, ("bench.loss", "linearcrossentropy", "headcrossentropy", "tokenlogps")),
     (EMBEDDING, ("bench.embedding",)),
     ("attention: plain torch", ("eagerattention",)),
     (OPTIMIZER, ("optimizer.step", "clip_grad")),
@@ -32,7 +32,7 @@ CONTEXTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 """A category by the host code a kernel was launched from: a needle in the name (lowercased) of an
 operator or range open at the launch. ``bench.loss`` and ``bench.embedding`` are the ranges
 bench/profile_gpu_bound.py opens around the fast path's loss and embedding; the autograd Functions'
-own records (liger's fused linear cross-entropy, Studio's EagerAttention) name the rest."""
+own records (Studio's and liger's fused cross-entropy, Studio's EagerAttention) name the rest."""
 
 NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention: Studio's fused kernels", ("attention_forward", "attention_delta", "attention_backward")),

@@ -105,12 +105,12 @@ def fast_facts(fm) -> dict:
     are on in this process (a kernel that failed here, a graph capture that failed)."""
     from dataclasses import asdict
 
-    from studio.engine.fast import dequant, norm, update
+    from studio.engine.fast import cross_entropy, dequant, norm, update
 
     if fm is None:
         return {"path": "plain"}
-    failed = {name: module.broken() for name, module in (("dequant", dequant), ("update", update), ("norm", norm))
-              if module.broken()}
+    failed = {name: module.broken() for name, module in (("dequant", dequant), ("update", update), ("norm", norm),
+                                                         ("cross_entropy", cross_entropy)) if module.broken()}
     return {"path": "fast", "settings": asdict(fm.options), "liger": fm.liger is not None,
             "varlen": fm.varlen is not None, "cuda_graphs": fm._graphs is not None,
             "host_offload": fm._host is not None, "adapter_dropout": fm._seed is not None,

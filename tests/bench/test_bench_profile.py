@@ -74,6 +74,8 @@ def test_a_kernel_goes_to_what_it_computes_by_its_name_or_the_code_that_launched
     # the loss' head products are GEMMs: theirs by the code that launched them, eager or labelled
     assert category(GEMM, "kernel", ("bench.loss", "LigerFusedLinearCrossEntropyFunction", "aten::mm")) == LOSS
     assert category(GEMM, "kernel", ("autograd::engine::evaluate_function: TokenLogpsBackward",)) == LOSS
+    assert category(GEMM, "kernel", ("HeadCrossEntropy", "aten::mm")) == LOSS
+    assert category("cross_entropy_rows", "kernel", ("HeadCrossEntropy",)) == LOSS
     assert category("vectorized_elementwise_kernel<mul>", "kernel", ("bench.embedding", "aten::mul")) == "embedding"
     assert category("multi_tensor_apply_kernel", "kernel", ("Optimizer.step#AdamW.step",)) == "optimizer"
     assert category("aten::mm", "kernel", ("EagerAttention",)) == "attention: plain torch"

@@ -21,8 +21,9 @@ fp32 residual stream, no per-module saved inputs, no logits. What today's engine
   model's fewer key/value heads, the key and value repeated to the query heads' count among it; with
   a GeGLU MLP whose activation runs outside Studio's kernels, the contiguous copies of gate and up
   liger's kernel takes: :func:`gelu_copies_per_token`),
-  and the fused cross-entropy's gradient of the hidden states (the logits are never materialised); the
-  shared buffer every 4-bit weight is dequantized into (as large as the widest single projection);
+  and the fused cross-entropy's gradient of the hidden states with one chunk of logits (never all of
+  them: :func:`loss_bytes`); the shared buffer every 4-bit weight is dequantized into (as large as
+  the widest single projection);
 - overhead: the CUDA context; with CUDA graphs (micro-batches of up to core/plan.py's
   GRAPH_TOKEN_LIMIT tokens), the free blocks of the graph's private pool.
 
@@ -97,6 +98,14 @@ streams, on the main and the autograd thread, have theirs. Counted in the alloca
 peak of two H100 Trainer rows (bench/results/archive/h100_v7_attribution.json: five 32 MiB blocks, one from
 the first product of the run, four from the fused products' first calls on the capture's streams);
 the engine frees the capture's once it is done."""
+
+LOSS_CHUNK_ROWS = 128
+"""The fewest rows a chunk of the fast path's fused loss takes (engine/fast/cross_entropy.py). Each
+chunk reads the whole head twice (its logits' product, the hidden states' gradient's), so the
+products take about ``206 / rows`` times their arithmetic's time in reading it on an H200 (989
+TFLOP/s over 4.8 TB/s): 1.6x at 128 rows, 6.4x at liger's 32 (2,048 tokens over Gemma 2's 256,000
+words). 256 rows would reach the card's rate with twice the logits held (up to 131 MB in bf16 at
+that vocabulary); 128 keeps the estimate within its bar on the measured rows of liger's engine."""
 
 MAX_LAYOUTS = 2
 """CUDA-graph layouts a run of unpacked rows of varying lengths captures (engine/fast/model.py's
@@ -261,6 +270,21 @@ def dequantizes(weights: str) -> bool:
     return weights in ("nf4", "fp4")
 
 
+def loss_chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
+    """Rows a chunk of the fast path's fused loss takes (engine/fast/cross_entropy.py): as many as make
+    its logits as large as the hidden states (liger's rule), but at least :data:`LOSS_CHUNK_ROWS`,
+    rounded up to a multiple of 128 (the products' tiles), and never more than the tokens."""
+    rows = max(LOSS_CHUNK_ROWS, -(-tokens * hidden // max(vocab, 1)))
+    return max(1, min(tokens, -(-rows // 128) * 128))
+
+
+def loss_bytes(info: ModelInfo, tokens: int, compute: int) -> int:
+    """The fused loss's working set: the gradient of the final hidden states and one chunk's logits
+    (:func:`loss_chunk_rows` rows of the vocabulary, in the compute dtype, their gradient written
+    over them)."""
+    return tokens * info.hidden * compute + loss_chunk_rows(tokens, info.hidden, info.vocab) * info.vocab * compute
+
+
 def saved_per_token(info: ModelInfo, compute: int) -> int:
     """Bytes per token that the checkpointed layers keep on the device at a backward's start: with
     the layer inputs and their rotated q, k and v on the host, two inputs (the one being recomputed
@@ -277,8 +301,7 @@ def step_activations(info: ModelInfo, tokens: int, compute: int, gate_in_kernel:
     saved = tokens * saved_per_token(info, compute)
     working = tokens * (LAYER_WORKING_SET * layer_outputs_per_token(info, compute)
                         + gelu_copies_per_token(info, compute, gate_in_kernel))
-    loss = tokens * 2 * info.hidden * compute  # the fused loss's gradient of the last hidden states
-    return saved + working + loss
+    return saved + working + loss_bytes(info, tokens, compute)
 
 
 def dropout_bytes(info: ModelInfo, tokens: int, compute: int, rate: float, targets: tuple[str, ...]) -> int:
