@@ -7,7 +7,8 @@ linear projection of the layers, ``seq x mb`` tokens of full-length rows:
 
 1. **Where the time goes.** Studio's fast path (``studio.engine.fast``, the loop of bench/speed.py)
    trains ``--steps`` steps per variant (the defaults, and each ``--levers`` entry: a
-   bench/speed.py lever switched off); two steps of the defaults are profiled and every kernel is
+   bench/speed.py lever switched off, or an earlier way of the engine, :data:`EARLIER_WAYS`:
+   liger's loss, liger's GeGLU); two steps of the defaults are profiled and every kernel is
    put in a category by bench/kernel_trace.py (matrix products, 4-bit dequantization, Studio's
    fused attention, flash attention, the loss with its head products and soft-cap, GELU, SwiGLU,
    norms, RoPE, the LoRA update kernels, the embedding, the optimizer, elementwise, device and
@@ -48,6 +49,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kernel_trace import compute_stream_gaps, kernel_table  # noqa: E402
+
+EARLIER_WAYS = {
+    "liger_loss": "the loss through liger's fused cross-entropy (its thin chunks), not engine/fast/cross_entropy.py",
+    "liger_geglu": "GeGLU as the product, then liger's GELU kernel (copies of gate and up), not Studio's gated kernel",
+}
+"""``--levers`` entries beside bench/speed.py's settings: an earlier way of the engine, patched in
+this process only (nothing in studio/ changes: :func:`earlier_way`), so one call times both."""
 
 LEGACY = "llama2-7b"
 """The default model: bench/speed.py's random Llama-2-7B (issue 13's rows)."""
@@ -230,6 +238,28 @@ def random_batches(seq: int, mb: int, vocab: int, count: int = 4) -> list[dict]:
 
 
 @contextlib.contextmanager
+def earlier_way(lever: str) -> Iterator[None]:
+    """The engine as it was before one of the changes :data:`EARLIER_WAYS` names, while a variant
+    is built and trains (a lever that is not one of them changes nothing here)."""
+    from studio.engine.fast import cross_entropy, update
+
+    if lever == "liger_loss":
+        saved, cross_entropy.available = cross_entropy.available, lambda device, dtype: False
+        try:
+            yield
+        finally:
+            cross_entropy.available = saved
+    elif lever == "liger_geglu":
+        saved, update.ACTIVATIONS = update.ACTIVATIONS, ("silu",)
+        try:
+            yield
+        finally:
+            update.ACTIVATIONS = saved
+    else:
+        yield
+
+
+@contextlib.contextmanager
 def labelled(fast_model) -> Iterator[None]:
     """The fast path's loss and embedding inside ``bench.loss`` and ``bench.embedding`` ranges while
     a profile runs (in this process only; nothing in studio/ changes): the kernels they launch
@@ -296,13 +326,14 @@ def run_workload(model, spec: str, shape: Shape, args, trace: Path) -> dict:
     levers = ["all", *[x for x in args.levers.split(",") if x]]
     warmup = min(3, max(0, args.steps - 1))
     for repeat, lever in schedule(levers, args.repeats):
-        fm, why = fast.prepare(model, FastPathConfig(**LEVERS[lever]))
-        if fm is None:
-            row["variants"][lever] = {"error": why}
-            continue
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        res = studio_train(fm, params, batches, args.steps, 2e-4, warmup, 42)
+        with earlier_way(lever):
+            fm, why = fast.prepare(model, FastPathConfig(**LEVERS.get(lever, {})))
+            if fm is None:
+                row["variants"][lever] = {"error": why}
+                continue
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            res = studio_train(fm, params, batches, args.steps, 2e-4, warmup, 42)
         step_ms = round(statistics.median(res["step_s"][warmup:]) * 1e3, 2)
         if repeat < 0:
             print(f"{spec} {lever} (warm-up run, not kept): {res['tokens_per_s']:.0f} tokens/s", flush=True)
@@ -344,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
                                          f"default the Llama-2-7B shape ({LEGACY})")
     parser.add_argument("--workloads", help="SEQxMB, comma-separated (default 512x16,4096x1; 64x1 with --tiny)")
     parser.add_argument("--steps", type=int, default=12, help="steps a variant trains (the first 3 untimed)")
-    parser.add_argument("--levers", default="no_offload", help="bench/speed.py levers to time too ('' for none)")
+    parser.add_argument("--levers", default="no_offload",
+                        help="variants to time too, comma-separated ('' for none): bench/speed.py's settings "
+                             f"levers, or an earlier way of the engine ({', '.join(EARLIER_WAYS)})")
     parser.add_argument("--models-dir", default="/tmp/models")
     parser.add_argument("--commit", help="the commit this tree is (default: git rev-parse HEAD)")
     parser.add_argument("--tiny", action="store_true", help="the families at a tiny shape on the CPU (fp32)")
@@ -355,7 +388,12 @@ def main(argv: list[str] | None = None) -> int:
                              "after one warm-up run that is not kept: each variant's rates and their median, "
                              "for levers of about the run-to-run spread")
     args = parser.parse_args(argv)
+    from bench.speed import LEVERS
+
     names = args.family.split(",") if args.family else [LEGACY]
+    odd = [x for x in args.levers.split(",") if x and x not in LEVERS and x not in EARLIER_WAYS]
+    if odd:
+        parser.error(f"unknown lever {', '.join(odd)}; choose from {', '.join([*LEVERS, *EARLIER_WAYS])}")
     unknown = [n for n in names if n not in FAMILIES and not (n == LEGACY and not args.tiny)]
     if unknown:
         parser.error(f"unknown family {', '.join(unknown)}; choose from {', '.join(FAMILIES)}"

@@ -12,7 +12,7 @@ from pathlib import Path
 from helpers import REPO
 
 from bench.kernel_trace import HOST_COPIES, LOSS, category, idle_by_phase, kernel_table
-from bench.profile_gpu_bound import schedule
+from bench.profile_gpu_bound import earlier_way, schedule
 
 
 def _x(cat: str, name: str, ts: float, dur: float) -> dict:
@@ -142,8 +142,8 @@ def test_tiny_profiles_gemma_2_and_its_llama_control_on_the_cpu(tmp_path: Path, 
     soft-capped attention in plain torch here; Llama's SwiGLU and SDPA) and the loss's range."""
     out = tmp_path / "profile.json"
     command = [python, str(REPO / "bench" / "profile_gpu_bound.py"), "--tiny", "--family", "gemma-2-9b,llama-3-8b",
-               "--workloads", "48x2", "--steps", "3", "--levers", "", "--models-dir", str(tmp_path / "models"),
-               "--out", str(out), "--commit", "abc123"]
+               "--workloads", "48x2", "--steps", "3", "--levers", "liger_loss", "--models-dir",
+               str(tmp_path / "models"), "--out", str(out), "--commit", "abc123"]
     done = subprocess.run(command, cwd=tmp_path, env=studio_env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -154,9 +154,10 @@ def test_tiny_profiles_gemma_2_and_its_llama_control_on_the_cpu(tmp_path: Path, 
     for name, entry in report["models"].items():
         assert entry["config"]["model_type"] == {"gemma-2-9b": "gemma2", "llama-3-8b": "llama"}[name]
         row = entry["workloads"]["48x2"]
-        variant = row["variants"]["all"]
-        assert variant["tokens_per_s"] > 0 and variant["step_ms"] > 0 and len(variant["losses"]) == 3
-        assert variant["fast_path"]["path"] == "fast"
+        for lever in ("all", "liger_loss"):
+            variant = row["variants"][lever]
+            assert variant["tokens_per_s"] > 0 and variant["step_ms"] > 0 and len(variant["losses"]) == 3
+            assert variant["fast_path"]["path"] == "fast"
         table = row["profile_2_steps"]
         assert table["kernels_from"] == "cpu ops" and 0 < table["busy_share"] <= 1
         categories[name] = set(table["by_category_ms_per_step"])
@@ -165,3 +166,23 @@ def test_tiny_profiles_gemma_2_and_its_llama_control_on_the_cpu(tmp_path: Path, 
     assert not {"SwiGLU", FLASH} & categories["gemma-2-9b"]
     assert {"SwiGLU", FLASH} <= categories["llama-3-8b"]
     assert not {"GELU (GeGLU)", "attention: plain torch"} & categories["llama-3-8b"]
+
+
+def test_an_earlier_way_of_the_engine_holds_only_while_its_variant_runs(kernel_device) -> None:
+    """``--levers liger_loss,liger_geglu``: the loss and GeGLU as they ran before Studio's kernels took
+    them, patched in the bench's process for one variant and put back after it."""
+    import torch
+
+    from studio.engine.fast import cross_entropy, update
+
+    dtype = torch.bfloat16
+    assert cross_entropy.available(kernel_device, dtype) and "gelu_pytorch_tanh" in update.ACTIVATIONS
+    with earlier_way("liger_loss"):
+        assert not cross_entropy.available(kernel_device, dtype)
+        assert "gelu_pytorch_tanh" in update.ACTIVATIONS
+    with earlier_way("liger_geglu"):
+        assert cross_entropy.available(kernel_device, dtype)
+        assert update.ACTIVATIONS == ("silu",)
+    with earlier_way("no_offload"):  # a settings lever: nothing patched
+        assert cross_entropy.available(kernel_device, dtype) and "gelu_pytorch_tanh" in update.ACTIVATIONS
+    assert cross_entropy.available(kernel_device, dtype) and "gelu_pytorch_tanh" in update.ACTIVATIONS
