@@ -25,9 +25,10 @@ GPU, versions; per model its config, build and load seconds, per workload the va
 and step ms, the kernel table per step, and the ceiling); after each model, so a call cut short
 keeps what it measured.
 
-    # Gemma-2-9B and its Llama-3-8B control at 2048 x 1 on one GPU (~200 s on an H200 with the builds)
-    python bench/profile_gpu_bound.py --family gemma-2-9b,llama-3-8b --workloads 2048x1 --steps 6 --levers "" \\
-        --models-dir /tmp/models --out $OUT/profile_gemma2_llama3.json
+    # Gemma-2-9B and its Llama-3-8B control at 2048 x 1 on one GPU, each with the loss and GeGLU as
+    # they ran before (about 200 s on an H200 with the builds; --levers "" saves about 40 s)
+    python bench/profile_gpu_bound.py --family gemma-2-9b,llama-3-8b --workloads 2048x1 --steps 6 \\
+        --levers liger_loss,liger_geglu --models-dir /tmp/models --out $OUT/profile_gemma2_llama3.json
     # issue 13's rows, the Llama-2-7B shape
     python bench/profile_gpu_bound.py --out bench/results/current/x.json --workloads 512x16,4096x1
 """
