@@ -235,7 +235,7 @@ def main() -> int:
 
         def cublas_swiglu():
             torch.mm(x, w.T, out=gu)
-            update.swiglu(gu, xa, bt, scale, split)
+            update.gated(gu, xa, bt, scale, split)
 
         def case(cfg, write_gu, swiglu):
             return lambda: fused_gate_up(x, w, xa if swiglu else None, bt, scale, rank, cfg, write_gu, swiglu,
@@ -259,7 +259,7 @@ def main() -> int:
                 "act_mean_abs": float(ref_act.float().abs().mean()),
             }
             working.append(cfg)
-        studio_act = update.swiglu(torch.mm(x, w.T), xa, bt, scale, split)
+        studio_act = update.gated(torch.mm(x, w.T), xa, bt, scale, split)
         entry["checks"]["studio_swiglu_act_max_abs_diff"] = float((studio_act.float() - ref_act.float()).abs().max())
 
         cases = {"cublas": cublas, "cublas_swiglu": cublas_swiglu}

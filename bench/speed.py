@@ -105,34 +105,38 @@ def fast_facts(fm) -> dict:
     are on in this process (a kernel that failed here, a graph capture that failed)."""
     from dataclasses import asdict
 
-    from studio.engine.fast import dequant, norm, update
+    from studio.engine.fast import cross_entropy, dequant, norm, update
 
     if fm is None:
         return {"path": "plain"}
-    failed = {name: module.broken() for name, module in (("dequant", dequant), ("update", update), ("norm", norm))
-              if module.broken()}
+    failed = {name: module.broken() for name, module in (("dequant", dequant), ("update", update), ("norm", norm),
+                                                         ("cross_entropy", cross_entropy)) if module.broken()}
     return {"path": "fast", "settings": asdict(fm.options), "liger": fm.liger is not None,
             "varlen": fm.varlen is not None, "cuda_graphs": fm._graphs is not None,
             "host_offload": fm._host is not None, "adapter_dropout": fm._seed is not None,
             "kernels_failed": failed, "graphs_failed": fm.graphs_failed}
 
 
-def studio_load(model_path: str, lora_dropout: float, seed: int):
-    """The 4-bit model with LoRA attached, as Studio's engine loads it (no fp32 upcasts)."""
+def studio_load(model_path: str, lora_dropout: float, seed: int, targets: list[str] | None = None):
+    """The 4-bit model with LoRA attached, as Studio's engine loads it (no fp32 upcasts); ``targets``:
+    the LoRA modules (default the seven of a Llama layer). Without a GPU (bench/profile_gpu_bound.py's
+    ``--tiny``), the model in fp32 on the CPU, unquantized."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from bench.baseline_qlora import LORA_TARGETS
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quant, dtype=torch.bfloat16,
-                                                 device_map={"": 0}, attn_implementation="sdpa")
+    kwargs: dict = {"dtype": torch.float32}
+    if torch.cuda.is_available():
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.bfloat16)
+        kwargs = {"quantization_config": quant, "dtype": torch.bfloat16, "device_map": {"": 0}}
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)  # its own attention: the fast path has its own
     for p in model.parameters():
         p.requires_grad_(False)
     torch.manual_seed(seed)
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=lora_dropout, target_modules=LORA_TARGETS,
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=lora_dropout, target_modules=targets or LORA_TARGETS,
                       bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, lora)
 
@@ -148,17 +152,25 @@ def random_7b(models_dir: str, lora_dropout: float = 0.0, seed: int = 42):
 
 def studio_train(fast_model, params, batches, steps: int, lr: float, warmup_steps: int, seed: int,
                  profile: Path | None = None) -> dict:
-    """Same loop as the baseline's, with the fast path's loss and a fused AdamW."""
+    """Same loop as the baseline's, with the fast path's loss and a fused AdamW (on CUDA; on the CPU,
+    where the fast path runs for the tests, the same loop with torch's plain AdamW)."""
     import torch
 
     from bench.baseline_qlora import WARMUP
 
+    device = fast_model.backbone.embed_tokens.weight.device
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=cuda)
     # Linear warmup over the first steps (as Studio's trainer does), then constant.
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / (WARMUP + 1) if s < WARMUP else 1.0)
     losses, times, tokens = [], [], []
-    torch.cuda.synchronize()
+    sync()
     prof = None
     for step in range(steps):
         batch = batches[step % len(batches)]
@@ -172,23 +184,24 @@ def studio_train(fast_model, params, batches, steps: int, lr: float, warmup_step
             prof = None
         t0 = time.perf_counter()
         mask = batch["attention_mask"]
-        loss = fast_model.loss(batch["input_ids"].cuda(non_blocking=True), batch["labels"].cuda(non_blocking=True),
-                               mask.cuda(non_blocking=True) if mask is not None else None,
-                               batch["position_ids"].cuda(non_blocking=True))
+        loss = fast_model.loss(batch["input_ids"].to(device, non_blocking=True),
+                               batch["labels"].to(device, non_blocking=True),
+                               mask.to(device, non_blocking=True) if mask is not None else None,
+                               batch["position_ids"].to(device, non_blocking=True))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
         tokens.append(int(batch["tokens"]))
     timed = slice(warmup_steps, None)
     return {"losses": losses, "step_s": times, "tokens": tokens,
             "tokens_per_s": sum(tokens[timed]) / sum(times[timed]),
-            "peak_allocated": torch.cuda.max_memory_allocated(),
-            "peak_reserved": torch.cuda.max_memory_reserved()}
+            "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+            "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None}
 
 
 def write_profile(prof, path: Path, wall_s: float) -> None:
@@ -392,7 +405,7 @@ def profile_steps(step: int, start: int, state: dict) -> None:
     the GPU's idle time under the Trainer's labelled phases (``state["gaps"]``)."""
     import torch
 
-    from bench.profile_gpu_bound import idle_by_phase, kernel_table
+    from bench.kernel_trace import idle_by_phase, kernel_table
 
     if step == start:
         torch.cuda.synchronize()

@@ -60,13 +60,13 @@ def main() -> int:
         r = {
             "gate_up/update_product_bz": timed(lambda: y.addmm_(xa, bt, beta=0, alpha=scale)),
             "gate_up/liger_swiglu_forward": timed(lambda: swiglu_fused_gate_up_forward(gu)),
-            "gate_up/studio_swiglu_forward_with_update": timed(lambda: update.swiglu(gu, xa, bt, scale, split)),
-            "gate_up/studio_swiglu_forward_no_update": timed(lambda: update.swiglu(gu, None, None, 1.0)),
+            "gate_up/studio_swiglu_forward_with_update": timed(lambda: update.gated(gu, xa, bt, scale, split)),
+            "gate_up/studio_swiglu_forward_no_update": timed(lambda: update.gated(gu, None, None, 1.0)),
             "gate_up/liger_swiglu_backward_in_place": timed(lambda: swiglu_fused_gate_up_backward(gu, dout, True)),
             "gate_up/studio_swiglu_backward_with_update": timed(
-                lambda: update.swiglu_backward_(gu, xa, bt, scale, dout, split)),
+                lambda: update.gated_backward_(gu, xa, bt, scale, dout, split)),
             "gate_up/studio_swiglu_backward_no_update": timed(
-                lambda: update.swiglu_backward_(gu, None, None, 1.0, dout)),
+                lambda: update.gated_backward_(gu, None, None, 1.0, dout)),
         }
         ys = torch.randn(m, hidden, device=dev, dtype=bf)
         res = torch.randn(m, hidden, device=dev, dtype=bf)
@@ -108,8 +108,8 @@ def main() -> int:
                                   (32, 256, 8), (128, 64, 8), (128, 128, 8)):
                 update.BLOCK_M, update.BLOCK_N, update.NUM_WARPS = bm, bn, warps
                 update.BACKWARD_BLOCK = (bm, bn)
-                fwd = timed(lambda: update.swiglu(gu, xa, bt, scale, split))
-                bwd = timed(lambda: update.swiglu_backward_(gu, xa, bt, scale, dout, split))
+                fwd = timed(lambda: update.gated(gu, xa, bt, scale, split))
+                bwd = timed(lambda: update.gated_backward_(gu, xa, bt, scale, dout, split))
                 resid = timed(lambda: update.add_update_and_residual_(ys, xa1, bt1, scale, res))
                 key = f"{m}/sweep/{bm}x{bn}_w{warps}"
                 result["us"][key] = {"swiglu_forward": fwd, "swiglu_backward": bwd, "residual": resid}

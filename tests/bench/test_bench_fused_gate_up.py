@@ -45,7 +45,7 @@ def test_the_fused_kernel_gives_the_product_and_swiglu_of_product_plus_update(ke
     assert (gu.float() - base).abs().max().item() <= tol * base.abs().max().item()
     assert (act.float() - want_act).abs().max().item() <= tol * want_act.abs().max().item()
     # the engine's own SwiGLU kernel on the rounded base output: the same values to its rounding
-    engine = update.swiglu(base.to(torch.bfloat16), xa, bt, scale, (0, rank, rank, rank))
+    engine = update.gated(base.to(torch.bfloat16), xa, bt, scale, (0, rank, rank, rank))
     assert (act.float() - engine.float()).abs().max().item() <= tol * want_act.abs().max().item()
 
     # the forward's mode writes SwiGLU's output alone; without adapters it is the base's SwiGLU

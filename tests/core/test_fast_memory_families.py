@@ -1,6 +1,7 @@
 """The fast path's memory model where the family grid (bench/vram_measure.py --grid families) found it
 wrong: the evaluation after the last step, which runs once the CUDA graphs' pools are given back, and
-a GeGLU MLP's copies of gate and up. Each expectation is counted from tensor sizes."""
+a GeGLU MLP's copies of gate and up where its activation runs outside Studio's kernel. Each
+expectation is counted from tensor sizes."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_the_last_evaluation_runs_after_the_graphs_pools_are_given_back() -> Non
     steps still sits beside the pool. SmolLM3-3B at 4096 tokens: beside the pool its pass reserves
     more than the training step (the run's peak); after the last step the step sets the peak."""
     assert graphs_for(LONG_ROW.real_tokens, 0.0, cuda=True)
-    pool = fast.graph_pool_bytes(SMOLLM3, 4096, 2)
+    pool = fast.graph_pool_bytes(SMOLLM3, 4096, 2, fast.gate_in_kernel(LONG_ROW))
     beside = estimate_plan(SMOLLM3, LONG_ROW)
     after = estimate_plan(SMOLLM3, replace(LONG_ROW, evaluates_between_steps=False))
     step = beside.phases["training step"]
@@ -66,31 +67,42 @@ def test_without_graphs_there_is_no_pool_to_give_back() -> None:
         SMOLLM3, replace(eager, evaluates_between_steps=False)).phases
 
 
-def test_a_geglu_layer_holds_copies_of_gate_and_up_that_a_swiglu_layer_does_not() -> None:
-    """Gemma's MLP (GELU-tanh) goes through liger's GELU-and-multiply kernel, which takes gate and up
-    contiguous: the recomputed layer copies both halves of gate/up's output, two
-    ``tokens x intermediate`` tensors, while that output is alive. SwiGLU's kernels read it in place.
-    Gemma-3-4B (intermediate 10,240) at 4 x 1024 tokens in bf16: 2 x 4096 x 10,240 x 2 B = 168 MB more
-    in the step's working set, and in the graph's pool that holds it, than the same shape with SiLU."""
+def test_a_geglu_layer_copies_gate_and_up_only_where_its_activation_runs_outside_studio_s_kernel() -> None:
+    """Gemma's MLP (GELU-tanh) runs in Studio's gated kernel (engine/fast/update.py) where gate or up
+    has an adapter and the kernels are on: it reads gate/up's output where it is, as SwiGLU's does.
+    Elsewhere (``trainer.fast_path.kernels: false``, or no adapter on gate and up) it goes through
+    liger's GELU-and-multiply kernel, which takes gate and up contiguous: the recomputed layer copies
+    both halves of gate/up's output, two ``tokens x intermediate`` tensors, while that output is
+    alive. Gemma-3-4B (intermediate 10,240) at 4 x 1024 tokens in bf16: 2 x 4096 x 10,240 x 2 B =
+    168 MB more in the step's working set, and in the graph's pool that holds it, than the same
+    shape with SiLU."""
     assert GEMMA3.activation == "gelu_pytorch_tanh" and SMOLLM3.activation == "silu"
-    assert fast.gelu_copies_per_token(GEMMA3, 2) == 2 * 10240 * 2
-    assert fast.gelu_copies_per_token(SMOLLM3, 2) == 0
+    assert fast.gelu_copies_per_token(GEMMA3, 2, gate_in_kernel=False) == 2 * 10240 * 2
+    assert fast.gelu_copies_per_token(GEMMA3, 2, gate_in_kernel=True) == 0
+    assert fast.gelu_copies_per_token(SMOLLM3, 2, gate_in_kernel=False) == 0
     silu = replace(GEMMA3, activation="silu")
     tokens = 4096
     copies = tokens * 2 * GEMMA3.intermediate * 2
     assert copies == 167_772_160
-    assert fast.step_activations(GEMMA3, tokens, 2) - fast.step_activations(silu, tokens, 2) == copies
-    assert fast.graph_pool_bytes(GEMMA3, tokens, 2) - fast.graph_pool_bytes(silu, tokens, 2) == copies
+    for in_kernel, extra in ((False, copies), (True, 0)):
+        assert fast.step_activations(GEMMA3, tokens, 2, in_kernel) - fast.step_activations(silu, tokens, 2,
+                                                                                             in_kernel) == extra
+        assert fast.graph_pool_bytes(GEMMA3, tokens, 2, in_kernel) - fast.graph_pool_bytes(silu, tokens, 2,
+                                                                                            in_kernel) == extra
     plan = Plan(weights="nf4", lora_r=16, lora_targets=ALL_LINEAR, lora_dropout=0.0, micro_batch=4, seq_len=1024,
                 path="fast")
-    gelu_step, silu_step = estimate_plan(GEMMA3, plan), estimate_plan(silu, plan)
-    assert gelu_step.peak_allocated - silu_step.peak_allocated == copies
-    assert abs(gelu_step.phases["training step"].reserved - silu_step.phases["training step"].reserved
-               - copies) <= PAGE
+    outside = (replace(plan, kernels=False), replace(plan, lora_targets=("q_proj", "v_proj")))
+    assert fast.gate_in_kernel(plan) and not any(fast.gate_in_kernel(p) for p in outside)
+    assert fast.gate_in_kernel(replace(plan, lora_targets=("up_proj",)))
+    for each, extra in ((plan, 0), *((p, copies) for p in outside)):
+        gelu_step, silu_step = estimate_plan(GEMMA3, each), estimate_plan(silu, each)
+        assert gelu_step.peak_allocated - silu_step.peak_allocated == extra
+        assert abs(gelu_step.phases["training step"].reserved - silu_step.phases["training step"].reserved
+                   - extra) <= PAGE
 
 
 def test_a_model_whose_every_mlp_is_a_mixture_of_experts_copies_nothing() -> None:
     """A sparse layer's experts run engine/fast/moe.py's own products, not the dense MLP's kernel."""
     moe = load_model_info("Qwen/Qwen3-30B-A3B")
     assert moe.sparse_layers == moe.layers
-    assert fast.gelu_copies_per_token(replace(moe, activation="gelu_pytorch_tanh"), 2) == 0
+    assert fast.gelu_copies_per_token(replace(moe, activation="gelu_pytorch_tanh"), 2, gate_in_kernel=False) == 0

@@ -266,14 +266,17 @@ def test_mixture_of_experts_state_space_and_encoder_decoder_models_are_refused_i
     assert why.startswith(f"{model_type}: ") and kind in why and "\n" not in why, why
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama_biases", "olmo2", "phi3", "granite"])
+@pytest.mark.parametrize("name", ["qwen2", "llama_biases", "olmo2", "phi3", "granite", "gemma2"])
 def test_studio_s_own_kernels_train_these_families_as_without_them(name: str, kernel_device) -> None:
-    """Studio's Triton kernels (engine/fast/update.py: the LoRA update added inside SwiGLU and the
-    residual's add; norm.py: Llama's norm with the stream's gradient) where a family uses them:
-    biases in the products (Qwen2's q/k/v; o's and down's with the residual's kernel), post-norms and no pre-norms (OLMo 2, no residual fused),
-    fused gate_up and qkv modules (Phi-3), a residual multiplier (Granite). In bf16 with the kernels
-    on and off against fp32: the kernels' loss and gradients as close to fp32's as the products'
-    own order (Triton's interpreter on the CPU, compiled on CUDA)."""
+    """Studio's Triton kernels (engine/fast/update.py: the LoRA update added inside the gated
+    activation and the residual's add; norm.py: Llama's norm with the stream's gradient) where a
+    family uses them: biases in the products (Qwen2's q/k/v; o's and down's with the residual's
+    kernel), post-norms and no pre-norms (OLMo 2, no residual fused), fused gate_up and qkv modules
+    (Phi-3), a residual multiplier (Granite), GeGLU with sandwich norms and soft-caps (Gemma 2: its
+    update and down's handed-over term in the GELU kernel; no residual fused, Gemma's norms in
+    torch; its attention through the fused soft-cap kernels). In bf16 with the kernels on and off
+    against fp32: the kernels' loss and gradients as close to fp32's as the products' own order
+    (Triton's interpreter on the CPU, compiled on CUDA)."""
     pytest.importorskip("triton")
     batch = _batch(packing=True).to(kernel_device)
     runs = {}
@@ -282,7 +285,7 @@ def test_studio_s_own_kernels_train_these_families_as_without_them(name: str, ke
         fast_model, why = fast.prepare(model, FastPathConfig(kernels=on, cuda_graphs=False))
         assert fast_model is not None, why
         layer = fast_model.layers[0]
-        assert layer.gate_up.in_kernel is on and layer.norm_with_stream is (on and name != "olmo2")
+        assert layer.gate_up.in_kernel is on and layer.norm_with_stream is (on and name not in ("olmo2", "gemma2"))
         loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
         loss.backward()
         runs[dtype, on] = (loss.item(), _grads(model))

@@ -1,5 +1,6 @@
-"""engine/fast/update.py: the LoRA update added by the kernel that reads a product's output (SwiGLU
-for gate/up, the residual's add for o and down) instead of written by a product of its own.
+"""engine/fast/update.py: the LoRA update added by the kernel that reads a product's output (the gated
+activation for gate/up: SwiGLU, or Gemma's GeGLU; the residual's add for o and down) instead of
+written by a product of its own.
 
 On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``); on a GPU compiled. Each
 is checked against the plain formula in fp32, and the fast path's products with the kernels against
@@ -24,6 +25,8 @@ from studio.engine.batching import collate  # noqa: E402
 from studio.engine.fast import update  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ACTS = {"silu": F.silu, "gelu_pytorch_tanh": lambda g: F.gelu(g, approximate="tanh")}
+"""Each gated activation the kernels compute, as transformers computes it."""
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -34,27 +37,31 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert err <= 4 * eps * max(want.abs().max().item(), 1.0), (err, want.abs().max().item())
 
 
+@pytest.mark.parametrize("activation", list(ACTS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("rows", "ffn", "rank"), [(70, 200, 8), (33, 130, 16), (16, 128, 24)])
-def test_swiglu_adds_the_update_and_gives_the_gradient_of_gate_and_up(kernel_device, dtype, rows, ffn, rank) -> None:
-    """Forward ``silu(g) * u`` of ``gu + s * xa @ bt`` and its backward (written over ``gu``) equal
-    the plain formula's in fp32; edge tiles (rows and columns that are not multiples of the block)
-    and ranks that are not a power of two (padded with zeros inside) included; ``bt`` a transposed
-    view as the adapters give it."""
+def test_the_gated_activation_adds_the_update_and_gives_the_gradient_of_gate_and_up(
+        kernel_device, dtype, rows, ffn, rank, activation) -> None:
+    """Forward ``act(g) * u`` of ``gu + s * xa @ bt`` and its backward (written over ``gu``) equal
+    the plain formula's in fp32 (SiLU, and GELU's tanh form as torch computes it); edge tiles (rows
+    and columns that are not multiples of the block) and ranks that are not a power of two (padded
+    with zeros inside) included; ``bt`` a transposed view as the adapters give it. The gates reach
+    -12 and 12, where GELU's tanh saturates."""
     gen = torch.Generator().manual_seed(rank)
-    gu = torch.randn(rows, 2 * ffn, generator=gen).to(kernel_device, dtype)
+    gu = (3 * torch.randn(rows, 2 * ffn, generator=gen)).to(kernel_device, dtype)
+    gu[0, :4] = torch.tensor([-12.0, -6.0, 6.0, 12.0])
     xa = torch.randn(rows, 2 * rank, generator=gen).to(kernel_device, dtype)
     bt = (0.2 * torch.randn(2 * ffn, 2 * rank, generator=gen)).to(kernel_device, dtype).t()  # a view, like b.t()
     dout = torch.randn(rows, ffn, generator=gen).to(kernel_device, dtype)
     scale = 2.0
     whole = (gu.float() + scale * (xa.float() @ bt.float())).requires_grad_()
     gate, up = whole.chunk(2, dim=-1)
-    want = F.silu(gate) * up
+    want = ACTS[activation](gate) * up
     (want * dout.float()).sum().backward()
 
-    got = update.swiglu(gu, xa, bt, scale)
+    got = update.gated(gu, xa, bt, scale, activation=activation)
     _close(got, want.detach(), dtype)
-    dgu = update.swiglu_backward_(gu.clone(), xa, bt, scale, dout)
+    dgu = update.gated_backward_(gu.clone(), xa, bt, scale, dout, activation=activation)
     _close(dgu, whole.grad, dtype)
 
     # B^T block-diagonal, as the adapters make it: gate's columns read only gate's rows, up's only
@@ -62,20 +69,29 @@ def test_swiglu_adds_the_update_and_gives_the_gradient_of_gate_and_up(kernel_dev
     diag = bt.clone()
     diag[:rank, ffn:] = 0
     diag[rank:, :ffn] = 0
-    want = update.swiglu(gu, xa, diag, scale)
-    want_grad = update.swiglu_backward_(gu.clone(), xa, diag, scale, dout)
+    want = update.gated(gu, xa, diag, scale, activation=activation)
+    want_grad = update.gated_backward_(gu.clone(), xa, diag, scale, dout, activation=activation)
     split = (0, rank, rank, rank)
-    _close(update.swiglu(gu, xa, diag, scale, split), want, dtype)
-    dgu = update.swiglu_backward_(gu, xa, diag, scale, dout, split)
+    _close(update.gated(gu, xa, diag, scale, split, activation), want, dtype)
+    dgu = update.gated_backward_(gu, xa, diag, scale, dout, split, activation=activation)
     assert dgu.data_ptr() == gu.data_ptr()  # in place
     _close(dgu, want_grad, dtype)
 
 
+@pytest.mark.parametrize("activation", list(ACTS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_swiglu_without_an_update(kernel_device, dtype) -> None:
+def test_the_gated_activation_without_an_update(kernel_device, dtype, activation) -> None:
     gu = torch.randn(40, 2 * 150).to(kernel_device, dtype)
     gate, up = gu.float().chunk(2, dim=-1)
-    _close(update.swiglu(gu, None, None, 1.0), F.silu(gate) * up, dtype)
+    _close(update.gated(gu, None, None, 1.0, activation=activation), ACTS[activation](gate) * up, dtype)
+
+
+def test_an_activation_the_kernels_do_not_compute_is_refused() -> None:
+    """A gated MLP of another activation never reaches the kernels: Projection.gated declines it
+    (the layer then runs the product and the activation apart) and the kernel's wrapper refuses it."""
+    gu = torch.randn(4, 2 * 16)
+    with pytest.raises(ValueError, match="not gelu"):
+        update.gated(gu, None, None, 1.0, activation="gelu")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -104,13 +120,16 @@ def _proj(model, names: list[str], dtype: torch.dtype, device: torch.device):
     return proj
 
 
-@pytest.mark.parametrize("targets", [ALL, ["up_proj", "o_proj"], ["gate_proj", "o_proj"]])
+@pytest.mark.parametrize(("targets", "activation"), [(ALL, "silu"), (["up_proj", "o_proj"], "silu"),
+                                                    (["gate_proj", "o_proj"], "silu"), (ALL, "gelu_pytorch_tanh"),
+                                                    (["gate_proj", "o_proj"], "gelu_pytorch_tanh")])
 def test_the_products_with_the_kernels_give_the_same_values_and_gradients(tiny_model: Path, kernel_device,
-                                                                          targets) -> None:
-    """Projection.swiglu (gate/up's update added inside SwiGLU) against the product then SwiGLU, and
-    o's product with its residual against the update's own product: the same outputs and the same
-    gradients of the input, the residual and each adapter, in bf16; with both gate and up adapted
-    and with one of them (B^T's block diagonal then has one block)."""
+                                                                          targets, activation) -> None:
+    """Projection.gated (gate/up's update added inside the gated activation: SwiGLU, GeGLU) against
+    the product then the activation, and o's product with its residual against the update's own
+    product: the same outputs and the same gradients of the input, the residual and each adapter,
+    in bf16; with both gate and up adapted and with one of them (B^T's block diagonal then has one
+    block)."""
     dtype = torch.bfloat16
     model = _peft_model(tiny_model, None, targets, dtype=dtype).to(kernel_device)
     gen = torch.Generator().manual_seed(0)
@@ -123,13 +142,13 @@ def test_the_products_with_the_kernels_give_the_same_values_and_gradients(tiny_m
         gate_up.in_kernel = in_kernel
         for t in (x, *gate_up.a, *gate_up.b):
             t.grad = None
-        act = gate_up.swiglu(x)
+        act = gate_up.gated(x, activation=activation)
         if in_kernel:
             assert act is not None
         else:
             assert act is None
             gate, up = gate_up(x).chunk(2, dim=-1)
-            act = F.silu(gate.float()) * up.float()
+            act = ACTS[activation](gate.float()) * up.float()
         (act.float() * dout.float()).sum().backward()
         results.append((act.detach().float(), [t.grad.float() for t in (x, *gate_up.a, *gate_up.b)]))
     (act0, g0), (act1, g1) = results
@@ -214,12 +233,15 @@ def test_a_kernel_that_cannot_build_leaves_the_products_their_own_order(tiny_mod
     assert abs(loss.item() - want.item()) < 1e-3 * abs(want.item())
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_down_hands_its_lora_input_gradient_to_swiglus_backward(tiny_model: Path, kernel_device, recompute) -> None:
-    """gate/up -> SwiGLU -> down, with down's LoRA input-gradient term handed to SwiGLU's backward
-    (update.Handoff) against the same chain with every update in its own product: the same output
-    and the same gradients of the input and of all three adapters; the recomputation's down (no
-    value, only a backward) too. The handoff is spent: a second backward would find it empty."""
+@pytest.mark.parametrize(("recompute", "activation"), [(False, "silu"), (True, "silu"),
+                                                      (False, "gelu_pytorch_tanh"), (True, "gelu_pytorch_tanh")])
+def test_down_hands_its_lora_input_gradient_to_the_activations_backward(tiny_model: Path, kernel_device, recompute,
+                                                                        activation) -> None:
+    """gate/up -> SwiGLU or GeGLU -> down, with down's LoRA input-gradient term handed to the
+    activation's backward (update.Handoff) against the same chain with every update in its own
+    product: the same output and the same gradients of the input and of all three adapters; the
+    recomputation's down (no value, only a backward) too. The handoff is spent: a second backward
+    would find it empty."""
     dtype = torch.bfloat16
     model = _peft_model(tiny_model, None, ["gate_proj", "up_proj", "down_proj"], dtype=dtype).to(kernel_device)
     gate_up = _proj(model, ["gate_proj", "up_proj"], dtype, kernel_device)
@@ -237,17 +259,17 @@ def test_down_hands_its_lora_input_gradient_to_swiglus_backward(tiny_model: Path
         handoff = down.handoff()
         assert (handoff is not None) is on
         if on:
-            act = gate_up.swiglu(x, handoff=handoff)
+            act = gate_up.gated(x, handoff=handoff, activation=activation)
         else:
             gate, up = gate_up(x).chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = ACTS[activation](gate) * up
         if recompute:
             y = down(act, value=False, handoff=handoff)
         else:
             y = down(act, residual=r, handoff=handoff)
         y.backward(dy)
         if on:
-            assert handoff.take() is None  # SwiGLU's backward took the term
+            assert handoff.take() is None  # the activation's backward took the term
         results.append((y.detach().float(), [t.grad.float() for t in params]))
     (y0, g0), (y1, g1) = results
     if not recompute:

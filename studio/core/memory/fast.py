@@ -19,9 +19,11 @@ fp32 residual stream, no per-module saved inputs, no logits. What today's engine
   of the checkpoints; an eager step frees each layer's as its backward ends, while the gradients
   appear: :func:`adapters_at_peak`), one recomputed layer's working set in its backward (with a
   model's fewer key/value heads, the key and value repeated to the query heads' count among it; with
-  a GeGLU MLP, the contiguous copies of gate and up its kernel takes: :func:`gelu_copies_per_token`),
-  and the fused cross-entropy's gradient of the hidden states (the logits are never materialised); the
-  shared buffer every 4-bit weight is dequantized into (as large as the widest single projection);
+  a GeGLU MLP whose activation runs outside Studio's kernels, the contiguous copies of gate and up
+  liger's kernel takes: :func:`gelu_copies_per_token`),
+  and the fused cross-entropy's gradient of the hidden states with one chunk of logits (never all of
+  them: :func:`loss_bytes`); the shared buffer every 4-bit weight is dequantized into (as large as
+  the widest single projection);
 - overhead: the CUDA context; with CUDA graphs (micro-batches of up to core/plan.py's
   GRAPH_TOKEN_LIMIT tokens), the free blocks of the graph's private pool.
 
@@ -97,6 +99,14 @@ peak of two H100 Trainer rows (bench/results/archive/h100_v7_attribution.json: f
 the first product of the run, four from the fused products' first calls on the capture's streams);
 the engine frees the capture's once it is done."""
 
+LOSS_CHUNK_ROWS = 128
+"""The fewest rows a chunk of the fast path's fused loss takes (engine/fast/cross_entropy.py). Each
+chunk reads the whole head twice (its logits' product, the hidden states' gradient's), so the
+products take about ``206 / rows`` times their arithmetic's time in reading it on an H200 (989
+TFLOP/s over 4.8 TB/s): 1.6x at 128 rows, 6.4x at liger's 32 (2,048 tokens over Gemma 2's 256,000
+words). 256 rows would reach the card's rate with twice the logits held (up to 131 MB in bf16 at
+that vocabulary); 128 keeps the estimate within its bar on the measured rows of liger's engine."""
+
 MAX_LAYOUTS = 2
 """CUDA-graph layouts a run of unpacked rows of varying lengths captures (engine/fast/model.py's
 ``max_graphs``), each with its own private pool; packed rows keep one layout, widened in place."""
@@ -140,16 +150,26 @@ def mlp_outputs_per_token(info: ModelInfo, compute: int) -> float:
     return sparse if info.sparse_layers == info.layers else max(dense, sparse)
 
 
-def gelu_copies_per_token(info: ModelInfo, compute: int) -> int:
+def gelu_copies_per_token(info: ModelInfo, compute: int, gate_in_kernel: bool) -> int:
     """Bytes per token that a GeGLU layer's recomputation holds beyond the outputs
-    :func:`layer_outputs_per_token` counts: engine/fast/layer.py's ``gated`` hands the gate and up
-    halves of gate/up's output to liger's GELU-and-multiply kernel, which takes its inputs contiguous
-    and so copies both halves (``2 x intermediate``) while gate/up's output is still alive. SwiGLU's
-    kernels read that output where it is: 0 for a SiLU model, and for one whose every MLP is a
+    :func:`layer_outputs_per_token` counts where its activation runs outside Studio's kernels
+    (``gate_in_kernel`` False: :func:`gate_in_kernel`): engine/fast/layer.py's ``gated`` then hands
+    the gate and up halves of gate/up's output to liger's GELU-and-multiply kernel, which takes its
+    inputs contiguous and so copies both halves (``2 x intermediate``) while gate/up's output is
+    still alive. Studio's gated kernels (engine/fast/update.py, SwiGLU and GeGLU) and liger's SwiGLU
+    read that output where it is: 0 for them, for a SiLU model, and for one whose every MLP is a
     mixture of experts (engine/fast/moe.py's own kernels)."""
-    if info.activation == "silu" or (info.sparse_layers and info.sparse_layers == info.layers):
+    if gate_in_kernel or info.activation == "silu" or (info.sparse_layers and info.sparse_layers == info.layers):
         return 0
     return compute * 2 * info.intermediate
+
+
+def gate_in_kernel(plan: Plan) -> bool:
+    """Whether the gated MLP's activation runs in Studio's kernel that adds gate/up's update
+    (engine/fast/projection.py's ``gated``): the fast path's kernels on (``trainer.fast_path.kernels``),
+    a half-precision compute dtype, and an adapter on gate or up (the kernel adds that update)."""
+    adapted = {"gate_proj", "up_proj", "gate_up_proj"} & set(plan.lora_targets)
+    return plan.kernels and compute_bytes(plan) < 4 and bool(adapted)
 
 
 def hoisted_adapter_bytes(info: ModelInfo, r: int, targets: tuple[str, ...], compute: int) -> int:
@@ -250,6 +270,21 @@ def dequantizes(weights: str) -> bool:
     return weights in ("nf4", "fp4")
 
 
+def loss_chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
+    """Rows a chunk of the fast path's fused loss takes (engine/fast/cross_entropy.py): as many as make
+    its logits as large as the hidden states (liger's rule), but at least :data:`LOSS_CHUNK_ROWS`,
+    rounded up to a multiple of 128 (the products' tiles), and never more than the tokens."""
+    rows = max(LOSS_CHUNK_ROWS, -(-tokens * hidden // max(vocab, 1)))
+    return max(1, min(tokens, -(-rows // 128) * 128))
+
+
+def loss_bytes(info: ModelInfo, tokens: int, compute: int) -> int:
+    """The fused loss's working set: the gradient of the final hidden states and one chunk's logits
+    (:func:`loss_chunk_rows` rows of the vocabulary, in the compute dtype, their gradient written
+    over them)."""
+    return tokens * info.hidden * compute + loss_chunk_rows(tokens, info.hidden, info.vocab) * info.vocab * compute
+
+
 def saved_per_token(info: ModelInfo, compute: int) -> int:
     """Bytes per token that the checkpointed layers keep on the device at a backward's start: with
     the layer inputs and their rotated q, k and v on the host, two inputs (the one being recomputed
@@ -259,14 +294,14 @@ def saved_per_token(info: ModelInfo, compute: int) -> int:
     return (2 * info.hidden + qkv) * compute
 
 
-def step_activations(info: ModelInfo, tokens: int, compute: int) -> float:
+def step_activations(info: ModelInfo, tokens: int, compute: int, gate_in_kernel: bool) -> float:
     """Bytes a training step holds beyond the parameters, gradients and optimizer state at its peak
-    (a recomputed layer's), without the hoisted adapters and the dequantized weight."""
+    (a recomputed layer's), without the hoisted adapters and the dequantized weight;
+    ``gate_in_kernel``: :func:`gate_in_kernel`."""
     saved = tokens * saved_per_token(info, compute)
     working = tokens * (LAYER_WORKING_SET * layer_outputs_per_token(info, compute)
-                        + gelu_copies_per_token(info, compute))
-    loss = tokens * 2 * info.hidden * compute  # the fused loss's gradient of the last hidden states
-    return saved + working + loss
+                        + gelu_copies_per_token(info, compute, gate_in_kernel))
+    return saved + working + loss_bytes(info, tokens, compute)
 
 
 def dropout_bytes(info: ModelInfo, tokens: int, compute: int, rate: float, targets: tuple[str, ...]) -> int:
@@ -297,11 +332,12 @@ def graph_pool_free_bytes(info: ModelInfo, tokens: int, compute: int) -> float:
     return tokens * GRAPH_POOL_PER_TOKEN * layer_outputs_per_token(info, compute)
 
 
-def graph_pool_bytes(info: ModelInfo, tokens: int, compute: int) -> float:
+def graph_pool_bytes(info: ModelInfo, tokens: int, compute: int, gate_in_kernel: bool) -> float:
     """The whole private pool of a step captured as a CUDA graph: the layer inputs and q, k, v it
     keeps on the device, one layer's working set and the free blocks, none of which anything outside
-    the graph can reuse (core/memory/phases.py puts it under every other phase)."""
-    return tokens * (saved_per_token(info, compute) + gelu_copies_per_token(info, compute)
+    the graph can reuse (core/memory/phases.py puts it under every other phase); ``gate_in_kernel``:
+    :func:`gate_in_kernel`."""
+    return tokens * (saved_per_token(info, compute) + gelu_copies_per_token(info, compute, gate_in_kernel)
                      + (LAYER_WORKING_SET + GRAPH_POOL_PER_TOKEN) * layer_outputs_per_token(info, compute))
 
 
@@ -334,13 +370,14 @@ def reference_graph_bytes(info: ModelInfo, tokens: int, compute: int) -> int:
     return tokens * compute * (2 * info.hidden + 3 * info.intermediate)
 
 
-def shared_pool_growth(info: ModelInfo, tokens: int, compute: int) -> float:
+def shared_pool_growth(info: ModelInfo, tokens: int, compute: int, gate_in_kernel: bool) -> float:
     """What the reference graph adds to the layout's one private pool (:func:`graph_pool_bytes` the
     policy's alone): the pool holds the larger of the two working sets, the reference pass's static
     output kept beside the policy's, so it grows by that output or by the pass's excess, whichever is
     more."""
     output = tokens * info.hidden * compute
-    return max(float(output), reference_graph_bytes(info, tokens, compute) - graph_pool_bytes(info, tokens, compute))
+    return max(float(output), reference_graph_bytes(info, tokens, compute)
+               - graph_pool_bytes(info, tokens, compute, gate_in_kernel))
 
 
 def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
@@ -362,7 +399,8 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     dequant = dequant_buffer_bytes(info, c) + expert_buffer_bytes(info, plan) if dequantized else 0
     # the experts' adapters are hoisted out of the checkpoints like the linear modules', stacked per expert
     hoisted = hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c) + expert_lora_params(info, plan) * c
-    working = (step_activations(info, tokens, c)
+    in_kernel = gate_in_kernel(plan)
+    working = (step_activations(info, tokens, c, in_kernel)
                + eager_attention_bytes(info, plan)
                + dequant
                + CUBLAS_WORKSPACE_BYTES
@@ -403,7 +441,8 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     if graphs and layouts:
         # every layout's graph has a private pool of its own: another copy of the graph's held
         # activations and free blocks each
-        second_pool = (MAX_LAYOUTS - 1) * (step_activations(info, tokens, c) + graph_pool_free_bytes(info, tokens, c))
+        second_pool = (MAX_LAYOUTS - 1) * (step_activations(info, tokens, c, in_kernel)
+                                           + graph_pool_free_bytes(info, tokens, c))
         slack += second_pool
     eager_extra = 0 if graphs else (STEP_WORKSPACES - 1) * workspace  # mapped too
     need = max(held + eager_extra + slack, peak_allocated)
@@ -417,7 +456,7 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
         need = max(need, at_reference + slack)
     if reference_pool:
         # Graphed, it shares the policy graph's pool: the larger working set, not both.
-        need += shared_pool_growth(info, tokens, c) * (MAX_LAYOUTS if layouts else 1)
+        need += shared_pool_growth(info, tokens, c, in_kernel) * (MAX_LAYOUTS if layouts else 1)
     if graphs:
         # The capture's own moment reserves its allocated peak, the free blocks its private pool has
         # by then and the allocator's fixed slack (a later step's other holes, the dequantized weights'

@@ -58,6 +58,7 @@ from studio.core.memory.fast import (
     dequant_buffer_bytes,
     dequantizes,
     expert_buffer_bytes,
+    gate_in_kernel,
     graph_pool_bytes,
     hoisted_adapter_bytes,
     reference_pass_bytes,
@@ -119,9 +120,10 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
             persistent += dequant_buffer_bytes(info, c) + expert_buffer_bytes(info, plan)
         tokens = plan.real_tokens
         if plan.cuda_graphs and graphs_for(tokens, plan.lora_dropout, cuda=True):
-            pool = graph_pool_bytes(info, tokens, c)
+            in_kernel = gate_in_kernel(plan)
+            pool = graph_pool_bytes(info, tokens, c, in_kernel)
             if plan.reference_pass:  # DPO's reference graph shares the pool
-                pool += shared_pool_growth(info, tokens, c)
+                pool += shared_pool_growth(info, tokens, c, in_kernel)
     # the residual stream's width: bf16 on the fast path (its prepare casts embeddings and norms down),
     # fp32 after prepare_model_for_kbit_training on the plain one
     stream = c if fast_path else stream_bytes(plan)

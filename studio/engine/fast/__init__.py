@@ -39,18 +39,21 @@ one concern a module (the imports point down this list):
 - ``mxfp4_dequant`` (kernel in ``mxfp4_kernel``): gpt-oss' MXFP4 experts dequantized by one Triton
   kernel for engine/mxfp4.py (its torch operations' values to the bit);
 - ``update`` (kernels in ``update_kernels``): the LoRA update added by the kernel that reads the
-  product's output (SwiGLU, the residual's add) instead of written out on its own;
+  product's output (the gated activation: SwiGLU, GeGLU; the residual's add) instead of written
+  out on its own;
 - ``norm`` (kernels in ``norm_kernels``): the layer's RMSNorm whose backward adds the residual
   stream's gradient in the same pass;
-- ``kernels``: what those five share: Triton kernels jitted on first use and given up on, with a
+- ``cross_entropy`` (kernel in ``cross_entropy_kernels``): the training loss fused with the output
+  head, in chunks of rows wide enough that its products are not bound by reading the head;
+- ``kernels``: what those six share: Triton kernels jitted on first use and given up on, with a
   warning, once they fail;
 - ``dropout``: adapter dropout whose masks are a function of (micro-batch seed, adapter, element),
   so graphs replay each step's masks and recomputed layers regenerate them (nothing saved);
 - ``ops``: RMSNorm (both castings), RoPE (full and partial) and its inverse in plain torch, and
   where liger-kernel's Triton versions and the flash-attention varlen entry point come from;
 - ``loss``: the cross-entropy over the vocabulary without a ``tokens x vocab`` logits tensor, for
-  training (fused with the output projection) and for evaluation (chunked, with argmax hits), with
-  a final logit soft-cap where the model has one.
+  training (fused with the output projection: ``cross_entropy``, else liger's) and for evaluation
+  (chunked, with argmax hits), with a final logit soft-cap where the model has one.
 
 The trainable parameters are PEFT's own ``lora_A`` / ``lora_B`` weights, so the optimizer, the
 checkpoints and ``save_pretrained`` are untouched; only the loss computation changes.

@@ -179,11 +179,10 @@ class Layer:
         if self.moe is not None:
             out = self._branch_output(self.moe(x, gu_ad, down_ad), self.mlp_out)
             return (h, out) if recompute else h + out
-        # The update added inside SwiGLU's kernel where it can be (engine/fast/update.py), and down's
-        # LoRA input-gradient term handed to SwiGLU's backward.
-        silu = self.activation == "silu"
-        handoff = self.down.handoff() if silu else None
-        act = self.gate_up.swiglu(x, gu_ad, handoff) if silu else None
+        # The update added inside the activation's kernel where it can be (engine/fast/update.py:
+        # SwiGLU and GeGLU), and down's LoRA input-gradient term handed to that kernel's backward.
+        handoff = self.down.handoff()
+        act = self.gate_up.gated(x, gu_ad, handoff, self.activation)
         if act is None:  # the product, then an activation of its own; down's backward keeps its term
             handoff = None
             act = self.gated(self.gate_up(x, gu_ad))

@@ -1,10 +1,12 @@
 """The cross-entropy over the vocabulary, without a ``tokens x vocab`` logits tensor.
 
-Training uses liger-kernel's fused linear cross-entropy where it is installed (the output
-projection and the loss in chunks, gradients written in place). Evaluation needs the argmax too and
-no gradient: :func:`chunked_scores` walks the target tokens in chunks whose fp32 logits are no
-larger than the batch's hidden states in fp32, so scoring a batch never needs more memory than the
-training step on it did.
+Training uses Studio's fused loss (cross_entropy.py: the output projection and the loss in chunks
+of at least 128 rows, so that the head's products are not bound by reading the head, gradients
+written in place) where its kernel runs, else liger-kernel's fused linear cross-entropy where it is
+installed (the same, in chunks no larger than the hidden states: thin ones at a few thousand tokens
+over a large vocabulary). Evaluation needs the argmax too and no gradient: :func:`chunked_scores`
+walks the target tokens in chunks whose fp32 logits are no larger than the batch's hidden states in
+fp32, so scoring a batch never needs more memory than the training step on it did.
 
 Preference training (DPO, ORPO) needs each answer's log-prob, not one loss: :func:`sequence_logps`
 sums the target tokens' log-probs per row of the batch (a segment sum over the flat stream of
@@ -17,14 +19,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from studio.engine.fast import cross_entropy as head_loss
+
+IGNORE_INDEX = head_loss.IGNORE_INDEX
 
 
 def cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
-                  liger: dict | None, softcap: float | None = None) -> torch.Tensor:
+                  liger: dict | None, softcap: float | None = None, kernels: bool = False) -> torch.Tensor:
     """Cross-entropy of ``h @ weight.T`` against ``targets`` (rows of IGNORE_INDEX skipped), fused
-    with the product by liger's kernel where ``liger`` (ops.liger_kernels) has it. ``softcap``: the
-    logits become ``tanh(z / cap) * cap`` first (Gemma 2's final soft-capping)."""
+    with the product: by Studio's kernel with ``kernels`` (``trainer.fast_path.kernels``) where it
+    runs (a frozen head in ``h``'s dtype, a mean or a sum: cross_entropy.py), else by liger's where
+    ``liger`` (ops.liger_kernels) has it. ``softcap``: the logits become ``tanh(z / cap) * cap``
+    first (Gemma 2's final soft-capping)."""
+    if (kernels and reduction in ("mean", "sum") and weight.dtype == h.dtype and not weight.requires_grad
+            and head_loss.available(h.device, h.dtype)):
+        done, loss = head_loss.KERNELS.attempt(
+            lambda: head_loss.HeadCrossEntropy.apply(h, weight, targets, reduction, softcap))
+        if done:
+            return loss
     if liger and weight.dtype == h.dtype:
         warm_cases(liger["flce"], h, weight, reduction, softcap)
         return _fused(liger["flce"], h, weight, targets, reduction, softcap)

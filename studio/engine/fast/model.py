@@ -126,7 +126,8 @@ class FastModel:
         if self._seed is not None and torch.is_grad_enabled():
             self._seed.advance()  # this micro-batch's adapter-dropout masks
         h, targets = self._hidden(input_ids, labels, attention_mask, position_ids)
-        loss = cross_entropy(h, self.head.weight, targets, reduction, self.liger, softcap=self.ends.final_softcap)
+        loss = cross_entropy(h, self.head.weight, targets, reduction, self.liger, softcap=self.ends.final_softcap,
+                             kernels=self.options.kernels)
         if self.router is None:
             return loss
         if torch.is_grad_enabled():

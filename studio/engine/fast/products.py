@@ -231,7 +231,7 @@ def _blocks_backward(ctx, saved, blocks: Sequence[torch.Tensor]):
 class DeferredLoraProduct(torch.autograd.Function):
     """:class:`LoraProduct` whose update is left to the reader: returns the base product ``x W^T``
     standing for the whole output, and ``x A^T`` (no gradient) for the reader to add
-    ``scale * (x A^T) B^T`` tile by tile (update.LoraSwiGLU). The backward takes the whole output's
+    ``scale * (x A^T) B^T`` tile by tile (update.LoraGated). The backward takes the whole output's
     gradient, exactly as :class:`LoraProduct`'s does."""
 
     @staticmethod

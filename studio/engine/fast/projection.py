@@ -50,8 +50,9 @@ class Projection:
         self.drop: AdapterDropout | None = None
         self.in_kernel = kernels and update.available(bases[0].weight.device, dtype)
         """The update is added by the kernel that reads the base product's output (update.py): the
-        residual's add for o and down (:class:`LoraProduct`), SwiGLU for gate/up (:meth:`swiglu`);
-        and down's LoRA input-gradient term goes to SwiGLU's backward (:meth:`handoff`)."""
+        residual's add for o and down (:class:`LoraProduct`), the gated activation for gate/up
+        (:meth:`gated`); and down's LoRA input-gradient term goes to the activation's backward
+        (:meth:`handoff`)."""
 
     def use_dropout(self, seed: torch.Tensor, first_site: int) -> None:
         """Give the adapters with dropout their masks: from ``seed``, at sites ``first_site + j``."""
@@ -108,20 +109,22 @@ class Projection:
 
     def handoff(self) -> update.Handoff | None:
         """A :class:`~studio.engine.fast.update.Handoff` for this product's LoRA input-gradient term,
-        where the kernel that made its input can take it (the SwiGLU before the down product): the
-        update kernels on and no adapter dropout (its mask would have to go along). None otherwise."""
+        where the kernel that made its input can take it (the gated activation before the down
+        product): the update kernels on and no adapter dropout (its mask would have to go along).
+        None otherwise."""
         if not self.in_kernel or not self.a or self._dropout() is not None or update.broken():
             return None
         return update.Handoff()
 
-    def swiglu(self, x: torch.Tensor, adapters: tuple | None = None,
-               handoff: update.Handoff | None = None) -> torch.Tensor | None:
-        """``silu(gate) * up`` of this gate/up projection's output, the update added inside SwiGLU's
-        kernel (update.LoraSwiGLU); None where that is off or cannot run (the caller then runs the
-        product and its own SwiGLU). ``handoff``: the next product's (:meth:`handoff`), whose LoRA
-        input-gradient term SwiGLU's backward then adds."""
+    def gated(self, x: torch.Tensor, adapters: tuple | None = None, handoff: update.Handoff | None = None,
+              activation: str = "silu") -> torch.Tensor | None:
+        """``act(gate) * up`` of this gate/up projection's output (``activation``: SiLU or GELU's tanh
+        form, update.ACTIVATIONS), the update added inside the activation's kernel
+        (update.LoraGated); None where that is off or cannot run (the caller then runs the product
+        and an activation of its own). ``handoff``: the next product's (:meth:`handoff`), whose LoRA
+        input-gradient term the activation's backward then adds."""
         a, bt, scale = adapters if adapters is not None else self.adapters()
-        if not self.in_kernel or a is None or update.broken():
+        if not self.in_kernel or a is None or update.broken() or activation not in update.ACTIVATIONS:
             return None
         gu, xa = DeferredLoraProduct.apply(x, self.weights, a, bt, scale, self._dropout())
         split = None
@@ -131,8 +134,8 @@ class Projection:
             r_up = next(ranks) if self.present[1] else 0
             split = (0, r_gate, r_gate, r_up)
         # bt without its autograd history: the product's backward gives the adapters their gradients.
-        done, act = update.KERNELS.attempt(lambda: update.LoraSwiGLU.apply(gu, xa, bt.detach(), scale, split,
-                                                                          handoff))
+        done, act = update.KERNELS.attempt(lambda: update.LoraGated.apply(gu, xa, bt.detach(), scale, split,
+                                                                         handoff, activation))
         return act if done else None
 
     def from_kept(self, x: torch.Tensor, kept: tuple, cos: torch.Tensor, sin: torch.Tensor, unrotate,

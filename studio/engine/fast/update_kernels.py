@@ -14,17 +14,33 @@ adapter's rank long, not both.
 Loads are masked (never clamped to the edge): Triton then still sees each row of a tile as
 contiguous and loads it in 16-byte vectors (clamped indices made them scalar, 10x slower).
 ``DOT_F32``: multiply in fp32 (Triton's interpreter, on the CPU, mishandles bf16 products).
+``GELU``: the gate's activation is GELU's tanh form (Gemma's ``gelu_pytorch_tanh``), else SiLU.
 """
 
 import triton.language as tl
 
 
-def swiglu_forward(gu_ptr, xa_ptr, bt_ptr, out_ptr, n_rows, ffn, k_gate, r_gate, k_up, r_up, scale, stride_gu,
-                   stride_xa, stride_bt, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   RANK: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, DOT_F32: tl.constexpr):
-    """``out = silu(gate) * up`` where ``gate | up`` is the gate/up product's output plus its update
+def gelu_tanh(gate):
+    """GELU's tanh form of ``gate`` (fp32), ``0.5 g (1 + tanh(z))`` with ``z = sqrt(2 / pi) (g +
+    0.044715 g^3)``, and its derivative, written as ``g sigmoid(2z)`` (the same function: ``(1 +
+    tanh z) / 2 = sigmoid(2z)``), which has no ``1 + tanh`` to cancel for negative ``g`` and needs no
+    tanh (libdevice's is a jitted helper that the interpreter cannot call when Triton was imported
+    before TRITON_INTERPRET was set: the tests). The constants are written out: a kernel reads no
+    module global but a ``tl.constexpr``."""
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    sig = 1.0 / (1.0 + tl.exp(-2.0 * inner))
+    act = gate * sig
+    slope = sig + 2.0 * act * (1.0 - sig) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * gate * gate)
+    return act, slope
+
+
+def gated_forward(gu_ptr, xa_ptr, bt_ptr, out_ptr, n_rows, ffn, k_gate, r_gate, k_up, r_up, scale, stride_gu,
+                  stride_xa, stride_bt, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  RANK: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, DOT_F32: tl.constexpr,
+                  GELU: tl.constexpr):
+    """``out = act(gate) * up`` where ``gate | up`` is the gate/up product's output plus its update
     (``gu``: ``[rows, 2 * ffn]``, gate in the first ``ffn`` columns; ``GATE``/``UP``: whether that
-    half has an adapter)."""
+    half has an adapter; ``act``: SiLU, or with ``GELU`` :func:`gelu_tanh`)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_in = rows < n_rows
@@ -51,16 +67,19 @@ def swiglu_forward(gu_ptr, xa_ptr, bt_ptr, out_ptr, n_rows, ffn, k_gate, r_gate,
         if DOT_F32:
             xa, bt = xa.to(tl.float32), bt.to(tl.float32)
         up += tl.dot(xa, bt) * scale
-    # silu by hand: tl.sigmoid is a jitted helper that the interpreter cannot call when Triton was
-    # imported before TRITON_INTERPRET was set (the tests)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    if GELU:
+        act, _ = gelu_tanh(gate)
+        out = act * up
+    else:  # silu by hand: tl.sigmoid is a jitted helper that the interpreter cannot call either
+        out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
 
 
-def swiglu_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, dyb_ptr, a_ptr, n_rows, ffn, k_gate, r_gate,
-                    k_up, r_up, r_extra, scale, stride_gu, stride_xa, stride_bt, stride_dout, stride_dyb, stride_a,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr, GATE: tl.constexpr,
-                    UP: tl.constexpr, EXTRA: tl.constexpr, RANK_EXTRA: tl.constexpr, DOT_F32: tl.constexpr):
+def gated_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, dyb_ptr, a_ptr, n_rows, ffn, k_gate, r_gate,
+                   k_up, r_up, r_extra, scale, stride_gu, stride_xa, stride_bt, stride_dout, stride_dyb, stride_a,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr, GATE: tl.constexpr,
+                   UP: tl.constexpr, EXTRA: tl.constexpr, RANK_EXTRA: tl.constexpr, DOT_F32: tl.constexpr,
+                   GELU: tl.constexpr):
     """The gradients of gate and up (with their updates) from the output's, written into ``dgu``
     (``[rows, 2 * ffn]``, the stride of ``gu``; it may be ``gu`` itself: each program reads its
     tiles before it writes them, and no other program's). ``EXTRA``: the output's gradient is
@@ -102,10 +121,14 @@ def swiglu_backward(gu_ptr, xa_ptr, bt_ptr, dout_ptr, dgu_ptr, dyb_ptr, a_ptr, n
         if DOT_F32:
             xa, bt = xa.to(tl.float32), bt.to(tl.float32)
         up += tl.dot(xa, bt) * scale
-    sig = 1.0 / (1.0 + tl.exp(-gate))
-    silu = gate * sig
-    dgate = dout * up * (sig + silu * (1.0 - sig))
-    dup = dout * silu
+    if GELU:
+        act, slope = gelu_tanh(gate)
+    else:
+        sig = 1.0 / (1.0 + tl.exp(-gate))
+        act = gate * sig
+        slope = sig + act * (1.0 - sig)
+    dgate = dout * up * slope
+    dup = dout * act
     tl.store(dgu_ptr + at, dgate.to(dgu_ptr.dtype.element_ty), mask=keep)
     tl.store(dgu_ptr + at + ffn, dup.to(dgu_ptr.dtype.element_ty), mask=keep)
 
