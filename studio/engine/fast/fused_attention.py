@@ -47,20 +47,23 @@ Tile = tuple[int, int, int, int]
 TILES: dict[str, dict[int, tuple[Tile, ...]]] = {
     "forward": {64: ((128, 64, 8, 2), (64, 64, 4, 2), (32, 32, 4, 1)),
                 128: ((64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1)),
-                256: ((32, 32, 8, 2), (32, 32, 4, 1), (16, 32, 4, 1))},
+                256: ((128, 64, 8, 2), (32, 32, 8, 2), (32, 32, 4, 1), (16, 32, 4, 1))},
     "dq": {64: ((128, 64, 8, 2), (64, 64, 4, 2), (32, 32, 4, 1)),
            128: ((64, 64, 8, 2), (32, 32, 4, 2), (32, 32, 4, 1)),
-           256: ((32, 32, 8, 2), (32, 32, 4, 1), (16, 32, 4, 1))},
+           256: ((32, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1))},
     "dkdv": {64: ((64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1)),
              128: ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 4, 1)),
-             256: ((32, 32, 8, 2), (32, 32, 4, 1), (16, 32, 4, 1))},
+             256: ((32, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1))},
 }
 """Each pass's tiles by head width (rounded up to a power of two, at least 64); the first that fits
 the card's shared memory is used (a tile too large fails at its first launch, before it runs, and
-the next is tried). The first of each is, of those Triton 3.9 compiles for an H100 (sm_90) without
-registers spilled to memory (at most 72 bytes a thread at 256 wide, where every larger tile spills
-hundreds), the largest: 25-99 KB of shared memory, so they fit cards of about 100 KB too. Not timed
-on a GPU yet: bench/attention_speed.py --sweep times them against others."""
+the next is tried). At 64 and 128 wide the first of each is, of those Triton 3.9 compiles for an
+H100 (sm_90) without registers spilled to memory, the largest: 25-99 KB of shared memory, so they
+fit cards of about 100 KB too (not timed yet). At 256 wide (Gemma 2) the first of each is the
+fastest of bench/attention_speed.py --sweep on an H200 (Triton 3.6, packed 2,048-token rows, each
+pass timed with the others at their earlier tile: forward 0.64 against 0.77 ms, dq 0.66 against
+0.75, dkdv 0.62 against 0.72; bench/results/current/h200_attention_sweep_0e07c63.json); the
+forward's needs more shared memory than a 100 KB card has, which then takes the next."""
 
 INTERPRETED_TILES = {"forward": (32, 16, 4, 1), "dq": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1)}
 """Under the interpreter: small blocks, so the CPU tests' short examples span several, of two
