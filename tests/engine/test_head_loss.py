@@ -41,10 +41,12 @@ def _case(rows: int, vocab: int, device, dtype, spread: float = 1.0):
 def test_the_fused_loss_and_its_gradient_equal_the_plain_computation(kernel_device, dtype, reduction, softcap,
                                                                      spread) -> None:
     """300 rows (three chunks: 128, 128 and 44), a vocabulary of 200 (the interpreter's block is 64: a
-    last partial one), every fifth target ignored; ``spread`` 20 puts logits far past the cap of 30."""
+    last partial one), every fifth target ignored; ``spread`` 20 puts logits far past the cap of 30.
+    On a GPU an fp32 model's loss is liger's (``available`` says no), but the kernel computes fp32
+    logits all the same: compiled, its arithmetic meets fp32's tolerance."""
     h, weight, targets = _case(300, 200, kernel_device, dtype, spread)
     assert loss_chunk_rows(300, 64, 200) == LOSS_CHUNK_ROWS == 128
-    assert head_loss.available(kernel_device, dtype)
+    assert head_loss.available(kernel_device, dtype) == (dtype != torch.float32 or kernel_device.type != "cuda")
     got = head_loss.HeadCrossEntropy.apply(h, weight, targets, reduction, softcap)
     (dh,) = torch.autograd.grad(got, h)
     leaf = h.detach().requires_grad_()
@@ -73,14 +75,14 @@ def test_a_batch_whose_every_target_is_ignored_has_no_loss_and_no_gradient(kerne
 
 
 def test_the_training_loss_takes_the_fused_loss_where_its_kernel_runs(kernel_device) -> None:
-    """loss.cross_entropy with ``kernels``: Studio's fused loss (here no liger: the plain way
-    otherwise); the same number as without."""
-    h, weight, targets = _case(50, 200, kernel_device, torch.float32)
+    """loss.cross_entropy with ``kernels``: Studio's fused loss for a bf16 model (here no liger: the
+    plain way otherwise); the same number as without, to bf16 logits' tolerance."""
+    h, weight, targets = _case(50, 200, kernel_device, torch.bfloat16)
     with_kernel = cross_entropy(h, weight, targets, "mean", None, softcap=30.0, kernels=True)
     assert with_kernel.grad_fn is not None and "HeadCrossEntropy" in type(with_kernel.grad_fn).__name__
     without = cross_entropy(h, weight, targets, "mean", None, softcap=30.0, kernels=False)
     assert "HeadCrossEntropy" not in type(without.grad_fn).__name__
-    torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(with_kernel, without, rtol=1e-2, atol=0.0)
 
 
 @pytest.mark.parametrize(("tokens", "hidden", "vocab", "rows"), [

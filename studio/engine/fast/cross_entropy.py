@@ -39,7 +39,7 @@ INTERPRETED_BLOCK = 64
 partial one."""
 
 KERNELS = OwnKernels("cross_entropy_kernels", ("cross_entropy_rows", "add", "greatest"), "cross-entropy kernel",
-                     "using liger's fused cross-entropy instead")
+                     "using liger's fused cross-entropy instead", helpers=("tanh",))
 
 
 def broken() -> str:

@@ -12,8 +12,11 @@ final soft-cap), and the gradient goes through the cap (``1 - tanh^2``). A row w
 In Triton's interpreter (``INTERPRETED``: the CPU tests) the row's maximum and sum go through
 ``tl.reduce`` with ``GREATEST`` and ``ADD`` (:func:`greatest`, :func:`add`, jitted by the caller):
 ``tl.max`` and ``tl.sum`` are jitted helpers of Triton's own, which the interpreter cannot call when
-Triton was imported before ``TRITON_INTERPRET`` was set. tanh is written out (older Tritons have no
-``tl.tanh``), from ``exp(-2|x|)``, which never overflows.
+Triton was imported before ``TRITON_INTERPRET`` was set. tanh is written out (:func:`tanh`: older
+Tritons have no ``tl.tanh``), from ``exp(-2|x|)``, which never overflows; a function of its own (Triton
+inlines it, cross_entropy.py's ``KERNELS`` jits it with the kernel) so that its temporaries stay its
+own: Triton's compiler (not its interpreter) rejects a name that is a scalar before a loop and a
+block inside it, as the target's capped logit and a block's would be in the kernel's one scope.
 """
 
 import triton.language as tl
@@ -25,6 +28,13 @@ def add(a, b):
 
 def greatest(a, b):
     return tl.maximum(a, b)
+
+
+def tanh(x):
+    """``tanh(x)`` (fp32), from ``exp(-2|x|)`` (at most 1: no overflow for any ``x``)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 def cross_entropy_rows(logits_ptr, targets_ptr, losses_ptr, scale_ptr, n_cols, stride, cap, BLOCK: tl.constexpr,
@@ -44,9 +54,7 @@ def cross_entropy_rows(logits_ptr, targets_ptr, losses_ptr, scale_ptr, n_cols, s
         inside = cols < n_cols
         z = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
         if CAP:
-            e = tl.exp(-2.0 * tl.abs(z) / cap)
-            t = (1.0 - e) / (1.0 + e)
-            z = tl.where(z < 0, -t, t) * cap
+            z = tanh(z / cap) * cap
         z = tl.where(inside, z, float("-inf"))
         new_top = tl.maximum(top, z)
         shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a lane that has seen no column yet
@@ -60,9 +68,7 @@ def cross_entropy_rows(logits_ptr, targets_ptr, losses_ptr, scale_ptr, n_cols, s
         lse = most + tl.log(tl.sum(total * tl.exp(top - most), axis=0))
     picked = tl.load(base + tl.where(valid, target, 0)).to(tl.float32)
     if CAP:
-        e = tl.exp(-2.0 * tl.abs(picked) / cap)
-        t = (1.0 - e) / (1.0 + e)
-        picked = tl.where(picked < 0, -t, t) * cap
+        picked = tanh(picked / cap) * cap
     tl.store(losses_ptr + row, tl.where(valid, lse - picked, 0.0))
     if GRAD:
         scale = tl.where(valid, tl.load(scale_ptr), 0.0)
@@ -71,8 +77,7 @@ def cross_entropy_rows(logits_ptr, targets_ptr, losses_ptr, scale_ptr, n_cols, s
             inside = cols < n_cols
             x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
             if CAP:
-                e = tl.exp(-2.0 * tl.abs(x) / cap)
-                t = tl.where(x < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+                t = tanh(x / cap)
                 g = tl.exp(t * cap - lse)
             else:
                 g = tl.exp(x - lse)

@@ -26,6 +26,9 @@ import torch
 
 _TRITON = None  # the kernel once loaded; False when Triton is unavailable
 
+BLOCK = 1024
+"""Elements one program of the Triton kernel masks."""
+
 
 class DropoutSeed:
     """The current micro-batch's mask seed, one int64 tensor on the training device."""
@@ -53,9 +56,8 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor, site: int, out: torch
             out = torch.empty_like(x)
             accumulate = False
         n = x.numel()
-        block = 1024
-        kernel[(triton_cdiv(n, block),)](x, out, seed, n, float(p), 1.0 / (1.0 - p), site_key(site),
-                                         ACCUMULATE=accumulate, BLOCK=block)
+        kernel[(triton_cdiv(n, BLOCK),)](x, out, seed, n, float(p), 1.0 / (1.0 - p), site_key(site),
+                                         ACCUMULATE=accumulate, BLOCK=BLOCK)
         return out
     if out is None and x.requires_grad:  # differentiable as written (tests use it in PEFT's place)
         return x * keep_mask(x.numel(), p, seed, site).view(x.shape).to(x.dtype) * (1.0 / (1.0 - p))
@@ -142,8 +144,8 @@ def _self_check(kernel) -> bool:
         outs = []
         for accumulate in (False, False, True):
             out = torch.zeros_like(x) if accumulate else torch.empty_like(x)  # 0 + y is y exactly
-            kernel[(triton_cdiv(n, 1024),)](x, out, seed, n, p, 1.0 / (1.0 - p), site_key(site),
-                                            ACCUMULATE=accumulate, BLOCK=1024)
+            kernel[(triton_cdiv(n, BLOCK),)](x, out, seed, n, p, 1.0 / (1.0 - p), site_key(site),
+                                             ACCUMULATE=accumulate, BLOCK=BLOCK)
             outs.append(out.float())
         kept = outs[0] != 0
         rate = kept.float().mean().item()

@@ -1,0 +1,117 @@
+"""Studio's own Triton kernels compile for an H100 (sm_90, by the ptxas Triton ships: no GPU needed),
+each with the constants and warps the engine launches it with, and their shared memory fits the card.
+
+The CPU tests run the kernels' arithmetic in Triton's interpreter, which runs none of the compiler's
+checks: the cross-entropy kernel with its soft-cap and gradient passed every one of them and failed
+to build on the GPU (a name that was a scalar before a loop and a block inside it), so every run took
+liger's loss instead. Fused attention's kernels have this test in test_fused_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from studio.engine.fast import cross_entropy, dequant, dropout, mxfp4_dequant, norm, update  # noqa: E402
+
+H100 = GPUTarget("cuda", 90, 32)
+H100_SHARED = 232448
+"""An H100's shared memory a block may opt into (227 KB)."""
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The kernels jitted for the compiler (not the interpreter), where Triton has its NVIDIA backend."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("this Triton has no NVIDIA backend")
+
+
+def _build(fn, constants: dict, kinds: dict, **options):
+    """``fn`` compiled for an H100 with ``constants`` (its ``tl.constexpr`` parameters) and the other
+    parameters' types from ``kinds`` (pointers not named there: bf16; integers: i32); its shared
+    memory checked against the card's."""
+    signature = {arg: "constexpr" if arg in constants else kinds.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
+                 for arg in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=constants), target=H100, options=options)
+    assert kernel.metadata.shared <= H100_SHARED, (fn.__name__, kernel.metadata.shared)
+    return kernel
+
+
+@pytest.mark.parametrize("cap", [False, True])
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_cross_entropy_kernel_compiles(compiled, cap: bool, grad: bool) -> None:
+    """Each of the loss's four variants (Gemma 2's soft-cap or none; the evaluation's loss alone or
+    the training's gradient too) over bf16 logits, in the block and warps cross_entropy.py launches."""
+    fn = cross_entropy.KERNELS.get()["cross_entropy_rows"]
+    constants = dict(BLOCK=cross_entropy.BLOCK, CAP=cap, GRAD=grad, INTERPRETED=False, ADD=None, GREATEST=None)
+    kinds = {"targets_ptr": "*i64", "losses_ptr": "*fp32", "scale_ptr": "*fp32", "cap": "fp32"}
+    _build(fn, constants, kinds, num_warps=cross_entropy.NUM_WARPS)
+
+
+UPDATE_KINDS = {"scale": "fp32"}
+
+
+@pytest.mark.parametrize("rank", [16, 256])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_the_lora_update_kernels_compile(compiled, rank: int, gelu: bool) -> None:
+    """The gated activation's forward and backward (SwiGLU and Gemma's GeGLU, both halves adapted,
+    the down product's handed-over term on) and o's and down's residual update, in update.py's
+    tiles, at the default rank and a high one (the inner size: the tiles of B^T it loads grow with
+    it)."""
+    kernels = update.KERNELS.get()
+    block = update._rank_block(rank)
+    _build(kernels["gated_forward"], dict(BLOCK_M=update.BLOCK_M, BLOCK_N=update.BLOCK_N, RANK=block, GATE=True,
+                                          UP=True, DOT_F32=False, GELU=gelu), UPDATE_KINDS,
+           num_warps=update.NUM_WARPS)
+    block_m, block_n = update.BACKWARD_BLOCK
+    _build(kernels["gated_backward"], dict(BLOCK_M=block_m, BLOCK_N=block_n, RANK=block, GATE=True, UP=True,
+                                           EXTRA=True, RANK_EXTRA=block, DOT_F32=False, GELU=gelu), UPDATE_KINDS,
+           num_warps=update.NUM_WARPS)
+    if not gelu:  # (the residual update has no activation)
+        _build(kernels["residual_update"], dict(BLOCK_M=update.BLOCK_M, BLOCK_N=update.BLOCK_N, RANK=block,
+                                                DOT_F32=False), UPDATE_KINDS, num_warps=update.NUM_WARPS)
+
+
+@pytest.mark.parametrize(("width", "weight"), [(576, "*bf16"), (4096, "*fp32"), (8192, "*bf16")])
+def test_the_rms_norm_kernels_compile(compiled, width: int, weight: str) -> None:
+    """The norm's forward and backward (with the residual stream's gradient) for SmolLM2-135M's
+    576-wide rows, a 7-8B model's 4,096 and a 70B's 8,192, in the block and warps norm.py picks for
+    each; a weight in bf16 or kept in fp32 (build.py)."""
+    kernels = norm.KERNELS.get()
+    block, warps = norm._settings(width)
+    common = dict(BLOCK=block, INTERPRETED=False, ADD=None)
+    kinds = {"w_ptr": weight, "rstd_ptr": "*fp32", "eps": "fp32"}
+    _build(kernels["rms_norm_forward"], dict(common, ROUND=None), kinds, num_warps=warps)
+    _build(kernels["rms_norm_backward"], dict(common, RESIDUAL=True), kinds, num_warps=warps)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_the_nf4_dequantization_kernel_compiles(compiled, nested: bool) -> None:
+    """bitsandbytes' NF4 at its usual block of 64 values, its scales double-quantized (uint8, in
+    blocks of 256) or not, in dequant.py's blocks a program and warps, without fused multiply-adds
+    (as dequant.py launches it)."""
+    fn = dequant.KERNELS.get()["nf4_dequantize"]
+    constants = dict(NESTED=nested, HALF=32, BLOCKSIZE2=256 if nested else 1, ROWS=dequant.BLOCKS_PER_PROGRAM,
+                     ROUND_BY_HAND=False)
+    kinds = {"packed_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "code2_ptr": "*fp32",
+             "absmax2_ptr": "*fp32", "offset_ptr": "*fp32", "code_ptr": "*fp32"}
+    _build(fn, constants, kinds, num_warps=dequant.NUM_WARPS, enable_fp_fusion=False)
+
+
+@pytest.mark.parametrize("out", ["*bf16", "*fp16", "*fp32"])
+def test_the_mxfp4_dequantization_kernel_compiles(compiled, out: str) -> None:
+    """gpt-oss' MXFP4 experts into each output dtype, in mxfp4_dequant.py's tile and warps."""
+    fn = mxfp4_dequant.KERNELS.get()["mxfp4_dequantize"]
+    constants = dict(ROWS=mxfp4_dequant.ROWS, GROUPS=mxfp4_dequant.GROUPS, BF16=out == "*bf16")
+    _build(fn, constants, {"blocks_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": out}, num_warps=mxfp4_dequant.NUM_WARPS)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_the_adapter_dropout_kernel_compiles(compiled, accumulate: bool) -> None:
+    """The adapters' dropout, writing its copy or adding into one, in dropout.py's block."""
+    fn = dropout._build_kernel()
+    _build(fn, dict(ACCUMULATE=accumulate, BLOCK=dropout.BLOCK), {"seed_ptr": "*i64", "p": "fp32", "scale": "fp32"})
