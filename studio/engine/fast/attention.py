@@ -64,24 +64,32 @@ LLAMA = Span()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, varlen: Varlen | None,
-           span: Span = LLAMA, sinks: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
+           span: Span = LLAMA, sinks: torch.Tensor | None = None, fused: bool = False,
+           keep: fused_attention.Keep | None = None, kept: tuple[torch.Tensor, torch.Tensor] | None = None
+           ) -> torch.Tensor:
     """Causal attention inside each example of ``q``, ``k``, ``v`` (``[B, T, heads, head_dim]``,
     fewer key/value heads allowed), as ``span`` says, with ``sinks`` (``[heads]``, frozen) where
     the layer has them; returns ``[B, T, heads, head_dim]``. ``fused``: soft-capped scores and
     sinks go through :class:`~studio.engine.fast.fused_attention.FusedAttention` where it can run
-    (else, and without it, :class:`EagerAttention`)."""
+    (else, and without it, :class:`EagerAttention`). ``keep`` and ``kept``: the fused attention's
+    output and log-sum-exp, handed out by a forward and given back to its recomputation
+    (FusedAttention's); no other attention keeps anything (``keep`` is then not called)."""
     heads, kv_heads = q.shape[2], k.shape[2]
     t = q.shape[1]
     window = span.window if span.window is not None and span.window < t else None  # else it hides nothing
     if span.softcap is not None or sinks is not None:
         scale = span.scale if span.scale is not None else q.shape[-1] ** -0.5
         sinks = sinks.detach().float().contiguous() if sinks is not None else None
+        if kept is not None:  # the forward ran the fused kernel on this layout: nothing to compute
+            eager = partial(_eager_gradients, seg, scale, span.softcap, sinks, window)
+            return FusedAttention.apply(q, k, v, _stream(seg, q)[1], scale, span.softcap, sinks, window, eager,
+                                        None, kept)
         if fused and fused_attention.available(q.device, q.dtype, q.shape[-1]):
             streamed, cu = _stream(seg, q)
             if streamed:
                 eager = partial(_eager_gradients, seg, scale, span.softcap, sinks, window)
                 done, out = fused_attention.KERNELS.attempt(lambda: FusedAttention.apply(
-                    q, k, v, cu, scale, span.softcap, sinks, window, eager))
+                    q, k, v, cu, scale, span.softcap, sinks, window, eager, keep))
                 if done:
                     return out
         return _eager(q, k, v, seg, scale, span.softcap, sinks, window)
