@@ -14,7 +14,7 @@ asks for it: its scale, a sliding window, soft-capped scores, attention sinks.
   kernel that fails to build) :class:`EagerAttention` computes them in plain torch, one key/value
   head and one block of queries at a time (their keys only: the earlier ones, within the window),
   and again in the backward, so that it keeps no ``tokens x tokens`` tensor between the two and its
-  scores stay under :data:`~studio.core.memory.fast.EAGER_SCORES` values. An eager step knows where
+  scores stay under :data:`~studio.core.memory.attention.EAGER_SCORES` values. An eager step knows where
   each example of the stream starts (:attr:`Segments.bounds`) and runs it example by example;
   inside a CUDA graph (no host sync) the mask comes from the boundaries on the device.
 """
@@ -27,7 +27,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from studio.core.memory.fast import EAGER_SCORES
+from studio.core.memory.attention import EAGER_SCORES
 from studio.engine.fast import fused_attention
 from studio.engine.fast.fused_attention import FusedAttention
 from studio.engine.fast.ops import Varlen

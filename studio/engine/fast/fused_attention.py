@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from studio.core.memory.fast import FUSED_ATTENTION_WIDTH
+from studio.core.memory.attention import FUSED_ATTENTION_WIDTH
 from studio.engine.fast.kernels import OwnKernels, interpreted
 
 KERNELS = OwnKernels("fused_attention_kernels", ("attention_forward", "attention_delta", "attention_backward_dq",
@@ -84,7 +84,7 @@ def broken() -> str:
 
 def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the fused attention can run on ``device`` for q, k and v in ``dtype`` with heads
-    ``head_dim`` wide (at most core/memory/fast.py's ``FUSED_ATTENTION_WIDTH``, which the estimate
+    ``head_dim`` wide (at most core/memory/attention.py's ``FUSED_ATTENTION_WIDTH``, which the estimate
     reads too): CUDA in half precision (an fp32 model keeps EagerAttention's exact order), or any
     float dtype under Triton's interpreter."""
     dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if interpreted() else ())
