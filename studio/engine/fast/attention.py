@@ -80,14 +80,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, var
     if span.softcap is not None or sinks is not None:
         scale = span.scale if span.scale is not None else q.shape[-1] ** -0.5
         sinks = sinks.detach().float().contiguous() if sinks is not None else None
+        eager = partial(_eager_gradients, seg, scale, span.softcap, sinks, window)
         if kept is not None:  # the forward ran the fused kernel on this layout: nothing to compute
-            eager = partial(_eager_gradients, seg, scale, span.softcap, sinks, window)
             return FusedAttention.apply(q, k, v, _stream(seg, q)[1], scale, span.softcap, sinks, window, eager,
                                         None, kept)
         if fused and fused_attention.available(q.device, q.dtype, q.shape[-1]):
             streamed, cu = _stream(seg, q)
             if streamed:
-                eager = partial(_eager_gradients, seg, scale, span.softcap, sinks, window)
                 done, out = fused_attention.KERNELS.attempt(lambda: FusedAttention.apply(
                     q, k, v, cu, scale, span.softcap, sinks, window, eager, keep))
                 if done:
