@@ -168,10 +168,13 @@ def test_gpt_oss_20b_is_sized_with_its_shipped_mxfp4_experts_and_fits_16_gb(tmp_
 
 def test_gpt_oss_sinks_cost_eager_blocks_of_scores_only_without_the_fused_attention() -> None:
     """gpt-oss-20b at seq 2048 (its query heads 8 to a key/value head): with the fast path's kernels
-    on (the default, bf16) its sinks run in the fused attention, whose memory is flash attention's;
-    with ``kernels: false`` the eager attention's blocks of fp32 scores (EAGER_TENSORS tensors of
-    EAGER_SCORES values: 320 MiB) join the training step's activations, and nothing else changes."""
-    from studio.core.memory.fast import EAGER_SCORES, EAGER_TENSORS, fast_step, fused_attention
+    on (the default, bf16) its sinks run in the fused attention, whose memory is flash attention's
+    but for the attention output its recomputation takes back from the host (one layer's on the
+    device: ``kept_attention_per_token``); with ``kernels: false`` the eager attention's blocks of
+    fp32 scores (EAGER_TENSORS tensors of EAGER_SCORES values: 320 MiB) join the training step's
+    activations in its place, and nothing else changes."""
+    from studio.core.memory.attention import EAGER_SCORES, EAGER_TENSORS, fused_attention, kept_attention_per_token
+    from studio.core.memory.fast import fast_step
     from studio.core.memory.plan import plan_for
     from studio.core.model.info import load_model_info
 
@@ -182,8 +185,38 @@ def test_gpt_oss_sinks_cost_eager_blocks_of_scores_only_without_the_fused_attent
     assert fused_attention(info, fused) and not fused_attention(info, eager)
     with_fused, with_eager = fast_step(info, fused), fast_step(info, eager)
     grown = {k: with_eager.categories[k] - v for k, v in with_fused.categories.items()}
-    assert abs(grown.pop("activations") - EAGER_TENSORS * 4 * EAGER_SCORES) <= 1
+    kept = 2048 * kept_attention_per_token(info, fused)
+    assert abs(grown.pop("activations") - (EAGER_TENSORS * 4 * EAGER_SCORES - kept)) <= 1
     assert all(v == 0 for k, v in grown.items() if k != "overhead"), grown
+
+
+@pytest.mark.parametrize("name", ["google/gemma-2-9b", "openai/gpt-oss-20b"])
+def test_the_fused_attention_s_kept_output_is_counted_once_on_the_device(name: str) -> None:
+    """Gemma-2-9B (soft-capped scores) and gpt-oss-20b (sinks) at seq 2048 on the fast path: each
+    layer's recomputation takes its fused attention's output and log-sum-exp back from host memory
+    (engine/fast/offload.py), so one layer's of them, the next one's prefetched, sits on the device
+    beside the recomputed layer: ``heads x (head_width x 2 + 4)`` bytes a token (16.1 MiB for
+    Gemma-2-9B), whatever the depth, and nothing with ``kernels: false`` (the eager attention keeps
+    nothing) or for a model whose attention flash attention runs."""
+    from studio.core.memory.attention import kept_attention_per_token
+    from studio.core.memory.fast import fast_step
+    from studio.core.memory.plan import plan_for
+    from studio.core.model.info import load_model_info
+
+    info = load_model_info(name)
+    text = f"model: {{base_model: {name}}}\ndata: {{max_seq_length: 2048}}\ntrainer: {{micro_batch_size: 1"
+    fused, eager = (replace(plan_for(parse_config(text + extra + "}\n"), info=info), path="fast")
+                    for extra in ("", ", fast_path: {kernels: false}"))
+    kept = 2048 * info.heads * (info.head_width * 2 + 4)
+    assert 2048 * kept_attention_per_token(info, fused) == kept and kept_attention_per_token(info, eager) == 0
+    # what flash attention would run: nothing kept
+    assert kept_attention_per_token(replace(info, softcapped=False, sinks=False), fused) == 0
+    for deep in (info, replace(info, layers=2 * info.layers)):
+        grown = fast_step(deep, fused).categories["activations"] - fast_step(
+            replace(deep, softcapped=False, sinks=False), fused).categories["activations"]
+        assert abs(grown - kept) <= 1, (deep.layers, grown, kept)
+    if name == "google/gemma-2-9b":
+        assert kept == 16.125 * 2**20
 
 
 def test_the_estimate_takes_a_mixture_of_experts_path_as_the_engine_does() -> None:

@@ -181,6 +181,70 @@ def test_gemma_2_and_gpt_oss_train_through_the_fused_attention_as_through_transf
     assert calls and set(calls) == {"fused"}
 
 
+@INTERPRETER
+def test_a_layer_recomputed_from_host_memory_runs_no_attention_forward_again(monkeypatch) -> None:
+    """Gemma 2's layers with their inputs in host memory keep the fused attention's output and
+    log-sum-exp beside q, k and v, and their recomputation takes them back: a step runs the forward
+    kernel once a layer, where torch's checkpointing (which keeps nothing) runs it twice, in the
+    forward and in the recomputation; the loss and every LoRA gradient are that path's. A budget
+    that fits one layer's q, k and v and nothing more, or nothing at all, leaves the other layers
+    running the forward again (all but the last, whose tensors stay on the device), to the same
+    gradients."""
+    from test_fast_families import _batch, _grads
+    from test_fast_families import _config as family_config
+    from test_fast_families import _peft as family_peft
+
+    from studio.engine import fast
+    from studio.engine.fast.offload import ATTENTION, HostInputs
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = family_peft(family_config("gemma2"))
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    layers = len(fast_model.layers)
+    assert layers >= 2 and all(layer.fused_attention for layer in fast_model.layers)
+    monkeypatch.setattr("studio.engine.fast.model.offload_for", lambda tokens, dropout, cuda: True)
+    launched = []
+    real = fused_attention.forward
+
+    def counting(*args, **kwargs):
+        launched.append(args[0].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(fused_attention, "forward", counting)
+    batch = _batch(packing=True)
+    tokens = batch.input_ids.numel()
+    config = family_config("gemma2")
+    one_qkv = tokens * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim * 4
+    cpu = torch.device("cpu")
+    # name: (host, forward kernels a step runs, layers whose attention waits on the host)
+    runs = {"torch's checkpointing": (None, 2 * layers, set()),
+            "host": (HostInputs(cpu), layers, set(range(layers - 1))),
+            "host, one layer's q, k, v": (HostInputs(cpu, keep_budget=one_qkv), 2 * layers - 1, set()),
+            "host, no budget": (HostInputs(cpu, keep_budget=0), 2 * layers - 1, set())}
+    results = {}
+    for name, (host, forwards, kept) in runs.items():
+        fast_model._host = host
+        model.zero_grad(set_to_none=True)
+        launched.clear()
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+        assert len(launched) == forwards, (name, len(launched))
+        results[name] = (loss.detach(), _grads(model))
+        if host is not None:
+            assert not host._stored and not host._fetched, name  # everything kept came back once
+            on_host = {key[0] for key in host._host if isinstance(key, tuple) and key[1] in ATTENTION}
+            assert on_host == kept, name
+    loss0, grads0 = results.pop("torch's checkpointing")
+    assert grads0
+    for name, (loss, grads) in results.items():
+        torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        assert grads.keys() == grads0.keys(), name
+        for key, grad in grads0.items():
+            assert grad.abs().sum() > 0, key
+            torch.testing.assert_close(grads[key], grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, name=name, key=key: f"{name}, {key}: {m}")
+
+
 def test_a_tile_too_large_for_the_card_gives_way_to_the_next_smaller_one(monkeypatch) -> None:
     """Compiled (not interpreted), a tile whose shared memory the card lacks fails at its launch:
     the next of the pass's tiles runs instead, and later calls start from it; past the last, the

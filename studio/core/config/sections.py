@@ -178,10 +178,12 @@ class FastPathConfig:
     graphs' private memory pools."""
 
     host_offload: bool = True
-    """Keep each layer's checkpointed input, and its rotated q, k and v, in pinned host memory
+    """Keep each layer's checkpointed input, and its rotated q, k and v (with Studio's fused
+    attention, Gemma 2's and gpt-oss', its output and log-sum-exp too), in pinned host memory
     between the forward and the backward, copied behind the compute (the layer inputs alone are
     about 2 GB for a 7B model at 8192 tokens a micro-batch). False: they stay on the GPU, and the
-    recomputation runs the q/k/v products again (no host memory pinned, no PCIe traffic)."""
+    recomputation runs the q/k/v products and the attention again (no host memory pinned, no PCIe
+    traffic)."""
 
 
 @dataclass

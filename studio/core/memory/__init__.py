@@ -9,6 +9,7 @@ Modules, each importing only those above it:
 - ``params``: bytes of what lives through the run (weights, adapters, gradients, optimizer state);
 - ``result``: :class:`Estimate` and :class:`PhasePeak`, what an estimate says;
 - ``plain``: the training step on the plain path (transformers + PEFT + bitsandbytes);
+- ``attention``: the fast path's attention: which computes soft-caps and sinks, what it keeps;
 - ``fast``: the training step on the fast path (studio/engine/fast/);
 - ``phases``: evaluation, generation and checkpoint save around the step;
 - ``estimate``: :func:`estimate` of a run config on the path the engine takes (core/plan.py);

@@ -13,15 +13,15 @@ fp32 residual stream, no per-module saved inputs, no logits. What today's engine
   experts' adapters are hoisted with the others. Not yet measured on a GPU (no benchmark of it exists yet);
 - LoRA parameters, gradients and optimizer state as on the plain path;
 - activations: every layer is checkpointed, whatever the config says, and on a CUDA card each
-  layer's input and its rotated q, k and v wait in pinned host memory (engine/fast/offload.py): on
-  the device at a backward's start are two layer inputs (the one being recomputed and the next,
-  prefetched) and the next layer's q, k and v; the stacked bf16 adapters of every layer (hoisted out
-  of the checkpoints; an eager step frees each layer's as its backward ends, while the gradients
-  appear: :func:`adapters_at_peak`), one recomputed layer's working set in its backward (with a
-  model's fewer key/value heads, the key and value repeated to the query heads' count among it; with
-  a GeGLU MLP whose activation runs outside Studio's kernels, the contiguous copies of gate and up
-  liger's kernel takes: :func:`gelu_copies_per_token`),
-  and the fused cross-entropy's gradient of the hidden states with one chunk of logits (never all of
+  layer's input and its rotated q, k and v (and fused attention's output: :func:`saved_per_token`)
+  wait in pinned host memory (engine/fast/offload.py): on the device at a backward's start are two
+  layer inputs (the one being recomputed and the next, prefetched) and the next layer's; the stacked bf16
+  adapters of every layer (hoisted out of the checkpoints; an eager step frees each layer's as its
+  backward ends, while the gradients appear: :func:`adapters_at_peak`), one recomputed layer's
+  working set in its backward (with a model's fewer key/value heads, the key and value repeated to
+  the query heads' count among it; with a GeGLU MLP whose activation runs outside Studio's kernels,
+  the contiguous copies of gate and up liger's kernel takes: :func:`gelu_copies_per_token`), and the
+  fused cross-entropy's gradient of the hidden states with one chunk of logits (never all of
   them: :func:`loss_bytes`); the shared buffer every 4-bit weight is dequantized into (as large as
   the widest single projection);
 - overhead: the CUDA context; with CUDA graphs (micro-batches of up to core/plan.py's
@@ -50,6 +50,7 @@ from studio.core.memory.allocator import (
     PAGE,
     STEP_WORKSPACES,
 )
+from studio.core.memory.attention import eager_attention_bytes, kept_attention_per_token
 from studio.core.memory.params import (
     compute_bytes,
     expert_lora_params,
@@ -69,16 +70,6 @@ LAYER_WORKING_SET = 1.2
 Fitted with ``GRAPH_POOL_PER_TOKEN`` by bench/refit_vram_fast.py on the 15 in-sample fast-path rows
 of tests/data/vram_measured.json (9058222's engine, one H200); the search kept 1.2, the value first
 fitted on 09fac3a's H100 grid."""
-
-EAGER_SCORES = 1 << 24
-"""Attention scores the plain-torch attention (engine/fast/attention.py's EagerAttention: soft-capped
-scores, attention sinks) computes at once, a block of queries against their keys: its fp32 working
-set is a few tensors of this many values (:func:`eager_attention_bytes`)."""
-
-EAGER_TENSORS = 5
-"""fp32 tensors of a block's scores alive at once in EagerAttention's backward: the scores, their
-softmax (with a sink, the softmax of the scores and the sink's column besides), the weights'
-gradient and the scores' gradient (before its cast)."""
 
 FIXED_SLACK = 32 * 2**20
 """Reserved beyond the allocated peak that no mechanism below explains: small-pool pages and 20 MiB
@@ -213,37 +204,6 @@ def adapters_at_peak(layers: int, hoisted: float, grads: float, eager_fresh: boo
     return max(layers * per_hoisted, 2 * per_hoisted + (layers - 2) * per_grads)
 
 
-FUSED_ATTENTION_WIDTH = 256
-"""The widest heads engine/fast/fused_attention.py's kernels take."""
-
-
-def fused_attention(info: ModelInfo, plan: Plan) -> bool:
-    """Whether the fast path computes soft-capped scores and attention sinks with Studio's fused
-    Triton attention (engine/fast/fused_attention.py, built where engine/fast/build.py says) rather
-    than in plain torch (EagerAttention): its kernels on (``trainer.fast_path.kernels``), a
-    half-precision compute dtype and heads at most :data:`FUSED_ATTENTION_WIDTH` wide. On a CUDA
-    card, the estimate's subject, torch's build brings Triton, so the engine decides the same way;
-    a kernel that fails to build on the card (the engine then warns and computes in plain torch) is
-    not foreseen."""
-    return plan.kernels and plan.compute in ("bf16", "fp16") and info.head_width <= FUSED_ATTENTION_WIDTH
-
-
-def eager_attention_bytes(info: ModelInfo, plan: Plan) -> int:
-    """The working set of a model whose attention the fast path computes in plain torch because of
-    its sinks (gpt-oss; engine/fast/attention.py's EagerAttention): :data:`EAGER_TENSORS` fp32
-    tensors of one block's scores, the query heads sharing a key/value head against an example's
-    keys, at most :data:`EAGER_SCORES` values. 0 where the fused attention runs instead
-    (:func:`fused_attention`: what it keeps beyond flash attention's, ``dout . out`` a query and head
-    in the backward, is as small as the log-sum-exp both keep, inside the layer's fitted working
-    set), and 0 without sinks (Gemma 2's soft-capped attention, where it runs the same eager code:
-    its measured rows hold that in the fitted working set)."""
-    if not info.sinks or fused_attention(info, plan):
-        return 0
-    rep = info.heads // info.kv_heads
-    longest = min(plan.seq_len, plan.real_tokens)
-    return EAGER_TENSORS * 4 * min(EAGER_SCORES, rep * longest * longest)
-
-
 def dequant_buffer_bytes(info: ModelInfo, compute: int) -> int:
     """Bytes of the shared buffer 4-bit weights are dequantized into: one projection at a time
     (engine/fast/weights.py splits a fused product), so the widest single projection."""
@@ -285,20 +245,21 @@ def loss_bytes(info: ModelInfo, tokens: int, compute: int) -> int:
     return tokens * info.hidden * compute + loss_chunk_rows(tokens, info.hidden, info.vocab) * info.vocab * compute
 
 
-def saved_per_token(info: ModelInfo, compute: int) -> int:
+def saved_per_token(info: ModelInfo, compute: int, attention: int = 0) -> int:
     """Bytes per token that the checkpointed layers keep on the device at a backward's start: with
     the layer inputs and their rotated q, k and v on the host, two inputs (the one being recomputed
-    and the next, prefetched) and the next layer's q, k and v (the recomputed layer's own replace
-    its q/k/v product's outputs in the working set)."""
+    and the next, prefetched) and the next layer's q, k and v, and ``attention`` bytes of its kept
+    attention (:func:`kept_attention_per_token`); the recomputed layer's own replace its q/k/v
+    product's and attention's outputs in the working set."""
     qkv = (info.heads + 2 * info.kv_heads) * info.head_width
-    return (2 * info.hidden + qkv) * compute
+    return (2 * info.hidden + qkv) * compute + attention
 
 
-def step_activations(info: ModelInfo, tokens: int, compute: int, gate_in_kernel: bool) -> float:
+def step_activations(info: ModelInfo, tokens: int, compute: int, gate_in_kernel: bool, attention: int = 0) -> float:
     """Bytes a training step holds beyond the parameters, gradients and optimizer state at its peak
     (a recomputed layer's), without the hoisted adapters and the dequantized weight;
-    ``gate_in_kernel``: :func:`gate_in_kernel`."""
-    saved = tokens * saved_per_token(info, compute)
+    ``gate_in_kernel``: :func:`gate_in_kernel`; ``attention``: :func:`kept_attention_per_token`."""
+    saved = tokens * saved_per_token(info, compute, attention)
     working = tokens * (LAYER_WORKING_SET * layer_outputs_per_token(info, compute)
                         + gelu_copies_per_token(info, compute, gate_in_kernel))
     return saved + working + loss_bytes(info, tokens, compute)
@@ -332,12 +293,12 @@ def graph_pool_free_bytes(info: ModelInfo, tokens: int, compute: int) -> float:
     return tokens * GRAPH_POOL_PER_TOKEN * layer_outputs_per_token(info, compute)
 
 
-def graph_pool_bytes(info: ModelInfo, tokens: int, compute: int, gate_in_kernel: bool) -> float:
-    """The whole private pool of a step captured as a CUDA graph: the layer inputs and q, k, v it
-    keeps on the device, one layer's working set and the free blocks, none of which anything outside
-    the graph can reuse (core/memory/phases.py puts it under every other phase); ``gate_in_kernel``:
-    :func:`gate_in_kernel`."""
-    return tokens * (saved_per_token(info, compute) + gelu_copies_per_token(info, compute, gate_in_kernel)
+def graph_pool_bytes(info: ModelInfo, tokens: int, compute: int, gate_in_kernel: bool, attention: int = 0) -> float:
+    """The whole private pool of a step captured as a CUDA graph: what the layers keep on the device
+    (:func:`saved_per_token`), one layer's working set and the free blocks, none of which anything
+    outside the graph can reuse (core/memory/phases.py puts it under every other phase);
+    ``gate_in_kernel``: :func:`gate_in_kernel`; ``attention``: :func:`kept_attention_per_token`."""
+    return tokens * (saved_per_token(info, compute, attention) + gelu_copies_per_token(info, compute, gate_in_kernel)
                      + (LAYER_WORKING_SET + GRAPH_POOL_PER_TOKEN) * layer_outputs_per_token(info, compute))
 
 
@@ -370,14 +331,14 @@ def reference_graph_bytes(info: ModelInfo, tokens: int, compute: int) -> int:
     return tokens * compute * (2 * info.hidden + 3 * info.intermediate)
 
 
-def shared_pool_growth(info: ModelInfo, tokens: int, compute: int, gate_in_kernel: bool) -> float:
+def shared_pool_growth(info: ModelInfo, tokens: int, compute: int, gate_in_kernel: bool, attention: int = 0) -> float:
     """What the reference graph adds to the layout's one private pool (:func:`graph_pool_bytes` the
     policy's alone): the pool holds the larger of the two working sets, the reference pass's static
     output kept beside the policy's, so it grows by that output or by the pass's excess, whichever is
     more."""
     output = tokens * info.hidden * compute
     return max(float(output), reference_graph_bytes(info, tokens, compute)
-               - graph_pool_bytes(info, tokens, compute, gate_in_kernel))
+               - graph_pool_bytes(info, tokens, compute, gate_in_kernel, attention))
 
 
 def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
@@ -400,7 +361,8 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     # the experts' adapters are hoisted out of the checkpoints like the linear modules', stacked per expert
     hoisted = hoisted_adapter_bytes(info, plan.lora_r or 0, plan.lora_targets, c) + expert_lora_params(info, plan) * c
     in_kernel = gate_in_kernel(plan)
-    working = (step_activations(info, tokens, c, in_kernel)
+    attention = kept_attention_per_token(info, plan)
+    working = (step_activations(info, tokens, c, in_kernel, attention)
                + eager_attention_bytes(info, plan)
                + dequant
                + CUBLAS_WORKSPACE_BYTES
@@ -441,7 +403,7 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
     if graphs and layouts:
         # every layout's graph has a private pool of its own: another copy of the graph's held
         # activations and free blocks each
-        second_pool = (MAX_LAYOUTS - 1) * (step_activations(info, tokens, c, in_kernel)
+        second_pool = (MAX_LAYOUTS - 1) * (step_activations(info, tokens, c, in_kernel, attention)
                                            + graph_pool_free_bytes(info, tokens, c))
         slack += second_pool
     eager_extra = 0 if graphs else (STEP_WORKSPACES - 1) * workspace  # mapped too
@@ -456,7 +418,7 @@ def fast_step(info: ModelInfo, plan: Plan) -> Estimate:
         need = max(need, at_reference + slack)
     if reference_pool:
         # Graphed, it shares the policy graph's pool: the larger working set, not both.
-        need += shared_pool_growth(info, tokens, c, in_kernel) * (MAX_LAYOUTS if layouts else 1)
+        need += shared_pool_growth(info, tokens, c, in_kernel, attention) * (MAX_LAYOUTS if layouts else 1)
     if graphs:
         # The capture's own moment reserves its allocated peak, the free blocks its private pool has
         # by then and the allocator's fixed slack (a later step's other holes, the dequantized weights'

@@ -61,6 +61,7 @@ from studio.core.memory.fast import (
     gate_in_kernel,
     graph_pool_bytes,
     hoisted_adapter_bytes,
+    kept_attention_per_token,
     reference_pass_bytes,
     shared_pool_growth,
 )
@@ -120,10 +121,10 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
             persistent += dequant_buffer_bytes(info, c) + expert_buffer_bytes(info, plan)
         tokens = plan.real_tokens
         if plan.cuda_graphs and graphs_for(tokens, plan.lora_dropout, cuda=True):
-            in_kernel = gate_in_kernel(plan)
-            pool = graph_pool_bytes(info, tokens, c, in_kernel)
+            in_kernel, attention = gate_in_kernel(plan), kept_attention_per_token(info, plan)
+            pool = graph_pool_bytes(info, tokens, c, in_kernel, attention)
             if plan.reference_pass:  # DPO's reference graph shares the pool
-                pool += shared_pool_growth(info, tokens, c, in_kernel)
+                pool += shared_pool_growth(info, tokens, c, in_kernel, attention)
     # the residual stream's width: bf16 on the fast path (its prepare casts embeddings and norms down),
     # fp32 after prepare_model_for_kbit_training on the plain one
     stream = c if fast_path else stream_bytes(plan)

@@ -118,6 +118,10 @@ class ModelInfo:
     sinks: bool = False
     """Each attention head has a sink logit (gpt-oss): one parameter a head and layer."""
 
+    softcapped: bool = False
+    """Attention scores are soft-capped (Gemma 2's ``attn_logit_softcapping``): like sinks, no flash
+    kernel takes them, and the fast path computes them in attention of its own."""
+
     activation: str = "silu"
     """The dense MLP's gated activation: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (GeGLU: Gemma)."""
 
@@ -245,7 +249,7 @@ def from_spec(spec: DecoderSpec, name: str, init_std: float = 0.02) -> ModelInfo
         vision_params=spec.extra_params, sparse_layers=spec.sparse_layers if spec.moe else 0,
         experts=spec.moe.experts if spec.moe else 0, expert_intermediate=spec.moe.intermediate if spec.moe else 0,
         top_k=spec.moe.top_k if spec.moe else 0, moe=sparse_mlp(spec), sinks=spec.sinks,
-        activation=spec.activation)
+        softcapped=spec.attn_softcap is not None, activation=spec.activation)
 
 
 def _table_entry(name: str, model_type: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,

@@ -14,8 +14,9 @@ one concern a module (the imports point down this list):
   each layer checkpointed, the stack replayed as CUDA graphs or run eagerly;
 - ``graphs``: the decoder stack's forward and backward captured and replayed as CUDA graphs, one a
   batch layout, the adapters' gradients added inside the graph (``GradSink``);
-- ``offload``: each checkpointed layer's input, and its rotated q, k and v, waiting in pinned host
-  memory between the forward and the backward, copied behind the compute;
+- ``offload``: each checkpointed layer's input, and its rotated q, k and v (and the fused
+  attention's output and log-sum-exp), waiting in pinned host memory between the forward and the
+  backward, copied behind the compute, so that the recomputation runs none of what they hold;
 - ``layer``: one decoder layer as one function, for every family: norms (pre, post or sandwich;
   Llama's or Gemma's casting), fused projections, q/k norms, RoPE (partial, per layer type, or
   none), the gated MLP (SwiGLU, GeGLU) or a mixture of experts (``moe``: routers with or without a

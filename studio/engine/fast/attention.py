@@ -14,7 +14,7 @@ asks for it: its scale, a sliding window, soft-capped scores, attention sinks.
   kernel that fails to build) :class:`EagerAttention` computes them in plain torch, one key/value
   head and one block of queries at a time (their keys only: the earlier ones, within the window),
   and again in the backward, so that it keeps no ``tokens x tokens`` tensor between the two and its
-  scores stay under :data:`~studio.core.memory.fast.EAGER_SCORES` values. An eager step knows where
+  scores stay under :data:`~studio.core.memory.attention.EAGER_SCORES` values. An eager step knows where
   each example of the stream starts (:attr:`Segments.bounds`) and runs it example by example;
   inside a CUDA graph (no host sync) the mask comes from the boundaries on the device.
 """
@@ -27,7 +27,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from studio.core.memory.fast import EAGER_SCORES
+from studio.core.memory.attention import EAGER_SCORES
 from studio.engine.fast import fused_attention
 from studio.engine.fast.fused_attention import FusedAttention
 from studio.engine.fast.ops import Varlen
@@ -64,24 +64,31 @@ LLAMA = Span()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, varlen: Varlen | None,
-           span: Span = LLAMA, sinks: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
+           span: Span = LLAMA, sinks: torch.Tensor | None = None, fused: bool = False,
+           keep: fused_attention.Keep | None = None, kept: tuple[torch.Tensor, torch.Tensor] | None = None
+           ) -> torch.Tensor:
     """Causal attention inside each example of ``q``, ``k``, ``v`` (``[B, T, heads, head_dim]``,
     fewer key/value heads allowed), as ``span`` says, with ``sinks`` (``[heads]``, frozen) where
     the layer has them; returns ``[B, T, heads, head_dim]``. ``fused``: soft-capped scores and
     sinks go through :class:`~studio.engine.fast.fused_attention.FusedAttention` where it can run
-    (else, and without it, :class:`EagerAttention`)."""
+    (else, and without it, :class:`EagerAttention`). ``keep`` and ``kept``: the fused attention's
+    output and log-sum-exp, handed out by a forward and given back to its recomputation
+    (FusedAttention's); no other attention keeps anything (``keep`` is then not called)."""
     heads, kv_heads = q.shape[2], k.shape[2]
     t = q.shape[1]
     window = span.window if span.window is not None and span.window < t else None  # else it hides nothing
     if span.softcap is not None or sinks is not None:
         scale = span.scale if span.scale is not None else q.shape[-1] ** -0.5
         sinks = sinks.detach().float().contiguous() if sinks is not None else None
+        eager = partial(_eager_gradients, seg, scale, span.softcap, sinks, window)
+        if kept is not None:  # the forward ran the fused kernel on this layout: nothing to compute
+            return FusedAttention.apply(q, k, v, _stream(seg, q)[1], scale, span.softcap, sinks, window, eager,
+                                        None, kept)
         if fused and fused_attention.available(q.device, q.dtype, q.shape[-1]):
             streamed, cu = _stream(seg, q)
             if streamed:
-                eager = partial(_eager_gradients, seg, scale, span.softcap, sinks, window)
                 done, out = fused_attention.KERNELS.attempt(lambda: FusedAttention.apply(
-                    q, k, v, cu, scale, span.softcap, sinks, window, eager))
+                    q, k, v, cu, scale, span.softcap, sinks, window, eager, keep))
                 if done:
                     return out
         return _eager(q, k, v, seg, scale, span.softcap, sinks, window)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from studio.core.memory.fast import FUSED_ATTENTION_WIDTH
+from studio.core.memory.attention import FUSED_ATTENTION_WIDTH
 from studio.engine.fast.kernels import OwnKernels, interpreted
 
 KERNELS = OwnKernels("fused_attention_kernels", ("attention_forward", "attention_delta", "attention_backward_dq",
@@ -84,7 +84,7 @@ def broken() -> str:
 
 def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the fused attention can run on ``device`` for q, k and v in ``dtype`` with heads
-    ``head_dim`` wide (at most core/memory/fast.py's ``FUSED_ATTENTION_WIDTH``, which the estimate
+    ``head_dim`` wide (at most core/memory/attention.py's ``FUSED_ATTENTION_WIDTH``, which the estimate
     reads too): CUDA in half precision (an fp32 model keeps EagerAttention's exact order), or any
     float dtype under Triton's interpreter."""
     dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if interpreted() else ())
@@ -204,19 +204,35 @@ Gradients = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 backward takes when its kernels fail to build after the forward's did."""
 
 
+Keep = Callable[[torch.Tensor, torch.Tensor], None]
+"""Takes a forward's output and log-sum-exp, for the recomputation of a checkpointed layer
+(engine/fast/offload.py keeps them in host memory beside the layer's input)."""
+
+
 class FusedAttention(torch.autograd.Function):
     """The attention of ``q`` ``[B, T, heads, head_dim]``, ``k`` and ``v`` ``[B, T, kv_heads,
     head_dim]`` by the fused kernels (module docstring): ``cu`` the int32 boundaries of the
     examples of a one-row stream, or None (each row one example); ``scale``, ``cap`` (None: not
     capped), ``sinks`` (fp32 ``[heads]`` or None; no gradient) and ``window`` (None: every earlier
-    key) as EagerAttention takes them; ``fallback``: :data:`Gradients`."""
+    key) as EagerAttention takes them; ``fallback``: :data:`Gradients`.
+
+    ``keep``: called with the output and the log-sum-exp the forward kernel made (:data:`Keep`).
+    ``kept``: that pair from an earlier forward of the same q, k and v (a checkpointed layer's
+    recomputation): no kernel runs, the output is the kept one and the backward reads the kept
+    log-sum-exp, which is all the backward kernels take beyond q, k, v and the output's gradient."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu: torch.Tensor | None, scale: float, cap: float | None,
-                sinks: torch.Tensor | None, window: int | None, fallback: Gradients):
+                sinks: torch.Tensor | None, window: int | None, fallback: Gradients, keep: Keep | None = None,
+                kept: tuple[torch.Tensor, torch.Tensor] | None = None):
         q, k, v = _dense(q), _dense(k), _dense(v)
         bounds = example_bounds(cu, q.shape[1]) if cu is not None else None
-        out, lse = forward(q, k, v, bounds, scale, cap, sinks, window)
+        if kept is not None:
+            out, lse = kept
+        else:
+            out, lse = forward(q, k, v, bounds, scale, cap, sinks, window)
+            if keep is not None:
+                keep(out, lse)
         ctx.save_for_backward(q, k, v, out, lse, *(bounds or (None, None)))
         ctx.scale, ctx.cap, ctx.window, ctx.fallback = scale, cap, window, fallback
         return out
@@ -230,4 +246,4 @@ class FusedAttention(torch.autograd.Function):
                                                        ctx.window))
         if not done:
             grads = ctx.fallback(q, k, v, dout)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)

@@ -7,8 +7,8 @@ it runs the operations it always ran, in their order."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from studio.engine.fast.ops import (
 )
 from studio.engine.fast.projection import Projection
 
-__all__ = ["LLAMA_NORM", "Layer", "NormKind", "Segments"]
+__all__ = ["LLAMA_NORM", "Keep", "Kept", "Layer", "NormKind", "Segments"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,29 @@ class NormKind:
 
 
 LLAMA_NORM = NormKind()
+
+
+class Keep(Protocol):
+    """Where a forward whose layer is recomputed later hands what that recomputation can take back
+    instead of computing it again (engine/fast/offload.py's ``LayerKeep``: into host memory)."""
+
+    def qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """q, k and v as soon as they exist (:attr:`Layer.keeps_rotated` says which form)."""
+
+    def attention(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """The fused attention's output and log-sum-exp (engine/fast/fused_attention.py: the other
+        attentions hand nothing)."""
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a forward kept (:class:`Keep`), given back to its layer's recomputation; None: not kept."""
+
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """q, k and v: the recomputation runs no q/k/v product (:meth:`Projection.from_kept`)."""
+    attention: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The fused attention's output and log-sum-exp: the recomputation runs no attention forward,
+    and the attention's backward reads them (FusedAttention's ``kept``)."""
 
 
 @dataclass
@@ -151,7 +174,7 @@ class Layer:
         return self.rope and self.qk_norm == "none"
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments, adapters: tuple,
-                recompute: bool = False, keep: Callable[..., None] | None = None, kept: tuple | None = None):
+                recompute: bool = False, keep: Keep | None = None, kept: Kept | None = None):
         """The layer's output, from its adapters as :meth:`adapters` builds them; with ``recompute``
         (a checkpointed layer rebuilt for its backward) the pair ``(h, down)`` whose sum the output
         is, where (unless the MLP's output is normed or scaled first) ``down`` only carries the
@@ -159,17 +182,19 @@ class Layer:
         that product (the down projection, 7% of a 7B step's products). The caller sends the
         output's gradient into both.
 
-        ``keep(q, k, v)``: called with q, k and v as soon as they exist (:attr:`keeps_rotated`; a
-        forward whose layer is recomputed later keeps them: engine/fast/offload.py). ``kept``:
-        those three, given back to the recomputation, which then runs no q/k/v product
-        (:meth:`Projection.from_kept`)."""
+        ``keep``: a forward whose layer is recomputed later hands it q, k and v, and the fused
+        attention's output and log-sum-exp (engine/fast/offload.py). ``kept``: what it kept, given
+        back to the recomputation, which then runs no q/k/v product (:meth:`Projection.from_kept`)
+        and no attention forward."""
         b, t, _ = h.shape
         qkv_ad, o_ad, gu_ad, down_ad = adapters
         if self.table is not None:
             cos, sin = cos[self.table], sin[self.table]
         x, h = self.branch(h, self.ln1)
-        q, k, v = self.queries(x, cos, sin, qkv_ad, keep, kept)
-        attn = self.attention(q, k, v, seg)
+        q, k, v = self.queries(x, cos, sin, qkv_ad, keep.qkv if keep is not None else None,
+                               kept.qkv if kept is not None else None)
+        attn = self.attention(q, k, v, seg, keep.attention if keep is not None else None,
+                              kept.attention if kept is not None else None)
         attn = attn.reshape(b, t, self.heads * self.head_dim)
         if self._fused_residual(self.attn_out):
             h = self.o(attn, o_ad, residual=h)
@@ -221,7 +246,8 @@ class Layer:
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv_ad, keep, kept) -> tuple:
         """q, k and v ``[B, T, heads, head_dim]`` of the normed layer input ``x``, q and k normed
-        and rotated as the layer does; ``keep`` and ``kept`` as :meth:`forward` takes them."""
+        and rotated as the layer does; ``keep`` (:meth:`Keep.qkv`) and ``kept`` (:attr:`Kept.qkv`)
+        as :meth:`forward` takes them."""
         if self.keeps_rotated:
             if kept is not None:
                 return self.qkv.from_kept(x, kept, cos, sin, self.unrotate(), qkv_ad)
@@ -277,6 +303,8 @@ class Layer:
             return unrotate_liger(self.liger["rope_backward"])
         return unrotate_torch
 
-    def attention(self, q, k, v, seg: Segments) -> torch.Tensor:
-        """Causal attention inside each example, as :attr:`span` says; returns [B, T, H, D]."""
-        return attend(q, k, v, seg, self.varlen, self.span, self.sinks, self.fused_attention)
+    def attention(self, q, k, v, seg: Segments, keep=None, kept: tuple | None = None) -> torch.Tensor:
+        """Causal attention inside each example, as :attr:`span` says; returns [B, T, H, D].
+        ``keep`` (:meth:`Keep.attention`) and ``kept`` (:attr:`Kept.attention`) as :meth:`forward`
+        takes them."""
+        return attend(q, k, v, seg, self.varlen, self.span, self.sinks, self.fused_attention, keep, kept)

@@ -7,8 +7,11 @@ more than the rest of the activations together). :class:`HostInputs` copies each
 pinned host buffer on a side stream while the layer computes, and in the backward brings the next
 one back while the current layer is recomputed, so the copies hide behind the compute; at most two
 layer inputs are on the GPU at once. Each layer's rotated q, k and v wait there too, so that its
-recomputation skips the q/k/v product and RoPE. The last layer's stay on the GPU: its backward comes
-right after the loss, so its copies could hide behind nothing. :class:`OffloadedLayer` is the
+recomputation skips the q/k/v product and RoPE, and where Studio's fused attention runs (Gemma 2's
+soft-cap, gpt-oss' sinks: engine/fast/fused_attention.py) the attention's output and log-sum-exp, so
+that it skips the attention's forward as well (its backward kernels read exactly those beside q, k,
+v and the output's gradient). The last layer's stay on the GPU: its backward comes right after the
+loss, so its copies could hide behind nothing. :class:`OffloadedLayer` is the
 recomputing layer (what ``torch.utils.checkpoint`` does, with the input saved on the host).
 
 Eager steps and CUDA-graphed ones alike (core/plan.py's ``offload_for`` decides, and the estimator
@@ -23,11 +26,16 @@ layer later, and is freed after that.
 from __future__ import annotations
 
 import os
-from functools import partial
 
 import torch
 
+from studio.engine.fast.layer import Kept
+
 QKV = ("q", "k", "v")
+"""The names a layer's kept q, k and v are stored under, beside its index."""
+
+ATTENTION = ("out", "lse")
+"""The names a layer's kept attention output and log-sum-exp are stored under, beside its index."""
 
 
 class HostInputs:
@@ -44,7 +52,7 @@ class HostInputs:
         self.keep_budget = keep_budget
         """Most bytes of pinned host memory the kept tensors may take (None: a quarter of the
         host memory available when the first is kept); layers past it keep nothing and recompute
-        their q, k and v as before."""
+        their q, k and v (and attention) as before."""
         self._kept_bytes = 0
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -139,12 +147,12 @@ class HostInputs:
             done.record(self.stream)
         self._fetched[index] = (out, done)
 
-    def may_keep(self, index: int, tensors) -> bool:
-        """Whether layer ``index`` keeps ``tensors`` (its q, k and v) on the host: it already has
-        buffers for them (a graph's replay, a later step), or they fit in what is left of
-        :attr:`keep_budget`."""
+    def may_keep(self, index: int, names: tuple[str, ...], tensors) -> bool:
+        """Whether layer ``index`` keeps ``tensors`` (stored under ``names``: its q, k and v, or its
+        attention's output and log-sum-exp) on the host: it already has buffers for them (a
+        graph's replay, a later step), or they fit in what is left of :attr:`keep_budget`."""
         grow = 0
-        for name, t in zip(QKV, tensors, strict=True):
+        for name, t in zip(names, tensors, strict=True):
             buffer = self._host.get((index, name))
             if buffer is None or buffer.numel() < t.numel() or buffer.dtype != t.dtype:
                 had = buffer.numel() * buffer.element_size() if buffer is not None else 0
@@ -159,24 +167,35 @@ class HostInputs:
         return True
 
     def prefetch_layer(self, index: int) -> None:
-        """Start bringing layer ``index``'s input back, and its kept q, k and v."""
+        """Start bringing layer ``index``'s input back, and what it kept."""
         self.prefetch(index)
-        for name in QKV:
+        for name in QKV + ATTENTION:
             self.prefetch((index, name))
 
-    def keep(self, index: int, *qkv: torch.Tensor) -> None:
-        """Start copying layer ``index``'s rotated q, k and v to the host (layer.py's ``keep``), if
-        they fit the budget: queued behind the input's copy; the next layer's input settles them."""
-        if not self.may_keep(index, qkv):
+    def keep(self, index: int, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
+        """Start copying layer ``index``'s ``tensors`` to the host under ``names``, if they fit the
+        budget: queued behind the input's copy; the next layer's input settles them."""
+        if not self.may_keep(index, names, tensors):
             return
-        for name, t in zip(QKV, qkv, strict=True):
+        for name, t in zip(names, tensors, strict=True):
             self.store((index, name), t, settle=False)
 
-    def load_kept(self, index: int) -> tuple | None:
-        """Layer ``index``'s kept q, k and v on the device, or None if it kept none."""
-        if not self.holds((index, QKV[0])):
+    def keeper(self, index: int) -> LayerKeep:
+        """What layer ``index``'s forward hands its q, k, v and attention to (layer.py's ``Keep``)."""
+        return LayerKeep(self, index)
+
+    def load_kept(self, index: int) -> Kept | None:
+        """What layer ``index`` kept, on the device, or None if it kept nothing."""
+        qkv, attention = self._load_group(index, QKV), self._load_group(index, ATTENTION)
+        if qkv is None and attention is None:
             return None
-        return tuple(self.load((index, name)) for name in QKV)
+        return Kept(qkv, attention)
+
+    def _load_group(self, index: int, names: tuple[str, ...]) -> tuple | None:
+        """Layer ``index``'s tensors kept under ``names`` (kept together or not at all), or None."""
+        if not self.holds((index, names[0])):
+            return None
+        return tuple(self.load((index, name)) for name in names)
 
     def load(self, index) -> torch.Tensor:
         """The tensor stored under ``index`` on the device, once its copy has arrived."""
@@ -186,6 +205,21 @@ class HostInputs:
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
         return out
+
+
+class LayerKeep:
+    """layer.py's ``Keep`` of one layer's forward: what it hands over is copied to the host."""
+
+    def __init__(self, host: HostInputs, index: int):
+        self.host, self.index = host, index
+
+    def qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep the layer's q, k and v (rotated where the layer keeps them so)."""
+        self.host.keep(self.index, QKV, (q, k, v))
+
+    def attention(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Keep the fused attention's output and log-sum-exp."""
+        self.host.keep(self.index, ATTENTION, (out, lse))
 
 
 class OffloadedLayer(torch.autograd.Function):
@@ -200,7 +234,7 @@ class OffloadedLayer(torch.autograd.Function):
         ctx.layer, ctx.seg, ctx.index, ctx.host, ctx.spec = layer, seg, index, host, spec
         ctx.save_for_backward(cos, sin, *tensors)
         with torch.no_grad():
-            return layer.forward(h, cos, sin, seg, unflatten(spec, tensors), keep=partial(host.keep, index))
+            return layer.forward(h, cos, sin, seg, unflatten(spec, tensors), keep=host.keeper(index))
 
     @staticmethod
     def backward(ctx, dout):
