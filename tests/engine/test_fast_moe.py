@@ -85,6 +85,103 @@ def test_lora_on_attention_only_leaves_the_experts_frozen(name: str, monkeypatch
     assert all(not layer.gate_up.a and not layer.down.a for layer in fast_model.layers)
 
 
+class _Counted:
+    """Counts the calls of torch's sorting functions (the router's top-k, the sort by expert) while
+    the test patches them in: into :attr:`forward`, or :attr:`backward` once it is ``counts``.
+    Wrappers of torch's Python functions, not a TorchFunctionMode: torch's checkpointing recomputes
+    a layer without the modes that were on."""
+
+    NAMES = ("topk", "sort", "argsort")
+
+    def __init__(self, monkeypatch):
+        self.forward = dict.fromkeys(self.NAMES, 0)
+        self.backward = dict.fromkeys(self.NAMES, 0)
+        self.counts = self.forward
+        for name in self.NAMES:
+            monkeypatch.setattr(torch, name, self._counting(name, getattr(torch, name)))
+
+    def _counting(self, name, fn):
+        def counted(*args, **kwargs):
+            self.counts[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["checkpointed", "host-held"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_the_recomputation_takes_the_forward_s_routing_and_sorts_nothing(name: str, host: bool, monkeypatch) -> None:
+    """A training step runs each sparse layer's top-k and sort by expert once, in the forward: the
+    layer's recomputation in the backward (torch's checkpointing, or the host-held layers' own)
+    takes the routing the forward kept (moe.py's KeptRouting), and the loss and every LoRA gradient
+    (attention and experts) are still transformers'."""
+    from studio.engine.fast.offload import HostInputs
+
+    model = _peft(_config(name))
+    batch = _batch(packing=False)
+    plain = _plain(model, batch)
+    plain.backward()
+    expected = _grads(model)
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    monkeypatch.setattr("studio.engine.fast.model.offload_for", lambda tokens, rate, cuda: host)
+    fast_model._host = HostInputs(torch.device("cpu")) if host else None
+    model.zero_grad(set_to_none=True)
+    counted = _Counted(monkeypatch)
+    loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+    counted.counts = counted.backward
+    loss.backward()
+    sparse = sum(layer.moe is not None for layer in fast_model.layers)
+    assert counted.forward == {"topk": sparse, "sort": sparse, "argsort": 0}, counted.forward
+    assert counted.backward == {"topk": 0, "sort": 0, "argsort": 0}, counted.backward
+    adapters = sum(1 for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
+    _assert_same(loss, plain, _grads(model), expected, adapters)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_checkpointed_block_gives_transformers_output_and_the_router_s_gradient(name: str) -> None:
+    """One sparse block on a random normed stream, checkpointed as the stack runs it (its routing
+    kept by the forward, taken by the recomputation), against transformers' block: the output,
+    the stream's gradient, the experts' adapters' gradients and, with the frozen router made
+    trainable here, the router's gradient (what flows back through the routing weights)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from studio.engine.fast.moe import KeptRouting
+
+    model = _peft(_config(name))
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    index = next(i for i, layer in enumerate(fast_model.layers) if layer.moe is not None)
+    layer = fast_model.layers[index]
+    block = model.get_base_model().model.layers[index].mlp
+    router = layer.moe.router
+    router.requires_grad_(True)
+    trained = [router, *layer.gate_up.a, *layer.gate_up.b, *layer.down.a, *layer.down.b]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 12, router.shape[1], generator=gen)
+    dout = torch.randn(x.shape, generator=gen)
+
+    def grads(run) -> list[torch.Tensor]:
+        for p in trained:
+            p.grad = None
+        leaf = x.clone().requires_grad_()
+        out = run(leaf)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(dout)
+        return [out.detach(), leaf.grad, *(p.grad for p in trained)]
+
+    theirs = grads(block)
+    fast_model.router.begin(x.shape[0] * x.shape[1])
+    ours = grads(lambda leaf: checkpoint(layer.moe, leaf, layer.gate_up.adapters(), layer.down.adapters(),
+                                         KeptRouting(), use_reentrant=False))
+    router.requires_grad_(False)
+    assert len(theirs) == 7
+    for what, got, want in zip(("output", "stream", "router", "gate_up A", "gate_up B", "down A", "down B"),
+                               ours, theirs, strict=True):
+        assert want.abs().sum() > 0, what
+        rel = (got - want).norm() / want.norm()
+        assert rel < 1e-5, f"{what}: relative error {rel:.2e}"
+
+
 def test_gpt_oss_is_described_with_every_trait_it_has() -> None:
     """The tiny gpt-oss' description has what the equivalence test must exercise: sinks, biases on
     q/k/v/o, a sliding window shorter than the rows, the router's bias and order, the experts'
@@ -199,7 +296,7 @@ def test_the_grouped_product_equals_a_product_per_expert(device: str, dtype: tor
     results = []
     for loop in (False, True):
         leaves = [t.clone().requires_grad_() for t in (x, a, b)]
-        y = ExpertProduct.apply(leaves[0], weights, Groups(counts, loop=loop), leaves[1], leaves[2], 2.0)
+        y = ExpertProduct.apply(leaves[0], weights, Groups(counts.cumsum(0).to(torch.int32), loop=loop), leaves[1], leaves[2], 2.0)
         y.backward(dy)
         results.append([y.detach(), *(t.grad for t in leaves)])
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)

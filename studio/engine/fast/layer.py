@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from studio.engine.fast import norm
 from studio.engine.fast.attention import LLAMA, Segments, Span, attend
-from studio.engine.fast.moe import ExpertProjection, SparseMlp
+from studio.engine.fast.moe import ExpertProjection, KeptRouting, SparseMlp
 from studio.engine.fast.ops import (
     rms_norm_scaled_torch,
     rms_norm_torch,
@@ -151,7 +151,8 @@ class Layer:
         return self.rope and self.qk_norm == "none"
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments, adapters: tuple,
-                recompute: bool = False, keep: Callable[..., None] | None = None, kept: tuple | None = None):
+                recompute: bool = False, keep: Callable[..., None] | None = None, kept: tuple | None = None,
+                routing: KeptRouting | None = None):
         """The layer's output, from its adapters as :meth:`adapters` builds them; with ``recompute``
         (a checkpointed layer rebuilt for its backward) the pair ``(h, down)`` whose sum the output
         is, where (unless the MLP's output is normed or scaled first) ``down`` only carries the
@@ -162,7 +163,9 @@ class Layer:
         ``keep(q, k, v)``: called with q, k and v as soon as they exist (:attr:`keeps_rotated`; a
         forward whose layer is recomputed later keeps them: engine/fast/offload.py). ``kept``:
         those three, given back to the recomputation, which then runs no q/k/v product
-        (:meth:`Projection.from_kept`)."""
+        (:meth:`Projection.from_kept`). ``routing``: where a sparse layer's checkpointed forward
+        keeps its routing for the recomputation, which then sorts nothing
+        (:class:`~studio.engine.fast.moe.KeptRouting`)."""
         b, t, _ = h.shape
         qkv_ad, o_ad, gu_ad, down_ad = adapters
         if self.table is not None:
@@ -177,7 +180,7 @@ class Layer:
             h = h + self._branch_output(self.o(attn, o_ad), self.attn_out)
         x, h = self.branch(h, self.ln2)
         if self.moe is not None:
-            out = self._branch_output(self.moe(x, gu_ad, down_ad), self.mlp_out)
+            out = self._branch_output(self.moe(x, gu_ad, down_ad, routing), self.mlp_out)
             return (h, out) if recompute else h + out
         # The update added inside the activation's kernel where it can be (engine/fast/update.py:
         # SwiGLU and GeGLU), and down's LoRA input-gradient term handed to that kernel's backward.

@@ -24,10 +24,16 @@ took (logged per step) and, when the load-balancing loss is on, the router's pro
 per expert, from which :meth:`RouterLog.balance_loss` computes transformers'
 ``load_balancing_loss_func``.
 
+Routing sorts each token's ``top_k`` copies by expert with a one-byte key (:func:`key_dtype`) and
+finds each expert's rows by a binary search of the sorted keys (:meth:`SparseMlp.sort`). A
+checkpointed layer's forward keeps that routing for its recomputation in the backward
+(:class:`KeptRouting`), which runs the router's product and weights again but neither its top-k nor
+the sort.
+
 Nothing in a layer's forward or backward reads a value back to the host where the grouped kernel
-takes the operands (the sort, the counts and offsets are device tensors of a shape fixed by the
-token count), so a CUDA graph captures the layer; the counts go into fixed tensors the replay
-writes. The per-expert loop reads each expert's bounds on the host: eager steps only.
+takes the operands (the sort and the offsets are device tensors of a shape fixed by the token
+count), so a CUDA graph captures the layer; the counts go into fixed tensors the replay writes. The
+per-expert loop reads each expert's bounds on the host: eager steps only.
 """
 
 from __future__ import annotations
@@ -73,11 +79,9 @@ class Groups:
     """Rows sorted by expert: expert ``e``'s rows are ``offs[e - 1]:offs[e]``. Products over each
     expert's rows, as one grouped product or (where the kernel does not take them) a loop."""
 
-    def __init__(self, counts: torch.Tensor, loop: bool = False):
-        self.counts = counts
-        """Rows of each expert ``[experts]`` (int64)."""
-        self.offs = counts.cumsum(0).to(torch.int32)
-        """Where each expert's rows end, as the kernel takes them."""
+    def __init__(self, offs: torch.Tensor, loop: bool = False):
+        self.offs = offs
+        """Where each expert's rows end ``[experts]`` (int32, as the kernel takes them)."""
         self.loop = loop
         """Always the per-expert loop (the reference the kernel is tested against)."""
         self._bounds: list[tuple[int, int]] | None = None
@@ -109,7 +113,7 @@ class Groups:
         at = a.t()
         if not self.loop and kernel_takes(at, b):
             return _KERNEL(at, b, offs=self.offs)
-        out = a.new_zeros(self.counts.shape[0], a.shape[1], b.shape[1])
+        out = a.new_zeros(self.offs.shape[0], a.shape[1], b.shape[1])
         for e, (start, end) in enumerate(self.bounds()):
             if end > start:
                 torch.mm(at[:, start:end], b[start:end], out=out[e])
@@ -280,10 +284,11 @@ class ExpertProjection:
 class RouterLog:
     """The sparse layers' routing of the micro-batch going through the model, in tensors that
     stay where they are, so that a CUDA graph's replay of the forward writes them as an eager
-    forward does: each layer copies its experts' token counts into its row of :attr:`counts`, and
+    forward does: each layer writes its experts' token counts into its row of :attr:`counts`, and
     the model reads them once the stack has run (:meth:`tally`), outside any graph.
 
-    A layer recomputed for its backward writes the same counts again, which changes nothing."""
+    A layer recomputed for its backward reuses its forward's routing (:class:`KeptRouting`) and
+    records nothing."""
 
     def __init__(self, experts: int, top_k: int, balance: bool, layers: int = 0, device: torch.device | None = None):
         self.experts = experts
@@ -294,9 +299,10 @@ class RouterLog:
         self.counts = torch.zeros(layers, experts, dtype=torch.long, device=device)
         """Token copies each expert took in the last forward ``[layers, experts]``, a row a layer
         (a dense layer's stays zero)."""
-        self.real = torch.zeros((), dtype=torch.long, device=device)
-        """How many of the stream's first tokens are real (:meth:`begin`): a CUDA-graph layout's
-        padding tokens after them are routed too, and counted nowhere."""
+        self.real_copies = torch.zeros((), dtype=torch.long, device=device)
+        """How many of the stream's first token copies (``top_k`` a token, token by token) are
+        real (:meth:`begin`): a CUDA-graph layout's padding tokens after them are routed too, and
+        counted nowhere."""
         self.tokens = torch.zeros(experts, dtype=torch.long, device=device)
         """Token copies each expert took, summed over the sparse layers, since :meth:`take_tokens`."""
         self.probs: dict[int, torch.Tensor] = {}
@@ -308,11 +314,14 @@ class RouterLog:
     def begin(self, real: int) -> None:
         """A new forward whose first ``real`` tokens are real (a device write, no host sync)."""
         self.probs = {}
-        self.real.fill_(real)
+        self.real_copies.fill_(real * self.top_k)
 
-    def record(self, index: int, counts: torch.Tensor, probs: torch.Tensor | None, rows: int) -> None:
-        """Layer ``index``'s token counts ``[experts]`` and, where the balance loss is on, summed probabilities."""
-        self.counts[index].copy_(counts)
+    def record(self, index: int, experts: torch.Tensor, probs: torch.Tensor | None, rows: int) -> None:
+        """Layer ``index``'s routing: ``experts``, each token copy's expert (``[rows x top_k]``,
+        int64, token by token), counted per expert for the real tokens; where the balance loss is
+        on, the router's probabilities summed over the tokens."""
+        real = (torch.arange(experts.shape[0], device=experts.device) < self.real_copies).long()
+        self.counts[index].zero_().scatter_add_(0, experts, real)
         self.rows = rows
         if probs is not None:
             self.probs[index] = probs
@@ -341,6 +350,44 @@ class RouterLog:
         return (counts / rows * probs / rows).sum() * self.experts
 
 
+def key_dtype(experts: int) -> torch.dtype:
+    """The narrowest integer type that holds an expert's index: the sort by expert is a radix sort
+    whose passes go one byte of the key at a time (one pass for up to 256 experts, against eight
+    for the int64 indices top-k gives)."""
+    return torch.uint8 if experts <= 256 else torch.int16 if experts <= 2 ** 15 else torch.int32
+
+
+class KeptRouting:
+    """What a checkpointed layer's forward keeps of its routing for that layer's recomputation in
+    the backward: each token copy's expert and the copies' order sorted by expert, and where each
+    expert's rows end (``top_k x 5`` bytes a token for up to 256 experts, ``top_k x 6`` beyond).
+    They follow from the layer's input alone, so the recomputation takes them instead of running
+    the router's top-k and the sort again; it still runs the router's product and the routing
+    weights under autograd, whose backward the router's input and the balance loss need.
+
+    One a layer and forward (engine/fast/model.py's ``stack``): the forward :meth:`keep` s, its
+    recomputation :meth:`take` s, after which a recomputation (a second backward) sorts anew."""
+
+    def __init__(self) -> None:
+        self._kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether a forward's routing waits here."""
+        return self._kept is not None
+
+    def keep(self, keys: torch.Tensor, order: torch.Tensor, offs: torch.Tensor) -> None:
+        """The forward's routing: ``keys`` each copy's expert (:func:`key_dtype`), ``order`` the
+        copies sorted by expert (int32), ``offs`` each expert's rows' end (int32)."""
+        self._kept = (keys, order, offs)
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What :meth:`keep` was given, let go of here."""
+        kept, self._kept = self._kept, None
+        assert kept is not None, "no routing kept"
+        return kept
+
+
 class SparseMlp:
     """A sparse layer's MLP: router, experts' gate/up and down (:class:`ExpertProjection`), the
     gated activation (SiLU, or gpt-oss' clamped SwiGLU) with the routing weight in the same pass,
@@ -360,23 +407,48 @@ class SparseMlp:
         """This layer's place in the stack (its :class:`RouterLog` entry)."""
         self.loop = loop
         """Products by the per-expert loop whatever the kernel takes (tests)."""
+        self._experts = torch.arange(spec.experts, dtype=key_dtype(spec.experts), device=router.device)
+        """Every expert's index as a sort key: where each expert's sorted rows end is where these
+        fall among the sorted keys (:meth:`sort`)."""
 
-    def route(self, x2: torch.Tensor, probs: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def route(self, x2: torch.Tensor, chosen: torch.Tensor | None = None, probs: bool = True
+              ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """The router's probabilities over every expert ``[tokens, experts]`` (fp32; None where
         ``probs`` is off and the routing does not compute them), and each token's top-k experts
-        and weights ``[tokens, k]``, as transformers' routers compute them (:attr:`MoeSpec.routing`)."""
+        and weights ``[tokens, k]``, as transformers' routers compute them (:attr:`MoeSpec.routing`).
+        ``chosen``: the experts a forward chose (a recomputation's), taken instead of a top-k.
+
+        The top-k gives only the experts (outside autograd); the weights are gathered from what it
+        ranked, under autograd, in a forward and its recomputation alike: both save the same tensors
+        for the backward (torch's checkpointing pairs them one by one), and the gather's backward is
+        the top-k's (the gradient scattered back to the chosen experts)."""
         bias = self.router_bias.to(x2.dtype) if self.router_bias is not None else None
         logits = F.linear(x2, self.router.to(x2.dtype), bias)
+        k = self.spec.top_k
         if self.spec.routing == "topk_softmax":
-            top, chosen = torch.topk(logits, self.spec.top_k, dim=-1)
-            weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+            if chosen is None:
+                chosen = torch.topk(logits.detach(), k, dim=-1).indices
+            weights = torch.softmax(logits.gather(-1, chosen), dim=-1, dtype=torch.float32)
             every = torch.softmax(logits, dim=-1, dtype=torch.float32) if probs else None
             return every, chosen, weights.to(x2.dtype)
         every = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(every, self.spec.top_k, dim=-1)
+        if chosen is None:
+            chosen = torch.topk(every.detach(), k, dim=-1).indices
+        weights = every.gather(-1, chosen)
         if self.spec.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return every, chosen, weights.to(x2.dtype)
+
+    def sort(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each token copy's expert as a sort key (``chosen`` flattened: copy ``t x top_k + j`` is
+        token t's j-th), the copies in expert order (int64; stable, so each expert's rows keep
+        token order) and where each expert's rows end (int32, what the grouped kernel takes): a
+        one-byte radix sort and a binary search of the sorted keys, on the device (bincount would
+        read its input's maximum back to the host on CUDA)."""
+        keys = chosen.reshape(-1).to(self._experts.dtype)
+        sorted_keys, order = torch.sort(keys, stable=True)
+        offs = torch.searchsorted(sorted_keys, self._experts, right=True, out_int32=True)
+        return keys, order, offs
 
     def activate(self, gu: torch.Tensor) -> torch.Tensor:
         """The experts' gated activation of gate/up's output (gate's columns first, or alternating
@@ -389,28 +461,33 @@ class SparseMlp:
             return gate * torch.sigmoid(gate * spec.swiglu_alpha) * (up + 1)
         return F.silu(gate) * up
 
-    def __call__(self, x: torch.Tensor, gate_up_adapters: tuple, down_adapters: tuple) -> torch.Tensor:
-        """The MLP's output for the normed stream ``x [B, T, hidden]``."""
+    def __call__(self, x: torch.Tensor, gate_up_adapters: tuple, down_adapters: tuple,
+                 kept: KeptRouting | None = None) -> torch.Tensor:
+        """The MLP's output for the normed stream ``x [B, T, hidden]``. ``kept``: where a
+        checkpointed forward keeps its routing (:class:`KeptRouting`), and its recomputation, which
+        finds it there, takes it."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        balance = self.log.balance and torch.is_grad_enabled()
-        probs, chosen, weights = self.route(x2, probs=balance)
         k = self.spec.top_k
-        flat = chosen.reshape(-1)
-        # Each token's k copies in expert order; stable, so each expert's rows keep token order.
-        order = torch.argsort(flat, stable=True)
+        balance = self.log.balance and torch.is_grad_enabled()
+        again = kept is not None and kept.held
+        if again:  # the recomputation: the forward's experts and sort, nothing recorded twice
+            keys, order, offs = kept.take()
+            chosen, order = keys.view(-1, k).long(), order.long()
+            probs, _, weights = self.route(x2, chosen, probs=balance)
+        else:
+            probs, chosen, weights = self.route(x2, probs=balance)
+            keys, order, offs = self.sort(chosen)
+            if kept is not None:
+                kept.keep(keys, order.int(), offs)
+            self.log.record(self.index, chosen.reshape(-1), probs.sum(0) if balance else None, x2.shape[0])
         rows = order // k
-        # scatter_add, not bincount: bincount reads its input's maximum back to the host on CUDA
-        counts = flat.new_zeros(self.spec.experts).scatter_add_(0, flat, torch.ones_like(flat))
-        groups = Groups(counts, loop=self.loop)
-        # the counts logged leave out a graph layout's padding tokens (all rows are real elsewhere)
-        real = (torch.arange(x2.shape[0], device=x2.device) < self.log.real).long()[:, None].expand(-1, k).reshape(-1)
-        logged = flat.new_zeros(self.spec.experts).scatter_add_(0, flat, real)
-        self.log.record(self.index, logged, probs.sum(0) if balance else None, x2.shape[0])
+        groups = Groups(offs, loop=self.loop)
         weight = weights.reshape(-1)[order, None]
-        expert = flat[order]  # each sorted row's expert: whose biases it adds
         a, b, scale = gate_up_adapters
         gu = ExpertProduct.apply(x2[rows], self.gate_up.weights, groups, a, b, scale)
+        biased = self.gate_up.bias is not None or self.down.bias is not None
+        expert = chosen.reshape(-1)[order] if biased else None  # each sorted row's expert: whose biases it adds
         if self.gate_up.bias is not None:
             gu = gu + self.gate_up.bias[expert]
         # the routing weight taken into the activation: the down product (and its bias) carry it
