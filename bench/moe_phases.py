@@ -10,16 +10,24 @@ rebuilt each step before the checkpointed block (a ``moe.adapters`` range), coun
 
 The phases follow the engine's code. While a profile runs, :func:`phase_ranges` wraps the engine's
 own methods (in this process only; nothing in studio/ changes) in ``record_function`` ranges:
-``SparseMlp.route`` (router and top-k), ``SparseMlp.activate``, ``ExpertProduct``'s forward and
+``SparseMlp.route`` (router and top-k), ``SparseMlp.sort`` (the sort by expert), ``SparseMlp.activate``, ``ExpertProduct``'s forward and
 backward (one projection: gate/up or down), inside them ``ExpertWeights.stacked`` (the dequantization
 of every expert's weight into the workspace) and ``Groups.mm`` / ``Groups.outer`` (the grouped
 products: the frozen weight's, or the LoRA terms'). The rest of ``SparseMlp.__call__`` is inline
-code, put in a phase by where it runs: before the gate/up product the sort by expert (the argsort,
-the counts, the offsets, the logged counts) and the permutation (the gathers, ``x2[rows]`` the big
+code, put in a phase by where it runs: before the gate/up product the rest of the routing (the
+logged counts, the rows from the order) and the permutation (the gathers, ``x2[rows]`` the big
 one); between the two products the activation's routing weight and gate/up's bias; after the down
 product the combine (the zeroed output, the weighted ``index_add_``, down's bias). The backward's
 inline work is named by its autograd node (``IndexAddBackward0`` is the combine's, ``IndexBackward0``
 the permutation's scatter of the token gradients, and so on: :data:`BACKWARD_NODES`).
+
+On CUDA a kernel is linked to the innermost operator that launched it, and a Triton launch is no
+operator: a Triton kernel rides on the operator around it, never on the ranges between (an
+``ExpertProduct``'s dequantization kernel on the autograd Function's own record, outside its
+``moe.dequant`` range). The kernels an ``ExpertProduct`` record (forward or backward) launches
+itself are the dequantization of its projection's experts (:func:`wrapper_phase`); elsewhere a
+Triton kernel sits inside a Function of its own (the activation's), whose record is in its phase's
+range (forward) or is its phase's autograd node (backward).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ PHASES = ("adapters", "router", "sort", "permute", "dequant.gate_up", "products.
 BLOCK = "moe.block"
 ADAPTERS = "moe.adapters"
 EVALUATE = "autograd::engine::evaluate_function: "
-LABELS = {"moe.route": "router", "moe.activation": "activation", ADAPTERS: "adapters"}
+LABELS = {"moe.route": "router", "moe.sort": "sort", "moe.activation": "activation", ADAPTERS: "adapters"}
 """Ranges that name a phase by themselves."""
 PROJECTIONS = ("moe.gate_up", "moe.down")
 INNER = {"moe.dequant": "dequant", "moe.mm.base": "products", "moe.mm.lora": "lora"}
@@ -120,6 +128,18 @@ WRAPPERS = ("ExpertProduct", "ExpertProductBackward")
 """The autograd Function's own records around the projection ranges (its work is theirs)."""
 
 
+def wrapper_phase(event) -> str | None:
+    """The phase of the kernels an ``ExpertProduct`` record (:data:`WRAPPERS`) launched itself: the
+    dequantization of the projection whose range it holds (Triton's NF4 or MXFP4 kernel, which no
+    operator of the range owns); None for any other event."""
+    if event.name not in WRAPPERS:
+        return None
+    for child in getattr(event, "cpu_children", ()):
+        if child.name in PROJECTIONS:
+            return f"dequant.{child.name.removeprefix('moe.')}"
+    return None
+
+
 def own_time_us(event, cuda: bool) -> float:
     """The device time an event accounts for itself (us): on CUDA its kernels' (not the span a
     range's GPU-side annotation of the same name draws), on the CPU its operator's self time."""
@@ -181,7 +201,7 @@ def attribute(events, cuda: bool, steps: int) -> dict:
                 block = block.cpu_parent
             found = spans.get(id(block), {})
             region = region_of(event.time_range.start, found.get("moe.gate_up"), found.get("moe.down"))
-        phase = phase_of(stack, region) if where != "outside" else "other"
+        phase = wrapper_phase(event) or phase_of(stack, region) if where != "outside" else "other"
         row = table[where].setdefault(phase, {"ms": 0.0, "kernels": 0})
         row["ms"] += spent / 1e3 / steps
         if cuda:
@@ -234,6 +254,7 @@ def phase_ranges(gate_up_weights: object, down_weights: object) -> Iterator[None
 
     originals = {
         (moe.SparseMlp, "route"): moe.SparseMlp.route,
+        (moe.SparseMlp, "sort"): moe.SparseMlp.sort,
         (moe.SparseMlp, "activate"): moe.SparseMlp.activate,
         (moe.ExpertWeights, "stacked"): moe.ExpertWeights.stacked,
         (moe.Groups, "mm"): moe.Groups.mm,
@@ -243,6 +264,7 @@ def phase_ranges(gate_up_weights: object, down_weights: object) -> Iterator[None
     }
     wrapped = {
         (moe.SparseMlp, "route"): ranged("moe.route", moe.SparseMlp.route),
+        (moe.SparseMlp, "sort"): ranged("moe.sort", moe.SparseMlp.sort),
         (moe.SparseMlp, "activate"): ranged("moe.activation", moe.SparseMlp.activate),
         (moe.ExpertWeights, "stacked"): stacked(moe.ExpertWeights.stacked),
         (moe.Groups, "mm"): ranged(product_label, moe.Groups.mm),
@@ -298,7 +320,7 @@ def traffic(d: Dims) -> dict[str, dict[str, dict[str, float]]]:
         # the router's product, the logits, the fp32 softmax, the top-k values and indices
         "router": {"bytes": t * h * b + e * h * b + t * e * (2 * b + 8) + rows * (4 + 8) * 2,
                    "flops": 2.0 * t * h * e},
-        # argsort, rows = order // k, counts and offsets, the logged counts: a few passes over the indices
+        # the one-byte keys, their sort, the offsets, rows = order // k, the logged counts: a few passes over the indices
         "sort": {"bytes": rows * 8 * 8, "flops": 0.0},
         # x2[rows] and the routing weights in sorted order
         "permute": {"bytes": 2 * rows * h * b + rows * (8 + 2 * b), "flops": 0.0},

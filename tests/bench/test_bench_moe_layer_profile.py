@@ -28,7 +28,8 @@ def test_each_kernel_lands_in_the_pass_and_phase_of_the_engine_code_that_launche
     block = ["moe.block"]
     first_node = ["IndexAddBackward0", EVALUATE + "IndexAddBackward0"]  # the recomputation runs inside it
     # the forward's inline code, placed by where it runs against the products
-    assert _where(["aten::argsort", *block], "dispatch") == ("forward", "sort")
+    assert _where(["aten::sort", "moe.sort", *block], "dispatch") == ("forward", "sort")
+    assert _where(["aten::scatter_add_", *block], "dispatch") == ("forward", "sort")
     assert _where(["aten::index", *block], "dispatch") == ("forward", "permute")
     assert _where(["aten::mul", *block], "between") == ("forward", "activation")
     assert _where(["aten::index_add_", *block], "combine") == ("forward", "combine")
@@ -61,10 +62,13 @@ def test_each_kernel_lands_in_the_pass_and_phase_of_the_engine_code_that_launche
 def _event(name: str, start: float, end: float, parent=None, kernels=(), device: str = "CPU", annotation=None):
     from torch.autograd import DeviceType
 
-    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent,
-                           kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels],
-                           device_type=getattr(DeviceType, device), self_cpu_time_total=0.0,
-                           is_user_annotation=name.startswith("moe.") if annotation is None else annotation)
+    event = SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent,
+                            cpu_children=[], kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels],
+                            device_type=getattr(DeviceType, device), self_cpu_time_total=0.0,
+                            is_user_annotation=name.startswith("moe.") if annotation is None else annotation)
+    if parent is not None:
+        parent.cpu_children.append(event)
+    return event
 
 
 def test_on_cuda_a_phase_counts_its_kernels_not_its_ranges_span_and_unlinked_kernels_are_shown() -> None:
@@ -94,6 +98,29 @@ def test_on_cuda_a_phase_counts_its_kernels_not_its_ranges_span_and_unlinked_ker
     assert "moe.block" not in top
     assert found["calls_per_step"]["forward"] == {"moe.gate_up": 1, "dequant.gate_up": 1, "products.gate_up": 1,
                                                   "moe.down": 1}
+
+
+def test_a_triton_kernel_on_an_expert_product_s_own_record_is_its_projection_s_dequantization() -> None:
+    """What the H200's profile showed (the 23rd session's moe_layer_profile_qwen3.json): the NF4
+    kernel rides on the ExpertProduct record (forward) and on the ExpertProductBackward node's
+    (backward), outside the ``moe.dequant`` range, and landed in ``sort`` and ``activation`` (by
+    where the record starts) and in the backward's ``other``: 0.9 ms a step that belonged to the
+    dequantization. It lands in the dequantization of the projection the record holds."""
+    block = _event("moe.block", 0, 100)
+    product = _event("ExpertProduct", 10, 40, block, kernels=[("nf4_dequantize", 30.0)],
+                     annotation=False)
+    gate_up = _event("moe.gate_up", 11, 39, product)
+    _event("moe.dequant", 12, 20, gate_up)
+    down_product = _event("ExpertProduct", 50, 70, block, kernels=[("nf4_dequantize", 15.0)], annotation=False)
+    _event("moe.down", 51, 69, down_product)
+    node = _event(EVALUATE + "ExpertProductBackward", 200, 300, annotation=False)
+    backward = _event("ExpertProductBackward", 201, 299, node, kernels=[("nf4_dequantize", 14.0)], annotation=False)
+    _event("moe.down", 202, 298, backward)
+    events = [block, product, gate_up, down_product, node, backward]
+    found = attribute(events, cuda=True, steps=1)
+    assert {k: v["ms"] for k, v in found["by_pass"]["forward"].items()} == {"dequant.gate_up": 0.03,
+                                                                           "dequant.down": 0.015}
+    assert {k: v["ms"] for k, v in found["by_pass"]["backward"].items()} == {"dequant.down": 0.014}
 
 
 def _qwen3(active: int = 128, rank: int = 0) -> Dims:
