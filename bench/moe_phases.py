@@ -10,16 +10,17 @@ rebuilt each step before the checkpointed block (a ``moe.adapters`` range), coun
 
 The phases follow the engine's code. While a profile runs, :func:`phase_ranges` wraps the engine's
 own methods (in this process only; nothing in studio/ changes) in ``record_function`` ranges:
-``SparseMlp.route`` (router and top-k), ``SparseMlp.sort`` (the sort by expert), ``SparseMlp.activate``, ``ExpertProduct``'s forward and
+``SparseMlp.route`` (router and top-k), ``SparseMlp.sort`` (the sort by expert), ``SparseMlp.activated`` (the activation times the routing
+weight: engine/fast/expert_activation.py's kernel, or torch's operations), ``ExpertProduct``'s forward and
 backward (one projection: gate/up or down), inside them ``ExpertWeights.stacked`` (the dequantization
 of every expert's weight into the workspace) and ``Groups.mm`` / ``Groups.outer`` (the grouped
 products: the frozen weight's, or the LoRA terms'). The rest of ``SparseMlp.__call__`` is inline
 code, put in a phase by where it runs: before the gate/up product the rest of the routing (the
 logged counts, the rows from the order) and the permutation (the gathers, ``x2[rows]`` the big
-one); between the two products the activation's routing weight and gate/up's bias; after the down
-product the combine (the zeroed output, the weighted ``index_add_``, down's bias). The backward's
-inline work is named by its autograd node (``IndexAddBackward0`` is the combine's, ``IndexBackward0``
-the permutation's scatter of the token gradients, and so on: :data:`BACKWARD_NODES`).
+one); between the two products gate/up's bias; after the down product the combine (the zeroed
+output, the weighted ``index_add_``, down's bias). The backward's inline work is named by its
+autograd node (``IndexAddBackward0`` is the combine's, ``IndexBackward0`` the permutation's scatter
+of the token gradients, and so on: :data:`BACKWARD_NODES`).
 
 On CUDA a kernel is linked to the innermost operator that launched it, and a Triton launch is no
 operator: a Triton kernel rides on the operator around it, never on the ranges between (an
@@ -56,7 +57,7 @@ projection, the LoRA terms' in-place additions (``aten::add_``) are ``lora``, th
 BACKWARD_NODES = {
     "combine": ("IndexAddBackward",),
     "permute": ("IndexBackward",),
-    "activation": ("MulBackward", "SiluBackward", "SigmoidBackward", "ClampBackward", "ClampMaxBackward",
+    "activation": ("RoutedActivationBackward", "MulBackward", "SiluBackward", "SigmoidBackward", "ClampBackward", "ClampMaxBackward",
                    "ClampMinBackward", "SplitBackward", "SliceBackward", "AddBackward", "SubBackward", "NegBackward"),
     "router": ("TopkBackward", "SoftmaxBackward", "DivBackward", "SumBackward", "MmBackward", "AddmmBackward",
                "LinearBackward", "TBackward"),
@@ -255,7 +256,7 @@ def phase_ranges(gate_up_weights: object, down_weights: object) -> Iterator[None
     originals = {
         (moe.SparseMlp, "route"): moe.SparseMlp.route,
         (moe.SparseMlp, "sort"): moe.SparseMlp.sort,
-        (moe.SparseMlp, "activate"): moe.SparseMlp.activate,
+        (moe.SparseMlp, "activated"): moe.SparseMlp.activated,
         (moe.ExpertWeights, "stacked"): moe.ExpertWeights.stacked,
         (moe.Groups, "mm"): moe.Groups.mm,
         (moe.Groups, "outer"): moe.Groups.outer,
@@ -265,7 +266,7 @@ def phase_ranges(gate_up_weights: object, down_weights: object) -> Iterator[None
     wrapped = {
         (moe.SparseMlp, "route"): ranged("moe.route", moe.SparseMlp.route),
         (moe.SparseMlp, "sort"): ranged("moe.sort", moe.SparseMlp.sort),
-        (moe.SparseMlp, "activate"): ranged("moe.activation", moe.SparseMlp.activate),
+        (moe.SparseMlp, "activated"): ranged("moe.activation", moe.SparseMlp.activated),
         (moe.ExpertWeights, "stacked"): stacked(moe.ExpertWeights.stacked),
         (moe.Groups, "mm"): ranged(product_label, moe.Groups.mm),
         (moe.Groups, "outer"): ranged("moe.mm.lora", moe.Groups.outer),

@@ -230,7 +230,7 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
                             for n in EXPERT_PARAMETERS)
             gate = getattr(layer.mlp, moe.router)
             sparse = SparseMlp(gate.weight, gate_up, down, moe, router, index,
-                               router_bias=gate.bias if moe.router_bias else None)
+                               router_bias=gate.bias if moe.router_bias else None, kernels=options.kernels)
         else:
             gate_up, down = proj(gate_up), proj(down)
         norms = {role: getattr(layer, name) if name else None for role, name in (

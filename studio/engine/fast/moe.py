@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from studio.core.decoder import MoeSpec
-from studio.engine.fast import dequant
+from studio.engine.fast import dequant, expert_activation
+from studio.engine.fast.expert_activation import RoutedActivation
 from studio.engine.fast.frozen import Workspace
 from studio.engine.mxfp4 import Mxfp4Experts, mxfp4_experts
 from studio.engine.quantized_experts import PackedExperts, packed_experts
@@ -394,7 +395,8 @@ class SparseMlp:
     and the weighted sum of each token's experts scattered back to its row."""
 
     def __init__(self, router: torch.Tensor, gate_up: ExpertProjection, down: ExpertProjection, spec: MoeSpec,
-                 log: RouterLog, index: int, loop: bool = False, router_bias: torch.Tensor | None = None):
+                 log: RouterLog, index: int, loop: bool = False, router_bias: torch.Tensor | None = None,
+                 kernels: bool = True):
         self.router = router
         """The router's weight ``[experts, hidden]`` (frozen)."""
         self.router_bias = router_bias
@@ -407,6 +409,9 @@ class SparseMlp:
         """This layer's place in the stack (its :class:`RouterLog` entry)."""
         self.loop = loop
         """Products by the per-expert loop whatever the kernel takes (tests)."""
+        self.kernels = kernels
+        """The activation runs in Studio's kernel where it can (engine/fast/expert_activation.py;
+        the ``trainer.fast_path.kernels`` setting); False: in torch's operations."""
         self._experts = torch.arange(spec.experts, dtype=key_dtype(spec.experts), device=router.device)
         """Every expert's index as a sort key: where each expert's sorted rows end is where these
         fall among the sorted keys (:meth:`sort`)."""
@@ -461,6 +466,18 @@ class SparseMlp:
             return gate * torch.sigmoid(gate * spec.swiglu_alpha) * (up + 1)
         return F.silu(gate) * up
 
+    def activated(self, gu: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The experts' gated activation of gate/up's output ``gu [rows, 2 x width]`` times each
+        row's routing weight ``weight [rows]``: one kernel a pass where it runs
+        (:class:`~studio.engine.fast.expert_activation.RoutedActivation`), else :meth:`activate`
+        and a product in torch's operations."""
+        if self.kernels and expert_activation.available(gu.device, gu.dtype):
+            gu = gu if gu.stride(-1) == 1 else gu.contiguous()
+            done, act = expert_activation.KERNELS.attempt(lambda: RoutedActivation.apply(gu, weight, self.spec))
+            if done:
+                return act
+        return self.activate(gu) * weight[:, None]
+
     def __call__(self, x: torch.Tensor, gate_up_adapters: tuple, down_adapters: tuple,
                  kept: KeptRouting | None = None) -> torch.Tensor:
         """The MLP's output for the normed stream ``x [B, T, hidden]``. ``kept``: where a
@@ -483,7 +500,7 @@ class SparseMlp:
             self.log.record(self.index, chosen.reshape(-1), probs.sum(0) if balance else None, x2.shape[0])
         rows = order // k
         groups = Groups(offs, loop=self.loop)
-        weight = weights.reshape(-1)[order, None]
+        weight = weights.reshape(-1)[order]
         a, b, scale = gate_up_adapters
         gu = ExpertProduct.apply(x2[rows], self.gate_up.weights, groups, a, b, scale)
         biased = self.gate_up.bias is not None or self.down.bias is not None
@@ -491,9 +508,9 @@ class SparseMlp:
         if self.gate_up.bias is not None:
             gu = gu + self.gate_up.bias[expert]
         # the routing weight taken into the activation: the down product (and its bias) carry it
-        act = self.activate(gu) * weight
+        act = self.activated(gu, weight)
         a, b, scale = down_adapters
         y = ExpertProduct.apply(act, self.down.weights, groups, a, b, scale)
         if self.down.bias is not None:
-            y = y + self.down.bias[expert] * weight
+            y = y + self.down.bias[expert] * weight[:, None]
         return x2.new_zeros(x2.shape).index_add_(0, rows, y).view(shape)
