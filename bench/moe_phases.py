@@ -17,10 +17,12 @@ of every expert's weight into the workspace) and ``Groups.mm`` / ``Groups.outer`
 products: the frozen weight's, or the LoRA terms'). The rest of ``SparseMlp.__call__`` is inline
 code, put in a phase by where it runs: before the gate/up product the rest of the routing (the
 logged counts, the rows from the order) and the permutation (the gathers, ``x2[rows]`` the big
-one); between the two products gate/up's bias; after the down product the combine (the zeroed
-output, the weighted ``index_add_``, down's bias). The backward's inline work is named by its
-autograd node (``IndexAddBackward0`` is the combine's, ``IndexBackward0`` the permutation's scatter
-of the token gradients, and so on: :data:`BACKWARD_NODES`).
+one); between the two products gate/up's bias; after the down product down's bias and the combine
+(``Combine``: the zeroed output and the ``index_add_`` of the weighted rows). The recomputation
+runs neither down's product nor the combine where nothing reads its value (moe.py's ``read``). The
+backward's inline work is named by its autograd node (``CombineBackward`` is the combine's,
+``IndexBackward0`` the permutation's scatter of the token gradients, and so on:
+:data:`BACKWARD_NODES`).
 
 On CUDA a kernel is linked to the innermost operator that launched it, and a Triton launch is no
 operator: a Triton kernel rides on the operator around it, never on the ranges between (an
@@ -55,7 +57,7 @@ INNER = {"moe.dequant": "dequant", "moe.mm.base": "products", "moe.mm.lora": "lo
 projection, the LoRA terms' in-place additions (``aten::add_``) are ``lora``, the rest ``products``."""
 
 BACKWARD_NODES = {
-    "combine": ("IndexAddBackward",),
+    "combine": ("CombineBackward", "IndexAddBackward"),
     "permute": ("IndexBackward",),
     "activation": ("RoutedActivationBackward", "MulBackward", "SiluBackward", "SigmoidBackward", "ClampBackward", "ClampMaxBackward",
                    "ClampMinBackward", "SplitBackward", "SliceBackward", "AddBackward", "SubBackward", "NegBackward"),

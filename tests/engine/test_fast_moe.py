@@ -86,34 +86,42 @@ def test_lora_on_attention_only_leaves_the_experts_frozen(name: str, monkeypatch
 
 
 class _Counted:
-    """Counts the calls of torch's sorting functions (the router's top-k, the sort by expert) while
-    the test patches them in: into :attr:`forward`, or :attr:`backward` once it is ``counts``.
-    Wrappers of torch's Python functions, not a TorchFunctionMode: torch's checkpointing recomputes
-    a layer without the modes that were on."""
+    """Counts, while the test patches them in, the calls of torch's sorting functions (the router's
+    top-k, the sort by expert), the combine's ``index_add_`` and each projection's dequantization
+    of its experts (``ExpertWeights.stacked``; ``down``: the weights whose calls count as down's):
+    into :attr:`forward`, or :attr:`backward` once it is ``counts``. Wrappers of the Python
+    functions, not a TorchFunctionMode: torch's checkpointing recomputes a layer without the modes
+    that were on."""
 
     NAMES = ("topk", "sort", "argsort")
 
-    def __init__(self, monkeypatch):
-        self.forward = dict.fromkeys(self.NAMES, 0)
-        self.backward = dict.fromkeys(self.NAMES, 0)
+    def __init__(self, monkeypatch, down: set[int]):
+        keys = (*self.NAMES, "index_add_", "gate_up", "down")
+        self.forward = dict.fromkeys(keys, 0)
+        self.backward = dict.fromkeys(keys, 0)
         self.counts = self.forward
         for name in self.NAMES:
-            monkeypatch.setattr(torch, name, self._counting(name, getattr(torch, name)))
+            monkeypatch.setattr(torch, name, self._counting(lambda *_, n=name: n, getattr(torch, name)))
+        monkeypatch.setattr(torch.Tensor, "index_add_", self._counting(lambda *_: "index_add_", torch.Tensor.index_add_))
+        monkeypatch.setattr(ExpertWeights, "stacked", self._counting(
+            lambda weights: "down" if id(weights) in down else "gate_up", ExpertWeights.stacked))
 
-    def _counting(self, name, fn):
+    def _counting(self, name_of, fn):
         def counted(*args, **kwargs):
-            self.counts[name] += 1
+            self.counts[name_of(*args)] += 1
             return fn(*args, **kwargs)
         return counted
 
 
 @pytest.mark.parametrize("host", [False, True], ids=["checkpointed", "host-held"])
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
-def test_the_recomputation_takes_the_forward_s_routing_and_sorts_nothing(name: str, host: bool, monkeypatch) -> None:
+def test_the_recomputation_takes_the_forward_s_routing_and_skips_down(name: str, host: bool, monkeypatch) -> None:
     """A training step runs each sparse layer's top-k and sort by expert once, in the forward: the
     layer's recomputation in the backward (torch's checkpointing, or the host-held layers' own)
-    takes the routing the forward kept (moe.py's KeptRouting), and the loss and every LoRA gradient
-    (attention and experts) are still transformers'."""
+    takes the routing the forward kept (moe.py's KeptRouting); and as nothing reads the recomputed
+    output's value, the recomputation dequantizes gate/up's experts only, and neither runs down's
+    product nor the combine. The loss and every LoRA gradient (attention and experts) are still
+    transformers'."""
     from studio.engine.fast.offload import HostInputs
 
     model = _peft(_config(name))
@@ -126,15 +134,53 @@ def test_the_recomputation_takes_the_forward_s_routing_and_sorts_nothing(name: s
     monkeypatch.setattr("studio.engine.fast.model.offload_for", lambda tokens, rate, cuda: host)
     fast_model._host = HostInputs(torch.device("cpu")) if host else None
     model.zero_grad(set_to_none=True)
-    counted = _Counted(monkeypatch)
+    counted = _Counted(monkeypatch, {id(layer.down.weights) for layer in fast_model.layers if layer.moe})
     loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
     counted.counts = counted.backward
     loss.backward()
-    sparse = sum(layer.moe is not None for layer in fast_model.layers)
-    assert counted.forward == {"topk": sparse, "sort": sparse, "argsort": 0}, counted.forward
-    assert counted.backward == {"topk": 0, "sort": 0, "argsort": 0}, counted.backward
+    n = sum(layer.moe is not None for layer in fast_model.layers)
+    assert counted.forward == {"topk": n, "sort": n, "argsort": 0, "index_add_": n, "gate_up": n, "down": n}
+    # the recomputation's gate/up and the backward's two products
+    assert counted.backward == {"topk": 0, "sort": 0, "argsort": 0, "index_add_": 0, "gate_up": 2 * n, "down": n}
     adapters = sum(1 for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
     _assert_same(loss, plain, _grads(model), expected, adapters)
+
+
+@pytest.mark.parametrize("normed", [False, True], ids=["summed", "normed-after"])
+def test_the_recomputation_computes_the_block_s_value_where_a_norm_reads_it(normed: bool, monkeypatch) -> None:
+    """Where a norm after the block reads its output (a post-norm layer's), the recomputation must
+    compute the value it otherwise skips: with torch's checkpointing and with the host-held layers,
+    the loss and every LoRA gradient equal a step that recomputes nothing (the layers run as they
+    are, the autograd graph kept); likewise where the output only joins the residual stream."""
+    from studio.engine.fast.offload import HostInputs
+
+    model = _peft(_config("qwen3_moe"))
+    batch = _batch(packing=False)
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    gen = torch.Generator().manual_seed(4)
+    for layer in fast_model.layers:
+        if layer.moe is not None and normed:
+            layer.mlp_out = 1 + 0.3 * torch.randn(layer.down.weights.out_features, generator=gen)
+    runs = {}
+    for way in ("kept", "checkpointed", "host-held"):
+        with monkeypatch.context() as m:
+            if way == "kept":  # the layer itself in place of its checkpoint: nothing recomputed
+                m.setattr("studio.engine.fast.model.checkpoint",
+                          lambda fn, *args, use_reentrant, preserve_rng_state, **kwargs: fn(*args, **kwargs))
+            m.setattr("studio.engine.fast.model.offload_for", lambda tokens, rate, cuda, on=way == "host-held": on)
+            fast_model._host = HostInputs(torch.device("cpu")) if way == "host-held" else None
+            model.zero_grad(set_to_none=True)
+            loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+            loss.backward()
+            runs[way] = (loss.detach(), _grads(model))
+    want_loss, want = runs.pop("kept")
+    for way, (loss, grads) in runs.items():
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+        assert grads.keys() == want.keys() and want
+        for key, grad in want.items():
+            rel = (grads[key] - grad).norm() / grad.norm()
+            assert rel < 1e-5, f"{way}, {key}: relative gradient error {rel:.2e}"
 
 
 @pytest.mark.parametrize("name", list(CASES))

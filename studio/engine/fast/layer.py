@@ -158,7 +158,8 @@ class Layer:
         is, where (unless the MLP's output is normed or scaled first) ``down`` only carries the
         backward: nothing in the layer reads its last product's value, so the recomputation skips
         that product (the down projection, 7% of a 7B step's products). The caller sends the
-        output's gradient into both.
+        output's gradient into both. A sparse layer's block skips down's product and the combine
+        in any recomputation (torch's checkpointing's too) where nothing else reads its value.
 
         ``keep(q, k, v)``: called with q, k and v as soon as they exist (:attr:`keeps_rotated`; a
         forward whose layer is recomputed later keeps them: engine/fast/offload.py). ``kept``:
@@ -180,7 +181,8 @@ class Layer:
             h = h + self._branch_output(self.o(attn, o_ad), self.attn_out)
         x, h = self.branch(h, self.ln2)
         if self.moe is not None:
-            out = self._branch_output(self.moe(x, gu_ad, down_ad, routing), self.mlp_out)
+            read = not self._fused_residual(self.mlp_out)  # a recomputation's value then matters
+            out = self._branch_output(self.moe(x, gu_ad, down_ad, routing, read), self.mlp_out)
             return (h, out) if recompute else h + out
         # The update added inside the activation's kernel where it can be (engine/fast/update.py:
         # SwiGLU and GeGLU), and down's LoRA input-gradient term handed to that kernel's backward.

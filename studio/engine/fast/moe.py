@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from studio.core.decoder import MoeSpec
 from studio.engine.fast import dequant, expert_activation
@@ -170,16 +171,21 @@ class ExpertWeights:
 class ExpertProduct(torch.autograd.Function):
     """``y[rows of e] = x[rows of e] @ W_e^T + scale * x[rows of e] @ A_e^T @ B_e^T`` over the sorted
     rows, with a backward that reads the frozen weights again (nothing of them saved) and gives A
-    and B their gradients with grouped products too."""
+    and B their gradients with grouped products too. With ``value`` False only the backward is
+    real: the output is a zero that owns no memory, and neither the weights' dequantization nor a
+    product runs but ``x A^T``, which the backward reads (a recomputation whose output nothing
+    reads: :class:`SparseMlp`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weights: ExpertWeights, groups: Groups, a: torch.Tensor | None,
-                b: torch.Tensor | None, scale: float) -> torch.Tensor:
-        y = groups.mm(x, weights.stacked().transpose(1, 2))
-        xa = None
-        if a is not None:
-            xa = groups.mm(x, a.transpose(1, 2))
-            y.add_(groups.mm(xa, b.transpose(1, 2)), alpha=scale)
+                b: torch.Tensor | None, scale: float, value: bool = True) -> torch.Tensor:
+        xa = groups.mm(x, a.transpose(1, 2)) if a is not None else None
+        if value:
+            y = groups.mm(x, weights.stacked().transpose(1, 2))
+            if xa is not None:
+                y.add_(groups.mm(xa, b.transpose(1, 2)), alpha=scale)
+        else:
+            y = x.new_zeros(()).expand(x.shape[0], weights.out_features)
         ctx.weights, ctx.groups, ctx.scale = weights, groups, scale
         ctx.save_for_backward(x if a is not None else None, xa, a, b)
         return y
@@ -199,7 +205,27 @@ class ExpertProduct(torch.autograd.Function):
                 da = groups.outer(dyb, x).mul_(scale)
             if ctx.needs_input_grad[4]:
                 db = groups.outer(dy, xa).mul_(scale)
-        return dx, None, None, da, db, None
+        return dx, None, None, da, db, None, None
+
+
+class Combine(torch.autograd.Function):
+    """Each token's output: the sum of its copies' rows ``y [rows, hidden]`` (sorted by expert;
+    ``rows`` the token each is a copy of, ``tokens`` how many there are), the routing weights
+    already in them. The backward hands each copy its token's gradient. With ``value`` False only
+    the backward is real: the output is a zero that owns no memory (a recomputation's)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, rows: torch.Tensor, tokens: int, value: bool = True) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        if not value:
+            return y.new_zeros(()).expand(tokens, y.shape[1])
+        return y.new_zeros(tokens, y.shape[1]).index_add_(0, rows, y)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout: torch.Tensor):
+        (rows,) = ctx.saved_tensors
+        return dout.index_select(0, rows), None, None, None
 
 
 def _wrappers(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
@@ -479,10 +505,14 @@ class SparseMlp:
         return self.activate(gu) * weight[:, None]
 
     def __call__(self, x: torch.Tensor, gate_up_adapters: tuple, down_adapters: tuple,
-                 kept: KeptRouting | None = None) -> torch.Tensor:
+                 kept: KeptRouting | None = None, read: bool = True) -> torch.Tensor:
         """The MLP's output for the normed stream ``x [B, T, hidden]``. ``kept``: where a
         checkpointed forward keeps its routing (:class:`KeptRouting`), and its recomputation, which
-        finds it there, takes it."""
+        finds it there, takes it. ``read``: whether anything reads the output's value beyond the
+        residual stream's sum (a norm or a scale after the block, engine/fast/layer.py); where
+        nothing does, the recomputation's output is a zero that carries the backward, and neither
+        down's product, nor its weights' dequantization, nor the combine runs (torch's checkpointing
+        keeps no recomputed value, the host-held layers add only the gradient through it)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         k = self.spec.top_k
@@ -510,7 +540,8 @@ class SparseMlp:
         # the routing weight taken into the activation: the down product (and its bias) carry it
         act = self.activated(gu, weight)
         a, b, scale = down_adapters
-        y = ExpertProduct.apply(act, self.down.weights, groups, a, b, scale)
+        value = read or not again
+        y = ExpertProduct.apply(act, self.down.weights, groups, a, b, scale, value)
         if self.down.bias is not None:
             y = y + self.down.bias[expert] * weight[:, None]
-        return x2.new_zeros(x2.shape).index_add_(0, rows, y).view(shape)
+        return Combine.apply(y, rows, x2.shape[0], value).view(shape)
