@@ -16,12 +16,13 @@ backward (one projection: gate/up or down), inside them ``ExpertWeights.stacked`
 of every expert's weight into the workspace) and ``Groups.mm`` / ``Groups.outer`` (the grouped
 products: the frozen weight's, or the LoRA terms'). The rest of ``SparseMlp.__call__`` is inline
 code, put in a phase by where it runs: before the gate/up product the rest of the routing (the
-logged counts, the rows from the order) and the permutation (the gathers, ``x2[rows]`` the big
-one); between the two products gate/up's bias; after the down product down's bias and the combine
-(``Combine``: the zeroed output and the ``index_add_`` of the weighted rows). The recomputation
-runs neither down's product nor the combine where nothing reads its value (moe.py's ``read``). The
-backward's inline work is named by its autograd node (``CombineBackward`` is the combine's,
-``IndexBackward0`` the permutation's scatter of the token gradients, and so on:
+logged counts, the rows from the order, where each copy sits) and the permutation
+(engine/fast/expert_copies.py's ``Gather`` s: ``x2[rows]`` the big one, :data:`GATHERS`); between
+the two products gate/up's bias; after the down product down's bias and the combine (``Combine``:
+each token's copies summed by expert_copies.py's kernel, or torch's ``index_add_``). The
+recomputation runs neither down's product nor the combine where nothing reads its value (moe.py's
+``read``). The backward's inline work is named by its autograd node (``CombineBackward`` is the
+combine's, ``GatherBackward`` the permutation's sum of each token's copies' gradients, and so on:
 :data:`BACKWARD_NODES`).
 
 On CUDA a kernel is linked to the innermost operator that launched it, and a Triton launch is no
@@ -58,7 +59,7 @@ projection, the LoRA terms' in-place additions (``aten::add_``) are ``lora``, th
 
 BACKWARD_NODES = {
     "combine": ("CombineBackward", "IndexAddBackward"),
-    "permute": ("IndexBackward",),
+    "permute": ("GatherBackward", "IndexBackward"),
     "activation": ("RoutedActivationBackward", "MulBackward", "SiluBackward", "SigmoidBackward", "ClampBackward", "ClampMaxBackward",
                    "ClampMinBackward", "SplitBackward", "SliceBackward", "AddBackward", "SubBackward", "NegBackward"),
     "router": ("TopkBackward", "SoftmaxBackward", "DivBackward", "SumBackward", "MmBackward", "AddmmBackward",
@@ -66,6 +67,10 @@ BACKWARD_NODES = {
 }
 """The backward's autograd nodes outside the labelled ranges, by phase (prefixes of the node's name);
 any other node (views, casts, gradient accumulation) is ``other``."""
+
+GATHERS = ("Gather", "aten::index", "aten::index_select")
+"""What moves rows into expert order before the products (expert_copies.py's ``Gather`` and the
+indexing inside it): the permutation; the rest of that code is the sort's."""
 
 SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 """Events that make the host wait for the device (``.item()``, ``.tolist()``, synchronizations)."""
@@ -96,7 +101,7 @@ def phase_of(stack: list[str], region: str | None = None) -> str:
             return f"{inner or ('lora' if 'aten::add_' in stack else 'products')}.{name.removeprefix('moe.')}"
         elif name == BLOCK:
             if region == "dispatch":
-                return "permute" if "aten::index" in stack else "sort"
+                return "permute" if any(n in GATHERS for n in stack) else "sort"
             return {"between": "activation", "combine": "combine"}.get(region or "", "other")
         elif name.startswith(EVALUATE):
             node = name.removeprefix(EVALUATE)
@@ -325,19 +330,19 @@ def traffic(d: Dims) -> dict[str, dict[str, dict[str, float]]]:
                    "flops": 2.0 * t * h * e},
         # the one-byte keys, their sort, the offsets, rows = order // k, the logged counts: a few passes over the indices
         "sort": {"bytes": rows * 8 * 8, "flops": 0.0},
-        # x2[rows] and the routing weights in sorted order
-        "permute": {"bytes": 2 * rows * h * b + rows * (8 + 2 * b), "flops": 0.0},
+        # x2[rows] and the routing weights in sorted order (and where each copy sits, int32)
+        "permute": {"bytes": 2 * rows * h * b + rows * (8 + 2 * b + 3 * 4), "flops": 0.0},
         # gate/up's output in, the activation times the routing weight out (and the biases' gathers)
         "activation": {"bytes": rows * (2 * i + i + 1) * b + (3 * rows * 2 * i * b if d.bias else 0),
                        "flops": 5.0 * rows * i},
-        # the zeroed output, the rows read, each token's row read and written by the index_add
-        "combine": {"bytes": rows * h * b + 3 * t * h * b + rows * 8, "flops": float(rows * h)},
+        # each token's copies' rows read by where they sit (int32), its sum written once
+        "combine": {"bytes": rows * h * b + t * h * b + rows * 4, "flops": float(rows * h)},
     }
     bwd: dict[str, dict[str, float]] = {
         "combine": {"bytes": 2 * rows * h * b + rows * 8, "flops": 0.0},
         "activation": {"bytes": rows * (i + 2 * i + 2 * i + 2) * b, "flops": 8.0 * rows * i},
-        # index_put with accumulation: the rows' gradients added into each token's (a sort of the rows first)
-        "permute": {"bytes": rows * h * b + 2 * t * h * b + rows * 8 * 4, "flops": float(rows * h)},
+        # each token's copies' gradients summed into its own, the routing weights' gathered back
+        "permute": {"bytes": rows * h * b + t * h * b + rows * (4 + 2 * b) * 2, "flops": float(rows * h)},
         "router": {"bytes": t * e * (2 * b + 8) + e * h * b + t * h * b, "flops": 2.0 * t * h * e},
     }
     for name, (fin, fout) in d.geometry().items():

@@ -31,6 +31,8 @@ def test_each_kernel_lands_in_the_pass_and_phase_of_the_engine_code_that_launche
     assert _where(["aten::sort", "moe.sort", *block], "dispatch") == ("forward", "sort")
     assert _where(["aten::scatter_add_", *block], "dispatch") == ("forward", "sort")
     assert _where(["aten::index", *block], "dispatch") == ("forward", "permute")
+    assert _where(["aten::index_select", "Gather", *block], "dispatch") == ("forward", "permute")
+    assert _where(["aten::scatter_", *block], "dispatch") == ("forward", "sort")
     assert _where(["aten::mul", *block], "between") == ("forward", "activation")
     assert _where(["aten::index_add_", *block], "combine") == ("forward", "combine")
     # the engine's methods, wrapped in ranges
@@ -47,6 +49,8 @@ def test_each_kernel_lands_in_the_pass_and_phase_of_the_engine_code_that_launche
     # the backward: the engine's ranges first, else the autograd node
     assert _where(["aten::index_select", *first_node]) == ("backward", "combine")
     assert _where(["aten::_index_put_impl_", "IndexBackward0", EVALUATE + "IndexBackward0"]) == ("backward", "permute")
+    assert _where(["GatherBackward", EVALUATE + "GatherBackward"]) == ("backward", "permute")
+    assert _where(["aten::index_select", "CombineBackward", EVALUATE + "CombineBackward"]) == ("backward", "combine")
     assert _where(["aten::_grouped_mm", "moe.mm.base", "moe.gate_up", "ExpertProductBackward",
                    EVALUATE + "ExpertProductBackward"]) == ("backward", "products.gate_up")
     assert _where(["aten::silu_backward", "SiluBackward0", EVALUATE + "SiluBackward0"]) == ("backward", "activation")

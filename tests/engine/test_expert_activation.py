@@ -3,10 +3,8 @@ in one Triton kernel forward and one backward (SiLU with gate's columns first: Q
 Mixtral; gpt-oss' clamped SwiGLU with gate and up interleaved).
 
 On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``); on a GPU compiled. Each
-is checked against the torch operations moe.py runs without it (in fp32), and the mixture-of-experts
-families' training step with the kernel against transformers' own model: the loss and every LoRA
-gradient, attention and experts, the kernel off (``trainer.fast_path.kernels: false``) giving the
-same.
+is checked against the torch operations moe.py runs without it (in fp32); test_fast_moe.py runs the
+mixture-of-experts families' training step with the kernels against transformers' own model.
 """
 
 from __future__ import annotations
@@ -18,12 +16,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_fast_families import _assert_same, _batch, _grads, _plain  # noqa: E402
-from test_fast_moe import CASES, _config, _peft  # noqa: E402
+from test_fast_moe import _config  # noqa: E402
 
-from studio.core.config import FastPathConfig  # noqa: E402
 from studio.core.decoder import describe_decoder  # noqa: E402
-from studio.engine import fast  # noqa: E402
 from studio.engine.fast import expert_activation  # noqa: E402
 from studio.engine.fast.moe import SparseMlp  # noqa: E402
 
@@ -73,47 +68,6 @@ def test_the_backward_writes_over_gate_up_s_output(kernel_device) -> None:
     gu = torch.randn(20, 2 * 64).to(kernel_device, torch.bfloat16)
     dgu, _ = expert_activation.routed_activation_backward_(gu, torch.rand(20).to(gu), torch.randn(20, 64).to(gu), SILU)
     assert dgu.data_ptr() == gu.data_ptr()
-
-
-def _step(model, batch, kernels: bool, monkeypatch) -> tuple[torch.Tensor, dict, int]:
-    """One training step of ``model`` on the fast path (torch's checkpointing, no CUDA graph): the
-    loss, the gradients, and how many times the kernel's Function ran."""
-    calls = [0]
-    apply = expert_activation.RoutedActivation.apply
-
-    def counted(*args):
-        calls[0] += 1
-        return apply(*args)
-
-    monkeypatch.setattr(expert_activation.RoutedActivation, "apply", counted)
-    fast_model, why = fast.prepare(model, FastPathConfig(kernels=kernels, cuda_graphs=False))
-    assert fast_model is not None, why
-    model.zero_grad(set_to_none=True)
-    loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
-    loss.backward()
-    monkeypatch.setattr(expert_activation.RoutedActivation, "apply", apply)
-    return loss.detach(), _grads(model), calls[0]
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_the_mixture_of_experts_trains_with_the_kernel_as_transformers_does(kernel_device, name, monkeypatch) -> None:
-    """Each family's tiny model (fp32), its activation in the kernel (once in the forward, once in
-    the recomputation, per sparse layer): transformers' loss and every LoRA gradient (attention,
-    Qwen3-MoE's dense MLP, the experts' adapters, and through the routing weights the stream's);
-    with the kernels off, torch's operations give the same and the kernel never runs."""
-    model = _peft(_config(name)).to(kernel_device)
-    batch = _batch(packing=False).to(kernel_device)
-    plain = _plain(model, batch)
-    plain.backward()
-    expected = _grads(model)
-    adapters = sum(1 for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
-    sparse = sum(s.sparse for s in describe_decoder(model.config.to_dict()).layers)
-    loss, grads, calls = _step(model, batch, True, monkeypatch)
-    assert calls == 2 * sparse and not expert_activation.KERNELS.broken
-    _assert_same(loss, plain, grads, expected, adapters)
-    loss, grads, calls = _step(model, batch, False, monkeypatch)
-    assert calls == 0
-    _assert_same(loss, plain, grads, expected, adapters)
 
 
 def test_a_layout_or_activation_the_spec_names_reaches_the_kernel_as_it_is() -> None:

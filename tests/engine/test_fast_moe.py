@@ -16,6 +16,7 @@ from test_fast_families import IDS, _assert_same, _batch, _check_family, _grads,
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from studio.core.config import FastPathConfig
 from studio.core.decoder import describe_decoder
 from studio.core.plan import PathFacts, choose_path
 from studio.engine import fast
@@ -87,22 +88,25 @@ def test_lora_on_attention_only_leaves_the_experts_frozen(name: str, monkeypatch
 
 class _Counted:
     """Counts, while the test patches them in, the calls of torch's sorting functions (the router's
-    top-k, the sort by expert), the combine's ``index_add_`` and each projection's dequantization
-    of its experts (``ExpertWeights.stacked``; ``down``: the weights whose calls count as down's):
-    into :attr:`forward`, or :attr:`backward` once it is ``counts``. Wrappers of the Python
-    functions, not a TorchFunctionMode: torch's checkpointing recomputes a layer without the modes
-    that were on."""
+    top-k, the sort by expert), the combines that sum the copies (``combine``; one whose value
+    nothing reads is ``empty``) and each projection's dequantization of its experts
+    (``ExpertWeights.stacked``; ``down``: the weights whose calls count as down's): into
+    :attr:`forward`, or :attr:`backward` once it is ``counts``. Wrappers of the Python functions,
+    not a TorchFunctionMode: torch's checkpointing recomputes a layer without the modes that were on."""
 
     NAMES = ("topk", "sort", "argsort")
 
     def __init__(self, monkeypatch, down: set[int]):
-        keys = (*self.NAMES, "index_add_", "gate_up", "down")
+        from studio.engine.fast.expert_copies import Combine
+
+        keys = (*self.NAMES, "combine", "empty", "gate_up", "down")
         self.forward = dict.fromkeys(keys, 0)
         self.backward = dict.fromkeys(keys, 0)
         self.counts = self.forward
         for name in self.NAMES:
             monkeypatch.setattr(torch, name, self._counting(lambda *_, n=name: n, getattr(torch, name)))
-        monkeypatch.setattr(torch.Tensor, "index_add_", self._counting(lambda *_: "index_add_", torch.Tensor.index_add_))
+        monkeypatch.setattr(Combine, "forward", staticmethod(self._counting(
+            lambda *args: "combine" if args[-1] else "empty", Combine.forward)))
         monkeypatch.setattr(ExpertWeights, "stacked", self._counting(
             lambda weights: "down" if id(weights) in down else "gate_up", ExpertWeights.stacked))
 
@@ -139,9 +143,10 @@ def test_the_recomputation_takes_the_forward_s_routing_and_skips_down(name: str,
     counted.counts = counted.backward
     loss.backward()
     n = sum(layer.moe is not None for layer in fast_model.layers)
-    assert counted.forward == {"topk": n, "sort": n, "argsort": 0, "index_add_": n, "gate_up": n, "down": n}
+    assert counted.forward == {"topk": n, "sort": n, "argsort": 0, "combine": n, "empty": 0, "gate_up": n, "down": n}
     # the recomputation's gate/up and the backward's two products
-    assert counted.backward == {"topk": 0, "sort": 0, "argsort": 0, "index_add_": 0, "gate_up": 2 * n, "down": n}
+    assert counted.backward == {"topk": 0, "sort": 0, "argsort": 0, "combine": 0, "empty": n, "gate_up": 2 * n,
+                                "down": n}
     adapters = sum(1 for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
     _assert_same(loss, plain, _grads(model), expected, adapters)
 
@@ -226,6 +231,58 @@ def test_the_checkpointed_block_gives_transformers_output_and_the_router_s_gradi
         assert want.abs().sum() > 0, what
         rel = (got - want).norm() / want.norm()
         assert rel < 1e-5, f"{what}: relative error {rel:.2e}"
+
+
+def _kernel_step(model, batch, kernels: bool, monkeypatch) -> tuple[torch.Tensor, dict, dict]:
+    """One training step of ``model`` on the fast path (torch's checkpointing, no CUDA graph): the
+    loss, the gradients, and how many times each of the experts' kernels ran."""
+    from studio.engine.fast import expert_activation, expert_copies
+
+    calls = {"activation": 0, "copies_sum": 0}
+    apply, summed = expert_activation.RoutedActivation.apply, expert_copies.copies_sum
+
+    def counted(name, fn):
+        def run(*args):
+            calls[name] += 1
+            return fn(*args)
+        return run
+
+    with monkeypatch.context() as m:
+        m.setattr(expert_activation.RoutedActivation, "apply", counted("activation", apply))
+        m.setattr(expert_copies, "copies_sum", counted("copies_sum", summed))
+        fast_model, why = fast.prepare(model, FastPathConfig(kernels=kernels, cuda_graphs=False))
+        assert fast_model is not None, why
+        model.zero_grad(set_to_none=True)
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+    return loss.detach(), _grads(model), calls
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_experts_kernels_train_as_transformers_does(kernel_device, name: str, monkeypatch) -> None:
+    """Each family's tiny model (fp32) with the experts' kernels (engine/fast/expert_activation.py,
+    expert_copies.py; Triton's interpreter on the CPU): per sparse layer the activation's kernel
+    in the forward and the recomputation, the copies' sum in the forward's combine and twice in the
+    backward (the routing weights' and the stream's gathers); transformers' loss and every LoRA
+    gradient (attention, Qwen3-MoE's dense MLP, the experts' adapters, and through the routing
+    weights the stream's). With the kernels off, torch's operations give the same, no kernel run."""
+    pytest.importorskip("triton")
+    from studio.engine.fast import expert_activation, expert_copies
+
+    model = _peft(_config(name)).to(kernel_device)
+    batch = _batch(packing=False).to(kernel_device)
+    plain = _plain(model, batch)
+    plain.backward()
+    expected = _grads(model)
+    adapters = sum(1 for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
+    n = sum(s.sparse for s in describe_decoder(model.config.to_dict()).layers)
+    loss, grads, calls = _kernel_step(model, batch, True, monkeypatch)
+    assert calls == {"activation": 2 * n, "copies_sum": 3 * n}
+    assert not expert_activation.KERNELS.broken and not expert_copies.KERNELS.broken
+    _assert_same(loss, plain, grads, expected, adapters)
+    loss, grads, calls = _kernel_step(model, batch, False, monkeypatch)
+    assert calls == {"activation": 0, "copies_sum": 0}
+    _assert_same(loss, plain, grads, expected, adapters)
 
 
 def test_gpt_oss_is_described_with_every_trait_it_has() -> None:

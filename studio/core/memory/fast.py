@@ -140,13 +140,14 @@ def mlp_outputs_per_token(info: ModelInfo, compute: int) -> float:
     gated activation (``3 x intermediate``); a sparse layer's (engine/fast/moe.py), for each of the
     token's ``top_k`` copies, its gathered input, the grouped gate/up product, SiLU(gate) and its
     product with up (both saved for the backward), and the routing-weighted activation that down
-    reads, beside the router's logits (compute dtype) and probabilities (fp32) over the experts and
-    three int64 indices a copy (expert, sorted order, source row). The widest kind of layer counts."""
+    reads, beside the router's logits (compute dtype) and probabilities (fp32) over the experts,
+    three int64 indices a copy (expert, sorted order, source row) and an int32 (where the copy sits
+    in the sort). The widest kind of layer counts."""
     dense = compute * 3 * info.intermediate
     if not info.sparse_layers:
         return dense
     k, inter = info.top_k, info.expert_intermediate
-    sparse = compute * (info.experts + k * (info.hidden + 2 * inter + 3 * inter)) + 4 * info.experts + 3 * 8 * k
+    sparse = compute * (info.experts + k * (info.hidden + 2 * inter + 3 * inter)) + 4 * info.experts + (3 * 8 + 4) * k
     return sparse if info.sparse_layers == info.layers else max(dense, sparse)
 
 

@@ -41,11 +41,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from studio.core.decoder import MoeSpec
-from studio.engine.fast import dequant, expert_activation
+from studio.engine.fast import dequant, expert_activation, expert_copies
 from studio.engine.fast.expert_activation import RoutedActivation
+from studio.engine.fast.expert_copies import Combine, Gather
 from studio.engine.fast.frozen import Workspace
 from studio.engine.mxfp4 import Mxfp4Experts, mxfp4_experts
 from studio.engine.quantized_experts import PackedExperts, packed_experts
@@ -206,26 +206,6 @@ class ExpertProduct(torch.autograd.Function):
             if ctx.needs_input_grad[4]:
                 db = groups.outer(dy, xa).mul_(scale)
         return dx, None, None, da, db, None, None
-
-
-class Combine(torch.autograd.Function):
-    """Each token's output: the sum of its copies' rows ``y [rows, hidden]`` (sorted by expert;
-    ``rows`` the token each is a copy of, ``tokens`` how many there are), the routing weights
-    already in them. The backward hands each copy its token's gradient. With ``value`` False only
-    the backward is real: the output is a zero that owns no memory (a recomputation's)."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, rows: torch.Tensor, tokens: int, value: bool = True) -> torch.Tensor:
-        ctx.save_for_backward(rows)
-        if not value:
-            return y.new_zeros(()).expand(tokens, y.shape[1])
-        return y.new_zeros(tokens, y.shape[1]).index_add_(0, rows, y)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout: torch.Tensor):
-        (rows,) = ctx.saved_tensors
-        return dout.index_select(0, rows), None, None, None
 
 
 def _wrappers(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
@@ -530,9 +510,12 @@ class SparseMlp:
             self.log.record(self.index, chosen.reshape(-1), probs.sum(0) if balance else None, x2.shape[0])
         rows = order // k
         groups = Groups(offs, loop=self.loop)
-        weight = weights.reshape(-1)[order]
+        # copies moved by expert_copies.py's Functions: a token's copies meet in one kernel's sum
+        pos = expert_copies.positions(order)
+        summed = self.kernels and expert_copies.available(x2.device, x2.dtype)
+        weight = Gather.apply(weights.reshape(-1, 1), order, pos, 1, summed).view(-1)
         a, b, scale = gate_up_adapters
-        gu = ExpertProduct.apply(x2[rows], self.gate_up.weights, groups, a, b, scale)
+        gu = ExpertProduct.apply(Gather.apply(x2, rows, pos, k, summed), self.gate_up.weights, groups, a, b, scale)
         biased = self.gate_up.bias is not None or self.down.bias is not None
         expert = chosen.reshape(-1)[order] if biased else None  # each sorted row's expert: whose biases it adds
         if self.gate_up.bias is not None:
@@ -544,4 +527,4 @@ class SparseMlp:
         y = ExpertProduct.apply(act, self.down.weights, groups, a, b, scale, value)
         if self.down.bias is not None:
             y = y + self.down.bias[expert] * weight[:, None]
-        return Combine.apply(y, rows, x2.shape[0], value).view(shape)
+        return Combine.apply(y, rows, pos, k, summed, value).view(shape)
