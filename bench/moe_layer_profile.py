@@ -256,7 +256,7 @@ def run_block(layer, x):
     from torch.profiler import record_function
     from torch.utils.checkpoint import checkpoint
 
-    from studio.engine.fast.moe import KeptRouting
+    from studio.engine.fast.routing import KeptRouting
 
     with record_function(ADAPTERS):
         gate_up, down = layer.gate_up.adapters(), layer.down.adapters()

@@ -122,7 +122,7 @@ class _Counted:
 def test_the_recomputation_takes_the_forward_s_routing_and_skips_down(name: str, host: bool, monkeypatch) -> None:
     """A training step runs each sparse layer's top-k and sort by expert once, in the forward: the
     layer's recomputation in the backward (torch's checkpointing, or the host-held layers' own)
-    takes the routing the forward kept (moe.py's KeptRouting); and as nothing reads the recomputed
+    takes the routing the forward kept (routing.py's KeptRouting); and as nothing reads the recomputed
     output's value, the recomputation dequantizes gate/up's experts only, and neither runs down's
     product nor the combine. The loss and every LoRA gradient (attention and experts) are still
     transformers'."""
@@ -196,7 +196,7 @@ def test_the_checkpointed_block_gives_transformers_output_and_the_router_s_gradi
     trainable here, the router's gradient (what flows back through the routing weights)."""
     from torch.utils.checkpoint import checkpoint
 
-    from studio.engine.fast.moe import KeptRouting
+    from studio.engine.fast.routing import KeptRouting
 
     model = _peft(_config(name))
     fast_model, why = fast.prepare(model)

@@ -290,21 +290,12 @@ def saved_per_token(info: ModelInfo, compute: int) -> int:
     """Bytes per token that the checkpointed layers keep on the device at a backward's start: with
     the layer inputs and their rotated q, k and v on the host, two inputs (the one being recomputed
     and the next, prefetched) and the next layer's q, k and v (the recomputed layer's own replace
-    its q/k/v product's outputs in the working set); and every sparse layer's routing, kept on the
-    device for its recomputation (:func:`kept_routing_per_token`)."""
+    its q/k/v product's outputs in the working set); and every sparse layer's routing, kept for its
+    recomputation (engine/fast/routing.py's KeptRouting: for each of a token's ``top_k`` copies its
+    expert, one byte up to 256 experts, and an int32 place in the sort)."""
     qkv = (info.heads + 2 * info.kv_heads) * info.head_width
-    return (2 * info.hidden + qkv) * compute + kept_routing_per_token(info)
-
-
-def kept_routing_per_token(info: ModelInfo) -> int:
-    """Bytes per token that a mixture of experts' forward keeps of its routing for each sparse
-    layer's recomputation (engine/fast/moe.py's KeptRouting): for each of the token's ``top_k``
-    copies its expert (one byte up to 256 experts, two up to 32,768) and its place in the sort
-    (int32). 0 for a dense model."""
-    if not info.sparse_layers:
-        return 0
     key = 1 if info.experts <= 256 else 2 if info.experts <= 2 ** 15 else 4
-    return info.sparse_layers * info.top_k * (key + 4)
+    return (2 * info.hidden + qkv) * compute + info.sparse_layers * info.top_k * (key + 4)
 
 
 def step_activations(info: ModelInfo, tokens: int, compute: int, gate_in_kernel: bool) -> float:

@@ -43,8 +43,9 @@ one concern a module (the imports point down this list):
   out on its own;
 - ``norm`` (kernels in ``norm_kernels``): the layer's RMSNorm whose backward adds the residual
   stream's gradient in the same pass;
-- ``moe``: a sparse layer's router, sort by expert (kept by the forward for the recomputation),
-  grouped products and combine; ``expert_activation`` (kernels in ``expert_activation_kernels``):
+- ``moe``: a sparse layer's router, sort by expert, grouped products and combine; ``routing``: its
+  routing's log (the tokens each expert took, the balance loss) and what a forward keeps of it for
+  the recomputation; ``expert_activation`` (kernels in ``expert_activation_kernels``):
   its experts' activation times the routing weight, one kernel a pass; ``expert_copies`` (kernel in
   ``expert_copies_kernels``): each token's copies gathered into expert order and summed back;
 - ``cross_entropy`` (kernel in ``cross_entropy_kernels``): the training loss fused with the output

@@ -36,7 +36,6 @@ from studio.engine.fast.layer import LLAMA_NORM, Layer, NormKind
 from studio.engine.fast.model import Ends, FastModel
 from studio.engine.fast.moe import (
     ExpertProjection,
-    RouterLog,
     SparseMlp,
     expert_problem,
     experts_adapted,
@@ -45,6 +44,7 @@ from studio.engine.fast.moe import (
 )
 from studio.engine.fast.ops import liger_kernels, varlen_attention
 from studio.engine.fast.projection import Projection, has_adapter
+from studio.engine.fast.routing import RouterLog
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from studio.engine.fast import norm
 from studio.engine.fast.attention import LLAMA, Segments, Span, attend
-from studio.engine.fast.moe import ExpertProjection, KeptRouting, SparseMlp
+from studio.engine.fast.moe import ExpertProjection, SparseMlp
 from studio.engine.fast.ops import (
     rms_norm_scaled_torch,
     rms_norm_torch,
@@ -25,6 +25,7 @@ from studio.engine.fast.ops import (
     unrotate_torch,
 )
 from studio.engine.fast.projection import Projection
+from studio.engine.fast.routing import KeptRouting
 
 __all__ = ["LLAMA_NORM", "Layer", "NormKind", "Segments"]
 
@@ -166,7 +167,7 @@ class Layer:
         those three, given back to the recomputation, which then runs no q/k/v product
         (:meth:`Projection.from_kept`). ``routing``: where a sparse layer's checkpointed forward
         keeps its routing for the recomputation, which then sorts nothing
-        (:class:`~studio.engine.fast.moe.KeptRouting`)."""
+        (:class:`~studio.engine.fast.routing.KeptRouting`)."""
         b, t, _ = h.shape
         qkv_ad, o_ad, gu_ad, down_ad = adapters
         if self.table is not None:

@@ -17,8 +17,9 @@ from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import GradSink, Graphs
 from studio.engine.fast.layer import Layer, Segments
 from studio.engine.fast.loss import IGNORE_INDEX, chunked_scores, cross_entropy, next_token_targets, sequence_logps
-from studio.engine.fast.moe import KeptRouting, RouterLog, grouped_products
+from studio.engine.fast.moe import grouped_products
 from studio.engine.fast.offload import HostInputs, OffloadedLayer, flatten
+from studio.engine.fast.routing import KeptRouting, RouterLog
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,7 @@ class HostInputs:
 
 class OffloadedLayer(torch.autograd.Function):
     """``layer.forward(h, ...)`` run without keeping anything but its input, on the host (and a
-    sparse layer's routing, ``routing``: engine/fast/moe.py's KeptRouting, a few bytes a token on
+    sparse layer's routing, ``routing``: engine/fast/routing.py's KeptRouting, a few bytes a token on
     the device); the backward brings the input back, recomputes the layer with autograd on and
     returns the input's and the adapters' gradients. ``tensors`` are the hoisted adapters flattened (``spec`` puts them
     back in shape); their gradients flow on to the adapter parameters."""
