@@ -293,7 +293,7 @@ class ExpertProjection:
 class SparseMlp:
     """A sparse layer's MLP: router, experts' gate/up and down (:class:`ExpertProjection`), the
     gated activation (SiLU, or gpt-oss' clamped SwiGLU) with the routing weight in the same pass,
-    and the weighted sum of each token's experts scattered back to its row."""
+    and the weighted sum of each token's experts summed back into its row."""
 
     def __init__(self, router: torch.Tensor, gate_up: ExpertProjection, down: ExpertProjection, spec: MoeSpec,
                  log: RouterLog, index: int, loop: bool = False, router_bias: torch.Tensor | None = None,
@@ -311,8 +311,9 @@ class SparseMlp:
         self.loop = loop
         """Products by the per-expert loop whatever the kernel takes (tests)."""
         self.kernels = kernels
-        """The activation runs in Studio's kernel where it can (engine/fast/expert_activation.py;
-        the ``trainer.fast_path.kernels`` setting); False: in torch's operations."""
+        """The activation and the sums of each token's copies run in Studio's kernels where they can
+        (engine/fast/expert_activation.py, expert_copies.py; the ``trainer.fast_path.kernels``
+        setting); False: in torch's operations."""
         self._experts = torch.arange(spec.experts, dtype=key_dtype(spec.experts), device=router.device)
         """Every expert's index as a sort key: where each expert's sorted rows end is where these
         fall among the sorted keys (:meth:`sort`)."""
