@@ -12,8 +12,8 @@ them) on the attention projections, and in the ``experts`` variant on the expert
 
 - ``engine_block``: the engine's MoE block (``SparseMlp``) on ``--tokens`` tokens of a normed
   stream that needs its gradient, as a training step runs it: the adapters built outside the
-  checkpoint, the block under ``torch.utils.checkpoint`` (the forward saves nothing; the backward
-  recomputes it), then the backward. CUDA events time the step, the forward alone (the backward and
+  checkpoint, the block under ``torch.utils.checkpoint`` (the forward saves nothing but its routing;
+  the backward recomputes the rest, down's product and the combine excepted), then the backward. CUDA events time the step, the forward alone (the backward and
   its recomputation are the difference); peak memory of a step above what was allocated before
   it. torch.profiler splits ``--profile-steps`` eager steps by pass (forward,
   recompute, backward) and phase (bench/moe_phases.py: router and top-k, the sort by expert, the
@@ -242,22 +242,27 @@ def dims_of(fm, tokens: int, active: int) -> Dims:
 # ------------------------------------------------------------------------------------- the block
 
 
-def _block(mlp, x, gate_up, down):
+def _block(mlp, x, gate_up, down, routing, read):
     from torch.profiler import record_function
 
     with record_function(BLOCK):
-        return mlp(x, gate_up, down)
+        return mlp(x, gate_up, down, routing, read)
 
 
 def run_block(layer, x):
     """The engine's MoE block on the normed stream ``x`` as the stack runs a layer: the experts'
-    adapters built outside the checkpoint, the block checkpointed."""
+    adapters built outside the checkpoint, the block checkpointed, its routing kept for the
+    recomputation, whose value only the layer's post-norm (none in these families) would read."""
     from torch.profiler import record_function
     from torch.utils.checkpoint import checkpoint
 
+    from studio.engine.fast.routing import KeptRouting
+
     with record_function(ADAPTERS):
         gate_up, down = layer.gate_up.adapters(), layer.down.adapters()
-    return checkpoint(_block, layer.moe, x, gate_up, down, use_reentrant=False, preserve_rng_state=False)
+    read = not layer._fused_residual(layer.mlp_out)
+    return checkpoint(_block, layer.moe, x, gate_up, down, KeptRouting(), read, use_reentrant=False,
+                      preserve_rng_state=False)
 
 
 def routing(fm) -> dict:

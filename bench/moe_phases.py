@@ -10,16 +10,28 @@ rebuilt each step before the checkpointed block (a ``moe.adapters`` range), coun
 
 The phases follow the engine's code. While a profile runs, :func:`phase_ranges` wraps the engine's
 own methods (in this process only; nothing in studio/ changes) in ``record_function`` ranges:
-``SparseMlp.route`` (router and top-k), ``SparseMlp.activate``, ``ExpertProduct``'s forward and
+``SparseMlp.route`` (router and top-k), ``SparseMlp.sort`` (the sort by expert), ``SparseMlp.activated`` (the activation times the routing
+weight: engine/fast/expert_activation.py's kernel, or torch's operations), ``ExpertProduct``'s forward and
 backward (one projection: gate/up or down), inside them ``ExpertWeights.stacked`` (the dequantization
 of every expert's weight into the workspace) and ``Groups.mm`` / ``Groups.outer`` (the grouped
 products: the frozen weight's, or the LoRA terms'). The rest of ``SparseMlp.__call__`` is inline
-code, put in a phase by where it runs: before the gate/up product the sort by expert (the argsort,
-the counts, the offsets, the logged counts) and the permutation (the gathers, ``x2[rows]`` the big
-one); between the two products the activation's routing weight and gate/up's bias; after the down
-product the combine (the zeroed output, the weighted ``index_add_``, down's bias). The backward's
-inline work is named by its autograd node (``IndexAddBackward0`` is the combine's, ``IndexBackward0``
-the permutation's scatter of the token gradients, and so on: :data:`BACKWARD_NODES`).
+code, put in a phase by where it runs: before the gate/up product the rest of the routing (the
+logged counts, the rows from the order, where each copy sits) and the permutation
+(engine/fast/expert_copies.py's ``Gather`` s: ``x2[rows]`` the big one, :data:`GATHERS`); between
+the two products gate/up's bias; after the down product down's bias and the combine (``Combine``:
+each token's copies summed by expert_copies.py's kernel, or torch's ``index_add_``). The
+recomputation runs neither down's product nor the combine where nothing reads its value (moe.py's
+``read``). The backward's inline work is named by its autograd node (``CombineBackward`` is the
+combine's, ``GatherBackward`` the permutation's sum of each token's copies' gradients, and so on:
+:data:`BACKWARD_NODES`).
+
+On CUDA a kernel is linked to the innermost operator that launched it, and a Triton launch is no
+operator: a Triton kernel rides on the operator around it, never on the ranges between (an
+``ExpertProduct``'s dequantization kernel on the autograd Function's own record, outside its
+``moe.dequant`` range). The kernels an ``ExpertProduct`` record (forward or backward) launches
+itself are the dequantization of its projection's experts (:func:`wrapper_phase`); elsewhere a
+Triton kernel sits inside a Function of its own (the activation's), whose record is in its phase's
+range (forward) or is its phase's autograd node (backward).
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ PHASES = ("adapters", "router", "sort", "permute", "dequant.gate_up", "products.
 BLOCK = "moe.block"
 ADAPTERS = "moe.adapters"
 EVALUATE = "autograd::engine::evaluate_function: "
-LABELS = {"moe.route": "router", "moe.activation": "activation", ADAPTERS: "adapters"}
+LABELS = {"moe.route": "router", "moe.sort": "sort", "moe.activation": "activation", ADAPTERS: "adapters"}
 """Ranges that name a phase by themselves."""
 PROJECTIONS = ("moe.gate_up", "moe.down")
 INNER = {"moe.dequant": "dequant", "moe.mm.base": "products", "moe.mm.lora": "lora"}
@@ -46,15 +58,19 @@ INNER = {"moe.dequant": "dequant", "moe.mm.base": "products", "moe.mm.lora": "lo
 projection, the LoRA terms' in-place additions (``aten::add_``) are ``lora``, the rest ``products``."""
 
 BACKWARD_NODES = {
-    "combine": ("IndexAddBackward",),
-    "permute": ("IndexBackward",),
-    "activation": ("MulBackward", "SiluBackward", "SigmoidBackward", "ClampBackward", "ClampMaxBackward",
+    "combine": ("CombineBackward", "IndexAddBackward"),
+    "permute": ("GatherBackward", "IndexBackward"),
+    "activation": ("RoutedActivationBackward", "MulBackward", "SiluBackward", "SigmoidBackward", "ClampBackward", "ClampMaxBackward",
                    "ClampMinBackward", "SplitBackward", "SliceBackward", "AddBackward", "SubBackward", "NegBackward"),
     "router": ("TopkBackward", "SoftmaxBackward", "DivBackward", "SumBackward", "MmBackward", "AddmmBackward",
                "LinearBackward", "TBackward"),
 }
 """The backward's autograd nodes outside the labelled ranges, by phase (prefixes of the node's name);
 any other node (views, casts, gradient accumulation) is ``other``."""
+
+GATHERS = ("Gather", "aten::index", "aten::index_select")
+"""What moves rows into expert order before the products (expert_copies.py's ``Gather`` and the
+indexing inside it): the permutation; the rest of that code is the sort's."""
 
 SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 """Events that make the host wait for the device (``.item()``, ``.tolist()``, synchronizations)."""
@@ -85,7 +101,7 @@ def phase_of(stack: list[str], region: str | None = None) -> str:
             return f"{inner or ('lora' if 'aten::add_' in stack else 'products')}.{name.removeprefix('moe.')}"
         elif name == BLOCK:
             if region == "dispatch":
-                return "permute" if "aten::index" in stack else "sort"
+                return "permute" if any(n in GATHERS for n in stack) else "sort"
             return {"between": "activation", "combine": "combine"}.get(region or "", "other")
         elif name.startswith(EVALUATE):
             node = name.removeprefix(EVALUATE)
@@ -118,6 +134,18 @@ def stack_of(event) -> list[str]:
 
 WRAPPERS = ("ExpertProduct", "ExpertProductBackward")
 """The autograd Function's own records around the projection ranges (its work is theirs)."""
+
+
+def wrapper_phase(event) -> str | None:
+    """The phase of the kernels an ``ExpertProduct`` record (:data:`WRAPPERS`) launched itself: the
+    dequantization of the projection whose range it holds (Triton's NF4 or MXFP4 kernel, which no
+    operator of the range owns); None for any other event."""
+    if event.name not in WRAPPERS:
+        return None
+    for child in getattr(event, "cpu_children", ()):
+        if child.name in PROJECTIONS:
+            return f"dequant.{child.name.removeprefix('moe.')}"
+    return None
 
 
 def own_time_us(event, cuda: bool) -> float:
@@ -181,7 +209,7 @@ def attribute(events, cuda: bool, steps: int) -> dict:
                 block = block.cpu_parent
             found = spans.get(id(block), {})
             region = region_of(event.time_range.start, found.get("moe.gate_up"), found.get("moe.down"))
-        phase = phase_of(stack, region) if where != "outside" else "other"
+        phase = wrapper_phase(event) or phase_of(stack, region) if where != "outside" else "other"
         row = table[where].setdefault(phase, {"ms": 0.0, "kernels": 0})
         row["ms"] += spent / 1e3 / steps
         if cuda:
@@ -234,7 +262,8 @@ def phase_ranges(gate_up_weights: object, down_weights: object) -> Iterator[None
 
     originals = {
         (moe.SparseMlp, "route"): moe.SparseMlp.route,
-        (moe.SparseMlp, "activate"): moe.SparseMlp.activate,
+        (moe.SparseMlp, "sort"): moe.SparseMlp.sort,
+        (moe.SparseMlp, "activated"): moe.SparseMlp.activated,
         (moe.ExpertWeights, "stacked"): moe.ExpertWeights.stacked,
         (moe.Groups, "mm"): moe.Groups.mm,
         (moe.Groups, "outer"): moe.Groups.outer,
@@ -243,7 +272,8 @@ def phase_ranges(gate_up_weights: object, down_weights: object) -> Iterator[None
     }
     wrapped = {
         (moe.SparseMlp, "route"): ranged("moe.route", moe.SparseMlp.route),
-        (moe.SparseMlp, "activate"): ranged("moe.activation", moe.SparseMlp.activate),
+        (moe.SparseMlp, "sort"): ranged("moe.sort", moe.SparseMlp.sort),
+        (moe.SparseMlp, "activated"): ranged("moe.activation", moe.SparseMlp.activated),
         (moe.ExpertWeights, "stacked"): stacked(moe.ExpertWeights.stacked),
         (moe.Groups, "mm"): ranged(product_label, moe.Groups.mm),
         (moe.Groups, "outer"): ranged("moe.mm.lora", moe.Groups.outer),
@@ -298,21 +328,21 @@ def traffic(d: Dims) -> dict[str, dict[str, dict[str, float]]]:
         # the router's product, the logits, the fp32 softmax, the top-k values and indices
         "router": {"bytes": t * h * b + e * h * b + t * e * (2 * b + 8) + rows * (4 + 8) * 2,
                    "flops": 2.0 * t * h * e},
-        # argsort, rows = order // k, counts and offsets, the logged counts: a few passes over the indices
+        # the one-byte keys, their sort, the offsets, rows = order // k, the logged counts: a few passes over the indices
         "sort": {"bytes": rows * 8 * 8, "flops": 0.0},
-        # x2[rows] and the routing weights in sorted order
-        "permute": {"bytes": 2 * rows * h * b + rows * (8 + 2 * b), "flops": 0.0},
+        # x2[rows] and the routing weights in sorted order (and where each copy sits, int32)
+        "permute": {"bytes": 2 * rows * h * b + rows * (8 + 2 * b + 3 * 4), "flops": 0.0},
         # gate/up's output in, the activation times the routing weight out (and the biases' gathers)
         "activation": {"bytes": rows * (2 * i + i + 1) * b + (3 * rows * 2 * i * b if d.bias else 0),
                        "flops": 5.0 * rows * i},
-        # the zeroed output, the rows read, each token's row read and written by the index_add
-        "combine": {"bytes": rows * h * b + 3 * t * h * b + rows * 8, "flops": float(rows * h)},
+        # each token's copies' rows read by where they sit (int32), its sum written once
+        "combine": {"bytes": rows * h * b + t * h * b + rows * 4, "flops": float(rows * h)},
     }
     bwd: dict[str, dict[str, float]] = {
         "combine": {"bytes": 2 * rows * h * b + rows * 8, "flops": 0.0},
         "activation": {"bytes": rows * (i + 2 * i + 2 * i + 2) * b, "flops": 8.0 * rows * i},
-        # index_put with accumulation: the rows' gradients added into each token's (a sort of the rows first)
-        "permute": {"bytes": rows * h * b + 2 * t * h * b + rows * 8 * 4, "flops": float(rows * h)},
+        # each token's copies' gradients summed into its own, the routing weights' gathered back
+        "permute": {"bytes": rows * h * b + t * h * b + rows * (4 + 2 * b) * 2, "flops": float(rows * h)},
         "router": {"bytes": t * e * (2 * b + 8) + e * h * b + t * h * b, "flops": 2.0 * t * h * e},
     }
     for name, (fin, fout) in d.geometry().items():

@@ -16,6 +16,7 @@ from test_fast_families import IDS, _assert_same, _batch, _check_family, _grads,
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from studio.core.config import FastPathConfig
 from studio.core.decoder import describe_decoder
 from studio.core.plan import PathFacts, choose_path
 from studio.engine import fast
@@ -83,6 +84,205 @@ def test_lora_on_attention_only_leaves_the_experts_frozen(name: str, monkeypatch
     _check_family(model, monkeypatch, padded_reference=name == "gpt_oss")
     fast_model, _ = fast.prepare(model)
     assert all(not layer.gate_up.a and not layer.down.a for layer in fast_model.layers)
+
+
+class _Counted:
+    """Counts, while the test patches them in, the calls of torch's sorting functions (the router's
+    top-k, the sort by expert), the combines that sum the copies (``combine``; one whose value
+    nothing reads is ``empty``) and each projection's dequantization of its experts
+    (``ExpertWeights.stacked``; ``down``: the weights whose calls count as down's): into
+    :attr:`forward`, or :attr:`backward` once it is ``counts``. Wrappers of the Python functions,
+    not a TorchFunctionMode: torch's checkpointing recomputes a layer without the modes that were on."""
+
+    NAMES = ("topk", "sort", "argsort")
+
+    def __init__(self, monkeypatch, down: set[int]):
+        from studio.engine.fast.expert_copies import Combine
+
+        keys = (*self.NAMES, "combine", "empty", "gate_up", "down")
+        self.forward = dict.fromkeys(keys, 0)
+        self.backward = dict.fromkeys(keys, 0)
+        self.counts = self.forward
+        for name in self.NAMES:
+            monkeypatch.setattr(torch, name, self._counting(lambda *_, n=name: n, getattr(torch, name)))
+        monkeypatch.setattr(Combine, "forward", staticmethod(self._counting(
+            lambda *args: "combine" if args[-1] else "empty", Combine.forward)))
+        monkeypatch.setattr(ExpertWeights, "stacked", self._counting(
+            lambda weights: "down" if id(weights) in down else "gate_up", ExpertWeights.stacked))
+
+    def _counting(self, name_of, fn):
+        def counted(*args, **kwargs):
+            self.counts[name_of(*args)] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["checkpointed", "host-held"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_the_recomputation_takes_the_forward_s_routing_and_skips_down(name: str, host: bool, monkeypatch) -> None:
+    """A training step runs each sparse layer's top-k and sort by expert once, in the forward: the
+    layer's recomputation in the backward (torch's checkpointing, or the host-held layers' own)
+    takes the routing the forward kept (routing.py's KeptRouting); and as nothing reads the recomputed
+    output's value, the recomputation dequantizes gate/up's experts only, and neither runs down's
+    product nor the combine. The loss and every LoRA gradient (attention and experts) are still
+    transformers'."""
+    from studio.engine.fast.offload import HostInputs
+
+    model = _peft(_config(name))
+    batch = _batch(packing=False)
+    plain = _plain(model, batch)
+    plain.backward()
+    expected = _grads(model)
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    monkeypatch.setattr("studio.engine.fast.model.offload_for", lambda tokens, rate, cuda: host)
+    fast_model._host = HostInputs(torch.device("cpu")) if host else None
+    model.zero_grad(set_to_none=True)
+    counted = _Counted(monkeypatch, {id(layer.down.weights) for layer in fast_model.layers if layer.moe})
+    loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+    counted.counts = counted.backward
+    loss.backward()
+    n = sum(layer.moe is not None for layer in fast_model.layers)
+    assert counted.forward == {"topk": n, "sort": n, "argsort": 0, "combine": n, "empty": 0, "gate_up": n, "down": n}
+    # the recomputation's gate/up and the backward's two products
+    assert counted.backward == {"topk": 0, "sort": 0, "argsort": 0, "combine": 0, "empty": n, "gate_up": 2 * n,
+                                "down": n}
+    adapters = sum(1 for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
+    _assert_same(loss, plain, _grads(model), expected, adapters)
+
+
+@pytest.mark.parametrize("normed", [False, True], ids=["summed", "normed-after"])
+def test_the_recomputation_computes_the_block_s_value_where_a_norm_reads_it(normed: bool, monkeypatch) -> None:
+    """Where a norm after the block reads its output (a post-norm layer's), the recomputation must
+    compute the value it otherwise skips: with torch's checkpointing and with the host-held layers,
+    the loss and every LoRA gradient equal a step that recomputes nothing (the layers run as they
+    are, the autograd graph kept); likewise where the output only joins the residual stream."""
+    from studio.engine.fast.offload import HostInputs
+
+    model = _peft(_config("qwen3_moe"))
+    batch = _batch(packing=False)
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    gen = torch.Generator().manual_seed(4)
+    for layer in fast_model.layers:
+        if layer.moe is not None and normed:
+            layer.mlp_out = 1 + 0.3 * torch.randn(layer.down.weights.out_features, generator=gen)
+    runs = {}
+    for way in ("kept", "checkpointed", "host-held"):
+        with monkeypatch.context() as m:
+            if way == "kept":  # the layer itself in place of its checkpoint: nothing recomputed
+                m.setattr("studio.engine.fast.model.checkpoint",
+                          lambda fn, *args, use_reentrant, preserve_rng_state, **kwargs: fn(*args, **kwargs))
+            m.setattr("studio.engine.fast.model.offload_for", lambda tokens, rate, cuda, on=way == "host-held": on)
+            fast_model._host = HostInputs(torch.device("cpu")) if way == "host-held" else None
+            model.zero_grad(set_to_none=True)
+            loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+            loss.backward()
+            runs[way] = (loss.detach(), _grads(model))
+    want_loss, want = runs.pop("kept")
+    for way, (loss, grads) in runs.items():
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+        assert grads.keys() == want.keys() and want
+        for key, grad in want.items():
+            rel = (grads[key] - grad).norm() / grad.norm()
+            assert rel < 1e-5, f"{way}, {key}: relative gradient error {rel:.2e}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_checkpointed_block_gives_transformers_output_and_the_router_s_gradient(name: str) -> None:
+    """One sparse block on a random normed stream, checkpointed as the stack runs it (its routing
+    kept by the forward, taken by the recomputation), against transformers' block: the output,
+    the stream's gradient, the experts' adapters' gradients and, with the frozen router made
+    trainable here, the router's gradient (what flows back through the routing weights)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from studio.engine.fast.routing import KeptRouting
+
+    model = _peft(_config(name))
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    index = next(i for i, layer in enumerate(fast_model.layers) if layer.moe is not None)
+    layer = fast_model.layers[index]
+    block = model.get_base_model().model.layers[index].mlp
+    router = layer.moe.router
+    router.requires_grad_(True)
+    trained = [router, *layer.gate_up.a, *layer.gate_up.b, *layer.down.a, *layer.down.b]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 12, router.shape[1], generator=gen)
+    dout = torch.randn(x.shape, generator=gen)
+
+    def grads(run) -> list[torch.Tensor]:
+        for p in trained:
+            p.grad = None
+        leaf = x.clone().requires_grad_()
+        out = run(leaf)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(dout)
+        return [out.detach(), leaf.grad, *(p.grad for p in trained)]
+
+    theirs = grads(block)
+    fast_model.router.begin(x.shape[0] * x.shape[1])
+    ours = grads(lambda leaf: checkpoint(layer.moe, leaf, layer.gate_up.adapters(), layer.down.adapters(),
+                                         KeptRouting(), use_reentrant=False))
+    router.requires_grad_(False)
+    assert len(theirs) == 7
+    for what, got, want in zip(("output", "stream", "router", "gate_up A", "gate_up B", "down A", "down B"),
+                               ours, theirs, strict=True):
+        assert want.abs().sum() > 0, what
+        rel = (got - want).norm() / want.norm()
+        assert rel < 1e-5, f"{what}: relative error {rel:.2e}"
+
+
+def _kernel_step(model, batch, kernels: bool, monkeypatch) -> tuple[torch.Tensor, dict, dict]:
+    """One training step of ``model`` on the fast path (torch's checkpointing, no CUDA graph): the
+    loss, the gradients, and how many times each of the experts' kernels ran."""
+    from studio.engine.fast import expert_activation, expert_copies
+
+    calls = {"activation": 0, "copies_sum": 0}
+    apply, summed = expert_activation.RoutedActivation.apply, expert_copies.copies_sum
+
+    def counted(name, fn):
+        def run(*args):
+            calls[name] += 1
+            return fn(*args)
+        return run
+
+    with monkeypatch.context() as m:
+        m.setattr(expert_activation.RoutedActivation, "apply", counted("activation", apply))
+        m.setattr(expert_copies, "copies_sum", counted("copies_sum", summed))
+        fast_model, why = fast.prepare(model, FastPathConfig(kernels=kernels, cuda_graphs=False))
+        assert fast_model is not None, why
+        model.zero_grad(set_to_none=True)
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+    return loss.detach(), _grads(model), calls
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_experts_kernels_train_as_transformers_does(kernel_device, name: str, monkeypatch) -> None:
+    """Each family's tiny model (fp32) with the experts' kernels (engine/fast/expert_activation.py,
+    expert_copies.py; Triton's interpreter on the CPU): per sparse layer the activation's kernel
+    in the forward and the recomputation, the copies' sum in the forward's combine and twice in the
+    backward (the routing weights' and the stream's gathers); transformers' loss and every LoRA
+    gradient (attention, Qwen3-MoE's dense MLP, the experts' adapters, and through the routing
+    weights the stream's). With the kernels off, torch's operations give the same, no kernel run."""
+    pytest.importorskip("triton")
+    from studio.engine.fast import expert_activation, expert_copies
+
+    model = _peft(_config(name)).to(kernel_device)
+    batch = _batch(packing=False).to(kernel_device)
+    plain = _plain(model, batch)
+    plain.backward()
+    expected = _grads(model)
+    adapters = sum(1 for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
+    n = sum(s.sparse for s in describe_decoder(model.config.to_dict()).layers)
+    loss, grads, calls = _kernel_step(model, batch, True, monkeypatch)
+    assert calls == {"activation": 2 * n, "copies_sum": 3 * n}
+    assert not expert_activation.KERNELS.broken and not expert_copies.KERNELS.broken
+    _assert_same(loss, plain, grads, expected, adapters)
+    loss, grads, calls = _kernel_step(model, batch, False, monkeypatch)
+    assert calls == {"activation": 0, "copies_sum": 0}
+    _assert_same(loss, plain, grads, expected, adapters)
 
 
 def test_gpt_oss_is_described_with_every_trait_it_has() -> None:
@@ -199,7 +399,7 @@ def test_the_grouped_product_equals_a_product_per_expert(device: str, dtype: tor
     results = []
     for loop in (False, True):
         leaves = [t.clone().requires_grad_() for t in (x, a, b)]
-        y = ExpertProduct.apply(leaves[0], weights, Groups(counts, loop=loop), leaves[1], leaves[2], 2.0)
+        y = ExpertProduct.apply(leaves[0], weights, Groups(counts.cumsum(0).to(torch.int32), loop=loop), leaves[1], leaves[2], 2.0)
         y.backward(dy)
         results.append([y.detach(), *(t.grad for t in leaves)])
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)

@@ -131,13 +131,14 @@ def mlp_outputs_per_token(info: ModelInfo, compute: int) -> float:
     gated activation (``3 x intermediate``); a sparse layer's (engine/fast/moe.py), for each of the
     token's ``top_k`` copies, its gathered input, the grouped gate/up product, SiLU(gate) and its
     product with up (both saved for the backward), and the routing-weighted activation that down
-    reads, beside the router's logits (compute dtype) and probabilities (fp32) over the experts and
-    three int64 indices a copy (expert, sorted order, source row). The widest kind of layer counts."""
+    reads, beside the router's logits (compute dtype) and probabilities (fp32) over the experts,
+    three int64 indices a copy (expert, sorted order, source row) and an int32 (where the copy sits
+    in the sort). The widest kind of layer counts."""
     dense = compute * 3 * info.intermediate
     if not info.sparse_layers:
         return dense
     k, inter = info.top_k, info.expert_intermediate
-    sparse = compute * (info.experts + k * (info.hidden + 2 * inter + 3 * inter)) + 4 * info.experts + 3 * 8 * k
+    sparse = compute * (info.experts + k * (info.hidden + 2 * inter + 3 * inter)) + 4 * info.experts + (3 * 8 + 4) * k
     return sparse if info.sparse_layers == info.layers else max(dense, sparse)
 
 
@@ -249,10 +250,13 @@ def saved_per_token(info: ModelInfo, compute: int, attention: int = 0) -> int:
     """Bytes per token that the checkpointed layers keep on the device at a backward's start: with
     the layer inputs and their rotated q, k and v on the host, two inputs (the one being recomputed
     and the next, prefetched) and the next layer's q, k and v, and ``attention`` bytes of its kept
-    attention (:func:`kept_attention_per_token`); the recomputed layer's own replace its q/k/v
-    product's and attention's outputs in the working set."""
+    attention (:func:`kept_attention_per_token`; the recomputed layer's own replace its q/k/v
+    product's and attention's outputs in the working set); and every sparse layer's routing, kept
+    for its recomputation (engine/fast/routing.py's KeptRouting: for each of a token's ``top_k``
+    copies its expert, one byte up to 256 experts, and an int32 place in the sort)."""
     qkv = (info.heads + 2 * info.kv_heads) * info.head_width
-    return (2 * info.hidden + qkv) * compute + attention
+    key = 1 if info.experts <= 256 else 2 if info.experts <= 2 ** 15 else 4
+    return (2 * info.hidden + qkv) * compute + attention + info.sparse_layers * info.top_k * (key + 4)
 
 
 def step_activations(info: ModelInfo, tokens: int, compute: int, gate_in_kernel: bool, attention: int = 0) -> float:

@@ -44,9 +44,14 @@ one concern a module (the imports point down this list):
   out on its own;
 - ``norm`` (kernels in ``norm_kernels``): the layer's RMSNorm whose backward adds the residual
   stream's gradient in the same pass;
+- ``moe``: a sparse layer's router, sort by expert, grouped products and combine; ``routing``: its
+  routing's log (the tokens each expert took, the balance loss) and what a forward keeps of it for
+  the recomputation; ``expert_activation`` (kernels in ``expert_activation_kernels``):
+  its experts' activation times the routing weight, one kernel a pass; ``expert_copies`` (kernel in
+  ``expert_copies_kernels``): each token's copies gathered into expert order and summed back;
 - ``cross_entropy`` (kernel in ``cross_entropy_kernels``): the training loss fused with the output
   head, in chunks of rows wide enough that its products are not bound by reading the head;
-- ``kernels``: what those six share: Triton kernels jitted on first use and given up on, with a
+- ``kernels``: what those eight share: Triton kernels jitted on first use and given up on, with a
   warning, once they fail;
 - ``dropout``: adapter dropout whose masks are a function of (micro-batch seed, adapter, element),
   so graphs replay each step's masks and recomputed layers regenerate them (nothing saved);

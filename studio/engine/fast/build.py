@@ -36,7 +36,6 @@ from studio.engine.fast.layer import LLAMA_NORM, Layer, NormKind
 from studio.engine.fast.model import Ends, FastModel
 from studio.engine.fast.moe import (
     ExpertProjection,
-    RouterLog,
     SparseMlp,
     expert_problem,
     experts_adapted,
@@ -45,6 +44,7 @@ from studio.engine.fast.moe import (
 )
 from studio.engine.fast.ops import liger_kernels, varlen_attention
 from studio.engine.fast.projection import Projection, has_adapter
+from studio.engine.fast.routing import RouterLog
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
@@ -230,7 +230,7 @@ def prepare(model: nn.Module, options: FastPathConfig | None = None,
                             for n in EXPERT_PARAMETERS)
             gate = getattr(layer.mlp, moe.router)
             sparse = SparseMlp(gate.weight, gate_up, down, moe, router, index,
-                               router_bias=gate.bias if moe.router_bias else None)
+                               router_bias=gate.bias if moe.router_bias else None, kernels=options.kernels)
         else:
             gate_up, down = proj(gate_up), proj(down)
         norms = {role: getattr(layer, name) if name else None for role, name in (

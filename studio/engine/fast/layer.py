@@ -25,6 +25,7 @@ from studio.engine.fast.ops import (
     unrotate_torch,
 )
 from studio.engine.fast.projection import Projection
+from studio.engine.fast.routing import KeptRouting
 
 __all__ = ["LLAMA_NORM", "Keep", "Kept", "Layer", "NormKind", "Segments"]
 
@@ -174,18 +175,22 @@ class Layer:
         return self.rope and self.qk_norm == "none"
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments, adapters: tuple,
-                recompute: bool = False, keep: Keep | None = None, kept: Kept | None = None):
+                recompute: bool = False, keep: Keep | None = None, kept: Kept | None = None,
+                routing: KeptRouting | None = None):
         """The layer's output, from its adapters as :meth:`adapters` builds them; with ``recompute``
         (a checkpointed layer rebuilt for its backward) the pair ``(h, down)`` whose sum the output
         is, where (unless the MLP's output is normed or scaled first) ``down`` only carries the
         backward: nothing in the layer reads its last product's value, so the recomputation skips
         that product (the down projection, 7% of a 7B step's products). The caller sends the
-        output's gradient into both.
+        output's gradient into both. A sparse layer's block skips down's product and the combine
+        in any recomputation (torch's checkpointing's too) where nothing else reads its value.
 
         ``keep``: a forward whose layer is recomputed later hands it q, k and v, and the fused
         attention's output and log-sum-exp (engine/fast/offload.py). ``kept``: what it kept, given
         back to the recomputation, which then runs no q/k/v product (:meth:`Projection.from_kept`)
-        and no attention forward."""
+        and no attention forward. ``routing``: where a sparse layer's checkpointed forward keeps its
+        routing for the recomputation, which then sorts nothing
+        (:class:`~studio.engine.fast.routing.KeptRouting`)."""
         b, t, _ = h.shape
         qkv_ad, o_ad, gu_ad, down_ad = adapters
         if self.table is not None:
@@ -202,7 +207,8 @@ class Layer:
             h = h + self._branch_output(self.o(attn, o_ad), self.attn_out)
         x, h = self.branch(h, self.ln2)
         if self.moe is not None:
-            out = self._branch_output(self.moe(x, gu_ad, down_ad), self.mlp_out)
+            read = not self._fused_residual(self.mlp_out)  # a recomputation's value then matters
+            out = self._branch_output(self.moe(x, gu_ad, down_ad, routing, read), self.mlp_out)
             return (h, out) if recompute else h + out
         # The update added inside the activation's kernel where it can be (engine/fast/update.py:
         # SwiGLU and GeGLU), and down's LoRA input-gradient term handed to that kernel's backward.

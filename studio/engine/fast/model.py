@@ -17,8 +17,9 @@ from studio.engine.fast.dropout import DropoutSeed
 from studio.engine.fast.graphs import GradSink, Graphs
 from studio.engine.fast.layer import Layer, Segments
 from studio.engine.fast.loss import IGNORE_INDEX, chunked_scores, cross_entropy, next_token_targets, sequence_logps
-from studio.engine.fast.moe import RouterLog, grouped_products
+from studio.engine.fast.moe import grouped_products
 from studio.engine.fast.offload import HostInputs, OffloadedLayer, flatten
+from studio.engine.fast.routing import KeptRouting, RouterLog
 
 
 @dataclass(frozen=True)
@@ -271,12 +272,14 @@ class FastModel:
             # Built outside the checkpoint: the recomputation then reuses them (fewer small ops),
             # and OffloadedLayer hands the adapters their gradients through them.
             adapters = tuple((None, None, 1.0) for _ in layer.projections()) if reference else layer.adapters(sink)
+            # a sparse layer's routing, kept from the forward for the recomputation (moe.py)
+            routing = KeptRouting() if layer.moe is not None and torch.is_grad_enabled() else None
             if host is not None:
                 spec, tensors = flatten(adapters)
-                h = OffloadedLayer.apply(h, cos, sin, layer, seg, index, host, spec, *tensors)
+                h = OffloadedLayer.apply(h, cos, sin, layer, seg, index, host, spec, routing, *tensors)
             elif torch.is_grad_enabled():
                 h = checkpoint(layer.forward, h, cos, sin, seg, adapters, use_reentrant=False,
-                               preserve_rng_state=False)  # nothing in a layer draws from the RNG
+                               preserve_rng_state=False, routing=routing)  # nothing in a layer draws from the RNG
             else:
                 h = layer.forward(h, cos, sin, seg, adapters)
         if host is not None:

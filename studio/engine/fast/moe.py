@@ -19,15 +19,22 @@ B per expert, stacked in ``lora_A [r x experts, in]`` and ``lora_B [out, r x exp
 adapter trained here loads with ``PeftModel``. The router is frozen; its input still gets the
 gradient that flows through the routing weights, as in transformers.
 
-:class:`RouterLog` keeps each sparse layer's routing of the micro-batch: the tokens each expert
-took (logged per step) and, when the load-balancing loss is on, the router's probabilities summed
-per expert, from which :meth:`RouterLog.balance_loss` computes transformers'
-``load_balancing_loss_func``.
+engine/fast/routing.py's ``RouterLog`` keeps each sparse layer's routing of the micro-batch: the
+tokens each expert took (logged per step) and, when the load-balancing loss is on, the router's
+probabilities summed per expert, from which it computes transformers' ``load_balancing_loss_func``.
+
+Routing sorts each token's ``top_k`` copies by expert with a one-byte key (routing.py's
+``key_dtype``) and finds each expert's rows by a binary search of the sorted keys
+(:meth:`SparseMlp.sort`). A checkpointed layer's forward keeps that routing for its recomputation in
+the backward (routing.py's ``KeptRouting``), which runs the router's product and weights again but
+neither its top-k nor the sort. Each token's copies move into expert order and back through
+engine/fast/expert_copies.py, and the experts' activation times the routing weight runs in
+engine/fast/expert_activation.py's kernel.
 
 Nothing in a layer's forward or backward reads a value back to the host where the grouped kernel
-takes the operands (the sort, the counts and offsets are device tensors of a shape fixed by the
-token count), so a CUDA graph captures the layer; the counts go into fixed tensors the replay
-writes. The per-expert loop reads each expert's bounds on the host: eager steps only.
+takes the operands (the sort and the offsets are device tensors of a shape fixed by the token
+count), so a CUDA graph captures the layer; the counts go into fixed tensors the replay writes. The
+per-expert loop reads each expert's bounds on the host: eager steps only.
 """
 
 from __future__ import annotations
@@ -37,8 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from studio.core.decoder import MoeSpec
-from studio.engine.fast import dequant
+from studio.engine.fast import dequant, expert_activation, expert_copies
+from studio.engine.fast.expert_activation import RoutedActivation
+from studio.engine.fast.expert_copies import Combine, Gather
 from studio.engine.fast.frozen import Workspace
+from studio.engine.fast.routing import KeptRouting, RouterLog, key_dtype
 from studio.engine.mxfp4 import Mxfp4Experts, mxfp4_experts
 from studio.engine.quantized_experts import PackedExperts, packed_experts
 
@@ -73,11 +83,9 @@ class Groups:
     """Rows sorted by expert: expert ``e``'s rows are ``offs[e - 1]:offs[e]``. Products over each
     expert's rows, as one grouped product or (where the kernel does not take them) a loop."""
 
-    def __init__(self, counts: torch.Tensor, loop: bool = False):
-        self.counts = counts
-        """Rows of each expert ``[experts]`` (int64)."""
-        self.offs = counts.cumsum(0).to(torch.int32)
-        """Where each expert's rows end, as the kernel takes them."""
+    def __init__(self, offs: torch.Tensor, loop: bool = False):
+        self.offs = offs
+        """Where each expert's rows end ``[experts]`` (int32, as the kernel takes them)."""
         self.loop = loop
         """Always the per-expert loop (the reference the kernel is tested against)."""
         self._bounds: list[tuple[int, int]] | None = None
@@ -109,7 +117,7 @@ class Groups:
         at = a.t()
         if not self.loop and kernel_takes(at, b):
             return _KERNEL(at, b, offs=self.offs)
-        out = a.new_zeros(self.counts.shape[0], a.shape[1], b.shape[1])
+        out = a.new_zeros(self.offs.shape[0], a.shape[1], b.shape[1])
         for e, (start, end) in enumerate(self.bounds()):
             if end > start:
                 torch.mm(at[:, start:end], b[start:end], out=out[e])
@@ -165,16 +173,21 @@ class ExpertWeights:
 class ExpertProduct(torch.autograd.Function):
     """``y[rows of e] = x[rows of e] @ W_e^T + scale * x[rows of e] @ A_e^T @ B_e^T`` over the sorted
     rows, with a backward that reads the frozen weights again (nothing of them saved) and gives A
-    and B their gradients with grouped products too."""
+    and B their gradients with grouped products too. With ``value`` False only the backward is
+    real: the output is a zero that owns no memory, and neither the weights' dequantization nor a
+    product runs but ``x A^T``, which the backward reads (a recomputation whose output nothing
+    reads: :class:`SparseMlp`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weights: ExpertWeights, groups: Groups, a: torch.Tensor | None,
-                b: torch.Tensor | None, scale: float) -> torch.Tensor:
-        y = groups.mm(x, weights.stacked().transpose(1, 2))
-        xa = None
-        if a is not None:
-            xa = groups.mm(x, a.transpose(1, 2))
-            y.add_(groups.mm(xa, b.transpose(1, 2)), alpha=scale)
+                b: torch.Tensor | None, scale: float, value: bool = True) -> torch.Tensor:
+        xa = groups.mm(x, a.transpose(1, 2)) if a is not None else None
+        if value:
+            y = groups.mm(x, weights.stacked().transpose(1, 2))
+            if xa is not None:
+                y.add_(groups.mm(xa, b.transpose(1, 2)), alpha=scale)
+        else:
+            y = x.new_zeros(()).expand(x.shape[0], weights.out_features)
         ctx.weights, ctx.groups, ctx.scale = weights, groups, scale
         ctx.save_for_backward(x if a is not None else None, xa, a, b)
         return y
@@ -194,7 +207,7 @@ class ExpertProduct(torch.autograd.Function):
                 da = groups.outer(dyb, x).mul_(scale)
             if ctx.needs_input_grad[4]:
                 db = groups.outer(dy, xa).mul_(scale)
-        return dx, None, None, da, db, None
+        return dx, None, None, da, db, None, None
 
 
 def _wrappers(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
@@ -277,77 +290,14 @@ class ExpertProjection:
         return a, b, self.scale
 
 
-class RouterLog:
-    """The sparse layers' routing of the micro-batch going through the model, in tensors that
-    stay where they are, so that a CUDA graph's replay of the forward writes them as an eager
-    forward does: each layer copies its experts' token counts into its row of :attr:`counts`, and
-    the model reads them once the stack has run (:meth:`tally`), outside any graph.
-
-    A layer recomputed for its backward writes the same counts again, which changes nothing."""
-
-    def __init__(self, experts: int, top_k: int, balance: bool, layers: int = 0, device: torch.device | None = None):
-        self.experts = experts
-        self.top_k = top_k
-        self.balance = balance
-        """The layers record their probabilities for :meth:`balance_loss` (eager steps only:
-        core/plan.py's ``moe_graphs_off``)."""
-        self.counts = torch.zeros(layers, experts, dtype=torch.long, device=device)
-        """Token copies each expert took in the last forward ``[layers, experts]``, a row a layer
-        (a dense layer's stays zero)."""
-        self.real = torch.zeros((), dtype=torch.long, device=device)
-        """How many of the stream's first tokens are real (:meth:`begin`): a CUDA-graph layout's
-        padding tokens after them are routed too, and counted nowhere."""
-        self.tokens = torch.zeros(experts, dtype=torch.long, device=device)
-        """Token copies each expert took, summed over the sparse layers, since :meth:`take_tokens`."""
-        self.probs: dict[int, torch.Tensor] = {}
-        """Each layer's router probabilities summed over its tokens ``[experts]`` (fp32, with their
-        gradient), by layer, where :attr:`balance` is on."""
-        self.rows = 0
-        """Tokens each layer routed in the last forward (for :meth:`balance_loss`)."""
-
-    def begin(self, real: int) -> None:
-        """A new forward whose first ``real`` tokens are real (a device write, no host sync)."""
-        self.probs = {}
-        self.real.fill_(real)
-
-    def record(self, index: int, counts: torch.Tensor, probs: torch.Tensor | None, rows: int) -> None:
-        """Layer ``index``'s token counts ``[experts]`` and, where the balance loss is on, summed probabilities."""
-        self.counts[index].copy_(counts)
-        self.rows = rows
-        if probs is not None:
-            self.probs[index] = probs
-
-    def tally(self) -> None:
-        """Add the last forward's counts to :attr:`tokens` (device operations only)."""
-        self.tokens.add_(self.counts.sum(0))
-
-    def take_tokens(self) -> list[int]:
-        """The counts since the last call (a step's), and start counting anew: one host read a step."""
-        tokens = self.tokens.tolist()
-        self.tokens.zero_()
-        return tokens
-
-    def balance_loss(self) -> torch.Tensor | None:
-        """transformers' ``load_balancing_loss_func`` over this micro-batch's sparse layers: the
-        experts' share of the token copies times their mean router probability, summed, times the
-        number of experts; both shares are pooled over every layer first, as transformers does.
-        None when nothing was recorded."""
-        if not self.probs:
-            return None
-        layers = list(self.probs)
-        rows = self.rows * len(layers)
-        counts = self.counts[layers].sum(0).float()
-        probs = torch.stack([self.probs[i] for i in layers]).sum(0)
-        return (counts / rows * probs / rows).sum() * self.experts
-
-
 class SparseMlp:
     """A sparse layer's MLP: router, experts' gate/up and down (:class:`ExpertProjection`), the
     gated activation (SiLU, or gpt-oss' clamped SwiGLU) with the routing weight in the same pass,
-    and the weighted sum of each token's experts scattered back to its row."""
+    and the weighted sum of each token's experts summed back into its row."""
 
     def __init__(self, router: torch.Tensor, gate_up: ExpertProjection, down: ExpertProjection, spec: MoeSpec,
-                 log: RouterLog, index: int, loop: bool = False, router_bias: torch.Tensor | None = None):
+                 log: RouterLog, index: int, loop: bool = False, router_bias: torch.Tensor | None = None,
+                 kernels: bool = True):
         self.router = router
         """The router's weight ``[experts, hidden]`` (frozen)."""
         self.router_bias = router_bias
@@ -360,23 +310,52 @@ class SparseMlp:
         """This layer's place in the stack (its :class:`RouterLog` entry)."""
         self.loop = loop
         """Products by the per-expert loop whatever the kernel takes (tests)."""
+        self.kernels = kernels
+        """The activation and the sums of each token's copies run in Studio's kernels where they can
+        (engine/fast/expert_activation.py, expert_copies.py; the ``trainer.fast_path.kernels``
+        setting); False: in torch's operations."""
+        self._experts = torch.arange(spec.experts, dtype=key_dtype(spec.experts), device=router.device)
+        """Every expert's index as a sort key: where each expert's sorted rows end is where these
+        fall among the sorted keys (:meth:`sort`)."""
 
-    def route(self, x2: torch.Tensor, probs: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def route(self, x2: torch.Tensor, chosen: torch.Tensor | None = None, probs: bool = True
+              ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """The router's probabilities over every expert ``[tokens, experts]`` (fp32; None where
         ``probs`` is off and the routing does not compute them), and each token's top-k experts
-        and weights ``[tokens, k]``, as transformers' routers compute them (:attr:`MoeSpec.routing`)."""
+        and weights ``[tokens, k]``, as transformers' routers compute them (:attr:`MoeSpec.routing`).
+        ``chosen``: the experts a forward chose (a recomputation's), taken instead of a top-k.
+
+        The top-k gives only the experts (outside autograd); the weights are gathered from what it
+        ranked, under autograd, in a forward and its recomputation alike: both save the same tensors
+        for the backward (torch's checkpointing pairs them one by one), and the gather's backward is
+        the top-k's (the gradient scattered back to the chosen experts)."""
         bias = self.router_bias.to(x2.dtype) if self.router_bias is not None else None
         logits = F.linear(x2, self.router.to(x2.dtype), bias)
+        k = self.spec.top_k
         if self.spec.routing == "topk_softmax":
-            top, chosen = torch.topk(logits, self.spec.top_k, dim=-1)
-            weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+            if chosen is None:
+                chosen = torch.topk(logits.detach(), k, dim=-1).indices
+            weights = torch.softmax(logits.gather(-1, chosen), dim=-1, dtype=torch.float32)
             every = torch.softmax(logits, dim=-1, dtype=torch.float32) if probs else None
             return every, chosen, weights.to(x2.dtype)
         every = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(every, self.spec.top_k, dim=-1)
+        if chosen is None:
+            chosen = torch.topk(every.detach(), k, dim=-1).indices
+        weights = every.gather(-1, chosen)
         if self.spec.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return every, chosen, weights.to(x2.dtype)
+
+    def sort(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each token copy's expert as a sort key (``chosen`` flattened: copy ``t x top_k + j`` is
+        token t's j-th), the copies in expert order (int64; stable, so each expert's rows keep
+        token order) and where each expert's rows end (int32, what the grouped kernel takes): a
+        one-byte radix sort and a binary search of the sorted keys, on the device (bincount would
+        read its input's maximum back to the host on CUDA)."""
+        keys = chosen.reshape(-1).to(self._experts.dtype)
+        sorted_keys, order = torch.sort(keys, stable=True)
+        offs = torch.searchsorted(sorted_keys, self._experts, right=True, out_int32=True)
+        return keys, order, offs
 
     def activate(self, gu: torch.Tensor) -> torch.Tensor:
         """The experts' gated activation of gate/up's output (gate's columns first, or alternating
@@ -389,34 +368,59 @@ class SparseMlp:
             return gate * torch.sigmoid(gate * spec.swiglu_alpha) * (up + 1)
         return F.silu(gate) * up
 
-    def __call__(self, x: torch.Tensor, gate_up_adapters: tuple, down_adapters: tuple) -> torch.Tensor:
-        """The MLP's output for the normed stream ``x [B, T, hidden]``."""
+    def activated(self, gu: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The experts' gated activation of gate/up's output ``gu [rows, 2 x width]`` times each
+        row's routing weight ``weight [rows]``: one kernel a pass where it runs
+        (:class:`~studio.engine.fast.expert_activation.RoutedActivation`), else :meth:`activate`
+        and a product in torch's operations."""
+        if self.kernels and expert_activation.available(gu.device, gu.dtype):
+            gu = gu if gu.stride(-1) == 1 else gu.contiguous()
+            done, act = expert_activation.KERNELS.attempt(lambda: RoutedActivation.apply(gu, weight, self.spec))
+            if done:
+                return act
+        return self.activate(gu) * weight[:, None]
+
+    def __call__(self, x: torch.Tensor, gate_up_adapters: tuple, down_adapters: tuple,
+                 kept: KeptRouting | None = None, read: bool = True) -> torch.Tensor:
+        """The MLP's output for the normed stream ``x [B, T, hidden]``. ``kept``: where a
+        checkpointed forward keeps its routing (:class:`KeptRouting`), and its recomputation, which
+        finds it there, takes it. ``read``: whether anything reads the output's value beyond the
+        residual stream's sum (a norm or a scale after the block, engine/fast/layer.py); where
+        nothing does, the recomputation's output is a zero that carries the backward, and neither
+        down's product, nor its weights' dequantization, nor the combine runs (torch's checkpointing
+        keeps no recomputed value, the host-held layers add only the gradient through it)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        balance = self.log.balance and torch.is_grad_enabled()
-        probs, chosen, weights = self.route(x2, probs=balance)
         k = self.spec.top_k
-        flat = chosen.reshape(-1)
-        # Each token's k copies in expert order; stable, so each expert's rows keep token order.
-        order = torch.argsort(flat, stable=True)
+        balance = self.log.balance and torch.is_grad_enabled()
+        again = kept is not None and kept.held
+        if again:  # the recomputation: the forward's experts and sort, nothing recorded twice
+            keys, order, offs = kept.take()
+            chosen, order = keys.view(-1, k).long(), order.long()
+            probs, _, weights = self.route(x2, chosen, probs=balance)
+        else:
+            probs, chosen, weights = self.route(x2, probs=balance)
+            keys, order, offs = self.sort(chosen)
+            if kept is not None:
+                kept.keep(keys, order.int(), offs)
+            self.log.record(self.index, chosen.reshape(-1), probs.sum(0) if balance else None, x2.shape[0])
         rows = order // k
-        # scatter_add, not bincount: bincount reads its input's maximum back to the host on CUDA
-        counts = flat.new_zeros(self.spec.experts).scatter_add_(0, flat, torch.ones_like(flat))
-        groups = Groups(counts, loop=self.loop)
-        # the counts logged leave out a graph layout's padding tokens (all rows are real elsewhere)
-        real = (torch.arange(x2.shape[0], device=x2.device) < self.log.real).long()[:, None].expand(-1, k).reshape(-1)
-        logged = flat.new_zeros(self.spec.experts).scatter_add_(0, flat, real)
-        self.log.record(self.index, logged, probs.sum(0) if balance else None, x2.shape[0])
-        weight = weights.reshape(-1)[order, None]
-        expert = flat[order]  # each sorted row's expert: whose biases it adds
+        groups = Groups(offs, loop=self.loop)
+        # copies moved by expert_copies.py's Functions: a token's copies meet in one kernel's sum
+        pos = expert_copies.positions(order)
+        summed = self.kernels and expert_copies.available(x2.device, x2.dtype)
+        weight = Gather.apply(weights.reshape(-1, 1), order, pos, 1, summed).view(-1)
         a, b, scale = gate_up_adapters
-        gu = ExpertProduct.apply(x2[rows], self.gate_up.weights, groups, a, b, scale)
+        gu = ExpertProduct.apply(Gather.apply(x2, rows, pos, k, summed), self.gate_up.weights, groups, a, b, scale)
+        biased = self.gate_up.bias is not None or self.down.bias is not None
+        expert = chosen.reshape(-1)[order] if biased else None  # each sorted row's expert: whose biases it adds
         if self.gate_up.bias is not None:
             gu = gu + self.gate_up.bias[expert]
         # the routing weight taken into the activation: the down product (and its bias) carry it
-        act = self.activate(gu) * weight
+        act = self.activated(gu, weight)
         a, b, scale = down_adapters
-        y = ExpertProduct.apply(act, self.down.weights, groups, a, b, scale)
+        value = read or not again
+        y = ExpertProduct.apply(act, self.down.weights, groups, a, b, scale, value)
         if self.down.bias is not None:
-            y = y + self.down.bias[expert] * weight
-        return x2.new_zeros(x2.shape).index_add_(0, rows, y).view(shape)
+            y = y + self.down.bias[expert] * weight[:, None]
+        return Combine.apply(y, rows, pos, k, summed, value).view(shape)

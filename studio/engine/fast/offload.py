@@ -223,18 +223,20 @@ class LayerKeep:
 
 
 class OffloadedLayer(torch.autograd.Function):
-    """``layer.forward(h, ...)`` run without keeping anything but its input, on the host; the
-    backward brings the input back, recomputes the layer with autograd on and returns the input's
-    and the adapters' gradients. ``tensors`` are the hoisted adapters flattened (``spec`` puts them
+    """``layer.forward(h, ...)`` run without keeping anything but its input, on the host (and a
+    sparse layer's routing, ``routing``: engine/fast/routing.py's KeptRouting, a few bytes a token on
+    the device); the backward brings the input back, recomputes the layer with autograd on and
+    returns the input's and the adapters' gradients. ``tensors`` are the hoisted adapters flattened (``spec`` puts them
     back in shape); their gradients flow on to the adapter parameters."""
 
     @staticmethod
-    def forward(ctx, h, cos, sin, layer, seg, index, host: HostInputs, spec, *tensors):
+    def forward(ctx, h, cos, sin, layer, seg, index, host: HostInputs, spec, routing, *tensors):
         host.store(index, h)
-        ctx.layer, ctx.seg, ctx.index, ctx.host, ctx.spec = layer, seg, index, host, spec
+        ctx.layer, ctx.seg, ctx.index, ctx.host, ctx.spec, ctx.routing = layer, seg, index, host, spec, routing
         ctx.save_for_backward(cos, sin, *tensors)
         with torch.no_grad():
-            return layer.forward(h, cos, sin, seg, unflatten(spec, tensors), keep=host.keeper(index))
+            return layer.forward(h, cos, sin, seg, unflatten(spec, tensors), keep=host.keeper(index),
+                                 routing=routing)
 
     @staticmethod
     def backward(ctx, dout):
@@ -249,12 +251,12 @@ class OffloadedLayer(torch.autograd.Function):
         adapters = unflatten(ctx.spec, leaves)
         with torch.enable_grad():
             # The output's two terms; the last product's value is never computed (layer.py).
-            outs = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, recompute=True, kept=kept)
+            outs = ctx.layer.forward(h, cos, sin, ctx.seg, adapters, recompute=True, kept=kept, routing=ctx.routing)
         wanted = [*([h] if want_dh else []), *[t for t in leaves if t.requires_grad]]
         grads = iter(torch.autograd.grad(outs, wanted, (dout, dout), allow_unused=True))
         dh = next(grads) if want_dh else None
         dtensors = [next(grads) if t.requires_grad else None for t in leaves]
-        return (dh, None, None, None, None, None, None, None, *dtensors)
+        return (dh, None, None, None, None, None, None, None, None, *dtensors)
 
 
 def available_host_memory() -> int:
