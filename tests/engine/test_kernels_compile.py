@@ -15,7 +15,16 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from studio.engine.fast import cross_entropy, dequant, dropout, mxfp4_dequant, norm, update  # noqa: E402
+from studio.engine.fast import (  # noqa: E402
+    cross_entropy,
+    dequant,
+    dropout,
+    expert_activation,
+    expert_copies,
+    mxfp4_dequant,
+    norm,
+    update,
+)
 
 H100 = GPUTarget("cuda", 90, 32)
 H100_SHARED = 232448
@@ -115,3 +124,22 @@ def test_the_adapter_dropout_kernel_compiles(compiled, accumulate: bool) -> None
     """The adapters' dropout, writing its copy or adding into one, in dropout.py's block."""
     fn = dropout._build_kernel()
     _build(fn, dict(ACCUMULATE=accumulate, BLOCK=dropout.BLOCK), {"seed_ptr": "*i64", "p": "fp32", "scale": "fp32"})
+
+
+@pytest.mark.parametrize(("interleaved", "clamped"), [(False, False), (True, True)])
+def test_the_expert_kernels_compile(compiled, interleaved: bool, clamped: bool) -> None:
+    """The experts' routed activation, forward and backward (SiLU with gate's columns first, as
+    Qwen3-MoE, Mixtral and OLMoE store them; gpt-oss' clamped SwiGLU, interleaved), and the sum of each
+    token's copies, in the tiles expert_activation.py and expert_copies.py launch."""
+    kernels = expert_activation.KERNELS.get()
+    kinds = {"alpha": "fp32", "limit": "fp32"}
+    switches = dict(INTERLEAVED=interleaved, CLAMPED=clamped)
+    _build(kernels["routed_forward"], dict(switches, BLOCK_M=expert_activation.BLOCK_M,
+                                           BLOCK_N=expert_activation.BLOCK_N), kinds,
+           num_warps=expert_activation.NUM_WARPS)
+    block_m, block_n = expert_activation.BACKWARD_BLOCK
+    _build(kernels["routed_backward"], dict(switches, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=False,
+                                            ADD=None), kinds, num_warps=expert_activation.NUM_WARPS)
+    _build(expert_copies.KERNELS.get()["copies_sum"], dict(K=8, BLOCK_M=expert_copies.BLOCK_M,
+                                                           BLOCK_N=expert_copies.BLOCK_N),
+           {"pos_ptr": "*i32"}, num_warps=expert_copies.NUM_WARPS)

@@ -35,7 +35,8 @@ NUM_WARPS = 4
 
 KERNELS = OwnKernels("expert_activation_kernels", ("routed_forward", "routed_backward", "add"),
                      "experts' activation kernels",
-                     "running the experts' activation in torch's operations instead", per_batch=("n_rows",))
+                     "running the experts' activation in torch's operations instead", per_batch=("n_rows",),
+                     helpers=("gate_up_at",))
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:

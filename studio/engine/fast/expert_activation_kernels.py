@@ -22,6 +22,18 @@ def add(a, b):
     return a + b
 
 
+def gate_up_at(rows64, cols, stride, width, INTERLEAVED: tl.constexpr):
+    """Where gate's and up's values of a tile (``rows64`` x ``cols``) lie in a ``[rows, 2 x width]``
+    tensor of row stride ``stride``, laid out as ``INTERLEAVED`` says."""
+    if INTERLEAVED:
+        at_gate = rows64[:, None] * stride + 2 * cols[None, :]
+        at_up = at_gate + 1
+    else:
+        at_gate = rows64[:, None] * stride + cols[None, :]
+        at_up = at_gate + width
+    return at_gate, at_up
+
+
 def routed_forward(gu_ptr, w_ptr, out_ptr, n_rows, width, stride_gu, stride_out, alpha, limit,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr,
                    CLAMPED: tl.constexpr):
@@ -31,12 +43,7 @@ def routed_forward(gu_ptr, w_ptr, out_ptr, n_rows, width, stride_gu, stride_out,
     row_in = rows < n_rows
     keep = row_in[:, None] & (cols < width)[None, :]
     rows64 = rows.to(tl.int64)
-    if INTERLEAVED:
-        at_gate = rows64[:, None] * stride_gu + 2 * cols[None, :]
-        at_up = at_gate + 1
-    else:
-        at_gate = rows64[:, None] * stride_gu + cols[None, :]
-        at_up = at_gate + width
+    at_gate, at_up = gate_up_at(rows64, cols, stride_gu, width, INTERLEAVED)
     gate = tl.load(gu_ptr + at_gate, mask=keep, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + at_up, mask=keep, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + rows64, mask=row_in, other=0.0).to(tl.float32)
@@ -65,12 +72,7 @@ def routed_backward(gu_ptr, w_ptr, dout_ptr, dgu_ptr, dw_ptr, n_rows, width, str
     for start in range(0, width, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         keep = row_in[:, None] & (cols < width)[None, :]
-        if INTERLEAVED:
-            at_gate = rows64[:, None] * stride_gu + 2 * cols[None, :]
-            at_up = at_gate + 1
-        else:
-            at_gate = rows64[:, None] * stride_gu + cols[None, :]
-            at_up = at_gate + width
+        at_gate, at_up = gate_up_at(rows64, cols, stride_gu, width, INTERLEAVED)
         gate = tl.load(gu_ptr + at_gate, mask=keep, other=0.0).to(tl.float32)
         up = tl.load(gu_ptr + at_up, mask=keep, other=0.0).to(tl.float32)
         dout = tl.load(dout_ptr + rows64[:, None] * stride_dout + cols[None, :], mask=keep, other=0.0).to(tl.float32)
