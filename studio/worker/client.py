@@ -186,7 +186,8 @@ class WorkerClient:
         except AuthenticationError:
             raise WorkerRefused(f"run {self.run.id}: the worker refused the key in "
                                     f"{self.run.key_path}") from None
-        except OSError:
+        except (OSError, EOFError):
+            # EOFError: a dying worker's socket took the connection and closed it mid-handshake
             raise WorkerUnavailable(f"run {self.run.id}: no worker is running") from None
         try:
             if not conn.poll(greeting_timeout):

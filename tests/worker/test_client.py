@@ -149,3 +149,38 @@ def test_a_failure_is_reported_once_with_the_kind_of_its_type(tmp_path: Path, er
     failures = [e for e in run.events() if isinstance(e, ev.WorkerFailed)]
     assert [(f.kind, f.fatal) for f in failures] == [(kind, True)]
     assert str(raised) in failures[0].message and worker.state == ev.WorkerState.FAILED
+
+
+def test_a_worker_that_hangs_up_during_the_handshake_is_no_worker(run: RunDir) -> None:
+    """A worker killed while a client connects (its socket still takes the connection, then closes
+    it before the key's challenge) reads as no worker, retried until the timeout: `studio train
+    --resume` right after a SIGKILL got a bare EOFError from here (CI, 8021966)."""
+    import socket
+
+    from studio.worker.client import WorkerUnavailable
+
+    write_key(run)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(run.socket_address())
+    server.listen(8)
+    hung_up: list[int] = []
+
+    def hang_up() -> None:
+        server.settimeout(5)
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.close()
+            hung_up.append(1)
+
+    thread = threading.Thread(target=hang_up, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(WorkerUnavailable, match="no worker is running"):
+            WorkerClient(run).connect(timeout=0.5)
+    finally:
+        server.close()
+        thread.join(10)
+    assert len(hung_up) >= 2  # retried, not given up at the first hang-up
