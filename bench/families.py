@@ -486,8 +486,9 @@ def measure_family(family: str, args: argparse.Namespace, env: dict, start: floa
             studio[workload] = {"skipped": "time budget"}
             continue
         t0 = time.perf_counter()
+        left = max(1.0, args.deadline_s - (time.perf_counter() - start)) if args.deadline_s else None
         studio[workload] = _run(me + ["--child", "studio", "--workloads", workload] + common, env,
-                                work / f"studio_{workload}.log")
+                                work / f"studio_{workload}.log", timeout=left)
         studio[workload]["wall_s"] = round(time.perf_counter() - t0, 1)
     sides: dict[str, dict] = {"hf": {}, "unsloth": {}}
 
@@ -505,8 +506,9 @@ def measure_family(family: str, args: argparse.Namespace, env: dict, start: floa
             sides[side] = {"skipped": "time budget"}
             continue
         t0 = time.perf_counter()
+        left = max(1.0, args.deadline_s - (time.perf_counter() - start)) if args.deadline_s else None
         sides[side] = _run(me + ["--child", side, "--workloads", ",".join(workloads)] + common, env,
-                           work / f"{side}.log")
+                           work / f"{side}.log", timeout=left)
         sides[side]["wall_s"] = round(time.perf_counter() - t0, 1)
         progress(report())
     return report()
@@ -522,6 +524,8 @@ def main() -> int:
     parser.add_argument("--models-dir", help="where the built models go (reused when there)")
     parser.add_argument("--commit", help="the commit this tree is (default: git rev-parse HEAD)")
     parser.add_argument("--budget-s", type=float, default=400.0, help="start no side after this many seconds")
+    parser.add_argument("--deadline-s", type=float, help="stop a running side after this many seconds "
+                        "(its log stays, its error says so), so a call's own time limit never loses the file")
     parser.add_argument("--only", help=f"comma-separated workloads to run (default: all of {', '.join(WORKLOADS)})")
     parser.add_argument("--child", choices=("studio", "hf", "unsloth"), help=argparse.SUPPRESS)
     parser.add_argument("--workloads", help=argparse.SUPPRESS)
