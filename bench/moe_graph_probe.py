@@ -11,17 +11,24 @@ forward or backward, or to the eager loss in between. Each step records its loss
 gradient norm (``.grad`` cleared before the step: one step's) and the token copies the experts took;
 the parent compares them with the ``eager`` case's at the same token count.
 
-Cases (``--cases``, in this order; each one changes one thing against ``graphs``):
+Cases (``--cases``, in this order; each changes one thing, or three, against ``graphs``):
 
 - ``graphs``: the defaults (``FastPathConfig()``), what faults.
 - ``eager``: no graphs (the reference the others are compared with), at 2,048 and 256 tokens.
 - ``no_offload``: ``host_offload=False``: torch's checkpointing instead of engine/fast/offload.py's
   OffloadedLayer (the graphed block, which does not fault, is checkpointed too).
+- ``pre_quick_wins``: the next three together: the MoE block as it ran at 0e07c63, the last commit
+  whose graphed layer step ran clean on the H200 (bench/results/current/
+  h200_moe_layer_diag_qwen3_0e07c63.json), but for the one-byte sort.
 - ``no_kept_routing``: KeptRouting.keep does nothing, so the recomputation routes and sorts again
   instead of taking the forward's routing (monkeypatched: no engine switch).
 - ``recompute_reads``: the MoE block is always called with ``read=True``, so the recomputation
   runs down's product and the combine instead of the zero that owns no memory (monkeypatched).
-- ``no_kernels``: ``kernels=False``: torch's operations instead of Studio's Triton kernels.
+- ``no_moe_kernels``: torch's operations for the experts' activation and the copies' sums
+  (expert_activation.py's and expert_copies.py's ``available`` say no; monkeypatched), Studio's
+  other kernels on.
+- ``no_kernels``: ``kernels=False``: torch's operations instead of every Studio Triton kernel
+  (garbage indices would then stop at index_add_'s device assert instead of an illegal access).
 - ``tokens_256``: 256 tokens.
 - ``launch_blocking``: the defaults with ``CUDA_LAUNCH_BLOCKING=1`` (does the capture still happen?
   ``captured`` and ``graphs_failed`` say).
@@ -62,12 +69,14 @@ CASES: dict[str, dict] = {
     "graphs": {},
     "eager": {"graphs": False, "tokens": "both"},
     "no_offload": {"host_offload": False},
-    "no_kept_routing": {"patch": "no_kept_routing"},
-    "recompute_reads": {"patch": "recompute_reads"},
+    "pre_quick_wins": {"patch": ("no_kept_routing", "recompute_reads", "no_moe_kernels")},
+    "no_kept_routing": {"patch": ("no_kept_routing",)},
+    "recompute_reads": {"patch": ("recompute_reads",)},
+    "no_moe_kernels": {"patch": ("no_moe_kernels",)},
     "no_kernels": {"kernels": False},
     "tokens_256": {"tokens": "small"},
     "launch_blocking": {"env": {"CUDA_LAUNCH_BLOCKING": "1"}},
-    "keep_cublas_workspaces": {"patch": "keep_cublas_workspaces"},
+    "keep_cublas_workspaces": {"patch": ("keep_cublas_workspaces",)},
     "experts": {"variant": "experts"},
 }
 """Each case's difference from ``graphs`` (the defaults): graphs, host offload and kernels
@@ -98,11 +107,17 @@ class Log:
         print(f"[{self.state['case']}] {text}", flush=True)
 
 
-def patch(name: str, log: Log) -> None:
-    """A case's monkeypatch of the engine (bench only: studio/ keeps no hidden switch)."""
+def patch(names: tuple[str, ...], log: Log) -> None:
+    """A case's monkeypatches of the engine (bench only: studio/ keeps no hidden switch)."""
+    for name in names:
+        _patch(name)
+    log.state["patch"] = list(names)
+
+
+def _patch(name: str) -> None:
     import torch
 
-    from studio.engine.fast import moe, routing
+    from studio.engine.fast import expert_activation, expert_copies, moe, routing
 
     if name == "no_kept_routing":
         routing.KeptRouting.keep = lambda self, keys, order, offs: None
@@ -113,11 +128,27 @@ def patch(name: str, log: Log) -> None:
             return original(self, x, gate_up_adapters, down_adapters, kept, True)
 
         moe.SparseMlp.__call__ = reading
+    elif name == "no_moe_kernels":
+        expert_activation.available = expert_copies.available = lambda device, dtype: False
     elif name == "keep_cublas_workspaces":
         torch._C._cuda_clearCublasWorkspaces = lambda: None
-    elif name:
+    else:
         raise SystemExit(f"unknown patch {name}")
-    log.state["patch"] = name
+
+
+def count_sorts(log: Log) -> None:
+    """Count the sparse layers' sorts by expert in ``log`` (a recomputation that takes the forward's
+    routing sorts nothing; in a graphed step only the warm-up and the capture run Python)."""
+    from studio.engine.fast import moe
+
+    original = moe.SparseMlp.sort
+    log.state["sorts"] = 0
+
+    def counted(self, chosen):
+        log.state["sorts"] += 1
+        return original(self, chosen)
+
+    moe.SparseMlp.sort = counted
 
 
 def watch_capture(log: Log, cuda: bool) -> None:
@@ -152,7 +183,8 @@ def run_case(args, spec: dict, log: Log) -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     log.state["launch_blocking"] = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
     log.state["device"] = torch.cuda.get_device_name() if cuda else "cpu"
-    patch(spec.get("patch", ""), log)
+    patch(spec.get("patch", ()), log)
+    count_sorts(log)
     watch_capture(log, cuda)
     log.phase("building")
     model = build(args.model, args.tiny, storage_for(args.model, "auto"), spec.get("variant", "attn") == "experts",
