@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from studio.engine.fast.graphs import without_collection
+from studio.engine.fast.graphs import clear_cublas_workspaces, without_collection
 
 _M32 = 0xFFFFFFFF
 _NOISE_BITS = 24
@@ -296,6 +296,7 @@ class GroupSampler:
             step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        clear_cublas_workspaces(self.device)  # no workspace of an earlier, dead graph baked in
         try:
             with without_collection(), torch.cuda.graph(graph):
                 step()
@@ -315,10 +316,7 @@ class GroupSampler:
         if not self._captured_pool:
             return
         self._captured_pool = False
-        torch.cuda.synchronize(self.device)  # nothing in flight still uses a workspace freed here
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear is not None:
-            clear()  # the default stream's workspace comes back at its next product
+        clear_cublas_workspaces(self.device)  # the default stream's comes back at its next product
         torch.cuda.empty_cache()
 
     def _finish(self, out: torch.Tensor) -> Sampled:

@@ -96,6 +96,48 @@ def test_a_capture_after_eager_steps_whose_losses_are_released() -> None:
     assert "test_sequence_0.0_released: ok" in out, out[-2000:]
 
 
+AFTER_A_DEAD_GRAPH = """
+import gc, sys
+from pathlib import Path
+import torch
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+from test_fast_graphs import _run
+from test_fast_path import _examples, _peft_model
+from studio.core.config import FastPathConfig
+from studio.engine.batching import collate
+
+# a graph of someone else's, captured on torch's shared capture stream with a product in it, then dropped
+lin = torch.nn.Linear(256, 256, device="cuda", dtype=torch.bfloat16)
+x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+other = torch.cuda.make_graphed_callables(lin, (x,))
+other(x).sum().backward()
+del other, lin, x
+gc.collect()
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+
+model = _peft_model(Path(sys.argv[1]), 4, ["q_proj", "v_proj", "gate_proj", "down_proj"], dtype=torch.bfloat16).cuda()
+batches = [collate([[e] for e in _examples([40, 30], seed=1)], pad_id=0, packing=True).to("cuda")]
+graphed, graph_losses, _ = _run(model, batches, FastPathConfig(), steps=6)
+assert graphed._graphs is not None and graphed._graphs.graphed and not graphed._graphs.failed, graphed._graphs.failed
+_, eager_losses, _ = _run(model, batches, FastPathConfig(cuda_graphs=False), steps=6)
+torch.cuda.synchronize()
+torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=1e-3, atol=1e-3)
+print("ok")
+"""
+
+
+def test_a_capture_after_another_graph_was_dropped(tiny_model: Path) -> None:
+    """A process that captured a graph of its own and dropped it (the worker runs one job after
+    another; a benchmark captures a block first) left torch's capture stream a cuBLAS workspace in
+    that graph's dead pool. Studio's capture must not bake that address in: its replays ran into an
+    illegal memory access once its clearing gave the memory back (bench/NOTES.md section 10). In
+    its own process: a fault ends the process."""
+    done = subprocess.run([sys.executable, "-c", AFTER_A_DEAD_GRAPH, str(tiny_model), str(ROOT / "tests" / "engine"),
+                           str(ROOT / "tests")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-3000:]
+
+
 def test_a_capture_while_an_earlier_loss_is_alive() -> None:
     """The fault the Trainer steps around (docs/speed.md): with an earlier forward's loss still alive,
     its gradient accumulators belong to the default stream and a backward capture that ends at them

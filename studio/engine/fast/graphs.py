@@ -38,6 +38,23 @@ def without_collection() -> Iterator[None]:
             gc.enable()
 
 
+def clear_cublas_workspaces(device: torch.device) -> None:
+    """Let go of the cuBLAS workspaces torch keeps, one per stream and thread that ran a product
+    (32 MiB each on a Hopper card), once the device is idle; a stream's next product allocates its
+    own again (inside a capture: in the graph's private pool).
+
+    Before a capture: torch reuses its streams, so a capture may run on a stream that an earlier,
+    already destroyed graph was captured on, whose workspace still sits in that graph's dead pool;
+    the new graph would bake that address in, and the clearing after its own capture, with the
+    allocator emptied, would hand the memory back to the driver under it (an illegal memory access
+    at the next replay; bench/NOTES.md section 10). After a capture: the warm-up's side stream is
+    gone, and its workspace serves nothing."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and device.type == "cuda":  # (a CPU test's stand-in captures)
+        torch.cuda.synchronize(device)
+        clear()
+
+
 class Stack(Protocol):
     """What the graphs replay: the decoder stack (model.FastModel) and the adapters it trains."""
 
@@ -166,6 +183,7 @@ class ReferenceGraph:
         self.graph = torch.cuda.CUDAGraph()
         # Once eagerly first: kernels' first calls (autotuning, lazy buffers) must not be captured.
         self._pass()
+        clear_cublas_workspaces(self.inputs[0].device)
         with without_collection(), torch.cuda.graph(self.graph, pool=self.pool):
             self.output = self._pass()
 
@@ -317,6 +335,7 @@ class Graphs:
                                for static, given in zip(reference.inputs, sample, strict=True))
             try:
                 host = HostInputs(h.device) if self.offload else None
+                clear_cublas_workspaces(h.device)
                 with without_collection():
                     module = torch.cuda.make_graphed_callables(
                         _StackModule(self.fast, seg.max_len, flat, host, self.sink), sample,
@@ -337,10 +356,7 @@ class Graphs:
             # workspace map frees those; the default stream's are allocated again at its next
             # product, and the capture stream's stay inside the graph's private pool, which only
             # that layout's graphs use (the reference graph, captured first, used the same one).
-            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear is not None and h.device.type == "cuda":  # (a CPU test's stand-in captures)
-                torch.cuda.synchronize(h.device)
-                clear()
+            clear_cublas_workspaces(h.device)
             torch.cuda.empty_cache()
         self.sink.bind()  # the replayed backward adds into the sink's tensors: the gradients now
         return module(h, cos, sin, cu)
