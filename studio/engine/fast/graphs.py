@@ -50,7 +50,7 @@ def clear_cublas_workspaces(device: torch.device) -> None:
     at the next replay; bench/NOTES.md section 10). After a capture: the warm-up's side stream is
     gone, and its workspace serves nothing."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None and device.type == "cuda":  # (a CPU test's stand-in captures)
+    if clear is not None:
         torch.cuda.synchronize(device)
         clear()
 
@@ -335,7 +335,8 @@ class Graphs:
                                for static, given in zip(reference.inputs, sample, strict=True))
             try:
                 host = HostInputs(h.device) if self.offload else None
-                clear_cublas_workspaces(h.device)
+                if h.device.type == "cuda":  # (a CPU test's stand-in captures)
+                    clear_cublas_workspaces(h.device)
                 with without_collection():
                     module = torch.cuda.make_graphed_callables(
                         _StackModule(self.fast, seg.max_len, flat, host, self.sink), sample,
@@ -356,7 +357,8 @@ class Graphs:
             # workspace map frees those; the default stream's are allocated again at its next
             # product, and the capture stream's stay inside the graph's private pool, which only
             # that layout's graphs use (the reference graph, captured first, used the same one).
-            clear_cublas_workspaces(h.device)
+            if h.device.type == "cuda":
+                clear_cublas_workspaces(h.device)
             torch.cuda.empty_cache()
         self.sink.bind()  # the replayed backward adds into the sink's tensors: the gradients now
         return module(h, cos, sin, cu)
