@@ -1,6 +1,6 @@
 """``studio export``'s three formats on a briefly fine-tuned tiny model: the adapter folder with its card,
 merged safetensors that answer like Studio, and GGUF files that a real GGUF reader (transformers'
-loader; llama-cpp-python has no prebuilt wheel here) loads to the same answers."""
+loader, which CI has; tests/engine/test_export_llamacpp.py runs llama.cpp itself) loads to the same answers."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """What llama.cpp makes of a GGUF file, rebuilt as a transformers model to compare with.
 
-llama.cpp cannot be built or installed here (docs/export.md says why), so its reading of the metadata
-is written out from its ``llama-model.cpp``: which keys it reads for each architecture, the default
-it takes for a key that is missing, and what it fixes without reading any key (Gemma's sliding
+CI has no llama.cpp (it builds from source; tests/engine/test_export_llamacpp.py runs it where
+llama-cpp-python is installed), so its reading of the metadata is written out from its
+``llama-model.cpp``: which keys it reads for each architecture, the default it takes for a key that is
+missing, and what it fixes without reading any key (Gemma's sliding
 pattern and attention scale, Gemma 3's local RoPE base, Phi-3's disabled sliding window). The result
 is a transformers config, and the weights are loaded through transformers' own GGUF reader (its own
 undoing of the q/k reordering and of Gemma's ``1 + w`` norms), so neither half is the exporter's
