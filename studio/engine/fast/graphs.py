@@ -43,9 +43,9 @@ def clear_cublas_workspaces(device: torch.device) -> None:
     (32 MiB each on a Hopper card), once the device is idle; a stream's next product allocates its
     own again (inside a capture: in the graph's private pool).
 
-    Before a capture: torch reuses its streams, so a capture may run on a stream that an earlier,
-    already destroyed graph was captured on, whose workspace still sits in that graph's dead pool;
-    the new graph would bake that address in, and the clearing after its own capture, with the
+    Before a capture: every ``torch.cuda.graph`` captures on one shared stream, whose workspace an
+    earlier, already destroyed graph may have allocated inside its own, now dead pool; the new
+    graph would bake that address in, and the clearing after its own capture, with the
     allocator emptied, would hand the memory back to the driver under it (an illegal memory access
     at the next replay; bench/NOTES.md section 10). After a capture: the warm-up's side stream is
     gone, and its workspace serves nothing."""
