@@ -396,6 +396,14 @@ def through_the_product(entry: dict, config_path: Path, folder: Path, steps: int
         except (ValueError, KeyError, IndexError):
             pass
     entry["answer_by_the_training_worker"] = worker is not None and run.worker_pid() == worker
+    if entry["attach_exit"] not in (0, None) or entry["eval_exit"] not in (0, None):
+        # the commands' own words (the work folder is gone with the machine): the last of the log
+        entry["commands_log_tail"] = log.read_text(encoding="utf-8", errors="replace")[-2500:]
+        from studio.core import events as ev
+        from studio.core.runs.directory import iter_events
+
+        entry["warnings"] = [e.message for e in iter_events(run.path / "events.jsonl")
+                             if isinstance(e, ev.WarningRaised)][-5:]
     try:
         claim_device(timeout=60)  # shuts the idle worker down, as the next start would
     except Exception as exc:  # noqa: BLE001 - a worker that would not go is the result's note

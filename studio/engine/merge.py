@@ -115,7 +115,9 @@ def merge_adapter(model: Any, adapter: Path) -> Any:
 
     from peft import PeftModel
 
-    with warnings.catch_warnings():
+    from studio.engine.model import names_as_written
+
+    with warnings.catch_warnings(), names_as_written():
         # peft warns about tied embeddings in the adapter; untie_adapted_embeddings handles them.
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
         warnings.simplefilter("ignore", FutureWarning)  # peft: is_gradient_checkpointing

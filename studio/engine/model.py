@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -256,12 +257,15 @@ def attach_lora(base: BaseModel, config: RunConfig) -> Any:
     targets: Any = lora.target_modules
     if isinstance(targets, list) and targets == ["all-linear"]:
         targets = "all-linear"  # peft only recognises the shorthand as a plain string
+    if targets == "all-linear" and has_experts(model):
+        targets = linear_module_names(model)
+    experts = expert_targets(model, config)
     peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=targets, bias="none", task_type="CAUSAL_LM",
                              use_dora=lora.use_dora, use_rslora=lora.use_rslora,
-                             target_parameters=expert_targets(model, config) or None)
+                             target_parameters=experts or None)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), names_as_written():
             warnings.simplefilter("ignore", FutureWarning)  # peft: is_gradient_checkpointing
             model = get_peft_model(model, peft_config)
     except ValueError as exc:
@@ -324,11 +328,63 @@ def load_adapter(base: BaseModel, adapter_dir: str | Path) -> Any:
 
         load_model_weights(base.model, Path(adapter_dir))
         return base.model
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), names_as_written():
         warnings.simplefilter("ignore", FutureWarning)  # peft: is_gradient_checkpointing
         model = PeftModel.from_pretrained(base.model, str(adapter_dir))
     base.model = model
     return model
+
+
+def has_experts(model: Any) -> bool:
+    """Whether ``model`` has a mixture of experts' 3-D expert weights (``mlp.experts.gate_up_proj``)."""
+    from studio.core.decoder.spec import EXPERT_PARAMETERS, EXPERTS
+
+    return any(name.endswith(f".{EXPERTS}.{EXPERT_PARAMETERS[0]}") for name, _ in model.named_parameters())
+
+
+def linear_module_names(model: Any) -> list[str]:
+    """``all-linear`` on a mixture of experts, as names PEFT takes literally: the leaf names of its
+    linear modules (4-bit and 8-bit ones included), the output head and the routers left out.
+
+    The router of a sparse block (the module beside ``experts``) stays frozen, as it is frozen on
+    both paths and in the estimate; PEFT's own reading of ``all-linear`` on such a model adds the
+    experts and the router's weight (:func:`names_as_written`)."""
+    from studio.core.decoder.spec import EXPERTS
+
+    routers = {f"{name}.{child}" if name else child
+               for name, module in model.named_modules() if hasattr(module, EXPERTS)
+               for child, sub in module.named_children() if child != EXPERTS}
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear) and name not in routers
+             and name.rsplit(".", 1)[-1] != "lm_head"}
+    return sorted(names)
+
+
+@contextmanager
+def names_as_written() -> Iterator[None]:
+    """While open, PEFT takes an adapter's ``target_modules`` as written.
+
+    PEFT 0.21 rewrites the targets of a mixture of experts that transformers 5 restructured, to load
+    adapters trained on transformers 4: ``gate_proj`` / ``up_proj`` / ``down_proj`` (or Mixtral's
+    ``w1``-``w3``) become the fused experts' parameters at twice the rank, ``gate`` the router's
+    weight, and ``all-linear`` all of them. Studio's adapters are written for transformers 5's
+    modules (the experts through ``lora.target_experts``), so the rewrite would put adapters on the
+    experts and the router that the config never asked for, on the plain path, at a memory the
+    estimate never saw. Where PEFT has no such rewrite, nothing changes."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:
+        yield
+        return
+    original = getattr(conversion, "convert_peft_config_for_transformers", None)
+    if original is None:
+        yield
+        return
+    conversion.convert_peft_config_for_transformers = lambda *_args, **_kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
 
 
 def save_adapter(model: Any, directory: str | Path, config: RunConfig | None = None,

@@ -70,6 +70,51 @@ def test_expert_adapters_save_and_load_with_peft_and_are_counted(name: str, tmp_
     assert trainable_params(info, plan) == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("experts", [False, True])
+def test_all_linear_adapts_what_the_estimate_counts_and_never_the_router(name: str, experts: bool,
+                                                                          tmp_path: Path) -> None:
+    """The default ``lora.target_modules: all-linear`` on a mixture of experts: adapters on the
+    attention (and Qwen3-MoE's dense layer's MLP) only, the experts only when ``target_experts``
+    asks, the router frozen and unadapted; the run takes the fast path (on a GPU) and the estimate
+    counts PEFT's trainable parameters. PEFT 0.21 alone reads all-linear here as the experts and the
+    router too, at twice the rank on gate/up (the 24 GB Qwen3-30B-A3B run that took the plain path
+    and ran out of memory). The adapter saved loads back with the same modules adapted."""
+    from peft import PeftModel
+
+    from studio.core.plan import PathFacts, choose_path, fast_targets
+    from studio.engine.fast.build import path_facts
+    from studio.engine.model import load_adapter
+
+    config = _config(name)
+    run = _run_config(experts=experts)
+    run.lora.target_modules = "all-linear"
+    model = attach_lora(_base(config), run)
+    adapted = {n.split(".lora_")[0] for n, _ in model.named_parameters() if ".lora_A" in n}
+    modules = {n.rsplit(".", 1)[-1] for n in adapted if ".experts" not in n}
+    dense = {"gate_proj", "up_proj", "down_proj"} if name == "qwen3_moe" else set()
+    assert modules == {"q_proj", "k_proj", "v_proj", "o_proj"} | dense, modules
+    assert not [n for n in adapted if ".router" in n or n.endswith(".gate") or ".gate." in n]
+    routers = [p for n, p in model.named_parameters() if ".mlp.gate." in n or ".mlp.router." in n]
+    assert routers and not any(p.requires_grad for p in routers)
+    expert_adapters = [n for n in adapted if ".experts" in n]
+    assert bool(expert_adapters) == experts
+    if name == "qwen3_moe":  # the dense layer's MLP keeps its own adapters, not the experts'
+        assert [n for n in adapted if n.endswith("mlp.gate_proj")]
+
+    facts = path_facts(model, torch.device("cpu"))
+    assert set(facts.lora_targets) <= set(fast_targets()), facts.lora_targets
+    assert choose_path(PathFacts(**{**facts.__dict__, "cuda": True})).path == "fast"
+    info = from_config_dict(config.to_dict(), name)
+    plan = plan_for(run, info=info)
+    assert trainable_params(info, plan) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    save_adapter(model, tmp_path / "adapter")
+    reloaded = load_adapter(_base(config), tmp_path / "adapter")
+    assert isinstance(reloaded, PeftModel)
+    assert {n.split(".lora_")[0] for n, _ in reloaded.named_parameters() if ".lora_A" in n} == adapted
+
+
 def test_off_leaves_the_experts_without_adapters() -> None:
     model = attach_lora(_base(_config("mixtral")), _run_config(experts=False))
     assert not [n for n, _ in model.named_parameters() if "experts" in n and "lora_" in n]

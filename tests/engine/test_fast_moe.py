@@ -22,6 +22,7 @@ from studio.core.plan import PathFacts, choose_path
 from studio.engine import fast
 from studio.engine.fast.build import path_facts
 from studio.engine.fast.moe import ExpertProduct, ExpertWeights, Groups, kernel_takes
+from studio.engine.model import names_as_written
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -58,8 +59,9 @@ def _peft(config, experts: bool = True):
                 layer.mlp.experts.gate_up_proj.mul_(GATE_UP_GAIN)
     dense = ["gate_proj", "up_proj", "down_proj"] if config.model_type == "qwen3_moe" else []
     torch.manual_seed(1)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=ATTENTION + dense,
-                                             target_parameters=EXPERTS if experts else None))
+    with names_as_written():  # PEFT would read Qwen3-MoE's dense names as the experts' (engine/model.py)
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=ATTENTION + dense,
+                                                 target_parameters=EXPERTS if experts else None))
     with torch.no_grad():  # B starts at zero in LoRA, which would make every A gradient zero
         for name, param in model.named_parameters():
             if "lora_B" in name:
