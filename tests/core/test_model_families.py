@@ -132,6 +132,39 @@ def test_qwen3_30b_a3b_is_sized_with_its_experts_in_4_bits_and_fits_24_gb() -> N
         2 * info.expert_params())
 
 
+def test_a_mixture_of_experts_packed_on_load_has_a_load_phase_that_can_set_the_peak() -> None:
+    """Experts packed in 4 bits as they load hold one layer's gate/up in 16 bits for a moment (three
+    copies reserved): on Qwen3-30B-A3B's first 8 layers at seq 2048 that is the run's peak, as the
+    H200 measured; the whole model, load included, still fits a 24 GB card. A bf16 run, a dense model and
+    experts kept in the MXFP4 they ship have no such phase."""
+    from studio.core.memory import estimate
+    from studio.core.memory.result import MODEL_LOAD
+    from studio.core.model.info import from_config_dict
+
+    qwen3 = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+             "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+             "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+             "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
+    run = parse_config("model: {base_model: Qwen/Qwen3-30B-A3B}\ndata: {max_seq_length: 2048}\n"
+                       "lora: {target_modules: [q_proj, k_proj, v_proj, o_proj]}\n"
+                       "trainer: {micro_batch_size: 1, effective_batch_size: 1}\n")
+    gate_up = 128 * 2 * 768 * 2048 * 2
+    subset = estimate(run, from_config_dict({**qwen3, "num_hidden_layers": 8}, "qwen3-l8"))
+    load = subset.phases[MODEL_LOAD]
+    kept = subset.categories["weights"] + subset.categories["experts"]
+    assert kept + 2 * gate_up < load.reserved < kept + 3 * gate_up + 64 * 2**20
+    assert subset.peak_phase == MODEL_LOAD and subset.peak_reserved == load.reserved
+    from studio.core.memory.gpus import GB
+
+    whole = estimate(run, from_config_dict(qwen3, "Qwen/Qwen3-30B-A3B"), 24 * GB)
+    assert MODEL_LOAD in whole.phases and whole.fits  # the load included
+    bf16 = parse_config("model: {base_model: Qwen/Qwen3-30B-A3B}\nquantization: {bits: null}\n")
+    assert MODEL_LOAD not in estimate(bf16, from_config_dict({**qwen3, "num_hidden_layers": 8}, "q")).phases
+    dense = {k: v for k, v in qwen3.items() if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                          "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}
+    assert MODEL_LOAD not in estimate(run, from_config_dict({**dense, "model_type": "qwen3"}, "d")).phases
+
+
 def test_gpt_oss_20b_is_sized_with_its_shipped_mxfp4_experts_and_fits_16_gb(tmp_path, monkeypatch) -> None:
     """gpt-oss-20b's bundled config.json: the parameters transformers builds (20.91B: the experts
     3-D tensors 19.11B, their biases, the routers' biases, the sinks); a 4-bit run keeps the experts
@@ -160,6 +193,7 @@ def test_gpt_oss_20b_is_sized_with_its_shipped_mxfp4_experts_and_fits_16_gb(tmp_
     assert 10.1e9 < shipped < 10.2e9
     result = estimate(run, info, 16 * GB)
     assert result.categories["experts"] == int(shipped) and result.fits, result.total / GB
+    assert "model load" not in result.phases  # kept as shipped: never in 16 bits on the card
     nf4 = experts_stored_bytes(replace(info, expert_format=""), plan)
     assert 0.5 * info.expert_weight_params() < nf4 - biases < shipped
     bf16 = plan_for(parse_config("quantization: {bits: null}\n"), info=info)

@@ -68,7 +68,7 @@ from studio.core.memory.fast import (
 from studio.core.memory.params import compute_bytes
 from studio.core.memory.plain import stream_bytes
 from studio.core.memory.plan import Plan
-from studio.core.memory.result import GRPO_SAMPLING, Estimate, PhasePeak
+from studio.core.memory.result import GRPO_SAMPLING, MODEL_LOAD, Estimate, PhasePeak
 from studio.core.model.info import ModelInfo
 from studio.core.plan import graphs_for
 
@@ -180,6 +180,9 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
               "evaluation": peak(evaluation, eval_held, beside_pool=plan.evaluates_between_steps),
               "generation": generation,
               "checkpoint save": peak(0, "adapter and optimizer state copied to the host")}
+    loading = load_peak(info, plan, step)
+    if loading is not None:
+        phases = {MODEL_LOAD: loading, **phases}
     if plan.grpo_completion:
         grads = kept["gradients"] if plan.accumulation > 1 else 0
         work, held = grpo_sampling(info, plan, stream, dequant)
@@ -202,6 +205,29 @@ def grpo_sampling(info: ModelInfo, plan: Plan, stream: int, dequant: float) -> t
     return (kv + prefill + dequant + choose + graph_pool,
             f"KV cache of {rows} rows x {plan.seq_len} slots ({kv / 1e9:.2f} GB), the prefill of "
             f"{rows} x {prompt} prompt tokens, last logits only")
+
+
+def load_peak(info: ModelInfo, plan: Plan, step: Estimate) -> PhasePeak | None:
+    """The model load's peak for a mixture of experts whose 16-bit experts are packed in 4 bits as
+    they load (engine/quantized_experts.py); None for any other load, which puts each weight on the
+    card once, in its final form (gpt-oss' MXFP4 experts are kept as shipped).
+
+    transformers builds one layer's fused gate/up projection from the checkpoint's tensors in 16
+    bits: the tensors as read, their stack, the concatenation of gate with up, each as large as the
+    layer's gate/up weights of every expert. The last two are alive when the packing reads them, on
+    top of every weight loaded so far (all but this layer's packed experts); all three are reserved,
+    their sizes too unlike the 4-bit blocks for the allocator to reuse. Measured at 3687b1f on
+    OLMoE-1B-7B, Qwen3-30B-A3B (8 layers) and Mixtral-8x7B (4 layers), where the load set the run's
+    peak (bench/results/current/h200_vram_measured_moe_3687b1f.json)."""
+    if not info.sparse_layers or not dequantizes(plan.weights) or info.expert_format == "mxfp4":
+        return None
+    gate_up = info.experts * 2 * info.expert_intermediate * info.hidden * compute_bytes(plan)
+    kept = step.categories
+    loaded = kept["weights"] + kept["experts"] - kept["experts"] // info.sparse_layers
+    allocated = int(loaded + 2 * gate_up)
+    reserved = math.ceil((loaded + 3 * gate_up + SLACK_FLOOR) / PAGE) * PAGE
+    return PhasePeak(allocated, reserved, "one layer's experts in 16 bits while they are packed "
+                     f"({gate_up / 1e9:.2f} GB for gate/up, three copies)")
 
 
 def peak_phase(phases: dict[str, PhasePeak]) -> str:

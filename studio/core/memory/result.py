@@ -19,10 +19,15 @@ OPTIONAL_CATEGORIES = ("experts",)
 
 PHASES = ("training step", "evaluation", "generation", "checkpoint save")
 """The phases of a run, in the order a run meets them; the estimate's peak is the largest. A GRPO
-run has one more, :data:`GRPO_SAMPLING`."""
+run has one more, :data:`GRPO_SAMPLING`; a mixture of experts packed on load one before them all,
+:data:`MODEL_LOAD`."""
 
 GRPO_SAMPLING = "GRPO sampling"
 """A GRPO run's phase that samples the group's completions (core/memory/phases.py)."""
+
+MODEL_LOAD = "model load"
+"""The load of a mixture of experts whose experts are packed in 4 bits as they load: for a moment
+one layer's expert weights are on the card in 16 bits (core/memory/phases.py)."""
 
 
 @dataclass(frozen=True)
