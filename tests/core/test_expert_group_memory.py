@@ -1,6 +1,7 @@
 """The 4-bit experts' 16-bit working set in transformers' forward without gradients
-(core/memory/expert_groups.py): a group of experts, never a whole layer's, counted in the generation
-phase and in the plain path's evaluation; each expectation counted from the models' shapes."""
+(core/memory/expert_groups.py): a group of experts, not a whole layer's (but with PEFT's expert
+adapter), counted in the generation phase and in the plain path's evaluation; each expectation
+counted from the models' shapes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from studio.core.memory import Plan, estimate_plan
-from studio.core.memory.expert_groups import EXPERT_GROUP_BYTES, expert_group_bytes, experts_per_group
+from studio.core.memory.expert_groups import EXPERT_GROUP_BYTES, experts_per_group, lent_expert_bytes
 from studio.core.model.info import load_model_info
 
 GPT_OSS = load_model_info("openai/gpt-oss-20b")
@@ -30,15 +31,17 @@ def test_a_group_is_as_many_experts_as_fit_the_budget(info, experts: int, per_la
     assert info.experts * expert == per_layer
     assert experts_per_group(expert) == experts
     assert experts * expert <= EXPERT_GROUP_BYTES < (experts + 1) * expert
-    assert expert_group_bytes(info, Plan(weights="nf4")) == experts * expert < per_layer / 4
+    assert lent_expert_bytes(info, Plan(weights="nf4")) == experts * expert < per_layer / 4
+    # PEFT's expert adapter adds its delta to the whole parameter: the layer dequantized, and the sum
+    assert lent_expert_bytes(info, Plan(weights="nf4", lora_experts=True)) == 2 * per_layer
     # experts bitsandbytes' 8-bit loading or a 16-bit load leaves as they are: nothing dequantized
-    assert expert_group_bytes(info, Plan(weights="int8")) == expert_group_bytes(info, Plan(weights="bf16")) == 0
+    assert lent_expert_bytes(info, Plan(weights="int8")) == lent_expert_bytes(info, Plan(weights="bf16")) == 0
 
 
 def test_a_layer_of_fewer_experts_than_a_group_holds_them_all_and_a_dense_model_none() -> None:
     few = replace(QWEN3_MOE, experts=8)
-    assert expert_group_bytes(few, Plan(weights="nf4")) == 8 * _expert(QWEN3_MOE)
-    assert expert_group_bytes(load_model_info("HuggingFaceTB/SmolLM3-3B"), Plan(weights="nf4")) == 0
+    assert lent_expert_bytes(few, Plan(weights="nf4")) == 8 * _expert(QWEN3_MOE)
+    assert lent_expert_bytes(load_model_info("HuggingFaceTB/SmolLM3-3B"), Plan(weights="nf4")) == 0
     assert experts_per_group(2 * EXPERT_GROUP_BYTES) == 1  # an expert larger than the budget goes alone
 
 
@@ -52,10 +55,10 @@ def test_the_answer_counts_a_group_of_experts_instead_of_one_dense_weight(info, 
     plan = Plan(weights="nf4", lora_r=16, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), micro_batch=8,
                 seq_len=1024, path=path, generate_new_tokens=64)
     grouped = estimate_plan(info, plan).phases
-    monkeypatch.setattr("studio.core.memory.phases.expert_group_bytes", lambda *_: 0)
+    monkeypatch.setattr("studio.core.memory.phases.lent_expert_bytes", lambda *_: 0)
     before = estimate_plan(info, plan).phases
     dense = max(a * b for a, b in info.linear_shapes().values()) * 2
-    more = expert_group_bytes(info, plan) - dense
+    more = lent_expert_bytes(info, plan) - dense
     assert more > 200e6
     assert not grouped["generation"].host_kv and not before["generation"].host_kv
     changed = {"generation"} | ({"evaluation"} if path == "plain" else set())

@@ -8,6 +8,8 @@ routed to, a group at a time: the group's weights (both projections) dequantized
 dtype, then freed before the next group's (engine/expert_weights.py). A group is as many experts as
 fit :data:`EXPERT_GROUP_BYTES`, so the answer never holds a whole layer's experts in 16 bits, which a
 card that trains the model may not have beside the training state (gpt-oss-20b: 1.6 GB a layer).
+PEFT's expert adapter (``lora.target_experts``) is the exception: it adds its delta to the whole
+parameter, so that forward holds the whole layer.
 
 Plain Python: it must never import torch.
 """
@@ -33,12 +35,17 @@ def experts_per_group(expert_bytes: int) -> int:
     return max(1, EXPERT_GROUP_BYTES // max(1, expert_bytes))
 
 
-def expert_group_bytes(info: ModelInfo, plan: Plan) -> int:
+def lent_expert_bytes(info: ModelInfo, plan: Plan) -> int:
     """Bytes of 16-bit expert weights that transformers' forward without gradients holds at once for
-    ``plan`` on ``info``: a full group's (every expert's where a layer has fewer), in the compute dtype;
-    0 for a dense model or experts not held in 4 bits (bitsandbytes' 8-bit loading and a 16-bit load
-    leave them as they are). The copies of a group's biases (gpt-oss: a few kB) are left out."""
+    ``plan`` on ``info``, in the compute dtype: a full group's (every expert's where a layer has
+    fewer); with ``lora.target_experts`` the whole layer's twice over instead, as PEFT's expert adapter
+    adds its delta to each whole parameter and keeps the sum for the forward (its
+    ``_LoraFactorsProxy``). 0 for a dense model or experts not held in 4 bits (bitsandbytes' 8-bit
+    loading and a 16-bit load leave them as they are). The copies of a group's biases (gpt-oss: a
+    few kB) are left out."""
     if not info.sparse_layers or not dequantizes(plan.weights):
         return 0
     expert = 3 * info.hidden * info.expert_intermediate * compute_bytes(plan)
+    if plan.lora_experts and plan.lora_r:
+        return 2 * info.experts * expert
     return min(info.experts, experts_per_group(expert)) * expert

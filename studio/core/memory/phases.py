@@ -19,7 +19,8 @@ micro-batch 32 under a 15 GB cap and died in its final evaluation):
   of every layer for prompt + answer, the prompt pass's working set of one layer (the prompt goes
   through :data:`PREFILL_TOKENS` tokens at a time), one weight
   dequantized by bitsandbytes for its product or, in a sparse layer with 4-bit experts, a group of
-  experts' weights in 16 bits (core/memory/expert_groups.py), whichever is larger, the last
+  experts' weights in 16 bits (with ``lora.target_experts`` the whole layer's and PEFT's adapted
+  copy: core/memory/expert_groups.py), whichever is larger, the last
   position's logits only (engine/generate.py
   asks for ``logits_to_keep=1``) with their fp32 softmax, and on the plain k-bit path autocast's copy
   of the fp32 output head. When that could reserve more than the training step (a prompt as long
@@ -56,7 +57,7 @@ from __future__ import annotations
 import math
 
 from studio.core.memory.allocator import CUBLAS_WORKSPACE_BYTES, PAGE, SLACK_FLOOR, STEP_WORKSPACES
-from studio.core.memory.expert_groups import expert_group_bytes
+from studio.core.memory.expert_groups import lent_expert_bytes
 from studio.core.memory.fast import (
     dequant_buffer_bytes,
     dequantizes,
@@ -136,8 +137,8 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
         head_copy = c * info.head_params()  # autocast's bf16 copy of the fp32 output head, per call
     dequant = max(a * b for a, b in info.linear_shapes().values()) * 2 if plan.quantized else 0
     # transformers' forward without gradients: a dense weight dequantized for its product, or in a
-    # sparse layer a group of 4-bit experts in 16 bits (never both at once)
-    lent = max(dequant, expert_group_bytes(info, plan))
+    # sparse layer 4-bit experts in 16 bits, a group of them (never both at once)
+    lent = max(dequant, lent_expert_bytes(info, plan))
 
     t = eval_tokens(plan)
     if fast_path:
