@@ -23,10 +23,12 @@ else in plain torch (the CPU, or a kernel that fails here), a chunk of rows at a
 temporaries stay a few tens of MB; the values are the same to the bit. The
 fast path (engine/fast/moe.py) dequantizes one projection into its workspace right before the
 grouped product that reads it; transformers' own forward (chat, ``studio eval``, the plain path)
-gets the experts' parameters dequantized by a hook around the experts module, one layer at a time
-(what autograd saves of them for a backward stays until that backward), as
-engine/quantized_experts.py does for NF4. PEFT's ``target_parameters`` adapters attach to the
-parameters, which keep their shape and dtype and hold a placeholder that owns no memory.
+gets the experts' parameters lent by engine/expert_weights.py's forward of the experts module, as
+engine/quantized_experts.py's NF4 ones: without gradients a group of experts at a time
+(:meth:`Mxfp4Experts.parameter_weight` dequantizes just their blocks), with gradients the whole
+layer's (what autograd saves of them for a backward stays until that backward). PEFT's
+``target_parameters`` adapters attach to the parameters, which keep their shape and dtype and hold
+a placeholder that owns no memory.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 from torch import nn
 
 from studio.core.decoder.spec import EXPERT_PARAMETERS
-from studio.engine.expert_weights import holders, placeholder_parameter, put_placeholder, put_weight
+from studio.engine.expert_weights import holders, placeholder_parameter
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The FP4 E2M1 number each 4-bit code stands for (bit 3 the sign)."""
@@ -144,7 +146,7 @@ class Mxfp4Experts:
 
     def __init__(self, param: nn.Parameter, blocks: torch.Tensor, scales: torch.Tensor):
         self.param = param
-        """The model's parameter (``[experts, in, out]``, now a placeholder), whose data the hook swaps."""
+        """The model's parameter (``[experts, in, out]``, now a placeholder), lent weights for each forward."""
         self.blocks = blocks
         self.scales = scales
         self.placeholder = param.data
@@ -168,24 +170,19 @@ class Mxfp4Experts:
         torch way only (``trainer.fast_path.kernels`` off), else the Triton kernel where it runs."""
         return dequantize_mxfp4(self.blocks, self.scales, dtype, out, kernel is not False)
 
+    def parameter_weight(self, dtype: torch.dtype, experts: torch.Tensor | None = None) -> torch.Tensor:
+        """The weights in the parameter's layout, ``[experts, in, out]`` contiguous, in ``dtype``:
+        every expert's, or those of ``experts`` (indices on :attr:`device`) in that order, written
+        through a transposed view."""
+        blocks, scales = (self.blocks, self.scales) if experts is None else (self.blocks[experts], self.scales[experts])
+        weight = torch.empty(blocks.shape[0], self.shape[2], self.shape[1], dtype=dtype, device=self.device)
+        dequantize_mxfp4(blocks, scales, dtype, weight.transpose(1, 2))
+        return weight
+
 
 def mxfp4_experts(experts: nn.Module) -> dict[str, Mxfp4Experts]:
     """An experts module's MXFP4 projections by parameter name (empty where it holds none)."""
     return getattr(experts, _ATTRIBUTE, {})
-
-
-def _swap_in(module: nn.Module, _args: Any) -> None:
-    for name, stored in mxfp4_experts(module).items():
-        # the parameter is [experts, in, out]: written through a transposed view, contiguous
-        weight = torch.empty(stored.shape[0], stored.shape[2], stored.shape[1], dtype=stored.placeholder.dtype,
-                             device=stored.device)
-        stored.dequantize(weight.dtype, weight.transpose(1, 2))
-        put_weight(module, name, stored, weight)
-
-
-def _swap_out(module: nn.Module, _args: Any, _output: Any) -> None:
-    for name, stored in mxfp4_experts(module).items():
-        put_placeholder(module, name, stored)
 
 
 def _keep(module: nn.Module, name: str, blocks: torch.Tensor, scales: torch.Tensor,
@@ -199,14 +196,14 @@ def _keep(module: nn.Module, name: str, blocks: torch.Tensor, scales: torch.Tens
         raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} do not hold a weight of the "
                          f"parameter's shape {tuple(shape)}")
     param = placeholder_parameter(param, shape, getattr(module, name).dtype, blocks.device)
-    holders(module, _ATTRIBUTE, _swap_in, _swap_out)[name] = Mxfp4Experts(param, blocks, scales)
+    holders(module, _ATTRIBUTE)[name] = Mxfp4Experts(param, blocks, scales)
     return param
 
 
 def attach(experts: nn.Module, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Keep ``experts``' projections as MXFP4 (``tensors``: parameter name -> its blocks and scales,
-    on the module's device), freeing their dequantized data; transformers' forward keeps working
-    through a hook that dequantizes them around the module's forward."""
+    on the module's device), freeing their dequantized data; transformers' forward keeps working on
+    weights dequantized for it (engine/expert_weights.py)."""
     for name, (blocks, scales) in tensors.items():
         _keep(experts, name, blocks, scales, getattr(experts, name))
 

@@ -24,11 +24,12 @@ The design keeps every job on the model working and frees the 16-bit memory:
   placeholder (one value broadcast to the shape: no memory). PEFT's ``target_parameters`` adapters
   attach to it as to any expert weight, and the adapter saved loads with ``PeftModel`` on the
   16-bit model too.
-- transformers' own forward (chat, ``studio eval``, generation, the plain training path) runs with a
-  hook on the experts module that dequantizes its two projections into the parameters before the
-  module's forward and puts the placeholder back after it: one layer's experts in 16 bits at a time.
-  Autograd keeps what it saved of them until the backward (the plain path's cost; the fast path
-  saves nothing of them).
+- transformers' own forward (chat, ``studio eval``, generation, the plain training path) gets the
+  weights lent by engine/expert_weights.py's forward of the experts module: without gradients a
+  group of experts in 16 bits at a time (:meth:`PackedExperts.parameter_weight` dequantizes just
+  the group's blocks); with gradients, or an expert adapter, the whole layer's, put back after the
+  module's forward. Autograd keeps what it saved of them until the backward (the plain path's
+  cost; the fast path saves nothing of them).
 - The fast path (engine/fast/moe.py) reads :class:`PackedExperts` itself and dequantizes one
   projection at a time into its shared workspace, right before the grouped product.
 - Merged export loads the base unquantized from its checkpoint (engine/merge.py), as for dense
@@ -47,7 +48,7 @@ import torch
 from torch import nn
 
 from studio.core.decoder.spec import EXPERT_PARAMETERS
-from studio.engine.expert_weights import holders, placeholder_parameter, put_placeholder, put_weight
+from studio.engine.expert_weights import holders, placeholder_parameter
 
 BLOCKSIZE = 64
 """Values per 4-bit block (one scale each): bitsandbytes' default, that of the dense layers."""
@@ -63,7 +64,7 @@ class PackedExperts:
 
     def __init__(self, param: nn.Parameter, packed: torch.Tensor, state: Any):
         self.param = param
-        """The model's parameter (now the placeholder), whose data the forward hook swaps."""
+        """The model's parameter (now the placeholder), lent weights for each forward."""
         self.packed = packed
         """bitsandbytes' uint8 storage ``[experts x out x in / 2, 1]``."""
         self.quant_state = state
@@ -93,6 +94,31 @@ class PackedExperts:
         if out is None:
             out = torch.empty(self.shape, dtype=dtype, device=self.packed.device)
         dequantize_packed(self.packed, self.quant_state, out, kernel)
+        return out
+
+    def parameter_weight(self, dtype: torch.dtype, experts: torch.Tensor | None = None) -> torch.Tensor:
+        """The weights ``[experts, out, in]`` (the parameter's layout) in ``dtype``: every expert's, or
+        those of ``experts`` (indices on the packed values' device) in that order. An expert's values
+        fill whole blocks where ``out x in`` is a multiple of :data:`BLOCKSIZE` (:func:`_quantize`), so
+        only its bytes and scales are read (double-quantized scales expanded first, a 16th of a byte a
+        value); otherwise every expert is dequantized and the chosen ones taken."""
+        if experts is None:
+            return self.dequantize(dtype)
+        total, rows, width = self.shape
+        if (rows * width) % BLOCKSIZE:
+            return self.dequantize(dtype)[experts]
+        import bitsandbytes.functional as bnbf
+
+        from studio.engine.fast.frozen import dequantize_packed, expanded_absmax
+
+        state = self.quant_state
+        packed = self.packed.view(total, -1)[experts].reshape(-1, 1)
+        absmax = expanded_absmax(state).view(total, -1)[experts].reshape(-1)
+        shape = torch.Size((len(experts), rows, width))
+        chosen = bnbf.QuantState(absmax=absmax, shape=shape, dtype=state.dtype, blocksize=state.blocksize,
+                                 code=state.code, quant_type=state.quant_type)
+        out = torch.empty(shape, dtype=dtype, device=self.packed.device)
+        dequantize_packed(packed, chosen, out)
         return out
 
 
@@ -143,24 +169,14 @@ def _pack(module: nn.Module, name: str, values: torch.Tensor, quant_type: str, d
     with torch.no_grad():
         packed, state = _quantize(values, quant_type, double_quant)
     param = placeholder_parameter(param, values.shape, values.dtype, values.device)
-    holders(module, _ATTRIBUTE, _swap_in, _swap_out)[name] = PackedExperts(param, packed, state)
+    holders(module, _ATTRIBUTE)[name] = PackedExperts(param, packed, state)
     return param
-
-
-def _swap_in(module: nn.Module, _args: Any) -> None:
-    for name, packed in packed_experts(module).items():
-        put_weight(module, name, packed, packed.dequantize(packed.placeholder.dtype))
-
-
-def _swap_out(module: nn.Module, _args: Any, _output: Any) -> None:
-    for name, packed in packed_experts(module).items():
-        put_placeholder(module, name, packed)
 
 
 def quantize_experts(model: nn.Module, quant_type: str = "nf4", double_quant: bool = True) -> int:
     """Store every experts module's 3-D weights of ``model`` still in 16 bits in 4 bits
     (``quant_type`` nf4 or fp4, the scales double-quantized when ``double_quant``), freeing their
-    16-bit tensors; transformers' forward keeps working through a dequantizing hook (the module
+    16-bit tensors; transformers' forward keeps working on weights dequantized for it (the module
     docstring). Returns the number of experts modules it packed (0 for a dense model, or where the
     load packed them all)."""
     done = 0

@@ -107,7 +107,7 @@ def test_expert_adapters_attach_to_a_loaded_model_and_the_fast_path_reads_its_pa
         tmp_path: Path, monkeypatch) -> None:
     """lora.target_experts on a model whose experts were packed as they loaded: PEFT's adapters on
     the experts attach; the fast path reads the packed weights and gives the loss and every LoRA
-    gradient transformers' forward gives through the dequantizing hook."""
+    gradient transformers' forward gives on the weights lent to it."""
     from studio.engine.model import attach_lora
 
     config = _run_config(_moe_folder(tmp_path / "olmoe", "olmoe"))

@@ -2,7 +2,7 @@
 the dequantization is transformers' own (integrations/mxfp4.py) on the same blocks and scales; a
 4-bit load of a tiny gpt-oss checkpoint that ships its experts in MXFP4 keeps them so as they load
 (4.25 bits a weight, the parameters holding nothing, no expert weight ever dequantized during the
-load; a failure fails the 4-bit load), transformers' forward through the dequantizing hook answers
+load; a failure fails the 4-bit load), transformers' forward on the weights lent to it answers
 as the same model with transformers' dequantized experts, and the fast path's loss and LoRA
 gradients (the experts' adapters included) equal transformers' on those weights."""
 
@@ -86,11 +86,11 @@ def _transformers_dequantized(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-def test_a_4bit_load_keeps_the_shipped_mxfp4_experts(tmp_path: Path, monkeypatch) -> None:
+def test_a_4bit_load_keeps_the_shipped_mxfp4_experts(tmp_path: Path) -> None:
     """quantization.bits 4: the attention is NF4 (bitsandbytes), every experts module keeps the
     checkpoint's blocks and scales (the VRAM pane's experts category at 4.25 bits a weight) and its
     parameters hold nothing; the experts are transformers' dequantization of them, and the plain
-    forward through the hook answers as the same load given transformers' dequantized experts."""
+    forward on the weights lent to it answers as the same load given transformers' dequantized experts."""
     pytest.importorskip("bitsandbytes")
     from studio.engine.memory import parameter_bytes
 
@@ -116,12 +116,11 @@ def test_a_4bit_load_keeps_the_shipped_mxfp4_experts(tmp_path: Path, monkeypatch
         for name, stored in mxfp4_experts(module).items():
             assert torch.equal(stored.dequantize(torch.float32).transpose(1, 2), getattr(theirs, name).data), name
 
-    # the same 4-bit load, the dequantizing hooks off, with transformers' dequantized experts as
-    # plain parameters
-    monkeypatch.setattr("studio.engine.mxfp4._swap_in", lambda *args: None)
-    monkeypatch.setattr("studio.engine.mxfp4._swap_out", lambda *args: None)
+    # the same 4-bit load with transformers' dequantized experts as plain parameters, its MXFP4
+    # holders forgotten: nothing is lent to its forward
     plain = _load(folder).model
     for layer, theirs in zip(plain.model.layers, reference.model.layers, strict=True):
+        mxfp4_experts(layer.mlp.experts).clear()
         for name in ("gate_up_proj", "down_proj"):
             # in the load's own device and dtype (bf16 on a GPU): MXFP4 values are exact in bf16
             mine = getattr(layer.mlp.experts, name)

@@ -2,7 +2,7 @@
 through bitsandbytes' CPU backend: a 4-bit load packs them and frees their 16-bit tensors; the
 fast path over the packed experts gives transformers' loss and LoRA gradients on the same weights,
 and stays within NF4's rounding of the 16-bit model's; generation, PEFT's expert adapters and the
-plain forward read them through the dequantizing hook."""
+plain forward read them dequantized for each forward (engine/expert_weights.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_fast_path_over_4bit_experts_is_transformers_on_the_same_weights(name: str, monkeypatch) -> None:
     """Packed experts: the fast path's loss and every LoRA gradient (the experts' included) equal
-    transformers' forward through the dequantizing hook, padded and packed, host-held inputs."""
+    transformers' forward on the weights lent to it, padded and packed, host-held inputs."""
     model = _peft(_config(name))
     assert quantize_experts(model, "nf4", double_quant=True) == sum(
         1 for m in model.modules() if hasattr(m, "gate_up_proj") and type(m).__name__.endswith("Experts"))
@@ -42,7 +42,7 @@ def test_the_fast_path_over_4bit_experts_is_transformers_on_the_same_weights(nam
 
 @pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
 def test_4bit_experts_without_adapters_give_the_attention_s_gradients(name: str, monkeypatch) -> None:
-    """LoRA on the attention only: transformers' backward through the dequantizing hook (gpt-oss'
+    """LoRA on the attention only: transformers' backward on the weights lent to it (gpt-oss'
     experts multiply by the parameter itself, which autograd saves) and the fast path agree."""
     model = _peft(_config(name), experts=False)
     quantize_experts(model, "nf4", double_quant=True)

@@ -11,6 +11,7 @@ Modules, each importing only those above it:
 - ``plain``: the training step on the plain path (transformers + PEFT + bitsandbytes);
 - ``attention``: the fast path's attention: which computes soft-caps and sinks, what it keeps;
 - ``fast``: the training step on the fast path (studio/engine/fast/);
+- ``expert_groups``: 4-bit experts in transformers' forward without gradients, a group at a time;
 - ``phases``: evaluation, generation and checkpoint save around the step;
 - ``estimate``: :func:`estimate` of a run config on the path the engine takes (core/plan.py);
 - ``walkthrough``: the VRAM pane's story, from a full fp32 fine-tune to paged QLoRA;

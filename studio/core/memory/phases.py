@@ -12,13 +12,16 @@ micro-batch 32 under a 15 GB cap and died in its final evaluation):
   (bf16 and fp32) and the gathered target rows; a DPO evaluation's reference pass runs a whole
   micro-batch (core/memory/fast.py's ``reference_pass_bytes``). The plain path's evaluation is its
   model's forward on the whole micro-batch with the logits (compute dtype, their fp32 copy and
-  log-softmax);
+  log-softmax) and, like generation's, one dequantized weight or group of 4-bit experts;
 - **generation** (``Session.generate``, what chat and the held-out comparison call): a prompt of
   :attr:`~studio.core.memory.plan.Plan.generate_prompt_tokens` (a training row's length unless said) and
   ``generation.max_new_tokens`` new ones, through the transformers modules on both paths: the KV cache
   of every layer for prompt + answer, the prompt pass's working set of one layer (the prompt goes
   through :data:`PREFILL_TOKENS` tokens at a time), one weight
-  dequantized by bitsandbytes for its product, the last position's logits only (engine/generate.py
+  dequantized by bitsandbytes for its product or, in a sparse layer with 4-bit experts, a group of
+  experts' weights in 16 bits (with ``lora.target_experts`` the whole layer's and PEFT's adapted
+  copy: core/memory/expert_groups.py), whichever is larger, the last
+  position's logits only (engine/generate.py
   asks for ``logits_to_keep=1``) with their fp32 softmax, and on the plain k-bit path autocast's copy
   of the fp32 output head. When that could reserve more than the training step (a prompt as long
   as a training row whose step keeps its layer inputs on the host), the KV cache lives on the host too
@@ -54,6 +57,7 @@ from __future__ import annotations
 import math
 
 from studio.core.memory.allocator import CUBLAS_WORKSPACE_BYTES, PAGE, SLACK_FLOOR, STEP_WORKSPACES
+from studio.core.memory.expert_groups import lent_expert_bytes
 from studio.core.memory.fast import (
     dequant_buffer_bytes,
     dequantizes,
@@ -132,6 +136,9 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
     if not fast_path and plan.upcast and c < 4:
         head_copy = c * info.head_params()  # autocast's bf16 copy of the fp32 output head, per call
     dequant = max(a * b for a, b in info.linear_shapes().values()) * 2 if plan.quantized else 0
+    # transformers' forward without gradients: a dense weight dequantized for its product, or in a
+    # sparse layer 4-bit experts in 16 bits, a group of them (never both at once)
+    lent = max(dequant, lent_expert_bytes(info, plan))
 
     t = eval_tokens(plan)
     if fast_path:
@@ -145,7 +152,7 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
             evaluation = max(evaluation, reference_pass_bytes(info, plan.real_tokens, c))
     else:
         evaluation = (t * stream * info.hidden * 2 + t * _layer_forward(info, stream)
-                      + t * info.vocab * (c + 8) + head_copy + dequant)
+                      + t * info.vocab * (c + 8) + head_copy + lent)
         eval_held = f"{t} tokens, their logits and fp32 log-softmax"
 
     prompt = plan.generate_prompt_tokens or plan.seq_len
@@ -153,7 +160,7 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
     kv = info.layers * 2 * info.kv_heads * info.head_width * context * stream
     piece = min(prompt, PREFILL_TOKENS)
     answer = (piece * stream * info.hidden * 2 + piece * _layer_forward(info, stream)
-              + dequant + head_copy + info.vocab * (c + 4 + 4))
+              + lent + head_copy + info.vocab * (c + 4 + 4))
     gen_held = f"KV cache of {prompt} + {plan.generate_new_tokens} tokens ({kv / 1e9:.2f} GB), last logits only"
 
     def peak(work: float, held: str, host_kv: bool = False, beside_pool: bool = True) -> PhasePeak:

@@ -205,4 +205,8 @@ def dequantize_packed(packed: torch.Tensor, state, out: torch.Tensor, kernel: de
     if out.device.type == "cuda":
         torch.ops.bitsandbytes.dequantize_4bit.out(*args, out=out)
     else:  # bitsandbytes' CPU backend has no out= variant
-        out.copy_(torch.ops.bitsandbytes.dequantize_4bit.default(*args))
+        # and its kernel starts a block at every row, where the values were quantized in one run of
+        # blocks: rows whose length is not a multiple of the block (a tiny model's 32-wide experts)
+        # would take the wrong scales, so the weight goes in as one row
+        flat = (*args[:4], (out.numel(),), out.dtype)
+        out.copy_(torch.ops.bitsandbytes.dequantize_4bit.default(*flat).view(out.shape))
