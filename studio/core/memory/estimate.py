@@ -21,7 +21,7 @@ from studio.core.memory.fast import fast_step
 from studio.core.memory.phases import peak_phase, phase_peaks
 from studio.core.memory.plain import plain_step
 from studio.core.memory.plan import Plan, plan_for
-from studio.core.memory.result import Estimate
+from studio.core.memory.result import MODEL_LOAD, Estimate
 from studio.core.model.info import ModelInfo
 from studio.core.plan import PathChoice, PathFacts, choose_path
 
@@ -39,6 +39,9 @@ def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> 
         on_device_optimizer = 0 if plan.optimizer.startswith("paged") else c["optimizer"]
         c["gradients"] = 0
         c["activations"] = peak.allocated - c["weights"] - c["experts"] - c["lora"] - on_device_optimizer
+        if top == MODEL_LOAD:  # before the adapter and the optimizer exist: the experts in transit
+            c["lora"] = c["optimizer"] = c["activations"] = 0
+            c["experts"] = peak.allocated - c["weights"]
         c["overhead"] = peak.reserved - peak.allocated + CUDA_CONTEXT_BYTES
         result.peak_reserved = peak.reserved
         result.total = sum(c.values())
