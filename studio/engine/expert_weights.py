@@ -25,6 +25,7 @@ weights, in one of two ways:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -104,12 +105,18 @@ def _lending_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _grouped(module, forward, weights, *routed)
 
 
+@functools.cache
+def _signature(forward: Any) -> inspect.Signature:
+    """``forward``'s signature, read once per experts class (every layer's every forward asks)."""
+    return inspect.signature(forward)
+
+
 def _routing(forward: Any, module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...] | None:
     """The call's hidden states ``[tokens, hidden]``, expert indices ``[tokens, k]`` and routing weights
     ``[tokens, k]`` (transformers 5.x's experts forward takes them in this order; gpt-oss names them
     ``router_indices`` and ``routing_weights``); None where the call is not so."""
     try:
-        bound = inspect.signature(forward).bind(module, *args, **kwargs)
+        bound = _signature(forward).bind(module, *args, **kwargs)
     except TypeError:
         return None
     values = list(bound.arguments.values())[1:]
