@@ -127,8 +127,23 @@ def load_base(config: RunConfig, progress: Progress | None = None,
         model = _load_plain(config, path, device, dtype)
         quantization = str(dtype).removeprefix("torch.")
     model.config.use_cache = False  # the KV cache only costs memory while training
+    if device.type == "cuda":
+        give_back_load_memory()
     say("weights loaded", 0.8)
     return BaseModel(model, tokenizer, device, dtype, quantization, path, warnings, time.time() - start)
+
+
+def give_back_load_memory() -> None:
+    """Hand the load's freed memory back to the driver: a 4-bit load holds a layer's experts in 16
+    bits while it packs them, and the checkpoint's shards pass through the card. The caching allocator
+    keeps those pages mapped, free but reserved, so the run would start with them reserved: other
+    processes could not use them, and a training step's peak reserved would read the load's."""
+    import gc
+
+    from studio.engine.oom import between_phases
+
+    gc.collect()
+    between_phases(torch.device("cuda"))
 
 
 def _load_plain(config: RunConfig, path: str, device: torch.device, dtype: torch.dtype) -> Any:

@@ -211,3 +211,39 @@ def test_a_checkpoint_with_fused_experts_packs_them_on_load_too(tmp_path: Path) 
     with torch.no_grad():
         want = load_base(_run_config(hub), device=CPU).model(input_ids=ids).logits
         assert torch.equal(base.model(input_ids=ids).logits, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the caching allocator's reserved memory is a CUDA measure")
+def test_a_cuda_load_gives_back_the_memory_it_packed_the_experts_in(tmp_path: Path, monkeypatch) -> None:
+    """A 4-bit load on the card holds each layer's experts in 16 bits while it packs them; once it
+    has loaded, that memory is handed back to the driver, not kept free but reserved (a training
+    step's peak reserved would otherwise start at the load's). Without the hand-back the instrument
+    sees a layer's gate/up projection or more still reserved."""
+    from studio.engine import model as model_module
+
+    folder = _moe_folder(tmp_path / "qwen3_moe", "qwen3_moe", num_hidden_layers=2, hidden_size=512, num_experts=16,
+                         moe_intermediate_size=1024, mlp_only_layers=[])
+    config = _run_config(folder)
+    gate_up = 16 * 2 * 1024 * 512 * 2  # one layer's gate/up in bf16
+
+    def free_but_reserved() -> int:
+        torch.cuda.synchronize()
+        return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+    cuda = torch.device("cuda")
+    gc.collect()
+    torch.cuda.empty_cache()
+    with monkeypatch.context() as patch:
+        patch.setattr(model_module, "give_back_load_memory", lambda: None)
+        base = load_base(config, device=cuda)
+        kept = free_but_reserved()
+    assert base.quantization == "nf4" and _experts(base.model)
+    del base
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    base = load_base(config, device=cuda)
+    assert base.quantization == "nf4" and _experts(base.model)
+    given_back = free_but_reserved()
+    assert kept >= gate_up, kept
+    assert given_back < gate_up // 4, given_back
