@@ -107,7 +107,7 @@ def trainer_config(case, folder: Path, data: Path, steps: int, cuda: bool):  # -
     t.gradient_checkpointing, t.optimizer, t.packing = case.checkpointing, case.optimizer, case.packing
     # one evaluation batch at the end (the phase that used to need full fp32 logits), no mid-run ones
     t.eval_interval, t.eval_max_rows, t.checkpoint_interval = 0, case.micro_batch, 0
-    config.generation.max_new_tokens = GENERATE_NEW_TOKENS  # the chat answer after training: what the estimate models
+    config.generation.max_new_tokens = GENERATE_NEW_TOKENS  # the chat answers (between two steps, after training)
     return config
 
 
@@ -144,8 +144,9 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
             steps_seen.append(event)
             if cuda:  # one reading of the allocator's counters: this runs between two timed steps
                 counters = memory.allocator_counters(torch.device("cuda"))
-                train_peak["allocated"] = counters["peak_allocated"]
-                train_peak["reserved"] = counters["peak_reserved"]
+                # max: the answer between steps resets the counters (between_steps below)
+                train_peak["allocated"] = max(train_peak.get("allocated", 0), counters["peak_allocated"])
+                train_peak["reserved"] = max(train_peak.get("reserved", 0), counters["peak_reserved"])
                 graphs = getattr(getattr(trainer_box[0].session, "fast", None), "_graphs", None) \
                     if trainer_box else None
                 if graphs is not None:  # counted while training: the graphs are given back at its end
@@ -165,6 +166,9 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
     memory.reset_peak = lambda device=None: None
     trainer = _trainer(config, create_run(config), emit)
     trainer_box.append(trainer)
+    between: dict = {}
+    if steps >= 2:
+        trainer.between_steps = _answer_between_steps(steps - 1, case.seq, between, train_peak)
     t0 = time.perf_counter()
     finished = trainer.train()
     wall = time.perf_counter() - t0
@@ -185,22 +189,57 @@ def run_trainer(case, folder: Path, steps: int, warmup: int, work: Path) -> dict
         row["tokens_per_s"] = (b.tokens_seen - a.tokens_seen) / max(b.elapsed_s - a.elapsed_s, 1e-9)
     if cuda:
         torch.cuda.synchronize()
-        row["run_peak_allocated"] = torch.cuda.max_memory_allocated()
-        row["run_peak_reserved"] = torch.cuda.max_memory_reserved()
+        # the run's peaks: since the answer between steps reset the counters, and before it
+        row["run_peak_allocated"] = max(torch.cuda.max_memory_allocated(), between.get("run_allocated", 0))
+        row["run_peak_reserved"] = max(torch.cuda.max_memory_reserved(), between.get("run_reserved", 0))
         row["train_peak_allocated"] = train_peak.get("allocated", 0)
         row["train_peak_reserved"] = train_peak.get("reserved", 0)
         row["load_peak_allocated"] = train_peak.get("load_allocated", 0)
         row["load_peak_reserved"] = train_peak.get("load_reserved", 0)
         torch.cuda.reset_peak_memory_stats()  # the generation's own peaks from here
     row.update(generate_phase(trainer.session, case.seq, GENERATE_NEW_TOKENS))
+    row.update({f"between_steps_{k}": v for k, v in between.get("answer", {}).items()})
     if cuda:
-        row["peak_allocated"] = max(row["run_peak_allocated"], row["generate_peak_allocated"])
-        row["peak_reserved"] = max(row["run_peak_reserved"], row["generate_peak_reserved"])
+        row["peak_allocated"] = max(row["run_peak_allocated"], row["generate_peak_allocated"],
+                                    row.get("between_steps_generate_peak_allocated", 0))
+        row["peak_reserved"] = max(row["run_peak_reserved"], row["generate_peak_reserved"],
+                                   row.get("between_steps_generate_peak_reserved", 0))
         if fast is not None and getattr(fast, "_graphs", None) is not None:
             row["graphs"] = train_peak.get("graphs", 0)  # the most alive at once
             row["captures"] = len(captured)
             row["graphs_failed"] = getattr(fast._graphs, "failed", None)
     return row
+
+
+def _answer_between_steps(at_step: int, seq: int, out: dict, train_peak: dict):
+    """The Trainer's between-steps hook for a row: after step ``at_step`` (one with a step after it:
+    the optimizer's state and the CUDA graphs' pools still held) it answers as the worker's chat
+    does between two steps (server.py's ``_serve_anytime``), the answer's own peaks in
+    ``out["answer"]``. That moment, not the answer after training (which has given back both), is
+    what the estimate's generation phase models (core/memory/phases.py). The run's peaks so far go
+    to ``out["run_*"]`` first, and the counters are reset again after the answer, so the training
+    peaks read later are the steps' own."""
+    import torch
+
+    from studio.engine import memory
+
+    def hook(trainer) -> None:
+        if trainer.step != at_step or "answer" in out:
+            return None
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize()
+            counters = memory.allocator_counters(torch.device("cuda"))
+            out["run_allocated"], out["run_reserved"] = counters["peak_allocated"], counters["peak_reserved"]
+            train_peak["allocated"] = max(train_peak.get("allocated", 0), counters["peak_allocated"])
+            train_peak["reserved"] = max(train_peak.get("reserved", 0), counters["peak_reserved"])
+            torch.cuda.reset_peak_memory_stats()
+        out["answer"] = generate_phase(trainer.session, seq, GENERATE_NEW_TOKENS)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        return None
+
+    return hook
 
 
 def held_out_prompt(session, tokens: int) -> dict:

@@ -73,3 +73,5 @@ def test_an_moe_row_runs_through_the_trainer_on_the_cpu(tmp_path: Path, studio_e
     assert row["model"] == "qwen3_moe" and result["models"]["qwen3_moe"]["model_type"] == "qwen3_moe"
     measured = row["measured"]
     assert measured["path"] == "fast" and measured["steps"] == 5 and measured["generate_new_tokens"] == 64
+    # and the chat answer between two steps, the moment the estimate's generation phase models
+    assert measured["between_steps_generate_new_tokens"] == 64
