@@ -96,6 +96,42 @@ class PackedExperts:
         dequantize_packed(self.packed, self.quant_state, out, kernel)
         return out
 
+    def window(self, dim: int, part: int, parts: int) -> tuple[int, int, int] | None:
+        """Part ``part`` of ``parts`` equal parts of dimension ``dim`` (1 or 2) of every expert's
+        stored weight, as engine/fast/dequant.py's kernel takes a window of the stored values:
+        ``(row_values, first_value, values)``; None where the parts do not fall on whole blocks."""
+        experts, a, b = self.shape
+        row_values = a * b if dim == 1 else b
+        values = row_values // parts
+        if row_values % parts or values % int(self.quant_state.blocksize):
+            return None
+        return row_values, part * values, values
+
+    def dequantize_window(self, dtype: torch.dtype, out: torch.Tensor, window: tuple[int, int, int],
+                          kernel: Any = None) -> torch.Tensor:
+        """The values of :meth:`window` ``window`` of every row in ``dtype``, into ``out`` (contiguous,
+        ``row_values / values`` times smaller than the weight), through ``kernel`` where given and
+        working, else bitsandbytes on the window's bytes and scales (gathered first)."""
+        from studio.engine.fast import dequant
+        from studio.engine.fast.frozen import dequantize_packed, expanded_absmax
+
+        if kernel is not None:
+            done, _ = dequant.KERNELS.attempt(lambda: kernel(self.packed, out, window))
+            if done:
+                return out
+        import bitsandbytes.functional as bnbf
+
+        row_values, first, values = window
+        state, blocksize = self.quant_state, int(self.quant_state.blocksize)
+        rows = self.packed.numel() * 2 // row_values
+        packed = self.packed.view(rows, row_values // 2)[:, first // 2:(first + values) // 2].reshape(-1, 1)
+        absmax = expanded_absmax(state).view(rows, row_values // blocksize)[
+            :, first // blocksize:(first + values) // blocksize].reshape(-1)
+        chosen = bnbf.QuantState(absmax=absmax, shape=out.shape, dtype=state.dtype, blocksize=blocksize,
+                                 code=state.code, quant_type=state.quant_type)
+        dequantize_packed(packed, chosen, out)
+        return out
+
     def parameter_weight(self, dtype: torch.dtype, experts: torch.Tensor | None = None) -> torch.Tensor:
         """The weights ``[experts, out, in]`` (the parameter's layout) in ``dtype``: every expert's, or
         those of ``experts`` (indices on the packed values' device) in that order. An expert's values

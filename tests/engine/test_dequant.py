@@ -54,6 +54,20 @@ def test_the_kernel_gives_bitsandbytes_values_to_the_bit(interpreted, rows, cols
     _check(rows, cols, blocksize, nested, dtype, "cpu")
 
 
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("rows,cols,first,values", [(6, 256, 0, 128), (6, 256, 128, 128), (4, 512, 192, 64)])
+def test_a_window_of_the_weight_is_those_columns_of_the_whole(interpreted, rows, cols, first, values, nested):
+    """A window (the same columns of every row; a mixture of experts' gate/up in halves) is, to the
+    bit, those columns of the whole weight dequantized."""
+    packed, state = _quantized(rows, cols, 64, nested, "cpu")
+    kernel = dequant.NF4Weight(state, torch.device("cpu"))
+    whole = torch.empty(rows, cols, dtype=torch.bfloat16)
+    kernel(packed, whole)
+    part = torch.full((rows, values), float("nan"), dtype=torch.bfloat16)
+    kernel(packed, part, window=(cols, first, values))
+    assert torch.equal(part, whole[:, first:first + values])
+
+
 def test_what_the_kernel_does_not_cover_goes_to_bitsandbytes(monkeypatch):
     packed, state = _quantized(8, 64, 64, True, "cpu")
     assert dequant.supports(state, torch.bfloat16)

@@ -154,3 +154,31 @@ def test_a_4bit_load_packs_the_experts_and_frees_their_16bit_tensors(tmp_path: P
     result = generate(base.model, base.tokenizer, prompt, max_new_tokens=8)
     assert result.token_ids == generate(plain, base.tokenizer, prompt, max_new_tokens=8).token_ids
     assert freed()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe", "mixtral"])
+def test_gate_up_read_in_halves_trains_as_read_whole(name: str, monkeypatch) -> None:
+    """Packed gate/up dequantized and multiplied in two halves of its output features (the
+    workspace then holds half of it): the loss and every LoRA gradient of reading it whole, within
+    fp32 rounding of the backward's two summed products."""
+    import studio.engine.fast.moe as moe
+
+    batch = _batch(packing=False)
+    results = []
+    for parts in ({"gate_up_proj": 2}, {}):
+        monkeypatch.setattr(moe, "PARTS", parts)
+        model = _peft(_config(name))
+        quantize_experts(model, "nf4", double_quant=True)
+        fast_model, why = fast.prepare(model)
+        assert fast_model is not None, why
+        sparse = [layer.moe for layer in fast_model.layers if isinstance(getattr(layer, "moe", None), moe.SparseMlp)]
+        assert sparse and {m.gate_up.weights.parts for m in sparse} == {2 if parts else 1}
+        assert {m.down.weights.parts for m in sparse} == {1}
+        loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
+        loss.backward()
+        results.append((loss.detach(), _grads(model)))
+    (halves, got), (whole, want) = results
+    assert torch.allclose(halves, whole, rtol=1e-6)
+    assert got.keys() == want.keys() and any("experts" in n for n in got)
+    for key in want:
+        assert torch.allclose(got[key], want[key], rtol=1e-4, atol=1e-7), key

@@ -212,15 +212,32 @@ def dequant_buffer_bytes(info: ModelInfo, compute: int) -> int:
     return max(fan_in * fan_out for fan_in, fan_out in shapes.values()) * compute
 
 
+NF4_BLOCK = 64
+"""bitsandbytes' 4-bit block size (engine/quantized_experts.py packs experts with it)."""
+
+
+def gate_up_in_halves(info: ModelInfo) -> bool:
+    """Whether the fast path dequantizes a mixture of experts' 4-bit gate/up in two halves of its
+    output features (engine/fast/moe.py's ``PARTS``): NF4/FP4 experts whose halves fall on whole
+    blocks (each expert's half of ``intermediate x hidden`` values; gpt-oss, stored ``[in, out]``,
+    each row's half of its ``2 x intermediate``); gpt-oss' MXFP4 experts are read whole."""
+    if info.expert_format == "mxfp4":
+        return False
+    per_row = info.expert_intermediate if info.model_type == "gpt_oss" else info.expert_intermediate * info.hidden
+    return per_row % NF4_BLOCK == 0
+
+
 def expert_buffer_bytes(info: ModelInfo, plan: Plan) -> int:
     """What the shared dequantization buffer grows by beyond :func:`dequant_buffer_bytes` for a
     mixture of experts' 4-bit experts: it holds one projection of every expert at a time
-    (engine/fast/moe.py's ExpertWeights; gate/up, ``experts x 2 x intermediate x hidden``, is the
-    wider). 0 for a dense model or experts in a float dtype."""
+    (engine/fast/moe.py's ExpertWeights): down's ``experts x intermediate x hidden`` where gate/up
+    is read in halves (:func:`gate_up_in_halves`), else gate/up's, twice that. 0 for a dense model
+    or experts in a float dtype."""
     if not info.sparse_layers or not dequantizes(plan.weights):
         return 0
     c = compute_bytes(plan)
-    return max(0, info.experts * 2 * info.expert_intermediate * info.hidden * c - dequant_buffer_bytes(info, c))
+    widest = (1 if gate_up_in_halves(info) else 2) * info.experts * info.expert_intermediate * info.hidden * c
+    return max(0, widest - dequant_buffer_bytes(info, c))
 
 
 def dequantizes(weights: str) -> bool:

@@ -92,18 +92,30 @@ class NF4Weight:
             self.code2 = self.absmax2 = self.offset = self.scales
             self.inner = 1
 
-    def __call__(self, packed: torch.Tensor, out: torch.Tensor) -> None:
+    def __call__(self, packed: torch.Tensor, out: torch.Tensor, window: tuple[int, int, int] | None = None) -> None:
         """Write the weight (``packed``: bitsandbytes' uint8 storage, two values a byte) into
-        ``out``, in ``out``'s dtype."""
+        ``out``, in ``out``'s dtype. ``window`` ``(row_values, first_value, values)``: only part
+        of it, the stored values seen as rows of ``row_values`` and ``values`` of each row from
+        ``first_value`` on (all three multiples of the block size), written one row after another."""
         kernel = _kernel()
         assert kernel is not None, "Triton is not installed"
         assert out.is_contiguous(), "the kernel writes a contiguous weight"
         numel = out.numel()
         blocks = -(-numel // self.blocksize)
+        source_numel = packed.numel() * 2
+        if window is None:
+            row_blocks, first, width = blocks, 0, blocks
+        else:
+            row_values, first_value, values = window
+            assert not (row_values % self.blocksize or first_value % self.blocksize or values % self.blocksize), \
+                "a window of whole blocks"
+            row_blocks, first, width = (v // self.blocksize for v in (row_values, first_value, values))
+            assert numel == source_numel // row_values * values, "the window's values fill the output"
         grid = (-(-blocks // BLOCKS_PER_PROGRAM),)
         # enable_fp_fusion=False: bitsandbytes rounds code2[q] * absmax2 before adding the offset;
         # a fused multiply-add would round once and differ in the last bit.
         kernel[grid](packed, self.scales, self.code2, self.absmax2, self.offset, self.code, out, numel,
-                     blocks, NESTED=self.nested, HALF=self.blocksize // 2, BLOCKSIZE2=self.inner,
+                     blocks, width, row_blocks, first, source_numel,
+                     NESTED=self.nested, HALF=self.blocksize // 2, BLOCKSIZE2=self.inner,
                      ROWS=BLOCKS_PER_PROGRAM, num_warps=NUM_WARPS, enable_fp_fusion=False,
                      ROUND_BY_HAND=out.dtype == torch.bfloat16 and interpreted())

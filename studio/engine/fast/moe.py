@@ -10,8 +10,9 @@ rows, and each projection is one grouped product over those runs (:class:`Groups
 ``grouped_mm`` where it takes the operands (bf16 on a CUDA card of compute capability 8.0 or more;
 the CPU build's kernel in any float dtype, for 16-byte aligned strides), else one product per
 expert, a loop used on the CPU and for fp16 / fp32 on CUDA only. Experts a 4-bit load packed
-(engine/quantized_experts.py) are dequantized one projection at a time, every expert at once, into
-the model's shared workspace right before the product that reads them (:class:`ExpertWeights`);
+(engine/quantized_experts.py) are dequantized one projection at a time (gate/up in two halves of its
+output features, :data:`PARTS`), every expert at once, into the model's shared workspace right
+before the product that reads them (:class:`ExpertWeights`);
 gpt-oss' MXFP4 experts, kept as the checkpoint ships them (engine/mxfp4.py), the same way.
 
 LoRA on the experts is PEFT's ``target_parameters`` adapter (``lora.ParamWrapper``: one A and one
@@ -55,6 +56,14 @@ from studio.engine.quantized_experts import PackedExperts, packed_experts
 _KERNEL = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 """torch's grouped product (``torch.nn.functional.grouped_mm`` from 2.10, ``torch._grouped_mm``
 before), or None in a build without one."""
+
+
+PARTS = {"gate_up_proj": 2}
+"""Parts a projection's 4-bit experts are dequantized in, each followed by its own grouped
+product (its output features; its share of the backward's input gradient, summed). Gate/up has
+twice down's features: in halves, the shared workspace holds as much as down's weights (the
+experts' ``experts x intermediate x hidden``), not twice that (gpt-oss-20b: 0.53 GB less; Mixtral-8x7B:
+0.94 GB). NF4/FP4 experts only, where the halves fall on whole blocks; gpt-oss' MXFP4 ones go whole."""
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -132,7 +141,8 @@ class ExpertWeights:
     read, which then holds one projection's weights until the next read of any weight."""
 
     def __init__(self, param: torch.Tensor, dtype: torch.dtype, packed: PackedExperts | Mxfp4Experts | None = None,
-                 workspace: Workspace | None = None, kernel: bool = True, transposed: bool = False):
+                 workspace: Workspace | None = None, kernel: bool = True, transposed: bool = False,
+                 parts: int = 1):
         self.param = param
         self.dtype = dtype
         self.experts = int(param.shape[0])
@@ -148,24 +158,38 @@ class ExpertWeights:
         """What the stored weights' ``dequantize`` takes as its kernel (``kernel``: the
         ``trainer.fast_path.kernels`` setting): dequant.py's NF4 kernel for packed weights, where it
         covers them; for MXFP4 ones the setting itself (engine/mxfp4.py's kernel where it runs)."""
+        self.parts = 1
+        """How many parts of the output features :meth:`stacked` dequantizes at a time (:data:`PARTS`)."""
+        self._windows: list[tuple[int, int, int]] = []
+        if isinstance(packed, PackedExperts) and parts > 1:
+            # the output features are dimension 2 of a transposed layout [experts, in, out], else 1
+            windows = [packed.window(2 if self.transposed else 1, p, parts) for p in range(parts)]
+            width = self.out_features // parts * torch.empty((), dtype=dtype).element_size()
+            if all(w is not None for w in windows) and self.out_features % parts == 0 and width % 16 == 0:
+                self.parts, self._windows = parts, windows
         if packed is not None:
             assert workspace is not None, "stored experts need a workspace"
-            workspace.reserve(self.experts * self.out_features * self.in_features)
+            workspace.reserve(self.experts * self.out_features * self.in_features // self.parts)
             if isinstance(packed, Mxfp4Experts):
                 self.kernel = kernel
             elif isinstance(packed, PackedExperts) and kernel and dequant.supports(packed.quant_state, dtype) \
                     and dequant.available(packed.packed.device):
                 self.kernel = dequant.NF4Weight(packed.quant_state, packed.packed.device)
 
-    def stacked(self) -> torch.Tensor:
+    def stacked(self, part: int | None = None) -> torch.Tensor:
         """Every expert's weight ``[experts, out, in]`` in the compute dtype (stored ones: in the
-        workspace, valid until the next read; a transposed layout as a view)."""
-        if self.packed is None:
+        workspace, valid until the next read; a transposed layout as a view); ``part``: only that
+        part of the output features, ``[experts, out / parts, in]`` (:attr:`parts`)."""
+        if self.packed is None:  # (in one part: only stored weights are read in parts)
             w = self.param.detach().to(self.dtype)
+            return w.transpose(1, 2) if self.transposed else w
+        out = self.out_features // self.parts if part is not None else self.out_features
+        assert part is not None or self.parts == 1, "a weight read in parts is read one part at a time"
+        rows, cols = (self.in_features, out) if self.transposed else (out, self.in_features)
+        w = self.workspace.take(self.experts * rows, cols).view(self.experts, rows, cols)
+        if part is not None and self.parts > 1:
+            self.packed.dequantize_window(self.dtype, w, self._windows[part], self.kernel)
         else:
-            rows, cols = (self.in_features, self.out_features) if self.transposed else (
-                self.out_features, self.in_features)
-            w = self.workspace.take(self.experts * rows, cols).view(self.experts, rows, cols)
             self.packed.dequantize(self.dtype, w, self.kernel)
         return w.transpose(1, 2) if self.transposed else w
 
@@ -182,7 +206,14 @@ class ExpertProduct(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weights: ExpertWeights, groups: Groups, a: torch.Tensor | None,
                 b: torch.Tensor | None, scale: float, value: bool = True) -> torch.Tensor:
         xa = groups.mm(x, a.transpose(1, 2)) if a is not None else None
-        if value:
+        if value and weights.parts > 1:
+            y = x.new_empty(x.shape[0], weights.out_features)
+            n = weights.out_features // weights.parts
+            for part in range(weights.parts):
+                y[:, part * n:(part + 1) * n] = groups.mm(x, weights.stacked(part).transpose(1, 2))
+            if xa is not None:
+                y.add_(groups.mm(xa, b.transpose(1, 2)), alpha=scale)
+        elif value:
             y = groups.mm(x, weights.stacked().transpose(1, 2))
             if xa is not None:
                 y.add_(groups.mm(xa, b.transpose(1, 2)), alpha=scale)
@@ -197,7 +228,16 @@ class ExpertProduct(torch.autograd.Function):
         x, xa, a, b = ctx.saved_tensors
         groups, scale = ctx.groups, ctx.scale
         dy = dy.contiguous()
-        dx = groups.mm(dy, ctx.weights.stacked()) if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            weights = ctx.weights
+            if weights.parts > 1:  # dy's columns of each part times that part's weights, summed
+                n = weights.out_features // weights.parts
+                for part in range(weights.parts):
+                    term = groups.mm(dy[:, part * n:(part + 1) * n], weights.stacked(part))
+                    dx = term if dx is None else dx.add_(term)
+            else:
+                dx = groups.mm(dy, weights.stacked())
         da = db = None
         if a is not None:
             dyb = groups.mm(dy, b)
@@ -258,7 +298,8 @@ class ExpertProjection:
         base, wrappers = _wrappers(experts)
         stored = packed_experts(base).get(name) or mxfp4_experts(base).get(name)
         self.weights = ExpertWeights(getattr(base, name), dtype, stored, workspace, kernel,
-                                     transposed=bool(getattr(base, "is_transposed", False)))
+                                     transposed=bool(getattr(base, "is_transposed", False)),
+                                     parts=PARTS.get(name, 1))
         self.dtype = dtype
         bias = getattr(base, f"{name}_bias", None) if getattr(base, "has_bias", False) else None
         self.bias = bias.detach().to(dtype) if bias is not None else None
