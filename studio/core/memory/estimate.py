@@ -37,8 +37,9 @@ def estimate_plan(info: ModelInfo, plan: Plan, gpu_bytes: int | None = None) -> 
     if top != "training step":  # the categories of the moment that sets the peak: no gradients then
         c, peak = result.categories, phases[top]
         on_device_optimizer = 0 if plan.optimizer.startswith("paged") else c["optimizer"]
-        c["gradients"] = 0
-        c["activations"] = peak.allocated - c["weights"] - c["experts"] - c["lora"] - on_device_optimizer
+        c["gradients"] = peak.gradients
+        c["activations"] = (peak.allocated - c["weights"] - c["experts"] - c["lora"] - on_device_optimizer
+                            - c["gradients"])
         if top == MODEL_LOAD:  # before the adapter and the optimizer exist: the experts in transit
             c["lora"] = c["optimizer"] = c["activations"] = 0
             c["experts"] = peak.allocated - c["weights"]

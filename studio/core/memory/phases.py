@@ -163,10 +163,15 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
               + lent + head_copy + info.vocab * (c + 4 + 4))
     gen_held = f"KV cache of {prompt} + {plan.generate_new_tokens} tokens ({kv / 1e9:.2f} GB), last logits only"
 
+    # Between two steps run as CUDA graphs the adapters' gradients stay in the graphs' fixed tensors
+    # (engine/fast/graphs.py's GradSink): an answer or an evaluation there holds them too.
+    sink = kept["gradients"] if pool else 0
+
     def peak(work: float, held: str, host_kv: bool = False, beside_pool: bool = True) -> PhasePeak:
-        allocated = int(persistent + work)
+        grads = sink if beside_pool else 0
+        allocated = int(persistent + grads + work)
         need = math.ceil((allocated + (pool if beside_pool else 0) + SLACK_FLOOR) / PAGE) * PAGE
-        return PhasePeak(allocated, max(step.peak_reserved, need), held, host_kv)
+        return PhasePeak(allocated, max(step.peak_reserved, need), held, host_kv, int(grads))
 
     generation = peak(answer + kv, gen_held)
     # On the card only with a margin of one more KV cache under both of the step's peaks: a step run
@@ -191,7 +196,7 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
     if loading is not None:
         phases = {MODEL_LOAD: loading, **phases}
     if plan.grpo_completion:
-        grads = kept["gradients"] if plan.accumulation > 1 else 0
+        grads = kept["gradients"] if plan.accumulation > 1 and not sink else 0  # (the sink's: counted by peak)
         work, held = grpo_sampling(info, plan, stream, dequant)
         phases[GRPO_SAMPLING] = peak(work + grads, held)
         phases["evaluation"] = peak(work, f"greedy completions of held-out prompts: {held}",

@@ -48,6 +48,10 @@ class PhasePeak:
     """Generation only: the answer's KV cache is kept on the host, a few layers on the card at a
     time, because on the card it would need more memory than the training step."""
 
+    gradients: int = 0
+    """Bytes of the adapters' gradients the phase holds (between two CUDA-graphed steps: the
+    graphs' fixed gradient tensors, engine/fast/graphs.py's GradSink)."""
+
     def to_json_dict(self) -> dict:
         """``studio estimate --json``'s shape of one phase."""
         out = {"peak_allocated": self.allocated, "peak_reserved": self.reserved, "held": self.held}
