@@ -221,10 +221,10 @@ def test_a_cuda_load_gives_back_the_memory_it_packed_the_experts_in(tmp_path: Pa
     sees a layer's gate/up projection or more still reserved."""
     from studio.engine import model as model_module
 
-    folder = _moe_folder(tmp_path / "qwen3_moe", "qwen3_moe", num_hidden_layers=2, hidden_size=512, num_experts=16,
+    folder = _moe_folder(tmp_path / "qwen3_moe", "qwen3_moe", num_hidden_layers=2, hidden_size=512, num_experts=64,
                          moe_intermediate_size=1024, mlp_only_layers=[])
     config = _run_config(folder)
-    gate_up = 16 * 2 * 1024 * 512 * 2  # one layer's gate/up in bf16
+    gate_up = 64 * 2 * 1024 * 512 * 2  # one layer's gate/up in bf16: 128 MiB
 
     def free_but_reserved() -> int:
         torch.cuda.synchronize()
@@ -246,4 +246,5 @@ def test_a_cuda_load_gives_back_the_memory_it_packed_the_experts_in(tmp_path: Pa
     assert base.quantization == "nf4" and _experts(base.model)
     given_back = free_but_reserved()
     assert kept >= gate_up, kept
-    assert given_back < gate_up // 4, given_back
+    # what stays: pages partly in use (the large pool maps 20 MiB at a time, the small one 2 MiB)
+    assert given_back < 48 * 2**20, given_back
