@@ -230,7 +230,7 @@ def load_peak(info: ModelInfo, plan: Plan, step: Estimate) -> PhasePeak | None:
     top of every weight loaded so far (all but this layer's packed experts); all three are reserved,
     their sizes too unlike the 4-bit blocks for the allocator to reuse. Measured at 3687b1f on
     OLMoE-1B-7B, Qwen3-30B-A3B (8 layers) and Mixtral-8x7B (4 layers), where the load set the run's
-    peak (bench/results/current/h200_vram_measured_moe_3687b1f.json)."""
+    peak (bench/results/archive/h200_vram_measured_moe_3687b1f.json)."""
     if not info.sparse_layers or not dequantizes(plan.weights) or info.expert_format == "mxfp4":
         return None
     gate_up = info.experts * 2 * info.expert_intermediate * info.hidden * compute_bytes(plan)
