@@ -250,9 +250,9 @@ def phase_ranges(gate_up_weights: object, down_weights: object) -> Iterator[None
         return run
 
     def stacked(fn: Callable) -> Callable:
-        def run(self):
+        def run(self, *args):  # (part: gate/up is read in halves)
             with record_function("moe.dequant"):
-                out = fn(self)
+                out = fn(self, *args)
             stacked_ptr[0] = out.data_ptr()
             return out
         return run

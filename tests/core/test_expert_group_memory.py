@@ -64,3 +64,26 @@ def test_the_answer_counts_a_group_of_experts_instead_of_one_dense_weight(info, 
     changed = {"generation"} | ({"evaluation"} if path == "plain" else set())
     for phase, peak in grouped.items():
         assert peak.allocated - before[phase].allocated == (more if phase in changed else 0), phase
+
+
+@pytest.mark.parametrize("info", [GPT_OSS, QWEN3_MOE])
+@pytest.mark.parametrize("experts_adapted", [False, True])
+def test_grpo_sampling_counts_a_group_in_the_prefill_and_the_whole_layer_in_the_captured_step(
+        info, experts_adapted: bool, monkeypatch) -> None:
+    """GRPO's sampling: the eager prefill lends a group of experts (the whole layer twice over with
+    expert adapters) where a dense model dequantizes one weight, and the captured decode step, which
+    cannot run groups, keeps the whole layer (and PEFT's adapted copy) in its pool."""
+    from studio.core.memory.expert_groups import captured_expert_bytes
+    from studio.core.memory.result import GRPO_SAMPLING
+
+    plan = Plan(weights="nf4", lora_r=16, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), micro_batch=4,
+                seq_len=1024, path="fast", grpo_completion=256, lora_experts=experts_adapted)
+    counted = estimate_plan(info, plan).phases[GRPO_SAMPLING].allocated
+    monkeypatch.setattr("studio.core.memory.phases.lent_expert_bytes", lambda *_: 0)
+    monkeypatch.setattr("studio.core.memory.phases.captured_expert_bytes", lambda *_: 0)
+    dense_only = estimate_plan(info, plan).phases[GRPO_SAMPLING].allocated
+    dense = max(a * b for a, b in info.linear_shapes().values()) * 2
+    layer = info.experts * _expert(info)
+    lent = 2 * layer if experts_adapted else experts_per_group(_expert(info)) * _expert(info)
+    assert captured_expert_bytes(info, plan) == (2 if experts_adapted else 1) * layer
+    assert counted - dense_only == (lent - dense) + ((2 if experts_adapted else 1) * layer - dense)

@@ -316,7 +316,8 @@ def test_the_estimate_counts_two_sequences_a_pair(monkeypatch: pytest.MonkeyPatc
     a, b = estimate(sft, llama, capacity), estimate(dpo, llama, capacity)
     assert a.path == b.path == path
     doubled = estimate(sft, llama, capacity, micro_batch=2 * sft.trainer.micro_batch())
-    assert b.categories["activations"] == doubled.categories["activations"] > a.categories["activations"]
+    # the step's categories (an evaluation between steps can set a DPO run's peak: its reference pass)
+    assert b.step_categories["activations"] == doubled.step_categories["activations"] > a.step_categories["activations"]
     assert b.max_micro_batch in (a.max_micro_batch // 2 - 1, a.max_micro_batch // 2, a.max_micro_batch // 2 + 1)
     assert any("reference pass" in note for note in b.notes)
 
@@ -345,7 +346,8 @@ def test_the_fast_estimate_of_dpo_shares_the_graph_s_pool_with_its_reference_pas
     tokens = a.plan.tokens
     assert reference_graph_bytes(llama, tokens, 2) < graph_pool_bytes(llama, tokens, 2, gate_in_kernel=True)
     output = tokens * llama.hidden * 2  # bf16 final hidden states
-    assert abs(a.peak_reserved - b.peak_reserved - output) <= PAGE
+    step = "training step"  # (DPO's evaluation between steps, a reference pass beside the pool, can be its peak)
+    assert abs(a.phases[step].reserved - b.phases[step].reserved - output) <= PAGE
     assert output < reference_pass_bytes(llama, tokens, 2) / 10
     big_dpo, big_orpo = (estimate(c, llama, micro_batch=8) for c in (dpo, orpo))  # 8 x 2 x 512 tokens
     assert big_dpo.plan.tokens > GRAPH_TOKEN_LIMIT

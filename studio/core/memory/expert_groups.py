@@ -29,6 +29,18 @@ each go 5 at a time (7 groups), Qwen3-30B-A3B's 128 of 9.4 MB 28 at a time (5 gr
 is one more forward of the experts module, whose launches a decoding step pays per group hit."""
 
 
+def captured_expert_bytes(info: ModelInfo, plan: Plan) -> int:
+    """Bytes of 16-bit expert weights a CUDA graph of transformers' forward keeps in its pool: a
+    capture cannot run the groups (they read which experts were hit on the host), so the captured
+    forward lends each sparse layer's whole experts, both projections, and PEFT's adapted copy with
+    ``lora.target_experts`` (GRPO's decode step, engine/sampler.py). 0 where :func:`lent_expert_bytes`
+    is."""
+    if not info.sparse_layers or not dequantizes(plan.weights):
+        return 0
+    layer = 3 * info.hidden * info.expert_intermediate * compute_bytes(plan) * info.experts
+    return 2 * layer if plan.lora_experts and plan.lora_r else layer
+
+
 def experts_per_group(expert_bytes: int) -> int:
     """Experts in a group when one expert's 16-bit weights (both projections) take ``expert_bytes``:
     as many as fit :data:`EXPERT_GROUP_BYTES`, at least one."""

