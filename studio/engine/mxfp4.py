@@ -86,23 +86,30 @@ def scale_values(exponents: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                     out: torch.Tensor | None = None, kernel: bool = True) -> torch.Tensor:
+                     out: torch.Tensor | None = None, kernel: bool = True,
+                     window: tuple[int, int] | None = None) -> torch.Tensor:
     """The weights ``blocks [..., rows, in / 32, 16]`` and ``scales [..., rows, in / 32]`` stand
     for, as ``[..., rows, in]`` in ``dtype``; written into ``out`` when given: contiguous, or a 3-D
-    ``[experts, rows, in]`` of any strides (a transposed view). With ``kernel`` (the
+    ``[experts, rows, in]`` of any strides (a transposed view). ``window`` ``(first, count)``: only
+    those rows (of each expert), ``[..., count, in]``. With ``kernel`` (the
     ``trainer.fast_path.kernels`` setting), by engine/fast/mxfp4_dequant.py's one Triton kernel where
     it runs (CUDA, or Triton's interpreter), else with torch operations: the same values to the bit."""
     *lead, rows, groups, half = blocks.shape
     if half * 2 != BLOCK or tuple(scales.shape) != (*lead, rows, groups):
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair up "
                          f"([..., rows, in / {BLOCK}, {BLOCK // 2}] and [..., rows, in / {BLOCK}])")
+    full_blocks, full_scales = blocks, scales
+    if window is not None:
+        first, rows = window
+        blocks, scales = blocks[..., first:first + rows, :, :], scales[..., first:first + rows, :]
+        assert blocks.shape[-3] == rows, "a window inside every expert's rows"
     width = groups * BLOCK
     if out is None:
         out = torch.empty(*lead, rows, width, dtype=dtype, device=blocks.device)
     elif tuple(out.shape) != (*lead, rows, width):  # the kernel would write past a smaller one
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} dequantize to {(*lead, rows, width)}, not into "
                          f"{tuple(out.shape)}")
-    if kernel and _by_kernel(blocks, scales, out):
+    if kernel and _by_kernel(full_blocks, full_scales, out, window):
         return out
     # fp16 cannot hold every scale (2^-25 and below are 0, 2^16 and above infinite): its values are
     # multiplied in fp32 and rounded once, as the exact product; fp32 and bf16 hold every scale
@@ -123,7 +130,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out
 
 
-def _by_kernel(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> bool:
+def _by_kernel(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+               window: tuple[int, int] | None = None) -> bool:
     """Whether engine/fast/mxfp4_dequant.py's kernel wrote ``out`` (False where it does not run or
     cover these tensors, or failed here: the torch way then does)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or not (out.is_contiguous() or out.dim() == 3):
@@ -132,7 +140,7 @@ def _by_kernel(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) ->
 
     if out.dtype not in mxfp4_dequant.DTYPES or not mxfp4_dequant.available(blocks.device):
         return False
-    done, _ = mxfp4_dequant.KERNELS.attempt(lambda: mxfp4_dequant.dequantize(blocks, scales, out))
+    done, _ = mxfp4_dequant.KERNELS.attempt(lambda: mxfp4_dequant.dequantize(blocks, scales, out, window))
     return done
 
 
@@ -169,6 +177,21 @@ class Mxfp4Experts:
         given; ``kernel`` (the argument engine/quantized_experts.py's weights share): False for the
         torch way only (``trainer.fast_path.kernels`` off), else the Triton kernel where it runs."""
         return dequantize_mxfp4(self.blocks, self.scales, dtype, out, kernel is not False)
+
+    def window(self, dim: int, part: int, parts: int) -> tuple[int, int] | None:
+        """Part ``part`` of ``parts`` equal parts of every expert's output rows (``dim`` is always
+        the rows here: the dequantized layout is ``[experts, out, in]``), as :meth:`dequantize_window`
+        takes it: ``(first row, rows)``; None where the rows do not split evenly."""
+        rows = self.shape[1]
+        if rows % parts:
+            return None
+        return part * rows // parts, rows // parts
+
+    def dequantize_window(self, dtype: torch.dtype, out: torch.Tensor, window: tuple[int, int],
+                          kernel: Any = None) -> torch.Tensor:
+        """The rows of :meth:`window` ``window`` of every expert, ``[experts, rows, in]`` in ``dtype``,
+        into ``out``; ``kernel`` as :meth:`dequantize` takes it."""
+        return dequantize_mxfp4(self.blocks, self.scales, dtype, out, kernel is not False, window)
 
     def parameter_weight(self, dtype: torch.dtype, experts: torch.Tensor | None = None) -> torch.Tensor:
         """The weights in the parameter's layout, ``[experts, in, out]`` contiguous, in ``dtype``:

@@ -259,3 +259,5 @@ def test_the_fast_path_over_mxfp4_experts_is_transformers_on_the_same_weights(on
 
     fast_model, _ = fast.prepare(model)
     assert all(isinstance(layer.gate_up.weights.packed, Mxfp4Experts) for layer in fast_model.layers)
+    # gate/up read in two halves of its rows (engine/fast/moe.py's PARTS): what _check_family checked
+    assert {(layer.gate_up.weights.parts, layer.down.weights.parts) for layer in fast_model.layers} == {(2, 1)}

@@ -95,6 +95,23 @@ def test_random_weights_contiguous_and_transposed(interpreted, shape: tuple[int,
 
 
 @INTERPRETER
+@pytest.mark.parametrize("window", [(0, 20), (20, 20), (7, 13)])
+def test_a_window_of_every_expert_s_rows_is_those_rows_of_the_whole(interpreted, window) -> None:
+    """Some rows of every expert (gate/up in halves, engine/fast/moe.py), by the kernel and the torch
+    way: those rows of the whole weight, bit for bit."""
+    shape = (3, 40, 96)
+    blocks, scales = random_mxfp4(shape, seed=5)
+    whole = torch_way(blocks, scales, torch.bfloat16)
+    first, rows = window
+    want = whole[:, first:first + rows]
+    out = torch.empty(3, rows, 96, dtype=torch.bfloat16).view(torch.int16).fill_(-1).view(torch.bfloat16)
+    mxfp4_dequant.dequantize(blocks, scales, out, window)
+    assert_same_bits(out, want)
+    assert_same_bits(mxfp4.dequantize_mxfp4(blocks, scales, torch.bfloat16, kernel=False, window=window), want)
+    assert_same_bits(mxfp4.dequantize_mxfp4(blocks, scales, torch.bfloat16, kernel=True, window=window), want)
+
+
+@INTERPRETER
 def test_dequantize_mxfp4_runs_the_kernel_where_it_can(interpreted, monkeypatch) -> None:
     """Under the interpreter (as on CUDA) the experts' dequantization is the kernel's: the torch way's
     table is never built; with ``trainer.fast_path.kernels`` off (the fast path's ExpertWeights) it is."""

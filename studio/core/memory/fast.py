@@ -220,9 +220,10 @@ def gate_up_in_halves(info: ModelInfo) -> bool:
     """Whether the fast path dequantizes a mixture of experts' 4-bit gate/up in two halves of its
     output features (engine/fast/moe.py's ``PARTS``): NF4/FP4 experts whose halves fall on whole
     blocks (each expert's half of ``intermediate x hidden`` values; gpt-oss, stored ``[in, out]``,
-    each row's half of its ``2 x intermediate``); gpt-oss' MXFP4 experts are read whole."""
+    each row's half of its ``2 x intermediate``), and gpt-oss' MXFP4 experts (half of each expert's
+    rows)."""
     if info.expert_format == "mxfp4":
-        return False
+        return True
     per_row = info.expert_intermediate if info.model_type == "gpt_oss" else info.expert_intermediate * info.hidden
     return per_row % NF4_BLOCK == 0
 

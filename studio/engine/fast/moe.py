@@ -63,7 +63,7 @@ PARTS = {"gate_up_proj": 2}
 product (its output features; its share of the backward's input gradient, summed). Gate/up has
 twice down's features: in halves, the shared workspace holds as much as down's weights (the
 experts' ``experts x intermediate x hidden``), not twice that (gpt-oss-20b: 0.53 GB less; Mixtral-8x7B:
-0.94 GB). NF4/FP4 experts only, where the halves fall on whole blocks; gpt-oss' MXFP4 ones go whole."""
+0.94 GB). NF4/FP4 experts where the halves fall on whole blocks, and gpt-oss' MXFP4 ones."""
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -161,7 +161,7 @@ class ExpertWeights:
         self.parts = 1
         """How many parts of the output features :meth:`stacked` dequantizes at a time (:data:`PARTS`)."""
         self._windows: list[tuple[int, int, int]] = []
-        if isinstance(packed, PackedExperts) and parts > 1:
+        if packed is not None and parts > 1:
             # the output features are dimension 2 of a transposed layout [experts, in, out], else 1
             windows = [packed.window(2 if self.transposed else 1, p, parts) for p in range(parts)]
             width = self.out_features // parts * torch.empty((), dtype=dtype).element_size()

@@ -48,14 +48,18 @@ def available(device: torch.device) -> bool:
     return KERNELS.usable(device)
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+               window: tuple[int, int] | None = None) -> None:
     """Write the weights ``blocks [..., rows, in / 32, 16]`` and ``scales [..., rows, in / 32]`` (uint8,
     checked to pair up by the caller) stand for into ``out``, in ``out``'s dtype: ``[..., rows, in]``
-    contiguous, or a 3-D ``[experts, rows, in]`` of any strides."""
+    contiguous, or a 3-D ``[experts, rows, in]`` of any strides. ``window`` ``(first, count)``: only
+    those rows of each expert (``out`` has ``count`` rows an expert)."""
     kernel = KERNELS.get()
     assert kernel is not None, "Triton is not installed"
     groups = int(blocks.shape[-2])
-    rows = blocks.numel() // (groups * 16)
+    source_rows = int(blocks.shape[-3])
+    first, part = window or (0, source_rows)
+    rows = blocks.numel() // (groups * 16) // source_rows * part
     if out.is_contiguous():  # every expert's rows as one run
         per_expert, strides = rows, (0, groups * 32, 1)
     else:
@@ -63,6 +67,6 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) ->
         per_expert, strides = int(out.shape[1]), tuple(out.stride())
     grid = (-(-rows // ROWS), -(-groups // GROUPS))
     kernel["mxfp4_dequantize"][grid](blocks.contiguous(), scales.contiguous(), out, rows, groups, per_expert,
-                                     *strides, ROWS=ROWS, GROUPS=GROUPS,
+                                     *strides, part, source_rows, first, ROWS=ROWS, GROUPS=GROUPS,
                                      BF16=out.dtype == torch.bfloat16,
                                      num_warps=NUM_WARPS)

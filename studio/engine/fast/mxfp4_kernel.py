@@ -5,12 +5,16 @@ import triton.language as tl
 
 
 def mxfp4_dequantize(blocks_ptr, scales_ptr, out_ptr, rows, groups, rows_per_expert, stride_e, stride_r,
-                     stride_c, ROWS: tl.constexpr, GROUPS: tl.constexpr, BF16: tl.constexpr):
-    # A tile of ROWS rows x GROUPS blocks of 32 values: 16 code bytes and one scale byte each.
+                     stride_c, part_rows, source_rows, first_row, ROWS: tl.constexpr, GROUPS: tl.constexpr,
+                     BF16: tl.constexpr):
+    # A tile of ROWS rows x GROUPS blocks of 32 values: 16 code bytes and one scale byte each. The
+    # output's rows are ``part_rows`` of each expert's ``source_rows`` stored ones, from ``first_row``
+    # (every row: part_rows = source_rows, first_row = 0).
     row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     inside = (row < rows)[:, None] & (group < groups)[None, :]
-    block = row[:, None] * groups + group[None, :]
+    source = (row // part_rows) * source_rows + first_row + row % part_rows
+    block = source[:, None] * groups + group[None, :]
     exponent = tl.load(scales_ptr + block, mask=inside, other=0).to(tl.int32)
     # 2 ** (exponent - 127) built from its fp32 bits, as mxfp4.scale_values builds it (an exp2 would
     # be ex2.approx on the GPU, 2^-127 one subnormal step off): 0 is 2^-127 (subnormal), 255 NaN.
