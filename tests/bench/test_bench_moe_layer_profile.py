@@ -233,12 +233,11 @@ def test_the_tiny_run_profiles_every_pass_and_phase_and_writes_what_a_gpu_result
             calls = block["profile"]["calls_per_step"]  # the recomputation takes the forward's routing
             assert calls["forward"]["sort"] == 1 and "sort" not in calls["recompute"]
             # every expert dequantized once per projection in each pass, but down in the recomputation;
-            # NF4 gate/up in its two halves (engine/fast/moe.py's PARTS), a call each; MXFP4 whole
+            # gate/up in its two halves (engine/fast/moe.py's PARTS), a call each, NF4 and MXFP4 alike
             dequant = block["model"]["dequantization"]
             assert dequant["experts_per_call"] == 4
-            g = 2.0 if formats[name] == "PackedExperts" else 1.0
             assert [dequant[f"{p}.{proj}_calls"] for p in ("forward", "recompute", "backward")
-                    for proj in ("gate_up", "down")] == [g, 1.0, g, 0, g, 1.0]
+                    for proj in ("gate_up", "down")] == [2.0, 1.0, 2.0, 0, 2.0, 1.0]
             assert block["model"]["ideal"]["ideal_ms"] > 0 and block["eager"]["step"]["median_ms"] > 0
             assert row["engine_layer"]["eager"]["step"]["median_ms"] > 0
             assert row["engine_layer"]["eager"]["routing"]["rows"] == 32 * 2
