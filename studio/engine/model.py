@@ -138,12 +138,9 @@ def give_back_load_memory() -> None:
     bits while it packs them, and the checkpoint's shards pass through the card. The caching allocator
     keeps those pages mapped, free but reserved, so the run would start with them reserved: other
     processes could not use them, and a training step's peak reserved would read the load's."""
-    import gc
+    from studio.engine.oom import free
 
-    from studio.engine.oom import between_phases
-
-    gc.collect()
-    between_phases(torch.device("cuda"))
+    free(torch.device("cuda"))
 
 
 def _load_plain(config: RunConfig, path: str, device: torch.device, dtype: torch.dtype) -> Any:

@@ -113,23 +113,33 @@ class PackedExperts:
         ``row_values / values`` times smaller than the weight), through ``kernel`` where given and
         working, else bitsandbytes on the window's bytes and scales (gathered first)."""
         from studio.engine.fast import dequant
-        from studio.engine.fast.frozen import dequantize_packed, expanded_absmax
 
         if kernel is not None:
             done, _ = dequant.KERNELS.attempt(lambda: kernel(self.packed, out, window))
             if done:
                 return out
+        row_values, first, values = window
+        rows = self.packed.numel() * 2 // row_values
+        return self._gathered(rows, row_values, slice(None), slice(first, first + values), out)
+
+    def _gathered(self, rows: int, row_values: int, chosen_rows: Any, columns: slice,
+                  out: torch.Tensor) -> torch.Tensor:
+        """``out`` (its shape: the gathered values') from part of the stored values through
+        bitsandbytes: seen as ``rows`` rows of ``row_values``, the rows ``chosen_rows`` (indices or a
+        slice) and, of each, the values ``columns`` (whole blocks), their bytes and expanded block
+        scales gathered first."""
         import bitsandbytes.functional as bnbf
 
-        row_values, first, values = window
+        from studio.engine.fast.frozen import dequantize_packed, expanded_absmax
+
         state, blocksize = self.quant_state, int(self.quant_state.blocksize)
-        rows = self.packed.numel() * 2 // row_values
-        packed = self.packed.view(rows, row_values // 2)[:, first // 2:(first + values) // 2].reshape(-1, 1)
-        absmax = expanded_absmax(state).view(rows, row_values // blocksize)[
-            :, first // blocksize:(first + values) // blocksize].reshape(-1)
-        chosen = bnbf.QuantState(absmax=absmax, shape=out.shape, dtype=state.dtype, blocksize=blocksize,
-                                 code=state.code, quant_type=state.quant_type)
-        dequantize_packed(packed, chosen, out)
+        packed = self.packed.view(rows, row_values // 2)[chosen_rows][
+            :, columns.start // 2:columns.stop // 2].reshape(-1, 1)
+        absmax = expanded_absmax(state).view(rows, row_values // blocksize)[chosen_rows][
+            :, columns.start // blocksize:columns.stop // blocksize].reshape(-1)
+        sub = bnbf.QuantState(absmax=absmax, shape=out.shape, dtype=state.dtype, blocksize=blocksize,
+                              code=state.code, quant_type=state.quant_type)
+        dequantize_packed(packed, sub, out)
         return out
 
     def parameter_weight(self, dtype: torch.dtype, experts: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,19 +153,8 @@ class PackedExperts:
         total, rows, width = self.shape
         if (rows * width) % BLOCKSIZE:
             return self.dequantize(dtype)[experts]
-        import bitsandbytes.functional as bnbf
-
-        from studio.engine.fast.frozen import dequantize_packed, expanded_absmax
-
-        state = self.quant_state
-        packed = self.packed.view(total, -1)[experts].reshape(-1, 1)
-        absmax = expanded_absmax(state).view(total, -1)[experts].reshape(-1)
-        shape = torch.Size((len(experts), rows, width))
-        chosen = bnbf.QuantState(absmax=absmax, shape=shape, dtype=state.dtype, blocksize=state.blocksize,
-                                 code=state.code, quant_type=state.quant_type)
-        out = torch.empty(shape, dtype=dtype, device=self.packed.device)
-        dequantize_packed(packed, chosen, out)
-        return out
+        out = torch.empty(len(experts), rows, width, dtype=dtype, device=self.packed.device)
+        return self._gathered(total, rows * width, experts, slice(0, rows * width), out)
 
 
 def packed_experts(experts: nn.Module) -> dict[str, PackedExperts]:

@@ -182,3 +182,23 @@ def test_gate_up_read_in_halves_trains_as_read_whole(name: str, monkeypatch) -> 
     assert got.keys() == want.keys() and any("experts" in n for n in got)
     for key in want:
         assert torch.allclose(got[key], want[key], rtol=1e-4, atol=1e-7), key
+
+
+@pytest.mark.parametrize(("name", "overrides"), [(n, {}) for n in CASES] + [("gpt_oss", {"intermediate_size": 96})])
+def test_the_estimate_knows_when_gate_up_is_read_in_halves(name: str, overrides: dict) -> None:
+    """core/memory/fast.py's gate_up_in_halves (which sizes the shared buffer in the estimate,
+    torch-free) says what the engine does for each family's packed experts, halves or whole (gpt-oss
+    with an intermediate of 96: each row's half, 96 values, is not whole 64-value blocks)."""
+    import studio.engine.fast.moe as moe
+    from studio.core.memory.fast import gate_up_in_halves
+    from studio.core.model.info import from_config_dict
+
+    config = _config(name, **overrides)
+    model = _peft(config)
+    quantize_experts(model, "nf4", double_quant=True)
+    fast_model, why = fast.prepare(model)
+    assert fast_model is not None, why
+    parts = {layer.moe.gate_up.weights.parts for layer in fast_model.layers
+             if isinstance(getattr(layer, "moe", None), moe.SparseMlp)}
+    assert parts in ({1}, {2})
+    assert gate_up_in_halves(from_config_dict(config.to_dict(), name)) == (parts == {2}) == (not overrides)

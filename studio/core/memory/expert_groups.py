@@ -37,8 +37,13 @@ def captured_expert_bytes(info: ModelInfo, plan: Plan) -> int:
     is."""
     if not info.sparse_layers or not dequantizes(plan.weights):
         return 0
-    layer = 3 * info.hidden * info.expert_intermediate * compute_bytes(plan) * info.experts
+    layer = info.experts * _expert_bytes(info, plan)
     return 2 * layer if plan.lora_experts and plan.lora_r else layer
+
+
+def _expert_bytes(info: ModelInfo, plan: Plan) -> int:
+    """One expert's gate, up and down weights in the compute dtype."""
+    return 3 * info.hidden * info.expert_intermediate * compute_bytes(plan)
 
 
 def experts_per_group(expert_bytes: int) -> int:
@@ -55,9 +60,9 @@ def lent_expert_bytes(info: ModelInfo, plan: Plan) -> int:
     ``_LoraFactorsProxy``). 0 for a dense model or experts not held in 4 bits (bitsandbytes' 8-bit
     loading and a 16-bit load leave them as they are). The copies of a group's biases (gpt-oss: a
     few kB) are left out."""
+    if plan.lora_experts and plan.lora_r:
+        return captured_expert_bytes(info, plan)  # the whole layer and its adapted copy, grouped or not
     if not info.sparse_layers or not dequantizes(plan.weights):
         return 0
-    expert = 3 * info.hidden * info.expert_intermediate * compute_bytes(plan)
-    if plan.lora_experts and plan.lora_r:
-        return 2 * info.experts * expert
+    expert = _expert_bytes(info, plan)
     return min(info.experts, experts_per_group(expert)) * expert

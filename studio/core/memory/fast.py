@@ -52,6 +52,7 @@ from studio.core.memory.allocator import (
 )
 from studio.core.memory.attention import eager_attention_bytes, kept_attention_per_token
 from studio.core.memory.params import (
+    QUANT_BLOCK,
     compute_bytes,
     expert_lora_params,
     experts_stored_bytes,
@@ -212,10 +213,6 @@ def dequant_buffer_bytes(info: ModelInfo, compute: int) -> int:
     return max(fan_in * fan_out for fan_in, fan_out in shapes.values()) * compute
 
 
-NF4_BLOCK = 64
-"""bitsandbytes' 4-bit block size (engine/quantized_experts.py packs experts with it)."""
-
-
 def gate_up_in_halves(info: ModelInfo) -> bool:
     """Whether the fast path dequantizes a mixture of experts' 4-bit gate/up in two halves of its
     output features (engine/fast/moe.py's ``PARTS``): NF4/FP4 experts whose halves fall on whole
@@ -225,7 +222,7 @@ def gate_up_in_halves(info: ModelInfo) -> bool:
     if info.expert_format == "mxfp4":
         return True
     per_row = info.expert_intermediate if info.model_type == "gpt_oss" else info.expert_intermediate * info.hidden
-    return per_row % NF4_BLOCK == 0
+    return per_row % QUANT_BLOCK == 0
 
 
 def expert_buffer_bytes(info: ModelInfo, plan: Plan) -> int:

@@ -21,7 +21,9 @@ MXFP4_BYTES = 0.5 + 1 / 32
 """Bytes a weight takes in MXFP4 (gpt-oss' shipped experts): two values a byte and one scale byte a
 block of 32 (4.25 bits)."""
 
-_QUANT_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax constant per 64 weights
+QUANT_BLOCK = 64
+"""bitsandbytes' 4-bit block size: one absmax constant per 64 weights (engine/quantized_experts.py
+packs experts with it too)."""
 _NESTED_BLOCK = 256  # double quant: one fp32 constant per 256 absmax bytes
 _OPTIM8_BLOCK = 256  # bitsandbytes 8-bit optimizers: one fp32 absmax per 256 state bytes
 _OPTIM8_MIN_SIZE = 4096  # smaller tensors keep 32-bit optimizer state in bitsandbytes
@@ -65,7 +67,7 @@ def quant_constants(n: int, plan: Plan) -> float:
     """Bytes of bitsandbytes quantization constants for one 4-bit weight matrix of ``n`` elements
     (0 for other formats: LLM.int8's per-row scales depend on the shape, :func:`weight_bytes` adds them)."""
     if plan.weights in ("nf4", "fp4"):
-        blocks = math.ceil(n / _QUANT_BLOCK)
+        blocks = math.ceil(n / QUANT_BLOCK)
         if plan.double_quant:
             # uint8 absmax per block, fp32 absmax per 256 of those, a 256-entry fp32 code, an offset
             return blocks + 4 * math.ceil(blocks / _NESTED_BLOCK) + 1024 + 4 + 64

@@ -206,15 +206,14 @@ class ExpertProduct(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weights: ExpertWeights, groups: Groups, a: torch.Tensor | None,
                 b: torch.Tensor | None, scale: float, value: bool = True) -> torch.Tensor:
         xa = groups.mm(x, a.transpose(1, 2)) if a is not None else None
-        if value and weights.parts > 1:
-            y = x.new_empty(x.shape[0], weights.out_features)
-            n = weights.out_features // weights.parts
-            for part in range(weights.parts):
-                y[:, part * n:(part + 1) * n] = groups.mm(x, weights.stacked(part).transpose(1, 2))
-            if xa is not None:
-                y.add_(groups.mm(xa, b.transpose(1, 2)), alpha=scale)
-        elif value:
-            y = groups.mm(x, weights.stacked().transpose(1, 2))
+        if value:
+            if weights.parts > 1:
+                y = x.new_empty(x.shape[0], weights.out_features)
+                n = weights.out_features // weights.parts
+                for part in range(weights.parts):
+                    y[:, part * n:(part + 1) * n] = groups.mm(x, weights.stacked(part).transpose(1, 2))
+            else:
+                y = groups.mm(x, weights.stacked().transpose(1, 2))
             if xa is not None:
                 y.add_(groups.mm(xa, b.transpose(1, 2)), alpha=scale)
         else:
