@@ -130,7 +130,8 @@ def test_the_adapter_dropout_kernel_compiles(compiled, accumulate: bool) -> None
 def test_the_expert_kernels_compile(compiled, interleaved: bool, clamped: bool) -> None:
     """The experts' routed activation, forward and backward (SiLU with gate's columns first, as
     Qwen3-MoE, Mixtral and OLMoE store them; gpt-oss' clamped SwiGLU, interleaved), and the sum of each
-    token's copies, in the tiles expert_activation.py and expert_copies.py launch."""
+    token's copies (with gpt-oss' down-projection bias where the activation is gpt-oss'), in the tiles
+    expert_activation.py and expert_copies.py launch."""
     kernels = expert_activation.KERNELS.get()
     kinds = {"alpha": "fp32", "limit": "fp32"}
     switches = dict(INTERLEAVED=interleaved, CLAMPED=clamped)
@@ -140,6 +141,7 @@ def test_the_expert_kernels_compile(compiled, interleaved: bool, clamped: bool) 
     block_m, block_n = expert_activation.BACKWARD_BLOCK
     _build(kernels["routed_backward"], dict(switches, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=False,
                                             ADD=None), kinds, num_warps=expert_activation.NUM_WARPS)
-    _build(expert_copies.KERNELS.get()["copies_sum"], dict(K=8, BLOCK_M=expert_copies.BLOCK_M,
+    _build(expert_copies.KERNELS.get()["copies_sum"], dict(K=4 if clamped else 8, BIASED=clamped,
+                                                           BLOCK_M=expert_copies.BLOCK_M,
                                                            BLOCK_N=expert_copies.BLOCK_N),
-           {"pos_ptr": "*i32"}, num_warps=expert_copies.NUM_WARPS)
+           {"pos_ptr": "*i32", "expert_ptr": "*i64"}, num_warps=expert_copies.NUM_WARPS)
