@@ -133,14 +133,16 @@ def test_the_expert_kernels_compile(compiled, interleaved: bool, clamped: bool) 
     token's copies (with gpt-oss' down-projection bias where the activation is gpt-oss'), in the tiles
     expert_activation.py and expert_copies.py launch."""
     kernels = expert_activation.KERNELS.get()
-    kinds = {"alpha": "fp32", "limit": "fp32"}
-    switches = dict(INTERLEAVED=interleaved, CLAMPED=clamped)
+    # gpt-oss' case: gate/up's bias (each row's expert's, int64), gate/up in halves (the backward's
+    # second launch adds to the first's fp32 weight gradient)
+    kinds = {"alpha": "fp32", "limit": "fp32", "e_ptr": "*i64", "dw_ptr": "*fp32" if clamped else "*bf16"}
+    switches = dict(INTERLEAVED=interleaved, CLAMPED=clamped, BIASED=clamped)
     _build(kernels["routed_forward"], dict(switches, BLOCK_M=expert_activation.BLOCK_M,
                                            BLOCK_N=expert_activation.BLOCK_N), kinds,
            num_warps=expert_activation.NUM_WARPS)
     block_m, block_n = expert_activation.BACKWARD_BLOCK
-    _build(kernels["routed_backward"], dict(switches, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=False,
-                                            ADD=None), kinds, num_warps=expert_activation.NUM_WARPS)
+    _build(kernels["routed_backward"], dict(switches, ACCUMULATE=clamped, BLOCK_M=block_m, BLOCK_N=block_n,
+                                            INTERPRETED=False, ADD=None), kinds, num_warps=expert_activation.NUM_WARPS)
     _build(expert_copies.KERNELS.get()["copies_sum"], dict(K=4 if clamped else 8, BIASED=clamped,
                                                            BLOCK_M=expert_copies.BLOCK_M,
                                                            BLOCK_N=expert_copies.BLOCK_N),

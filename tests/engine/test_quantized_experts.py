@@ -156,12 +156,21 @@ def test_a_4bit_load_packs_the_experts_and_frees_their_16bit_tensors(tmp_path: P
     assert freed()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe", "mixtral"])
-def test_gate_up_read_in_halves_trains_as_read_whole(name: str, monkeypatch) -> None:
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe", "mixtral", "gpt_oss"])
+def test_gate_up_read_in_halves_trains_as_read_whole(name: str, kernels: bool, monkeypatch) -> None:
     """Packed gate/up dequantized and multiplied in two halves of its output features (the
     workspace then holds half of it): the loss and every LoRA gradient of reading it whole, within
-    fp32 rounding of the backward's two summed products."""
+    fp32 rounding of the backward's two summed products. With the kernels (Triton's interpreter on
+    the CPU), the activation reads the halves where their products wrote them (gpt-oss: interleaved,
+    gate/up's bias added inside it, down's in the combine's sum)."""
     import studio.engine.fast.moe as moe
+
+    if kernels:  # the model is on the CPU, on a GPU machine too
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     batch = _batch(packing=False)
     results = []
@@ -174,6 +183,8 @@ def test_gate_up_read_in_halves_trains_as_read_whole(name: str, monkeypatch) -> 
         sparse = [layer.moe for layer in fast_model.layers if isinstance(getattr(layer, "moe", None), moe.SparseMlp)]
         assert sparse and {m.gate_up.weights.parts for m in sparse} == {2 if parts else 1}
         assert {m.down.weights.parts for m in sparse} == {1}
+        assert {m.kernels and moe.expert_activation.available(torch.device("cpu"), torch.float32)
+                for m in sparse} == {kernels}
         loss = fast_model.loss(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)
         loss.backward()
         results.append((loss.detach(), _grads(model)))

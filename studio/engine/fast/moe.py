@@ -200,25 +200,23 @@ class ExpertProduct(torch.autograd.Function):
     and B their gradients with grouped products too. With ``value`` False only the backward is
     real: the output is a zero that owns no memory, and neither the weights' dequantization nor a
     product runs but ``x A^T``, which the backward reads (a recomputation whose output nothing
-    reads: :class:`SparseMlp`)."""
+    reads: :class:`SparseMlp`). ``part``: only that part of the output features (a weight read in
+    parts, :attr:`ExpertWeights.parts`; ``b`` that part's rows): :class:`SparseMlp` runs one product
+    a part and hands the parts to the activation as they are, and autograd sums the parts' input
+    gradients."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weights: ExpertWeights, groups: Groups, a: torch.Tensor | None,
-                b: torch.Tensor | None, scale: float, value: bool = True) -> torch.Tensor:
+                b: torch.Tensor | None, scale: float, value: bool = True, part: int | None = None) -> torch.Tensor:
+        out_features = weights.out_features // weights.parts if part is not None else weights.out_features
         xa = groups.mm(x, a.transpose(1, 2)) if a is not None else None
         if value:
-            if weights.parts > 1:
-                y = x.new_empty(x.shape[0], weights.out_features)
-                n = weights.out_features // weights.parts
-                for part in range(weights.parts):
-                    y[:, part * n:(part + 1) * n] = groups.mm(x, weights.stacked(part).transpose(1, 2))
-            else:
-                y = groups.mm(x, weights.stacked().transpose(1, 2))
+            y = groups.mm(x, weights.stacked(part).transpose(1, 2))
             if xa is not None:
                 y.add_(groups.mm(xa, b.transpose(1, 2)), alpha=scale)
         else:
-            y = x.new_zeros(()).expand(x.shape[0], weights.out_features)
-        ctx.weights, ctx.groups, ctx.scale = weights, groups, scale
+            y = x.new_zeros(()).expand(x.shape[0], out_features)
+        ctx.weights, ctx.groups, ctx.scale, ctx.part = weights, groups, scale, part
         ctx.save_for_backward(x if a is not None else None, xa, a, b)
         return y
 
@@ -227,17 +225,7 @@ class ExpertProduct(torch.autograd.Function):
         x, xa, a, b = ctx.saved_tensors
         groups, scale = ctx.groups, ctx.scale
         dy = dy.contiguous()
-        dx = None
-        if ctx.needs_input_grad[0]:
-            weights = ctx.weights
-            if weights.parts > 1:  # dy's columns of each part times that part's weights, summed
-                n = weights.out_features // weights.parts
-                for part in range(weights.parts):
-                    term = groups.mm(dy[:, part * n:(part + 1) * n], weights.stacked(part))
-                    # (out=, not add_: bench/moe_phases.py reads a projection's add_ as a LoRA term)
-                    dx = term if dx is None else torch.add(dx, term, out=dx)
-            else:
-                dx = groups.mm(dy, weights.stacked())
+        dx = groups.mm(dy, ctx.weights.stacked(ctx.part)) if ctx.needs_input_grad[0] else None
         da = db = None
         if a is not None:
             dyb = groups.mm(dy, b)
@@ -247,7 +235,7 @@ class ExpertProduct(torch.autograd.Function):
                 da = groups.outer(dyb, x).mul_(scale)
             if ctx.needs_input_grad[4]:
                 db = groups.outer(dy, xa).mul_(scale)
-        return dx, None, None, da, db, None, None
+        return dx, None, None, da, db, None, None, None
 
 
 def _wrappers(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
@@ -409,16 +397,24 @@ class SparseMlp:
             return gate * torch.sigmoid(gate * spec.swiglu_alpha) * (up + 1)
         return F.silu(gate) * up
 
-    def activated(self, gu: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The experts' gated activation of gate/up's output ``gu [rows, 2 x width]`` times each
-        row's routing weight ``weight [rows]``: one kernel a pass where it runs
-        (:class:`~studio.engine.fast.expert_activation.RoutedActivation`), else :meth:`activate`
-        and a product in torch's operations."""
-        if self.kernels and expert_activation.available(gu.device, gu.dtype):
-            gu = gu if gu.stride(-1) == 1 else gu.contiguous()
-            done, act = expert_activation.KERNELS.attempt(lambda: RoutedActivation.apply(gu, weight, self.spec))
+    def activated(self, parts: list[torch.Tensor], weight: torch.Tensor, expert: torch.Tensor | None
+                  ) -> torch.Tensor:
+        """The experts' gated activation of gate/up's output, in ``parts`` of its output features
+        (``[rows, 2 x width / parts]`` each, :attr:`ExpertWeights.parts`), gate/up's bias of each
+        row's ``expert`` added first (gpt-oss), times each row's routing weight ``weight [rows]``:
+        one kernel a pass where it runs (:class:`~studio.engine.fast.expert_activation.RoutedActivation`,
+        which reads the parts where they are), else :meth:`activate` and a product in torch's
+        operations."""
+        bias = self.gate_up.bias
+        if self.kernels and expert_activation.available(parts[0].device, parts[0].dtype):
+            parts = [p if p.stride(-1) == 1 else p.contiguous() for p in parts]
+            done, act = expert_activation.KERNELS.attempt(
+                lambda: RoutedActivation.apply(weight, expert if bias is not None else None, bias, self.spec, *parts))
             if done:
                 return act
+        gu = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        if bias is not None:
+            gu = gu + bias[expert]
         return self.activate(gu) * weight[:, None]
 
     def __call__(self, x: torch.Tensor, gate_up_adapters: tuple, down_adapters: tuple,
@@ -452,16 +448,20 @@ class SparseMlp:
         summed = self.kernels and expert_copies.available(x2.device, x2.dtype)
         weight = Gather.apply(weights.reshape(-1, 1), order, pos, 1, summed).view(-1)
         a, b, scale = gate_up_adapters
-        gu = ExpertProduct.apply(Gather.apply(x2, rows, pos, k, summed), self.gate_up.weights, groups, a, b, scale)
+        xs = Gather.apply(x2, rows, pos, k, summed)
+        w = self.gate_up.weights
+        if w.parts > 1:  # a product a part of gate/up's output features, each read where it lies
+            n = w.out_features // w.parts
+            gus = [ExpertProduct.apply(xs, w, groups, a, b[:, p * n:(p + 1) * n] if b is not None else None, scale,
+                                       True, p) for p in range(w.parts)]
+        else:
+            gus = [ExpertProduct.apply(xs, w, groups, a, b, scale)]
         biased = self.gate_up.bias is not None or self.down.bias is not None
         expert = chosen.reshape(-1)[order] if biased else None  # each sorted row's expert: whose biases it adds
-        if self.gate_up.bias is not None:
-            gu = gu + self.gate_up.bias[expert]
         # the routing weight taken into the activation: the down product (and its bias) carry it
-        act = self.activated(gu, weight)
+        act = self.activated(gus, weight, expert)
         a, b, scale = down_adapters
         value = read or not again
         y = ExpertProduct.apply(act, self.down.weights, groups, a, b, scale, value)
-        if self.down.bias is not None:
-            y = y + self.down.bias[expert] * weight[:, None]
-        return Combine.apply(y, rows, pos, k, summed, value).view(shape)
+        # down's bias, times the routing weight, is added in the combine's sum
+        return Combine.apply(y, rows, pos, k, summed, value, self.down.bias, expert, weight).view(shape)
