@@ -68,11 +68,11 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 VARIANTS = {"attn": False, "experts": True}
 """Row -> whether the experts get adapters too (LoRA on the attention projections in both)."""
 
-DEFAULT_LAYERS: dict[str, int | None] = {"qwen3-30b-a3b": 12, "gpt-oss-20b": 12, "mixtral-8x7b": 6,
-                                         "olmoe-1b-7b": None}
+DEFAULT_LAYERS: dict[str, int | None] = {"qwen3-30b-a3b": 12, "gpt-oss-20b": 12, "gpt-oss-120b": 4,
+                                         "mixtral-8x7b": 6, "olmoe-1b-7b": None}
 """Layers built by default (None: all): what the box's disk and a call's time hold with three sides
 loading the model twice each (Qwen3-30B-A3B 12 of 48: 16 GB of bf16; gpt-oss-20b 12 of 24: 22 GB;
-Mixtral-8x7B 6 of 32: 18 GB; OLMoE-1B-7B whole: 14 GB)."""
+gpt-oss-120b 4 of 36: 27 GB; Mixtral-8x7B 6 of 32: 18 GB; OLMoE-1B-7B whole: 14 GB)."""
 
 SEQ, MICRO_BATCH = 2048, 1
 TINY_SEQ = 64

@@ -33,6 +33,13 @@ MOE_MODELS: dict[str, dict] = {
                         num_experts_per_tok=4, vocab_size=201088, max_position_embeddings=131072, rms_norm_eps=1e-5,
                         sliding_window=128, attention_bias=True, swiglu_limit=7.0, tie_word_embeddings=False,
                         router_aux_loss_coef=0.9, output_router_logits=False),
+    # huggingface.co/openai/gpt-oss-120b config.json (sample_data/model_configs/openai/gpt-oss-120b):
+    # gpt-oss-20b's layer with 128 experts, over 36 layers (6.4 GB of bf16 a layer in this build)
+    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                         num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128,
+                         num_experts_per_tok=4, vocab_size=201088, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         sliding_window=128, attention_bias=True, swiglu_limit=7.0, tie_word_embeddings=False,
+                         router_aux_loss_coef=0.9, output_router_logits=False),
     # huggingface.co/mistralai/Mixtral-8x7B-v0.1 config.json: Mistral's layer (no window) with 8 experts
     # of width 14336, top 2, vocabulary 32000
     "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -50,7 +57,7 @@ MOE_MODELS: dict[str, dict] = {
 }
 """Each MoE model's config.json values (``model_type`` included), by the label the benches use."""
 
-HUB_IDS = {"qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B", "gpt-oss-20b": "openai/gpt-oss-20b",
+HUB_IDS = {"qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B", "gpt-oss-20b": "openai/gpt-oss-20b", "gpt-oss-120b": "openai/gpt-oss-120b",
            "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1", "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0924"}
 """The checkpoint each shape is read from."""
 

@@ -25,7 +25,8 @@ def test_the_shapes_are_the_published_models_and_gpt_oss_is_not_its_config_class
     36 layers of 128 experts) and the benchmark would measure another model."""
     sized = {name: mrm.sizes(shape) for name, shape in MOE_MODELS.items()}
     billions = {name: round(s["total_bytes"] / 2 / 1e9, 1) for name, s in sized.items()}
-    assert billions == {"qwen3-30b-a3b": 30.5, "gpt-oss-20b": 20.9, "mixtral-8x7b": 46.7, "olmoe-1b-7b": 6.9}
+    assert billions == {"qwen3-30b-a3b": 30.5, "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8, "mixtral-8x7b": 46.7,
+                        "olmoe-1b-7b": 6.9}
     gpt_oss = mrm.hf_config(MOE_MODELS["gpt-oss-20b"])
     assert (gpt_oss.num_hidden_layers, gpt_oss.num_local_experts, gpt_oss.num_experts_per_tok) == (24, 32, 4)
     qwen = describe_decoder(mrm.hf_config(MOE_MODELS["qwen3-30b-a3b"]).to_dict())
