@@ -56,7 +56,7 @@ def kernel():
         half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         blocks = pid_n * (BLOCK_N // 64) + tl.arange(0, BLOCK_N // 64)
         base = e.to(tl.int64) * K * N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # (tl.zeros: a jitted helper the interpreter may not call)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_in = k < K
