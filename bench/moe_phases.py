@@ -18,8 +18,9 @@ products: the frozen weight's, or the LoRA terms'). The rest of ``SparseMlp.__ca
 code, put in a phase by where it runs: before the gate/up product the rest of the routing (the
 logged counts, the rows from the order, where each copy sits) and the permutation
 (engine/fast/expert_copies.py's ``Gather`` s: ``x2[rows]`` the big one, :data:`GATHERS`); between
-the two products gate/up's bias; after the down product down's bias and the combine (``Combine``:
-each token's copies summed by expert_copies.py's kernel, or torch's ``index_add_``). The
+the two products nothing (gpt-oss' gate/up bias is added inside ``SparseMlp.activated``); after
+the down product the combine (``Combine``: each token's copies summed by expert_copies.py's kernel,
+or torch's ``index_add_``, with gpt-oss' down bias times the routing weight in the same sum). The
 recomputation runs neither down's product nor the combine where nothing reads its value (moe.py's
 ``read``). The backward's inline work is named by its autograd node (``CombineBackward`` is the
 combine's, ``GatherBackward`` the permutation's sum of each token's copies' gradients, and so on:

@@ -103,9 +103,17 @@ def segments(parts: Sequence[torch.Tensor], spec: MoeSpec, bias: torch.Tensor | 
     return out
 
 
-def _rows_of(seg: Segment) -> tuple[torch.Tensor, int]:
-    assert seg.gate.stride(-1) == 1 and seg.up.stride(-1) == 1 and seg.gate.stride(0) == seg.up.stride(0)
-    return seg.gate, seg.gate.stride(0)
+def _reads(seg: Segment, expert: torch.Tensor | None, weight: torch.Tensor) -> tuple[dict, dict]:
+    """What both kernels read of a segment, as their leading pointer arguments and their ``BIASED``
+    and strides: gate, up, the biases and each row's expert (stand-ins where there is no bias: the
+    unbiased kernels never read them), then the routing weight."""
+    g, u = seg.gate, seg.up
+    assert g.stride(-1) == 1 and u.stride(-1) == 1 and g.stride(0) == u.stride(0), "gate and up: rows alike"
+    biased = seg.bias_gate is not None
+    pointers = dict(g_ptr=g, u_ptr=u, bg_ptr=seg.bias_gate if biased else g, bu_ptr=seg.bias_up if biased else g,
+                    e_ptr=expert if biased else weight, w_ptr=weight)
+    return pointers, dict(stride_gu=g.stride(0), stride_bias=seg.bias_gate.stride(0) if biased else 0,
+                          BIASED=biased)
 
 
 def routed_activation(parts: Sequence[torch.Tensor], weight: torch.Tensor, spec: MoeSpec,
@@ -119,13 +127,10 @@ def routed_activation(parts: Sequence[torch.Tensor], weight: torch.Tensor, spec:
     out = parts[0].new_empty(rows, width)
     kernel = KERNELS.get()["routed_forward"]
     for seg in segments(parts, spec, bias):
-        g, stride = _rows_of(seg)
-        biased = seg.bias_gate is not None
+        pointers, given = _reads(seg, expert, weight)
         kernel[(-(-rows // BLOCK_M), -(-seg.width // BLOCK_N))](
-            g, seg.up, seg.bias_gate if biased else g, seg.bias_up if biased else g,
-            expert if biased else weight, weight, out[:, seg.start:], rows, seg.width, stride,
-            seg.bias_gate.stride(0) if biased else 0, out.stride(0), **_constants(spec), BIASED=biased,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
+            **pointers, out_ptr=out[:, seg.start:], n_rows=rows, width=seg.width, stride_out=out.stride(0), **given,
+            **_constants(spec), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
     return out
 
 
@@ -143,14 +148,11 @@ def routed_activation_backward_(parts: Sequence[torch.Tensor], weight: torch.Ten
     block_m, block_n = BACKWARD_BLOCK
     kernels, here = KERNELS.get(), interpreted()
     for i, seg in enumerate(chunks):
-        g, stride = _rows_of(seg)
-        biased = seg.bias_gate is not None
+        pointers, given = _reads(seg, expert, weight)
         kernels["routed_backward"][(-(-rows // block_m),)](
-            g, seg.up, seg.bias_gate if biased else g, seg.bias_up if biased else g,
-            expert if biased else weight, weight, dout[:, seg.start:], dweight, rows, seg.width, stride,
-            seg.bias_gate.stride(0) if biased else 0, dout.stride(0), **_constants(spec), BIASED=biased,
-            ACCUMULATE=i > 0, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=here,
-            ADD=kernels["add"] if here else None, num_warps=NUM_WARPS)
+            **pointers, dout_ptr=dout[:, seg.start:], dw_ptr=dweight, n_rows=rows, width=seg.width,
+            stride_dout=dout.stride(0), **given, **_constants(spec), ACCUMULATE=i > 0, BLOCK_M=block_m,
+            BLOCK_N=block_n, INTERPRETED=here, ADD=kernels["add"] if here else None, num_warps=NUM_WARPS)
     return list(parts), dweight.to(weight.dtype)
 
 
