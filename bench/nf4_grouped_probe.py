@@ -64,6 +64,12 @@ def tiles(tiny: bool) -> dict[str, list[dict]]:
                num_stages=[2, 4])
     a = _tiles(nf4_experts.REDUCE_A, BLOCK_M=[32, 128], BLOCK_K=[32, 128], TWO=[False], TREE=[False], num_warps=[8],
                num_stages=[2, 4])
+    b += [dict(nf4_experts.REDUCE_B, **t) for t in ({"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8},
+                                                      {"BLOCK_N": 128, "num_warps": 8},
+                                                      {"BLOCK_M": 128, "num_warps": 8})]
+    a += [dict(nf4_experts.REDUCE_A, **t) for t in ({"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 8},
+                                                      {"BLOCK_K": 128, "num_warps": 8},
+                                                      {"BLOCK_M": 128, "num_warps": 8})]
     return {"reduce_b": b, "reduce_a": a}
 
 
@@ -134,7 +140,7 @@ def case(name, shape, tile_sets, iters, routing="uniform"):
                     from bench.gpu_timing import best_ms
                     row["ms"] = round(best_ms(lambda: run(operand[pass_name], offs, window, tile), iters), 4)
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile here: say so, try the next
-                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                row["error"] = f"{type(exc).__name__}: {exc}"[-400:]
             entry["tiles"].append(row)
         if dev == "cuda":
             from bench.gpu_timing import best_ms

@@ -61,8 +61,10 @@ def scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, NESTED: tl.con
     if NESTED:
         q = tl.load(absmax_ptr + block).to(tl.int32)
         s = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // BLOCKSIZE2)
-        return s + tl.load(offset_ptr)
-    return tl.load(absmax_ptr + block)
+        s = s + tl.load(offset_ptr)
+    else:
+        s = tl.load(absmax_ptr + block)
+    return s
 
 
 def pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, pair, NESTED: tl.constexpr,
@@ -73,8 +75,10 @@ def pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, pair, NES
     first = scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, NESTED, BLOCKSIZE2)
     if TWO:
         second = scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block + 1, NESTED, BLOCKSIZE2)
-        return tl.where((pair < BLOCKSIZE // 2)[None, :], first[:, None], second[:, None])
-    return first[:, None]
+        out = tl.where((pair < BLOCKSIZE // 2)[None, :], first[:, None], second[:, None])
+    else:
+        out = first[:, None]
+    return out
 
 
 def decode(nibble, code_ptr, TREE: tl.constexpr):
@@ -103,8 +107,10 @@ def decode(nibble, code_ptr, TREE: tl.constexpr):
                       tl.where(b1, tl.where(b0, c3, c2), tl.where(b0, c1, c0)))
         hi = tl.where(b2, tl.where(b1, tl.where(b0, c15, c14), tl.where(b0, c13, c12)),
                       tl.where(b1, tl.where(b0, c11, c10), tl.where(b0, c9, c8)))
-        return tl.where(nibble >= 8, hi, lo)
-    return tl.load(code_ptr + nibble)
+        value = tl.where(nibble >= 8, hi, lo)
+    else:
+        value = tl.load(code_ptr + nibble)
+    return value
 
 
 def weight(values, dtype: tl.constexpr, ROUND_BY_HAND: tl.constexpr, FP32_DOT: tl.constexpr):
@@ -116,7 +122,7 @@ def weight(values, dtype: tl.constexpr, ROUND_BY_HAND: tl.constexpr, FP32_DOT: t
     else:
         w = values.to(dtype)
     if FP32_DOT:
-        return w.to(tl.float32)
+        w = w.to(tl.float32)
     return w
 
 
