@@ -147,21 +147,3 @@ def test_the_expert_kernels_compile(compiled, interleaved: bool, clamped: bool) 
                                                            BLOCK_M=expert_copies.BLOCK_M,
                                                            BLOCK_N=expert_copies.BLOCK_N),
            {"pos_ptr": "*i32", "expert_ptr": "*i64"}, num_warps=expert_copies.NUM_WARPS)
-
-
-@pytest.mark.parametrize("nested", [False, True])
-@pytest.mark.parametrize("two", [False, True])
-def test_the_nf4_expert_product_kernels_compile(compiled, nested: bool, two: bool) -> None:
-    """Both grouped products that decode NF4 experts in registers (engine/fast/nf4_experts.py), in
-    its tiles, the scales double-quantized or not, a step of one 4-bit block or two."""
-    from studio.engine.fast import nf4_experts
-
-    kernels = nf4_experts.KERNELS.get()
-    kinds = {"packed_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "code2_ptr": "*fp32",
-             "absmax2_ptr": "*fp32", "offset_ptr": "*fp32", "code_ptr": "*fp32", "offs_ptr": "*i32"}
-    common = dict(EXPERTS=128, BLOCKSIZE=64, NESTED=nested, BLOCKSIZE2=256 if nested else 1, FP32_DOT=False,
-                  ROUND_BY_HAND=False)
-    for name, tile in (("reduce_b", nf4_experts.REDUCE_B), ("reduce_a", nf4_experts.REDUCE_A)):
-        constants = dict(common, **{k: v for k, v in tile.items() if not k.startswith("num_")})
-        constants["TWO"] = two
-        _build(kernels[name], constants, kinds, num_warps=tile["num_warps"], num_stages=tile["num_stages"])

@@ -1,12 +1,13 @@
-"""Grouped products that read NF4 experts where they are stored, for layers of many small experts.
+"""A probe's grouped products that read NF4 experts where they are stored (bench/nf4_grouped_probe.py).
 
-A sparse layer's products (engine/fast/moe.py) dequantize every expert of a projection into a bf16
-workspace, then run torch's grouped product over it. Where each expert gets few rows that costs more
-than the products: gpt-oss-120b at 2,048 tokens gives each of its 128 experts 64 rows, and writing
-then reading 6.4 GB of bf16 weights a layer a pass outweighed the products (the 27th session's
-measurement, bench/NOTES.md section 13). Here one kernel (nf4_experts_kernels.py) decodes each tile
-of 4-bit values in registers and multiplies it, never writing the weight; the values it multiplies
-are dequant.py's to the bit.
+A sparse layer's products (studio/engine/fast/moe.py) dequantize every expert of a projection into a
+bf16 workspace, then run torch's grouped product over it. Where each expert gets few rows that costs
+more than the products: gpt-oss-120b at 2,048 tokens gives each of its 128 experts 64 rows, and
+writing then reading 6.4 GB of bf16 weights a layer a pass outweighed the products (the 27th
+session's measurement, bench/NOTES.md section 13). Here one kernel (nf4_grouped_kernels.py) decodes
+each tile of 4-bit values in registers and multiplies it, never writing the weight; the values it
+multiplies are dequant.py's to the bit. Measured on an H200 in the 28th session (NOTES section 14):
+at best level with the dequantize way, so the engine does not use it.
 
 :class:`Nf4Products` holds one projection's stored weight (engine/quantized_experts.py's
 ``PackedExperts``: ``[experts, A, B]`` packed along ``B``) and computes either product a layer needs
@@ -16,9 +17,7 @@ of it, over a window of the weight (a part of gate/up, moe.py's ``PARTS``):
   ``[experts, out, in]``; gpt-oss' backward, ``[experts, in, out]``);
 - :meth:`Nf4Products.reduce_a`: ``x @ W_e[a, b]`` over ``a`` (gpt-oss' forward; the others' backward).
 
-Which layers take it is :func:`worth_it`'s rule, from the rows each expert gets on average.
-CUDA with Triton only (or Triton's interpreter, for the CPU tests); where the kernels fail, moe.py
-dequantizes as before.
+CUDA with Triton only, or Triton's interpreter (the CPU tests).
 """
 
 from __future__ import annotations
@@ -28,16 +27,17 @@ import torch
 from studio.engine.fast import dequant
 from studio.engine.fast.kernels import OwnKernels, interpreted
 
-REDUCE_B = {"BLOCK_M": 64, "BLOCK_N": 64, "TWO": True, "TREE": True, "num_warps": 4, "num_stages": 3}
+REDUCE_B = {"BLOCK_M": 64, "BLOCK_N": 128, "TWO": True, "TREE": True, "LINEAR": False, "X_SPLIT": False,
+            "num_warps": 4, "num_stages": 3}
 """:func:`reduce_b`'s tile: rows of one expert and output columns a program, two 4-bit blocks a
-step of the reduction (``TWO``), the code decoded by a tree of selects (``TREE``: no load a value)."""
-REDUCE_A = {"BLOCK_M": 64, "BLOCK_K": 64, "TWO": True, "TREE": True, "num_warps": 4, "num_stages": 3}
+step of the reduction (``TWO``), the code decoded by a tree of selects (``TREE``: no load a value);
+``LINEAR`` and ``X_SPLIT`` as nf4_grouped_kernels.py says. The best of the 28th session's first sweep."""
+REDUCE_A = {"BLOCK_M": 64, "BLOCK_K": 128, "TWO": True, "TREE": True, "LINEAR": False,
+            "num_warps": 4, "num_stages": 3}
 """:func:`reduce_a`'s tile: rows of one expert a program, rows of the weight a step of the
 reduction, two 4-bit blocks of output columns a program (``TWO``)."""
-MOST_ROWS = 128
-"""The most rows an expert gets on average where the kernels take a layer's products (:func:`worth_it`)."""
 
-KERNELS = OwnKernels("nf4_experts_kernels", ("reduce_b", "reduce_a"), "NF4 grouped-product kernels",
+KERNELS = OwnKernels("bench.nf4_grouped_kernels", ("reduce_b", "reduce_a"), "NF4 grouped-product kernels",
                      "dequantizing the experts into the workspace instead",
                      helpers=("add", "tile_of", "scales", "pair_scales", "decode", "weight"))
 
@@ -53,11 +53,6 @@ def supports(state, shape: tuple[int, int, int]) -> bool:
     return (str(state.quant_type) == "nf4" and int(state.blocksize) == 64 and shape[2] % 64 == 0
             and dequant.supports(state, torch.bfloat16))
 
-
-def worth_it(rows: int, experts: int) -> bool:
-    """Whether a layer whose products take ``rows`` sorted rows over ``experts`` experts runs them
-    here: where each expert gets few rows, the workspace's bf16 weights cost more than the products."""
-    return rows <= MOST_ROWS * experts
 
 
 class Nf4Products:

@@ -1,5 +1,5 @@
-"""The Triton kernels behind :mod:`studio.engine.fast.nf4_experts` (jitted on first use: this module
-imports Triton, so nothing imports it until a kernel runs).
+"""The Triton kernels behind bench/nf4_grouped.py (jitted on first use: this module imports Triton,
+so nothing imports it until a kernel runs).
 
 Both multiply the experts' sorted rows by their expert's NF4 weight without writing the weight in
 16 bits: each tile of packed bytes is decoded in registers (the 4-bit code, times its block's scale
@@ -11,7 +11,8 @@ of it. A byte's two values are never interleaved back into one tile: its high ni
 operand (the even columns of ``B``), its low nibbles another (the odd ones).
 
 - :func:`reduce_b`: ``y[r, a] = sum_b x[r, b] W_e[a, b]`` (``B`` is the reduction): the even and
-  odd columns of ``x`` meet the high and low nibbles in two products of each step.
+  odd columns of ``x`` meet the high and low nibbles in two products of each step (loaded apart, or
+  with ``X_SPLIT`` as one tile split in two).
 - :func:`reduce_a`: ``y[r, b] = sum_a x[r, a] W_e[a, b]`` (``B`` is the output): the high and low
   nibbles accumulate the even and odd output columns apart; they are put back together once, at
   the store.
@@ -24,7 +25,8 @@ fall (``rows / BLOCK_M`` tiles plus one an expert), and a program past the last 
 the launch's shape depends on the row count alone, so a CUDA graph captures it.
 
 ``TREE``: the 4-bit code decoded by a tree of selects over the code's 16 values (loaded once a
-program) instead of a load from the code table per value. ``FP32_DOT``: Triton's interpreter, whose
+program) instead of a load from the code table per value. ``LINEAR``: no code at all, a stand-in
+value in two instructions (wrong values: the probe times it to see what the decoding costs). ``FP32_DOT``: Triton's interpreter, whose
 bf16 dot reads the raw bits: the operands go to fp32 (after rounding to the rows' dtype).
 ``ROUND_BY_HAND``: the interpreter truncates fp32 to bf16 where the compiled kernel rounds to
 nearest even; the weight's values are rounded by hand there, so the CPU tests see the GPU's values.
@@ -81,9 +83,12 @@ def pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, pair, NES
     return out
 
 
-def decode(nibble, code_ptr, TREE: tl.constexpr):
-    """The 4-bit code's fp32 value of each ``nibble`` (int32, 0-15)."""
-    if TREE:
+def decode(nibble, code_ptr, TREE: tl.constexpr, LINEAR: tl.constexpr):
+    """The 4-bit code's fp32 value of each ``nibble`` (int32, 0-15). ``LINEAR``: not the code, a
+    value in two instructions (``(nibble - 8) / 8``), for timing what the decoding costs."""
+    if LINEAR:
+        value = (nibble - 8).to(tl.float32) * 0.125
+    elif TREE:
         c0 = tl.load(code_ptr + 0)
         c1 = tl.load(code_ptr + 1)
         c2 = tl.load(code_ptr + 2)
@@ -130,7 +135,7 @@ def reduce_b(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
              n_experts, A, B, a_first, a_len, b_first, b_len, stride_x, stride_y,
              EXPERTS: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, TREE: tl.constexpr,
-             FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+             LINEAR: tl.constexpr, X_SPLIT: tl.constexpr, FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     # y[r, a] = sum_b x[r, b] W_e[a_first + a, b_first + b]: a step of the reduction is one 4-bit
     # block of each weight row, or two (TWO); b_len is a multiple of the step
     STEP: tl.constexpr = BLOCKSIZE * (2 if TWO else 1)
@@ -149,11 +154,17 @@ def reduce_b(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
             byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :]).to(tl.int32)
             s = pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, at // BLOCKSIZE, pair, NESTED, BLOCKSIZE,
                             BLOCKSIZE2, TWO)
-            high = weight(decode(byte >> 4, code_ptr, TREE) * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
-            low = weight(decode(byte & 15, code_ptr, TREE) * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
-            cols = b0 + 2 * pair
-            x_even = tl.load(x_rows + cols[None, :], mask=row_in[:, None], other=0.0)
-            x_odd = tl.load(x_rows + cols[None, :] + 1, mask=row_in[:, None], other=0.0)
+            high = weight(decode(byte >> 4, code_ptr, TREE, LINEAR) * s, x_ptr.dtype.element_ty, ROUND_BY_HAND,
+                          FP32_DOT)
+            low = weight(decode(byte & 15, code_ptr, TREE, LINEAR) * s, x_ptr.dtype.element_ty, ROUND_BY_HAND,
+                         FP32_DOT)
+            if X_SPLIT:  # the rows' values of the step as one contiguous tile, split into even and odd
+                both = tl.load(x_rows + (b0 + tl.arange(0, STEP))[None, :], mask=row_in[:, None], other=0.0)
+                x_even, x_odd = tl.split(tl.reshape(both, (BLOCK_M, STEP // 2, 2)))
+            else:
+                cols = b0 + 2 * pair
+                x_even = tl.load(x_rows + cols[None, :], mask=row_in[:, None], other=0.0)
+                x_odd = tl.load(x_rows + cols[None, :] + 1, mask=row_in[:, None], other=0.0)
             if FP32_DOT:
                 x_even = x_even.to(tl.float32)
                 x_odd = x_odd.to(tl.float32)
@@ -167,7 +178,7 @@ def reduce_a(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
              n_experts, A, B, a_first, a_len, b_first, b_len, stride_x, stride_y,
              EXPERTS: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, TREE: tl.constexpr,
-             FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+             LINEAR: tl.constexpr, FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     # y[r, b] = sum_a x[r, a] W_e[a_first + a, b_first + b]: a program's output columns are one
     # 4-bit block of each weight row, or two (TWO); b_len is a multiple of them
     BLOCK_N: tl.constexpr = BLOCKSIZE * (2 if TWO else 1)
@@ -188,8 +199,10 @@ def reduce_a(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
             byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :]).to(tl.int32)
             s = pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, at // BLOCKSIZE, pair, NESTED, BLOCKSIZE,
                             BLOCKSIZE2, TWO)
-            high = weight(decode(byte >> 4, code_ptr, TREE) * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
-            low = weight(decode(byte & 15, code_ptr, TREE) * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
+            high = weight(decode(byte >> 4, code_ptr, TREE, LINEAR) * s, x_ptr.dtype.element_ty, ROUND_BY_HAND,
+                          FP32_DOT)
+            low = weight(decode(byte & 15, code_ptr, TREE, LINEAR) * s, x_ptr.dtype.element_ty, ROUND_BY_HAND,
+                         FP32_DOT)
             xt = tl.load(x_rows + (k0 + k)[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)
             if FP32_DOT:
                 xt = xt.to(tl.float32)
