@@ -24,22 +24,24 @@ from __future__ import annotations
 
 import torch
 
+from bench.nf4_decode_asm import NF4
 from studio.engine.fast import dequant
 from studio.engine.fast.kernels import OwnKernels, interpreted
 
-REDUCE_B = {"BLOCK_M": 64, "BLOCK_N": 128, "TWO": True, "TREE": True, "LINEAR": False, "X_SPLIT": False,
+REDUCE_B = {"BLOCK_M": 64, "BLOCK_N": 128, "TWO": True, "TREE": True, "LINEAR": False, "ASM": False, "X_SPLIT": True,
             "num_warps": 4, "num_stages": 3}
 """:func:`reduce_b`'s tile: rows of one expert and output columns a program, two 4-bit blocks a
 step of the reduction (``TWO``), the code decoded by a tree of selects (``TREE``: no load a value);
-``LINEAR`` and ``X_SPLIT`` as nf4_grouped_kernels.py says. The best of the 28th session's first sweep."""
-REDUCE_A = {"BLOCK_M": 64, "BLOCK_K": 128, "TWO": True, "TREE": True, "LINEAR": False,
+``LINEAR``, ``ASM`` and ``X_SPLIT`` as nf4_grouped_kernels.py says. The best of the 28th session's
+sweeps with the tree (X_SPLIT: 3.17 ms where loading the even and odd columns apart took 7.42)."""
+REDUCE_A = {"BLOCK_M": 64, "BLOCK_K": 128, "TWO": True, "TREE": True, "LINEAR": False, "ASM": False,
             "num_warps": 4, "num_stages": 3}
 """:func:`reduce_a`'s tile: rows of one expert a program, rows of the weight a step of the
 reduction, two 4-bit blocks of output columns a program (``TWO``)."""
 
 KERNELS = OwnKernels("bench.nf4_grouped_kernels", ("reduce_b", "reduce_a"), "NF4 grouped-product kernels",
                      "dequantizing the experts into the workspace instead",
-                     helpers=("add", "tile_of", "scales", "pair_scales", "decode", "weight"))
+                     helpers=("add", "tile_of", "scales", "pair_scales", "decode", "decode_bytes", "weight"))
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -62,6 +64,8 @@ class Nf4Products:
     def __init__(self, packed: torch.Tensor, state, shape: tuple[int, int, int], device: torch.device):
         self.packed = packed
         self.experts, self.A, self.B = shape
+        self.nf4 = [float(v) for v in state.code.float().cpu()] == list(NF4)
+        """Whether the code is bitsandbytes' NF4 table, which the ``ASM`` decoding holds in its registers."""
         self.args = dequant.NF4Weight(state, device)
         """The scales, tables and offset as the kernels take them (dequant.py's, gathered once)."""
 
@@ -72,6 +76,7 @@ class Nf4Products:
         y = torch.empty(x.shape[0], out_len, dtype=x.dtype, device=x.device)
         w = self.args
         grid = (-(-out_len // across), -(-x.shape[0] // tile["BLOCK_M"]) + self.experts)
+        assert not tile.get("ASM") or (self.nf4 and not interpreted()), "the ASM decoding: NF4's table, compiled"
         options = {k: v for k, v in tile.items() if not k.startswith("num_")}
         if not interpreted():
             options.update(num_warps=tile["num_warps"], num_stages=tile["num_stages"])

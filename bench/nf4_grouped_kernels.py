@@ -24,7 +24,8 @@ every expert's rows are cut into tiles of their own. The grid has room for every
 fall (``rows / BLOCK_M`` tiles plus one an expert), and a program past the last tile does nothing:
 the launch's shape depends on the row count alone, so a CUDA graph captures it.
 
-``TREE``: the 4-bit code decoded by a tree of selects over the code's 16 values (loaded once a
+``ASM``: the code decoded by byte permutes in PTX (bench/nf4_decode_asm.py: compiled kernels only,
+the interpreter cannot run it). ``TREE``: the 4-bit code decoded by a tree of selects over the code's 16 values (loaded once a
 program) instead of a load from the code table per value. ``LINEAR``: no code at all, a stand-in
 value in two instructions (wrong values: the probe times it to see what the decoding costs). ``FP32_DOT``: Triton's interpreter, whose
 bf16 dot reads the raw bits: the operands go to fp32 (after rounding to the rows' dtype).
@@ -35,6 +36,11 @@ In the interpreter sums and scans go through ``tl.reduce`` / ``tl.associative_sc
 """
 
 import triton.language as tl
+
+from bench.nf4_decode_asm import asm
+
+NF4_ASM = tl.constexpr(asm())
+"""The byte-permute decoding of four packed bytes (bench/nf4_decode_asm.py)."""
 
 
 def add(a, b):
@@ -118,6 +124,18 @@ def decode(nibble, code_ptr, TREE: tl.constexpr, LINEAR: tl.constexpr):
     return value
 
 
+def decode_bytes(byte, code_ptr, TREE: tl.constexpr, LINEAR: tl.constexpr, ASM: tl.constexpr):
+    """The fp32 code values of each byte's high and low nibble (``byte``: uint8)."""
+    if ASM:
+        high, low = tl.inline_asm_elementwise(NF4_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                              dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        b32 = byte.to(tl.int32)
+        high = decode(b32 >> 4, code_ptr, TREE, LINEAR)
+        low = decode(b32 & 15, code_ptr, TREE, LINEAR)
+    return high, low
+
+
 def weight(values, dtype: tl.constexpr, ROUND_BY_HAND: tl.constexpr, FP32_DOT: tl.constexpr):
     """fp32 weight values rounded to ``dtype`` (as a dot's operand: fp32 holding them in the interpreter)."""
     if ROUND_BY_HAND:
@@ -135,7 +153,8 @@ def reduce_b(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
              n_experts, A, B, a_first, a_len, b_first, b_len, stride_x, stride_y,
              EXPERTS: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, TREE: tl.constexpr,
-             LINEAR: tl.constexpr, X_SPLIT: tl.constexpr, FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+             LINEAR: tl.constexpr, ASM: tl.constexpr, X_SPLIT: tl.constexpr,
+             FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     # y[r, a] = sum_b x[r, b] W_e[a_first + a, b_first + b]: a step of the reduction is one 4-bit
     # block of each weight row, or two (TWO); b_len is a multiple of the step
     STEP: tl.constexpr = BLOCKSIZE * (2 if TWO else 1)
@@ -151,13 +170,12 @@ def reduce_b(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for b0 in range(0, b_len, STEP):
             at = a_row + b0
-            byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :]).to(tl.int32)
+            byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :])
             s = pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, at // BLOCKSIZE, pair, NESTED, BLOCKSIZE,
                             BLOCKSIZE2, TWO)
-            high = weight(decode(byte >> 4, code_ptr, TREE, LINEAR) * s, x_ptr.dtype.element_ty, ROUND_BY_HAND,
-                          FP32_DOT)
-            low = weight(decode(byte & 15, code_ptr, TREE, LINEAR) * s, x_ptr.dtype.element_ty, ROUND_BY_HAND,
-                         FP32_DOT)
+            high, low = decode_bytes(byte, code_ptr, TREE, LINEAR, ASM)
+            high = weight(high * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
+            low = weight(low * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
             if X_SPLIT:  # the rows' values of the step as one contiguous tile, split into even and odd
                 both = tl.load(x_rows + (b0 + tl.arange(0, STEP))[None, :], mask=row_in[:, None], other=0.0)
                 x_even, x_odd = tl.split(tl.reshape(both, (BLOCK_M, STEP // 2, 2)))
@@ -178,7 +196,7 @@ def reduce_a(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
              n_experts, A, B, a_first, a_len, b_first, b_len, stride_x, stride_y,
              EXPERTS: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, TREE: tl.constexpr,
-             LINEAR: tl.constexpr, FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+             LINEAR: tl.constexpr, ASM: tl.constexpr, FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     # y[r, b] = sum_a x[r, a] W_e[a_first + a, b_first + b]: a program's output columns are one
     # 4-bit block of each weight row, or two (TWO); b_len is a multiple of them
     BLOCK_N: tl.constexpr = BLOCKSIZE * (2 if TWO else 1)
@@ -196,13 +214,12 @@ def reduce_a(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
         for k0 in range(0, a_len, BLOCK_K):
             k_in = k0 + k < a_len
             at = first + (k0 + tl.where(k_in, k, 0)).to(tl.int64) * B
-            byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :]).to(tl.int32)
+            byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :])
             s = pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, at // BLOCKSIZE, pair, NESTED, BLOCKSIZE,
                             BLOCKSIZE2, TWO)
-            high = weight(decode(byte >> 4, code_ptr, TREE, LINEAR) * s, x_ptr.dtype.element_ty, ROUND_BY_HAND,
-                          FP32_DOT)
-            low = weight(decode(byte & 15, code_ptr, TREE, LINEAR) * s, x_ptr.dtype.element_ty, ROUND_BY_HAND,
-                         FP32_DOT)
+            high, low = decode_bytes(byte, code_ptr, TREE, LINEAR, ASM)
+            high = weight(high * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
+            low = weight(low * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
             xt = tl.load(x_rows + (k0 + k)[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)
             if FP32_DOT:
                 xt = xt.to(tl.float32)

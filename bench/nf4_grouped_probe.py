@@ -9,7 +9,9 @@ forward's ``x W^T`` and the backward's ``dy W``) at issue 42's shapes, two ways:
 - ``studio``: dequant.py's NF4 kernel into a workspace, then ``torch._grouped_mm`` (the dequantize
   way);
 - ``fused``: bench/nf4_grouped.py's kernels, which decode each tile in registers and multiply
-  it, over a sweep of tiles (the first is the module's own choice).
+  it, over a sweep of tiles (the first is the module's own choice): the code decoded by a tree of
+  selects, or by byte permutes in PTX (``ASM``, bench/nf4_decode_asm.py); ``decode_free_ms`` times a
+  stand-in decoding of two instructions (wrong values), what the product costs without the code.
 
 The experts are laid out as the model stores them (gpt-oss ``[experts, in, out]``, the others
 ``[experts, out, in]``), packed as Studio packs them (engine/quantized_experts.py: NF4, blocks of 64,
@@ -59,15 +61,18 @@ def tiles(tiny: bool) -> dict[str, list[dict]]:
     from bench import nf4_grouped as nf4_experts
 
     if tiny:
-        return {"reduce_b": [nf4_experts.REDUCE_B, dict(nf4_experts.REDUCE_B, X_SPLIT=True)],
+        return {"reduce_b": [nf4_experts.REDUCE_B, dict(nf4_experts.REDUCE_B, X_SPLIT=False)],
                 "reduce_a": [nf4_experts.REDUCE_A]}
-    # (the 28th session's first sweep, at 01a6a73, also tried TREE False (3-7x slower) and TWO False)
-    b = _tiles(nf4_experts.REDUCE_B, BLOCK_M=[32, 128], BLOCK_N=[64, 256], X_SPLIT=[True], LINEAR=[True],
-               num_warps=[8], num_stages=[2, 4])
-    a = _tiles(nf4_experts.REDUCE_A, BLOCK_M=[32, 128], BLOCK_K=[64, 256], LINEAR=[True], num_warps=[8],
-               num_stages=[2, 4])
-    b += [dict(nf4_experts.REDUCE_B, X_SPLIT=True, BLOCK_M=128, num_warps=8)]
-    a += [dict(nf4_experts.REDUCE_A, BLOCK_M=128, num_warps=8)]
+    # (the 28th session's first sweeps, at 01a6a73 and a8a5a72, also tried TREE False (3-7x slower),
+    # TWO False, X_SPLIT False and more BLOCK_M / BLOCK_N / BLOCK_K / warps / stages)
+    b, a = [nf4_experts.REDUCE_B], [nf4_experts.REDUCE_A]
+    for base, more in ((nf4_experts.REDUCE_B, b), (nf4_experts.REDUCE_A, a)):
+        more.append(dict(base, LINEAR=True))
+        for extra in ({}, {"BLOCK_M": 128}, {"num_warps": 8}, {"BLOCK_M": 128, "num_warps": 8}, {"num_stages": 4},
+                      {"num_stages": 2}):
+            more.append(dict(base, ASM=True, **extra))
+    b += [dict(nf4_experts.REDUCE_B, ASM=True, BLOCK_N=64), dict(nf4_experts.REDUCE_B, ASM=True, BLOCK_N=256)]
+    a += [dict(nf4_experts.REDUCE_A, ASM=True, BLOCK_K=64), dict(nf4_experts.REDUCE_A, ASM=True, BLOCK_K=256)]
     return {"reduce_b": b, "reduce_a": a}
 
 

@@ -2,7 +2,8 @@
 nf4_grouped.py's kernels (the forward's and the backward's, for each way a model stores its experts)
 equal the dequantized weights' products within bf16 rounding, with rows of each expert in partial
 tiles, uniform and skewed; they multiply dequant.py's weights to the bit; every tile the probe sweeps
-compiles for an H100 (sm_90, Triton's own ptxas). Its timings need a GPU."""
+compiles for an H100 (sm_90, Triton's own ptxas). The byte-permute decoding (bench/nf4_decode_asm.py),
+which only a GPU runs, is checked here by an emulator of its PTX instructions. Its timings need a GPU."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 pytest.importorskip("bitsandbytes")
 
+from bench import nf4_decode_asm  # noqa: E402
 from bench import nf4_grouped_probe as probe  # noqa: E402
 
 
@@ -77,3 +79,22 @@ def test_every_tile_the_probe_sweeps_compiles_for_an_h100(monkeypatch) -> None:
             assert kernel.metadata.shared <= 232448, (name, tile)
             built += 1
     assert built == sum(len(t) for t in probe.tiles(tiny=False).values()) > 10
+
+
+def test_the_byte_permutes_decode_every_byte_to_bitsandbytes_nf4_values() -> None:
+    """Every byte value in each of the four positions of the input word, as the PTX program
+    computes it (prmt's default mode, lop3, by the PTX ISA): the high nibbles' fp32 code values in
+    outputs 0-3, the low nibbles' in 4-7, bit for bit bitsandbytes' table."""
+    import bitsandbytes.functional as bnbf
+
+    table = [int(v) for v in bnbf.get_4bit_type("nf4", device="cpu").float().view(torch.int32)]
+    assert [nf4_decode_asm._bits(v) for v in nf4_decode_asm.NF4] == [t & 0xFFFFFFFF for t in table]
+    bits = [t & 0xFFFFFFFF for t in table]
+    for byte in range(256):
+        other = (byte * 37 + 11) & 0xFF
+        for position in range(4):
+            word = sum((byte if i == position else (other + i) & 0xFF) << (8 * i) for i in range(4))
+            parts = [(word >> (8 * i)) & 0xFF for i in range(4)]
+            assert nf4_decode_asm.emulate(word) == [bits[p >> 4] for p in parts] + [bits[p & 15] for p in parts]
+    text = nf4_decode_asm.asm()
+    assert text.count("prmt.b32") == 2 + 2 * (4 * 2 + 8) and "$8" in text and all(f"${i}," in text for i in range(8))
