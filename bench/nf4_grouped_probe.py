@@ -1,17 +1,15 @@
-"""Does a grouped product that reads NF4 experts itself beat dequantize-then-grouped_mm? (issue 42)
+"""Does the grouped product that reads NF4 experts itself beat dequantize-then-grouped_mm? (issue 42)
 
 Studio's fast path dequantizes every expert of a projection into a bf16 workspace, then runs torch's
-grouped product over it (engine/fast/moe.py). Where experts are many and each gets few rows
-(gpt-oss-120b: 128 experts, 64 rows each at 2,048 tokens), writing and reading the bf16 weights
-costs more than the products. This probe times both products a layer runs of one projection (the
-forward's ``x W^T`` and the backward's ``dy W``) at issue 42's shapes, two ways:
+grouped product over it (engine/fast/moe.py), except where each expert gets few rows: there
+engine/fast/nf4_experts.py's kernels decode the stored NF4 experts inside the product
+(``nf4_experts.worth_it``). This probe times both products a layer runs of one projection (the
+forward's ``x W^T`` and the backward's ``dy W``) at issue 42's shapes, both ways:
 
 - ``studio``: dequant.py's NF4 kernel into a workspace, then ``torch._grouped_mm`` (the dequantize
   way);
-- ``fused``: bench/nf4_grouped.py's kernels, which decode each tile in registers and multiply
-  it, over a sweep of tiles (the first is the module's own choice): the code decoded by a tree of
-  selects, or by byte permutes in PTX (``ASM``, bench/nf4_decode_asm.py); ``decode_free_ms`` times a
-  stand-in decoding of two instructions (wrong values), what the product costs without the code.
+- ``fused``: nf4_experts.py's products, in its tiles (its constants: ``REDUCE_A``, ``REDUCE_B``,
+  ``BLOCK_M``); ``--block-m`` adds a run at another ``BLOCK_M``.
 
 The experts are laid out as the model stores them (gpt-oss ``[experts, in, out]``, the others
 ``[experts, out, in]``), packed as Studio packs them (engine/quantized_experts.py: NF4, blocks of 64,
@@ -19,8 +17,9 @@ double-quantized scales). Rows fall on the experts as ``--routing`` says: ``unif
 same) or ``skewed`` (one token's share of each expert drawn log-normal, as a trained router's
 imbalance looks). The fused output is checked against the dequantize way's.
 
-The 27th session's first try (one kernel, the code looked up in a table per value, the bytes'
-values joined into one tile) was exact and 4.5-20x slower: bench/NOTES.md section 13.
+The 28th session's sweeps chose the tiles (bench/NOTES.md section 14): the select-tree decoding, a
+table load a value, a decode-free stand-in, and the byte-permute decoding the engine keeps
+(`h200_nf4_grouped_probe_01a6a73.json`, `_a8a5a72`, `_5cf4a4f` in bench/results/).
 
     python3 bench/nf4_grouped_probe.py --out /tmp/nf4_grouped.json          # the GPU box
     TRITON_INTERPRET=1 python3 bench/nf4_grouped_probe.py --tiny --out /tmp/x.json   # here: correctness only
@@ -43,37 +42,11 @@ SHAPES = {
     "gpt-oss-120b down": (128, 64, 2880, 2880, True),
     "gpt-oss-20b gate/up": (32, 256, 2880, 5760, True),
     "qwen3-30b-a3b gate/up": (128, 128, 2048, 1536, False),
+    "qwen3-30b-a3b gate/up at 1024 tokens": (128, 64, 2048, 1536, False),
     "qwen3-30b-a3b down": (128, 128, 768, 2048, False),
     "mixtral-8x7b gate/up": (8, 512, 4096, 28672, False),
 }
 TINY = {"tiny": (3, 20, 128, 256, False), "tiny transposed": (3, 20, 128, 256, True)}
-
-
-def _tiles(base: dict, **sweep) -> list[dict]:
-    """``base`` and each variant of it that ``sweep`` names (a key: its other values)."""
-    out = [dict(base)]
-    for key, values in sweep.items():
-        out += [dict(base, **{key: v}) for v in values if v != base[key]]
-    return out
-
-
-def tiles(tiny: bool) -> dict[str, list[dict]]:
-    from bench import nf4_grouped as nf4_experts
-
-    if tiny:
-        return {"reduce_b": [nf4_experts.REDUCE_B, dict(nf4_experts.REDUCE_B, X_SPLIT=False)],
-                "reduce_a": [nf4_experts.REDUCE_A]}
-    # (the 28th session's first sweeps, at 01a6a73 and a8a5a72, also tried TREE False (3-7x slower),
-    # TWO False, X_SPLIT False and more BLOCK_M / BLOCK_N / BLOCK_K / warps / stages)
-    b, a = [nf4_experts.REDUCE_B], [nf4_experts.REDUCE_A]
-    for base, more in ((nf4_experts.REDUCE_B, b), (nf4_experts.REDUCE_A, a)):
-        more.append(dict(base, LINEAR=True))
-        for extra in ({}, {"BLOCK_M": 128}, {"num_warps": 8}, {"BLOCK_M": 128, "num_warps": 8}, {"num_stages": 4},
-                      {"num_stages": 2}):
-            more.append(dict(base, ASM=True, **extra))
-    b += [dict(nf4_experts.REDUCE_B, ASM=True, BLOCK_N=64), dict(nf4_experts.REDUCE_B, ASM=True, BLOCK_N=256)]
-    a += [dict(nf4_experts.REDUCE_A, ASM=True, BLOCK_K=64), dict(nf4_experts.REDUCE_A, ASM=True, BLOCK_K=256)]
-    return {"reduce_b": b, "reduce_a": a}
 
 
 def counts(experts: int, rows: int, routing: str, gen) -> list[int]:
@@ -88,10 +61,10 @@ def counts(experts: int, rows: int, routing: str, gen) -> list[int]:
     return out.tolist()
 
 
-def case(name, shape, tile_sets, iters, routing="uniform"):
+def case(name, shape, iters, routing="uniform", block_ms=()):
     import torch
 
-    from bench import nf4_grouped as nf4_experts
+    from studio.engine.fast import nf4_experts
     from studio.engine.fast.frozen import dequantize_packed
     from studio.engine.quantized_experts import _quantize
 
@@ -119,6 +92,7 @@ def case(name, shape, tile_sets, iters, routing="uniform"):
         bounds = list(zip([0, *offs.tolist()[:-1]], offs.tolist(), strict=True))
         want = {"forward": torch.cat([x[s:e].float() @ w_math[i].float().T for i, (s, e) in enumerate(bounds)]),
                 "backward": torch.cat([dy[s:e].float() @ w_math[i].float() for i, (s, e) in enumerate(bounds)])}
+    assert nf4_experts.supports(state, stored)
     prod = nf4_experts.Nf4Products(packed, state, stored, torch.device(dev))
     window = prod.window()
     # forward: stored [in, out] reduces over A (in); stored [out, in] over B (in); the backward the other
@@ -127,24 +101,27 @@ def case(name, shape, tile_sets, iters, routing="uniform"):
     out = {"shape": {"experts": experts, "rows": total, "rows_per_expert": rows, "in": k, "out": n,
                      "stored": "[experts, in, out]" if transposed else "[experts, out, in]"},
            "routing": routing, "most_rows_an_expert": max(sizes),
+           "engine_reads_stored": nf4_experts.worth_it(total, experts),
            "gflop_each": 2 * total * k * n / 1e9, "packed_gb": packed.numel() / 1e9,
            "bf16_weights_gb": dense.numel() * 2 / 1e9, "passes": {}}
     for pass_name in ("forward", "backward"):
-        name_k = kernel_of[pass_name]
-        run = getattr(prod, name_k)
-        entry = {"kernel": name_k, "tiles": []}
-        for tile in tile_sets[name_k]:
-            row = {"tile": tile}
+        run = getattr(prod, kernel_of[pass_name])
+        entry = {"kernel": kernel_of[pass_name], "fused": {}}
+        for block_m in (nf4_experts.BLOCK_M, *block_ms):
+            default, nf4_experts.BLOCK_M = nf4_experts.BLOCK_M, block_m
+            row = {}
             try:
-                got = run(operand[pass_name], offs, window, tile)
+                got = run(operand[pass_name], offs, window)
                 ref = want[pass_name].float()
                 row["max_rel_err"] = round(((got.float() - ref).abs().max() / ref.abs().max()).item(), 5)
                 if dev == "cuda":
                     from bench.gpu_timing import best_ms
-                    row["ms"] = round(best_ms(lambda: run(operand[pass_name], offs, window, tile), iters), 4)
-            except Exception as exc:  # noqa: BLE001 - a tile that does not compile here: say so, try the next
+                    row["ms"] = round(best_ms(lambda run=run: run(operand[pass_name], offs, window), iters), 4)
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile here: say so
                 row["error"] = f"{type(exc).__name__}: {exc}"[-400:]
-            entry["tiles"].append(row)
+            finally:
+                nf4_experts.BLOCK_M = default
+            entry["fused"][f"BLOCK_M {block_m}"] = row
         if dev == "cuda":
             from bench.gpu_timing import best_ms
             from studio.engine.fast import dequant
@@ -162,18 +139,11 @@ def case(name, shape, tile_sets, iters, routing="uniform"):
             entry["studio_ms"] = round(best_ms(studio, iters), 4)
             entry["dequant_ms"] = round(best_ms(lambda: nf4(packed, space), iters), 4)
             entry["grouped_mm_ms"] = round(entry["studio_ms"] - entry["dequant_ms"], 4)
-            free = [t["ms"] for t in entry["tiles"] if "ms" in t and t["tile"].get("LINEAR")]
-            if free:  # the stand-in decoding (wrong values): what the product costs without the code
-                entry["decode_free_ms"] = min(free)
-            timed = [t for t in entry["tiles"] if "ms" in t and not t["tile"].get("LINEAR") and t["max_rel_err"] < 0.02]
-            if timed:
-                best = min(timed, key=lambda t: t["ms"])
-                entry["fused_default_ms"] = entry["tiles"][0].get("ms")
-                entry["fused_best_ms"], entry["fused_best_tile"] = best["ms"], best["tile"]
-                entry["studio_over_fused_best"] = round(entry["studio_ms"] / best["ms"], 3)
+            fused_ms = entry["fused"][f"BLOCK_M {nf4_experts.BLOCK_M}"].get("ms")
+            if fused_ms:
+                entry["studio_over_fused"] = round(entry["studio_ms"] / fused_ms, 3)
         out["passes"][pass_name] = entry
-    print(name, routing, json.dumps({p: {k: v for k, v in e.items() if k != "tiles"} for p, e in out["passes"].items()}),
-          flush=True)
+    print(name, routing, json.dumps({p: {k: v for k, v in e.items()} for p, e in out["passes"].items()}), flush=True)
     return out
 
 
@@ -184,6 +154,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--routing", default="uniform,skewed")
     parser.add_argument("--only", help="comma-separated shape names")
+    parser.add_argument("--block-m", default="", help="comma-separated BLOCK_M values to time beside the engine's")
     parser.add_argument("--budget-s", type=float, default=500)
     parser.add_argument("--commit")
     args = parser.parse_args()
@@ -195,7 +166,7 @@ def main() -> int:
     shapes = TINY if args.tiny else SHAPES
     if args.only:
         shapes = {k: v for k, v in shapes.items() if k in args.only.split(",")}
-    tile_sets = tiles(args.tiny or not torch.cuda.is_available())
+    block_ms = [int(b) for b in args.block_m.split(",") if b]
     result = {"what": __doc__.splitlines()[0], "command": " ".join(sys.argv), "commit": _commit(args.commit),
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "versions": _versions(),
               "cases": {}}
@@ -204,7 +175,7 @@ def main() -> int:
             if time.monotonic() - start > args.budget_s:
                 result.setdefault("skipped", []).append(f"{name} ({routing}): past --budget-s")
                 continue
-            result["cases"][f"{name} ({routing})"] = case(name, shape, tile_sets, args.iters, routing)
+            result["cases"][f"{name} ({routing})"] = case(name, shape, args.iters, routing, block_ms)
             Path(args.out).write_text(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

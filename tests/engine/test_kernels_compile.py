@@ -147,3 +147,21 @@ def test_the_expert_kernels_compile(compiled, interleaved: bool, clamped: bool) 
                                                            BLOCK_M=expert_copies.BLOCK_M,
                                                            BLOCK_N=expert_copies.BLOCK_N),
            {"pos_ptr": "*i32", "expert_ptr": "*i64"}, num_warps=expert_copies.NUM_WARPS)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("two", [False, True])
+def test_the_nf4_expert_product_kernels_compile(compiled, nested: bool, two: bool) -> None:
+    """Both grouped products that read NF4 experts as stored (engine/fast/nf4_experts.py), with the
+    PTX byte-permute decoding, in its tiles, the scales double-quantized or not, one 4-bit block or
+    two a step."""
+    from studio.engine.fast import nf4_experts
+
+    kernels = nf4_experts.KERNELS.get()
+    kinds = {"packed_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "code2_ptr": "*fp32",
+             "absmax2_ptr": "*fp32", "offset_ptr": "*fp32", "code_ptr": "*fp32", "offs_ptr": "*i32"}
+    common = dict(EXPERTS=128, BLOCKSIZE=64, NESTED=nested, BLOCKSIZE2=256 if nested else 1, BLOCK_M=nf4_experts.BLOCK_M,
+                  TWO=two, ASM=True, FP32_DOT=False, ROUND_BY_HAND=False)
+    _build(kernels["reduce_b"], dict(common, BLOCK_N=nf4_experts.REDUCE_B["BLOCK_N"]), kinds,
+           num_warps=nf4_experts.REDUCE_B["num_warps"], num_stages=nf4_experts.REDUCE_B["num_stages"])
+    _build(kernels["reduce_a"], dict(common, BLOCK_K=128 if two else 64), kinds, **nf4_experts.REDUCE_A)

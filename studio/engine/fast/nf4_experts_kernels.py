@@ -1,5 +1,5 @@
-"""The Triton kernels behind bench/nf4_grouped.py (jitted on first use: this module imports Triton,
-so nothing imports it until a kernel runs).
+"""The Triton kernels behind :mod:`studio.engine.fast.nf4_experts` (jitted on first use: this module
+imports Triton, so nothing imports it until a kernel runs).
 
 Both multiply the experts' sorted rows by their expert's NF4 weight without writing the weight in
 16 bits: each tile of packed bytes is decoded in registers (the 4-bit code, times its block's scale
@@ -10,37 +10,38 @@ per ``BLOCKSIZE`` values along ``B``); the kernels read the window ``a_first ...
 of it. A byte's two values are never interleaved back into one tile: its high nibbles form one
 operand (the even columns of ``B``), its low nibbles another (the odd ones).
 
-- :func:`reduce_b`: ``y[r, a] = sum_b x[r, b] W_e[a, b]`` (``B`` is the reduction): the even and
-  odd columns of ``x`` meet the high and low nibbles in two products of each step (loaded apart, or
-  with ``X_SPLIT`` as one tile split in two).
+- :func:`reduce_b`: ``y[r, a] = sum_b x[r, b] W_e[a, b]`` (``B`` is the reduction): each step loads
+  the rows' values as one tile and splits it into the even and odd columns, which meet the high and
+  low nibbles in two products (loading them apart, every other value, took 2.3x as long: bench/NOTES.md
+  section 14).
 - :func:`reduce_a`: ``y[r, b] = sum_a x[r, a] W_e[a, b]`` (``B`` is the output): the high and low
   nibbles accumulate the even and odd output columns apart; they are put back together once, at
   the store.
 
-A program computes ``BLOCK_M`` rows of one expert by ``BLOCK_N`` output columns. Its expert and
-rows come from the rows' offsets (``offs``: where each expert's rows end, as torch's grouped product
-takes them): program ``t`` along the second grid axis is the ``t``-th tile of ``BLOCK_M`` rows when
-every expert's rows are cut into tiles of their own. The grid has room for every way the rows may
-fall (``rows / BLOCK_M`` tiles plus one an expert), and a program past the last tile does nothing:
-the launch's shape depends on the row count alone, so a CUDA graph captures it.
+A program computes ``BLOCK_M`` rows of one expert. Its expert and rows come from the rows' offsets
+(``offs``: where each expert's rows end, as torch's grouped product takes them): program ``t`` along
+the second grid axis is the ``t``-th tile of ``BLOCK_M`` rows when every expert's rows are cut into
+tiles of their own. The grid has room for every way the rows may fall (``rows / BLOCK_M`` tiles plus
+one an expert), and a program past the last tile does nothing: the launch's shape depends on the
+row count alone, so a CUDA graph captures it.
 
-``ASM``: the code decoded by byte permutes in PTX (bench/nf4_decode_asm.py: compiled kernels only,
-the interpreter cannot run it). ``TREE``: the 4-bit code decoded by a tree of selects over the code's 16 values (loaded once a
-program) instead of a load from the code table per value. ``LINEAR``: no code at all, a stand-in
-value in two instructions (wrong values: the probe times it to see what the decoding costs). ``FP32_DOT``: Triton's interpreter, whose
-bf16 dot reads the raw bits: the operands go to fp32 (after rounding to the rows' dtype).
-``ROUND_BY_HAND``: the interpreter truncates fp32 to bf16 where the compiled kernel rounds to
-nearest even; the weight's values are rounded by hand there, so the CPU tests see the GPU's values.
-In the interpreter sums and scans go through ``tl.reduce`` / ``tl.associative_scan`` with
-:func:`add` (Triton's own ``tl.sum`` is a jitted helper it cannot call there).
+``ASM``: the code decoded by byte permutes in PTX (engine/fast/nf4_decode.py: about six instructions
+a value); else by a tree of selects over the code's 16 values (about twenty; Triton's interpreter,
+which cannot run PTX, the CPU tests). ``TWO``: two 4-bit blocks a step (or a program's columns).
+``FP32_DOT``: Triton's interpreter, whose bf16 dot reads the raw bits: the operands go to fp32
+(after rounding to the rows' dtype). ``ROUND_BY_HAND``: the interpreter truncates fp32 to bf16
+where the compiled kernel rounds to nearest even; the weight's values are rounded by hand there, so
+the CPU tests see the GPU's values. In the interpreter sums and scans go through ``tl.reduce`` /
+``tl.associative_scan`` with :func:`add` (Triton's own ``tl.sum`` is a jitted helper it cannot call
+there).
 """
 
 import triton.language as tl
 
-from bench.nf4_decode_asm import asm
+from studio.engine.fast.nf4_decode import asm
 
 NF4_ASM = tl.constexpr(asm())
-"""The byte-permute decoding of four packed bytes (bench/nf4_decode_asm.py)."""
+"""The byte-permute decoding of four packed bytes (engine/fast/nf4_decode.py)."""
 
 
 def add(a, b):
@@ -65,7 +66,8 @@ def tile_of(offs_ptr, t, n_experts, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr
 
 def scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr):
     """The fp32 scales of the 4-bit blocks ``block`` (int64), double-quantized ones expanded as
-    bitsandbytes does (``code2[q] * absmax2`` rounded, then ``+ offset``)."""
+    bitsandbytes does (``code2[q] * absmax2`` rounded, then ``+ offset``). (One return a function:
+    Triton's compiler types every return, a constexpr branch's too.)"""
     if NESTED:
         q = tl.load(absmax_ptr + block).to(tl.int32)
         s = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // BLOCKSIZE2)
@@ -89,51 +91,43 @@ def pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, pair, NES
     return out
 
 
-def decode(nibble, code_ptr, TREE: tl.constexpr, LINEAR: tl.constexpr):
-    """The 4-bit code's fp32 value of each ``nibble`` (int32, 0-15). ``LINEAR``: not the code, a
-    value in two instructions (``(nibble - 8) / 8``), for timing what the decoding costs."""
-    if LINEAR:
-        value = (nibble - 8).to(tl.float32) * 0.125
-    elif TREE:
-        c0 = tl.load(code_ptr + 0)
-        c1 = tl.load(code_ptr + 1)
-        c2 = tl.load(code_ptr + 2)
-        c3 = tl.load(code_ptr + 3)
-        c4 = tl.load(code_ptr + 4)
-        c5 = tl.load(code_ptr + 5)
-        c6 = tl.load(code_ptr + 6)
-        c7 = tl.load(code_ptr + 7)
-        c8 = tl.load(code_ptr + 8)
-        c9 = tl.load(code_ptr + 9)
-        c10 = tl.load(code_ptr + 10)
-        c11 = tl.load(code_ptr + 11)
-        c12 = tl.load(code_ptr + 12)
-        c13 = tl.load(code_ptr + 13)
-        c14 = tl.load(code_ptr + 14)
-        c15 = tl.load(code_ptr + 15)
-        b0 = (nibble & 1) != 0
-        b1 = (nibble & 2) != 0
-        b2 = (nibble & 4) != 0
-        lo = tl.where(b2, tl.where(b1, tl.where(b0, c7, c6), tl.where(b0, c5, c4)),
-                      tl.where(b1, tl.where(b0, c3, c2), tl.where(b0, c1, c0)))
-        hi = tl.where(b2, tl.where(b1, tl.where(b0, c15, c14), tl.where(b0, c13, c12)),
-                      tl.where(b1, tl.where(b0, c11, c10), tl.where(b0, c9, c8)))
-        value = tl.where(nibble >= 8, hi, lo)
-    else:
-        value = tl.load(code_ptr + nibble)
-    return value
-
-
-def decode_bytes(byte, code_ptr, TREE: tl.constexpr, LINEAR: tl.constexpr, ASM: tl.constexpr):
+def decode_bytes(byte, code_ptr, ASM: tl.constexpr):
     """The fp32 code values of each byte's high and low nibble (``byte``: uint8)."""
     if ASM:
         high, low = tl.inline_asm_elementwise(NF4_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
     else:
-        b32 = byte.to(tl.int32)
-        high = decode(b32 >> 4, code_ptr, TREE, LINEAR)
-        low = decode(b32 & 15, code_ptr, TREE, LINEAR)
+        high = tree(byte.to(tl.int32) >> 4, code_ptr)
+        low = tree(byte.to(tl.int32) & 15, code_ptr)
     return high, low
+
+
+def tree(nibble, code_ptr):
+    """The code's fp32 value of each ``nibble`` (int32, 0-15) by a tree of selects over its 16 values."""
+    c0 = tl.load(code_ptr + 0)
+    c1 = tl.load(code_ptr + 1)
+    c2 = tl.load(code_ptr + 2)
+    c3 = tl.load(code_ptr + 3)
+    c4 = tl.load(code_ptr + 4)
+    c5 = tl.load(code_ptr + 5)
+    c6 = tl.load(code_ptr + 6)
+    c7 = tl.load(code_ptr + 7)
+    c8 = tl.load(code_ptr + 8)
+    c9 = tl.load(code_ptr + 9)
+    c10 = tl.load(code_ptr + 10)
+    c11 = tl.load(code_ptr + 11)
+    c12 = tl.load(code_ptr + 12)
+    c13 = tl.load(code_ptr + 13)
+    c14 = tl.load(code_ptr + 14)
+    c15 = tl.load(code_ptr + 15)
+    b0 = (nibble & 1) != 0
+    b1 = (nibble & 2) != 0
+    b2 = (nibble & 4) != 0
+    lo = tl.where(b2, tl.where(b1, tl.where(b0, c7, c6), tl.where(b0, c5, c4)),
+                  tl.where(b1, tl.where(b0, c3, c2), tl.where(b0, c1, c0)))
+    hi = tl.where(b2, tl.where(b1, tl.where(b0, c15, c14), tl.where(b0, c13, c12)),
+                  tl.where(b1, tl.where(b0, c11, c10), tl.where(b0, c9, c8)))
+    return tl.where(nibble >= 8, hi, lo)
 
 
 def weight(values, dtype: tl.constexpr, ROUND_BY_HAND: tl.constexpr, FP32_DOT: tl.constexpr):
@@ -152,8 +146,7 @@ def weight(values, dtype: tl.constexpr, ROUND_BY_HAND: tl.constexpr, FP32_DOT: t
 def reduce_b(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, offs_ptr, y_ptr,
              n_experts, A, B, a_first, a_len, b_first, b_len, stride_x, stride_y,
              EXPERTS: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, TREE: tl.constexpr,
-             LINEAR: tl.constexpr, ASM: tl.constexpr, X_SPLIT: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr,
              FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     # y[r, a] = sum_b x[r, b] W_e[a_first + a, b_first + b]: a step of the reduction is one 4-bit
     # block of each weight row, or two (TWO); b_len is a multiple of the step
@@ -173,16 +166,11 @@ def reduce_b(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
             byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :])
             s = pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, at // BLOCKSIZE, pair, NESTED, BLOCKSIZE,
                             BLOCKSIZE2, TWO)
-            high, low = decode_bytes(byte, code_ptr, TREE, LINEAR, ASM)
+            high, low = decode_bytes(byte, code_ptr, ASM)
             high = weight(high * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
             low = weight(low * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
-            if X_SPLIT:  # the rows' values of the step as one contiguous tile, split into even and odd
-                both = tl.load(x_rows + (b0 + tl.arange(0, STEP))[None, :], mask=row_in[:, None], other=0.0)
-                x_even, x_odd = tl.split(tl.reshape(both, (BLOCK_M, STEP // 2, 2)))
-            else:
-                cols = b0 + 2 * pair
-                x_even = tl.load(x_rows + cols[None, :], mask=row_in[:, None], other=0.0)
-                x_odd = tl.load(x_rows + cols[None, :] + 1, mask=row_in[:, None], other=0.0)
+            both = tl.load(x_rows + (b0 + tl.arange(0, STEP))[None, :], mask=row_in[:, None], other=0.0)
+            x_even, x_odd = tl.split(tl.reshape(both, (BLOCK_M, STEP // 2, 2)))
             if FP32_DOT:
                 x_even = x_even.to(tl.float32)
                 x_odd = x_odd.to(tl.float32)
@@ -195,8 +183,8 @@ def reduce_b(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
 def reduce_a(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, offs_ptr, y_ptr,
              n_experts, A, B, a_first, a_len, b_first, b_len, stride_x, stride_y,
              EXPERTS: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, TREE: tl.constexpr,
-             LINEAR: tl.constexpr, ASM: tl.constexpr, FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr,
+             FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     # y[r, b] = sum_a x[r, a] W_e[a_first + a, b_first + b]: a program's output columns are one
     # 4-bit block of each weight row, or two (TWO); b_len is a multiple of them
     BLOCK_N: tl.constexpr = BLOCKSIZE * (2 if TWO else 1)
@@ -217,7 +205,7 @@ def reduce_a(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
             byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :])
             s = pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, at // BLOCKSIZE, pair, NESTED, BLOCKSIZE,
                             BLOCKSIZE2, TWO)
-            high, low = decode_bytes(byte, code_ptr, TREE, LINEAR, ASM)
+            high, low = decode_bytes(byte, code_ptr, ASM)
             high = weight(high * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
             low = weight(low * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
             xt = tl.load(x_rows + (k0 + k)[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)

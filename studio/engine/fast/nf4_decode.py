@@ -1,10 +1,9 @@
-"""The NF4 code decoded by byte permutes (PTX ``prmt``), for bench/nf4_grouped_kernels.py's ``ASM``
-decoding, and an emulator of the same instructions to test it on the CPU.
+"""The NF4 code decoded by byte permutes (PTX ``prmt``), for engine/fast/nf4_experts_kernels.py.
 
-Triton's select tree spends some 20 instructions a value on the 16-value code (bench/NOTES.md
-section 14). Here the code's fp32 values sit in 16 registers as four byte planes (plane ``k``: byte
-``k`` of each value, four values a register), and four bytes of packed NF4 (eight values) are decoded
-at once:
+Triton's select tree spends some 20 instructions a value on the 16-value code, and decoding then
+took more of a grouped product's time than its products (bench/NOTES.md section 14). Here the
+code's fp32 values sit in 16 registers as four byte planes (plane ``k``: byte ``k`` of each value,
+four values a register), and four bytes of packed NF4 (eight values) are decoded at once:
 
 - each value's nibble, bit 3 cleared, is a ``prmt`` selector: one ``prmt`` of a plane's first two
   registers reads byte ``k`` of four values among entries 0-7, one of its last two among 8-15;
@@ -18,8 +17,8 @@ to the bit: the kernel multiplies them by their scale and rounds as dequant.py d
 :func:`program` is the instruction list; :func:`asm` writes it as the PTX Triton's
 ``inline_asm_elementwise`` takes (``pack=4``: one 32-bit register of four bytes in, byte 0 the
 first element; the four values of each byte's high nibble out in ``$0-$3``, the low nibbles' in
-``$4-$7``); :func:`emulate` runs it on integers, by the PTX ISA's definitions of ``prmt`` (default
-mode) and ``lop3``.
+``$4-$7``). tests/engine/test_nf4_experts.py runs the list on integers, by the PTX ISA's
+definitions of ``prmt`` (default mode) and ``lop3``: the GPU is the only place the PTX itself runs.
 """
 
 from __future__ import annotations
@@ -70,49 +69,6 @@ def program(code=NF4) -> list[tuple]:
     for i, src in enumerate(("w1L", "w3L", "w1H", "w3H", "w0L", "w2L", "w0H", "w2H")):
         ops.append(("mov", f"out{i}", src))
     return ops
-
-
-def _prmt(a: int, b: int, c: int) -> int:
-    data = a | (b << 32)
-    out = 0
-    for i in range(4):
-        field = (c >> (4 * i)) & 0xF
-        byte = (data >> (8 * (field & 7))) & 0xFF
-        if field & 8:  # replicate the selected byte's sign
-            byte = 0xFF if byte & 0x80 else 0
-        out |= byte << (8 * i)
-    return out
-
-
-def _lop3(a: int, b: int, c: int, table: int) -> int:
-    out = 0
-    for bit in range(32):
-        index = (((a >> bit) & 1) << 2) | (((b >> bit) & 1) << 1) | ((c >> bit) & 1)
-        out |= ((table >> index) & 1) << bit
-    return out
-
-
-def emulate(x: int, code=NF4) -> list[int]:
-    """The eight output words :func:`program` computes from the input word ``x``."""
-    regs = {"x": x}
-
-    def val(s):
-        return regs[s] if isinstance(s, str) else s
-
-    for op, dst, *src in program(code):
-        if op == "mov":
-            regs[dst] = val(src[0])
-        elif op == "and":
-            regs[dst] = val(src[0]) & val(src[1])
-        elif op == "shr":
-            regs[dst] = val(src[0]) >> val(src[1])
-        elif op == "shl":
-            regs[dst] = (val(src[0]) << val(src[1])) & 0xFFFFFFFF
-        elif op == "prmt":
-            regs[dst] = _prmt(val(src[0]), val(src[1]), val(src[2]))
-        elif op == "lop3":
-            regs[dst] = _lop3(val(src[0]), val(src[1]), val(src[2]), src[3])
-    return [regs[f"out{i}"] for i in range(8)]
 
 
 def asm(code=NF4) -> str:
