@@ -13,9 +13,8 @@ expert, a loop used on the CPU and for fp16 / fp32 on CUDA only. Experts a 4-bit
 (engine/quantized_experts.py) are dequantized one projection at a time (gate/up in two halves of its
 output features, :data:`PARTS`), every expert at once, into the model's shared workspace right
 before the product that reads them (:class:`ExpertWeights`);
-gpt-oss' MXFP4 experts, kept as the checkpoint ships them (engine/mxfp4.py), the same way. Where
-each expert gets few rows (gpt-oss-120b: 64 at 2,048 tokens), NF4 experts are read as stored
-instead, by engine/fast/nf4_experts.py's products, which decode them inside (gate/up then whole).
+gpt-oss' MXFP4 experts, kept as the checkpoint ships them (engine/mxfp4.py), the same way. For few
+rows an expert, nf4_experts.py's products read NF4 experts as stored (gate/up whole) instead.
 
 LoRA on the experts is PEFT's ``target_parameters`` adapter (``lora.ParamWrapper``: one A and one
 B per expert, stacked in ``lora_A [r x experts, in]`` and ``lora_B [out, r x experts]``), so an
@@ -177,53 +176,37 @@ class ExpertWeights:
             elif isinstance(packed, PackedExperts) and kernel and dequant.supports(packed.quant_state, dtype) \
                     and dequant.available(packed.packed.device):
                 self.kernel = dequant.NF4Weight(packed.quant_state, packed.packed.device)
-        self.nf4: nf4_experts.Nf4Products | None = None
-        """engine/fast/nf4_experts.py's products over the stored NF4 weights where they run (the
-        ``trainer.fast_path.kernels`` setting on, CUDA, bf16 / fp16), taken where each expert gets
-        few rows (:meth:`reads_stored`); None: the weights are always dequantized."""
-        if isinstance(packed, PackedExperts) and kernel and nf4_experts.supports(packed.quant_state, packed.shape) \
-                and nf4_experts.available(packed.packed.device, dtype):
-            self.nf4 = nf4_experts.Nf4Products(packed.packed, packed.quant_state, packed.shape, packed.packed.device)
+        self.nf4 = nf4_experts.reader(packed, dtype) if kernel and isinstance(packed, PackedExperts) else None
+        """nf4_experts.py's products over stored NF4 weights (with ``kernel``, on CUDA, bf16 / fp16),
+        for few rows an expert (:meth:`reads_stored`); None: the weights are always dequantized."""
 
     def reads_stored(self, rows: int, groups: Groups) -> bool:
-        """Whether the products over ``rows`` sorted rows read the stored NF4 weights as they are
-        (:attr:`nf4`, where each expert gets few rows: nf4_experts.worth_it), the whole output at
-        once, instead of dequantizing them (in :attr:`parts`)."""
-        return (self.nf4 is not None and not groups.loop and not nf4_experts.KERNELS.broken
-                and nf4_experts.worth_it(rows, self.experts))
+        """Whether products over ``rows`` sorted rows read the stored NF4 weights (:attr:`nf4`; few rows
+        an expert: nf4_experts.worth_it), the whole output at once, instead of dequantizing them."""
+        return self.nf4 is not None and not groups.loop and nf4_experts.worth_it(rows, self.experts)
 
     def _window(self, part: int | None) -> tuple[int, int, int, int]:
         """The stored weight's window of output features ``part`` covers (all of them: None)."""
         n = self.out_features // self.parts if part is not None else self.out_features
-        first = part * n if part is not None else 0
-        return self.nf4.window(b=(first, n)) if self.transposed else self.nf4.window(a=(first, n))
+        cols = (part * n if part is not None else 0, n)
+        return self.nf4.window(b=cols) if self.transposed else self.nf4.window(a=cols)
 
-    def product(self, x: torch.Tensor, groups: Groups, part: int | None = None) -> torch.Tensor:
-        """``x[rows of e] @ W_e^T`` for every expert over output features ``part`` (all: None)."""
+    def product(self, x: torch.Tensor, groups: Groups, part: int | None = None, backward: bool = False
+                ) -> torch.Tensor:
+        """``x[rows of e] @ W_e^T`` for every expert over output features ``part`` (all: None), or
+        with ``backward`` ``x[rows of e] @ W_e``, ``x`` over those features (the input's gradient)."""
         if self.reads_stored(x.shape[0], groups):
-            run = self.nf4.reduce_a if self.transposed else self.nf4.reduce_b
+            run = self.nf4.reduce_a if self.transposed != backward else self.nf4.reduce_b
             done, y = nf4_experts.KERNELS.attempt(lambda: run(x, groups.offs, self._window(part)))
             if done:
                 return y
         if part is None and self.parts > 1:  # read whole, in parts after all (the kernels failed)
-            return torch.cat([self.product(x, groups, p) for p in range(self.parts)], dim=1)
-        return groups.mm(x, self.stacked(part).transpose(1, 2))
-
-    def product_t(self, dy: torch.Tensor, groups: Groups, part: int | None = None) -> torch.Tensor:
-        """``dy[rows of e] @ W_e`` for every expert, ``dy`` over output features ``part`` (all: None):
-        the input's gradient."""
-        if self.reads_stored(dy.shape[0], groups):
-            run = self.nf4.reduce_b if self.transposed else self.nf4.reduce_a
-            done, dx = nf4_experts.KERNELS.attempt(lambda: run(dy, groups.offs, self._window(part)))
-            if done:
-                return dx
-        if part is None and self.parts > 1:
             n = self.out_features // self.parts
-            dx = self.product_t(dy[:, :n].contiguous(), groups, 0)
-            for p in range(1, self.parts):
-                dx += self.product_t(dy[:, p * n:(p + 1) * n].contiguous(), groups, p)
-            return dx
-        return groups.mm(dy, self.stacked(part))
+            if backward:
+                return sum(self.product(x[:, p * n:][:, :n].contiguous(), groups, p, True) for p in range(self.parts))
+            return torch.cat([self.product(x, groups, p) for p in range(self.parts)], dim=1)
+        w = self.stacked(part)
+        return groups.mm(x, w if backward else w.transpose(1, 2))
 
     def stacked(self, part: int | None = None) -> torch.Tensor:
         """Every expert's weight ``[experts, out, in]`` in the compute dtype (stored ones: in the
@@ -275,7 +258,7 @@ class ExpertProduct(torch.autograd.Function):
         x, xa, a, b = ctx.saved_tensors
         groups, scale = ctx.groups, ctx.scale
         dy = dy.contiguous()
-        dx = ctx.weights.product_t(dy, groups, ctx.part) if ctx.needs_input_grad[0] else None
+        dx = ctx.weights.product(dy, groups, ctx.part, backward=True) if ctx.needs_input_grad[0] else None
         da = db = None
         if a is not None:
             dyb = groups.mm(dy, b)
@@ -500,8 +483,7 @@ class SparseMlp:
         a, b, scale = gate_up_adapters
         xs = Gather.apply(x2, rows, pos, k, summed)
         w = self.gate_up.weights
-        if w.parts > 1 and not w.reads_stored(xs.shape[0], groups):
-            # a product a part of gate/up's output features, each read where it lies
+        if w.parts > 1 and not w.reads_stored(xs.shape[0], groups):  # a product a part, each read where it lies
             n = w.out_features // w.parts
             gus = [ExpertProduct.apply(xs, w, groups, a, b[:, p * n:(p + 1) * n] if b is not None else None, scale,
                                        True, p) for p in range(w.parts)]

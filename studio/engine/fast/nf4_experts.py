@@ -65,8 +65,17 @@ def supports(state, shape: tuple[int, ...]) -> bool:
 
 def worth_it(rows: int, experts: int) -> bool:
     """Whether a layer whose products take ``rows`` sorted rows over ``experts`` experts runs them
-    here: where each expert gets :data:`MOST_ROWS` rows or fewer on average."""
-    return rows <= MOST_ROWS * experts
+    here: where each expert gets :data:`MOST_ROWS` rows or fewer on average, and the kernels have
+    not failed in this process."""
+    return rows <= MOST_ROWS * experts and not KERNELS.broken
+
+
+def reader(packed, dtype: torch.dtype) -> Nf4Products | None:
+    """The products over ``packed`` (engine/quantized_experts.py's ``PackedExperts``) for rows in
+    ``dtype``, where the kernels read its weights here; else None."""
+    if not supports(packed.quant_state, packed.shape) or not available(packed.packed.device, dtype):
+        return None
+    return Nf4Products(packed.packed, packed.quant_state, packed.shape, packed.packed.device)
 
 
 class Nf4Products:
