@@ -149,19 +149,21 @@ def test_the_expert_kernels_compile(compiled, interleaved: bool, clamped: bool) 
            {"pos_ptr": "*i32", "expert_ptr": "*i64"}, num_warps=expert_copies.NUM_WARPS)
 
 
-@pytest.mark.parametrize("nested", [False, True])
-@pytest.mark.parametrize("two", [False, True])
-def test_the_nf4_expert_product_kernels_compile(compiled, nested: bool, two: bool) -> None:
-    """Both grouped products that read NF4 experts as stored (engine/fast/nf4_experts.py), with the
-    PTX byte-permute decoding, in its tiles, the scales double-quantized or not, one 4-bit block or
-    two a step."""
-    from studio.engine.fast import nf4_experts
+@pytest.mark.parametrize(("fmt", "blocks"), [("nf4", 1), ("nf4", 2), ("nf4_nested", 2), ("mxfp4", 2),
+                                            ("mxfp4", 4)])
+def test_the_stored_expert_product_kernels_compile(compiled, fmt: str, blocks: int) -> None:
+    """Both grouped products that read 4-bit experts as stored (engine/fast/stored_experts.py), with
+    the PTX byte-permute decoding, in its tiles: NF4 with fp32 or double-quantized scales, MXFP4 with
+    its exponent bytes, two or four blocks a step."""
+    from studio.engine.fast import stored_experts
 
-    kernels = nf4_experts.KERNELS.get()
-    kinds = {"packed_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "code2_ptr": "*fp32",
+    kernels = stored_experts.KERNELS.get()
+    nested, mx = fmt == "nf4_nested", fmt == "mxfp4"
+    kinds = {"packed_ptr": "*u8", "absmax_ptr": "*u8" if nested or mx else "*fp32", "code2_ptr": "*fp32",
              "absmax2_ptr": "*fp32", "offset_ptr": "*fp32", "code_ptr": "*fp32", "offs_ptr": "*i32"}
-    common = dict(EXPERTS=128, BLOCKSIZE=64, NESTED=nested, BLOCKSIZE2=256 if nested else 1, BLOCK_M=nf4_experts.BLOCK_M,
-                  TWO=two, ASM=True, FP32_DOT=False, ROUND_BY_HAND=False)
-    _build(kernels["reduce_b"], dict(common, BLOCK_N=nf4_experts.REDUCE_B["BLOCK_N"]), kinds,
-           num_warps=nf4_experts.REDUCE_B["num_warps"], num_stages=nf4_experts.REDUCE_B["num_stages"])
-    _build(kernels["reduce_a"], dict(common, BLOCK_K=128 if two else 64), kinds, **nf4_experts.REDUCE_A)
+    common = dict(EXPERTS=128, BLOCKSIZE=32 if mx else 64, NESTED=nested, BLOCKSIZE2=256 if nested else 1,
+                  BLOCK_M=stored_experts.BLOCK_M, BLOCKS=blocks, ASM=True, MX=mx, FP32_DOT=False, ROUND_BY_HAND=False)
+    _build(kernels["reduce_b"], dict(common, BLOCK_N=stored_experts.REDUCE_B["BLOCK_N"]), kinds,
+           num_warps=stored_experts.REDUCE_B["num_warps"], num_stages=stored_experts.REDUCE_B["num_stages"])
+    columns = blocks * common["BLOCKSIZE"]
+    _build(kernels["reduce_a"], dict(common, BLOCK_K=128 if columns == 128 else 64), kinds, **stored_experts.REDUCE_A)

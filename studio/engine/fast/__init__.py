@@ -49,8 +49,8 @@ one concern a module (the imports point down this list):
   the recomputation; ``expert_activation`` (kernels in ``expert_activation_kernels``):
   its experts' activation times the routing weight, one kernel a pass; ``expert_copies`` (kernel in
   ``expert_copies_kernels``): each token's copies gathered into expert order and summed back;
-  ``nf4_experts`` (kernels in ``nf4_experts_kernels``, the code decoded by ``nf4_decode``'s PTX):
-  grouped products that read NF4 experts as stored, for layers of few rows an expert;
+  ``stored_experts`` (kernels in ``stored_experts_kernels``, the code decoded by ``fourbit_decode``'s
+  PTX): grouped products that read 4-bit experts (NF4, MXFP4) as stored, for few rows an expert;
 - ``cross_entropy`` (kernel in ``cross_entropy_kernels``): the training loss fused with the output
   head, in chunks of rows wide enough that its products are not bound by reading the head;
 - ``kernels``: what those nine share: Triton kernels jitted on first use and given up on, with a

@@ -14,7 +14,7 @@ expert, a loop used on the CPU and for fp16 / fp32 on CUDA only. Experts a 4-bit
 output features, :data:`PARTS`), every expert at once, into the model's shared workspace right
 before the product that reads them (:class:`ExpertWeights`);
 gpt-oss' MXFP4 experts, kept as the checkpoint ships them (engine/mxfp4.py), the same way. For few
-rows an expert, nf4_experts.py's products read NF4 experts as stored (gate/up whole) instead.
+rows an expert, stored_experts.py's products read 4-bit experts as stored (gate/up whole) instead.
 
 LoRA on the experts is PEFT's ``target_parameters`` adapter (``lora.ParamWrapper``: one A and one
 B per expert, stacked in ``lora_A [r x experts, in]`` and ``lora_B [out, r x experts]``), so an
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from studio.core.decoder import MoeSpec
-from studio.engine.fast import dequant, expert_activation, expert_copies, nf4_experts
+from studio.engine.fast import dequant, expert_activation, expert_copies, stored_experts
 from studio.engine.fast.expert_activation import RoutedActivation
 from studio.engine.fast.expert_copies import Combine, Gather
 from studio.engine.fast.frozen import Workspace
@@ -176,28 +176,28 @@ class ExpertWeights:
             elif isinstance(packed, PackedExperts) and kernel and dequant.supports(packed.quant_state, dtype) \
                     and dequant.available(packed.packed.device):
                 self.kernel = dequant.NF4Weight(packed.quant_state, packed.packed.device)
-        self.nf4 = nf4_experts.reader(packed, dtype) if kernel and isinstance(packed, PackedExperts) else None
-        """nf4_experts.py's products over stored NF4 weights (with ``kernel``, on CUDA, bf16 / fp16),
+        self.stored = stored_experts.reader(packed, dtype) if kernel and packed is not None else None
+        """stored_experts.py's products over the stored 4-bit weights (``kernel``; CUDA, bf16 / fp16),
         for few rows an expert (:meth:`reads_stored`); None: the weights are always dequantized."""
 
     def reads_stored(self, rows: int, groups: Groups) -> bool:
-        """Whether products over ``rows`` sorted rows read the stored NF4 weights (:attr:`nf4`; few rows
-        an expert: nf4_experts.worth_it), the whole output at once, instead of dequantizing them."""
-        return self.nf4 is not None and not groups.loop and nf4_experts.worth_it(rows, self.experts)
+        """Whether products over ``rows`` sorted rows read the stored 4-bit weights (:attr:`stored`; few
+        rows an expert: stored_experts.worth_it), the whole output at once, instead of dequantizing them."""
+        return self.stored is not None and not groups.loop and stored_experts.worth_it(rows, self.experts)
 
     def _window(self, part: int | None) -> tuple[int, int, int, int]:
         """The stored weight's window of output features ``part`` covers (all of them: None)."""
         n = self.out_features // self.parts if part is not None else self.out_features
         cols = (part * n if part is not None else 0, n)
-        return self.nf4.window(b=cols) if self.transposed else self.nf4.window(a=cols)
+        return self.stored.window(b=cols) if self.transposed else self.stored.window(a=cols)
 
     def product(self, x: torch.Tensor, groups: Groups, part: int | None = None, backward: bool = False
                 ) -> torch.Tensor:
         """``x[rows of e] @ W_e^T`` for every expert over output features ``part`` (all: None), or
         with ``backward`` ``x[rows of e] @ W_e``, ``x`` over those features (the input's gradient)."""
         if self.reads_stored(x.shape[0], groups):
-            run = self.nf4.reduce_a if self.transposed != backward else self.nf4.reduce_b
-            done, y = nf4_experts.KERNELS.attempt(lambda: run(x, groups.offs, self._window(part)))
+            run = self.stored.reduce_a if self.transposed != backward else self.stored.reduce_b
+            done, y = stored_experts.KERNELS.attempt(lambda: run(x, groups.offs, self._window(part)))
             if done:
                 return y
         if part is None and self.parts > 1:  # read whole, in parts after all (the kernels failed)

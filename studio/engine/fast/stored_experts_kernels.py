@@ -1,21 +1,23 @@
-"""The Triton kernels behind :mod:`studio.engine.fast.nf4_experts` (jitted on first use: this module
-imports Triton, so nothing imports it until a kernel runs).
+"""The Triton kernels behind :mod:`studio.engine.fast.stored_experts` (jitted on first use: this
+module imports Triton, so nothing imports it until a kernel runs).
 
-Both multiply the experts' sorted rows by their expert's NF4 weight without writing the weight in
+Both multiply the experts' sorted rows by their expert's 4-bit weight without writing the weight in
 16 bits: each tile of packed bytes is decoded in registers (the 4-bit code, times its block's scale
-in fp32, rounded to the rows' dtype: engine/fast/dequant.py's values to the bit) and goes straight
-into ``tl.dot``. The stored weight of expert ``e`` is ``W_e [A, B]`` (bitsandbytes' packing of the
-flattened ``[experts, A, B]`` tensor: two values a byte along ``B``, high nibble first, one scale
-per ``BLOCKSIZE`` values along ``B``); the kernels read the window ``a_first ...``, ``b_first ...``
-of it. A byte's two values are never interleaved back into one tile: its high nibbles form one
-operand (the even columns of ``B``), its low nibbles another (the odd ones).
+in fp32, rounded to the rows' dtype: engine/fast/dequant.py's and mxfp4_dequant.py's values to the
+bit) and goes straight into ``tl.dot``. The stored weight of expert ``e`` is ``W_e [A, B]``, the
+flattened ``[experts, A, B]`` tensor two values a byte along ``B``, one scale per ``BLOCKSIZE``
+values along ``B``: bitsandbytes' NF4 (high nibble first, blocks of 64, fp32 or double-quantized
+scales) or, with ``MX``, gpt-oss' MXFP4 (low nibble first, blocks of 32, a power of two a block as
+its exponent byte). The kernels read the window ``a_first ...``, ``b_first ...`` of it. A byte's
+two values are never interleaved back into one tile: its first values form one operand (the even
+columns of ``B``), its second values another (the odd ones).
 
 - :func:`reduce_b`: ``y[r, a] = sum_b x[r, b] W_e[a, b]`` (``B`` is the reduction): each step loads
-  the rows' values as one tile and splits it into the even and odd columns, which meet the high and
-  low nibbles in two products (loading them apart, every other value, took 2.3x as long: bench/NOTES.md
+  the rows' values as one tile and splits it into the even and odd columns, which meet the bytes'
+  first and second values in two products (loading them apart, every other value, took 2.3x as long: bench/NOTES.md
   section 14).
-- :func:`reduce_a`: ``y[r, b] = sum_a x[r, a] W_e[a, b]`` (``B`` is the output): the high and low
-  nibbles accumulate the even and odd output columns apart; they are put back together once, at
+- :func:`reduce_a`: ``y[r, b] = sum_a x[r, a] W_e[a, b]`` (``B`` is the output): the first and
+  second values accumulate the even and odd output columns apart; they are put back together once, at
   the store.
 
 A program computes ``BLOCK_M`` rows of one expert. Its expert and rows come from the rows' offsets
@@ -25,9 +27,10 @@ tiles of their own. The grid has room for every way the rows may fall (``rows / 
 one an expert), and a program past the last tile does nothing: the launch's shape depends on the
 row count alone, so a CUDA graph captures it.
 
-``ASM``: the code decoded by byte permutes in PTX (engine/fast/nf4_decode.py: about six instructions
-a value); else by a tree of selects over the code's 16 values (about twenty; Triton's interpreter,
-which cannot run PTX, the CPU tests). ``TWO``: two 4-bit blocks a step (or a program's columns).
+``ASM``: the code decoded by byte permutes in PTX (engine/fast/fourbit_decode.py: about six
+instructions a value); else by a tree of selects over the code's 16 values at ``code_ptr`` (about
+twenty; Triton's interpreter, which cannot run PTX, the CPU tests). ``BLOCKS``: 4-bit blocks a step
+(or a program's columns), 1, 2 or 4.
 ``FP32_DOT``: Triton's interpreter, whose bf16 dot reads the raw bits: the operands go to fp32
 (after rounding to the rows' dtype). ``ROUND_BY_HAND``: the interpreter truncates fp32 to bf16
 where the compiled kernel rounds to nearest even; the weight's values are rounded by hand there, so
@@ -38,10 +41,12 @@ there).
 
 import triton.language as tl
 
-from studio.engine.fast.nf4_decode import asm
+from studio.engine.fast.fourbit_decode import FP4, NF4, asm
 
-NF4_ASM = tl.constexpr(asm())
-"""The byte-permute decoding of four packed bytes (engine/fast/nf4_decode.py)."""
+NF4_ASM = tl.constexpr(asm(NF4))
+"""The byte-permute decoding of four packed NF4 bytes (engine/fast/fourbit_decode.py)."""
+FP4_ASM = tl.constexpr(asm(FP4))
+"""The same for MXFP4's FP4 (E2M1) code."""
 
 
 def add(a, b):
@@ -64,11 +69,17 @@ def tile_of(offs_ptr, t, n_experts, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr
     return e, start + (t - first_tile) * BLOCK_M, end
 
 
-def scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr):
-    """The fp32 scales of the 4-bit blocks ``block`` (int64), double-quantized ones expanded as
-    bitsandbytes does (``code2[q] * absmax2`` rounded, then ``+ offset``). (One return a function:
+def scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
+           MX: tl.constexpr):
+    """The fp32 scales of the 4-bit blocks ``block`` (int64): double-quantized ones expanded as
+    bitsandbytes does (``code2[q] * absmax2`` rounded, then ``+ offset``); MXFP4's exponent bytes
+    as mxfp4.scale_values builds them (0: 2^-127, a subnormal; 255: NaN). (One return a function:
     Triton's compiler types every return, a constexpr branch's too.)"""
-    if NESTED:
+    if MX:
+        q = tl.load(absmax_ptr + block).to(tl.int32)
+        bits = tl.where(q == 0, 1 << 22, q << 23)
+        s = tl.where(q == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+    elif NESTED:
         q = tl.load(absmax_ptr + block).to(tl.int32)
         s = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // BLOCKSIZE2)
         s = s + tl.load(offset_ptr)
@@ -78,28 +89,41 @@ def scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, NESTED: tl.con
 
 
 def pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, pair, NESTED: tl.constexpr,
-                BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, TWO: tl.constexpr):
-    """The scale of each byte ``pair`` (``[C]``, counted from the first of a run of one block, or
-    two where ``TWO``) of the rows whose run begins at block ``block`` (``[R]``): ``[R, C]`` (or
-    ``[R, 1]``, one block)."""
-    first = scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, NESTED, BLOCKSIZE2)
-    if TWO:
-        second = scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block + 1, NESTED, BLOCKSIZE2)
-        out = tl.where((pair < BLOCKSIZE // 2)[None, :], first[:, None], second[:, None])
-    else:
-        out = first[:, None]
+                BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, BLOCKS: tl.constexpr, MX: tl.constexpr):
+    """The scale of each byte ``pair`` (``[C]``, counted from the first of a run of ``BLOCKS``
+    blocks) of the rows whose run begins at block ``block`` (``[R]``): ``[R, C]`` (``[R, 1]``, one
+    block)."""
+    HALF: tl.constexpr = BLOCKSIZE // 2
+    out = scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block, NESTED, BLOCKSIZE2, MX)[:, None]
+    if BLOCKS > 1:
+        s1 = scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block + 1, NESTED, BLOCKSIZE2, MX)
+        out = tl.where((pair >= HALF)[None, :], s1[:, None], out)
+    if BLOCKS > 2:
+        s2 = scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block + 2, NESTED, BLOCKSIZE2, MX)
+        s3 = scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, block + 3, NESTED, BLOCKSIZE2, MX)
+        out = tl.where((pair >= 2 * HALF)[None, :], s2[:, None], out)
+        out = tl.where((pair >= 3 * HALF)[None, :], s3[:, None], out)
     return out
 
 
-def decode_bytes(byte, code_ptr, ASM: tl.constexpr):
-    """The fp32 code values of each byte's high and low nibble (``byte``: uint8)."""
+def decode_bytes(byte, code_ptr, ASM: tl.constexpr, MX: tl.constexpr):
+    """The fp32 code values of each byte's first and second value (``byte``: uint8): NF4's high
+    nibble first, MXFP4's low one."""
     if ASM:
-        high, low = tl.inline_asm_elementwise(NF4_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
-                                              dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        if MX:
+            high, low = tl.inline_asm_elementwise(FP4_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                                  dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        else:
+            high, low = tl.inline_asm_elementwise(NF4_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                                  dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
     else:
         high = tree(byte.to(tl.int32) >> 4, code_ptr)
         low = tree(byte.to(tl.int32) & 15, code_ptr)
-    return high, low
+    if MX:
+        first, second = low, high
+    else:
+        first, second = high, low
+    return first, second
 
 
 def tree(nibble, code_ptr):
@@ -146,11 +170,11 @@ def weight(values, dtype: tl.constexpr, ROUND_BY_HAND: tl.constexpr, FP32_DOT: t
 def reduce_b(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, offs_ptr, y_ptr,
              n_experts, A, B, a_first, a_len, b_first, b_len, stride_x, stride_y,
              EXPERTS: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr,
-             FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
-    # y[r, a] = sum_b x[r, b] W_e[a_first + a, b_first + b]: a step of the reduction is one 4-bit
-    # block of each weight row, or two (TWO); b_len is a multiple of the step
-    STEP: tl.constexpr = BLOCKSIZE * (2 if TWO else 1)
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, ASM: tl.constexpr,
+             MX: tl.constexpr, FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    # y[r, a] = sum_b x[r, b] W_e[a_first + a, b_first + b]: a step of the reduction is BLOCKS 4-bit
+    # blocks of each weight row; b_len is a multiple of the step
+    STEP: tl.constexpr = BLOCKSIZE * BLOCKS
     e, row0, end = tile_of(offs_ptr, tl.program_id(1), n_experts, EXPERTS, BLOCK_M)
     if e < n_experts:
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -165,8 +189,8 @@ def reduce_b(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
             at = a_row + b0
             byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :])
             s = pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, at // BLOCKSIZE, pair, NESTED, BLOCKSIZE,
-                            BLOCKSIZE2, TWO)
-            high, low = decode_bytes(byte, code_ptr, ASM)
+                            BLOCKSIZE2, BLOCKS, MX)
+            high, low = decode_bytes(byte, code_ptr, ASM, MX)
             high = weight(high * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
             low = weight(low * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
             both = tl.load(x_rows + (b0 + tl.arange(0, STEP))[None, :], mask=row_in[:, None], other=0.0)
@@ -183,11 +207,11 @@ def reduce_b(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
 def reduce_a(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, offs_ptr, y_ptr,
              n_experts, A, B, a_first, a_len, b_first, b_len, stride_x, stride_y,
              EXPERTS: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr,
-             FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
-    # y[r, b] = sum_a x[r, a] W_e[a_first + a, b_first + b]: a program's output columns are one
-    # 4-bit block of each weight row, or two (TWO); b_len is a multiple of them
-    BLOCK_N: tl.constexpr = BLOCKSIZE * (2 if TWO else 1)
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKS: tl.constexpr, ASM: tl.constexpr,
+             MX: tl.constexpr, FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    # y[r, b] = sum_a x[r, a] W_e[a_first + a, b_first + b]: a program's output columns are BLOCKS
+    # 4-bit blocks of each weight row; b_len is a multiple of them
+    BLOCK_N: tl.constexpr = BLOCKSIZE * BLOCKS
     e, row0, end = tile_of(offs_ptr, tl.program_id(1), n_experts, EXPERTS, BLOCK_M)
     if e < n_experts:
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -204,8 +228,8 @@ def reduce_a(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
             at = first + (k0 + tl.where(k_in, k, 0)).to(tl.int64) * B
             byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :])
             s = pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, at // BLOCKSIZE, pair, NESTED, BLOCKSIZE,
-                            BLOCKSIZE2, TWO)
-            high, low = decode_bytes(byte, code_ptr, ASM)
+                            BLOCKSIZE2, BLOCKS, MX)
+            high, low = decode_bytes(byte, code_ptr, ASM, MX)
             high = weight(high * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
             low = weight(low * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
             xt = tl.load(x_rows + (k0 + k)[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)

@@ -1,9 +1,10 @@
-"""The NF4 code decoded by byte permutes (PTX ``prmt``), for engine/fast/nf4_experts_kernels.py.
+"""A 4-bit code decoded by byte permutes (PTX ``prmt``), for engine/fast/stored_experts_kernels.py:
+bitsandbytes' NF4 and MXFP4's FP4 (E2M1), any table of 16 fp32 values.
 
 Triton's select tree spends some 20 instructions a value on the 16-value code, and decoding then
 took more of a grouped product's time than its products (bench/NOTES.md section 14). Here the
 code's fp32 values sit in 16 registers as four byte planes (plane ``k``: byte ``k`` of each value,
-four values a register), and four bytes of packed NF4 (eight values) are decoded at once:
+four values a register), and four packed bytes (eight values) are decoded at once:
 
 - each value's nibble, bit 3 cleared, is a ``prmt`` selector: one ``prmt`` of a plane's first two
   registers reads byte ``k`` of four values among entries 0-7, one of its last two among 8-15;
@@ -17,7 +18,7 @@ to the bit: the kernel multiplies them by their scale and rounds as dequant.py d
 :func:`program` is the instruction list; :func:`asm` writes it as the PTX Triton's
 ``inline_asm_elementwise`` takes (``pack=4``: one 32-bit register of four bytes in, byte 0 the
 first element; the four values of each byte's high nibble out in ``$0-$3``, the low nibbles' in
-``$4-$7``). tests/engine/test_nf4_experts.py runs the list on integers, by the PTX ISA's
+``$4-$7``). tests/engine/test_stored_experts.py runs the list on integers, by the PTX ISA's
 definitions of ``prmt`` (default mode) and ``lop3``: the GPU is the only place the PTX itself runs.
 """
 
@@ -29,6 +30,8 @@ NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
 """bitsandbytes' NF4 code (``get_4bit_type("nf4")``), as fp32 values."""
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""MXFP4's FP4 (E2M1) code (engine/mxfp4.py's ``FP4_VALUES``)."""
 
 KEEP_HIGH_BY_MASK = 0xD8
 """``lop3``'s table for ``(a & ~c) | (b & c)`` (a = 0xF0, b = 0xCC, c = 0xAA)."""
@@ -38,14 +41,14 @@ def _bits(value: float) -> int:
     return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
-def planes(code=NF4) -> list[list[int]]:
+def planes(code) -> list[list[int]]:
     """``planes[k][g]``: byte ``k`` of code values ``4g ... 4g + 3``, as one 32-bit word."""
     bits = [_bits(v) for v in code]
     return [[sum(((bits[4 * g + j] >> (8 * k)) & 0xFF) << (8 * j) for j in range(4)) for g in range(4)]
             for k in range(4)]
 
 
-def program(code=NF4) -> list[tuple]:
+def program(code) -> list[tuple]:
     """The instructions: ``(op, destination, sources...)``; ``x`` is the input register, ``out0``
     ... ``out7`` the outputs (high nibbles' values of bytes 0-3, then the low nibbles')."""
     ops: list[tuple] = []
@@ -71,7 +74,7 @@ def program(code=NF4) -> list[tuple]:
     return ops
 
 
-def asm(code=NF4) -> str:
+def asm(code) -> str:
     """:func:`program` as PTX for ``tl.inline_asm_elementwise`` (constraints: eight ``=r``, one ``r``)."""
     names = {"x": "$8", **{f"out{i}": f"${i}" for i in range(8)}}
     lines = []
