@@ -48,7 +48,8 @@ MOST_ROWS = 64
 
 KERNELS = OwnKernels("stored_experts_kernels", ("reduce_b", "reduce_a"), "4-bit grouped-product kernels",
                      "dequantizing the experts into the workspace instead",
-                     helpers=("add", "tile_of", "scales", "pair_scales", "decode_bytes", "tree", "weight"))
+                     helpers=("add", "tile_of", "scales", "pair_scales", "decode_bytes", "tree", "weight",
+                              "operands"))
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -167,6 +167,18 @@ def weight(values, dtype: tl.constexpr, ROUND_BY_HAND: tl.constexpr, FP32_DOT: t
     return w
 
 
+def operands(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, at, pair, dtype: tl.constexpr,
+             NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, BLOCKS: tl.constexpr,
+             ASM: tl.constexpr, MX: tl.constexpr, FP32_DOT: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    """The weight tile whose rows begin at value ``at`` (int64, ``[R]``), byte ``pair`` (``[C]``) of
+    each: the bytes' first and second values, scaled, in ``dtype`` (two ``[R, C]`` dot operands)."""
+    byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :])
+    s = pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, at // BLOCKSIZE, pair, NESTED, BLOCKSIZE,
+                    BLOCKSIZE2, BLOCKS, MX)
+    first, second = decode_bytes(byte, code_ptr, ASM, MX)
+    return weight(first * s, dtype, ROUND_BY_HAND, FP32_DOT), weight(second * s, dtype, ROUND_BY_HAND, FP32_DOT)
+
+
 def reduce_b(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, offs_ptr, y_ptr,
              n_experts, A, B, a_first, a_len, b_first, b_len, stride_x, stride_y,
              EXPERTS: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
@@ -187,12 +199,9 @@ def reduce_b(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for b0 in range(0, b_len, STEP):
             at = a_row + b0
-            byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :])
-            s = pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, at // BLOCKSIZE, pair, NESTED, BLOCKSIZE,
-                            BLOCKSIZE2, BLOCKS, MX)
-            high, low = decode_bytes(byte, code_ptr, ASM, MX)
-            high = weight(high * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
-            low = weight(low * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
+            high, low = operands(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, at, pair,
+                                 x_ptr.dtype.element_ty, NESTED, BLOCKSIZE, BLOCKSIZE2, BLOCKS, ASM, MX, FP32_DOT,
+                                 ROUND_BY_HAND)
             both = tl.load(x_rows + (b0 + tl.arange(0, STEP))[None, :], mask=row_in[:, None], other=0.0)
             x_even, x_odd = tl.split(tl.reshape(both, (BLOCK_M, STEP // 2, 2)))
             if FP32_DOT:
@@ -226,12 +235,9 @@ def reduce_a(x_ptr, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, 
         for k0 in range(0, a_len, BLOCK_K):
             k_in = k0 + k < a_len
             at = first + (k0 + tl.where(k_in, k, 0)).to(tl.int64) * B
-            byte = tl.load(packed_ptr + at[:, None] // 2 + pair[None, :])
-            s = pair_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, at // BLOCKSIZE, pair, NESTED, BLOCKSIZE,
-                            BLOCKSIZE2, BLOCKS, MX)
-            high, low = decode_bytes(byte, code_ptr, ASM, MX)
-            high = weight(high * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
-            low = weight(low * s, x_ptr.dtype.element_ty, ROUND_BY_HAND, FP32_DOT)
+            high, low = operands(packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, at, pair,
+                                 x_ptr.dtype.element_ty, NESTED, BLOCKSIZE, BLOCKSIZE2, BLOCKS, ASM, MX, FP32_DOT,
+                                 ROUND_BY_HAND)
             xt = tl.load(x_rows + (k0 + k)[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)
             if FP32_DOT:
                 xt = xt.to(tl.float32)
