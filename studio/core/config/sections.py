@@ -167,7 +167,9 @@ class FastPathConfig:
     """Triton kernels: liger-kernel's RMSNorm, RoPE, SwiGLU and cross-entropy fused with the output
     projection (when it is installed), and Studio's own (4-bit weights dequantized in one pass, the
     LoRA update added inside SwiGLU and the residual's add, the norms' backward summing the residual
-    stream's gradient, the attention of soft-capped scores and sinks: Gemma 2, gpt-oss). False: torch
+    stream's gradient, the attention of soft-capped scores and sinks: Gemma 2, gpt-oss; a mixture of
+    experts' activation and sums, and its products reading 4-bit experts as stored where each expert
+    gets few rows). False: torch
     operations and bitsandbytes' dequantization, slower; for a card or a Triton where a kernel
     misbehaves (a kernel that fails to build is given up on anyway, with a warning)."""
 
