@@ -28,8 +28,7 @@ def _in_scope(fn: types.FunctionType, scope: dict) -> types.FunctionType:
 
 class OwnKernels:
     """The Triton kernels ``names`` of ``studio.engine.fast.<module>`` (a module that imports Triton,
-    so nothing imports it until a kernel runs; a dotted ``module`` names its full path: bench/'s
-    probes), and whether they work on this machine."""
+    so nothing imports it until a kernel runs), and whether they work on this machine."""
 
     def __init__(self, module: str, names: tuple[str, ...], what: str, fallback: str,
                  per_batch: tuple[str, ...] = (), helpers: tuple[str, ...] = ()):
@@ -67,7 +66,7 @@ class OwnKernels:
         try:
             import triton
 
-            module = importlib.import_module(self.module if "." in self.module else f"studio.engine.fast.{self.module}")
+            module = importlib.import_module(f"studio.engine.fast.{self.module}")
         except Exception:  # noqa: BLE001 - any import failure (no Triton, a broken one) means "not here"
             return None
         scope = dict(vars(module))
